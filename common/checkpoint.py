@@ -1,0 +1,489 @@
+"""Checkpoints: async save, keep the last N, resume onto any mesh, survive preemption.
+
+A run directory looks like this:
+
+    <run_dir>/config.json                the run's config; a resume must match it
+    <run_dir>/checkpoints/<step>/        one Orbax checkpoint per saved step
+    <run_dir>/checkpoints/<step>.orbax-checkpoint-tmp/   a save still in flight (or cut off)
+
+Orbax does the heavy lifting. Each process writes only the shards it holds, and a restore
+reads only the slices that the *target* shardings ask for, so a checkpoint written on one
+mesh resumes on any other (a different device count, 4x2 -> 8x1, many hosts -> one CPU).
+A save first writes into a temporary folder and renames it to `<step>/` only once every
+byte is down (on object stores, where renames are not atomic, Orbax writes a commit file
+instead); a folder still carrying the temporary suffix is never mistaken for a checkpoint,
+so a save cut off by preemption or a crash can never hide the last good one.
+
+What this module adds on top is mostly *refusal*: it will not write into a directory
+that holds someone else's files, resume a run whose model has changed, or report a save
+as done when it failed in the background. Each refusal says what is wrong and what to do.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import re
+import shutil
+import signal
+import tempfile
+import threading
+import time
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+
+# Orbax logs through absl at INFO about fifty lines per save (thread names, barrier keys,
+# byte counts). Silent by default, but the moment a trainer calls
+# `logging.basicConfig(level=INFO)` for its own progress lines they drown the training
+# log. Warnings and errors still pass (a failed background save is logged by Orbax with
+# its traceback, and we raise it as well). Only an unset level is touched, so whoever
+# configures the "absl" logger on purpose (`absl.app`, `--verbosity`) still wins.
+_absl_logger = logging.getLogger("absl")
+if _absl_logger.level == logging.NOTSET:
+    _absl_logger.setLevel(logging.WARNING)
+
+# The one item a checkpoint holds. A named item (rather than Orbax's unnamed default)
+# leaves room for siblings later (data-loader state, metrics) without a format change.
+_ITEM = "state"
+# What Orbax appends to a step folder while it is being written: `12.orbax-checkpoint-tmp`
+# (older releases add `-<timestamp>`). Mirrors orbax's private `TMP_DIR_SUFFIX`.
+_TMP_STEP = re.compile(r"^\d+\.orbax-checkpoint-tmp(-\d+)?$")
+# Orbax writes this into a step folder before any array data, so every step folder of
+# ours has it, even one whose arrays were later damaged.
+_STEP_METADATA_FILE = "_CHECKPOINT_METADATA"
+# Orbax's name for the manager-level metadata folder; it creates it only when asked to,
+# but it is Orbax's by right and must not make our own run directory look foreign.
+_ROOT_METADATA_DIR = "metadata"
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+    every: int = 100  # save every N steps (0 = only at the end / on preemption)
+    keep: int = 3  # keep the last K checkpoints
+    async_save: bool = True  # write in the background while training continues
+    restore_step: int = -1  # -1 = the latest complete checkpoint
+
+    def __post_init__(self):
+        if self.every < 0:
+            raise ValueError(f"checkpoint.every must be >= 0 (0 = only at the end), got {self.every}")
+        if self.keep < 1:
+            raise ValueError(f"checkpoint.keep must be >= 1, got {self.keep}")
+        if self.restore_step < -1:
+            raise ValueError(f"checkpoint.restore_step must be a step or -1 (latest), got {self.restore_step}")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written or read; the message says why and what to do."""
+
+
+class ConfigConflictError(ValueError):
+    """The run directory belongs to a run with a different config."""
+
+
+def _reason(e: BaseException) -> str:
+    """One readable line from an exception raised somewhere inside Orbax or TensorStore.
+
+    TensorStore appends its full JSON spec (a few kilobytes) to every message; the part
+    before it already names the file and what went wrong.
+    """
+    text = str(e).split(" [tensorstore_spec=")[0].strip() or repr(e)
+    first = text.splitlines()[0]
+    if len(first) > 400:
+        first = first[:400] + "..."
+    return f"{type(e).__name__}: {first}"
+
+
+class Checkpointer:
+    """Saves and restores one pytree (the train state) under `<run_dir>/checkpoints/`.
+
+    Every process of a multi-process run must make the same calls in the same order
+    (Orbax synchronises them with barriers): construct, `save` at the same steps,
+    `restore`, `close`.
+    """
+
+    def __init__(self, run_dir: str, cfg: CheckpointConfig):
+        self.cfg = cfg
+        self.directory = os.path.join(os.path.abspath(run_dir), "checkpoints")
+        _refuse_foreign_directory(self.directory)
+
+        registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
+        registry.add(_ITEM, ocp.args.StandardSave)
+        registry.add(_ITEM, ocp.args.StandardRestore)
+        options = ocp.CheckpointManagerOptions(
+            # We decide when to save (see `save`); Orbax only keeps the last `keep`.
+            preservation_policy=ocp.checkpoint_managers.LatestN(n=cfg.keep),
+            enable_async_checkpointing=cfg.async_save,
+            # Temporary folders left by a save that was cut off are Orbax's own; a resumed
+            # run would never read them, and for a large model each is as big as a
+            # checkpoint.
+            cleanup_tmp_directories=True,
+            create=True,
+        )
+        try:
+            self._manager = ocp.CheckpointManager(self.directory, options=options, handler_registry=registry)
+        except Exception as e:
+            raise CheckpointError(
+                f"cannot open the checkpoint directory {self.directory}: {_reason(e)}. "
+                "Fix: make sure the run directory is writable, or choose another --run-dir."
+            ) from e
+        self._in_flight: int | None = None  # step of an async save not yet known to be on disk
+        self._closed = False
+
+    # -- which steps exist ------------------------------------------------------------
+
+    def all_steps(self) -> list[int]:
+        """Steps with a complete (committed) checkpoint on disk, ascending.
+
+        Read from the directory rather than from Orbax's in-memory list: that list counts
+        a save as soon as it *starts*, so during an async save it names a step that a
+        crash would still lose.
+        """
+        name_format = ocp.path.step.standard_name_format()
+        return sorted(m.step for m in name_format.find_all(self.directory))
+
+    def latest_step(self) -> int | None:
+        steps = self.all_steps()
+        return steps[-1] if steps else None
+
+    def resume_step(self) -> int | None:
+        """The step a run should restore from: `cfg.restore_step`, else the latest; None if fresh."""
+        if self.cfg.restore_step < 0:
+            return self.latest_step()
+        steps = self.all_steps()
+        if self.cfg.restore_step not in steps:
+            raise CheckpointError(
+                f"restore_step={self.cfg.restore_step} requested, but {self.directory} has no complete "
+                f"checkpoint for it (complete: {steps or 'none'}). "
+                "Fix: pick one of those steps, or -1 for the latest."
+            )
+        return self.cfg.restore_step
+
+    # -- save ---------------------------------------------------------------------------
+
+    def save(self, step: int, state: Any, *, force: bool = False) -> bool:
+        """Saves `state` as `step` if due (or forced); returns whether it saved.
+
+        With `async_save` this returns once the arrays are copied off the accelerator, so
+        the caller may donate or overwrite `state` right away; the files are written in a
+        background thread. A failure of that background write surfaces here, at the next
+        `save`, or at `wait`/`close`: never silently.
+        """
+        if not (force or (self.cfg.every > 0 and step % self.cfg.every == 0)):
+            return False
+        # Surface a failure of the previous background save now, naming *its* step,
+        # before starting another one (Orbax would otherwise raise it from inside the
+        # next save, where it reads as if this step had failed).
+        self.wait()
+        known = self._manager.all_steps()
+        if step in known:
+            # Already on disk: nothing new to write (e.g. preempted right after resuming).
+            return False
+        if known and step < max(known):
+            raise CheckpointError(
+                f"cannot save step {step}: {self.directory} already holds a later step {max(known)}, "
+                "so this run has gone back in time (restore_step below the latest?) and keep-N would "
+                "mix two histories. Fix: continue from the latest checkpoint, or start a new --run-dir."
+            )
+        try:
+            self._manager.save(step, args=ocp.args.Composite(**{_ITEM: ocp.args.StandardSave(state)}), force=True)
+        except Exception as e:
+            raise CheckpointError(self._save_failed(step, e)) from e
+        if self.cfg.async_save:
+            self._in_flight = step
+        return True
+
+    def wait(self) -> None:
+        """Blocks until a background save is on disk; raises CheckpointError if it failed."""
+        step, self._in_flight = self._in_flight, None
+        try:
+            self._manager.wait_until_finished()
+        except Exception as e:
+            raise CheckpointError(self._save_failed(step, e, background=True)) from e
+
+    def _save_failed(self, step: int | None, e: BaseException, background: bool = False) -> str:
+        what = f"step {step}" if step is not None else "a checkpoint"
+        where = "in the background " if background else ""
+        last = self.latest_step() if os.path.isdir(self.directory) else None
+        return (
+            f"saving {what} {where}to {self.directory} failed: {_reason(e)}. "
+            f"The last complete checkpoint ({'none' if last is None else f'step {last}'}) is untouched. "
+            "Fix: check free disk space and that the directory is writable, then resume."
+        )
+
+    # -- restore ------------------------------------------------------------------------
+
+    def restore(self, step: int, abstract_state: Any) -> Any:
+        """Reads `step` into the shapes, dtypes and shardings of `abstract_state`.
+
+        `abstract_state` is a pytree of `jax.ShapeDtypeStruct(shape, dtype, sharding=...)`
+        with the structure of the saved state; the shardings may be on any mesh. Each
+        process reads only the slices its devices hold.
+        """
+        self.wait()  # an async save of this very step must land first
+        step_dir = os.path.join(self.directory, str(step))
+        steps = self.all_steps()
+        if step not in steps:
+            raise CheckpointError(
+                f"no complete checkpoint for step {step} in {self.directory} (complete: {steps or 'none'}). "
+                "Fix: restore one of those steps, or start a new --run-dir."
+            )
+
+        def corrupt(why: str) -> CheckpointError:
+            return CheckpointError(
+                f"checkpoint {step_dir} is damaged: {why}. Fix: delete that folder (or move it out of "
+                f"{self.directory}) to resume from the checkpoint before it, or restore another step."
+            )
+
+        try:
+            saved = self._manager.metadata(step).item_metadata
+            saved = saved[_ITEM] if saved is not None and _ITEM in saved else None
+        except Exception as e:
+            raise corrupt(_reason(e)) from e
+        if saved is None:
+            raise corrupt(f"its '{_ITEM}' item or that item's metadata is missing")
+
+        problems = _tree_mismatch(_flat(saved.tree), _flat(abstract_state))
+        if problems:
+            shown = problems[:20] + ([f"... and {len(problems) - 20} more"] if len(problems) > 20 else [])
+            raise CheckpointError(
+                f"checkpoint {step_dir} does not match the state being restored:\n  "
+                + "\n  ".join(shown)
+                + f"\nFix: resume with the config the run was saved with (see {os.path.dirname(self.directory)}"
+                "/config.json), or start a new --run-dir for the new model."
+            )
+
+        try:
+            restored = self._manager.restore(
+                step, args=ocp.args.Composite(**{_ITEM: ocp.args.StandardRestore(abstract_state)})
+            )
+        except Exception as e:
+            raise corrupt(_reason(e)) from e
+        return restored[_ITEM]
+
+    # -- lifetime -----------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Waits for the last save (raising if it failed) and releases Orbax's threads."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.wait()
+        finally:
+            self._manager.close()
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _refuse_foreign_directory(directory: str) -> None:
+    """Raises unless `directory` is absent, empty, or holds only what Orbax writes there.
+
+    Orbax deletes old step folders to keep the last N, and force-saving a step replaces a
+    folder of that name. Pointing a run at a directory full of someone else's files could
+    therefore destroy them; we stop before touching anything.
+    """
+    if not os.path.lexists(directory):
+        return
+    if not os.path.isdir(directory):
+        raise CheckpointError(
+            f"{directory} exists but is not a directory. "
+            "Fix: use another --run-dir, or move that file aside."
+        )
+    foreign = []
+    for name in sorted(os.listdir(directory)):
+        path = os.path.join(directory, name)
+        if os.path.isdir(path) and not os.path.islink(path):
+            if name.isdigit() and os.path.exists(os.path.join(path, _STEP_METADATA_FILE)):
+                continue  # a step folder (complete or damaged: restore tells which)
+            if _TMP_STEP.match(name) or name == _ROOT_METADATA_DIR:
+                continue
+        foreign.append(name)
+    if foreign:
+        listed = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+        raise CheckpointError(
+            f"{directory} holds files that are not checkpoints of this trainer ({listed}); "
+            "refusing to write there, as keeping the last N checkpoints deletes old folders. "
+            "Fix: use another --run-dir, or move those files aside."
+        )
+
+
+def _flat(tree: Any) -> dict[str, Any]:
+    """{"params/layers/wq": leaf} for any pytree, including Orbax's metadata trees.
+
+    Orbax stores tuples as lists and named tuples (optax states) as dicts keyed by field
+    name; jax names a list index and a tuple index alike, and a named-tuple field by its
+    name, so a saved tree and the live one flatten to the same keys.
+    """
+    leaves, _ = jax.tree_util.tree_flatten_with_path(tree)
+    return {jax.tree_util.keystr(path, simple=True, separator="/"): leaf for path, leaf in leaves}
+
+
+def _tree_mismatch(saved: dict[str, Any], wanted: dict[str, Any]) -> list[str]:
+    problems = []
+    for key in sorted(wanted.keys() - saved.keys()):
+        problems.append(f"{key}: expected, but not in the checkpoint")
+    for key in sorted(saved.keys() - wanted.keys()):
+        problems.append(f"{key}: in the checkpoint, but not expected")
+    for key in sorted(saved.keys() & wanted.keys()):
+        s, w = saved[key], wanted[key]
+        s_shape, w_shape = getattr(s, "shape", None), getattr(w, "shape", None)
+        if s_shape is not None and w_shape is not None and tuple(s_shape) != tuple(w_shape):
+            problems.append(f"{key}: shape {tuple(s_shape)} in checkpoint, {tuple(w_shape)} expected")
+            continue
+        # A dtype change would be cast silently on read; for a resume it means the config
+        # changed (say, float32 master weights became bfloat16), which we refuse.
+        s_dtype, w_dtype = getattr(s, "dtype", None), getattr(w, "dtype", None)
+        if s_dtype is not None and w_dtype is not None and str(s_dtype) != str(w_dtype):
+            problems.append(f"{key}: dtype {s_dtype} in checkpoint, {w_dtype} expected")
+    return problems
+
+
+# -- the run's config ---------------------------------------------------------------------
+
+
+def _flatten_config(config: dict, prefix: str = "") -> dict[str, Any]:
+    flat = {}
+    for key, value in config.items():
+        dotted = f"{prefix}{key}"
+        if isinstance(value, dict):
+            flat.update(_flatten_config(value, dotted + "."))
+        else:
+            flat[dotted] = value
+    return flat
+
+
+def _write_json_atomically(path: str, obj: Any) -> None:
+    # A unique temporary name per writer: several processes of one run may write the
+    # same file at once, and each rename is atomic, so a reader sees one whole version.
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".config.", suffix=".json.tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(obj, f, indent=2, sort_keys=True)
+            f.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+
+
+def check_run_config(run_dir: str, config: dict, may_change: frozenset[str] = frozenset()) -> None:
+    """Records the run's config on the first start and refuses a resume that changes it.
+
+    `may_change` names dotted keys or prefixes ("train.steps", "mesh") that a resume may
+    change: the step budget, the mesh (checkpoints reshard), logging. Anything else, such
+    as the model's shape or the data, would silently make the resumed run a different
+    experiment.
+    """
+    # Round-trip through JSON so that the live config compares as it will read back
+    # (tuples become lists; values JSON cannot hold are recorded by their str()).
+    now = json.loads(json.dumps(config, default=str))
+    os.makedirs(run_dir, exist_ok=True)
+    path = os.path.join(run_dir, "config.json")
+    if not os.path.exists(path):
+        _write_json_atomically(path, now)
+        return
+    try:
+        with open(path) as f:
+            saved = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ConfigConflictError(
+            f"{path} cannot be read as JSON ({e}). Fix: repair or remove it, or choose a new --run-dir."
+        ) from e
+    if not isinstance(saved, dict):
+        raise ConfigConflictError(f"{path} does not hold a config (a JSON object). Fix: choose a new --run-dir.")
+
+    def allowed(key: str) -> bool:
+        return any(key == p or key.startswith(p + ".") for p in may_change)
+
+    old, new = _flatten_config(saved), _flatten_config(now)
+    missing = "(absent)"
+    changed = sorted(k for k in old.keys() | new.keys() if old.get(k, missing) != new.get(k, missing))
+    conflicts = [k for k in changed if not allowed(k)]
+    if conflicts:
+
+        def show(v: Any) -> str:
+            return v if v is missing else json.dumps(v)
+
+        lines = [f"{k}: {show(old.get(k, missing))} (saved) -> {show(new.get(k, missing))} (now)" for k in conflicts]
+        raise ConfigConflictError(
+            f"{run_dir} belongs to a run with a different config:\n  "
+            + "\n  ".join(lines)
+            + "\nFix: pass the same flags to resume this run, or choose a new --run-dir."
+        )
+    if changed:
+        # Keep the old file: the run's history (which steps ran with which budget or mesh)
+        # lives only there.
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        backup = os.path.join(run_dir, f"config.{stamp}.json")
+        n = 1
+        while os.path.exists(backup):
+            backup = os.path.join(run_dir, f"config.{stamp}-{n}.json")
+            n += 1
+        shutil.copy2(path, backup)
+        _write_json_atomically(path, now)
+
+
+# -- preemption ---------------------------------------------------------------------------
+
+
+class PreemptionGuard:
+    """Turns SIGTERM (what schedulers send before preempting) into a flag.
+
+        with PreemptionGuard() as guard:
+            for step in ...:
+                state = train_step(state, batch)
+                if guard.requested:
+                    ckpt.save(step, state, force=True)
+                    break
+
+    The handler does nothing but set the flag: the loop saves at the next step
+    boundary, where the state is whole, and exits normally. Python runs signal handlers
+    only in the main thread and lets only the main thread install them; elsewhere the
+    guard installs nothing and simply never requests.
+
+    In a multi-process run the signal reaches processes at different steps, while saving
+    is collective: combine the flag across processes before acting on it.
+    """
+
+    def __init__(self, signum: int = signal.SIGTERM):
+        self._signum = signum
+        self._requested = threading.Event()
+        self._previous: Any = None
+        self._installed = False
+
+    @property
+    def requested(self) -> bool:
+        return self._requested.is_set()
+
+    def request(self) -> None:
+        """Asks for a stop as SIGTERM would (for tests, or a stop file checked by the loop)."""
+        self._requested.set()
+
+    def _handle(self, signum, frame) -> None:
+        self._requested.set()
+
+    def __enter__(self) -> PreemptionGuard:
+        if threading.current_thread() is threading.main_thread():
+            try:
+                self._previous = signal.signal(self._signum, self._handle)
+                self._installed = True
+            except ValueError:
+                pass  # main thread of a sub-interpreter: signals are not ours to take
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._installed:
+            # `None` means the previous handler was installed from C, and Python cannot
+            # reinstall it; the default action (terminate) is the honest fallback.
+            previous = signal.SIG_DFL if self._previous is None else self._previous
+            signal.signal(self._signum, previous)
+            self._installed = False

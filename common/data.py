@@ -1,0 +1,639 @@
+"""Data: a sentencepiece tokenizer, flat token files, and batches that are a pure function of
+(seed, step).
+
+A prepared data folder holds
+
+    tokenizer.model          sentencepiece model
+    train.bin, eval.bin      every document's token ids followed by EOS, concatenated:
+                             a flat little-endian uint16 array (uint32 when vocab > 65536)
+    train.json, eval.json    sidecars: tokenizer, vocab_size, dtype, num_tokens, num_documents,
+                             eos_id, bos_id
+
+and is made from the user's text by `python -m common.data prepare --input ... --out ...`.
+With no folder given, the trainers use the embedded corpus: the Python standard library's own
+source, present on every machine, tokenized once and cached.
+
+A batch row is a window of seq_len + 1 tokens at a start drawn from
+np.random.default_rng([seed, step]). Nothing else enters, so resuming at step k needs no
+iterator state, and every process computes the same starts and reads only the rows that its
+own devices hold.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import io
+import json
+import os
+import shutil
+import sys
+import sysconfig
+import time
+import uuid
+from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Iterator
+from typing import Annotated
+
+import jax
+import numpy as np
+import sentencepiece as spm
+import tyro
+
+DEFAULT_CACHE_DIR = "~/.cache/jax_trainers"
+CACHE_ENV = "JAX_TRAINERS_CACHE"
+
+# The embedded corpus is capped so that the first run on a laptop prepares in seconds; the
+# stdlib of CPython 3.11/3.12 is ~11 MB of .py, so today the cap only guards future versions.
+STDLIB_MAX_BYTES = 16_000_000
+STDLIB_SKIP_DIRS = frozenset({"site-packages", "test", "tests", "idlelib", "lib2to3"})
+# 2% of ~550 files is ~11 whole files, 40k-110k tokens: varied enough for a steady eval loss.
+_STDLIB_EVAL_FRACTION = 0.02
+# Bump when anything that changes the embedded corpus's tokens changes, so that stale caches
+# are not reused.
+_RECIPE = 1
+
+# The tokenizer is trained on a deterministic sample of at most this much text. BPE on 8 MB
+# of code takes about a second; more text barely changes the merges.
+TOKENIZER_SAMPLE_CHARS = 8_000_000
+# Training sentences are runs of whole lines of about this many characters. Sentencepiece
+# keeps newlines that sit inside a sentence given through `sentence_iterator`, so pieces can
+# span a line end (":\n") and indentation is learned as it appears in real files.
+_CHUNK_CHARS = 2048
+
+PREPARED_FILES = ("tokenizer.model", "train.json", "train.bin", "eval.json", "eval.bin")
+TEXT_SUFFIXES = (".txt", ".md", ".py")
+JSONL_SUFFIXES = (".jsonl", ".json")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    path: str = ""
+    """A folder made by `python -m common.data prepare`; "" = the embedded stdlib corpus."""
+    cache_dir: str = DEFAULT_CACHE_DIR
+    """Where the embedded corpus is cached; env JAX_TRAINERS_CACHE overrides the default."""
+    vocab_size: int = 4096
+    """Vocabulary of the tokenizer trained on the embedded corpus."""
+    seed: int = 0
+    """Batch order seed."""
+
+
+@dataclass
+class Dataset:
+    train: np.ndarray = field(repr=False)
+    eval: np.ndarray = field(repr=False)
+    vocab_size: int
+    tokenizer_path: str
+
+    @functools.cached_property
+    def _sp(self) -> spm.SentencePieceProcessor:
+        return spm.SentencePieceProcessor(model_file=self.tokenizer_path)
+
+    @property
+    def eos_id(self) -> int:
+        return self._sp.eos_id()
+
+    @property
+    def bos_id(self) -> int:
+        return self._sp.bos_id()
+
+    def encode(self, text: str) -> list[int]:
+        return self._sp.encode(text)
+
+    def decode(self, ids) -> str:
+        return self._sp.decode([int(i) for i in np.asarray(ids).reshape(-1)])
+
+
+# ----------------------------------------------------------------------------------------------
+# Batches
+
+
+def batch_starts(num_tokens: int, *, seed: int, step: int, batch_size: int,
+                 seq_len: int) -> np.ndarray:
+    """Where each row of the global batch for (seed, step) starts in the token array.
+
+    Every process draws all batch_size starts (a few integers), so a row's content never
+    depends on how the batch is split over processes or devices.
+    """
+    window = seq_len + 1
+    if seq_len < 1 or batch_size < 1:
+        raise ValueError(f"batch_size ({batch_size}) and seq_len ({seq_len}) must be >= 1")
+    if seed < 0 or step < 0:
+        raise ValueError(f"seed ({seed}) and step ({step}) must be >= 0")
+    if num_tokens < window + 1:
+        raise ValueError(
+            f"the token array has {num_tokens} tokens, too few for windows of seq_len + 1 = "
+            f"{window} tokens (at least seq_len + 2 = {window + 1} are needed); use a shorter "
+            f"sequence length or more data (the eval split is eval_fraction of the documents)")
+    return np.random.default_rng([seed, step]).integers(0, num_tokens - window + 1,
+                                                        size=batch_size)
+
+
+def batch_rows(tokens: np.ndarray, *, seed: int, step: int, batch_size: int, seq_len: int,
+               rows: slice = slice(None)) -> np.ndarray:
+    """Rows `rows` of the global batch for (seed, step): int32 [len(rows), seq_len + 1]."""
+    starts = batch_starts(len(tokens), seed=seed, step=step, batch_size=batch_size,
+                          seq_len=seq_len)
+    return _windows(tokens, starts[rows], seq_len + 1)
+
+
+def _windows(tokens: np.ndarray, starts: np.ndarray, window: int) -> np.ndarray:
+    out = np.empty((len(starts), window), np.int32)
+    for i, s in enumerate(starts):  # contiguous slices: a memmap reads only these pages
+        out[i] = tokens[s:s + window]
+    return out
+
+
+def get_batch(tokens: np.ndarray, *, seed: int, step: int, batch_size: int, seq_len: int,
+              sharding: jax.sharding.Sharding) -> jax.Array:
+    """The global batch for (seed, step): int32 [batch_size, seq_len + 1], laid out by
+    `sharding`. Inputs are [:, :-1], targets [:, 1:].
+
+    Each process builds only the shards of its addressable devices, so no host ever holds the
+    global batch. Devices that hold the same rows (replicas over "tensor", say) share one
+    read.
+    """
+    starts = batch_starts(len(tokens), seed=seed, step=step, batch_size=batch_size,
+                          seq_len=seq_len)
+    built: dict[tuple, np.ndarray] = {}
+
+    def shard(index) -> np.ndarray:
+        rows, cols = (slice(None), slice(None)) if index is None else tuple(index)
+        key = (rows.start, rows.stop, rows.step, cols.start, cols.stop, cols.step)
+        if key not in built:
+            built[key] = _windows(tokens, starts[rows], seq_len + 1)[:, cols]
+        return built[key]
+
+    return jax.make_array_from_callback((batch_size, seq_len + 1), sharding, shard,
+                                        dtype=np.int32)
+
+
+# ----------------------------------------------------------------------------------------------
+# Loading
+
+
+def load_dataset(cfg: DataConfig) -> Dataset:
+    if cfg.path:
+        return _load_prepared(cfg.path)
+    return _load_prepared(_stdlib_corpus(_cache_root(cfg.cache_dir), vocab_size=cfg.vocab_size))
+
+
+def _cache_root(cache_dir: str) -> str:
+    # A flag beats the environment, the environment beats the default.
+    if cache_dir == DEFAULT_CACHE_DIR and os.environ.get(CACHE_ENV):
+        cache_dir = os.environ[CACHE_ENV]
+    return os.path.expanduser(cache_dir)
+
+
+def _missing(path: str, what: str) -> FileNotFoundError:
+    return FileNotFoundError(
+        f"--data.path {path!r}: {what}. A data folder is made from your text files with\n"
+        f"    python -m common.data prepare --input <files or folders> --out {path}\n"
+        f"or leave --data.path empty to train on the embedded corpus (the Python stdlib).")
+
+
+def _load_prepared(path: str) -> Dataset:
+    if not os.path.isdir(path):
+        raise _missing(path, "no such folder")
+    for name in PREPARED_FILES:
+        if not os.path.isfile(os.path.join(path, name)):
+            raise _missing(path, f"{name} is missing, so this is not a prepared data folder")
+    metas, splits = {}, {}
+    for split in ("train", "eval"):
+        with open(os.path.join(path, f"{split}.json")) as f:
+            metas[split] = json.load(f)
+        splits[split] = _map_tokens(os.path.join(path, f"{split}.bin"), metas[split])
+    tokenizer_path = os.path.join(path, metas["train"]["tokenizer"])
+    vocab_size = spm.SentencePieceProcessor(model_file=tokenizer_path).get_piece_size()
+    # Token files from one tokenizer read with another would train without complaint on
+    # garbage; the sidecars make the mismatch visible.
+    for split, meta in metas.items():
+        if meta["vocab_size"] != vocab_size:
+            raise ValueError(f"--data.path {path!r}: {split}.bin was written with a "
+                             f"{meta['vocab_size']}-piece tokenizer but {tokenizer_path} has "
+                             f"{vocab_size} pieces; prepare the folder again")
+    return Dataset(train=splits["train"], eval=splits["eval"], vocab_size=vocab_size,
+                   tokenizer_path=tokenizer_path)
+
+
+def _map_tokens(bin_path: str, meta: dict) -> np.ndarray:
+    dtype = np.dtype({"uint16": "<u2", "uint32": "<u4"}[meta["dtype"]])
+    n = meta["num_tokens"]
+    size = os.path.getsize(bin_path)
+    if size != n * dtype.itemsize:
+        raise ValueError(f"{bin_path} holds {size} bytes but its sidecar promises {n} "
+                         f"{meta['dtype']} tokens ({n * dtype.itemsize} bytes): the file is "
+                         f"truncated or stale; prepare the folder again")
+    if n == 0:  # mmap cannot map an empty file
+        return np.zeros(0, dtype)
+    # A memmap: only the pages that batches touch are ever read.
+    return np.memmap(bin_path, dtype=dtype, mode="r", shape=(n,))
+
+
+# ----------------------------------------------------------------------------------------------
+# The embedded corpus
+
+
+def _stdlib_files(max_bytes: int) -> list[str]:
+    root = sysconfig.get_paths()["stdlib"]
+    found = []
+    for folder, subdirs, files in os.walk(root):
+        subdirs[:] = [d for d in subdirs if d not in STDLIB_SKIP_DIRS]
+        found += [os.path.relpath(os.path.join(folder, f), root) for f in files
+                  if f.endswith(".py")]
+    chosen, total = [], 0
+    # Sorted relative paths with "/" separators: the same list on every machine that has the
+    # same Python, which matters when each host of a multi-host run builds its own cache.
+    for rel in sorted(found, key=lambda p: p.replace(os.sep, "/")):
+        size = os.path.getsize(os.path.join(root, rel))
+        if total + size > max_bytes:
+            break
+        chosen.append(os.path.join(root, rel))
+        total += size
+    return chosen
+
+
+def _stdlib_corpus(cache_root: str, *, vocab_size: int, max_bytes: int | None = None) -> str:
+    """The prepared folder of the embedded corpus, built on first use. Returns its path.
+    `max_bytes` (default STDLIB_MAX_BYTES) lets tests build a tiny one."""
+    v = sys.version_info
+    tag = f"stdlib-vocab{vocab_size}-r{_RECIPE}"
+    if max_bytes is None:
+        max_bytes = STDLIB_MAX_BYTES
+    else:
+        tag += f"-max{max_bytes}"
+    final = os.path.join(cache_root, f"py{v.major}.{v.minor}.{v.micro}", tag)
+    if os.path.isfile(os.path.join(final, "eval.json")):
+        return final
+    files = _stdlib_files(max_bytes)
+    os.makedirs(os.path.dirname(final), exist_ok=True)
+    t0 = time.perf_counter()
+    tmp = _fresh_dir(final)
+    try:
+        # errors="replace": a distribution's odd file must not stop the default run.
+        _write_prepared(tmp, lambda: _documents(files, "text", errors="replace"),
+                        label="stdlib source",
+                        tokenizer="", vocab_size=vocab_size, eval_fraction=_STDLIB_EVAL_FRACTION,
+                        seed=0)
+        # Several processes may build at once (all hosts of a run, or two runs): each builds
+        # in its own temporary folder, the first rename wins and the others use its result.
+        _publish(tmp, final)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    print(f"data: embedded corpus ready in {final} ({time.perf_counter() - t0:.1f} s)",
+          flush=True)
+    return final
+
+
+def _fresh_dir(final: str) -> str:
+    """A new hidden folder beside `final`, unique to this call, to be renamed onto it."""
+    parent, name = os.path.split(final)
+    tmp = os.path.join(parent, f".{name}.tmp-{os.getpid()}-{uuid.uuid4().hex}")
+    os.mkdir(tmp)  # unlike tempfile.mkdtemp's 0700, honours the umask: others may read it
+    return tmp
+
+
+def _publish(tmp: str, final: str) -> bool:
+    """Atomically move the finished folder `tmp` to `final`; False if `final` is taken."""
+    try:
+        os.replace(tmp, final)  # rename(2) succeeds onto a missing or empty folder only
+        return True
+    except OSError:
+        if os.path.isdir(final) and os.listdir(final):
+            return False
+        raise
+
+
+# ----------------------------------------------------------------------------------------------
+# Preparing a data folder from the user's text
+
+
+def prepare(inputs: list[str], out: str, *, tokenizer: str = "", vocab_size: int = 4096,
+            eval_fraction: float = 0.01, jsonl_field: str = "text", seed: int = 0) -> str:
+    """Tokenize text files, folders and JSONL into the prepared folder `out`; returns `out`.
+
+    Text files (.txt, .md, .py, or any file named directly) are one document each; a JSONL
+    file (.jsonl, .json: one object per line) gives one document per line, its text in
+    `jsonl_field`. Folders are searched recursively for those suffixes. Documents are split
+    into train and eval by a shuffle with `seed`; a single document is split by tokens.
+    `tokenizer` reuses a sentencepiece model instead of training one on the inputs.
+    """
+    if not 0.0 < eval_fraction < 1.0:
+        raise ValueError(f"--eval-fraction {eval_fraction}: must be strictly between 0 and 1")
+    if tokenizer and not os.path.isfile(tokenizer):
+        raise FileNotFoundError(f"--tokenizer {tokenizer!r}: no such file; give a "
+                                f"sentencepiece .model file, or leave it out to train one")
+    _check_out_is_free(out)
+    files = _expand_inputs(inputs)
+    parent = os.path.dirname(os.path.abspath(out))
+    os.makedirs(parent, exist_ok=True)
+    tmp = _fresh_dir(os.path.abspath(out))
+    try:
+        _write_prepared(tmp, lambda: _documents(files, jsonl_field), label="input text",
+                        tokenizer=tokenizer, vocab_size=vocab_size,
+                        eval_fraction=eval_fraction, seed=seed)
+        if not _publish(tmp, out):
+            _check_out_is_free(out)  # someone filled `out` while we worked: say so
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def _check_out_is_free(out: str) -> None:
+    if os.path.exists(out) and not (os.path.isdir(out) and not os.listdir(out)):
+        raise ValueError(f"--out {out!r} already exists and is not an empty folder; prepare "
+                         f"never overwrites data: pick another --out, or delete {out} first")
+
+
+def _expand_inputs(inputs: Iterable[str]) -> list[str]:
+    inputs = list(inputs)
+    if not inputs:
+        raise ValueError("no --input given: name text files, JSONL files or folders")
+    files, seen = [], set()
+    for path in inputs:
+        if os.path.isdir(path):
+            found = []
+            for folder, subdirs, names in os.walk(path):
+                subdirs[:] = [d for d in subdirs if not d.startswith(".")]
+                found += [os.path.join(folder, n) for n in names if not n.startswith(".")
+                          and n.endswith(TEXT_SUFFIXES + JSONL_SUFFIXES)]
+            candidates = sorted(found)
+        elif os.path.isfile(path):
+            candidates = [path]  # named directly: read whatever its suffix
+        else:
+            raise FileNotFoundError(f"--input {path!r}: no such file or folder")
+        for f in candidates:
+            if os.path.realpath(f) not in seen:
+                seen.add(os.path.realpath(f))
+                files.append(f)
+    return files
+
+
+def _documents(files: list[str], jsonl_field: str, errors: str = "strict") -> Iterator[str]:
+    """Every non-empty document of `files`, in order. Text is kept byte for byte (newline=""
+    keeps "\r\n"): the model sees what the user gave."""
+    for path in files:
+        try:
+            if path.endswith(JSONL_SUFFIXES):
+                yield from _jsonl_documents(path, jsonl_field)
+                continue
+            with open(path, encoding="utf-8", errors=errors, newline="") as f:
+                text = f.read()
+        except UnicodeDecodeError as e:
+            raise ValueError(f"--input {path!r} is not UTF-8 text ({e.reason} at byte "
+                             f"{e.start}); convert it first, e.g. iconv -t utf-8") from None
+        if text:
+            yield text
+
+
+def _jsonl_documents(path: str, jsonl_field: str) -> Iterator[str]:
+    with open(path, encoding="utf-8") as f:
+        for line_no, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}, line {line_no}: not valid JSON ({e.msg}); a JSONL "
+                                 f"file holds one JSON object per line") from None
+            if not isinstance(obj, dict) or jsonl_field not in obj:
+                raise ValueError(f"{path}, line {line_no}: no field {jsonl_field!r} in this "
+                                 f"line's object; name the field that holds the text with "
+                                 f"--jsonl-field")
+            text = obj[jsonl_field]
+            if not isinstance(text, str):
+                raise ValueError(f"{path}, line {line_no}: field {jsonl_field!r} holds "
+                                 f"{type(text).__name__}, not a string; name the field that "
+                                 f"holds the text with --jsonl-field")
+            if text:
+                yield text
+
+
+@contextlib.contextmanager
+def _timed(what: str):
+    t0 = time.perf_counter()
+    print(f"data: {what} ...", end="", flush=True)
+    try:
+        yield
+    except BaseException:
+        print(" failed", flush=True)
+        raise
+    print(f" {time.perf_counter() - t0:.1f} s", flush=True)
+
+
+def _write_prepared(folder: str, documents: Callable[[], Iterator[str]], *, label: str,
+                    tokenizer: str, vocab_size: int, eval_fraction: float, seed: int) -> None:
+    """Fill the empty `folder`. `documents()` is read twice: once to count the documents and
+    sample the tokenizer's training text, once to tokenize, so memory stays bounded."""
+    with _timed(f"reading {label}"):
+        num_docs, num_chars, sample = 0, 0, _Reservoir(TOKENIZER_SAMPLE_CHARS, seed)
+        for text in documents():
+            num_docs += 1
+            num_chars += len(text)
+            if not tokenizer:
+                sample.add_document(text)
+    if num_docs == 0:
+        raise ValueError(f"no text found in the {label}: files must be UTF-8 "
+                         f"{'/'.join(TEXT_SUFFIXES)} or JSON Lines "
+                         f"{'/'.join(JSONL_SUFFIXES)} with the text in --jsonl-field")
+    model_path = os.path.join(folder, "tokenizer.model")
+    if tokenizer:
+        shutil.copyfile(tokenizer, model_path)
+    else:
+        mb = sum(len(c) for c in sample.chunks) / 1e6
+        with _timed(f"training tokenizer on {mb:.1f} MB of {label}"):
+            _train_tokenizer(sample.chunks, model_path, vocab_size)
+    try:
+        sp = spm.SentencePieceProcessor(model_file=model_path)
+    except (OSError, RuntimeError) as e:
+        raise ValueError(f"--tokenizer {tokenizer!r} is not a sentencepiece model ({e})") from None
+    if sp.eos_id() < 0:
+        raise ValueError(f"--tokenizer {tokenizer!r} defines no EOS piece, which separates "
+                         f"documents; use a model trained with eos_id >= 0")
+    vocab = sp.get_piece_size()
+    if not tokenizer and vocab < vocab_size:
+        print(f"data: the text supports only {vocab} pieces, so the vocabulary is {vocab}, "
+              f"not {vocab_size}", flush=True)
+    dtype = np.dtype("<u2" if vocab <= 1 << 16 else "<u4")
+
+    # Eval documents: a seeded shuffle picks them; train keeps the input order.
+    n_eval = min(num_docs - 1, max(1, round(eval_fraction * num_docs)))
+    is_eval = np.zeros(num_docs, bool)
+    is_eval[np.random.default_rng(seed).permutation(num_docs)[:n_eval]] = True
+
+    counts = {"train": [0, 0], "eval": [0, 0]}  # tokens, documents
+    with _timed(f"tokenizing {_count(num_docs, 'document')} ({num_chars / 1e6:.1f} MB)"), \
+            open(os.path.join(folder, "train.bin"), "wb") as train_f, \
+            open(os.path.join(folder, "eval.bin"), "wb") as eval_f:
+        out = {"train": train_f, "eval": eval_f}
+        for first, texts in _batches(documents(), max_docs=1024, max_chars=8_000_000):
+            for i, ids in enumerate(sp.encode(texts, num_threads=os.cpu_count() or 1), first):
+                ids.append(sp.eos_id())
+                tokens = np.asarray(ids, dtype)
+                if num_docs == 1:  # nothing to shuffle: the document's tail is the eval set
+                    held_out = min(len(tokens) - 1, max(1, round(eval_fraction * len(tokens))))
+                    cut = len(tokens) - held_out
+                    parts = {"train": tokens[:cut], "eval": tokens[cut:]}
+                else:
+                    parts = {"eval" if is_eval[i] else "train": tokens}
+                for split, part in parts.items():
+                    part.tofile(out[split])
+                    counts[split][0] += len(part)
+                    counts[split][1] += 1
+    for split, (n_tokens, n_docs) in counts.items():
+        meta = {"tokenizer": "tokenizer.model", "vocab_size": vocab, "dtype": dtype.name,
+                "num_tokens": n_tokens, "num_documents": n_docs, "eos_id": sp.eos_id(),
+                "bos_id": sp.bos_id()}
+        with open(os.path.join(folder, f"{split}.json"), "w") as f:
+            json.dump(meta, f, indent=1)
+    print(f"data: {counts['train'][0]:,} train tokens ({_count(counts['train'][1], 'document')}), "
+          f"{counts['eval'][0]:,} eval tokens ({_count(counts['eval'][1], 'document')}), "
+          f"vocabulary {vocab}, {num_chars / max(1, sum(c[0] for c in counts.values())):.2f} "
+          f"characters per token", flush=True)
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n:,} {noun}{'' if n == 1 else 's'}"
+
+
+def _batches(docs: Iterator[str], *, max_docs: int, max_chars: int):
+    """(index of the first document, list of texts), bounded in count and size."""
+    first, texts, chars = 0, [], 0
+    for text in docs:
+        texts.append(text)
+        chars += len(text)
+        if len(texts) >= max_docs or chars >= max_chars:
+            yield first, texts
+            first, texts, chars = first + len(texts), [], 0
+    if texts:
+        yield first, texts
+
+
+class _Reservoir:
+    """A uniform sample of ~`max_chars` of text, in chunks of whole lines (reservoir
+    sampling with a seeded generator: the same input gives the same sample)."""
+
+    def __init__(self, max_chars: int, seed: int):
+        self.capacity = max(1, max_chars // _CHUNK_CHARS)
+        self.rng = np.random.default_rng(seed)
+        self.chunks: list[str] = []
+        self.seen = 0
+
+    def add_document(self, text: str) -> None:
+        for chunk in _chunks(text):
+            if len(self.chunks) < self.capacity:
+                self.chunks.append(chunk)
+            else:
+                j = int(self.rng.integers(0, self.seen + 1))
+                if j < self.capacity:
+                    self.chunks[j] = chunk
+            self.seen += 1
+
+
+def _chunks(text: str) -> Iterator[str]:
+    """Runs of whole lines of about _CHUNK_CHARS characters; an overlong line is cut."""
+    run, size = [], 0
+    for line in text.splitlines(keepends=True):
+        while len(line) > _CHUNK_CHARS:  # prose in JSONL often has no newline at all
+            yield line[:_CHUNK_CHARS]
+            line = line[_CHUNK_CHARS:]
+        run.append(line)
+        size += len(line)
+        if size >= _CHUNK_CHARS:
+            yield "".join(run)
+            run, size = [], 0
+    if run:
+        yield "".join(run)
+
+
+def _train_tokenizer(sentences: list[str], model_path: str, vocab_size: int) -> None:
+    model = io.BytesIO()
+    try:
+        _sentencepiece_train(sentences, model, vocab_size)
+    except RuntimeError as e:  # its messages start with a C++ source location
+        # and may end with advice about its own flags, which are not ours.
+        reason = str(e).rsplit("] ", 1)[-1].split(" Increase vocab_size")[0].strip()
+        raise ValueError(f"--vocab-size {vocab_size}: sentencepiece cannot train this "
+                         f"tokenizer ({reason}); pick a larger --vocab-size, or reuse a "
+                         f"model with --tokenizer") from None
+    with open(model_path, "wb") as f:
+        f.write(model.getvalue())
+
+
+def _sentencepiece_train(sentences: list[str], model: io.BytesIO, vocab_size: int) -> None:
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(sentences),
+        model_writer=model,
+        vocab_size=vocab_size,
+        # BPE, not unigram: its merges do not depend on num_threads (unigram's EM does), so
+        # hosts with different core counts that each build the embedded corpus agree on it.
+        model_type="bpe",
+        hard_vocab_limit=False,  # a small text gets a smaller vocabulary, not an error
+        byte_fallback=True,  # any text round-trips: unseen characters become UTF-8 bytes
+        split_digits=True,
+        character_coverage=0.9995,
+        # Code must survive: no NFKC, no whitespace folding, runs of spaces are pieces, and
+        # no dummy "▁" before each text, so encode(a + b) ≈ encode(a) + encode(b) and
+        # decoding a window that spans two documents gives back their text.
+        normalization_rule_name="identity",
+        remove_extra_whitespaces=False,
+        allow_whitespace_only_pieces=True,
+        add_dummy_prefix=False,
+        # In bytes: a chunk is under 2 * _CHUNK_CHARS characters of at most 4 bytes each.
+        max_sentence_length=8 * _CHUNK_CHARS,
+        # We sampled already (deterministically); sentencepiece must use it all, in order.
+        input_sentence_size=0,
+        shuffle_input_sentence=False,
+        num_threads=os.cpu_count() or 1,
+        pad_id=-1, unk_id=0, bos_id=1, eos_id=2,
+        minloglevel=2,  # its training log is long; we print one line of our own
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# Command line
+
+
+def _prepare_cli(
+    inputs: Annotated[list[str], tyro.conf.arg(name="input")],
+    out: str,
+    tokenizer: str = "",
+    vocab_size: int = 4096,
+    eval_fraction: float = 0.01,
+    jsonl_field: str = "text",
+    seed: int = 0,
+) -> None:
+    """Tokenize text files, folders and JSONL into a data folder for --data.path.
+
+    Args:
+        inputs: Files and folders. A text file (.txt .md .py) is a document; so is a JSONL line.
+        out: The data folder to create; it must not exist or be empty.
+        tokenizer: A sentencepiece .model to reuse; by default one is trained on the inputs.
+        vocab_size: Vocabulary of the tokenizer trained on the inputs.
+        eval_fraction: Fraction of the documents held out for evaluation.
+        jsonl_field: The JSONL field that holds the text.
+        seed: Seed of the train/eval split and of the tokenizer's training sample.
+    """
+    try:
+        prepare(inputs, out, tokenizer=tokenizer, vocab_size=vocab_size,
+                eval_fraction=eval_fraction, jsonl_field=jsonl_field, seed=seed)
+    except (FileNotFoundError, ValueError) as e:
+        raise SystemExit(f"error: {e}") from None
+    print(f"wrote {out}:")
+    for name in PREPARED_FILES:
+        path = os.path.join(out, name)
+        line = f"  {name:16s} {os.path.getsize(path) / 1e6:10.2f} MB"
+        if name.endswith(".json"):
+            with open(path) as f:
+                meta = json.load(f)
+            line += (f"  {meta['num_tokens']:,} {meta['dtype']} tokens, "
+                     f"{meta['num_documents']:,} documents")
+        print(line)
+
+
+def main(args: list[str] | None = None) -> None:
+    tyro.extras.subcommand_cli_from_dict({"prepare": _prepare_cli}, prog="python -m common.data",
+                                         args=args)
+
+
+if __name__ == "__main__":
+    main()

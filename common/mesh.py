@@ -1,0 +1,125 @@
+"""Device mesh: four named axes, each with a size inside a slice (ici) and across slices (dcn).
+
+| axis   | shards                                        |
+| ------ | --------------------------------------------- |
+| data   | the batch (pure data parallel)                |
+| fsdp   | the batch and the model dimension of weights  |
+| tensor | heads, MLP hidden, vocabulary                 |
+| expert | experts and the batch (MoE only)              |
+
+The mesh is validated against the device count before anything is compiled, so a wrong
+launch fails in a second with the flag to change, not after minutes of compilation.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import jax
+import numpy as np
+from jax.experimental import mesh_utils
+from jax.sharding import AxisType, Mesh
+
+AXES = ("data", "fsdp", "tensor", "expert")
+BATCH_AXES = ("data", "fsdp")  # the batch dimension is split over these (plus "expert" in MoE)
+
+
+class MeshError(ValueError):
+    """A mesh that cannot be built on the devices at hand; the message names the flag."""
+
+
+@dataclass(frozen=True)
+class MeshConfig:
+    """Axis sizes. ICI: inside one slice (fast links). DCN: across slices (data-centre network).
+
+    One ici size may be -1: it takes whatever the device count leaves. The product of all
+    sizes must equal the number of devices.
+    """
+
+    data: int = 1
+    fsdp: int = -1
+    tensor: int = 1
+    expert: int = 1
+    dcn_data: int = 1
+    dcn_fsdp: int = 1
+    dcn_tensor: int = 1
+    dcn_expert: int = 1
+
+    def ici(self) -> tuple[int, ...]:
+        return tuple(getattr(self, a) for a in AXES)
+
+    def dcn(self) -> tuple[int, ...]:
+        return tuple(getattr(self, "dcn_" + a) for a in AXES)
+
+
+def _flags(names, sizes) -> str:
+    return " x ".join(f"--mesh.{n.replace('_', '-')} {s}" for n, s in zip(names, sizes))
+
+
+def resolve(cfg: MeshConfig, n_devices: int, n_slices: int = 1) -> MeshConfig:
+    """Fill the -1 and check every product; returns a config with concrete sizes."""
+    ici, dcn = list(cfg.ici()), list(cfg.dcn())
+    for name, v in zip(AXES + tuple("dcn_" + a for a in AXES), ici + dcn):
+        if v == 0 or v < -1:
+            raise MeshError(f"--mesh.{name.replace('_', '-')} {v}: an axis size is a positive "
+                            "integer, or -1 for 'whatever is left'.")
+    if -1 in dcn:
+        raise MeshError("dcn sizes cannot be -1: give --mesh.dcn-* explicitly (their product is "
+                        f"the number of slices, {n_slices} here).")
+    n_dcn = math.prod(dcn)
+    if n_dcn != n_slices:
+        raise MeshError(f"{_flags(['dcn_' + a for a in AXES], dcn)} = {n_dcn} slices, but this "
+                        f"run has {n_slices} slice(s); make the dcn sizes multiply to {n_slices}.")
+    if n_devices % n_slices:
+        raise MeshError(f"{n_devices} devices do not split into {n_slices} equal slices.")
+    per_slice = n_devices // n_slices
+    if ici.count(-1) > 1:
+        raise MeshError(f"{_flags(AXES, ici)}: at most one axis may be -1.")
+    known = math.prod(v for v in ici if v != -1)
+    if -1 in ici:
+        if per_slice % known:
+            raise MeshError(f"{_flags(AXES, ici)}: the fixed sizes multiply to {known}, which does "
+                            f"not divide the {per_slice} devices per slice; pick sizes that divide "
+                            f"{per_slice}.")
+        ici[ici.index(-1)] = per_slice // known
+    elif known != per_slice:
+        raise MeshError(f"{_flags(AXES, ici)} = {known} devices, but {per_slice} are available "
+                        f"per slice; make the product {per_slice}, or set one axis to -1 "
+                        f"(e.g. --mesh.fsdp -1).")
+    return dataclasses.replace(cfg, **dict(zip(AXES, ici)))
+
+
+def make_mesh(cfg: MeshConfig, devices=None) -> Mesh:
+    """The device mesh for `cfg`: one slice via create_device_mesh, several via the hybrid mesh.
+
+    On TPU a slice is what `device.slice_index` says; on GPU and CPU each process is a slice
+    (process_is_granule), which is how a multi-node GPU job maps onto dcn axes.
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    if hasattr(devices[0], "slice_index"):
+        n_slices = len({d.slice_index for d in devices})
+    elif math.prod(cfg.dcn()) > 1:
+        n_slices = len({d.process_index for d in devices})
+    else:
+        n_slices = 1  # GPU/CPU processes with no dcn axes: one flat mesh over all devices
+    cfg = resolve(cfg, len(devices), n_slices)
+    if n_slices == 1:
+        # allow_split_physical_axes: on a CPU or odd topology the ideal physical layout may not
+        # exist; falling back keeps a valid (if less optimal) assignment instead of failing.
+        dev = mesh_utils.create_device_mesh(cfg.ici(), devices, allow_split_physical_axes=True)
+    else:
+        dev = mesh_utils.create_hybrid_device_mesh(
+            cfg.ici(), cfg.dcn(), devices,
+            process_is_granule=not hasattr(devices[0], "slice_index"),
+            allow_split_physical_axes=True)
+    # Auto axes: shardings are propagated by XLA from the constraints we pin at block boundaries.
+    return Mesh(dev, AXES, axis_types=(AxisType.Auto,) * len(AXES))
+
+
+def describe(mesh: Mesh) -> str:
+    return " ".join(f"{a}={mesh.shape[a]}" for a in AXES)
+
+
+def batch_shards(mesh: Mesh, axes=BATCH_AXES) -> int:
+    return int(np.prod([mesh.shape[a] for a in axes]))

@@ -1,0 +1,233 @@
+"""The dense model against references: itself unsharded, a naive loop, hand counts."""
+import dataclasses
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import train_dense as td
+from common.mesh import MeshConfig, MeshError, make_mesh
+
+SMALL = td.ModelConfig(vocab_size=256, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
+                       head_dim=8, d_ff=64, max_seq_len=64, loss_chunk=8)
+# Every knob on at once: Qwen2 biases, Qwen3 q/k norm, tied embeddings, Llama 3.1 rope scaling.
+KNOBS = dataclasses.replace(SMALL, qkv_bias=True, qk_norm=True, tie_embeddings=True,
+                            rope_scaling=8.0, rope_original_max_len=32)
+
+
+def small_cfg(model=SMALL, mesh=MeshConfig(fsdp=1), **train):
+    t = dict(batch_size=8, seq_len=16, warmup_steps=2, steps=10, lr=1e-2)
+    return td.Config(model=model, train=td.TrainConfig(**(t | train)), mesh=mesh)
+
+
+def tokens(cfg, seed=0):
+    rng = np.random.default_rng(seed)
+    return rng.integers(0, cfg.model.vocab_size, (cfg.train.batch_size, cfg.train.seq_len + 1),
+                        dtype=np.int32)
+
+
+def perturbed_params(cfg):
+    """Random weights with non-trivial norms and biases (ones/zeros would hide bugs)."""
+    p = td.init_params(cfg.model, jax.random.key(1))
+    leaves, tree = jax.tree.flatten(p)
+    keys = jax.random.split(jax.random.key(2), len(leaves))
+    return jax.tree.unflatten(tree, [x + 0.1 * jax.random.normal(k, x.shape)
+                                     for x, k in zip(leaves, keys)])
+
+
+@pytest.mark.parametrize("name,count", [
+    ("llama2-7b", 6_738_415_616), ("llama3.1-8b", 8_030_261_248),
+    ("llama3.1-70b", 70_553_706_496), ("mistral-7b", 7_248_023_552),
+    ("qwen3-0.6b", 596_049_920), ("qwen3-8b", 8_190_735_360)])
+def test_preset_parameter_counts(name, count):
+    assert td.count_params(td.PRESETS[name][1].model) == count
+
+
+def test_param_specs_match_params_tree():
+    for model in (SMALL, KNOBS):
+        shapes = jax.eval_shape(partial(td._init, model), jax.random.key(0))
+        specs = td.param_specs(model)
+        assert jax.tree.structure(shapes) == jax.tree.structure(
+            specs, is_leaf=lambda x: isinstance(x, P))
+        for s, spec in zip(jax.tree.leaves(shapes),
+                           jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))):
+            assert len(spec) == len(s.shape)
+
+
+def grads_and_loss(cfg, params, batch, mesh):
+    with jax.set_mesh(mesh):
+        p_sh = td.named(mesh, td.param_specs(cfg.model))
+        params = jax.device_put(params, p_sh)
+        batch = jax.device_put(batch, NamedSharding(mesh, P(("data", "fsdp"), None)))
+        f = jax.jit(jax.value_and_grad(lambda p, b: td.loss_fn(p, b, cfg.model)[0]))
+        loss, g = f(params, batch)
+        return float(loss), jax.device_get(g)
+
+
+@pytest.mark.parametrize("model", [SMALL, KNOBS], ids=["llama", "all-knobs"])
+def test_sharded_equals_unsharded(model):
+    cfg = small_cfg(model)
+    params, batch = perturbed_params(cfg), tokens(cfg)
+    ref_loss, ref_g = grads_and_loss(cfg, params, batch, make_mesh(MeshConfig(fsdp=1),
+                                                                   jax.devices()[:1]))
+    for mc in (MeshConfig(data=8, fsdp=1), MeshConfig(fsdp=4, tensor=2),
+               MeshConfig(data=2, fsdp=2, tensor=2)):
+        loss, g = grads_and_loss(cfg, params, batch, make_mesh(mc))
+        assert loss == pytest.approx(ref_loss, rel=1e-6), mc
+        for a, b in zip(jax.tree.leaves(ref_g), jax.tree.leaves(g)):
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+def run_steps(cfg, batches, mesh):
+    tx = td.make_optimizer(cfg.train)
+    with jax.set_mesh(mesh):
+        sh = td.state_shardings(cfg, mesh, tx)
+        state = td.init_state(cfg, tx, sh)
+        step = jax.jit(partial(td.train_step, cfg=cfg, tx=tx), donate_argnums=0,
+                       out_shardings=(sh, None))
+        losses = []
+        for b in batches:
+            state, m = step(state, jax.device_put(b, NamedSharding(mesh, P(("data", "fsdp")))))
+            losses.append(float(m["loss"]))
+        return jax.device_get(state["params"]), losses
+
+
+def test_gradient_accumulation_equals_one_big_batch():
+    mesh = make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
+    one, four = small_cfg(batch_size=16), small_cfg(batch_size=16, microbatches=4)
+    params, batch = perturbed_params(one), tokens(one)
+    with jax.set_mesh(mesh):
+        params = jax.device_put(params, td.named(mesh, td.param_specs(SMALL)))
+        batch = jax.device_put(batch, NamedSharding(mesh, P(("data", "fsdp"))))
+        g1, l1 = jax.jit(partial(td.compute_grads, cfg=one))(params, batch)
+        g4, l4 = jax.jit(partial(td.compute_grads, cfg=four))(params, batch)
+    assert float(l4) == pytest.approx(float(l1), rel=1e-6)
+    for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g4)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-7)
+
+
+def test_training_reduces_loss_on_a_repeated_batch():
+    batch = tokens(small_cfg())
+    _, losses = run_steps(small_cfg(), [batch] * 10, make_mesh(MeshConfig(fsdp=1),
+                                                               jax.devices()[:1]))
+    assert losses[-1] < 0.7 * losses[0]
+
+
+@pytest.mark.parametrize("attention", ["xla", "einsum"])
+def test_causality(attention):
+    model = dataclasses.replace(KNOBS, attention=attention)
+    cfg = small_cfg(model)
+    params, x = perturbed_params(cfg), tokens(cfg)[:, :-1]
+    t = 9
+    y = x.copy()
+    y[:, t] = (y[:, t] + 1) % model.vocab_size
+    a, b = td.forward(params, x, model), td.forward(params, y, model)
+    np.testing.assert_array_equal(a[:, :t], b[:, :t])
+    assert np.abs(a[:, t:] - b[:, t:]).max() > 1e-4   # and it does see the past
+
+
+def test_einsum_attention_equals_xla_and_chunked_loss_equals_full_logits():
+    cfg = small_cfg(KNOBS)
+    params, batch = perturbed_params(cfg), tokens(cfg)
+    a = td.forward(params, batch[:, :-1], dataclasses.replace(KNOBS, attention="xla"))
+    b = td.forward(params, batch[:, :-1], dataclasses.replace(KNOBS, attention="einsum"))
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    lse = jax.nn.logsumexp(a, -1)
+    ce = lse - np.take_along_axis(np.asarray(a), batch[:, 1:, None], -1)[..., 0]
+    for chunk in (4, 8, 16):
+        m = dataclasses.replace(KNOBS, loss_chunk=chunk)
+        obj, got = td.loss_fn(params, batch, m, z_loss=1e-2)
+        assert float(got) == pytest.approx(float(ce.mean()), rel=1e-5)
+        assert float(obj) == pytest.approx(float(ce.mean() + 1e-2 * (lse ** 2).mean()), rel=1e-5)
+
+
+def test_grouped_query_attention_equals_repeated_kv_heads():
+    """GQA with K kv heads == multi-head attention whose kv weights repeat each head N/K times."""
+    cfg = small_cfg(SMALL)
+    params = perturbed_params(cfg)
+    mha = dataclasses.replace(SMALL, n_kv_heads=SMALL.n_heads)
+    rep = lambda w: jnp.repeat(w, SMALL.n_heads // SMALL.n_kv_heads, axis=2)
+    p2 = jax.tree.map(lambda x: x, params)
+    p2["layers"] = dict(params["layers"], wk=rep(params["layers"]["wk"]),
+                        wv=rep(params["layers"]["wv"]))
+    x = tokens(cfg)[:, :-1]
+    np.testing.assert_allclose(td.forward(params, x, SMALL), td.forward(p2, x, mha),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_llama31_rope_scaling():
+    m = td.PRESETS["llama3.1-8b"][1].model
+    plain = td.rope_inv_freq(dataclasses.replace(m, rope_scaling=0.0))
+    scaled = td.rope_inv_freq(m)
+    wavelen = 2 * np.pi / plain
+    hi = wavelen < 8192 / 4
+    lo = wavelen > 8192 / 1
+    np.testing.assert_allclose(scaled[hi], plain[hi])          # short wavelengths untouched
+    np.testing.assert_allclose(scaled[lo], plain[lo] / 8, rtol=1e-6)  # long ones slowed 8x
+    mid = ~hi & ~lo
+    assert mid.any() and np.all(scaled[mid] < plain[mid]) and np.all(scaled[mid] > plain[mid] / 8)
+
+
+def test_flops_per_token_hand_count():
+    m = td.ModelConfig(vocab_size=100, d_model=8, n_layers=2, n_heads=2, n_kv_heads=1,
+                       head_dim=4, d_ff=16)
+    # per layer: wq 8*2*4=64, wk 8*1*4=32, wv 32, wo 2*4*8=64, gate/up/down 3*8*16=384 -> 576
+    # matmul weights: 2*576 + unembed 8*100 = 1952; forward 2*1952 = 3904
+    # attention, T=10: per layer 2 products * 2 FLOPs * 10 * 2 heads * 4 = 320; 2 layers = 640
+    assert td.flops_per_token(m, 10) == 3 * (3904 + 640)
+
+
+def test_schedule_warmup_and_end():
+    t = td.TrainConfig(lr=1.0, warmup_steps=10, steps=100, min_lr_ratio=0.1)
+    for name in ("cosine", "constant", "wsd"):
+        s = td.make_schedule(dataclasses.replace(t, schedule=name))
+        assert float(s(0)) == pytest.approx(0.1)       # step 0 already learns
+        assert float(s(9)) == pytest.approx(1.0)
+        end = float(s(99))
+        assert end == pytest.approx(1.0 if name == "constant" else 0.1, abs=1e-2)
+
+
+# ------------------------------------------------------------------------------ bad input
+
+
+@pytest.mark.parametrize("mesh,train,model,flag", [
+    (MeshConfig(fsdp=3, tensor=2), {}, {}, "--mesh.fsdp"),
+    (MeshConfig(fsdp=-1, tensor=8), {}, {}, "--model.n-heads"),
+    (MeshConfig(fsdp=-1, expert=2), {}, {}, "--mesh.expert"),
+    (MeshConfig(fsdp=8), {"batch_size": 12}, {}, "--train.batch-size"),
+    (MeshConfig(fsdp=8), {"batch_size": 8, "microbatches": 2}, {}, "--train.batch-size"),
+    (MeshConfig(fsdp=8), {"seq_len": 128}, {}, "--train.seq-len"),
+    (MeshConfig(fsdp=8), {}, {"n_kv_heads": 3}, "--model.n-heads"),
+])
+def test_bad_config_is_a_clear_error_before_compiling(mesh, train, model, flag):
+    cfg = small_cfg(dataclasses.replace(SMALL, **model), mesh, **train)
+    with pytest.raises((td.ConfigError, MeshError)) as e:
+        td.validate(cfg, jax.device_count())
+    assert flag in str(e.value)
+
+
+def test_unknown_preset_is_rejected(capsys):
+    with pytest.raises(SystemExit) as e:
+        td.cli(["llama9-1t"])
+    assert e.value.code != 0
+    assert "llama9-1t" in capsys.readouterr().err
+
+
+def test_cli_overrides_any_field():
+    cfg = td.cli(["qwen3-0.6b", "--model.n-layers", "3", "--mesh.tensor", "2"])
+    assert cfg.model.n_layers == 3 and cfg.model.qk_norm and cfg.mesh.tensor == 2
+
+
+def test_dry_run_reports_memory_without_allocating():
+    cfg = td.Config(model=dataclasses.replace(td.PRESETS["qwen3-0.6b"][1].model, n_layers=2),
+                    train=td.TrainConfig(batch_size=8, seq_len=512),
+                    mesh=MeshConfig(fsdp=4, tensor=2), dry_run=True)
+    report = td.main(cfg)
+    assert report["devices"] == 8
+    # f32 weights + two Adam moments, split 8 ways, are a floor for the arguments.
+    assert report["argument_size"] >= 3 * 4 * report["params"] / 8 * 0.99
+    assert report["per_device_bytes"] > report["argument_size"] - report["alias_size"]

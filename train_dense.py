@@ -1,0 +1,815 @@
+"""Dense decoder-only transformer (Llama 2/3, Mistral, Qwen2/3): pre-training in one file.
+
+    python train_dense.py tiny                                   # the `make train` run
+    python train_dense.py llama3.1-8b --mesh.fsdp 8 --train.steps 1000
+    python train_dense.py llama3.1-70b --dry-run                 # compile only, print memory
+
+Sections, in reading order: 1 config and presets, 2 parameters and their shardings, 3 model,
+4 loss and train step, 5 FLOPs and MFU, 6 main. Shapes are suffixed on tensor names:
+B batch, T sequence, S key sequence, D model width, N query heads, K key/value heads,
+H head width, F MLP width, V vocabulary, L layers.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from common import multislice
+from common.checkpoint import (CheckpointConfig, CheckpointError, Checkpointer,
+                               ConfigConflictError, PreemptionGuard, check_run_config)
+from common.data import DataConfig, get_batch, load_dataset
+from common.mesh import (BATCH_AXES, MeshConfig, MeshError, batch_shards, describe, make_mesh,
+                         resolve)
+
+# ----------------------------------------------------------------------------------------------
+# 1. Config
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int = 4096
+    d_model: int = 256
+    n_layers: int = 4
+    n_heads: int = 4
+    n_kv_heads: int = 2           # < n_heads: grouped-query attention
+    head_dim: int = 64
+    d_ff: int = 768
+    max_seq_len: int = 2048
+    rope_theta: float = 10_000.0
+    rope_scaling: float = 0.0     # Llama 3.1 frequency scaling factor (8.0); 0 = off
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_len: int = 8192
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    qkv_bias: bool = False        # Qwen2
+    qk_norm: bool = False         # Qwen3: RMSNorm on each head of q and k before RoPE
+    # How to compute, not what: these may change when a run is resumed.
+    dtype: Literal["float32", "bfloat16"] = "float32"  # activations and matmuls; weights stay f32
+    attention: Literal["auto", "xla", "cudnn", "einsum"] = "auto"
+    remat: Literal["full", "dots", "none"] = "full"     # what the backward pass may keep
+    scan_layers: bool = True
+    loss_chunk: int = 256         # sequence positions per cross-entropy chunk (bounds [B,T,V])
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 300
+    batch_size: int = 16          # global, in sequences
+    seq_len: int = 256
+    microbatches: int = 1         # gradient accumulation: batch_size is split into this many
+    lr: float = 2e-3
+    min_lr_ratio: float = 0.1     # the schedule ends at lr * min_lr_ratio
+    warmup_steps: int = 30
+    schedule: Literal["cosine", "constant", "wsd"] = "cosine"
+    decay_fraction: float = 0.2   # wsd: the last fraction of steps decays linearly
+    weight_decay: float = 0.1
+    b1: float = 0.9
+    b2: float = 0.95
+    clip_norm: float = 1.0
+    z_loss: float = 0.0           # weight of mean(logsumexp^2) (PaLM); 0 = off
+    seed: int = 0
+    log_every: int = 10
+    eval_every: int = 100
+    eval_batches: int = 4
+    sample_tokens: int = 96       # printed at the end; 0 = no sample
+    temperature: float = 0.7      # of that sample; 0 = greedy
+    peak_tflops: float = 0.0      # per device, for MFU; 0 = look up (TPU/GPU) or measure (CPU)
+
+
+@dataclass(frozen=True)
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    run_dir: str = "runs/tiny"
+    dry_run: bool = False         # compile one step on abstract inputs, print memory, exit
+    bench: int = 0                # time this many steps on synthetic tokens, print, exit
+
+
+def _big(model: ModelConfig, run: str, seq_len: int = 4096) -> Config:
+    return Config(model=dataclasses.replace(model, dtype="bfloat16"),
+                  train=TrainConfig(steps=100_000, batch_size=256, seq_len=seq_len, lr=3e-4,
+                                    warmup_steps=2000, log_every=10, eval_every=1000,
+                                    sample_tokens=0),
+                  checkpoint=CheckpointConfig(every=1000), run_dir=f"runs/{run}")
+
+
+_LLAMA2_7B = ModelConfig(vocab_size=32000, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=32,
+                         head_dim=128, d_ff=11008, max_seq_len=4096, norm_eps=1e-5)
+_LLAMA31_8B = ModelConfig(vocab_size=128256, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8,
+                          head_dim=128, d_ff=14336, max_seq_len=131072, rope_theta=500_000.0,
+                          rope_scaling=8.0, norm_eps=1e-5)
+_QWEN3 = dict(vocab_size=151936, head_dim=128, n_kv_heads=8, max_seq_len=40960,
+              rope_theta=1_000_000.0, norm_eps=1e-6, qk_norm=True)
+
+PRESETS: dict[str, tuple[str, Config]] = {
+    "tiny": ("~5M parameters on the embedded corpus: the `make train` default", Config()),
+    "llama2-7b": ("Llama 2 7B", _big(_LLAMA2_7B, "llama2-7b")),
+    "llama3.1-8b": ("Llama 3.1 8B (rope scaling 8x)", _big(_LLAMA31_8B, "llama3.1-8b")),
+    "llama3.1-70b": ("Llama 3.1 70B", _big(dataclasses.replace(
+        _LLAMA31_8B, d_model=8192, n_layers=80, n_heads=64, d_ff=28672), "llama3.1-70b")),
+    "mistral-7b": ("Mistral 7B v0.3 (vocab 32768)", _big(ModelConfig(
+        vocab_size=32768, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8, head_dim=128,
+        d_ff=14336, max_seq_len=32768, rope_theta=1_000_000.0, norm_eps=1e-5), "mistral-7b")),
+    "qwen3-0.6b": ("Qwen3 0.6B (tied embeddings, q/k norm)", _big(ModelConfig(
+        d_model=1024, n_layers=28, n_heads=16, d_ff=3072, tie_embeddings=True, **_QWEN3),
+        "qwen3-0.6b")),
+    "qwen3-8b": ("Qwen3 8B (q/k norm)", _big(ModelConfig(
+        d_model=4096, n_layers=36, n_heads=32, d_ff=12288, **_QWEN3), "qwen3-8b")),
+}
+
+# Keys of the saved run config that a resumed run may change: how long, how often, on what
+# mesh and how it computes. Anything else (the model, the optimiser) must match.
+MAY_CHANGE = frozenset({
+    "train.steps", "train.log_every", "train.eval_every", "train.eval_batches",
+    "train.sample_tokens", "train.temperature", "train.peak_tflops", "train.microbatches",
+    "mesh", "checkpoint", "dry_run", "bench", "data.cache_dir", "run_dir",
+    "model.dtype", "model.attention", "model.remat", "model.scan_layers", "model.loss_chunk"})
+
+
+class ConfigError(ValueError):
+    """A flag value that cannot work; the message names the flag and the fix."""
+
+
+def validate(cfg: Config, n_devices: int) -> None:
+    """Every check that needs no compilation, so a bad launch fails in a second."""
+    m, t = cfg.model, cfg.train
+    mesh = resolve(cfg.mesh, n_devices, max(1, math.prod(cfg.mesh.dcn())))
+    if mesh.expert * mesh.dcn_expert != 1:
+        raise ConfigError(f"--mesh.expert {mesh.expert}: the dense model has no experts; "
+                          "keep it 1 (use train_moe.py for expert parallelism).")
+    tp = mesh.tensor * mesh.dcn_tensor
+    for flag, v in [("--model.n-heads", m.n_heads), ("--model.n-kv-heads", m.n_kv_heads),
+                    ("--model.d-ff", m.d_ff), ("--model.vocab-size", m.vocab_size)]:
+        if v % tp:
+            raise ConfigError(f"{flag} {v} is not divisible by --mesh.tensor {tp}: tensor "
+                              f"parallelism splits it evenly; choose a tensor size dividing {v}.")
+    if m.n_heads % m.n_kv_heads:
+        raise ConfigError(f"--model.n-heads {m.n_heads} is not a multiple of --model.n-kv-heads "
+                          f"{m.n_kv_heads} (each key/value head serves a whole group).")
+    fsdp = mesh.fsdp * mesh.dcn_fsdp
+    if m.d_model % fsdp:
+        raise ConfigError(f"--model.d-model {m.d_model} is not divisible by --mesh.fsdp {fsdp}.")
+    if m.head_dim % 2:
+        raise ConfigError(f"--model.head-dim {m.head_dim} must be even (RoPE rotates pairs).")
+    shards = fsdp * mesh.data * mesh.dcn_data
+    if t.batch_size % t.microbatches:
+        raise ConfigError(f"--train.batch-size {t.batch_size} is not divisible by "
+                          f"--train.microbatches {t.microbatches}.")
+    if (t.batch_size // t.microbatches) % shards:
+        raise ConfigError(f"--train.batch-size {t.batch_size} / --train.microbatches "
+                          f"{t.microbatches} is not divisible by data x fsdp = {shards} batch "
+                          f"shards; use a batch size that is a multiple of {shards * t.microbatches}.")
+    if t.seq_len > m.max_seq_len:
+        raise ConfigError(f"--train.seq-len {t.seq_len} exceeds the model's maximum "
+                          f"--model.max-seq-len {m.max_seq_len}.")
+    if t.seq_len % min(m.loss_chunk, t.seq_len):
+        raise ConfigError(f"--train.seq-len {t.seq_len} is not a multiple of --model.loss-chunk "
+                          f"{m.loss_chunk}.")
+    if t.steps < 1 or t.log_every < 1 or t.eval_every < 1:
+        raise ConfigError("--train.steps, --train.log-every and --train.eval-every must be >= 1.")
+
+
+# ----------------------------------------------------------------------------------------------
+# 2. Parameters and their shardings
+# ----------------------------------------------------------------------------------------------
+
+
+def _param_table(cfg: ModelConfig) -> dict:
+    """The one definition of the parameter tree: name -> (shape, PartitionSpec, init std).
+
+    Per-layer weights are stacked on a leading L axis so the layers run under lax.scan.
+    Init std: 0.02, scaled by 1/sqrt(2L) on the two projections that write into the residual
+    stream (GPT-2), so its variance does not grow with depth. std None = ones (norms),
+    0.0 = zeros (biases).
+    """
+    L, D, N, K, H, F, V = (cfg.n_layers, cfg.d_model, cfg.n_heads, cfg.n_kv_heads,
+                           cfg.head_dim, cfg.d_ff, cfg.vocab_size)
+    std, out_std = 0.02, 0.02 / math.sqrt(2 * L)
+    layers = {
+        "attn_norm": ((L, D), P(None, None), None),
+        "wq": ((L, D, N, H), P(None, "fsdp", "tensor", None), std),
+        "wk": ((L, D, K, H), P(None, "fsdp", "tensor", None), std),
+        "wv": ((L, D, K, H), P(None, "fsdp", "tensor", None), std),
+        "wo": ((L, N, H, D), P(None, "tensor", None, "fsdp"), out_std),
+        "mlp_norm": ((L, D), P(None, None), None),
+        "w_gate": ((L, D, F), P(None, "fsdp", "tensor"), std),
+        "w_up": ((L, D, F), P(None, "fsdp", "tensor"), std),
+        "w_down": ((L, F, D), P(None, "tensor", "fsdp"), out_std),
+    }
+    if cfg.qkv_bias:
+        layers |= {"bq": ((L, N, H), P(None, "tensor", None), 0.0),
+                   "bk": ((L, K, H), P(None, "tensor", None), 0.0),
+                   "bv": ((L, K, H), P(None, "tensor", None), 0.0)}
+    if cfg.qk_norm:
+        layers |= {"q_norm": ((L, H), P(None, None), None), "k_norm": ((L, H), P(None, None), None)}
+    table = {"embed": ((V, D), P("tensor", "fsdp"), std), "layers": layers,
+             "final_norm": ((D,), P(None), None)}
+    if not cfg.tie_embeddings:
+        table["unembed"] = ((D, V), P("fsdp", "tensor"), std)
+    return table
+
+
+def _is_entry(x) -> bool:
+    return isinstance(x, tuple) and len(x) == 3 and isinstance(x[1], P)
+
+
+def param_specs(cfg: ModelConfig) -> dict:
+    return jax.tree.map(lambda e: e[1], _param_table(cfg), is_leaf=_is_entry)
+
+
+def _init(cfg: ModelConfig, key: jax.Array) -> dict:
+    table = _param_table(cfg)
+    entries, treedef = jax.tree.flatten(table, is_leaf=_is_entry)
+    keys = jax.random.split(key, len(entries))
+
+    def one(entry, k):
+        shape, _, std = entry
+        if std is None:
+            return jnp.ones(shape, jnp.float32)
+        return std * jax.random.normal(k, shape, jnp.float32)
+
+    return jax.tree.unflatten(treedef, [one(e, k) for e, k in zip(entries, keys)])
+
+
+def named(mesh, specs):
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
+                        is_leaf=lambda x: isinstance(x, P))
+
+
+def init_params(cfg: ModelConfig, key: jax.Array, mesh=None) -> dict:
+    """Float32 master weights, each created directly in its shards (never whole on one device)."""
+    out = named(mesh, param_specs(cfg)) if mesh is not None else None
+    return jax.jit(partial(_init, cfg), out_shardings=out)(key)
+
+
+def count_params(cfg: ModelConfig) -> int:
+    shapes = jax.eval_shape(partial(_init, cfg), jax.random.key(0))
+    return sum(math.prod(x.shape) for x in jax.tree.leaves(shapes))
+
+
+# ----------------------------------------------------------------------------------------------
+# 3. Model
+# ----------------------------------------------------------------------------------------------
+
+
+def constrain(x, spec: P):
+    """Pin an activation's sharding when a mesh is set (jax.set_mesh); a no-op without one."""
+    if jax.sharding.get_abstract_mesh().empty:
+        return x
+    return jax.lax.with_sharding_constraint(x, spec)
+
+
+ACT_BTD = P(BATCH_AXES, None, None)  # activations between blocks: batch-sharded, d replicated
+
+
+def rms_norm(x, w, eps):
+    # Statistics in float32 whatever the compute dtype: bfloat16 squares lose the small values.
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (y * w).astype(x.dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
+    """theta^(-2i/H), with Llama 3.1's rescaling when rope_scaling > 0: wavelengths longer than
+    original_max_len / low_freq_factor are slowed by `factor`, shorter than
+    original_max_len / high_freq_factor kept, and the band between interpolated smoothly."""
+    H = cfg.head_dim
+    inv = 1.0 / cfg.rope_theta ** (np.arange(0, H, 2, dtype=np.float64) / H)
+    if cfg.rope_scaling > 0:
+        wavelen = 2 * np.pi / inv
+        lo = cfg.rope_original_max_len / cfg.rope_low_freq_factor
+        hi = cfg.rope_original_max_len / cfg.rope_high_freq_factor
+        smooth = ((cfg.rope_original_max_len / wavelen - cfg.rope_low_freq_factor)
+                  / (cfg.rope_high_freq_factor - cfg.rope_low_freq_factor))
+        mid = (1 - smooth) * inv / cfg.rope_scaling + smooth * inv
+        inv = np.where(wavelen < hi, inv, np.where(wavelen > lo, inv / cfg.rope_scaling, mid))
+    return inv.astype(np.float32)
+
+
+def apply_rope(x_BTNH, pos_BT, inv_freq):
+    """Rotate the two halves of each head (the HuggingFace layout: its q/k weights load as-is)."""
+    ang_BTh = pos_BT[..., None].astype(jnp.float32) * inv_freq
+    cos, sin = jnp.cos(ang_BTh)[:, :, None, :], jnp.sin(ang_BTh)[:, :, None, :]
+    x1, x2 = jnp.split(x_BTNH.astype(jnp.float32), 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x_BTNH.dtype)
+
+
+def attention(q_BTNH, k_BSKH, v_BSKH, cfg: ModelConfig):
+    """Causal grouped-query attention: query head n reads key/value head n // (N/K)."""
+    if cfg.attention != "einsum":
+        impl = None if cfg.attention == "auto" else cfg.attention
+        return jax.nn.dot_product_attention(q_BTNH, k_BSKH, v_BSKH, is_causal=True,
+                                            implementation=impl)
+    B, T, N, H = q_BTNH.shape
+    K = k_BSKH.shape[2]
+    q_BTKGH = q_BTNH.reshape(B, T, K, N // K, H)
+    s_BKGTS = jnp.einsum("btkgh,bskh->bkgts", q_BTKGH, k_BSKH,
+                         preferred_element_type=jnp.float32) / math.sqrt(H)
+    causal_TS = jnp.tril(jnp.ones((T, k_BSKH.shape[1]), bool))
+    s_BKGTS = jnp.where(causal_TS, s_BKGTS, -1e30)   # finite: a fully masked row stays NaN-free
+    p_BKGTS = jax.nn.softmax(s_BKGTS, axis=-1).astype(v_BSKH.dtype)
+    return jnp.einsum("bkgts,bskh->btkgh", p_BKGTS, v_BSKH).reshape(B, T, N, H)
+
+
+def block(x_BTD, lp: dict, pos_BT, inv_freq, cfg: ModelConfig):
+    dt = x_BTD.dtype
+    w = lambda name: lp[name].astype(dt)   # f32 master weights, compute-dtype matmuls
+    h = rms_norm(x_BTD, lp["attn_norm"], cfg.norm_eps)
+    q = jnp.einsum("btd,dnh->btnh", h, w("wq"))
+    k = jnp.einsum("btd,dkh->btkh", h, w("wk"))
+    v = jnp.einsum("btd,dkh->btkh", h, w("wv"))
+    if cfg.qkv_bias:
+        q, k, v = q + w("bq"), k + w("bk"), v + w("bv")
+    if cfg.qk_norm:
+        q, k = rms_norm(q, lp["q_norm"], cfg.norm_eps), rms_norm(k, lp["k_norm"], cfg.norm_eps)
+    q, k = apply_rope(q, pos_BT, inv_freq), apply_rope(k, pos_BT, inv_freq)
+    o = attention(q, k, v, cfg)
+    x_BTD = x_BTD + jnp.einsum("btnh,nhd->btd", o, w("wo"))
+    h = rms_norm(x_BTD, lp["mlp_norm"], cfg.norm_eps)
+    g = jnp.einsum("btd,df->btf", h, w("w_gate"))
+    u = jnp.einsum("btd,df->btf", h, w("w_up"))
+    x_BTD = x_BTD + jnp.einsum("btf,fd->btd", jax.nn.silu(g) * u, w("w_down"))
+    return constrain(x_BTD, ACT_BTD)
+
+
+REMAT_POLICIES = {"full": jax.checkpoint_policies.nothing_saveable,
+                  "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
+
+
+def hidden(params: dict, tokens_BT, cfg: ModelConfig):
+    """Token ids -> final-normed hidden states [B, T, D] in the compute dtype."""
+    dt = jnp.dtype(cfg.dtype)
+    # Gather the table's fsdp shards first (as FSDP does for every weight): a lookup into a
+    # table split on d makes XLA replicate the whole result and re-split it.
+    embed = constrain(params["embed"], P("tensor", None))
+    x = constrain(jnp.take(embed, tokens_BT, axis=0).astype(dt), ACT_BTD)
+    pos_BT = jnp.broadcast_to(jnp.arange(tokens_BT.shape[1]), tokens_BT.shape)
+    inv_freq = rope_inv_freq(cfg)
+
+    def layer(x, lp):
+        return block(x, lp, pos_BT, inv_freq, cfg), None
+
+    if cfg.remat != "none":
+        # prevent_cse=False: inside scan the recomputation cannot be merged away anyway.
+        layer = jax.checkpoint(layer, policy=REMAT_POLICIES[cfg.remat], prevent_cse=False)
+    if cfg.scan_layers:
+        x, _ = jax.lax.scan(layer, x, params["layers"])
+    else:
+        for i in range(cfg.n_layers):
+            x, _ = layer(x, jax.tree.map(lambda a: a[i], params["layers"]))
+    return rms_norm(x, params["final_norm"], cfg.norm_eps)
+
+
+def unembedding(params: dict, cfg: ModelConfig):
+    return params["embed"].T if cfg.tie_embeddings else params["unembed"]
+
+
+def forward(params: dict, tokens_BT, cfg: ModelConfig):
+    """Logits [B, T, V] in float32. Training never builds these whole: see `loss_sums`."""
+    h = hidden(params, tokens_BT, cfg)
+    return jnp.einsum("btd,dv->btv", h, unembedding(params, cfg).astype(h.dtype),
+                      preferred_element_type=jnp.float32)
+
+
+# ----------------------------------------------------------------------------------------------
+# 4. Loss and train step
+# ----------------------------------------------------------------------------------------------
+
+
+def loss_sums(params: dict, batch_BT1, cfg: ModelConfig):
+    """Summed cross-entropy and summed logsumexp^2 over all B*T targets.
+
+    The [B, T, V] logits never exist at once: the sequence is cut into chunks of
+    `loss_chunk` positions, each chunk's logits are made, reduced and dropped, and remat
+    recomputes them in the backward pass. With a 128k vocabulary this is the difference
+    between gigabytes and megabytes of activations.
+    """
+    inputs, targets = batch_BT1[:, :-1], batch_BT1[:, 1:]
+    h_BTD = hidden(params, inputs, cfg)
+    w_DV = unembedding(params, cfg).astype(h_BTD.dtype)
+    B, T, D = h_BTD.shape
+    C = min(cfg.loss_chunk, T)
+    h_nBCD = h_BTD.reshape(B, T // C, C, D).swapaxes(0, 1)
+    t_nBC = targets.reshape(B, T // C, C).swapaxes(0, 1)
+
+    @partial(jax.checkpoint, prevent_cse=False)
+    def chunk(carry, xs):
+        h_BCD, t_BC = xs
+        logits = jnp.einsum("bcd,dv->bcv", h_BCD, w_DV, preferred_element_type=jnp.float32)
+        lse = jax.nn.logsumexp(logits, axis=-1)
+        tgt = jnp.take_along_axis(logits, t_BC[..., None], axis=-1)[..., 0]
+        return (carry[0] + jnp.sum(lse - tgt), carry[1] + jnp.sum(lse * lse)), None
+
+    zero = jnp.zeros((), jnp.float32)
+    (ce, z), _ = jax.lax.scan(chunk, (zero, zero), (h_nBCD, t_nBC))
+    return ce, z
+
+
+def loss_fn(params, batch_BT1, cfg: ModelConfig, z_loss: float = 0.0):
+    """Mean next-token cross-entropy (+ z_loss * mean logsumexp^2). Returns (objective, ce)."""
+    ce, z = loss_sums(params, batch_BT1, cfg)
+    n = batch_BT1.shape[0] * (batch_BT1.shape[1] - 1)
+    return (ce + z_loss * z) / n, ce / n
+
+
+def make_schedule(t: TrainConfig):
+    """Learning rate at optimiser step s (0-based); step 0 already gets lr / warmup_steps."""
+    end, warmup = t.lr * t.min_lr_ratio, max(t.warmup_steps, 1)
+    if t.schedule == "cosine":
+        base = optax.warmup_cosine_decay_schedule(0.0, t.lr, warmup, max(t.steps, warmup + 1), end)
+    elif t.schedule == "constant":
+        base = optax.join_schedules([optax.linear_schedule(0.0, t.lr, warmup),
+                                     optax.constant_schedule(t.lr)], [warmup])
+    else:
+        # Warmup-stable-decay (MiniCPM): flat at the peak, then a linear cool-down at the end.
+        decay = max(1, int(t.steps * t.decay_fraction))
+        stable = max(t.steps - decay - warmup, 0)
+        base = optax.join_schedules(
+            [optax.linear_schedule(0.0, t.lr, warmup), optax.constant_schedule(t.lr),
+             optax.linear_schedule(t.lr, end, decay)], [warmup, warmup + stable])
+    return lambda s: base(s + 1)
+
+
+DECAYED = {"embed", "unembed", "wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"}
+
+
+def make_optimizer(t: TrainConfig):
+    # Weight decay on matrices only: decaying norms' gains and biases only hurts.
+    mask = lambda params: {k: (jax.tree.map(lambda _: k in DECAYED, v) if k != "layers" else
+                               {n: n in DECAYED for n in v}) for k, v in params.items()}
+    return optax.chain(optax.clip_by_global_norm(t.clip_norm),
+                       optax.adamw(make_schedule(t), t.b1, t.b2, weight_decay=t.weight_decay,
+                                   mask=mask))
+
+
+def compute_grads(params, batch_BT1, cfg: Config):
+    """Gradient of the mean loss over the global batch, accumulated over microbatches."""
+    M = cfg.train.microbatches
+    grad_fn = jax.grad(partial(loss_fn, cfg=cfg.model, z_loss=cfg.train.z_loss), has_aux=True)
+    if M == 1:
+        return grad_fn(params, batch_BT1)
+    # Microbatch m takes rows m, m+M, m+2M, ...: each device keeps its own rows of every
+    # microbatch, so the split moves no data between devices.
+    B, T1 = batch_BT1.shape
+    mb_MBT = constrain(batch_BT1.reshape(B // M, M, T1).swapaxes(0, 1), P(None, BATCH_AXES, None))
+
+    def acc(carry, mb):
+        return jax.tree.map(jnp.add, carry, grad_fn(params, mb)), None
+
+    zeros = jax.tree.map(jnp.zeros_like, (params, jnp.zeros((), jnp.float32)))
+    total, _ = jax.lax.scan(acc, zeros, mb_MBT)
+    return jax.tree.map(lambda x: x / M, total)
+
+
+def train_step(state: dict, batch_BT1, *, cfg: Config, tx):
+    """One optimiser step on a global batch [B, T+1]; returns the new state and metrics."""
+    grads, ce = compute_grads(state["params"], batch_BT1, cfg)
+    updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
+    params = optax.apply_updates(state["params"], updates)
+    metrics = {"loss": ce, "grad_norm": optax.tree.norm(grads),
+               "lr": make_schedule(cfg.train)(state["step"])}
+    return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
+
+
+def eval_step(params, batch_BT1, *, cfg: ModelConfig):
+    return loss_fn(params, batch_BT1, cfg)[1]
+
+
+def state_shardings(cfg: Config, mesh, tx):
+    """Shardings of {params, opt_state, step}: Adam's moments follow their parameter."""
+    p_sh = named(mesh, param_specs(cfg.model))
+    abstract = jax.eval_shape(partial(_init, cfg.model), jax.random.key(0))
+    replicated = NamedSharding(mesh, P())
+    opt_sh = optax.tree_map_params(tx, lambda _, s: s, jax.eval_shape(tx.init, abstract), p_sh,
+                                   transform_non_params=lambda _: replicated)
+    return {"params": p_sh, "opt_state": opt_sh, "step": replicated}
+
+
+def _make_state(cfg: Config, tx):
+    def make(key):
+        params = _init(cfg.model, key)
+        return {"params": params, "opt_state": tx.init(params), "step": jnp.zeros((), jnp.int32)}
+    return make
+
+
+def init_state(cfg: Config, tx, shardings) -> dict:
+    return jax.jit(_make_state(cfg, tx), out_shardings=shardings)(jax.random.key(cfg.train.seed))
+
+
+def abstract_state(cfg: Config, tx, shardings) -> dict:
+    """The state's shapes, dtypes and target shardings, with nothing allocated."""
+    shapes = jax.eval_shape(_make_state(cfg, tx), jax.random.key(0))
+    return jax.tree.map(lambda s, d: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=d),
+                        shapes, shardings)
+
+
+# ----------------------------------------------------------------------------------------------
+# 5. FLOPs and MFU
+# ----------------------------------------------------------------------------------------------
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """Training FLOPs per token: 3x the forward (backward is twice the forward).
+
+    Forward, per token: 2 FLOPs per weight of every matmul (q, k, v, o, gate, up, down in each
+    layer, and the unembedding; the embedding lookup is no matmul), plus attention's two
+    [T, T] products, q.k and p.v, 2 * 2 * T * N * H per layer. T is the full sequence, as in
+    PaLM's appendix B: the causal mask's skipped half is not subtracted (XLA computes it).
+    Remat's recomputation is not counted: MFU measures useful work.
+    """
+    D, N, K, H, F, L = (cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ff,
+                        cfg.n_layers)
+    per_layer = D * N * H + 2 * D * K * H + N * H * D + 3 * D * F
+    matmul_weights = L * per_layer + D * cfg.vocab_size
+    attn = L * 2 * 2 * seq_len * N * H
+    return 3.0 * (2 * matmul_weights + attn)
+
+
+# Dense bf16 peak per chip, from the vendors' data sheets.
+PEAK_TFLOPS = {"TPU v4": 275, "TPU v5 lite": 197, "TPU v5e": 197, "TPU v5p": 459, "TPU v5": 459,
+               "TPU v6 lite": 918, "TPU v6e": 918, "H100": 989, "H200": 989, "A100": 312,
+               "B200": 2250, "L4": 121, "A10": 125}
+
+
+def peak_flops_per_device(override_tflops: float = 0.0) -> tuple[float, str]:
+    if override_tflops > 0:
+        return override_tflops * 1e12, "--train.peak-tflops"
+    kind = jax.devices()[0].device_kind
+    for name, tf in PEAK_TFLOPS.items():
+        if name.lower() in kind.lower():
+            return tf * 1e12, f"{kind} data sheet"
+    if jax.devices()[0].platform != "cpu":
+        return 0.0, f"unknown device {kind!r}: pass --train.peak-tflops"
+    # CPU: all simulated devices share the host's cores, so measure the host once with a
+    # float32 matmul and divide among them.
+    n = 1024
+    a = jnp.ones((n, n), jnp.float32)
+    mm = jax.jit(lambda a: a @ a)
+    mm(a).block_until_ready()
+    t0 = time.perf_counter()
+    for _ in range(5):
+        out = mm(a)
+    out.block_until_ready()
+    host = 5 * 2 * n ** 3 / (time.perf_counter() - t0)
+    return host / jax.device_count(), f"measured f32 matmul, host {host / 1e9:.0f} GFLOP/s"
+
+
+# ----------------------------------------------------------------------------------------------
+# 6. Main
+# ----------------------------------------------------------------------------------------------
+
+
+def log(*a, **kw):
+    if multislice.is_main_process():
+        print(*a, **kw, flush=True)
+
+
+def sample(params, prompt: list[int], cfg: Config, mesh, key, n_valid: int) -> list[int]:
+    """Decode `sample_tokens` tokens after `prompt` with full forwards (no KV cache: this is
+    a peek at the model, not an inference server), jitted once for a fixed-size buffer.
+    Only the first `n_valid` ids are drawn: the model's vocabulary may be padded past the
+    tokenizer's."""
+    n_new, T = cfg.train.sample_tokens, min(cfg.train.seq_len, cfg.model.max_seq_len)
+    prompt = prompt[-(T - n_new):]
+    B = batch_shards(mesh)  # one row per batch shard: the activation constraints stay even
+    buf = np.zeros((B, T), np.int32)
+    buf[:, :len(prompt)] = prompt
+    temp = cfg.train.temperature
+
+    @jax.jit
+    def run(params, buf, key):
+        def one(i, carry):
+            buf, key = carry
+            logits = forward(params, buf, cfg.model)[:, i - 1, :n_valid]
+            key, sub = jax.random.split(key)
+            nxt = (jnp.argmax(logits, -1) if temp == 0 else
+                   jax.random.categorical(sub, logits / temp, axis=-1))
+            return buf.at[:, i].set(nxt.astype(buf.dtype)), key
+        return jax.lax.fori_loop(len(prompt), len(prompt) + n_new, one, (buf, key))[0]
+
+    out = run(params, jax.device_put(buf, NamedSharding(mesh, P(BATCH_AXES, None))), key)
+    return np.asarray(jax.device_get(out))[0, len(prompt):len(prompt) + n_new].tolist()
+
+
+def dry_run(cfg: Config, mesh, tx) -> dict:
+    """Compile one train step on abstract inputs (nothing allocated) and report memory."""
+    sh = state_shardings(cfg, mesh, tx)
+    abstract = abstract_state(cfg, tx, sh)
+    batch = jax.ShapeDtypeStruct((cfg.train.batch_size, cfg.train.seq_len + 1), jnp.int32,
+                                 sharding=NamedSharding(mesh, P(BATCH_AXES, None)))
+    t0 = time.perf_counter()
+    step = jax.jit(partial(train_step, cfg=cfg, tx=tx), donate_argnums=0,
+                   out_shardings=(sh, None))
+    compiled = step.lower(abstract, batch).compile()
+    mem = compiled.memory_analysis()
+    n = count_params(cfg.model)
+    report = {"params": n, "devices": mesh.size, "compile_s": time.perf_counter() - t0}
+    if mem is not None:
+        report |= {k: int(getattr(mem, k + "_in_bytes")) for k in
+                   ("argument_size", "output_size", "alias_size", "temp_size")}
+        report["per_device_bytes"] = (report["argument_size"] + report["output_size"]
+                                      - report["alias_size"] + report["temp_size"])
+    gib = lambda b: f"{b / 2**30:.2f} GiB"
+    log(f"dry run | {n:,} parameters | mesh {describe(mesh)} | compiled in "
+        f"{report['compile_s']:.1f} s")
+    if mem is not None:
+        log(f"per device: {gib(report['per_device_bytes'])} = arguments "
+            f"{gib(report['argument_size'])} + outputs {gib(report['output_size'])} - donated "
+            f"{gib(report['alias_size'])} + temporaries {gib(report['temp_size'])}")
+    return report
+
+
+def bench(cfg: Config, mesh, tx) -> dict:
+    """Median step time over `cfg.bench` steps after compilation, on random tokens (no data,
+    no checkpoints). Each step is synced here, which the training loop never does."""
+    tc = cfg.train
+    sh = state_shardings(cfg, mesh, tx)
+    state = init_state(cfg, tx, sh)
+    batch = jax.device_put(
+        np.random.default_rng(0).integers(0, cfg.model.vocab_size,
+                                          (tc.batch_size, tc.seq_len + 1), dtype=np.int32),
+        NamedSharding(mesh, P(BATCH_AXES, None)))
+    t0 = time.perf_counter()
+    step = jax.jit(partial(train_step, cfg=cfg, tx=tx), donate_argnums=0,
+                   out_shardings=(sh, None)).lower(state, batch).compile()
+    compile_s = time.perf_counter() - t0
+    state, m = step(state, batch)  # warm-up: first-touch allocations
+    jax.block_until_ready(m)
+    times = []
+    for _ in range(cfg.bench):
+        t0 = time.perf_counter()
+        state, m = step(state, batch)
+        jax.block_until_ready(m)
+        times.append(time.perf_counter() - t0)
+    peak, src = peak_flops_per_device(tc.peak_tflops)
+    dt = float(np.median(times))
+    tok_s = tc.batch_size * tc.seq_len / dt
+    mfu = flops_per_token(cfg.model, tc.seq_len) * tok_s / (peak * jax.device_count())
+    log(f"bench | {tok_s:.0f} tok/s | {1e3 * dt:.1f} ms/step (median of {cfg.bench}, "
+        f"min {1e3 * min(times):.1f}) | MFU {100 * mfu:.1f}% of {peak / 1e12:.3g} TFLOP/s per "
+        f"device ({src}) | compile {compile_s:.1f} s")
+    return {"tokens_per_s": tok_s, "ms_per_step": 1e3 * dt, "mfu": mfu, "compile_s": compile_s}
+
+
+def main(cfg: Config) -> dict:
+    multislice.initialize()
+    validate(cfg, jax.device_count())
+    mesh = make_mesh(cfg.mesh)
+    tx = make_optimizer(cfg.train)
+    n_params = count_params(cfg.model)
+    log(f"model {n_params / 1e6:.1f}M parameters | mesh {describe(mesh)} | "
+        f"{jax.device_count()} {jax.devices()[0].platform} devices, "
+        f"{jax.process_count()} process(es)")
+    with jax.set_mesh(mesh):
+        if cfg.dry_run:
+            return dry_run(cfg, mesh, tx)
+        if cfg.bench:
+            return bench(cfg, mesh, tx)
+        return _train(cfg, mesh, tx)
+
+
+def _train(cfg: Config, mesh, tx) -> dict:
+    t_start = time.perf_counter()
+    tc, mc = cfg.train, cfg.model
+    ds = load_dataset(cfg.data)
+    if ds.vocab_size > mc.vocab_size:
+        raise ConfigError(f"the tokenizer has {ds.vocab_size} tokens but --model.vocab-size is "
+                          f"{mc.vocab_size}; set --model.vocab-size {ds.vocab_size} or larger.")
+    os.makedirs(cfg.run_dir, exist_ok=True)
+    if multislice.is_main_process():
+        check_run_config(cfg.run_dir, dataclasses.asdict(cfg), MAY_CHANGE)
+    ckpt = Checkpointer(cfg.run_dir, cfg.checkpoint)
+    try:
+        return _train_loop(cfg, mesh, tx, ds, ckpt, t_start)
+    finally:
+        ckpt.close()  # waits for the last save; raises if it failed
+
+
+def _train_loop(cfg: Config, mesh, tx, ds, ckpt: Checkpointer, t_start: float) -> dict:
+    tc, mc = cfg.train, cfg.model
+    shardings = state_shardings(cfg, mesh, tx)
+    start = ckpt.resume_step()
+    if start is None:
+        state, start = init_state(cfg, tx, shardings), 0
+    else:
+        t0 = time.perf_counter()
+        abstract = abstract_state(cfg, tx, shardings)
+        state = ckpt.restore(start, abstract)
+        log(f"resumed from step {start} ({cfg.run_dir}/checkpoints/{start}, "
+            f"{time.perf_counter() - t0:.1f} s)")
+
+    batch_sh = NamedSharding(mesh, P(BATCH_AXES, None))
+    next_batch = partial(get_batch, ds.train, seed=cfg.data.seed, batch_size=tc.batch_size,
+                         seq_len=tc.seq_len, sharding=batch_sh)
+    step_fn = jax.jit(partial(train_step, cfg=cfg, tx=tx), donate_argnums=0,
+                      out_shardings=(shardings, None))
+    eval_fn = jax.jit(partial(eval_step, cfg=mc))
+    peak, peak_src = peak_flops_per_device(tc.peak_tflops)
+    fpt = flops_per_token(mc, tc.seq_len)
+    tokens_per_step = tc.batch_size * tc.seq_len
+
+    def evaluate(params) -> float:
+        losses = [eval_fn(params, get_batch(ds.eval, seed=cfg.data.seed + 1, step=i,
+                                            batch_size=tc.batch_size, seq_len=tc.seq_len,
+                                            sharding=batch_sh))
+                  for i in range(tc.eval_batches)]
+        return float(np.mean(jax.device_get(losses)))
+
+    metrics_path = os.path.join(cfg.run_dir, "metrics.jsonl")
+    summary = {"start_step": start, "first_loss": None, "last_loss": None, "eval_loss": None}
+
+    def emit(step, m, dt_s, n_steps):
+        tok_s = tokens_per_step * n_steps / dt_s
+        mfu = fpt * tok_s / (peak * jax.device_count()) if peak else float("nan")
+        rec = {"step": step, "loss": float(m["loss"]), "lr": float(m["lr"]),
+               "grad_norm": float(m["grad_norm"]), "tokens_per_s": tok_s, "mfu": mfu,
+               "ms_per_step": 1e3 * dt_s / n_steps}
+        summary["first_loss"] = summary["first_loss"] or rec["loss"]
+        summary["last_loss"] = rec["loss"]
+        log(f"step {step} | loss {rec['loss']:.3f} | lr {rec['lr']:.1e} | grad_norm "
+            f"{rec['grad_norm']:.2f} | {tok_s / 1e3:.1f}k tok/s | MFU {100 * mfu:.1f}% | "
+            f"{rec['ms_per_step']:.0f} ms/step")
+        if multislice.is_main_process():
+            with open(metrics_path, "a") as f:
+                f.write(json.dumps(rec) + "\n")
+
+    if start >= tc.steps:
+        log(f"already at step {start} of --train.steps {tc.steps}: nothing to train "
+            f"(raise --train.steps to continue)")
+    else:
+        log(f"compiling train step ...", end="")
+        t0 = time.perf_counter()
+        step_fn = step_fn.lower(state, next_batch(step=start)).compile()
+        log(f" {time.perf_counter() - t0:.1f} s | peak {peak / 1e12:.3g} TFLOP/s per device "
+            f"({peak_src}) | {fpt / 1e6:.1f} MFLOP/token")
+        pending = None  # (step, device metrics, time dispatched): fetched one step late
+        t_log, steps_since = time.perf_counter(), 0
+        with PreemptionGuard() as guard:
+            for step in range(start, tc.steps):
+                state, metrics = step_fn(state, next_batch(step=step))
+                steps_since += 1
+                done = step + 1
+                if pending is not None:   # the previous log step is finished by now, or nearly
+                    m = jax.device_get(pending[1])
+                    now = time.perf_counter()
+                    emit(pending[0], m, now - t_log, pending[2])
+                    t_log, pending = now, None
+                if done % tc.log_every == 0 or done == tc.steps or done == start + 1:
+                    pending, steps_since = (done, metrics, steps_since), 0
+                if done % tc.eval_every == 0 or done == tc.steps:
+                    summary["eval_loss"] = evaluate(state["params"])
+                    log(f"eval step {done} | eval_loss {summary['eval_loss']:.3f}")
+                ckpt.save(done, state, force=done == tc.steps)
+                if guard.requested:
+                    log(f"SIGTERM: saving step {done} and exiting")
+                    ckpt.save(done, state, force=True)
+                    break
+            if pending is not None:
+                jax.block_until_ready(pending[1])
+                emit(pending[0], jax.device_get(pending[1]), time.perf_counter() - t_log,
+                     pending[2])
+    ckpt.wait()
+    summary["final_step"] = int(jax.device_get(state["step"]))
+    summary["state"] = state
+    if tc.sample_tokens > 0:
+        prompt = ds.encode("def ")
+        out = sample(state["params"], prompt, cfg, mesh, jax.random.key(tc.seed + 7),
+                     ds.vocab_size)
+        log("sample:\n" + ds.decode(prompt + out))
+    log(f"done in {time.perf_counter() - t_start:.0f} s | step {summary['final_step']} | "
+        f"checkpoints in {cfg.run_dir}/checkpoints")
+    return summary
+
+
+def cli(args=None) -> Config:
+    import tyro
+    return tyro.extras.overridable_config_cli(PRESETS, args=args)
+
+
+if __name__ == "__main__":
+    try:
+        main(cli())
+    except (ConfigError, MeshError, ConfigConflictError, CheckpointError, FileNotFoundError) as e:
+        # Bad input: a one-paragraph reason and the fix, not a traceback.
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
