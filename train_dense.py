@@ -762,7 +762,8 @@ def _train_loop(cfg: Config, mesh, tx, ds, ckpt: Checkpointer, t_start: float) -
         step_fn = step_fn.lower(state, next_batch(step=start)).compile()
         log(f" {time.perf_counter() - t0:.1f} s | peak {peak / 1e12:.3g} TFLOP/s per device "
             f"({peak_src}) | {fpt / 1e6:.1f} MFLOP/token")
-        pending = None  # (step, device metrics, time dispatched): fetched one step late
+        pending = None  # (step, device metrics, steps covered): fetched one step late
+        stop_vote = None  # did any process get SIGTERM? also read one step late
         t_log, steps_since = time.perf_counter(), 0
         with PreemptionGuard() as guard:
             for step in range(start, tc.steps):
@@ -779,10 +780,11 @@ def _train_loop(cfg: Config, mesh, tx, ds, ckpt: Checkpointer, t_start: float) -
                 if done % tc.eval_every == 0 or done == tc.steps:
                     summary["eval_loss"] = evaluate(state["params"])
                     log(f"eval step {done} | eval_loss {summary['eval_loss']:.3f}")
-                ckpt.save(done, state, force=done == tc.steps)
-                if guard.requested:
-                    log(f"SIGTERM: saving step {done} and exiting")
-                    ckpt.save(done, state, force=True)
+                stop = stop_vote is not None and bool(stop_vote)  # same answer everywhere
+                stop_vote = multislice.any_process(guard.requested)
+                ckpt.save(done, state, force=done == tc.steps or stop)
+                if stop:
+                    log(f"SIGTERM: saved step {done}, exiting")
                     break
             if pending is not None:
                 jax.block_until_ready(pending[1])
@@ -809,7 +811,8 @@ def cli(args=None) -> Config:
 if __name__ == "__main__":
     try:
         main(cli())
-    except (ConfigError, MeshError, ConfigConflictError, CheckpointError, FileNotFoundError) as e:
+    except (ConfigError, MeshError, ConfigConflictError, CheckpointError, FileNotFoundError,
+            multislice.DistributedInitError) as e:
         # Bad input: a one-paragraph reason and the fix, not a traceback.
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

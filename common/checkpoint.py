@@ -117,10 +117,17 @@ class Checkpointer:
             # We decide when to save (see `save`); Orbax only keeps the last `keep`.
             preservation_policy=ocp.checkpoint_managers.LatestN(n=cfg.keep),
             enable_async_checkpointing=cfg.async_save,
-            # Temporary folders left by a save that was cut off are Orbax's own; a resumed
-            # run would never read them, and for a large model each is as big as a
-            # checkpoint.
-            cleanup_tmp_directories=True,
+            # Create the step's temporary folder before `save` returns rather than in the
+            # background. When that creation fails in the background (the disk is gone, the
+            # path became a file), Orbax 0.12 leaves its writer threads waiting for a
+            # "folder created" signal that never comes: the error is reported, but the
+            # process then hangs for five minutes at exit. A mkdir is cheap to wait for.
+            async_options=ocp.AsyncOptions(create_directories_asynchronously=False),
+            # Orbax could also delete the leftovers of cut-off saves here, on opening; we
+            # do it at the first save instead (see `_sweep_leftovers`), so that merely
+            # reading a run (say, to initialise another from it) never deletes the folder
+            # of a save that run is writing at that moment.
+            cleanup_tmp_directories=False,
             create=True,
         )
         try:
@@ -131,6 +138,7 @@ class Checkpointer:
                 "Fix: make sure the run directory is writable, or choose another --run-dir."
             ) from e
         self._in_flight: int | None = None  # step of an async save not yet known to be on disk
+        self._swept = False
         self._closed = False
 
     # -- which steps exist ------------------------------------------------------------
@@ -188,6 +196,7 @@ class Checkpointer:
                 "so this run has gone back in time (restore_step below the latest?) and keep-N would "
                 "mix two histories. Fix: continue from the latest checkpoint, or start a new --run-dir."
             )
+        self._sweep_leftovers()
         try:
             self._manager.save(step, args=ocp.args.Composite(**{_ITEM: ocp.args.StandardSave(state)}), force=True)
         except Exception as e:
@@ -195,6 +204,22 @@ class Checkpointer:
         if self.cfg.async_save:
             self._in_flight = step
         return True
+
+    def _sweep_leftovers(self) -> None:
+        """Deletes the temporary folders of saves that were cut off, once, before our first save.
+
+        They are Orbax's own, nothing ever reads them, and for a large model each is as
+        big as a checkpoint. A run that saves owns its directory, so none of them can be a
+        save in progress. One process deletes; the others never look at these folders.
+        """
+        if self._swept:
+            return
+        self._swept = True
+        if jax.process_index() != 0:
+            return
+        for name in os.listdir(self.directory):
+            if _TMP_STEP.match(name):
+                shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
 
     def wait(self) -> None:
         """Blocks until a background save is on disk; raises CheckpointError if it failed."""
@@ -208,9 +233,9 @@ class Checkpointer:
         what = f"step {step}" if step is not None else "a checkpoint"
         where = "in the background " if background else ""
         last = self.latest_step() if os.path.isdir(self.directory) else None
+        kept = "" if last is None else f"The last complete checkpoint, step {last}, is untouched. "
         return (
-            f"saving {what} {where}to {self.directory} failed: {_reason(e)}. "
-            f"The last complete checkpoint ({'none' if last is None else f'step {last}'}) is untouched. "
+            f"saving {what} {where}to {self.directory} failed: {_reason(e)}. {kept}"
             "Fix: check free disk space and that the directory is writable, then resume."
         )
 

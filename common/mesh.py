@@ -97,8 +97,9 @@ def make_mesh(cfg: MeshConfig, devices=None) -> Mesh:
     (process_is_granule), which is how a multi-node GPU job maps onto dcn axes.
     """
     devices = list(jax.devices() if devices is None else devices)
-    if hasattr(devices[0], "slice_index"):
-        n_slices = len({d.slice_index for d in devices})
+    on_tpu = devices[0].platform == "tpu"
+    if on_tpu:
+        n_slices = len({getattr(d, "slice_index", 0) for d in devices})
     elif math.prod(cfg.dcn()) > 1:
         n_slices = len({d.process_index for d in devices})
     else:
@@ -111,7 +112,7 @@ def make_mesh(cfg: MeshConfig, devices=None) -> Mesh:
     else:
         dev = mesh_utils.create_hybrid_device_mesh(
             cfg.ici(), cfg.dcn(), devices,
-            process_is_granule=not hasattr(devices[0], "slice_index"),
+            process_is_granule=not on_tpu,
             allow_split_physical_axes=True)
     # Auto axes: shardings are propagated by XLA from the constraints we pin at block boundaries.
     return Mesh(dev, AXES, axis_types=(AxisType.Auto,) * len(AXES))

@@ -9,9 +9,21 @@ Several processes are recognised from:
 """
 from __future__ import annotations
 
+import functools
 import os
+import socket
+import sys
+import time
 
 import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+
+class DistributedInitError(RuntimeError):
+    """The process group could not be formed; the message says what to check."""
 
 
 def wants_distributed(env=os.environ) -> bool:
@@ -23,25 +35,83 @@ def wants_distributed(env=os.environ) -> bool:
     return len([h for h in env.get("TPU_WORKER_HOSTNAMES", "").split(",") if h]) > 1
 
 
-def initialize(timeout_s: int = 300) -> None:
-    """Join the process group if there is one; otherwise do nothing. Idempotent."""
+def initialize(timeout_s: int | None = None) -> None:
+    """Join the process group if there is one; otherwise do nothing. Idempotent.
+
+    The wait for the other processes is bounded (JAX_TRAINERS_INIT_TIMEOUT seconds, default
+    300): a wrong coordinator address or a process that never starts is an error that says
+    what to check, not a hang.
+    """
     if not wants_distributed() or jax.distributed.is_initialized():
         return
-    if jax.config.jax_platforms in (None, "", "cpu") and "JAX_NUM_PROCESSES" in os.environ:
-        # CPU processes exchange collectives over gloo (the default CPU backend has none).
-        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    if timeout_s is None:
+        timeout_s = int(os.environ.get("JAX_TRAINERS_INIT_TIMEOUT", "300"))
+    # CPU processes exchange collectives over gloo (the default CPU backend has none);
+    # harmless where the devices are GPUs or TPUs.
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
     kwargs = {}
     if "JAX_COORDINATOR_ADDRESS" in os.environ:
         kwargs = dict(coordinator_address=os.environ["JAX_COORDINATOR_ADDRESS"],
                       num_processes=int(os.environ["JAX_NUM_PROCESSES"]),
                       process_id=int(os.environ["JAX_PROCESS_ID"]))
+    where = kwargs.get("coordinator_address", "auto-detected (Slurm/TPU)")
+    hint = ("check that process 0 runs on the coordinator address, that every one of the "
+            f"{kwargs.get('num_processes', '')} processes was started, and that the port is "
+            "reachable from all of them")
+    # JAX aborts the whole process (a C++ fatal error, no Python exception) when the group
+    # does not form in time, so say what we are waiting for, and why it may fail, first.
+    print(f"distributed: process {kwargs.get('process_id', '?')} joining coordinator {where}, "
+          f"waiting up to {timeout_s} s for all processes (if this fails: {hint})",
+          file=sys.stderr, flush=True)
+    if kwargs.get("process_id", 0) != 0:
+        _wait_for_coordinator(kwargs["coordinator_address"], timeout_s, hint)
     try:
         jax.distributed.initialize(initialization_timeout=timeout_s, **kwargs)
     except Exception as e:  # the coordinator is the usual culprit: say which one we tried
         where = kwargs.get("coordinator_address", "auto-detected (Slurm/TPU)")
-        raise RuntimeError(f"jax.distributed.initialize failed (coordinator {where}, "
-                           f"timeout {timeout_s}s): {e}. Check that process 0 is up and the "
-                           "address is reachable from every process.") from e
+        n = kwargs.get("num_processes", "?")
+        raise DistributedInitError(
+            f"jax.distributed.initialize did not complete within {timeout_s} s (coordinator "
+            f"{where}, {n} processes): {str(e).splitlines()[0] if str(e) else type(e).__name__}. "
+            "Check that process 0 runs on the coordinator address, that every one of the "
+            "processes was started, and that the port is reachable from all of them.") from e
+
+
+def _wait_for_coordinator(address: str, timeout_s: int, hint: str) -> None:
+    """Poll the coordinator's port, so an unreachable one is a Python error we can explain."""
+    host, port = address.rsplit(":", 1)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            socket.create_connection((host, int(port)), timeout=2).close()
+            return
+        except OSError as e:
+            if time.monotonic() > deadline:
+                raise DistributedInitError(
+                    f"no coordinator answered at {address} within {timeout_s} s ({e}): "
+                    f"{hint} (JAX_COORDINATOR_ADDRESS).") from None
+            time.sleep(0.5)
+
+
+@functools.lru_cache(maxsize=1)
+def _or_over_processes():
+    devices = np.array(jax.devices())
+    mesh = Mesh(devices, ("all",))
+    reduce = jax.jit(jnp.max, out_shardings=NamedSharding(mesh, P()))
+    return NamedSharding(mesh, P("all")), reduce
+
+
+def any_process(flag: bool) -> jax.Array:
+    """OR of `flag` over every process, as a device scalar still in flight.
+
+    A preemption notice (SIGTERM) may reach one process only, yet all of them must save the
+    same step or the checkpoint's barriers wait forever. Each process contributes its flag;
+    the training loop reads the result one step later, so no step waits for it.
+    """
+    sharding, reduce = _or_over_processes()
+    local = np.full((1,), int(flag), np.int32)
+    return reduce(jax.make_array_from_callback((jax.device_count(),), sharding,
+                                               lambda _: local))
 
 
 def is_main_process() -> bool:

@@ -154,6 +154,6 @@ def test_sigterm_saves_at_the_next_step_and_exits_0(data_path, tmp_path):
     rest, _ = p.communicate(timeout=120)
     out = "".join(lines) + rest
     assert p.returncode == 0, out
-    assert "SIGTERM: saving step" in out
+    assert "SIGTERM: saved step" in out
     saved = [int(d) for d in os.listdir(tmp_path / "checkpoints") if d.isdigit()]
     assert len(saved) == 1 and 3 <= saved[0] < 100000
