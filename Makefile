@@ -5,9 +5,12 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 ARGS   ?=
 PRESET ?= tiny
+# pip extras installed into the venv: 'cuda,test' on a GPU node, 'tpu' on a TPU VM.
+EXTRAS ?= test
+MOE_PRESET ?= tiny-moe
 
 .DEFAULT_GOAL := help
-.PHONY: help train test bench dry-run prepare clean
+.PHONY: help train test bench dry-run prepare clean train-moe bench-moe
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -15,17 +18,23 @@ help:  ## list the targets
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -e '.[$(EXTRAS)]'
 	touch $@
 
 train: $(VENV)/.installed  ## train the tiny model on the embedded corpus (resumes if run again)
 	$(PY) train_dense.py $(PRESET) $(ARGS)
+
+train-moe: $(VENV)/.installed  ## train the tiny mixture of experts (MOE_PRESET) on the embedded corpus; resumes
+	$(PY) train_moe.py $(MOE_PRESET) $(ARGS)
 
 test: $(VENV)/.installed  ## run the test suite on 8 simulated CPU devices
 	$(PY) -m pytest -n 2 tests $(ARGS)
 
 bench: $(VENV)/.installed  ## tokens/s, ms/step, MFU and compile time of PRESET on synthetic tokens
 	$(PY) train_dense.py $(PRESET) --bench 10 $(ARGS)
+
+bench-moe: $(VENV)/.installed  ## tok/s and MFU of MOE_PRESET and of its dense twin (same active params), and their ratio
+	$(PY) train_moe.py $(MOE_PRESET) --bench 10 $(ARGS)
 
 dry-run: $(VENV)/.installed  ## compile llama3.1-70b on 256 simulated devices and print its memory
 	XLA_FLAGS=--xla_force_host_platform_device_count=256 $(PY) train_dense.py llama3.1-70b \
@@ -36,3 +45,48 @@ prepare: $(VENV)/.installed  ## tokenize your own text: make prepare ARGS="--inp
 
 clean:  ## remove the virtual environment (runs/ and data/ are yours: never touched)
 	rm -rf $(VENV)
+
+# ---- Many machines: each target prints the real commands (make echoes them) and runs them.
+# `make -n TARGET VAR=...` shows them without running. The same train_dense.py runs
+# everywhere; only the mesh flags and the launcher change.
+PROJECT    ?= my-gcp-project
+ZONE       ?= us-east5-a
+TPU_NAME   ?= jax-trainers
+TPU_TYPE   ?= v5p-32
+TPU_RUNTIME ?= v2-alpha-tpuv5
+NUM_SLICES ?= 2
+# Every process of a run must see RUN_DIR: on several hosts, a shared mount (Filestore, NFS,
+# gcsfuse); gs:// URLs are not supported yet by common/checkpoint.py.
+RUN_DIR    ?= runs/$(PRESET)
+REMOTE_DIR ?= jax-trainers
+GPUS       ?= 8
+NODES      ?= 2
+GPU_ARGS   ?= --model.dtype bfloat16
+TPU_REMOTE  = cd $(REMOTE_DIR) && python3 -m venv .venv && .venv/bin/pip install -q -e '.[tpu]' && \
+  .venv/bin/python train_dense.py $(PRESET) --run-dir $(RUN_DIR) --mesh.fsdp -1
+.PHONY: tpu-vm tpu-multislice gpu-node gpu-slurm
+
+tpu-vm:  ## one TPU VM slice: copy the repo to every worker, install, train (PROJECT ZONE TPU_NAME)
+	gcloud compute tpus tpu-vm scp --recurse --project=$(PROJECT) --zone=$(ZONE) --worker=all \
+	  common train_dense.py pyproject.toml README.md $(TPU_NAME):$(REMOTE_DIR)
+	gcloud compute tpus tpu-vm ssh $(TPU_NAME) --project=$(PROJECT) --zone=$(ZONE) --worker=all \
+	  --command="$(TPU_REMOTE) $(ARGS)"
+
+tpu-multislice:  ## NUM_SLICES TPU slices via queued resources, data parallel over the DCN
+	gcloud compute tpus queued-resources create $(TPU_NAME) --project=$(PROJECT) --zone=$(ZONE) \
+	  --node-prefix=$(TPU_NAME) --node-count=$(NUM_SLICES) --accelerator-type=$(TPU_TYPE) \
+	  --runtime-version=$(TPU_RUNTIME)
+	for i in $$(seq 0 $$(($(NUM_SLICES) - 1))); do \
+	  gcloud compute tpus tpu-vm scp --recurse --project=$(PROJECT) --zone=$(ZONE) --worker=all \
+	    common train_dense.py pyproject.toml README.md $(TPU_NAME)-$$i:$(REMOTE_DIR) && \
+	  gcloud compute tpus tpu-vm ssh $(TPU_NAME)-$$i --project=$(PROJECT) --zone=$(ZONE) \
+	    --worker=all --command="$(TPU_REMOTE) --mesh.dcn-data $(NUM_SLICES) $(ARGS)" & \
+	done; wait
+
+gpu-node: $(VENV)/.installed  ## one GPU node: GPUS processes, one per GPU, restarted as a group on failure
+	$(PY) -m common.launch --nproc $(GPUS) --gpus -- $(PY) train_dense.py $(PRESET) \
+	  --run-dir $(RUN_DIR) --mesh.fsdp -1 $(GPU_ARGS) $(ARGS)
+
+gpu-slurm:  ## NODES x GPUS GPUs under Slurm (cluster/slurm_train.sbatch)
+	sbatch --nodes=$(NODES) --ntasks-per-node=$(GPUS) --gpus-per-node=$(GPUS) \
+	  cluster/slurm_train.sbatch $(PRESET) --run-dir $(RUN_DIR) --mesh.fsdp -1 $(GPU_ARGS) $(ARGS)

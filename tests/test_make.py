@@ -1,0 +1,55 @@
+"""The cluster targets print well-formed commands (`make -n`), and the Slurm script parses."""
+import os
+import subprocess
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+VARS = ["PROJECT=proj", "ZONE=zone-a", "TPU_NAME=pod", "TPU_TYPE=v5p-64", "NUM_SLICES=3",
+        "RUN_DIR=/mnt/shared/run", "PRESET=llama3.1-8b", "GPUS=4", "NODES=2",
+        "VENV=/nonexistent-venv"]
+
+
+def dry(target):
+    r = subprocess.run(["make", "-n", "-B", target, *VARS], cwd=ROOT, capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    return " ".join(r.stdout.replace("\\\n", " ").split())
+
+
+def test_tpu_vm():
+    out = dry("tpu-vm")
+    assert "gcloud compute tpus tpu-vm scp --recurse --project=proj --zone=zone-a --worker=all" in out
+    assert "gcloud compute tpus tpu-vm ssh pod --project=proj --zone=zone-a --worker=all" in out
+    assert "train_dense.py llama3.1-8b --run-dir /mnt/shared/run --mesh.fsdp -1" in out
+
+
+def test_tpu_multislice_sets_the_dcn_axis():
+    out = dry("tpu-multislice")
+    assert ("queued-resources create pod --project=proj --zone=zone-a --node-prefix=pod "
+            "--node-count=3 --accelerator-type=v5p-64") in out
+    assert "seq 0 $((3 - 1))" in out and "pod-$i" in out
+    assert "--mesh.dcn-data 3" in out
+
+
+def test_gpu_node_uses_the_launcher():
+    out = dry("gpu-node")
+    assert ("/nonexistent-venv/bin/python -m common.launch --nproc 4 --gpus -- "
+            "/nonexistent-venv/bin/python train_dense.py llama3.1-8b --run-dir /mnt/shared/run "
+            "--mesh.fsdp -1") in out
+
+
+def test_gpu_slurm_and_its_script():
+    out = dry("gpu-slurm")
+    assert ("sbatch --nodes=2 --ntasks-per-node=4 --gpus-per-node=4 cluster/slurm_train.sbatch "
+            "llama3.1-8b --run-dir /mnt/shared/run") in out
+    script = os.path.join(ROOT, "cluster", "slurm_train.sbatch")
+    assert subprocess.run(["bash", "-n", script]).returncode == 0
+    text = open(script).read()
+    for var in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID=$SLURM_PROCID",
+                "CUDA_VISIBLE_DEVICES=$SLURM_LOCALID"):
+        assert var in text
+
+
+def test_help_lists_every_target():
+    r = subprocess.run(["make", "help"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    for t in ("train", "test", "bench", "tpu-vm", "tpu-multislice", "gpu-node", "gpu-slurm"):
+        assert f"make {t} " in r.stdout
