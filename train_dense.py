@@ -122,6 +122,12 @@ _QWEN3 = dict(vocab_size=151936, head_dim=128, n_kv_heads=8, max_seq_len=40960,
 
 PRESETS: dict[str, tuple[str, Config]] = {
     "tiny": ("~5M parameters on the embedded corpus: the `make train` default", Config()),
+    # The model ../shared/bench/peer_maxtext.sh runs in MaxText, for side-by-side speed.
+    "bench-parity": ("MaxText comparison model: d 256, 4 layers, vocab 32000, seq 256, batch 8",
+                     Config(model=ModelConfig(vocab_size=32000, d_model=256, n_layers=4,
+                                              n_heads=4, n_kv_heads=4, head_dim=64, d_ff=1024),
+                            train=TrainConfig(batch_size=8, seq_len=256),
+                            run_dir="runs/bench-parity")),
     "llama2-7b": ("Llama 2 7B", _big(_LLAMA2_7B, "llama2-7b")),
     "llama3.1-8b": ("Llama 3.1 8B (rope scaling 8x)", _big(_LLAMA31_8B, "llama3.1-8b")),
     "llama3.1-70b": ("Llama 3.1 70B", _big(dataclasses.replace(
@@ -673,6 +679,7 @@ def bench(cfg: Config, mesh, tx) -> dict:
 
 def main(cfg: Config) -> dict:
     multislice.initialize()
+    multislice.enable_compilation_cache()
     validate(cfg, jax.device_count())
     mesh = make_mesh(cfg.mesh)
     tx = make_optimizer(cfg.train)

@@ -95,8 +95,8 @@ class Group:
 
 def describe_exit(rc: int) -> str:
     if rc < 0:
-        return f"killed by {signal.Signals(-rc).name}"
-    return f"exit code {rc}"
+        return f"was killed by {signal.Signals(-rc).name}"
+    return f"exited with code {rc}"
 
 
 def run(cmd: list[str], nproc: int, cpu_devices: int = 0, gpus: bool = False,
@@ -129,7 +129,7 @@ def run(cmd: list[str], nproc: int, cpu_devices: int = 0, gpus: bool = False,
         group.signal(signal.SIGKILL)
         group.wait()
         if preempted.is_set():
-            print(f"launch: process {i} ended with {describe_exit(rc)} while preempted; "
+            print(f"launch: process {i} {describe_exit(rc)} while preempted; "
                   "not restarting", flush=True)
             return rc if rc > 0 else 1
         if rc == 2:
@@ -137,10 +137,10 @@ def run(cmd: list[str], nproc: int, cpu_devices: int = 0, gpus: bool = False,
                   "fail the same way, so not restarting", flush=True)
             return rc
         if attempt == max_restarts:
-            print(f"launch: process {i} ended with {describe_exit(rc)}; restart limit "
+            print(f"launch: process {i} {describe_exit(rc)}; restart limit "
                   f"({max_restarts}) reached, giving up", flush=True)
             return rc if rc > 0 else 1
-        print(f"launch: process {i} ended with {describe_exit(rc)}; restarting all {nproc} "
+        print(f"launch: process {i} {describe_exit(rc)}; restarting all {nproc} "
               f"processes (restart {attempt + 1} of {max_restarts})", flush=True)
     return 1
 

@@ -114,5 +114,18 @@ def any_process(flag: bool) -> jax.Array:
                                                lambda _: local))
 
 
+def enable_compilation_cache() -> None:
+    """Keep compiled steps on disk, so a restart or a second run skips most compilation.
+
+    JAX_COMPILATION_CACHE_DIR (JAX's own variable) wins; otherwise ~/.cache/jax_trainers/xla.
+    Only programs that took over a second to compile are kept.
+    """
+    if jax.config.jax_compilation_cache_dir:
+        return
+    path = os.environ.get("JAX_TRAINERS_CACHE", os.path.expanduser("~/.cache/jax_trainers"))
+    jax.config.update("jax_compilation_cache_dir", os.path.join(path, "xla"))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+
+
 def is_main_process() -> bool:
     return jax.process_index() == 0
