@@ -65,6 +65,7 @@ class ModelConfig:
     remat: Literal["full", "dots", "none"] = "full"     # what the backward pass may keep
     scan_layers: bool = True
     loss_chunk: int = 256         # sequence positions per cross-entropy chunk (bounds [B,T,V])
+    loss_impl: Literal["fused", "remat"] = "fused"  # gradient made with the loss, or rebuilt
 
 
 @dataclass(frozen=True)
@@ -148,7 +149,8 @@ MAY_CHANGE = frozenset({
     "train.steps", "train.log_every", "train.eval_every", "train.eval_batches",
     "train.sample_tokens", "train.temperature", "train.peak_tflops", "train.microbatches",
     "mesh", "checkpoint", "dry_run", "bench", "data.cache_dir", "run_dir",
-    "model.dtype", "model.attention", "model.remat", "model.scan_layers", "model.loss_chunk"})
+    "model.dtype", "model.attention", "model.remat", "model.scan_layers", "model.loss_chunk",
+    "model.loss_impl"})
 
 
 class ConfigError(ValueError):
@@ -402,24 +404,18 @@ def forward(params: dict, tokens_BT, cfg: ModelConfig):
 # ----------------------------------------------------------------------------------------------
 
 
-def loss_sums(params: dict, batch_BT1, cfg: ModelConfig):
-    """Summed cross-entropy and summed logsumexp^2 over all B*T targets.
-
-    The [B, T, V] logits never exist at once: the sequence is cut into chunks of
-    `loss_chunk` positions, each chunk's logits are made, reduced and dropped, and remat
-    recomputes them in the backward pass. With a 128k vocabulary this is the difference
-    between gigabytes and megabytes of activations.
-    """
-    inputs, targets = batch_BT1[:, :-1], batch_BT1[:, 1:]
-    h_BTD = hidden(params, inputs, cfg)
-    w_DV = unembedding(params, cfg).astype(h_BTD.dtype)
+def _chunked(h_BTD, t_BT, chunk: int):
     B, T, D = h_BTD.shape
-    C = min(cfg.loss_chunk, T)
-    h_nBCD = h_BTD.reshape(B, T // C, C, D).swapaxes(0, 1)
-    t_nBC = targets.reshape(B, T // C, C).swapaxes(0, 1)
+    C = min(chunk, T)
+    return h_BTD.reshape(B, T // C, C, D).swapaxes(0, 1), t_BT.reshape(B, T // C, C).swapaxes(0, 1)
+
+
+def _ce_remat(h_BTD, w_DV, t_BT, chunk: int, z_loss: float):
+    """Cross-entropy over sequence chunks, each chunk's logits rebuilt in the backward pass."""
+    h_nBCD, t_nBC = _chunked(h_BTD, t_BT, chunk)
 
     @partial(jax.checkpoint, prevent_cse=False)
-    def chunk(carry, xs):
+    def one(carry, xs):
         h_BCD, t_BC = xs
         logits = jnp.einsum("bcd,dv->bcv", h_BCD, w_DV, preferred_element_type=jnp.float32)
         lse = jax.nn.logsumexp(logits, axis=-1)
@@ -427,15 +423,79 @@ def loss_sums(params: dict, batch_BT1, cfg: ModelConfig):
         return (carry[0] + jnp.sum(lse - tgt), carry[1] + jnp.sum(lse * lse)), None
 
     zero = jnp.zeros((), jnp.float32)
-    (ce, z), _ = jax.lax.scan(chunk, (zero, zero), (h_nBCD, t_nBC))
-    return ce, z
+    (ce, z), _ = jax.lax.scan(one, (zero, zero), (h_nBCD, t_nBC))
+    return ce + z_loss * z, ce
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _ce_fused(h_BTD, w_DV, t_BT, chunk: int, z_loss: float):
+    """Cross-entropy whose gradient is made in the same pass as the loss, chunk by chunk.
+
+    For logits l, p = softmax(l) and target t, d(ce)/dl = p - onehot(t) and
+    d(lse^2)/dl = 2 lse p: both are known the moment a chunk's logits are, so each chunk
+    leaves only its dh = dl W^T and adds h^T dl to dW, and no logits are kept or rebuilt.
+    Against `_ce_remat` this saves the second unembedding matmul, which dominates the
+    step when the vocabulary is large. Only the objective is differentiated; the returned
+    cross-entropy is a report.
+    """
+    return _ce_fused_fwd(h_BTD, w_DV, t_BT, chunk, z_loss)[0]
+
+
+def _ce_fused_fwd(h_BTD, w_DV, t_BT, chunk, z_loss):
+    h_nBCD, t_nBC = _chunked(h_BTD, t_BT, chunk)
+    V = w_DV.shape[1]
+
+    def one(carry, xs):
+        obj, ce, dw_DV = carry
+        h_BCD, t_BC = xs
+        logits = jnp.einsum("bcd,dv->bcv", h_BCD, w_DV, preferred_element_type=jnp.float32)
+        lse = jax.nn.logsumexp(logits, axis=-1)
+        tgt = jnp.take_along_axis(logits, t_BC[..., None], axis=-1)[..., 0]
+        p = jnp.exp(logits - lse[..., None])
+        dl = p * (1.0 + 2.0 * z_loss * lse)[..., None] - jax.nn.one_hot(t_BC, V, dtype=p.dtype)
+        dh_BCD = jnp.einsum("bcv,dv->bcd", dl.astype(w_DV.dtype), w_DV,
+                            preferred_element_type=jnp.float32).astype(h_BCD.dtype)
+        dw_DV = dw_DV + jnp.einsum("bcd,bcv->dv", h_BCD, dl.astype(h_BCD.dtype),
+                                   preferred_element_type=jnp.float32)
+        ce_i = jnp.sum(lse - tgt)
+        return (obj + ce_i + z_loss * jnp.sum(lse * lse), ce + ce_i, dw_DV), dh_BCD
+
+    zero = jnp.zeros((), jnp.float32)
+    (obj, ce, dw_DV), dh_nBCD = jax.lax.scan(
+        one, (zero, zero, jnp.zeros(w_DV.shape, jnp.float32)), (h_nBCD, t_nBC))
+    dh_BTD = dh_nBCD.swapaxes(0, 1).reshape(h_BTD.shape)
+    return (obj, ce), (dh_BTD, dw_DV.astype(w_DV.dtype))
+
+
+def _ce_fused_bwd(chunk, z_loss, res, g):
+    dh_BTD, dw_DV = res
+    g_obj = g[0]
+    return ((g_obj * dh_BTD).astype(dh_BTD.dtype), (g_obj * dw_DV).astype(dw_DV.dtype), None)
+
+
+_ce_fused.defvjp(_ce_fused_fwd, _ce_fused_bwd)
+
+
+def loss_sums(params: dict, batch_BT1, cfg: ModelConfig, z_loss: float = 0.0):
+    """(objective, cross-entropy), each summed over all B*T targets; the objective adds
+    z_loss * logsumexp^2 (PaLM) to keep the softmax normaliser near 1.
+
+    The [B, T, V] logits never exist at once: the sequence is cut into chunks of
+    `loss_chunk` positions. With a 128k vocabulary this is the difference between gigabytes
+    and megabytes of activations.
+    """
+    inputs, targets = batch_BT1[:, :-1], batch_BT1[:, 1:]
+    h_BTD = hidden(params, inputs, cfg)
+    w_DV = unembedding(params, cfg).astype(h_BTD.dtype)
+    ce_impl = _ce_fused if cfg.loss_impl == "fused" else _ce_remat
+    return ce_impl(h_BTD, w_DV, targets, cfg.loss_chunk, z_loss)
 
 
 def loss_fn(params, batch_BT1, cfg: ModelConfig, z_loss: float = 0.0):
     """Mean next-token cross-entropy (+ z_loss * mean logsumexp^2). Returns (objective, ce)."""
-    ce, z = loss_sums(params, batch_BT1, cfg)
+    obj, ce = loss_sums(params, batch_BT1, cfg, z_loss)
     n = batch_BT1.shape[0] * (batch_BT1.shape[1] - 1)
-    return (ce + z_loss * z) / n, ce / n
+    return obj / n, ce / n
 
 
 def make_schedule(t: TrainConfig):
