@@ -10,10 +10,10 @@ EXTRAS ?= test
 MOE_PRESET ?= tiny-moe
 
 .DEFAULT_GOAL := help
-.PHONY: help train test bench dry-run prepare clean train-moe bench-moe
+.PHONY: help train test bench bench-parity dry-run prepare clean train-moe bench-moe
 
 help:  ## list the targets
-	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-16s %s\n", $$1, $$2}'
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -35,6 +35,9 @@ bench: $(VENV)/.installed  ## tokens/s, ms/step, MFU and compile time of PRESET 
 
 bench-moe: $(VENV)/.installed  ## tok/s and MFU of MOE_PRESET and of its dense twin (same active params), and their ratio
 	$(PY) train_moe.py $(MOE_PRESET) --bench 10 $(ARGS)
+
+bench-parity: $(VENV)/.installed  ## ours vs MaxText 0.2.5 on the same model, alternating, medians + ratio
+	$(PY) bench/parity.py $(ARGS)
 
 dry-run: $(VENV)/.installed  ## compile llama3.1-70b on 256 simulated devices and print its memory
 	XLA_FLAGS=--xla_force_host_platform_device_count=256 $(PY) train_dense.py llama3.1-70b \

@@ -248,3 +248,24 @@ def test_dry_run_reports_memory_without_allocating():
     # f32 weights + two Adam moments, split 8 ways, are a floor for the arguments.
     assert report["argument_size"] >= 3 * 4 * report["params"] / 8 * 0.99
     assert report["per_device_bytes"] > report["argument_size"] - report["alias_size"]
+
+
+def test_bench_parity_preset_matches_maxtexts_model():
+    cfg = td.PRESETS["bench-parity"][1]
+    assert td.count_params(cfg.model) == 20_580_608   # what MaxText prints for this model
+    assert (cfg.train.batch_size, cfg.train.seq_len, cfg.model.dtype) == (8, 256, "float32")
+
+
+@pytest.mark.parametrize("flags", [
+    {"loss_impl": "remat"}, {"loss_chunk": 4}, {"remat": "none"}, {"remat": "dots"},
+    {"attention": "einsum"}, {"scan_layers": False}])
+def test_every_speed_flag_gives_the_default_loss_and_gradients(flags):
+    cfg = small_cfg(KNOBS)
+    params, batch = perturbed_params(cfg), tokens(cfg)
+    grad = jax.jit(jax.value_and_grad(lambda p, m: td.loss_fn(p, batch, m)[0]),
+                   static_argnums=1)
+    ref, ref_g = grad(params, KNOBS)
+    got, g = grad(params, dataclasses.replace(KNOBS, **flags))
+    assert float(got) == pytest.approx(float(ref), rel=1e-6)
+    for a, b in zip(jax.tree.leaves(ref_g), jax.tree.leaves(g)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
