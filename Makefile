@@ -8,9 +8,10 @@ PRESET ?= tiny
 # pip extras installed into the venv: 'cuda,test' on a GPU node, 'tpu' on a TPU VM.
 EXTRAS ?= test
 MOE_PRESET ?= tiny-moe
+GRPO_PRESET ?= tiny
 
 .DEFAULT_GOAL := help
-.PHONY: help train test bench bench-parity dry-run prepare clean train-moe bench-moe
+.PHONY: help train test bench bench-parity dry-run prepare clean train-moe bench-moe train-grpo
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-16s %s\n", $$1, $$2}'
@@ -26,6 +27,9 @@ train: $(VENV)/.installed  ## train the tiny model on the embedded corpus (resum
 
 train-moe: $(VENV)/.installed  ## train the tiny mixture of experts (MOE_PRESET) on the embedded corpus; resumes
 	$(PY) train_moe.py $(MOE_PRESET) $(ARGS)
+
+train-grpo: $(VENV)/.installed  ## SFT warm start, then GRPO (GRPO_PRESET) on reversed addition, on the CPU; resumes
+	$(PY) train_grpo.py $(GRPO_PRESET) $(ARGS)
 
 test: $(VENV)/.installed  ## run the test suite on 8 simulated CPU devices
 	$(PY) -m pytest -n 2 tests $(ARGS)
