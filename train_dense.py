@@ -90,6 +90,7 @@ class TrainConfig:
     eval_batches: int = 4
     sample_tokens: int = 96       # printed at the end; 0 = no sample
     temperature: float = 0.7      # of that sample; 0 = greedy
+    sample_prompt: str = "def"    # no trailing space: sentencepiece would make it a lone "▁"
     peak_tflops: float = 0.0      # per device, for MFU; 0 = look up (TPU/GPU) or measure (CPU)
 
 
@@ -147,7 +148,8 @@ PRESETS: dict[str, tuple[str, Config]] = {
 # mesh and how it computes. Anything else (the model, the optimiser) must match.
 MAY_CHANGE = frozenset({
     "train.steps", "train.log_every", "train.eval_every", "train.eval_batches",
-    "train.sample_tokens", "train.temperature", "train.peak_tflops", "train.microbatches",
+    "train.sample_tokens", "train.temperature", "train.sample_prompt", "train.peak_tflops",
+    "train.microbatches",
     "mesh", "checkpoint", "dry_run", "bench", "data.cache_dir", "run_dir",
     "model.dtype", "model.attention", "model.remat", "model.scan_layers", "model.loss_chunk",
     "model.loss_impl"})
@@ -861,7 +863,7 @@ def _train_loop(cfg: Config, mesh, tx, ds, ckpt: Checkpointer, t_start: float) -
     summary["final_step"] = int(jax.device_get(state["step"]))
     summary["state"] = state
     if tc.sample_tokens > 0:
-        prompt = ds.encode("def ")
+        prompt = ds.encode(tc.sample_prompt)
         out = sample(state["params"], prompt, cfg, mesh, jax.random.key(tc.seed + 7),
                      ds.vocab_size)
         log("sample:\n" + ds.decode(prompt + out))

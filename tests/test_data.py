@@ -401,3 +401,12 @@ def test_publish_keeps_the_first_folder(tmp_path):
     assert data._publish(str(tmp_path / "a"), str(final))
     assert not data._publish(str(tmp_path / "b"), str(final))
     assert (final / "who").read_text() == "a"
+
+
+def test_default_sample_prompt_does_not_end_in_a_lone_space_token(code_folder):
+    # "def " used to end in the piece "▁", which in training text mostly precedes digits:
+    # the end-of-run sample of a well-trained model was a run of "1"s.
+    import train_dense
+    ds = load_dataset(DataConfig(path=str(code_folder[0])))
+    ids = ds.encode(train_dense.TrainConfig().sample_prompt)
+    assert ids and ds.decode(ids[-1:]).strip(), ds.decode(ids)
