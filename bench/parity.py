@@ -28,14 +28,47 @@ def peer(script: str, steps: int) -> float:
     return float(re.search(r"maxtext_tok_per_s ([0-9.]+)", out.stdout).group(1))
 
 
+# One lever at a time against the preset's defaults (fused CE, chunk 256, remat full, scanned
+# layers, attention auto): what each choice is worth on this machine.
+STUDY = {
+    "default": [],
+    "loss_impl remat (CE logits rebuilt in backward)": ["--model.loss-impl", "remat"],
+    "loss_chunk 64": ["--model.loss-chunk", "64"],
+    "loss_chunk 128": ["--model.loss-chunk", "128"],
+    "remat dots": ["--model.remat", "dots"],
+    "remat none": ["--model.remat", "none"],
+    "layers unrolled (no scan)": ["--model.no-scan-layers"],
+    "attention einsum": ["--model.attention", "einsum"],
+    "attention xla": ["--model.attention", "xla"],
+}
+
+
+def study(rounds: int, steps: int, flags: list[str]) -> None:
+    """Interleave the variants round by round so that drift in the machine's load spreads
+    over all of them, then print each median and its ratio to the default."""
+    runs = {k: [] for k in STUDY}
+    for r in range(rounds):
+        for name, extra in STUDY.items():
+            runs[name].append(ours(steps, [*flags, *extra]))
+        print(f"round {r + 1} done", flush=True)
+    base = statistics.median(runs["default"])
+    for name, v in runs.items():
+        m = statistics.median(v)
+        print(f"{name:50s} {m:6.0f} tok/s  x{m / base:.2f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=15, help="timed steps per run, after warm-up")
     ap.add_argument("--peer", default=os.path.join(ROOT, "..", "shared", "bench",
                                                    "peer_maxtext.sh"))
+    ap.add_argument("--study", action="store_true",
+                    help="no peer: time our step under each speed flag (STUDY), medians of rounds")
     ap.add_argument("flags", nargs="*", help="extra train_dense.py flags for our side")
     a = ap.parse_args()
+    if a.study:
+        return study(a.rounds, a.steps, a.flags)
     if not os.path.exists(a.peer):
         sys.exit(f"error: peer script {a.peer} not found; pass --peer PATH")
     mine, theirs = [], []
