@@ -33,7 +33,7 @@ from common.checkpoint import (CheckpointConfig, CheckpointError, Checkpointer,
                                ConfigConflictError, PreemptionGuard, check_run_config)
 from common.data import DataConfig, get_batch, load_dataset
 from common.mesh import (BATCH_AXES, MeshConfig, MeshError, batch_shards, describe, make_mesh,
-                         resolve)
+                         resolve, tpu_topology_devices)
 
 # ----------------------------------------------------------------------------------------------
 # 1. Config
@@ -103,6 +103,8 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     run_dir: str = "runs/tiny"
     dry_run: bool = False         # compile one step on abstract inputs, print memory, exit
+    compile_topology: str = ""    # with --dry-run: compile for this TPU type (v5p-256), needs libtpu
+    compile_slices: int = 1       # ... and this many slices of it (set --mesh.dcn-* to match)
     bench: int = 0                # time this many steps on synthetic tokens, print, exit
 
 
@@ -150,7 +152,7 @@ MAY_CHANGE = frozenset({
     "train.steps", "train.log_every", "train.eval_every", "train.eval_batches",
     "train.sample_tokens", "train.temperature", "train.sample_prompt", "train.peak_tflops",
     "train.microbatches",
-    "mesh", "checkpoint", "dry_run", "bench", "data.cache_dir", "run_dir",
+    "mesh", "checkpoint", "dry_run", "compile_topology", "compile_slices", "bench", "data.cache_dir", "run_dir",
     "model.dtype", "model.attention", "model.remat", "model.scan_layers", "model.loss_chunk",
     "model.loss_impl"})
 
@@ -272,7 +274,7 @@ def init_params(cfg: ModelConfig, key: jax.Array, mesh=None) -> dict:
 
 
 def count_params(cfg: ModelConfig) -> int:
-    shapes = jax.eval_shape(partial(_init, cfg), jax.random.key(0))
+    shapes = jax.eval_shape(lambda: _init(cfg, jax.random.key(0)))
     return sum(math.prod(x.shape) for x in jax.tree.leaves(shapes))
 
 
@@ -566,7 +568,8 @@ def eval_step(params, batch_BT1, *, cfg: ModelConfig):
 def state_shardings(cfg: Config, mesh, tx):
     """Shardings of {params, opt_state, step}: Adam's moments follow their parameter."""
     p_sh = named(mesh, param_specs(cfg.model))
-    abstract = jax.eval_shape(partial(_init, cfg.model), jax.random.key(0))
+    abstract = jax.eval_shape(lambda: _init(cfg.model, jax.random.key(0)))  # no concrete key:
+    # on --compile-topology the mesh is of devices that do not exist here
     replicated = NamedSharding(mesh, P())
     opt_sh = optax.tree_map_params(tx, lambda _, s: s, jax.eval_shape(tx.init, abstract), p_sh,
                                    transform_non_params=lambda _: replicated)
@@ -586,7 +589,7 @@ def init_state(cfg: Config, tx, shardings) -> dict:
 
 def abstract_state(cfg: Config, tx, shardings) -> dict:
     """The state's shapes, dtypes and target shardings, with nothing allocated."""
-    shapes = jax.eval_shape(_make_state(cfg, tx), jax.random.key(0))
+    shapes = jax.eval_shape(lambda: _make_state(cfg, tx)(jax.random.key(0)))
     return jax.tree.map(lambda s, d: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=d),
                         shapes, shardings)
 
@@ -688,7 +691,10 @@ def dry_run(cfg: Config, mesh, tx) -> dict:
     t0 = time.perf_counter()
     step = jax.jit(partial(train_step, cfg=cfg, tx=tx), donate_argnums=0,
                    out_shardings=(sh, None))
-    compiled = step.lower(abstract, batch).compile()
+    # Only tracing runs under the mesh: with --compile-topology its devices do not exist here,
+    # so no eager array may be created while it is set.
+    with jax.set_mesh(mesh):
+        compiled = step.lower(abstract, batch).compile()
     mem = compiled.memory_analysis()
     n = count_params(cfg.model)
     report = {"params": n, "devices": mesh.size, "compile_s": time.perf_counter() - t0}
@@ -742,16 +748,22 @@ def bench(cfg: Config, mesh, tx) -> dict:
 def main(cfg: Config) -> dict:
     multislice.initialize()
     multislice.enable_compilation_cache()
-    validate(cfg, jax.device_count())
-    mesh = make_mesh(cfg.mesh)
+    devices = jax.devices()
+    if cfg.compile_topology:
+        if not cfg.dry_run:
+            raise ConfigError(f"--compile-topology {cfg.compile_topology} compiles for hardware "
+                              "this machine does not have, so it cannot train: add --dry-run.")
+        devices = tpu_topology_devices(cfg.compile_topology, cfg.compile_slices)
+    validate(cfg, len(devices))
+    mesh = make_mesh(cfg.mesh, devices)
     tx = make_optimizer(cfg.train)
     n_params = count_params(cfg.model)
     log(f"model {n_params / 1e6:.1f}M parameters | mesh {describe(mesh)} | "
-        f"{jax.device_count()} {jax.devices()[0].platform} devices, "
+        f"{len(devices)} {devices[0].platform} devices, "
         f"{jax.process_count()} process(es)")
+    if cfg.dry_run:
+        return dry_run(cfg, mesh, tx)
     with jax.set_mesh(mesh):
-        if cfg.dry_run:
-            return dry_run(cfg, mesh, tx)
         if cfg.bench:
             return bench(cfg, mesh, tx)
         return _train(cfg, mesh, tx)

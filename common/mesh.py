@@ -124,3 +124,54 @@ def describe(mesh: Mesh) -> str:
 
 def batch_shards(mesh: Mesh, axes=BATCH_AXES) -> int:
     return int(np.prod([mesh.shape[a] for a in axes]))
+
+
+# ----------------------------------------------------------------------------------------------
+# Ahead-of-time compilation for a TPU this machine does not have (MaxText's train_compile idea):
+# libtpu describes the named topology's devices, and XLA compiles for them from a CPU host.
+
+# generation -> (topology prefix, TensorCores per chip in the accelerator name, 3-D torus?)
+_TPU_FAMILIES = {"v4": ("v4", 2, True), "v5p": ("v5p", 2, True),
+                 "v5e": ("v5e", 1, False), "v5litepod": ("v5e", 1, False),
+                 "v6e": ("v6e", 1, False)}
+
+
+def tpu_topology_shape(chips: int, torus_3d: bool) -> tuple[int, ...]:
+    """The chip grid of a slice: start from one host's 2x2 (x1) and keep doubling the last of
+    the shortest sides, which gives Cloud TPU's shapes (v5p-256 = 128 chips = 4x4x8)."""
+    if chips < 4:
+        return (1, chips)  # v5e-1: a single chip (3-D generations start at 4 chips, below)
+    shape = [2, 2, 1] if torus_3d else [2, 2]
+    while math.prod(shape) < chips:
+        i = len(shape) - 1 - shape[::-1].index(min(shape))
+        shape[i] *= 2
+    return tuple(shape)
+
+
+def tpu_topology_devices(name: str, n_slices: int = 1) -> list:
+    """Abstract devices of `n_slices` slices of the TPU accelerator type `name` (e.g. v5p-256,
+    v5e-64, v6e-256), for lowering and compiling without the hardware."""
+    gen, _, n = name.lower().partition("-")
+    if gen not in _TPU_FAMILIES or not n.isdigit() or int(n) < 1:
+        raise MeshError(f"--compile-topology {name}: expected an accelerator type such as "
+                        f"v5p-256, v4-128, v5e-64 or v6e-256 ({', '.join(_TPU_FAMILIES)}).")
+    prefix, cores_per_chip, torus_3d = _TPU_FAMILIES[gen]
+    chips = int(n) // cores_per_chip
+    if chips < (4 if torus_3d else 1) or chips & (chips - 1):
+        smallest = f"{gen}-{4 * cores_per_chip if torus_3d else 1}"
+        raise MeshError(f"--compile-topology {name}: {chips} chips; supported here are "
+                        f"power-of-two slices from {smallest}.")
+    shape = tpu_topology_shape(chips, torus_3d)
+    try:
+        from jax.experimental.topologies import get_topology_desc
+        topo = get_topology_desc(
+            platform="tpu", topology_name=f"{prefix}:{'x'.join(map(str, shape))}",
+            chip_config_name="megacore" if cores_per_chip == 2 else "default",
+            chips_per_host_bounds=(2, 2, 1) if chips >= 4 else (1, chips, 1),
+            num_slices=n_slices)
+    except Exception as e:  # no libtpu, or a topology this libtpu does not know
+        raise MeshError(f"--compile-topology {name}: could not describe the TPU topology "
+                        f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}). "
+                        "Ahead-of-time TPU compilation needs libtpu: install the project with "
+                        "the tpu extra (pip install -e '.[tpu]') on Linux.") from e
+    return list(topo.devices)

@@ -250,6 +250,45 @@ def test_dry_run_reports_memory_without_allocating():
     assert report["per_device_bytes"] > report["argument_size"] - report["alias_size"]
 
 
+@pytest.mark.parametrize("chips,torus,shape", [
+    (4, True, (2, 2, 1)), (8, True, (2, 2, 2)), (64, True, (4, 4, 4)), (128, True, (4, 4, 8)),
+    (1024, True, (8, 8, 16)), (1, False, (1, 1)), (8, False, (2, 4)), (256, False, (16, 16))])
+def test_tpu_topology_shapes_are_cloud_tpus(chips, torus, shape):
+    from common.mesh import tpu_topology_shape
+    assert tpu_topology_shape(chips, torus) == shape
+
+
+def _has_libtpu() -> bool:
+    import importlib.util
+    return importlib.util.find_spec("libtpu") is not None
+
+
+@pytest.mark.parametrize("argv,flag", [
+    (["tiny", "--compile-topology", "v5p-16"], "--dry-run"),          # cannot train on it
+    (["tiny", "--dry-run", "--compile-topology", "v9x-8"], "v9x-8"),  # unknown generation
+    (["tiny", "--dry-run", "--compile-topology", "v5p-12"], "v5p-12"),  # not a power of two
+])
+def test_compile_topology_bad_input_is_a_clear_error(argv, flag):
+    with pytest.raises((td.ConfigError, MeshError)) as e:
+        td.main(td.cli(argv))
+    assert flag in str(e.value)
+
+
+@pytest.mark.skipif(_has_libtpu(), reason="libtpu is installed here")
+def test_compile_topology_without_libtpu_says_how_to_get_it():
+    with pytest.raises(MeshError) as e:
+        td.main(td.cli(["tiny", "--dry-run", "--compile-topology", "v5p-8"]))
+    assert "--compile-topology v5p-8" in str(e.value) and "tpu" in str(e.value)
+
+
+@pytest.mark.skipif(not _has_libtpu(), reason="ahead-of-time TPU compilation needs libtpu "
+                    "(pip install -e '.[tpu]'); checked by hand, see the README")
+def test_compile_topology_compiles_for_a_tpu_slice():
+    cfg = td.cli(["tiny", "--dry-run", "--compile-topology", "v5p-8", "--mesh.fsdp", "-1"])
+    report = td.main(cfg)
+    assert report["devices"] == 4 and report["per_device_bytes"] > 0
+
+
 def test_bench_parity_preset_matches_maxtexts_model():
     cfg = td.PRESETS["bench-parity"][1]
     assert td.count_params(cfg.model) == 20_580_608   # what MaxText prints for this model
