@@ -33,8 +33,12 @@ def data_path(tmp_path_factory):
     return prepare(files, str(tmp_path_factory.mktemp("d") / "prepared"), vocab_size=400)
 
 
-def trainer_args(data_path, run_dir, *extra):
-    return ["tiny", *FLAGS, "--data.path", data_path, "--run-dir", str(run_dir),
+# train_moe.py: 4 experts, so expert=4 puts one expert per device and tokens cross processes
+MOE = ["tiny-moe", *FLAGS, "--model.n-experts", "4", "--model.d-ff", "32"]
+
+
+def trainer_args(data_path, run_dir, *extra, preset=("tiny", *FLAGS)):
+    return [*preset, "--data.path", data_path, "--run-dir", str(run_dir),
             "--train.steps", str(STEPS), *extra]
 
 
@@ -44,10 +48,11 @@ def env(**kw):
     return e | kw
 
 
-def launcher(data_path, run_dir, *extra, nproc=2, restarts=3):
+def launcher(data_path, run_dir, *extra, nproc=2, restarts=3, script="train_dense.py",
+             preset=("tiny", *FLAGS)):
     cmd = [sys.executable, "-m", "common.launch", "--nproc", str(nproc), "--cpu-devices",
            str(8 // nproc), "--max-restarts", str(restarts), "--", sys.executable,
-           "train_dense.py", *trainer_args(data_path, run_dir, *extra)]
+           script, *trainer_args(data_path, run_dir, *extra, preset=preset)]
     return subprocess.Popen(cmd, cwd=ROOT, env=env(), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
@@ -57,9 +62,10 @@ def finish(p, timeout=300):
     return out
 
 
-def single_process(data_path, run_dir, *extra):
-    r = subprocess.run([sys.executable, "train_dense.py",
-                        *trainer_args(data_path, run_dir, *extra)], cwd=ROOT, timeout=300,
+def single_process(data_path, run_dir, *extra, script="train_dense.py", preset=("tiny", *FLAGS)):
+    r = subprocess.run([sys.executable, script,
+                        *trainer_args(data_path, run_dir, *extra, preset=preset)], cwd=ROOT,
+                       timeout=300,
                        env=env(XLA_FLAGS="--xla_force_host_platform_device_count=8"),
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
@@ -135,6 +141,20 @@ def test_hybrid_mesh_over_two_processes_equals_single_process(data_path, tmp_pat
     assert "mesh data=2 fsdp=4" in out  # data: 2 slices (dcn) x 1 inside each (ici)
     single_process(data_path, tmp_path / "one", "--mesh.data", "2", "--mesh.fsdp", "4")
     np.testing.assert_allclose(losses(tmp_path / "hybrid"), losses(tmp_path / "one"), rtol=1e-5)
+
+
+def test_moe_expert_parallel_over_two_processes_equals_one_process(data_path, tmp_path):
+    # expert=4 x fsdp=2 over 2 processes of 4 devices: the all-to-all that sends tokens to
+    # their experts crosses the process boundary, over gloo.
+    mesh = ["--mesh.expert", "4", "--mesh.fsdp", "2"]
+    p = launcher(data_path, tmp_path / "two", *mesh, script="train_moe.py", preset=MOE)
+    out = finish(p)
+    assert p.returncode == 0, out
+    assert "2 process(es)" in out
+    single_process(data_path, tmp_path / "one", *mesh, script="train_moe.py", preset=MOE)
+    two, one = losses(tmp_path / "two"), losses(tmp_path / "one")
+    assert len(two) == STEPS
+    np.testing.assert_allclose(two, one, rtol=1e-5)
 
 
 @pytest.mark.parametrize("every", ["2", "1"], ids=["kill-between-saves", "kill-during-save"])
