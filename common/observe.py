@@ -171,9 +171,11 @@ def scalars(rec: dict, skip: tuple[str, ...] = ()) -> dict[str, float]:
 class MetricsLog:
     """Where a trainer's log records go: metrics.jsonl, and TensorBoard when it can.
 
-    The TensorBoard writer opens on the first record with `purge_step` at that record's step:
+    A TensorBoard writer opens on its first record with `purge_step` at that record's step:
     a run resumed from an earlier checkpoint than its last logged step makes TensorBoard
-    drop the old curve's tail, which the resumed run is about to log again.
+    drop the old curve's tail, which the resumed run is about to log again. Records counted
+    in other steps (a warm start's) go to a sibling folder, a TensorBoard run of their own,
+    so that purge never reaches them.
     """
 
     def __init__(self, run_dir: str, config: dict | None = None):
@@ -184,15 +186,16 @@ class MetricsLog:
         self.records: list[dict] = []  # this process's run, for the end-of-run summary
         self.main = is_main_process()
         self._tbx = _tensorboardx() if self.main else None
-        self._writer = None
+        self._writers = {}
 
     @property
     def has_tensorboard(self) -> bool:
-        return self._writer is not None
+        return bool(self._writers)
 
-    def write(self, rec: dict, *, step_key: str = "step", prefix: str = "") -> None:
+    def write(self, rec: dict, *, step_key: str = "step", run: str = "") -> None:
         """Append `rec` to metrics.jsonl as is; every number in it becomes a TensorBoard scalar
-        `prefix + key` at step rec[step_key]."""
+        at step rec[step_key], tagged `run/key` in the folder tensorboard/run when `run` is
+        given."""
         self.records.append(rec)
         if not self.main:
             return
@@ -201,24 +204,25 @@ class MetricsLog:
         if self._tbx is None:
             return
         step = int(rec[step_key])
-        if self._writer is None:
-            self._open(step)
+        if run not in self._writers:
+            self._open(run, step)
+        prefix = f"{run}/" if run else ""
         for tag, v in scalars(rec, skip=(step_key,)).items():
-            self._writer.add_scalar(prefix + tag, v, step)
+            self._writers[run].add_scalar(prefix + tag, v, step)
 
-    def _open(self, step: int) -> None:
+    def _open(self, run: str, step: int) -> None:
         # flush_secs: a person watching TensorBoard sees a point within ~10 s of its log line.
-        self._writer = self._tbx.SummaryWriter(self.tensorboard_dir, purge_step=step,
-                                               max_queue=1000, flush_secs=10)
-        if self.config is not None:
+        writer = self._tbx.SummaryWriter(os.path.join(self.tensorboard_dir, run),
+                                         purge_step=step, max_queue=1000, flush_secs=10)
+        if self.config is not None and not run:
             text = json.dumps(self.config, indent=2, sort_keys=True, default=str)
             # Indented four spaces: a Markdown code block, which TensorBoard shows verbatim.
-            self._writer.add_text(CONFIG_TAG, "\n".join("    " + l for l in text.splitlines()),
-                                  step)
+            writer.add_text(CONFIG_TAG, "\n".join("    " + l for l in text.splitlines()), step)
+        self._writers[run] = writer
 
     def close(self) -> None:
-        if self._writer is not None:
-            self._writer.close()  # flushes and joins the writer thread
+        for writer in self._writers.values():
+            writer.close()  # flushes and joins the writer thread
 
     def __enter__(self) -> MetricsLog:
         return self
