@@ -67,7 +67,7 @@ def read_run(run_dir: str, name: str | None = None) -> Run:
                 warm += [rec] if "warm_step" in rec else []
                 continue
             step = rec["step"]
-            if last is not None and step <= last:  # a resume: what follows replaces the rest
+            if last is not None and step < last:  # a resume: what follows replaces the rest
                 for s in [s for s in by_step if s >= step]:
                     del by_step[s]
             by_step.setdefault(step, {}).update(rec)
