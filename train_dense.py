@@ -862,8 +862,8 @@ def _train_loop(cfg: Config, mesh, tx, ds, ckpt: Checkpointer, metrics_log: obse
                         evals[done] = loss
                     else:  # not a log step: a record of its own
                         metrics_log.write({"step": done, "eval_loss": loss})
-                # Explicit, like every fetch in this loop: a transfer guard can then catch an
-                # implicit one (float(x) of a device array), which would block the step.
+                # Explicit, like every fetch in this loop: an implicit one (float(x) of a
+                # device array) would hide a wait for the device.
                 stop = stop_vote is not None and bool(jax.device_get(stop_vote))
                 stop_vote = multislice.any_process(guard.requested)
                 ckpt.save(done, state, force=done == tc.steps or stop)
