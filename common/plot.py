@@ -148,14 +148,16 @@ def throughput_figure(runs, log_y=False):
         fig, (a, b) = _figure("throughput", 2)
         _lines(a, runs, [("tokens_per_s", "tok/s")], ylabel="tokens / s")
         _lines(b, runs, [("mfu", "MFU")], ylabel="MFU (%)", scale=100)
-        return fig
-    if any(r.has("rollout_tokens_per_s") for r in runs):
+    elif any(r.has("rollout_tokens_per_s") for r in runs):
         fig, (a, b) = _figure("throughput", 2)
         _lines(a, runs, [("rollout_tokens_per_s", "rollout tok/s")],
                ylabel="rollout tokens / s")
         _lines(b, runs, [("ms_per_step", "ms/step")], ylabel="ms / step")
-        return fig
-    return None
+    else:
+        return None
+    for ax in (a, b):  # from zero: a 5% wobble should look like one
+        ax.set_ylim(bottom=0)
+    return fig
 
 
 def _per_layer(run, key, reduce):
@@ -192,6 +194,9 @@ def expert_load_figure(runs, log_y=False):
         ax.set_ylabel("share")
         ax.legend(fontsize="x-small", ncol=2)
     _lines(axes[2], runs, [("aux_loss", "load-balancing loss")], ylabel="load-balancing loss")
+    ks = {r.config.get("model", {}).get("top_k") for r in runs} - {None}
+    if len(ks) == 1:  # Switch's loss is k for an even load, E for a collapse onto k experts
+        axes[2].axhline(ks.pop(), color="grey", ls=":")
     _lines(axes[3], runs, [("router_z", "router z-loss")], ylabel="router z-loss")
     return fig
 
