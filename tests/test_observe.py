@@ -323,9 +323,11 @@ def test_progress_lines(monkeypatch, capsys):
     monkeypatch.setattr(sys, "stdout", term)
     with observe.progress("waiting", unit="items") as p:
         p.update(7)
-        time.sleep(1.2)
+        give_up = time.monotonic() + 30   # a bound, not a timing: the redraws come every 0.5 s
+        while term.getvalue().count("\rwaiting") < 2 and time.monotonic() < give_up:
+            time.sleep(0.05)
     text = term.getvalue()
-    assert text.count("\rwaiting ... 7 items, ") >= 2 and text.endswith("\n")
+    assert text.count("\rwaiting ... 7 items, ") >= 3 and text.endswith(" s\x1b[K\n")
 
 
 def test_data_preparation_counts_documents(tmp_path, capsys):
