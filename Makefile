@@ -9,9 +9,14 @@ PRESET ?= tiny
 EXTRAS ?= test
 MOE_PRESET ?= tiny-moe
 GRPO_PRESET ?= tiny
+# A run directory (--run-dir) for plot and tensorboard; several, space-separated, to compare.
+RUN    ?=
+PORT   ?= 6006
+comma  := ,
 
 .DEFAULT_GOAL := help
-.PHONY: help train test bench bench-parity dry-run prepare clean train-moe bench-moe train-grpo
+.PHONY: help train test bench bench-parity dry-run prepare clean train-moe bench-moe train-grpo \
+        plot tensorboard need-run
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-16s %s\n", $$1, $$2}'
@@ -49,6 +54,23 @@ dry-run: $(VENV)/.installed  ## compile llama3.1-70b on 256 simulated devices an
 
 prepare: $(VENV)/.installed  ## tokenize your own text: make prepare ARGS="--input my.txt --out data/mine"
 	$(PY) -m common.data prepare $(ARGS)
+
+# Before the venv is built: a forgotten RUN= should cost nothing.
+need-run:
+	@test -n "$(RUN)" || { echo 'usage: make $(MAKECMDGOALS) RUN=runs/tiny   (compare: RUN="runs/a runs/b")'; exit 2; }
+
+plot: need-run $(VENV)/.installed  ## PNGs of a run's metrics.jsonl into RUN/plots; RUN="a b" compares runs; ARGS=--log-y
+	@$(PY) -c 'import matplotlib' 2>/dev/null || $(PY) -m pip install -q matplotlib
+	$(PY) -m common.plot $(RUN) $(ARGS)
+
+# One run: --logdir, so the profile plugin (which ignores --logdir_spec) shows its traces too.
+# Several: each under its own name, for scalars side by side. Installs on first use (~400 MB
+# with the profile plugin, so not part of any extra).
+tensorboard: need-run $(VENV)/.installed  ## TensorBoard (scalars, config, profiles) on RUN at localhost:PORT
+	@$(PY) -c 'import tensorboard, tensorboard_plugin_profile' 2>/dev/null || \
+	  $(PY) -m pip install -q tensorboard tensorboard-plugin-profile
+	$(PY) -m tensorboard.main --port $(PORT) $(if $(word 2,$(RUN)),--logdir_spec \
+	  $(subst $() ,$(comma),$(foreach r,$(RUN),$(notdir $(patsubst %/,%,$(r))):$(r))),--logdir $(RUN)) $(ARGS)
 
 clean:  ## remove the virtual environment (runs/ and data/ are yours: never touched)
 	rm -rf $(VENV)

@@ -38,7 +38,7 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from common import multislice
+from common import multislice, observe
 from common.checkpoint import (CheckpointConfig, CheckpointError, Checkpointer,
                                ConfigConflictError, PreemptionGuard, check_run_config)
 from common.data import DataConfig, load_dataset
@@ -125,6 +125,7 @@ class GRPOConfig:
     seed: int = 0
     log_every: int = 10
     eval_every: int = 50
+    profile_steps: tuple[int, ...] = ()  # first and last step to trace into <run_dir>/profile
 
 
 @dataclass(frozen=True)
@@ -150,6 +151,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     run_dir: str = "runs/grpo-tiny"
     init_from: str = ""           # a train_dense.py run dir: its model, tokenizer and weights
+    quiet: bool = False           # no progress lines; steps, evals and the summary still print
 
 
 # The demo model: ~0.4M parameters, a 16-symbol character vocabulary (section 5).
@@ -174,6 +176,7 @@ PRESETS: dict[str, tuple[str, Config]] = {
 # mesh and how it computes. The warm start is over once a checkpoint exists.
 MAY_CHANGE = frozenset({
     "grpo.steps", "grpo.log_every", "grpo.eval_every", "grpo.microbatches", "warm", "mesh",
+    "grpo.profile_steps", "quiet",
     "checkpoint", "run_dir", "model.dtype", "model.attention", "model.remat",
     "model.scan_layers", "model.loss_chunk", "model.loss_impl"})
 
@@ -256,6 +259,9 @@ def validate(cfg: Config, n_devices: int, tok) -> None:
     lo, hi = clip_range(g)
     if not (0 < lo < 1 and hi > 0):
         raise ConfigError(f"--grpo.eps-low {lo} must be in (0, 1) and --grpo.eps-high {hi} > 0.")
+    problem = observe.profile_steps_problem(g.profile_steps, "--grpo.profile-steps", g.steps)
+    if problem:
+        raise ConfigError(problem)
 
 
 def batch_shards_of(mesh: MeshConfig) -> int:
@@ -1035,6 +1041,7 @@ def load_dense_params(cfg: Config, mesh) -> dict:
 def main(cfg: Config) -> dict:
     multislice.initialize()
     multislice.enable_compilation_cache()
+    observe.configure(quiet=cfg.quiet)
     cfg = resolve_init_from(cfg)
     tok = make_tokenizer(cfg)
     validate(cfg, jax.device_count(), tok)
@@ -1047,19 +1054,21 @@ def main(cfg: Config) -> dict:
     os.makedirs(cfg.run_dir, exist_ok=True)
     if multislice.is_main_process():
         check_run_config(cfg.run_dir, dataclasses.asdict(cfg), MAY_CHANGE)
-    with jax.set_mesh(mesh):
-        ckpt = Checkpointer(cfg.run_dir, cfg.checkpoint)
-        try:
-            return Trainer(cfg, mesh, tok, ckpt).run()
-        finally:
-            ckpt.close()  # waits for the last save; raises if it failed
+    # Closed in reverse: the last save is waited for (and raises if it failed) first.
+    with jax.set_mesh(mesh), \
+            observe.MetricsLog(cfg.run_dir, dataclasses.asdict(cfg)) as metrics_log, \
+            observe.Profiler(cfg.run_dir, cfg.grpo.profile_steps) as profiler, \
+            Checkpointer(cfg.run_dir, cfg.checkpoint) as ckpt:
+        return Trainer(cfg, mesh, tok, ckpt, metrics_log, profiler).run()
 
 
 class Trainer:
     """The host loop. Everything per-token runs in the four jitted functions built here."""
 
-    def __init__(self, cfg: Config, mesh, tok, ckpt: Checkpointer):
+    def __init__(self, cfg: Config, mesh, tok, ckpt: Checkpointer,
+                 metrics_log: observe.MetricsLog, profiler: observe.Profiler):
         self.cfg, self.mesh, self.tok, self.ckpt = cfg, mesh, tok, ckpt
+        self.metrics_log, self.profiler = metrics_log, profiler
         g, n_valid = cfg.grpo, tok.vocab_size
         self.width = prompt_width(cfg.task)
         self.funcs = reward_funcs(g)
@@ -1073,7 +1082,6 @@ class Trainer:
         self.ref_fn = jax.jit(partial(reference_logps, cfg=cfg, n_valid=n_valid))
         eval_rng = np.random.default_rng([cfg.task.eval_seed])
         self.eval_problems = problems(eval_rng, cfg.task.eval_prompts, cfg.task)
-        self.metrics_path = os.path.join(cfg.run_dir, "metrics.jsonl")
         self.summary = {"eval": []}
 
     # -- pieces ---------------------------------------------------------------------------
@@ -1111,9 +1119,10 @@ class Trainer:
                 for _ in range(g.group_size)]
 
     def record(self, rec: dict) -> None:
-        if multislice.is_main_process():
-            with open(self.metrics_path, "a") as f:
-                f.write(json.dumps(rec) + "\n")
+        if "warm_step" in rec:  # counted in its own steps: in TensorBoard, a run of its own
+            self.metrics_log.write(rec, step_key="warm_step", run="warm_start")
+        else:
+            self.metrics_log.write(rec)
 
     # -- warm start -----------------------------------------------------------------------
 
@@ -1192,10 +1201,12 @@ class Trainer:
             log(f"already at step {start} of --grpo.steps {g.steps}: nothing to train (raise "
                 "--grpo.steps to continue)")
         rollout_tokens, rollout_s = 0, 0.0
+        t_loop = time.perf_counter()
         stop_vote = None  # did any process get SIGTERM? read one step late, as train_dense does
         with PreemptionGuard() as guard:
             for step in range(start, g.steps):
                 t0 = time.perf_counter()
+                self.profiler.before(step + 1)
                 items = self.group_batch(step)
                 r = self.generate(state["params"], items,
                                   jax.random.fold_in(jax.random.key(g.seed), step), g.temperature)
@@ -1218,6 +1229,7 @@ class Trainer:
                 # nothing for the host to overlap with.
                 m = {k: float(np.mean([p[k] for p in jax.device_get(passes)])) for k in passes[0]}
                 done = step + 1
+                self.profiler.after(done, state)
                 rec = {"step": done, "reward": float(r["reward"].mean()),
                        "reward_std": float(r["reward"].std(ddof=1))}
                 for n, v in r["rewards"].items():
@@ -1237,23 +1249,51 @@ class Trainer:
                 if done % g.log_every == 0 or done == g.steps or "eval_reward" in rec:
                     self.log_step(rec)
                 self.record(rec)
-                stop = stop_vote is not None and bool(stop_vote)  # same answer everywhere
+                stop = stop_vote is not None and bool(jax.device_get(stop_vote))  # same everywhere
                 stop_vote = multislice.any_process(guard.requested)
                 self.ckpt.save(done, state, force=done == g.steps or stop)
                 if stop:
                     log(f"SIGTERM: saved step {done}, exiting")
                     break
+        loop_s = time.perf_counter() - t_loop
         self.ckpt.wait()
         for (p, a), c in zip(self.eval_problems[:4], self.last_eval_texts):
             log(f"  {p}{c:<6} (expected {a})")
-        evals = self.summary["eval"]
-        log(f"done in {time.perf_counter() - t_start:.0f} s | held-out reward "
-            f"{evals[0][1]:.3f} (step {evals[0][0]}) -> {evals[-1][1]:.3f} (step {evals[-1][0]}) "
-            f"| rollouts {rollout_tokens / max(rollout_s, 1e-9):.0f} tok/s | checkpoints in "
-            f"{cfg.run_dir}/checkpoints")
         self.summary |= {"state": state, "final_step": int(jax.device_get(state["step"])) // g.mu,
                          "rollout_tokens_per_s": rollout_tokens / max(rollout_s, 1e-9)}
+        self.print_summary(start, rollout_tokens, rollout_s, loop_s,
+                           time.perf_counter() - t_start)
         return self.summary
+
+    def print_summary(self, start: int, rollout_tokens: int, rollout_s: float, loop_s: float,
+                      wall_s: float) -> None:
+        """The run on one screen: how far it got, how well, how fast, and where its files are."""
+        g, s, fmt = self.cfg.grpo, self.summary, observe.fmt
+        end, evals = s["final_step"], s["eval"]
+        best = max(evals, key=lambda e: e[1])
+        steps = [r for r in self.metrics_log.records if "reward" in r and "step" in r]
+        last = steps[-1] if steps else {}
+        timing = observe.duration(wall_s)
+        if "warm_start_s" in s:
+            timing += (f" (warm start {observe.duration(s['warm_start_s'])} over "
+                       f"{s['warm_start_steps']} steps)")
+        ms = observe.mean_ms_per_step(self.metrics_log.records, start)
+        kl = f" | kl {last['kl']:.4f}" if "kl" in last else ""
+        observe.print_summary(f"run {self.cfg.run_dir}: done", [
+            ("steps", f"{start} -> {end} ({end - start} this run, of --grpo.steps {g.steps}; "
+                      f"{g.prompts_per_step} prompts x {g.group_size} completions, {g.mu} "
+                      f"pass(es) each)"),
+            ("tokens", f"{rollout_tokens:,} completion tokens sampled this run"),
+            ("held-out", f"reward {evals[0][1]:.3f} (step {evals[0][0]}) -> {evals[-1][1]:.3f} "
+                         f"(step {evals[-1][0]}) | best {best[1]:.3f} (step {best[0]}), greedy"),
+            ("last step", f"reward {fmt(last.get('reward'))}{kl} | clip "
+                          f"{fmt(last.get('clip_ratio/region_mean'))} | length "
+                          f"{fmt(last.get('completions/mean_length'), '.1f')}"),
+            ("wall time", timing),
+            ("throughput", f"rollouts {rollout_tokens / max(rollout_s, 1e-9):.0f} tok/s | "
+                           f"{fmt(ms, '.0f')} ms/step (mean over steps after the first) | "
+                           f"steps {observe.duration(loop_s)}"),
+        ] + observe.where_rows(self.cfg.run_dir, self.metrics_log, self.profiler))
 
     def log_step(self, rec: dict) -> None:
         kl = f" | kl {rec['kl']:.4f}" if "kl" in rec else ""

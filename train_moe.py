@@ -34,7 +34,6 @@ weight is split on d over fsdp and gathered per layer, and on its hidden width o
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 import sys
@@ -50,7 +49,7 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from common import multislice
+from common import multislice, observe
 from common.checkpoint import (CheckpointConfig, CheckpointError, Checkpointer,
                                ConfigConflictError, PreemptionGuard, check_run_config)
 from common.data import DataConfig, get_batch, load_dataset
@@ -120,6 +119,7 @@ class TrainConfig:
     temperature: float = 0.7      # of that sample; 0 = greedy
     sample_prompt: str = "def"    # no trailing space: sentencepiece would make it a lone "▁"
     peak_tflops: float = 0.0      # per device, for MFU; 0 = look up (TPU/GPU) or measure (CPU)
+    profile_steps: tuple[int, ...] = ()  # first and last step to trace into <run_dir>/profile
 
 
 @dataclass(frozen=True)
@@ -133,6 +133,7 @@ class Config:
     dry_run: bool = False         # compile one step on abstract inputs, print memory, exit
     bench: int = 0                # time this many steps on synthetic tokens, print, exit
     bench_twin: bool = True       # --bench also times the dense twin (same active parameters)
+    quiet: bool = False           # no progress lines; steps, evals and the summary still print
 
 
 def _big(model: ModelConfig, run: str, seq_len: int = 4096) -> Config:
@@ -166,7 +167,7 @@ PRESETS: dict[str, tuple[str, Config]] = {
 MAY_CHANGE = frozenset({
     "train.steps", "train.log_every", "train.eval_every", "train.eval_batches",
     "train.sample_tokens", "train.temperature", "train.sample_prompt", "train.peak_tflops",
-    "train.microbatches",
+    "train.microbatches", "train.profile_steps", "quiet",
     "mesh", "checkpoint", "dry_run", "bench", "bench_twin", "data.cache_dir", "run_dir",
     "model.dtype", "model.attention", "model.remat", "model.scan_layers", "model.loss_chunk",
     "model.grouped_matmul", "model.gmm_tile"})
@@ -228,6 +229,9 @@ def validate(cfg: Config, n_devices: int) -> None:
                           f"{m.loss_chunk}.")
     if t.steps < 1 or t.log_every < 1 or t.eval_every < 1:
         raise ConfigError("--train.steps, --train.log-every and --train.eval-every must be >= 1.")
+    problem = observe.profile_steps_problem(t.profile_steps, "--train.profile-steps", t.steps)
+    if problem:
+        raise ConfigError(problem)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -960,6 +964,7 @@ def bench(cfg: Config, mesh, tx) -> dict:
 def main(cfg: Config) -> dict:
     multislice.initialize()
     multislice.enable_compilation_cache()
+    observe.configure(quiet=cfg.quiet)
     validate(cfg, jax.device_count())
     mesh = make_mesh(cfg.mesh)
     tx = make_optimizer(cfg.train)
@@ -988,25 +993,23 @@ def _train(cfg: Config, mesh, tx) -> dict:
     os.makedirs(cfg.run_dir, exist_ok=True)
     if multislice.is_main_process():
         check_run_config(cfg.run_dir, dataclasses.asdict(cfg), MAY_CHANGE)
-    ckpt = Checkpointer(cfg.run_dir, cfg.checkpoint)
-    try:
-        return _train_loop(cfg, mesh, tx, ds, ckpt, t_start)
-    finally:
-        ckpt.close()  # waits for the last save; raises if it failed
+    # Closed in reverse: the last save is waited for (and raises if it failed) first.
+    with observe.MetricsLog(cfg.run_dir, dataclasses.asdict(cfg)) as metrics_log, \
+            observe.Profiler(cfg.run_dir, cfg.train.profile_steps) as profiler, \
+            Checkpointer(cfg.run_dir, cfg.checkpoint) as ckpt:
+        return _train_loop(cfg, mesh, tx, ds, ckpt, metrics_log, profiler, t_start)
 
 
-def _train_loop(cfg: Config, mesh, tx, ds, ckpt: Checkpointer, t_start: float) -> dict:
+def _train_loop(cfg: Config, mesh, tx, ds, ckpt: Checkpointer, metrics_log: observe.MetricsLog,
+                profiler: observe.Profiler, t_start: float) -> dict:
     tc, mc = cfg.train, cfg.model
     shardings = state_shardings(cfg, mesh, tx)
     start = ckpt.resume_step()
     if start is None:
         state, start = init_state(cfg, tx, shardings), 0
     else:
-        t0 = time.perf_counter()
-        abstract = abstract_state(cfg, tx, shardings)
-        state = ckpt.restore(start, abstract)
-        log(f"resumed from step {start} ({cfg.run_dir}/checkpoints/{start}, "
-            f"{time.perf_counter() - t0:.1f} s)")
+        state = ckpt.restore(start, abstract_state(cfg, tx, shardings))
+        log(f"resumed from step {start} ({cfg.run_dir}/checkpoints/{start})")
 
     batch_sh = NamedSharding(mesh, P(MOE_BATCH, None))
     next_batch = partial(get_batch, ds.train, seed=cfg.data.seed, batch_size=tc.batch_size,
@@ -1025,8 +1028,9 @@ def _train_loop(cfg: Config, mesh, tx, ds, ckpt: Checkpointer, t_start: float) -
                   for i in range(tc.eval_batches)]
         return float(np.mean(jax.device_get(losses)))
 
-    metrics_path = os.path.join(cfg.run_dir, "metrics.jsonl")
-    summary = {"start_step": start, "first_loss": None, "last_loss": None, "eval_loss": None}
+    summary = {"start_step": start, "first_loss": None, "last_loss": None, "eval_loss": None,
+               "best_eval": None}
+    evals = {}  # step -> eval loss, joined to that step's log record
 
     def emit(step, m, dt_s, n_steps):
         tok_s = tokens_per_step * n_steps / dt_s
@@ -1037,6 +1041,8 @@ def _train_loop(cfg: Config, mesh, tx, ds, ckpt: Checkpointer, t_start: float) -
                "load_min": np.asarray(m["load_min"]).tolist(),   # per layer
                "load_max": np.asarray(m["load_max"]).tolist(),
                "tokens_per_s": tok_s, "mfu": mfu, "ms_per_step": 1e3 * dt_s / n_steps}
+        if step in evals:
+            rec["eval_loss"] = evals.pop(step)
         summary["first_loss"] = summary["first_loss"] or rec["loss"]
         summary["last_loss"] = rec["loss"]
         drop = f" | dropped {100 * rec['dropped']:.1f}%" if mc.capacity_factor > 0 else ""
@@ -1044,27 +1050,28 @@ def _train_loop(cfg: Config, mesh, tx, ds, ckpt: Checkpointer, t_start: float) -
             f"{rec['router_z']:.2f} | load {min(rec['load_min']):.3f}-{max(rec['load_max']):.3f}"
             f"{drop} | lr {rec['lr']:.1e} | grad_norm {rec['grad_norm']:.2f} | "
             f"{tok_s / 1e3:.1f}k tok/s | MFU {100 * mfu:.1f}% | {rec['ms_per_step']:.0f} ms/step")
-        if multislice.is_main_process():
-            with open(metrics_path, "a") as f:
-                f.write(json.dumps(rec) + "\n")
+        metrics_log.write(rec)
 
     if start >= tc.steps:
         log(f"already at step {start} of --train.steps {tc.steps}: nothing to train "
             f"(raise --train.steps to continue)")
     else:
-        log(f"compiling train step ...", end="")
-        t0 = time.perf_counter()
-        step_fn = step_fn.lower(state, next_batch(step=start)).compile()
-        log(f" {time.perf_counter() - t0:.1f} s | peak {peak / 1e12:.3g} TFLOP/s per device "
-            f"({peak_src}) | {fpt / 1e6:.1f} MFLOP/token (active)")
+        with observe.progress("compiling train step") as p:
+            step_fn = step_fn.lower(state, next_batch(step=start)).compile()
+            p.note = (f"| peak {peak / 1e12:.3g} TFLOP/s per device ({peak_src}) | "
+                      f"{fpt / 1e6:.1f} MFLOP/token (active)")
+        summary["compile_s"] = p.seconds
+        t_loop = time.perf_counter()
         pending = None  # (step, device metrics, steps covered): fetched one step late
         stop_vote = None  # did any process get SIGTERM? also read one step late
         t_log, steps_since = time.perf_counter(), 0
         with PreemptionGuard() as guard:
             for step in range(start, tc.steps):
-                state, metrics = step_fn(state, next_batch(step=step))
-                steps_since += 1
                 done = step + 1
+                profiler.before(done)
+                state, metrics = step_fn(state, next_batch(step=step))
+                profiler.after(done, metrics)
+                steps_since += 1
                 if pending is not None:   # the previous log step is finished by now, or nearly
                     m = jax.device_get(pending[1])
                     now = time.perf_counter()
@@ -1073,9 +1080,18 @@ def _train_loop(cfg: Config, mesh, tx, ds, ckpt: Checkpointer, t_start: float) -
                 if done % tc.log_every == 0 or done == tc.steps or done == start + 1:
                     pending, steps_since = (done, metrics, steps_since), 0
                 if done % tc.eval_every == 0 or done == tc.steps:
-                    summary["eval_loss"] = evaluate(state["params"])
-                    log(f"eval step {done} | eval_loss {summary['eval_loss']:.3f}")
-                stop = stop_vote is not None and bool(stop_vote)  # same answer everywhere
+                    loss = evaluate(state["params"])
+                    summary["eval_loss"] = loss
+                    best = summary["best_eval"]
+                    summary["best_eval"] = loss if best is None else min(best, loss)
+                    log(f"eval step {done} | eval_loss {loss:.3f}")
+                    if pending is not None and pending[0] == done:
+                        evals[done] = loss
+                    else:  # not a log step: a record of its own
+                        metrics_log.write({"step": done, "eval_loss": loss})
+                # Explicit, like every fetch in this loop: an implicit one (float(x) of a
+                # device array) would hide a wait for the device.
+                stop = stop_vote is not None and bool(jax.device_get(stop_vote))
                 stop_vote = multislice.any_process(guard.requested)
                 ckpt.save(done, state, force=done == tc.steps or stop)
                 if stop:
@@ -1085,6 +1101,7 @@ def _train_loop(cfg: Config, mesh, tx, ds, ckpt: Checkpointer, t_start: float) -
                 jax.block_until_ready(pending[1])
                 emit(pending[0], jax.device_get(pending[1]), time.perf_counter() - t_log,
                      pending[2])
+        summary["loop_s"] = time.perf_counter() - t_loop
     ckpt.wait()
     summary["final_step"] = int(jax.device_get(state["step"]))
     summary["state"] = state
@@ -1093,9 +1110,40 @@ def _train_loop(cfg: Config, mesh, tx, ds, ckpt: Checkpointer, t_start: float) -
         out = sample(state["params"], prompt, cfg, mesh, jax.random.key(tc.seed + 7),
                      ds.vocab_size)
         log("sample:\n" + ds.decode(prompt + out))
-    log(f"done in {time.perf_counter() - t_start:.0f} s | step {summary['final_step']} | "
-        f"checkpoints in {cfg.run_dir}/checkpoints")
+    _print_summary(cfg, summary, metrics_log, profiler, fpt, peak, time.perf_counter() - t_start)
     return summary
+
+
+def _print_summary(cfg: Config, s: dict, metrics_log, profiler, fpt: float, peak: float,
+                   wall_s: float) -> None:
+    """The run on one screen: how far it got, how well, how fast, and where its files are."""
+    tc, fmt = cfg.train, observe.fmt
+    start, end = s["start_step"], s["final_step"]
+    tokens = (end - start) * tc.batch_size * tc.seq_len
+    ms = observe.mean_ms_per_step(metrics_log.records, start)
+    tok_s = tc.batch_size * tc.seq_len / ms * 1e3
+    mfu = fpt * tok_s / (peak * jax.device_count()) if peak else float("nan")
+    timing = f"{observe.duration(wall_s)}"
+    if "compile_s" in s:
+        timing += f" (compile {s['compile_s']:.1f} s, steps {observe.duration(s['loop_s'])})"
+    logged = [r for r in metrics_log.records if "load_max" in r]
+    routing = "-"
+    if logged:
+        r = logged[-1]
+        routing = (f"expert shares {min(r['load_min']):.3f}-{max(r['load_max']):.3f} "
+                   f"(even: {1 / cfg.model.n_experts:.3f}) | aux loss "
+                   f"{r['aux_loss']:.3f} | router z {r['router_z']:.2f} (last logged step)")
+    observe.print_summary(f"run {cfg.run_dir}: done", [
+        ("steps", f"{start} -> {end} ({end - start} this run, of --train.steps {tc.steps})"),
+        ("tokens", f"{tokens:,} this run ({tc.batch_size} x {tc.seq_len} per step)"),
+        ("loss", f"{fmt(s['first_loss'])} -> {fmt(s['last_loss'])} | best eval loss "
+                 f"{fmt(s['best_eval'])} | last eval loss {fmt(s['eval_loss'])}"),
+        ("routing", routing),
+        ("wall time", timing),
+        ("throughput", f"{fmt(tok_s / 1e3, '.1f')}k tok/s, MFU {fmt(100 * mfu, '.1f')}% (active "
+                       f"FLOPs), {fmt(ms, '.0f')} ms/step (mean over logged steps after the "
+                       "first)"),
+    ] + observe.where_rows(cfg.run_dir, metrics_log, profiler))
 
 
 def cli(args=None) -> Config:

@@ -36,6 +36,8 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
+from common.observe import progress
+
 # Orbax logs through absl at INFO about fifty lines per save (thread names, barrier keys,
 # byte counts). Silent by default, but the moment a trainer calls
 # `logging.basicConfig(level=INFO)` for its own progress lines they drown the training
@@ -197,12 +199,14 @@ class Checkpointer:
                 "mix two histories. Fix: continue from the latest checkpoint, or start a new --run-dir."
             )
         self._sweep_leftovers()
-        try:
-            self._manager.save(step, args=ocp.args.Composite(**{_ITEM: ocp.args.StandardSave(state)}), force=True)
-        except Exception as e:
-            raise CheckpointError(self._save_failed(step, e)) from e
-        if self.cfg.async_save:
-            self._in_flight = step
+        with progress(f"checkpoint: saving step {step}") as p:
+            try:
+                self._manager.save(step, args=ocp.args.Composite(**{_ITEM: ocp.args.StandardSave(state)}), force=True)
+            except Exception as e:
+                raise CheckpointError(self._save_failed(step, e)) from e
+            if self.cfg.async_save:
+                p.note = "(writing in the background)"
+                self._in_flight = step
         return True
 
     def _sweep_leftovers(self) -> None:
@@ -224,10 +228,13 @@ class Checkpointer:
     def wait(self) -> None:
         """Blocks until a background save is on disk; raises CheckpointError if it failed."""
         step, self._in_flight = self._in_flight, None
-        try:
-            self._manager.wait_until_finished()
-        except Exception as e:
-            raise CheckpointError(self._save_failed(step, e, background=True)) from e
+        # Said only when it holds the run up: the write usually ends long before this.
+        what = "the last save" if step is None else f"step {step}"
+        with progress(f"checkpoint: waiting for {what} to be written", min_s=1.0):
+            try:
+                self._manager.wait_until_finished()
+            except Exception as e:
+                raise CheckpointError(self._save_failed(step, e, background=True)) from e
 
     def _save_failed(self, step: int | None, e: BaseException, background: bool = False) -> str:
         what = f"step {step}" if step is not None else "a checkpoint"
@@ -281,12 +288,13 @@ class Checkpointer:
                 "/config.json), or start a new --run-dir for the new model."
             )
 
-        try:
-            restored = self._manager.restore(
-                step, args=ocp.args.Composite(**{_ITEM: ocp.args.StandardRestore(abstract_state)})
-            )
-        except Exception as e:
-            raise corrupt(_reason(e)) from e
+        with progress(f"checkpoint: restoring step {step} from {step_dir}"):
+            try:
+                restored = self._manager.restore(
+                    step, args=ocp.args.Composite(**{_ITEM: ocp.args.StandardRestore(abstract_state)})
+                )
+            except Exception as e:
+                raise corrupt(_reason(e)) from e
         return restored[_ITEM]
 
     # -- lifetime -----------------------------------------------------------------------

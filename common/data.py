@@ -20,7 +20,6 @@ own devices hold.
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import io
 import json
@@ -38,6 +37,8 @@ import jax
 import numpy as np
 import sentencepiece as spm
 import tyro
+
+from common.observe import note, progress
 
 DEFAULT_CACHE_DIR = "~/.cache/jax_trainers"
 CACHE_ENV = "JAX_TRAINERS_CACHE"
@@ -279,8 +280,7 @@ def _stdlib_corpus(cache_root: str, *, vocab_size: int, max_bytes: int | None = 
         _publish(tmp, final)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    print(f"data: embedded corpus ready in {final} ({time.perf_counter() - t0:.1f} s)",
-          flush=True)
+    note(f"data: embedded corpus ready in {final} ({time.perf_counter() - t0:.1f} s)")
     return final
 
 
@@ -408,29 +408,19 @@ def _jsonl_documents(path: str, jsonl_field: str) -> Iterator[str]:
                 yield text
 
 
-@contextlib.contextmanager
-def _timed(what: str):
-    t0 = time.perf_counter()
-    print(f"data: {what} ...", end="", flush=True)
-    try:
-        yield
-    except BaseException:
-        print(" failed", flush=True)
-        raise
-    print(f" {time.perf_counter() - t0:.1f} s", flush=True)
-
-
 def _write_prepared(folder: str, documents: Callable[[], Iterator[str]], *, label: str,
                     tokenizer: str, vocab_size: int, eval_fraction: float, seed: int) -> None:
     """Fill the empty `folder`. `documents()` is read twice: once to count the documents and
     sample the tokenizer's training text, once to tokenize, so memory stays bounded."""
-    with _timed(f"reading {label}"):
+    with progress(f"data: reading {label}", unit="documents") as p:
         num_docs, num_chars, sample = 0, 0, _Reservoir(TOKENIZER_SAMPLE_CHARS, seed)
         for text in documents():
             num_docs += 1
             num_chars += len(text)
+            p.update()
             if not tokenizer:
                 sample.add_document(text)
+        p.note = f"({num_chars / 1e6:.1f} MB)"
     if num_docs == 0:
         raise ValueError(f"no text found in the {label}: files must be UTF-8 "
                          f"{'/'.join(TEXT_SUFFIXES)} or JSON Lines "
@@ -440,7 +430,7 @@ def _write_prepared(folder: str, documents: Callable[[], Iterator[str]], *, labe
         shutil.copyfile(tokenizer, model_path)
     else:
         mb = sum(len(c) for c in sample.chunks) / 1e6
-        with _timed(f"training tokenizer on {mb:.1f} MB of {label}"):
+        with progress(f"data: training tokenizer on {mb:.1f} MB of {label}"):
             _train_tokenizer(sample.chunks, model_path, vocab_size)
     try:
         sp = spm.SentencePieceProcessor(model_file=model_path)
@@ -461,11 +451,12 @@ def _write_prepared(folder: str, documents: Callable[[], Iterator[str]], *, labe
     is_eval[np.random.default_rng(seed).permutation(num_docs)[:n_eval]] = True
 
     counts = {"train": [0, 0], "eval": [0, 0]}  # tokens, documents
-    with _timed(f"tokenizing {_count(num_docs, 'document')} ({num_chars / 1e6:.1f} MB)"), \
+    with progress(f"data: tokenizing {num_chars / 1e6:.1f} MB", total=num_docs,
+                  unit="documents") as p, \
             open(os.path.join(folder, "train.bin"), "wb") as train_f, \
             open(os.path.join(folder, "eval.bin"), "wb") as eval_f:
         out = {"train": train_f, "eval": eval_f}
-        for first, texts in _batches(documents(), max_docs=1024, max_chars=8_000_000):
+        for first, texts in _batches(documents(), max_docs=256, max_chars=1_000_000):
             for i, ids in enumerate(sp.encode(texts, num_threads=os.cpu_count() or 1), first):
                 ids.append(sp.eos_id())
                 tokens = np.asarray(ids, dtype)
@@ -479,6 +470,7 @@ def _write_prepared(folder: str, documents: Callable[[], Iterator[str]], *, labe
                     part.tofile(out[split])
                     counts[split][0] += len(part)
                     counts[split][1] += 1
+            p.update(len(texts))
     for split, (n_tokens, n_docs) in counts.items():
         meta = {"tokenizer": "tokenizer.model", "vocab_size": vocab, "dtype": dtype.name,
                 "num_tokens": n_tokens, "num_documents": n_docs, "eos_id": sp.eos_id(),

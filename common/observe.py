@@ -1,0 +1,357 @@
+"""Seeing a run: its metrics on disk, progress on long waits, a profile of chosen steps, and
+a one-screen summary at the end. Model-agnostic: every trainer uses it the same way.
+
+    <run_dir>/metrics.jsonl     one JSON object per logged step: what the log line shows
+    <run_dir>/tensorboard/      the same figures as TensorBoard scalars, and the config as text
+    <run_dir>/profile/          a jax.profiler trace of the steps named by --*.profile-steps
+
+TensorBoard files are written with tensorboardX (an optional extra: `pip install -e .[viz]`),
+whose writer thread does the file work, so a log step costs the loop a queue put per
+figure. Without it a run writes metrics.jsonl only and says once how to get the rest.
+Everything here writes from process 0 only; the other processes keep quiet.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import threading
+import time
+
+import jax
+
+_QUIET = False
+_TBX_HINT_SHOWN = False
+
+# The one place where a trainer's config.json-like dict is shown in TensorBoard.
+CONFIG_TAG = "config"
+
+
+def configure(*, quiet: bool) -> None:
+    """quiet: no progress lines (data, compilation, checkpoints, profiles); the step lines,
+    evals, warnings and the end-of-run summary still print."""
+    global _QUIET
+    _QUIET = quiet
+
+
+def is_main_process() -> bool:
+    # jax.process_index() would start a backend, which the data CLI must not do (on a TPU
+    # VM it would take the chips); without jax.distributed every process is "the" process.
+    return not jax.distributed.is_initialized() or jax.process_index() == 0
+
+
+def say(*a, **kw) -> None:
+    if is_main_process():
+        print(*a, **kw, flush=True)
+
+
+def note(*a, **kw) -> None:
+    """A progress line: said unless quiet."""
+    if not _QUIET:
+        say(*a, **kw)
+
+
+# ----------------------------------------------------------------------------------------------
+# Progress
+
+
+class progress:
+    """A wait a person can see:
+
+        with progress("data: tokenizing", total=n, unit="documents") as p:
+            for doc in docs:
+                ...
+                p.update()
+
+    prints `data: tokenizing ... 563 documents, 2.1 s`. On a terminal the line is redrawn in
+    place twice a second with the count so far and the elapsed time, so a long wait (a
+    compile, a tokenizer in C++) is visibly alive; into a file or a pipe it is one line,
+    begun when the wait begins and finished when it ends, so a log has no carriage returns.
+    `min_s`: say nothing at all for waits shorter than this (a save that is usually done).
+    `note` is appended to the final line.
+    """
+
+    def __init__(self, what: str, *, total: int | None = None, unit: str = "",
+                 min_s: float = 0.0):
+        self.what, self.total, self.unit, self.min_s = what, total, unit, min_s
+        self.count, self.note = 0, ""
+        self.shown = not _QUIET and is_main_process()
+        self.live = self.shown and sys.stdout.isatty()
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._ticker = None
+
+    def update(self, n: int = 1) -> None:
+        self.count += n
+
+    def _counts(self) -> str:
+        if not self.unit:
+            return ""
+        if self.total:
+            return (f"{self.count:,}/{self.total:,} {self.unit} "
+                    f"({100 * self.count / self.total:.0f}%), ")
+        return f"{self.count:,} {self.unit}, "
+
+    def _tick(self) -> None:
+        while not self._stop.wait(0.5):
+            elapsed = time.perf_counter() - self.t0
+            if elapsed >= self.min_s:
+                with self._lock:
+                    # \x1b[K clears what a longer previous draw left on the line.
+                    sys.stdout.write(f"\r{self.what} ... {self._counts()}{elapsed:.0f} s\x1b[K")
+                    sys.stdout.flush()
+
+    def __enter__(self) -> progress:
+        self.t0 = time.perf_counter()
+        if self.live:
+            self._ticker = threading.Thread(target=self._tick, daemon=True)
+            self._ticker.start()
+        elif self.shown and self.min_s <= 0:
+            print(f"{self.what} ...", end="", flush=True)
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.seconds = time.perf_counter() - self.t0
+        if self._ticker is not None:
+            self._stop.set()
+            self._ticker.join()
+        if not self.shown or (self.seconds < self.min_s and exc_type is None):
+            return
+        if exc_type is not None:
+            end = "failed"
+        else:
+            end = f"{self._counts()}{self.seconds:.1f} s" + (f" {self.note}" if self.note else "")
+        if self.live:
+            line = f"\r{self.what} ... {end}\x1b[K"
+        elif self.min_s > 0:
+            line = f"{self.what} ... {end}"   # nothing was printed when the wait began
+        else:
+            line = f" {end}"
+        with self._lock:
+            print(line, flush=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# Metrics: metrics.jsonl and TensorBoard
+
+
+def _tensorboardx():
+    """The tensorboardX module, or None after saying (once per process) how to install it."""
+    global _TBX_HINT_SHOWN
+    try:
+        import tensorboardX
+        return tensorboardX
+    except ImportError:
+        if not _TBX_HINT_SHOWN:
+            _TBX_HINT_SHOWN = True
+            say("tensorboard: tensorboardX is not installed, so metrics go to metrics.jsonl "
+                "only; `pip install tensorboardX` (or `pip install -e '.[viz]'`) adds "
+                "TensorBoard files")
+        return None
+
+
+def scalars(rec: dict, skip: tuple[str, ...] = ()) -> dict[str, float]:
+    """The numbers of a metrics record under TensorBoard tags: a list (one value per layer,
+    say) becomes `name/layer_00`, `name/layer_01`, ...; anything not a number is left out."""
+    out = {}
+    for k, v in rec.items():
+        if k in skip:
+            continue
+        if isinstance(v, (list, tuple)):
+            width = len(str(len(v) - 1))
+            for i, x in enumerate(v):
+                if isinstance(x, (int, float)):
+                    out[f"{k}/layer_{i:0{width}d}"] = float(x)
+        elif isinstance(v, (bool, int, float)):
+            out[k] = float(v)
+    return out
+
+
+class MetricsLog:
+    """Where a trainer's log records go: metrics.jsonl, and TensorBoard when it can.
+
+    A TensorBoard writer opens on its first record with `purge_step` at that record's step:
+    a run resumed from an earlier checkpoint than its last logged step makes TensorBoard
+    drop the old curve's tail, which the resumed run is about to log again. Records counted
+    in other steps (a warm start's) go to a sibling folder, a TensorBoard run of their own,
+    so that purge never reaches them.
+    """
+
+    def __init__(self, run_dir: str, config: dict | None = None):
+        self.run_dir = run_dir
+        self.path = os.path.join(run_dir, "metrics.jsonl")
+        self.tensorboard_dir = os.path.join(run_dir, "tensorboard")
+        self.config = config
+        self.records: list[dict] = []  # this process's run, for the end-of-run summary
+        self.main = is_main_process()
+        self._tbx = _tensorboardx() if self.main else None
+        self._writers = {}
+
+    @property
+    def has_tensorboard(self) -> bool:
+        return bool(self._writers)
+
+    def write(self, rec: dict, *, step_key: str = "step", run: str = "") -> None:
+        """Append `rec` to metrics.jsonl as is; every number in it becomes a TensorBoard scalar
+        at step rec[step_key], tagged `run/key` in the folder tensorboard/run when `run` is
+        given."""
+        self.records.append(rec)
+        if not self.main:
+            return
+        with open(self.path, "a") as f:
+            f.write(json.dumps(rec) + "\n")
+        if self._tbx is None:
+            return
+        step = int(rec[step_key])
+        if run not in self._writers:
+            self._open(run, step)
+        prefix = f"{run}/" if run else ""
+        for tag, v in scalars(rec, skip=(step_key,)).items():
+            self._writers[run].add_scalar(prefix + tag, v, step)
+
+    def _open(self, run: str, step: int) -> None:
+        # flush_secs: a person watching TensorBoard sees a point within ~10 s of its log line.
+        writer = self._tbx.SummaryWriter(os.path.join(self.tensorboard_dir, run),
+                                         purge_step=step, max_queue=1000, flush_secs=10)
+        if self.config is not None and not run:
+            text = json.dumps(self.config, indent=2, sort_keys=True, default=str)
+            # Indented four spaces: a Markdown code block, which TensorBoard shows verbatim.
+            writer.add_text(CONFIG_TAG, "\n".join("    " + l for l in text.splitlines()), step)
+        self._writers[run] = writer
+
+    def close(self) -> None:
+        for writer in self._writers.values():
+            writer.close()  # flushes and joins the writer thread
+
+    def __enter__(self) -> MetricsLog:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def mean_ms_per_step(records: list[dict], start_step: int) -> float:
+    """Step-weighted mean of `ms_per_step` over the logged intervals after `start_step`,
+    leaving out the first when there are others: it is the run's first step alone, which
+    pays for first-touch allocations and warm caches. NaN when nothing was logged."""
+    timed, prev = [], start_step
+    for r in records:
+        if "ms_per_step" in r:
+            timed.append((r["step"] - prev, r["ms_per_step"]))
+            prev = r["step"]
+    if len(timed) > 1:
+        timed = timed[1:]
+    steps = sum(n for n, _ in timed)
+    return sum(n * ms for n, ms in timed) / steps if steps else float("nan")
+
+
+# ----------------------------------------------------------------------------------------------
+# Profiles
+
+
+def profile_steps_problem(steps: tuple[int, ...], flag: str, last_step: int) -> str | None:
+    """Why `steps` (from `flag`) cannot be profiled in a run of `last_step` steps, or None."""
+    if not steps:
+        return None
+    if len(steps) > 2 or not 1 <= steps[0] <= steps[-1] <= last_step:
+        return (f"{flag} {' '.join(map(str, steps))}: give the first and last step to trace "
+                f"(e.g. {flag} 10 15, or one step), with 1 <= first <= last <= the run's "
+                f"{last_step} steps. Skip the first few: they pay for warm-up.")
+    return None
+
+
+class Profiler:
+    """A jax.profiler trace of the steps first..last (as the log numbers them) into
+    `<run_dir>/profile`, for TensorBoard's profile plugin or Perfetto (perfetto_trace.json.gz).
+
+        prof.before(step)            # before dispatching step `step`
+        state, m = step_fn(...)
+        prof.after(step, m)          # after: the trace ends once step `last` has finished
+
+    A resumed run that starts inside the range traces the rest of it. Each process traces
+    its own devices; with several processes, each into profile/process_<i>.
+    """
+
+    def __init__(self, run_dir: str, steps: tuple[int, ...]):
+        self.first, self.last = (steps[0], steps[-1]) if steps else (0, -1)
+        self.dir = os.path.join(run_dir, "profile")
+        if jax.process_count() > 1:
+            self.dir = os.path.join(self.dir, f"process_{jax.process_index()}")
+        self.active = False
+        self.traced: tuple[int, int] | None = None
+        self._annotation = None
+
+    def before(self, step: int) -> None:
+        if not self.active and self.traced is None and self.first <= step <= self.last:
+            note(f"profile: tracing steps {step}-{self.last} into {self.dir}")
+            jax.profiler.start_trace(self.dir, create_perfetto_trace=True)
+            self.active, self._began = True, step
+        if self.active:
+            # Marks the step in the trace: the profile plugin's step-time view reads these.
+            self._annotation = jax.profiler.StepTraceAnnotation("train", step_num=step)
+            self._annotation.__enter__()
+
+    def after(self, step: int, outputs) -> None:
+        if self._annotation is not None:
+            self._annotation.__exit__(None, None, None)
+            self._annotation = None
+        if self.active and step >= self.last:
+            jax.block_until_ready(outputs)  # the device's part of the last step, too
+            self._stop(step)
+
+    def _stop(self, step: int) -> None:
+        with progress("profile: writing the trace"):
+            jax.profiler.stop_trace()
+        self.active, self.traced = False, (self._began, step)
+
+    def close(self) -> None:
+        """Ends a trace the loop left open (a run stopped by SIGTERM inside the range)."""
+        if self._annotation is not None:
+            self._annotation.__exit__(None, None, None)
+            self._annotation = None
+        if self.active:
+            self._stop(-1)
+
+    def __enter__(self) -> Profiler:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+# ----------------------------------------------------------------------------------------------
+# The end of a run
+
+
+def duration(seconds: float) -> str:
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    m, s = divmod(round(seconds), 60)
+    return f"{m} min {s:02d} s" if m < 60 else f"{m // 60} h {m % 60:02d} min"
+
+
+def where_rows(run_dir: str, log: MetricsLog | None = None,
+               profiler: Profiler | None = None) -> list[tuple[str, str]]:
+    """The summary's rows that say where a run's files are and how to look at them."""
+    rows = [("checkpoints", os.path.join(run_dir, "checkpoints"))]
+    rows.append(("metrics", os.path.join(run_dir, "metrics.jsonl")))
+    if log is not None and log.has_tensorboard:
+        rows.append(("tensorboard", f"{log.tensorboard_dir}   (make tensorboard RUN={run_dir})"))
+    rows.append(("plots", f"make plot RUN={run_dir}   (writes {os.path.join(run_dir, 'plots')})"))
+    if profiler is not None and profiler.traced is not None:
+        a, b = profiler.traced
+        rows.append(("profile", f"{profiler.dir}   (steps {a}-{b}; README: Seeing a run)"))
+    return rows
+
+
+def print_summary(title: str, rows: list[tuple[str, str]]) -> None:
+    """A one-screen block that ends a run's log: what it did, then where its files are."""
+    width = max(len(k) for k, _ in rows)
+    rule = "=" * 78
+    say("\n".join([f"{rule}\n{title}\n{'-' * 78}"] +
+                  [f"{k:<{width}}  {v}" for k, v in rows] + [rule]))
+
+
+def fmt(x: float, spec: str = ".3f") -> str:
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
