@@ -113,6 +113,7 @@ class Checkpointer:
         registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
         registry.add(_ITEM, ocp.args.StandardSave)
         registry.add(_ITEM, ocp.args.StandardRestore)
+        registry.add(_ITEM, ocp.args.PyTreeRestore)  # partial restores (`restore(partial=True)`)
         options = ocp.CheckpointManagerOptions(
             # We decide when to save (see `save`); Orbax only keeps the last `keep`.
             preservation_policy=ocp.checkpoint_managers.LatestN(n=cfg.keep),
@@ -241,12 +242,14 @@ class Checkpointer:
 
     # -- restore ------------------------------------------------------------------------
 
-    def restore(self, step: int, abstract_state: Any) -> Any:
+    def restore(self, step: int, abstract_state: Any, partial: bool = False) -> Any:
         """Reads `step` into the shapes, dtypes and shardings of `abstract_state`.
 
         `abstract_state` is a pytree of `jax.ShapeDtypeStruct(shape, dtype, sharding=...)`
         with the structure of the saved state; the shardings may be on any mesh. Each
-        process reads only the slices its devices hold.
+        process reads only the slices its devices hold. With `partial`, it may name a part
+        of the saved tree (`{"params": ...}` to start a fine-tune from another run's
+        weights): only that part is read, and the rest of the checkpoint is ignored.
         """
         self.wait()  # an async save of this very step must land first
         step_dir = os.path.join(self.directory, str(step))
@@ -271,7 +274,7 @@ class Checkpointer:
         if saved is None:
             raise corrupt(f"its '{_ITEM}' item or that item's metadata is missing")
 
-        problems = _tree_mismatch(_flat(saved.tree), _flat(abstract_state))
+        problems = _tree_mismatch(_flat(saved.tree), _flat(abstract_state), partial)
         if problems:
             shown = problems[:20] + ([f"... and {len(problems) - 20} more"] if len(problems) > 20 else [])
             raise CheckpointError(
@@ -281,10 +284,16 @@ class Checkpointer:
                 "/config.json), or start a new --run-dir for the new model."
             )
 
-        try:
-            restored = self._manager.restore(
-                step, args=ocp.args.Composite(**{_ITEM: ocp.args.StandardRestore(abstract_state)})
+        if partial:
+            args = ocp.args.PyTreeRestore(
+                abstract_state,
+                restore_args=ocp.checkpoint_utils.construct_restore_args(abstract_state),
+                partial_restore=True,
             )
+        else:
+            args = ocp.args.StandardRestore(abstract_state)
+        try:
+            restored = self._manager.restore(step, args=ocp.args.Composite(**{_ITEM: args}))
         except Exception as e:
             raise corrupt(_reason(e)) from e
         return restored[_ITEM]
@@ -351,11 +360,11 @@ def _flat(tree: Any) -> dict[str, Any]:
     return {jax.tree_util.keystr(path, simple=True, separator="/"): leaf for path, leaf in leaves}
 
 
-def _tree_mismatch(saved: dict[str, Any], wanted: dict[str, Any]) -> list[str]:
+def _tree_mismatch(saved: dict[str, Any], wanted: dict[str, Any], partial: bool = False) -> list[str]:
     problems = []
     for key in sorted(wanted.keys() - saved.keys()):
         problems.append(f"{key}: expected, but not in the checkpoint")
-    for key in sorted(saved.keys() - wanted.keys()):
+    for key in sorted(saved.keys() - wanted.keys()) if not partial else []:
         problems.append(f"{key}: in the checkpoint, but not expected")
     for key in sorted(saved.keys() & wanted.keys()):
         s, w = saved[key], wanted[key]
