@@ -91,7 +91,7 @@ class TrainConfig:
     eval_batches: int = 4
     sample_tokens: int = 96       # printed at the end; 0 = no sample
     temperature: float = 0.7      # of that sample; 0 = greedy
-    eval_samples: int = 3         # SFT: held-out prompts completed at each eval
+    eval_samples: int = 32        # SFT: held-out prompts answered at each eval (3 printed)
     peak_tflops: float = 0.0      # per device, for MFU; 0 = look up (TPU/GPU) or measure (CPU)
 
 
@@ -146,7 +146,7 @@ PRESETS: dict[str, tuple[str, Config]] = {
         d_model=4096, n_layers=36, n_heads=32, d_ff=12288, **_QWEN3), "qwen3-8b")),
     # `make sft`: tools/sft_demo.py writes the data; the model is the `make train` run's.
     "tiny-sft": ("fine-tune runs/tiny on the generated instruction set: the `make sft` demo",
-                 Config(train=TrainConfig(steps=150, batch_size=16, seq_len=256, lr=1e-3,
+                 Config(train=TrainConfig(steps=150, batch_size=16, seq_len=128, lr=2e-3,
                                           warmup_steps=10, eval_every=50, sample_tokens=32,
                                           temperature=0.0, log_every=10),
                         data=DataConfig(format="sft", path="data/sft-demo/train.jsonl"),
@@ -798,7 +798,8 @@ def sample(params, prompts: list[list[int]], cfg: Config, mesh, key,
 
 def sft_samples(params, ds: SFTDataset, cfg: Config, mesh, key) -> list[dict]:
     """Answers to the first --train.eval-samples held-out prompts (greedy at --train.temperature
-    0), cut at EOS, beside the answers in the data."""
+    0), cut at EOS, beside the answers in the data. One batch: the prompts are decoded
+    together."""
     examples = ds.eval_examples[:cfg.train.eval_samples]
     if not examples or cfg.train.sample_tokens < 1:
         return []
@@ -1000,12 +1001,19 @@ def _train_loop(cfg: Config, mesh, tx, ds, ckpt: Checkpointer, t_start: float) -
     def evaluate_and_show(params, step):
         summary["eval_loss"] = evaluate(params)
         summary.setdefault("evals", []).append((step, summary["eval_loss"]))
-        log(f"eval step {step} | eval_loss {summary['eval_loss']:.3f}")
+        line = f"eval step {step} | eval_loss {summary['eval_loss']:.3f}"
+        samples = []
         if isinstance(ds, SFTDataset):
-            summary["samples"] = sft_samples(params, ds, cfg, mesh, jax.random.key(tc.seed + 7))
-            for i, r in enumerate(summary["samples"], 1):
-                log(f"  held-out {i} | {r['prompt'][-60:]!r} -> {r['sample']!r} "
-                    f"(data: {r['expected']!r})")
+            samples = summary["samples"] = sft_samples(params, ds, cfg, mesh,
+                                                       jax.random.key(tc.seed + 7))
+        if samples:
+            summary["exact_match"] = np.mean([r["sample"] == r["expected"] for r in samples])
+            line += (f" | held-out answers exactly right {100 * summary['exact_match']:.0f}% "
+                     f"of {len(samples)}")
+        log(line)
+        for i, r in enumerate(samples[:3], 1):
+            log(f"  held-out {i} | {r['prompt'][-100:]!r} -> {r['sample']!r} "
+                f"(data: {r['expected']!r})")
 
     if start == 0 and cfg.init_from and start < tc.steps:
         evaluate_and_show(state["params"], 0)  # the starting point, to compare against
