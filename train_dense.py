@@ -895,16 +895,24 @@ def resolve_init_from(cfg: Config) -> Config:
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **arch))
 
 
+def run_tokenizer(run_dir: str) -> str:
+    """The sentencepiece model the run in `run_dir` tokenized with, following its own
+    --init-from when it was a fine-tune that named none."""
+    saved = init_run_config(run_dir)
+    known = {f.name for f in dataclasses.fields(DataConfig)}
+    theirs = DataConfig(**{k: v for k, v in saved.get("data", {}).items() if k in known})
+    if theirs.format == "sft" and not theirs.tokenizer and saved.get("init_from"):
+        return run_tokenizer(saved["init_from"])
+    return tokenizer_path(theirs)
+
+
 def init_data_config(cfg: Config) -> DataConfig:
     """The data config to load: SFT without --data.tokenizer tokenizes as --init-from's run
     did (a path resolved here, not stored: the embedded corpus's cache path differs between
     machines and Pythons)."""
     if cfg.data.format != "sft" or cfg.data.tokenizer or not cfg.init_from:
         return cfg.data
-    saved = init_run_config(cfg.init_from).get("data", {})
-    known = {f.name for f in dataclasses.fields(DataConfig)}
-    theirs = DataConfig(**{k: v for k, v in saved.items() if k in known})
-    return dataclasses.replace(cfg.data, tokenizer=tokenizer_path(theirs))
+    return dataclasses.replace(cfg.data, tokenizer=run_tokenizer(cfg.init_from))
 
 
 def load_init_params(cfg: Config, tx, shardings) -> dict:
@@ -949,7 +957,8 @@ def _train(cfg: Config, mesh, tx) -> dict:
                           f"{mc.vocab_size}; set --model.vocab-size {ds.vocab_size} or larger.")
     os.makedirs(cfg.run_dir, exist_ok=True)
     if multislice.is_main_process():
-        check_run_config(cfg.run_dir, dataclasses.asdict(cfg), MAY_CHANGE)
+        check_run_config(cfg.run_dir, dataclasses.asdict(cfg), MAY_CHANGE,
+                         defaults=dataclasses.asdict(Config()))
     ckpt = Checkpointer(cfg.run_dir, cfg.checkpoint)
     try:
         return _train_loop(cfg, mesh, tx, ds, ckpt, t_start)

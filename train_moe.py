@@ -996,7 +996,8 @@ def _train(cfg: Config, mesh, tx) -> dict:
                           f"{mc.vocab_size}; set --model.vocab-size {ds.vocab_size} or larger.")
     os.makedirs(cfg.run_dir, exist_ok=True)
     if multislice.is_main_process():
-        check_run_config(cfg.run_dir, dataclasses.asdict(cfg), MAY_CHANGE)
+        check_run_config(cfg.run_dir, dataclasses.asdict(cfg), MAY_CHANGE,
+                         defaults=dataclasses.asdict(Config()))
     ckpt = Checkpointer(cfg.run_dir, cfg.checkpoint)
     try:
         return _train_loop(cfg, mesh, tx, ds, ckpt, t_start)

@@ -409,13 +409,16 @@ def _write_json_atomically(path: str, obj: Any) -> None:
         raise
 
 
-def check_run_config(run_dir: str, config: dict, may_change: frozenset[str] = frozenset()) -> None:
+def check_run_config(run_dir: str, config: dict, may_change: frozenset[str] = frozenset(),
+                     defaults: dict | None = None) -> None:
     """Records the run's config on the first start and refuses a resume that changes it.
 
     `may_change` names dotted keys or prefixes ("train.steps", "mesh") that a resume may
     change: the step budget, the mesh (checkpoints reshard), logging. Anything else, such
     as the model's shape or the data, would silently make the resumed run a different
-    experiment.
+    experiment. `defaults` (the config's field defaults, nested alike) lets a run saved
+    before a field existed resume: a key absent from the saved file that is at its default
+    now is no change.
     """
     # Round-trip through JSON so that the live config compares as it will read back
     # (tuples become lists; values JSON cannot hold are recorded by their str()).
@@ -440,6 +443,9 @@ def check_run_config(run_dir: str, config: dict, may_change: frozenset[str] = fr
 
     old, new = _flatten_config(saved), _flatten_config(now)
     missing = "(absent)"
+    if defaults is not None:
+        added = _flatten_config(json.loads(json.dumps(defaults, default=str)))
+        old |= {k: added[k] for k in new.keys() - old.keys() if k in added and new[k] == added[k]}
     changed = sorted(k for k in old.keys() | new.keys() if old.get(k, missing) != new.get(k, missing))
     conflicts = [k for k in changed if not allowed(k)]
     if conflicts:

@@ -345,3 +345,40 @@ def test_fine_tune_from_a_pretraining_run(tokenizer, tmp_path, capsys):
     log = capsys.readouterr().out
     assert "resumed from step 4" in log and "initialised from" not in log
     assert again["final_step"] == 6
+
+
+def test_a_run_saved_before_the_sft_fields_existed_still_resumes(tmp_path):
+    from common.checkpoint import ConfigConflictError, check_run_config
+    cfg = dataclasses.asdict(td.Config())
+    old = json.loads(json.dumps(cfg))
+    for key in ("format", "eval_path", "eval_fraction", "tokenizer", "train_on", "loss_average",
+                "overlong", "pack"):
+        del old["data"][key]
+    del old["init_from"], old["train"]["eval_samples"]
+    with open(tmp_path / "config.json", "w") as f:
+        json.dump(old, f)
+    defaults = dataclasses.asdict(td.Config())
+    check_run_config(str(tmp_path), cfg, td.MAY_CHANGE, defaults=defaults)
+    sft = dataclasses.asdict(td.Config(data=D.DataConfig(format="sft")))
+    with pytest.raises(ConfigConflictError, match='data.format: \\(absent\\) \\(saved\\) -> "sft"'):
+        check_run_config(str(tmp_path), sft, td.MAY_CHANGE, defaults=defaults)
+    with pytest.raises(ConfigConflictError, match="data.format"):
+        check_run_config(str(tmp_path), cfg, td.MAY_CHANGE)  # without defaults: refused
+
+
+def test_a_fine_tune_of_a_fine_tune_finds_the_pretraining_tokenizer(tokenizer, tmp_path):
+    def run(name, **kw):
+        os.makedirs(tmp_path / name / "checkpoints")
+        with open(tmp_path / name / "config.json", "w") as f:
+            json.dump(dataclasses.asdict(td.Config(**kw)), f)
+        return str(tmp_path / name)
+
+    pre = run("pre", data=D.DataConfig(path=os.path.dirname(tokenizer)))
+    first = run("sft1", data=D.DataConfig(format="sft", path="a.jsonl"), init_from=pre)
+    second = run("sft2", data=D.DataConfig(format="sft", path="b.jsonl"), init_from=first)
+    assert td.run_tokenizer(second) == tokenizer
+    named = run("sft3", data=D.DataConfig(format="sft", path="c.jsonl", tokenizer="t.model"),
+                init_from=first)
+    assert td.run_tokenizer(named) == "t.model"
+    with pytest.raises(FileNotFoundError, match="--init-from .*nowhere.*not a train_dense.py run"):
+        td.run_tokenizer(str(tmp_path / "nowhere"))
