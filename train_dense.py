@@ -31,8 +31,8 @@ from jax.sharding import PartitionSpec as P
 from common import multislice
 from common.checkpoint import (CheckpointConfig, CheckpointError, Checkpointer,
                                ConfigConflictError, PreemptionGuard, check_run_config)
-from common.data import (DataConfig, SFTDataset, get_batch, held_out_batches, load_dataset,
-                         tokenizer_path)
+from common.data import (DataConfig, DataError, SFTDataset, get_batch, held_out_batches,
+                         load_dataset, tokenizer_path)
 from common.mesh import (BATCH_AXES, MeshConfig, MeshError, batch_shards, describe, make_mesh,
                          resolve)
 
@@ -1100,7 +1100,7 @@ if __name__ == "__main__":
     try:
         main(cli())
     except (ConfigError, MeshError, ConfigConflictError, CheckpointError, FileNotFoundError,
-            multislice.DistributedInitError) as e:
+            DataError, multislice.DistributedInitError) as e:
         # Bad input: a one-paragraph reason and the fix, not a traceback.
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -203,7 +203,7 @@ def load_dataset(cfg: DataConfig, seq_len: int | None = None) -> Dataset:
     """The data of `cfg`; `seq_len` is needed only to pack SFT rows (--data.format sft)."""
     if cfg.format == "sft":
         if seq_len is None:
-            raise ValueError("--data.format sft: this trainer does not read SFT data; "
+            raise DataError("--data.format sft: this trainer does not read SFT data; "
                              "fine-tune with train_dense.py")
         return load_sft(cfg, seq_len)
     if cfg.path:
@@ -633,6 +633,12 @@ def _sentencepiece_train(sentences: list[str], model: io.BytesIO, vocab_size: in
 
 EOS = None  # a span that stands for the tokenizer's EOS id rather than for text
 CHAT_ROLES = ("system", "user", "assistant")
+
+
+class DataError(ValueError):
+    """Bad SFT input: the message names the file, the line or the flag, and the fix."""
+
+
 SFT_SHAPES = ('{"prompt": ..., "completion": ...} or '
               '{"messages": [{"role": ..., "content": ...}, ...]}')
 
@@ -663,30 +669,30 @@ def sft_spans(obj, where: str) -> list[tuple[str | None, bool]]:
     as written (as TRL does), followed by EOS.
     """
     if not isinstance(obj, dict):
-        raise ValueError(f"{where}: a JSON {type(obj).__name__}, not an object; each line is "
+        raise DataError(f"{where}: a JSON {type(obj).__name__}, not an object; each line is "
                          f"{SFT_SHAPES}")
     if "messages" in obj:
         msgs = obj["messages"]
         if not isinstance(msgs, list) or not msgs:
-            raise ValueError(f'{where}: "messages" must be a non-empty list of '
+            raise DataError(f'{where}: "messages" must be a non-empty list of '
                              f'{{"role": ..., "content": ...}} objects')
         for j, m in enumerate(msgs):
             if not isinstance(m, dict) or "role" not in m or "content" not in m:
-                raise ValueError(f'{where}: messages[{j}] needs the fields "role" and "content"')
+                raise DataError(f'{where}: messages[{j}] needs the fields "role" and "content"')
             if m["role"] not in CHAT_ROLES:
-                raise ValueError(f"{where}: messages[{j}] has role {m['role']!r}; the roles are "
+                raise DataError(f"{where}: messages[{j}] has role {m['role']!r}; the roles are "
                                  f"{', '.join(CHAT_ROLES)}")
             if not isinstance(m["content"], str):
-                raise ValueError(f'{where}: messages[{j}]["content"] is a '
+                raise DataError(f'{where}: messages[{j}]["content"] is a '
                                  f'{type(m["content"]).__name__}, not a string')
         if not any(m["role"] == "assistant" for m in msgs):
-            raise ValueError(f"{where}: no assistant turn, so nothing to train on")
+            raise DataError(f"{where}: no assistant turn, so nothing to train on")
         return chat_spans(msgs)
     for key in ("prompt", "completion"):
         if key not in obj:
-            raise ValueError(f"{where}: missing field {key!r}; each line is {SFT_SHAPES}")
+            raise DataError(f"{where}: missing field {key!r}; each line is {SFT_SHAPES}")
         if not isinstance(obj[key], str):
-            raise ValueError(f"{where}: field {key!r} is a {type(obj[key]).__name__}, not a "
+            raise DataError(f"{where}: field {key!r} is a {type(obj[key]).__name__}, not a "
                              f"string")
     return [(obj["prompt"], False), (obj["completion"], True), (EOS, True)]
 
@@ -697,24 +703,24 @@ def read_sft_jsonl(path: str, flag: str = "--data.path") -> list[list[tuple[str 
         raise FileNotFoundError(f"{flag} {path!r}: no such file; SFT data is a JSONL file with "
                                 f"one example per line, {SFT_SHAPES}")
     examples = []
-    with open(path, encoding="utf-8") as f:
-        line_no = 0
-        try:
-            for line_no, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                where = f"{path}, line {line_no}"
-                try:
-                    obj = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{where}: not valid JSON ({e.msg}, column {e.colno}); a "
-                                     f"JSONL file holds one JSON object per line") from None
-                examples.append(sft_spans(obj, where))
-        except UnicodeDecodeError as e:
-            raise ValueError(f"{path}, line {line_no + 1}: not UTF-8 ({e.reason}); convert the "
-                             f"file first, e.g. iconv -t utf-8") from None
+    with open(path, "rb") as f:  # bytes: a bad encoding is reported at its very line
+        for line_no, raw in enumerate(f, 1):
+            where = f"{path}, line {line_no}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DataError(f"{where}: not UTF-8 ({e.reason} at byte {e.start} of the "
+                                f"line); convert the file first, e.g. iconv -t utf-8") from None
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{where}: not valid JSON ({e.msg}, column {e.colno}); a JSONL "
+                                f"file holds one JSON object per line") from None
+            examples.append(sft_spans(obj, where))
     if not examples:
-        raise ValueError(f"{flag} {path!r} holds no examples")
+        raise DataError(f"{flag} {path!r} holds no examples")
     return examples
 
 
@@ -818,7 +824,7 @@ def pack_examples(examples: list[Example], seq_len: int, *, train_on: str = "com
             w /= w.sum()
         kept.append((tokens, w))
     if not kept:
-        raise ValueError(f"{name}: no example is left to train on ({_describe(stats)}); "
+        raise DataError(f"{name}: no example is left to train on ({_describe(stats)}); "
                          f"raise --train.seq-len or use --data.overlong truncate")
     lengths = [len(t) - 1 for t, _ in kept]
     rows = _best_fit(lengths, seq_len) if pack else [[i] for i in range(len(kept))]
@@ -933,10 +939,10 @@ def load_sft(cfg: DataConfig, seq_len: int) -> SFTDataset:
     """Read, split, tokenize and pack --data.path (and --data.eval-path) for rows of seq_len.
     Every process does the same work and gets the same rows."""
     if not cfg.path:
-        raise ValueError(f"--data.format sft needs --data.path: a JSONL file with one example "
+        raise DataError(f"--data.format sft needs --data.path: a JSONL file with one example "
                          f"per line, {SFT_SHAPES}")
     if not cfg.eval_path and not 0.0 < cfg.eval_fraction < 1.0:
-        raise ValueError(f"--data.eval-fraction {cfg.eval_fraction}: must be strictly between "
+        raise DataError(f"--data.eval-fraction {cfg.eval_fraction}: must be strictly between "
                          f"0 and 1 (or give --data.eval-path)")
     tok = tokenizer_path(cfg)
     if not os.path.isfile(tok):
@@ -945,13 +951,13 @@ def load_sft(cfg: DataConfig, seq_len: int) -> SFTDataset:
     try:
         sp = spm.SentencePieceProcessor(model_file=tok)
     except (OSError, RuntimeError) as e:
-        raise ValueError(f"--data.tokenizer {tok!r} is not a sentencepiece model ({e})") from None
+        raise DataError(f"--data.tokenizer {tok!r} is not a sentencepiece model ({e})") from None
     train = read_sft_jsonl(cfg.path)
     if cfg.eval_path:
         held = read_sft_jsonl(cfg.eval_path, "--data.eval-path")
     else:
         if len(train) < 2:
-            raise ValueError(f"--data.path {cfg.path!r} holds one example: too few to hold "
+            raise DataError(f"--data.path {cfg.path!r} holds one example: too few to hold "
                              f"one out; add examples or give --data.eval-path")
         n_eval = min(len(train) - 1, max(1, round(cfg.eval_fraction * len(train))))
         is_eval = np.zeros(len(train), bool)

@@ -382,3 +382,20 @@ def test_a_fine_tune_of_a_fine_tune_finds_the_pretraining_tokenizer(tokenizer, t
     assert td.run_tokenizer(named) == "t.model"
     with pytest.raises(FileNotFoundError, match="--init-from .*nowhere.*not a train_dense.py run"):
         td.run_tokenizer(str(tmp_path / "nowhere"))
+
+
+def test_bad_input_on_the_command_line_exits_2_naming_the_line(tokenizer, tmp_path):
+    import subprocess
+    import sys
+    path = tmp_path / "bad.jsonl"
+    path.write_bytes(b'{"prompt": "a", "completion": "b"}\n{"prompt": "caf\xe9", "completion": "x"}\n')
+    with pytest.raises(D.DataError, match=r"bad.jsonl, line 2: not UTF-8"):
+        D.read_sft_jsonl(str(path))
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, "train_dense.py", "tiny-sft", "--data.path", str(path),
+                        "--data.tokenizer", tokenizer, "--init-from", "", "--run-dir",
+                        str(tmp_path / "run")], cwd=root, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert "error:" in r.stderr and "bad.jsonl, line 2: not UTF-8" in r.stderr
+    assert "Traceback" not in r.stderr
