@@ -16,7 +16,7 @@ comma  := ,
 
 .DEFAULT_GOAL := help
 .PHONY: help train test bench bench-parity dry-run prepare clean train-moe bench-moe train-grpo \
-        plot tensorboard need-run
+        plot tensorboard need-run sft
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-16s %s\n", $$1, $$2}'
@@ -29,6 +29,11 @@ $(VENV)/.installed: pyproject.toml
 
 train: $(VENV)/.installed  ## train the tiny model on the embedded corpus (resumes if run again)
 	$(PY) train_dense.py $(PRESET) $(ARGS)
+
+sft: $(VENV)/.installed  ## fine-tune the `make train` model (trained first if missing) on generated Q&A
+	@test -d runs/tiny/checkpoints || $(MAKE) --no-print-directory train PRESET=tiny ARGS=
+	$(PY) tools/sft_demo.py --out data/sft-demo
+	$(PY) train_dense.py tiny-sft $(ARGS)
 
 train-moe: $(VENV)/.installed  ## train the tiny mixture of experts (MOE_PRESET) on the embedded corpus; resumes
 	$(PY) train_moe.py $(MOE_PRESET) $(ARGS)

@@ -12,6 +12,7 @@ H head width, F MLP width, V vocabulary, L layers.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 import sys
@@ -30,7 +31,8 @@ from jax.sharding import PartitionSpec as P
 from common import multislice, observe
 from common.checkpoint import (CheckpointConfig, CheckpointError, Checkpointer,
                                ConfigConflictError, PreemptionGuard, check_run_config)
-from common.data import DataConfig, get_batch, load_dataset
+from common.data import (DataConfig, DataError, SFTDataset, get_batch, held_out_batches,
+                         load_dataset, tokenizer_path)
 from common.mesh import (BATCH_AXES, MeshConfig, MeshError, batch_shards, describe, make_mesh,
                          resolve, tpu_topology_devices)
 
@@ -90,6 +92,7 @@ class TrainConfig:
     sample_tokens: int = 96       # printed at the end; 0 = no sample
     temperature: float = 0.7      # of that sample; 0 = greedy
     sample_prompt: str = "def"    # no trailing space: sentencepiece would make it a lone "▁"
+    eval_samples: int = 32        # SFT: held-out prompts answered at each eval (3 printed)
     peak_tflops: float = 0.0      # per device, for MFU; 0 = look up (TPU/GPU) or measure (CPU)
     profile_steps: tuple[int, ...] = ()  # first and last step to trace into <run_dir>/profile
 
@@ -102,6 +105,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     run_dir: str = "runs/tiny"
+    init_from: str = ""           # a train_dense.py run dir: start from its latest parameters
     dry_run: bool = False         # compile one step on abstract inputs, print memory, exit
     compile_topology: str = ""    # with --dry-run: compile for this TPU type (v5p-256), needs libtpu
     compile_slices: int = 1       # ... and this many slices of it (set --mesh.dcn-* to match)
@@ -145,6 +149,14 @@ PRESETS: dict[str, tuple[str, Config]] = {
         "qwen3-0.6b")),
     "qwen3-8b": ("Qwen3 8B (q/k norm)", _big(ModelConfig(
         d_model=4096, n_layers=36, n_heads=32, d_ff=12288, **_QWEN3), "qwen3-8b")),
+    # `make sft`: tools/sft_demo.py writes the data; the model is the `make train` run's.
+    "tiny-sft": ("fine-tune runs/tiny on the generated instruction set: the `make sft` demo",
+                 Config(train=TrainConfig(steps=150, batch_size=16, seq_len=128, lr=2e-3,
+                                          warmup_steps=10, eval_every=50, sample_tokens=32,
+                                          temperature=0.0, log_every=10),
+                        data=DataConfig(format="sft", path="data/sft-demo/train.jsonl"),
+                        checkpoint=CheckpointConfig(every=50), run_dir="runs/tiny-sft",
+                        init_from="runs/tiny")),
 }
 
 # Keys of the saved run config that a resumed run may change: how long, how often, on what
@@ -152,7 +164,7 @@ PRESETS: dict[str, tuple[str, Config]] = {
 MAY_CHANGE = frozenset({
     "train.steps", "train.log_every", "train.eval_every", "train.eval_batches",
     "train.sample_tokens", "train.temperature", "train.sample_prompt", "train.peak_tflops",
-    "train.microbatches", "train.profile_steps", "quiet",
+    "train.microbatches", "train.profile_steps", "quiet", "train.eval_samples",
     "mesh", "checkpoint", "dry_run", "compile_topology", "compile_slices", "bench",
     "data.cache_dir", "run_dir",
     "model.dtype", "model.attention", "model.remat", "model.scan_layers", "model.loss_chunk",
@@ -203,6 +215,19 @@ def validate(cfg: Config, n_devices: int) -> None:
     problem = observe.profile_steps_problem(t.profile_steps, "--train.profile-steps", t.steps)
     if problem:
         raise ConfigError(problem)
+    d = cfg.data
+    if d.format == "sft":
+        if not d.path:
+            raise ConfigError("--data.format sft needs --data.path: a JSONL file of "
+                              '{"prompt", "completion"} or {"messages"} examples.')
+        if d.pack and m.attention == "cudnn":
+            raise ConfigError("--model.attention cudnn cannot mask packed SFT rows (JAX's cuDNN "
+                              "path takes causal and length masks only); use --model.attention "
+                              "auto or xla, or --data.no-pack (one example per row needs only "
+                              "the causal mask).")
+        if not d.eval_path and not 0.0 < d.eval_fraction < 1.0:
+            raise ConfigError(f"--data.eval-fraction {d.eval_fraction} must be strictly between "
+                              f"0 and 1 (or give --data.eval-path).")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -331,24 +356,35 @@ def apply_rope(x_BTNH, pos_BT, inv_freq):
     return out.astype(x_BTNH.dtype)
 
 
-def attention(q_BTNH, k_BSKH, v_BSKH, cfg: ModelConfig):
-    """Causal grouped-query attention: query head n reads key/value head n // (N/K)."""
+def attention(q_BTNH, k_BSKH, v_BSKH, cfg: ModelConfig, mask_BTS=None):
+    """Causal grouped-query attention: query head n reads key/value head n // (N/K).
+
+    mask_BTS (True = may attend), when given, is applied on top of the causal mask: packed
+    rows pass "same segment", so attention never crosses from one example into another.
+    """
     if cfg.attention != "einsum":
+        if mask_BTS is not None and cfg.attention == "cudnn":
+            # jax.nn.dot_product_attention's cuDNN path takes causal and length masks only.
+            raise ValueError("--model.attention cudnn cannot take an attention mask (packed "
+                             "segments); use --model.attention auto or xla")
         impl = None if cfg.attention == "auto" else cfg.attention
-        return jax.nn.dot_product_attention(q_BTNH, k_BSKH, v_BSKH, is_causal=True,
+        mask = None if mask_BTS is None else mask_BTS[:, None]
+        return jax.nn.dot_product_attention(q_BTNH, k_BSKH, v_BSKH, mask=mask, is_causal=True,
                                             implementation=impl)
     B, T, N, H = q_BTNH.shape
     K = k_BSKH.shape[2]
     q_BTKGH = q_BTNH.reshape(B, T, K, N // K, H)
     s_BKGTS = jnp.einsum("btkgh,bskh->bkgts", q_BTKGH, k_BSKH,
                          preferred_element_type=jnp.float32) / math.sqrt(H)
-    causal_TS = jnp.tril(jnp.ones((T, k_BSKH.shape[1]), bool))
-    s_BKGTS = jnp.where(causal_TS, s_BKGTS, -1e30)   # finite: a fully masked row stays NaN-free
+    allowed = jnp.tril(jnp.ones((T, k_BSKH.shape[1]), bool))
+    if mask_BTS is not None:
+        allowed = allowed & mask_BTS[:, None, None]
+    s_BKGTS = jnp.where(allowed, s_BKGTS, -1e30)   # finite: a fully masked row stays NaN-free
     p_BKGTS = jax.nn.softmax(s_BKGTS, axis=-1).astype(v_BSKH.dtype)
     return jnp.einsum("bkgts,bskh->btkgh", p_BKGTS, v_BSKH).reshape(B, T, N, H)
 
 
-def block(x_BTD, lp: dict, pos_BT, inv_freq, cfg: ModelConfig):
+def block(x_BTD, lp: dict, pos_BT, inv_freq, cfg: ModelConfig, mask_BTS=None):
     dt = x_BTD.dtype
     w = lambda name: lp[name].astype(dt)   # f32 master weights, compute-dtype matmuls
     h = rms_norm(x_BTD, lp["attn_norm"], cfg.norm_eps)
@@ -360,7 +396,7 @@ def block(x_BTD, lp: dict, pos_BT, inv_freq, cfg: ModelConfig):
     if cfg.qk_norm:
         q, k = rms_norm(q, lp["q_norm"], cfg.norm_eps), rms_norm(k, lp["k_norm"], cfg.norm_eps)
     q, k = apply_rope(q, pos_BT, inv_freq), apply_rope(k, pos_BT, inv_freq)
-    o = attention(q, k, v, cfg)
+    o = attention(q, k, v, cfg, mask_BTS)
     x_BTD = x_BTD + jnp.einsum("btnh,nhd->btd", o, w("wo"))
     h = rms_norm(x_BTD, lp["mlp_norm"], cfg.norm_eps)
     g = jnp.einsum("btd,df->btf", h, w("w_gate"))
@@ -373,18 +409,29 @@ REMAT_POLICIES = {"full": jax.checkpoint_policies.nothing_saveable,
                   "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
 
 
-def hidden(params: dict, tokens_BT, cfg: ModelConfig):
-    """Token ids -> final-normed hidden states [B, T, D] in the compute dtype."""
+def hidden(params: dict, tokens_BT, cfg: ModelConfig, segment_ids=None, positions=None):
+    """Token ids -> final-normed hidden states [B, T, D] in the compute dtype.
+
+    Packed rows (several examples in one row) pass `segment_ids` [B, T], equal within an
+    example, so that attention stays inside each example (a block-diagonal causal mask),
+    and `positions` [B, T], restarting at 0 in each example, for RoPE. Without them: one
+    sequence per row, positions 0..T-1.
+    """
     dt = jnp.dtype(cfg.dtype)
     # Gather the table's fsdp shards first (as FSDP does for every weight): a lookup into a
     # table split on d makes XLA replicate the whole result and re-split it.
     embed = constrain(params["embed"], P("tensor", None))
     x = constrain(jnp.take(embed, tokens_BT, axis=0).astype(dt), ACT_BTD)
-    pos_BT = jnp.broadcast_to(jnp.arange(tokens_BT.shape[1]), tokens_BT.shape)
+    pos_BT = (jnp.broadcast_to(jnp.arange(tokens_BT.shape[1]), tokens_BT.shape)
+              if positions is None else positions)
+    mask_BTS = None
+    if segment_ids is not None:
+        mask_BTS = constrain(segment_ids[:, :, None] == segment_ids[:, None, :],
+                             P(BATCH_AXES, None, None))
     inv_freq = rope_inv_freq(cfg)
 
     def layer(x, lp):
-        return block(x, lp, pos_BT, inv_freq, cfg), None
+        return block(x, lp, pos_BT, inv_freq, cfg, mask_BTS), None
 
     if cfg.remat != "none":
         # prevent_cse=False: inside scan the recomputation cannot be merged away anyway.
@@ -401,9 +448,10 @@ def unembedding(params: dict, cfg: ModelConfig):
     return params["embed"].T if cfg.tie_embeddings else params["unembed"]
 
 
-def forward(params: dict, tokens_BT, cfg: ModelConfig):
-    """Logits [B, T, V] in float32. Training never builds these whole: see `loss_sums`."""
-    h = hidden(params, tokens_BT, cfg)
+def forward(params: dict, tokens_BT, cfg: ModelConfig, segment_ids=None, positions=None):
+    """Logits [B, T, V] in float32. Training never builds these whole: see `loss_sums`.
+    Packed rows pass segment ids and positions (see `hidden`)."""
+    h = hidden(params, tokens_BT, cfg, segment_ids, positions)
     return jnp.einsum("btd,dv->btv", h, unembedding(params, cfg).astype(h.dtype),
                       preferred_element_type=jnp.float32)
 
@@ -413,31 +461,39 @@ def forward(params: dict, tokens_BT, cfg: ModelConfig):
 # ----------------------------------------------------------------------------------------------
 
 
-def _chunked(h_BTD, t_BT, chunk: int):
-    B, T, D = h_BTD.shape
-    C = min(chunk, T)
-    return h_BTD.reshape(B, T // C, C, D).swapaxes(0, 1), t_BT.reshape(B, T // C, C).swapaxes(0, 1)
+def _chunked(chunk: int, *xs_BT):
+    """[B, T, ...] arrays -> [T/C, B, C, ...] chunks to scan over (None stays None)."""
+    def cut(x):
+        if x is None:
+            return None
+        B, T = x.shape[:2]
+        C = min(chunk, T)
+        return x.reshape(B, T // C, C, *x.shape[2:]).swapaxes(0, 1)
+    return [cut(x) for x in xs_BT]
 
 
-def _ce_remat(h_BTD, w_DV, t_BT, chunk: int, z_loss: float):
+def _ce_remat(h_BTD, w_DV, t_BT, wt_BT, chunk: int, z_loss: float):
     """Cross-entropy over sequence chunks, each chunk's logits rebuilt in the backward pass."""
-    h_nBCD, t_nBC = _chunked(h_BTD, t_BT, chunk)
+    h_nBCD, t_nBC, wt_nBC = _chunked(chunk, h_BTD, t_BT, wt_BT)
 
     @partial(jax.checkpoint, prevent_cse=False)
     def one(carry, xs):
-        h_BCD, t_BC = xs
+        h_BCD, t_BC, wt_BC = xs
         logits = jnp.einsum("bcd,dv->bcv", h_BCD, w_DV, preferred_element_type=jnp.float32)
         lse = jax.nn.logsumexp(logits, axis=-1)
-        tgt = jnp.take_along_axis(logits, t_BC[..., None], axis=-1)[..., 0]
-        return (carry[0] + jnp.sum(lse - tgt), carry[1] + jnp.sum(lse * lse)), None
+        ce = lse - jnp.take_along_axis(logits, t_BC[..., None], axis=-1)[..., 0]
+        z = lse * lse
+        if wt_BC is not None:
+            ce, z = ce * wt_BC, z * wt_BC
+        return (carry[0] + jnp.sum(ce), carry[1] + jnp.sum(z)), None
 
     zero = jnp.zeros((), jnp.float32)
-    (ce, z), _ = jax.lax.scan(one, (zero, zero), (h_nBCD, t_nBC))
+    (ce, z), _ = jax.lax.scan(one, (zero, zero), (h_nBCD, t_nBC, wt_nBC))
     return ce + z_loss * z, ce
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _ce_fused(h_BTD, w_DV, t_BT, chunk: int, z_loss: float):
+@partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _ce_fused(h_BTD, w_DV, t_BT, wt_BT, chunk: int, z_loss: float):
     """Cross-entropy whose gradient is made in the same pass as the loss, chunk by chunk.
 
     For logits l, p = softmax(l) and target t, d(ce)/dl = p - onehot(t) and
@@ -445,33 +501,37 @@ def _ce_fused(h_BTD, w_DV, t_BT, chunk: int, z_loss: float):
     leaves only its dh = dl W^T and adds h^T dl to dW, and no logits are kept or rebuilt.
     Against `_ce_remat` this saves the second unembedding matmul, which dominates the
     step when the vocabulary is large. Only the objective is differentiated; the returned
-    cross-entropy is a report.
+    cross-entropy is a report. Per-token weights wt_BT (None = all 1) scale each target's
+    terms and their gradient alike; they are data, never differentiated.
     """
-    return _ce_fused_fwd(h_BTD, w_DV, t_BT, chunk, z_loss)[0]
+    return _ce_fused_fwd(h_BTD, w_DV, t_BT, wt_BT, chunk, z_loss)[0]
 
 
-def _ce_fused_fwd(h_BTD, w_DV, t_BT, chunk, z_loss):
-    h_nBCD, t_nBC = _chunked(h_BTD, t_BT, chunk)
+def _ce_fused_fwd(h_BTD, w_DV, t_BT, wt_BT, chunk, z_loss):
+    h_nBCD, t_nBC, wt_nBC = _chunked(chunk, h_BTD, t_BT, wt_BT)
     V = w_DV.shape[1]
 
     def one(carry, xs):
         obj, ce, dw_DV = carry
-        h_BCD, t_BC = xs
+        h_BCD, t_BC, wt_BC = xs
         logits = jnp.einsum("bcd,dv->bcv", h_BCD, w_DV, preferred_element_type=jnp.float32)
         lse = jax.nn.logsumexp(logits, axis=-1)
         tgt = jnp.take_along_axis(logits, t_BC[..., None], axis=-1)[..., 0]
         p = jnp.exp(logits - lse[..., None])
         dl = p * (1.0 + 2.0 * z_loss * lse)[..., None] - jax.nn.one_hot(t_BC, V, dtype=p.dtype)
+        ce_BC, z_BC = lse - tgt, lse * lse
+        if wt_BC is not None:
+            dl, ce_BC, z_BC = dl * wt_BC[..., None], ce_BC * wt_BC, z_BC * wt_BC
         dh_BCD = jnp.einsum("bcv,dv->bcd", dl.astype(w_DV.dtype), w_DV,
                             preferred_element_type=jnp.float32).astype(h_BCD.dtype)
         dw_DV = dw_DV + jnp.einsum("bcd,bcv->dv", h_BCD, dl.astype(h_BCD.dtype),
                                    preferred_element_type=jnp.float32)
-        ce_i = jnp.sum(lse - tgt)
-        return (obj + ce_i + z_loss * jnp.sum(lse * lse), ce + ce_i, dw_DV), dh_BCD
+        ce_i = jnp.sum(ce_BC)
+        return (obj + ce_i + z_loss * jnp.sum(z_BC), ce + ce_i, dw_DV), dh_BCD
 
     zero = jnp.zeros((), jnp.float32)
     (obj, ce, dw_DV), dh_nBCD = jax.lax.scan(
-        one, (zero, zero, jnp.zeros(w_DV.shape, jnp.float32)), (h_nBCD, t_nBC))
+        one, (zero, zero, jnp.zeros(w_DV.shape, jnp.float32)), (h_nBCD, t_nBC, wt_nBC))
     dh_BTD = dh_nBCD.swapaxes(0, 1).reshape(h_BTD.shape)
     return (obj, ce), (dh_BTD, dw_DV.astype(w_DV.dtype))
 
@@ -479,31 +539,54 @@ def _ce_fused_fwd(h_BTD, w_DV, t_BT, chunk, z_loss):
 def _ce_fused_bwd(chunk, z_loss, res, g):
     dh_BTD, dw_DV = res
     g_obj = g[0]
-    return ((g_obj * dh_BTD).astype(dh_BTD.dtype), (g_obj * dw_DV).astype(dw_DV.dtype), None)
+    return ((g_obj * dh_BTD).astype(dh_BTD.dtype), (g_obj * dw_DV).astype(dw_DV.dtype), None,
+            None)
 
 
 _ce_fused.defvjp(_ce_fused_fwd, _ce_fused_bwd)
 
 
-def loss_sums(params: dict, batch_BT1, cfg: ModelConfig, z_loss: float = 0.0):
-    """(objective, cross-entropy), each summed over all B*T targets; the objective adds
-    z_loss * logsumexp^2 (PaLM) to keep the softmax normaliser near 1.
+def split_batch(batch):
+    """(inputs, targets, weights, segment_ids, positions) of a batch, each [B, T] or None.
+
+    A pre-training batch is token windows [B, T+1]: every next token is a target, weight 1.
+    An SFT batch is a dict of packed rows (common/data.py, `Packed`): its weights are 0 on
+    prompts and padding, and packed rows carry segment ids and per-example positions.
+    """
+    if isinstance(batch, dict):
+        return (batch["inputs"], batch["targets"], batch["weights"], batch.get("segment_ids"),
+                batch.get("positions"))
+    return batch[:, :-1], batch[:, 1:], None, None, None
+
+
+def loss_weight(batch):
+    """What the summed loss is divided by: the batch's total target weight (its number of
+    trained tokens, or of examples under --data.loss-average example; B*T in pre-training)."""
+    if isinstance(batch, dict):
+        return jnp.sum(batch["weights"])
+    return batch.shape[0] * (batch.shape[1] - 1)
+
+
+def loss_sums(params: dict, batch, cfg: ModelConfig, z_loss: float = 0.0):
+    """(objective, cross-entropy), each summed over the batch's targets times their weights;
+    the objective adds z_loss * logsumexp^2 (PaLM) to keep the softmax normaliser near 1.
 
     The [B, T, V] logits never exist at once: the sequence is cut into chunks of
     `loss_chunk` positions. With a 128k vocabulary this is the difference between gigabytes
     and megabytes of activations.
     """
-    inputs, targets = batch_BT1[:, :-1], batch_BT1[:, 1:]
-    h_BTD = hidden(params, inputs, cfg)
+    inputs, targets, weights, segment_ids, positions = split_batch(batch)
+    h_BTD = hidden(params, inputs, cfg, segment_ids, positions)
     w_DV = unembedding(params, cfg).astype(h_BTD.dtype)
     ce_impl = _ce_fused if cfg.loss_impl == "fused" else _ce_remat
-    return ce_impl(h_BTD, w_DV, targets, cfg.loss_chunk, z_loss)
+    return ce_impl(h_BTD, w_DV, targets, weights, cfg.loss_chunk, z_loss)
 
 
-def loss_fn(params, batch_BT1, cfg: ModelConfig, z_loss: float = 0.0):
-    """Mean next-token cross-entropy (+ z_loss * mean logsumexp^2). Returns (objective, ce)."""
-    obj, ce = loss_sums(params, batch_BT1, cfg, z_loss)
-    n = batch_BT1.shape[0] * (batch_BT1.shape[1] - 1)
+def loss_fn(params, batch, cfg: ModelConfig, z_loss: float = 0.0):
+    """Mean next-token cross-entropy (+ z_loss * mean logsumexp^2) over the batch's trained
+    targets (all of them in pre-training). Returns (objective, ce)."""
+    obj, ce = loss_sums(params, batch, cfg, z_loss)
+    n = loss_weight(batch)
     return obj / n, ce / n
 
 
@@ -537,28 +620,39 @@ def make_optimizer(t: TrainConfig):
                                    mask=mask))
 
 
-def compute_grads(params, batch_BT1, cfg: Config):
-    """Gradient of the mean loss over the global batch, accumulated over microbatches."""
-    M = cfg.train.microbatches
-    grad_fn = jax.grad(partial(loss_fn, cfg=cfg.model, z_loss=cfg.train.z_loss), has_aux=True)
+def compute_grads(params, batch, cfg: Config):
+    """Gradient of the mean loss over the global batch, accumulated over microbatches.
+
+    Every microbatch divides its sum by the whole batch's weight, so the microbatch
+    gradients add up to the gradient of the batch mean even when they hold different
+    numbers of trained tokens (SFT).
+    """
+    M, n = cfg.train.microbatches, loss_weight(batch)
+
+    def mean_loss(params, mb):
+        obj, ce = loss_sums(params, mb, cfg.model, cfg.train.z_loss)
+        return obj / n, ce / n
+
+    grad_fn = jax.grad(mean_loss, has_aux=True)
     if M == 1:
-        return grad_fn(params, batch_BT1)
+        return grad_fn(params, batch)
     # Microbatch m takes rows m, m+M, m+2M, ...: each device keeps its own rows of every
     # microbatch, so the split moves no data between devices.
-    B, T1 = batch_BT1.shape
-    mb_MBT = constrain(batch_BT1.reshape(B // M, M, T1).swapaxes(0, 1), P(None, BATCH_AXES, None))
+    split = lambda x: constrain(x.reshape(x.shape[0] // M, M, *x.shape[1:]).swapaxes(0, 1),
+                                P(None, BATCH_AXES, None))
 
     def acc(carry, mb):
         return jax.tree.map(jnp.add, carry, grad_fn(params, mb)), None
 
     zeros = jax.tree.map(jnp.zeros_like, (params, jnp.zeros((), jnp.float32)))
-    total, _ = jax.lax.scan(acc, zeros, mb_MBT)
-    return jax.tree.map(lambda x: x / M, total)
+    total, _ = jax.lax.scan(acc, zeros, jax.tree.map(split, batch))
+    return total
 
 
-def train_step(state: dict, batch_BT1, *, cfg: Config, tx):
-    """One optimiser step on a global batch [B, T+1]; returns the new state and metrics."""
-    grads, ce = compute_grads(state["params"], batch_BT1, cfg)
+def train_step(state: dict, batch, *, cfg: Config, tx):
+    """One optimiser step on a global batch (tokens [B, T+1], or packed SFT rows); returns
+    the new state and metrics."""
+    grads, ce = compute_grads(state["params"], batch, cfg)
     updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
     params = optax.apply_updates(state["params"], updates)
     metrics = {"loss": ce, "grad_norm": optax.tree.norm(grads),
@@ -566,8 +660,13 @@ def train_step(state: dict, batch_BT1, *, cfg: Config, tx):
     return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
 
 
-def eval_step(params, batch_BT1, *, cfg: ModelConfig):
-    return loss_fn(params, batch_BT1, cfg)[1]
+def eval_step(params, batch, *, cfg: ModelConfig):
+    return loss_fn(params, batch, cfg)[1]
+
+
+def eval_sums(params, batch, *, cfg: ModelConfig):
+    """(weighted cross-entropy sum, weight sum): added up over a whole held-out split."""
+    return loss_sums(params, batch, cfg)[1], loss_weight(batch)
 
 
 def state_shardings(cfg: Config, mesh, tx):
@@ -588,8 +687,13 @@ def _make_state(cfg: Config, tx):
     return make
 
 
-def init_state(cfg: Config, tx, shardings) -> dict:
-    return jax.jit(_make_state(cfg, tx), out_shardings=shardings)(jax.random.key(cfg.train.seed))
+def init_state(cfg: Config, tx, shardings, params=None) -> dict:
+    """A fresh state: random parameters, or `params` (--init-from) with a fresh optimiser."""
+    if params is None:
+        return jax.jit(_make_state(cfg, tx), out_shardings=shardings)(
+            jax.random.key(cfg.train.seed))
+    make = lambda p: {"params": p, "opt_state": tx.init(p), "step": jnp.zeros((), jnp.int32)}
+    return jax.jit(make, out_shardings=shardings, donate_argnums=0)(params)
 
 
 def abstract_state(cfg: Config, tx, shardings) -> dict:
@@ -660,31 +764,59 @@ def log(*a, **kw):
         print(*a, **kw, flush=True)
 
 
-def sample(params, prompt: list[int], cfg: Config, mesh, key, n_valid: int) -> list[int]:
-    """Decode `sample_tokens` tokens after `prompt` with full forwards (no KV cache: this is
-    a peek at the model, not an inference server), jitted once for a fixed-size buffer.
+def sample(params, prompts: list[list[int]], cfg: Config, mesh, key,
+           n_valid: int) -> list[list[int]]:
+    """Decode `sample_tokens` tokens after each prompt with full forwards (no KV cache: this
+    is a peek at the model, not an inference server), jitted once for a fixed-size buffer.
     Only the first `n_valid` ids are drawn: the model's vocabulary may be padded past the
-    tokenizer's."""
-    n_new, T = cfg.train.sample_tokens, min(cfg.train.seq_len, cfg.model.max_seq_len)
-    prompt = prompt[-(T - n_new):]
-    B = batch_shards(mesh)  # one row per batch shard: the activation constraints stay even
-    buf = np.zeros((B, T), np.int32)
-    buf[:, :len(prompt)] = prompt
+    tokenizer's. Prompts of different lengths are left-padded: the padding is a segment of
+    its own, which no prompt attends to, and each prompt's positions start at 0 as they
+    did in training."""
+    n_new = cfg.train.sample_tokens
+    keep = max(1, min(cfg.train.seq_len, cfg.model.max_seq_len) - n_new)
+    prompts = [list(p)[-keep:] for p in prompts]
+    width = max(len(p) for p in prompts)
+    shards = batch_shards(mesh)  # whole rows per batch shard: the activation constraints stay even
+    B = -(-len(prompts) // shards) * shards
+    buf = np.zeros((B, width + n_new), np.int32)
+    seg = np.ones_like(buf)
+    pos = np.zeros_like(buf)
+    for i in range(B):
+        p = prompts[min(i, len(prompts) - 1)]  # spare rows repeat the last prompt
+        pad = width - len(p)
+        buf[i, pad:width], seg[i, :pad] = p, 0
+        pos[i, pad:] = np.arange(buf.shape[1] - pad)
+    ragged = any(len(p) != width for p in prompts)
     temp = cfg.train.temperature
 
     @jax.jit
-    def run(params, buf, key):
+    def run(params, buf, seg, pos, key):
         def one(i, carry):
             buf, key = carry
-            logits = forward(params, buf, cfg.model)[:, i - 1, :n_valid]
+            extra = (seg, pos) if ragged else ()
+            logits = forward(params, buf, cfg.model, *extra)[:, i - 1, :n_valid]
             key, sub = jax.random.split(key)
             nxt = (jnp.argmax(logits, -1) if temp == 0 else
                    jax.random.categorical(sub, logits / temp, axis=-1))
             return buf.at[:, i].set(nxt.astype(buf.dtype)), key
-        return jax.lax.fori_loop(len(prompt), len(prompt) + n_new, one, (buf, key))[0]
+        return jax.lax.fori_loop(width, width + n_new, one, (buf, key))[0]
 
-    out = run(params, jax.device_put(buf, NamedSharding(mesh, P(BATCH_AXES, None))), key)
-    return np.asarray(jax.device_get(out))[0, len(prompt):len(prompt) + n_new].tolist()
+    put = lambda x: jax.device_put(x, NamedSharding(mesh, P(BATCH_AXES, None)))
+    out = np.asarray(jax.device_get(run(params, put(buf), put(seg), put(pos), key)))
+    return [out[i, width:].tolist() for i in range(len(prompts))]
+
+
+def sft_samples(params, ds: SFTDataset, cfg: Config, mesh, key) -> list[dict]:
+    """Answers to the first --train.eval-samples held-out prompts (greedy at --train.temperature
+    0), cut at EOS, beside the answers in the data. One batch: the prompts are decoded
+    together."""
+    examples = ds.eval_examples[:cfg.train.eval_samples]
+    if not examples or cfg.train.sample_tokens < 1:
+        return []
+    outs = sample(params, [ex.prompt for ex in examples], cfg, mesh, key, ds.vocab_size)
+    cut = lambda ids: ds.decode(ids[:ids.index(ds.eos_id)] if ds.eos_id in ids else ids)
+    return [{"prompt": ds.decode(ex.prompt), "sample": cut(out),
+             "expected": cut(ex.answer.tolist())} for ex, out in zip(examples, outs)]
 
 
 def dry_run(cfg: Config, mesh, tx) -> dict:
@@ -750,10 +882,71 @@ def bench(cfg: Config, mesh, tx) -> dict:
     return {"tokens_per_s": tok_s, "ms_per_step": 1e3 * dt, "mfu": mfu, "compile_s": compile_s}
 
 
+def init_run_config(run_dir: str) -> dict:
+    path = os.path.join(run_dir, "config.json")
+    if not os.path.isfile(path) or not os.path.isdir(os.path.join(run_dir, "checkpoints")):
+        raise FileNotFoundError(f"--init-from {run_dir!r}: not a train_dense.py run directory "
+                                f"(it needs config.json and checkpoints/); train one first, "
+                                f"e.g. `make train` for runs/tiny.")
+    with open(path) as f:
+        return json.load(f)
+
+
+def resolve_init_from(cfg: Config) -> Config:
+    """With --init-from, the model is that run's; how to compute (dtype, attention, remat,
+    ...) stays this run's."""
+    if not cfg.init_from:
+        return cfg
+    saved = init_run_config(cfg.init_from).get("model", {})
+    known = {f.name for f in dataclasses.fields(ModelConfig)}
+    if set(saved) - known:
+        raise ConfigError(f"--init-from {cfg.init_from}: its model has fields this file does "
+                          f"not know ({sorted(set(saved) - known)}); was it written by "
+                          f"train_dense.py?")
+    how = {k.split(".", 1)[1] for k in MAY_CHANGE if k.startswith("model.")}
+    arch = {k: v for k, v in saved.items() if k not in how}
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **arch))
+
+
+def run_tokenizer(run_dir: str) -> str:
+    """The sentencepiece model the run in `run_dir` tokenized with, following its own
+    --init-from when it was a fine-tune that named none."""
+    saved = init_run_config(run_dir)
+    known = {f.name for f in dataclasses.fields(DataConfig)}
+    theirs = DataConfig(**{k: v for k, v in saved.get("data", {}).items() if k in known})
+    if theirs.format == "sft" and not theirs.tokenizer and saved.get("init_from"):
+        return run_tokenizer(saved["init_from"])
+    return tokenizer_path(theirs)
+
+
+def init_data_config(cfg: Config) -> DataConfig:
+    """The data config to load: SFT without --data.tokenizer tokenizes as --init-from's run
+    did (a path resolved here, not stored: the embedded corpus's cache path differs between
+    machines and Pythons)."""
+    if cfg.data.format != "sft" or cfg.data.tokenizer or not cfg.init_from:
+        return cfg.data
+    return dataclasses.replace(cfg.data, tokenizer=run_tokenizer(cfg.init_from))
+
+
+def load_init_params(cfg: Config, tx, shardings) -> dict:
+    """The parameters of --init-from's latest checkpoint, read straight into this run's
+    shardings. Its optimiser state is never read: a fine-tune starts a fresh one."""
+    abstract = abstract_state(cfg, tx, shardings)["params"]
+    with Checkpointer(cfg.init_from, CheckpointConfig(async_save=False)) as ckpt:
+        step = ckpt.latest_step()
+        if step is None:
+            raise CheckpointError(f"--init-from {cfg.init_from}: no complete checkpoint in "
+                                  f"{cfg.init_from}/checkpoints; train it first.")
+        params = ckpt.restore(step, {"params": abstract}, partial=True)["params"]
+    log(f"initialised from {cfg.init_from}/checkpoints/{step} (parameters; fresh optimiser)")
+    return params
+
+
 def main(cfg: Config) -> dict:
     multislice.initialize()
     multislice.enable_compilation_cache()
     observe.configure(quiet=cfg.quiet)
+    cfg = resolve_init_from(cfg)
     devices = jax.devices()
     if cfg.compile_topology:
         if not cfg.dry_run:
@@ -778,13 +971,14 @@ def main(cfg: Config) -> dict:
 def _train(cfg: Config, mesh, tx) -> dict:
     t_start = time.perf_counter()
     tc, mc = cfg.train, cfg.model
-    ds = load_dataset(cfg.data)
+    ds = load_dataset(init_data_config(cfg), seq_len=tc.seq_len)
     if ds.vocab_size > mc.vocab_size:
         raise ConfigError(f"the tokenizer has {ds.vocab_size} tokens but --model.vocab-size is "
                           f"{mc.vocab_size}; set --model.vocab-size {ds.vocab_size} or larger.")
     os.makedirs(cfg.run_dir, exist_ok=True)
     if multislice.is_main_process():
-        check_run_config(cfg.run_dir, dataclasses.asdict(cfg), MAY_CHANGE)
+        check_run_config(cfg.run_dir, dataclasses.asdict(cfg), MAY_CHANGE,
+                         defaults=dataclasses.asdict(Config()))
     # Closed in reverse: the last save is waited for (and raises if it failed) first.
     with observe.MetricsLog(cfg.run_dir, dataclasses.asdict(cfg)) as metrics_log, \
             observe.Profiler(cfg.run_dir, cfg.train.profile_steps) as profiler, \
@@ -798,7 +992,8 @@ def _train_loop(cfg: Config, mesh, tx, ds, ckpt: Checkpointer, metrics_log: obse
     shardings = state_shardings(cfg, mesh, tx)
     start = ckpt.resume_step()
     if start is None:
-        state, start = init_state(cfg, tx, shardings), 0
+        params = load_init_params(cfg, tx, shardings) if cfg.init_from else None
+        state, start = init_state(cfg, tx, shardings, params), 0
     else:
         state = ckpt.restore(start, abstract_state(cfg, tx, shardings))
         log(f"resumed from step {start} ({cfg.run_dir}/checkpoints/{start})")
@@ -809,11 +1004,16 @@ def _train_loop(cfg: Config, mesh, tx, ds, ckpt: Checkpointer, metrics_log: obse
     step_fn = jax.jit(partial(train_step, cfg=cfg, tx=tx), donate_argnums=0,
                       out_shardings=(shardings, None))
     eval_fn = jax.jit(partial(eval_step, cfg=mc))
+    sums_fn = jax.jit(partial(eval_sums, cfg=mc))
     peak, peak_src = peak_flops_per_device(tc.peak_tflops)
     fpt = flops_per_token(mc, tc.seq_len)
     tokens_per_step = tc.batch_size * tc.seq_len
 
     def evaluate(params) -> float:
+        if isinstance(ds, SFTDataset):  # the whole held-out split, each trained token once
+            sums = [sums_fn(params, b) for b in held_out_batches(ds.eval, tc.batch_size, batch_sh)]
+            ce, n = np.sum(jax.device_get(sums), axis=0)
+            return float(ce / n)
         losses = [eval_fn(params, get_batch(ds.eval, seed=cfg.data.seed + 1, step=i,
                                             batch_size=tc.batch_size, seq_len=tc.seq_len,
                                             sharding=batch_sh))
@@ -823,6 +1023,32 @@ def _train_loop(cfg: Config, mesh, tx, ds, ckpt: Checkpointer, metrics_log: obse
     summary = {"start_step": start, "first_loss": None, "last_loss": None, "eval_loss": None,
                "best_eval": None}
     evals = {}  # step -> eval loss, joined to that step's log record
+    if isinstance(ds, SFTDataset):
+        summary["packing"] = {"train": ds.train.stats, "eval": ds.eval.stats}
+
+    def evaluate_and_show(params, step) -> float:
+        loss = summary["eval_loss"] = evaluate(params)
+        best = summary["best_eval"]
+        summary["best_eval"] = loss if best is None else min(best, loss)
+        summary.setdefault("evals", []).append((step, loss))
+        line = f"eval step {step} | eval_loss {loss:.3f}"
+        samples = []
+        if isinstance(ds, SFTDataset):
+            samples = summary["samples"] = sft_samples(params, ds, cfg, mesh,
+                                                       jax.random.key(tc.seed + 7))
+        if samples:
+            summary["exact_match"] = np.mean([r["sample"] == r["expected"] for r in samples])
+            line += (f" | held-out answers exactly right {100 * summary['exact_match']:.0f}% "
+                     f"of {len(samples)}")
+        log(line)
+        for i, r in enumerate(samples[:3], 1):
+            log(f"  held-out {i} | {r['prompt'][-100:]!r} -> {r['sample']!r} "
+                f"(data: {r['expected']!r})")
+        return loss
+
+    if start == 0 and cfg.init_from and start < tc.steps:
+        # the starting point, to compare against
+        metrics_log.write({"step": 0, "eval_loss": evaluate_and_show(state["params"], 0)})
 
     def emit(step, m, dt_s, n_steps):
         tok_s = tokens_per_step * n_steps / dt_s
@@ -867,11 +1093,7 @@ def _train_loop(cfg: Config, mesh, tx, ds, ckpt: Checkpointer, metrics_log: obse
                 if done % tc.log_every == 0 or done == tc.steps or done == start + 1:
                     pending, steps_since = (done, metrics, steps_since), 0
                 if done % tc.eval_every == 0 or done == tc.steps:
-                    loss = evaluate(state["params"])
-                    summary["eval_loss"] = loss
-                    best = summary["best_eval"]
-                    summary["best_eval"] = loss if best is None else min(best, loss)
-                    log(f"eval step {done} | eval_loss {loss:.3f}")
+                    loss = evaluate_and_show(state["params"], done)
                     if pending is not None and pending[0] == done:
                         evals[done] = loss
                     else:  # not a log step: a record of its own
@@ -892,10 +1114,10 @@ def _train_loop(cfg: Config, mesh, tx, ds, ckpt: Checkpointer, metrics_log: obse
     ckpt.wait()
     summary["final_step"] = int(jax.device_get(state["step"]))
     summary["state"] = state
-    if tc.sample_tokens > 0:
+    if tc.sample_tokens > 0 and not isinstance(ds, SFTDataset):  # SFT samples at eval
         prompt = ds.encode(tc.sample_prompt)
-        out = sample(state["params"], prompt, cfg, mesh, jax.random.key(tc.seed + 7),
-                     ds.vocab_size)
+        out = sample(state["params"], [prompt], cfg, mesh, jax.random.key(tc.seed + 7),
+                     ds.vocab_size)[0]
         log("sample:\n" + ds.decode(prompt + out))
     _print_summary(cfg, summary, metrics_log, profiler, fpt, peak, time.perf_counter() - t_start)
     return summary
@@ -933,7 +1155,7 @@ if __name__ == "__main__":
     try:
         main(cli())
     except (ConfigError, MeshError, ConfigConflictError, CheckpointError, FileNotFoundError,
-            multislice.DistributedInitError) as e:
+            DataError, multislice.DistributedInitError) as e:
         # Bad input: a one-paragraph reason and the fix, not a traceback.
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

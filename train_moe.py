@@ -356,19 +356,30 @@ def apply_rope(x_BTNH, pos_BT, inv_freq):
     return out.astype(x_BTNH.dtype)
 
 
-def attention(q_BTNH, k_BSKH, v_BSKH, cfg: ModelConfig):
-    """Causal grouped-query attention: query head n reads key/value head n // (N/K)."""
+def attention(q_BTNH, k_BSKH, v_BSKH, cfg: ModelConfig, mask_BTS=None):
+    """Causal grouped-query attention: query head n reads key/value head n // (N/K).
+
+    mask_BTS (True = may attend), when given, is applied on top of the causal mask: packed
+    rows pass "same segment", so attention never crosses from one example into another.
+    """
     if cfg.attention != "einsum":
+        if mask_BTS is not None and cfg.attention == "cudnn":
+            # jax.nn.dot_product_attention's cuDNN path takes causal and length masks only.
+            raise ValueError("--model.attention cudnn cannot take an attention mask (packed "
+                             "segments); use --model.attention auto or xla")
         impl = None if cfg.attention == "auto" else cfg.attention
-        return jax.nn.dot_product_attention(q_BTNH, k_BSKH, v_BSKH, is_causal=True,
+        mask = None if mask_BTS is None else mask_BTS[:, None]
+        return jax.nn.dot_product_attention(q_BTNH, k_BSKH, v_BSKH, mask=mask, is_causal=True,
                                             implementation=impl)
     B, T, N, H = q_BTNH.shape
     K = k_BSKH.shape[2]
     q_BTKGH = q_BTNH.reshape(B, T, K, N // K, H)
     s_BKGTS = jnp.einsum("btkgh,bskh->bkgts", q_BTKGH, k_BSKH,
                          preferred_element_type=jnp.float32) / math.sqrt(H)
-    causal_TS = jnp.tril(jnp.ones((T, k_BSKH.shape[1]), bool))
-    s_BKGTS = jnp.where(causal_TS, s_BKGTS, -1e30)   # finite: a fully masked row stays NaN-free
+    allowed = jnp.tril(jnp.ones((T, k_BSKH.shape[1]), bool))
+    if mask_BTS is not None:
+        allowed = allowed & mask_BTS[:, None, None]
+    s_BKGTS = jnp.where(allowed, s_BKGTS, -1e30)   # finite: a fully masked row stays NaN-free
     p_BKGTS = jax.nn.softmax(s_BKGTS, axis=-1).astype(v_BSKH.dtype)
     return jnp.einsum("bkgts,bskh->btkgh", p_BKGTS, v_BSKH).reshape(B, T, N, H)
 
@@ -992,7 +1003,8 @@ def _train(cfg: Config, mesh, tx) -> dict:
                           f"{mc.vocab_size}; set --model.vocab-size {ds.vocab_size} or larger.")
     os.makedirs(cfg.run_dir, exist_ok=True)
     if multislice.is_main_process():
-        check_run_config(cfg.run_dir, dataclasses.asdict(cfg), MAY_CHANGE)
+        check_run_config(cfg.run_dir, dataclasses.asdict(cfg), MAY_CHANGE,
+                         defaults=dataclasses.asdict(Config()))
     # Closed in reverse: the last save is waited for (and raises if it failed) first.
     with observe.MetricsLog(cfg.run_dir, dataclasses.asdict(cfg)) as metrics_log, \
             observe.Profiler(cfg.run_dir, cfg.train.profile_steps) as profiler, \

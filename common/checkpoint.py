@@ -115,6 +115,7 @@ class Checkpointer:
         registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
         registry.add(_ITEM, ocp.args.StandardSave)
         registry.add(_ITEM, ocp.args.StandardRestore)
+        registry.add(_ITEM, ocp.args.PyTreeRestore)  # partial restores (`restore(partial=True)`)
         options = ocp.CheckpointManagerOptions(
             # We decide when to save (see `save`); Orbax only keeps the last `keep`.
             preservation_policy=ocp.checkpoint_managers.LatestN(n=cfg.keep),
@@ -248,12 +249,14 @@ class Checkpointer:
 
     # -- restore ------------------------------------------------------------------------
 
-    def restore(self, step: int, abstract_state: Any) -> Any:
+    def restore(self, step: int, abstract_state: Any, partial: bool = False) -> Any:
         """Reads `step` into the shapes, dtypes and shardings of `abstract_state`.
 
         `abstract_state` is a pytree of `jax.ShapeDtypeStruct(shape, dtype, sharding=...)`
         with the structure of the saved state; the shardings may be on any mesh. Each
-        process reads only the slices its devices hold.
+        process reads only the slices its devices hold. With `partial`, it may name a part
+        of the saved tree (`{"params": ...}` to start a fine-tune from another run's
+        weights): only that part is read, and the rest of the checkpoint is ignored.
         """
         self.wait()  # an async save of this very step must land first
         step_dir = os.path.join(self.directory, str(step))
@@ -278,7 +281,7 @@ class Checkpointer:
         if saved is None:
             raise corrupt(f"its '{_ITEM}' item or that item's metadata is missing")
 
-        problems = _tree_mismatch(_flat(saved.tree), _flat(abstract_state))
+        problems = _tree_mismatch(_flat(saved.tree), _flat(abstract_state), partial)
         if problems:
             shown = problems[:20] + ([f"... and {len(problems) - 20} more"] if len(problems) > 20 else [])
             raise CheckpointError(
@@ -288,11 +291,17 @@ class Checkpointer:
                 "/config.json), or start a new --run-dir for the new model."
             )
 
+        if partial:
+            args = ocp.args.PyTreeRestore(
+                abstract_state,
+                restore_args=ocp.checkpoint_utils.construct_restore_args(abstract_state),
+                partial_restore=True,
+            )
+        else:
+            args = ocp.args.StandardRestore(abstract_state)
         with progress(f"checkpoint: restoring step {step} from {step_dir}"):
             try:
-                restored = self._manager.restore(
-                    step, args=ocp.args.Composite(**{_ITEM: ocp.args.StandardRestore(abstract_state)})
-                )
+                restored = self._manager.restore(step, args=ocp.args.Composite(**{_ITEM: args}))
             except Exception as e:
                 raise corrupt(_reason(e)) from e
         return restored[_ITEM]
@@ -359,11 +368,11 @@ def _flat(tree: Any) -> dict[str, Any]:
     return {jax.tree_util.keystr(path, simple=True, separator="/"): leaf for path, leaf in leaves}
 
 
-def _tree_mismatch(saved: dict[str, Any], wanted: dict[str, Any]) -> list[str]:
+def _tree_mismatch(saved: dict[str, Any], wanted: dict[str, Any], partial: bool = False) -> list[str]:
     problems = []
     for key in sorted(wanted.keys() - saved.keys()):
         problems.append(f"{key}: expected, but not in the checkpoint")
-    for key in sorted(saved.keys() - wanted.keys()):
+    for key in sorted(saved.keys() - wanted.keys()) if not partial else []:
         problems.append(f"{key}: in the checkpoint, but not expected")
     for key in sorted(saved.keys() & wanted.keys()):
         s, w = saved[key], wanted[key]
@@ -408,13 +417,16 @@ def _write_json_atomically(path: str, obj: Any) -> None:
         raise
 
 
-def check_run_config(run_dir: str, config: dict, may_change: frozenset[str] = frozenset()) -> None:
+def check_run_config(run_dir: str, config: dict, may_change: frozenset[str] = frozenset(),
+                     defaults: dict | None = None) -> None:
     """Records the run's config on the first start and refuses a resume that changes it.
 
     `may_change` names dotted keys or prefixes ("train.steps", "mesh") that a resume may
     change: the step budget, the mesh (checkpoints reshard), logging. Anything else, such
     as the model's shape or the data, would silently make the resumed run a different
-    experiment.
+    experiment. `defaults` (the config's field defaults, nested alike) lets a run saved
+    before a field existed resume: a key absent from the saved file that is at its default
+    now is no change.
     """
     # Round-trip through JSON so that the live config compares as it will read back
     # (tuples become lists; values JSON cannot hold are recorded by their str()).
@@ -439,6 +451,9 @@ def check_run_config(run_dir: str, config: dict, may_change: frozenset[str] = fr
 
     old, new = _flatten_config(saved), _flatten_config(now)
     missing = "(absent)"
+    if defaults is not None:
+        added = _flatten_config(json.loads(json.dumps(defaults, default=str)))
+        old |= {k: added[k] for k in new.keys() - old.keys() if k in added and new[k] == added[k]}
     changed = sorted(k for k in old.keys() | new.keys() if old.get(k, missing) != new.get(k, missing))
     conflicts = [k for k in changed if not allowed(k)]
     if conflicts:

@@ -17,6 +17,10 @@ A batch row is a window of seq_len + 1 tokens at a start drawn from
 np.random.default_rng([seed, step]). Nothing else enters, so resuming at step k needs no
 iterator state, and every process computes the same starts and reads only the rows that its
 own devices hold.
+
+Supervised fine-tuning (--data.format sft) reads a JSONL file of prompt/completion or chat
+examples instead, masks the prompts out of the loss and packs the examples into rows once,
+at start; its batches pick rows by (seed, step) in the same way (see the section below).
 """
 from __future__ import annotations
 
@@ -29,9 +33,10 @@ import sys
 import sysconfig
 import time
 import uuid
+from bisect import bisect_left, insort
 from dataclasses import dataclass, field
 from collections.abc import Callable, Iterable, Iterator
-from typing import Annotated
+from typing import Annotated, Literal
 
 import jax
 import numpy as np
@@ -75,7 +80,24 @@ class DataConfig:
     vocab_size: int = 4096
     """Vocabulary of the tokenizer trained on the embedded corpus."""
     seed: int = 0
-    """Batch order seed."""
+    """Batch order seed (and, for sft, the seed of the held-out split)."""
+    format: Literal["text", "sft"] = "text"
+    """text: pre-training on a prepared folder or the embedded corpus. sft: prompt/completion
+    or chat examples from the JSONL file --data.path, packed into rows (see `load_sft`)."""
+    eval_path: str = ""
+    """sft: a held-out JSONL file; "" = hold out --data.eval-fraction of --data.path."""
+    eval_fraction: float = 0.05
+    """sft: share of the examples held out for eval when --data.eval-path is empty."""
+    tokenizer: str = ""
+    """sft: a sentencepiece .model; "" = the embedded corpus's (with --init-from, that run's)."""
+    train_on: Literal["completion", "all"] = "completion"
+    """sft: train on completions and assistant turns only, or on every token."""
+    loss_average: Literal["token", "example"] = "token"
+    """sft: mean over the batch's trained tokens, or over its examples (each its own mean)."""
+    overlong: Literal["truncate", "drop"] = "truncate"
+    """sft: an example longer than seq_len + 1 tokens is cut to fit, or left out (counted)."""
+    pack: bool = True
+    """sft: several examples per row with segment ids; off = one example per row."""
 
 
 @dataclass
@@ -144,15 +166,21 @@ def _windows(tokens: np.ndarray, starts: np.ndarray, window: int) -> np.ndarray:
     return out
 
 
-def get_batch(tokens: np.ndarray, *, seed: int, step: int, batch_size: int, seq_len: int,
-              sharding: jax.sharding.Sharding) -> jax.Array:
+def get_batch(tokens: np.ndarray | Packed, *, seed: int, step: int, batch_size: int,
+              seq_len: int, sharding: jax.sharding.Sharding) -> jax.Array | dict:
     """The global batch for (seed, step): int32 [batch_size, seq_len + 1], laid out by
-    `sharding`. Inputs are [:, :-1], targets [:, 1:].
+    `sharding`. Inputs are [:, :-1], targets [:, 1:]. Given `Packed` SFT rows instead of a
+    token array, a dict of [batch_size, seq_len] arrays (see `packed_batch`).
 
     Each process builds only the shards of its addressable devices, so no host ever holds the
     global batch. Devices that hold the same rows (replicas over "tensor", say) share one
     read.
     """
+    if isinstance(tokens, Packed):
+        if seq_len != tokens.seq_len:
+            raise ValueError(f"rows were packed for seq_len {tokens.seq_len}, not {seq_len}")
+        return packed_batch(tokens, packed_rows(tokens.num_rows, seed=seed, step=step,
+                                                batch_size=batch_size), sharding)
     starts = batch_starts(len(tokens), seed=seed, step=step, batch_size=batch_size,
                           seq_len=seq_len)
     built: dict[tuple, np.ndarray] = {}
@@ -172,7 +200,13 @@ def get_batch(tokens: np.ndarray, *, seed: int, step: int, batch_size: int, seq_
 # Loading
 
 
-def load_dataset(cfg: DataConfig) -> Dataset:
+def load_dataset(cfg: DataConfig, seq_len: int | None = None) -> Dataset:
+    """The data of `cfg`; `seq_len` is needed only to pack SFT rows (--data.format sft)."""
+    if cfg.format == "sft":
+        if seq_len is None:
+            raise DataError("--data.format sft: this trainer does not read SFT data; "
+                             "fine-tune with train_dense.py")
+        return load_sft(cfg, seq_len)
     if cfg.path:
         return _load_prepared(cfg.path)
     return _load_prepared(_stdlib_corpus(_cache_root(cfg.cache_dir), vocab_size=cfg.vocab_size))
@@ -579,6 +613,363 @@ def _sentencepiece_train(sentences: list[str], model: io.BytesIO, vocab_size: in
         pad_id=-1, unk_id=0, bos_id=1, eos_id=2,
         minloglevel=2,  # its training log is long; we print one line of our own
     )
+
+
+# ----------------------------------------------------------------------------------------------
+# Supervised fine-tuning: JSONL examples, a chat template, loss masks, packing
+#
+# A JSONL line becomes (text, trained) spans, then tokens with a trained flag each. The loss
+# weight of a target (the next token) is nonzero only where that token is trained. Examples
+# are packed into rows of seq_len positions once, at start, in the same way on every process;
+# a batch then picks whole rows by (seed, step), as pre-training picks windows.
+
+EOS = None  # a span that stands for the tokenizer's EOS id rather than for text
+CHAT_ROLES = ("system", "user", "assistant")
+
+
+class DataError(ValueError):
+    """Bad SFT input: the message names the file, the line or the flag, and the fix."""
+
+
+SFT_SHAPES = ('{"prompt": ..., "completion": ...} or '
+              '{"messages": [{"role": ..., "content": ...}, ...]}')
+
+
+def chat_spans(messages: list[dict]) -> list[tuple[str | None, bool]]:
+    """The default chat template, as (text, trained) spans:
+
+        <|system|>\\n{system}\\n<|user|>\\n{user}\\n<|assistant|>\\n{assistant}<eos><|user|>...
+
+    Each turn opens with a header line naming its role. System and user turns end with a
+    newline and are never trained. An assistant turn ends with EOS, the token generation
+    stops at; its content and EOS are trained, its header is not (at inference the prompt
+    ends with "<|assistant|>\\n"). The markers are plain text: any tokenizer can spell them.
+    """
+    spans: list[tuple[str | None, bool]] = []
+    for m in messages:
+        if m["role"] == "assistant":
+            spans += [("<|assistant|>\n", False), (m["content"], True), (EOS, True)]
+        else:
+            spans.append((f"<|{m['role']}|>\n{m['content']}\n", False))
+    return spans
+
+
+def sft_spans(obj, where: str) -> list[tuple[str | None, bool]]:
+    """The (text, trained) spans of one JSONL object of either shape; `where` names its line.
+
+    A prompt/completion pair gets no template: the completion continues the prompt's text
+    as written (as TRL does), followed by EOS.
+    """
+    if not isinstance(obj, dict):
+        raise DataError(f"{where}: a JSON {type(obj).__name__}, not an object; each line is "
+                         f"{SFT_SHAPES}")
+    if "messages" in obj:
+        msgs = obj["messages"]
+        if not isinstance(msgs, list) or not msgs:
+            raise DataError(f'{where}: "messages" must be a non-empty list of '
+                             f'{{"role": ..., "content": ...}} objects')
+        for j, m in enumerate(msgs):
+            if not isinstance(m, dict) or "role" not in m or "content" not in m:
+                raise DataError(f'{where}: messages[{j}] needs the fields "role" and "content"')
+            if m["role"] not in CHAT_ROLES:
+                raise DataError(f"{where}: messages[{j}] has role {m['role']!r}; the roles are "
+                                 f"{', '.join(CHAT_ROLES)}")
+            if not isinstance(m["content"], str):
+                raise DataError(f'{where}: messages[{j}]["content"] is a '
+                                 f'{type(m["content"]).__name__}, not a string')
+        if not any(m["role"] == "assistant" for m in msgs):
+            raise DataError(f"{where}: no assistant turn, so nothing to train on")
+        return chat_spans(msgs)
+    for key in ("prompt", "completion"):
+        if key not in obj:
+            raise DataError(f"{where}: missing field {key!r}; each line is {SFT_SHAPES}")
+        if not isinstance(obj[key], str):
+            raise DataError(f"{where}: field {key!r} is a {type(obj[key]).__name__}, not a "
+                             f"string")
+    return [(obj["prompt"], False), (obj["completion"], True), (EOS, True)]
+
+
+def read_sft_jsonl(path: str, flag: str = "--data.path") -> list[list[tuple[str | None, bool]]]:
+    """Every example of a JSONL file as spans; a bad line is an error naming file and line."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{flag} {path!r}: no such file; SFT data is a JSONL file with "
+                                f"one example per line, {SFT_SHAPES}")
+    examples = []
+    with open(path, "rb") as f:  # bytes: a bad encoding is reported at its very line
+        for line_no, raw in enumerate(f, 1):
+            where = f"{path}, line {line_no}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DataError(f"{where}: not UTF-8 ({e.reason} at byte {e.start} of the "
+                                f"line); convert the file first, e.g. iconv -t utf-8") from None
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{where}: not valid JSON ({e.msg}, column {e.colno}); a JSONL "
+                                f"file holds one JSON object per line") from None
+            examples.append(sft_spans(obj, where))
+    if not examples:
+        raise DataError(f"{flag} {path!r} holds no examples")
+    return examples
+
+
+@dataclass
+class Example:
+    tokens: np.ndarray   # int32 [n]
+    trained: np.ndarray  # bool [n]: the token is part of a completion or an assistant turn
+
+    @property
+    def prompt(self) -> np.ndarray:
+        """The tokens before the first trained one: what a generated answer starts from."""
+        return self.tokens[:int(np.argmax(self.trained)) if self.trained.any() else None]
+
+    @property
+    def answer(self) -> np.ndarray:
+        """The first run of trained tokens: the completion, or the first assistant turn."""
+        rest = self.trained[len(self.prompt):]
+        return self.tokens[len(self.prompt):][:len(rest) if rest.all() else int(np.argmin(rest))]
+
+
+def tokenize_examples(examples: list[list[tuple[str | None, bool]]],
+                      sp: spm.SentencePieceProcessor) -> list[Example]:
+    """Spans -> tokens. Neighbouring spans with the same flag are encoded as one text, so the
+    template's pieces merge as in running text, and a mask edge is always a token edge."""
+    merged = []
+    for spans in examples:
+        runs: list[tuple[str | None, bool]] = []
+        for text, trained in spans:
+            if text is not EOS and runs and runs[-1][0] is not EOS and runs[-1][1] == trained:
+                runs[-1] = (runs[-1][0] + text, trained)
+            else:
+                runs.append((text, trained))
+        merged.append(runs)
+    encoded = iter(sp.encode([t for runs in merged for t, _ in runs if t is not EOS],
+                             num_threads=os.cpu_count() or 1))
+    out = []
+    for runs in merged:
+        ids: list[int] = []
+        flags: list[bool] = []
+        for text, trained in runs:
+            piece = [sp.eos_id()] if text is EOS else next(encoded)
+            ids += piece
+            flags += [trained] * len(piece)
+        out.append(Example(np.asarray(ids, np.int32), np.asarray(flags, bool)))
+    return out
+
+
+PACKED_FIELDS = ("inputs", "targets", "weights", "segment_ids", "positions")
+
+
+@dataclass
+class Packed:
+    """SFT examples packed into rows of seq_len positions; every array is [rows, seq_len].
+
+    An example of n tokens fills n - 1 consecutive positions of one row: its tokens [:-1]
+    are the inputs there and its tokens [1:] the targets, so no target crosses into the next
+    example. segment_ids number a row's examples 1, 2, ... (0 = padding); positions restart
+    at 0 in each example; weights are each target's loss weight (0 on prompts and padding).
+    """
+    inputs: np.ndarray = field(repr=False)       # int32
+    targets: np.ndarray = field(repr=False)      # int32
+    weights: np.ndarray = field(repr=False)      # float32
+    segment_ids: np.ndarray = field(repr=False)  # int32
+    positions: np.ndarray = field(repr=False)    # int32
+    packed: bool = True  # False: one example per row, for which the causal mask suffices
+    stats: dict = field(default_factory=dict)
+
+    @property
+    def num_rows(self) -> int:
+        return self.inputs.shape[0]
+
+    @property
+    def seq_len(self) -> int:
+        return self.inputs.shape[1]
+
+
+def pack_examples(examples: list[Example], seq_len: int, *, train_on: str = "completion",
+                  loss_average: str = "token", overlong: str = "truncate", pack: bool = True,
+                  name: str = "examples") -> Packed:
+    """Loss weights, the over-long rule, then rows (see `Packed`). Weights: 1 per trained
+    target ("token": the batch's loss is the mean over its trained tokens), or 1/k for an
+    example with k trained targets ("example": the mean over examples of their own means).
+    The loss divides the weighted sum by the batch's total weight either way."""
+    stats = {"examples": len(examples), "truncated": 0, "dropped_overlong": 0,
+             "dropped_untrained": 0}
+    kept: list[tuple[np.ndarray, np.ndarray]] = []
+    for ex in examples:
+        tokens = ex.tokens
+        trained = np.ones_like(ex.trained) if train_on == "all" else ex.trained
+        if len(tokens) - 1 > seq_len:
+            if overlong == "drop":
+                stats["dropped_overlong"] += 1
+                continue
+            tokens, trained = tokens[:seq_len + 1], trained[:seq_len + 1]
+            stats["truncated"] += 1
+        w = trained[1:].astype(np.float32)  # the weight of predicting token t + 1
+        if not w.any():  # the truncation cut the whole answer, or a one-token example
+            stats["dropped_untrained"] += 1
+            continue
+        if loss_average == "example":
+            w /= w.sum()
+        kept.append((tokens, w))
+    if not kept:
+        raise DataError(f"{name}: no example is left to train on ({_describe(stats)}); "
+                         f"raise --train.seq-len or use --data.overlong truncate")
+    lengths = [len(t) - 1 for t, _ in kept]
+    rows = _best_fit(lengths, seq_len) if pack else [[i] for i in range(len(kept))]
+    arrays = {f: np.zeros((len(rows), seq_len), np.float32 if f == "weights" else np.int32)
+              for f in PACKED_FIELDS}
+    for r, members in enumerate(rows):
+        col = 0
+        for seg, i in enumerate(members, 1):
+            (tokens, w), n = kept[i], lengths[i]
+            at = (r, slice(col, col + n))
+            arrays["inputs"][at], arrays["targets"][at] = tokens[:-1], tokens[1:]
+            arrays["weights"][at], arrays["segment_ids"][at] = w, seg
+            arrays["positions"][at] = np.arange(n)
+            col += n
+    stats |= {"rows": len(rows), "seq_len": seq_len, "kept": len(kept),
+              "non_pad": sum(lengths) / (len(rows) * seq_len),
+              "trained": float((arrays["weights"] > 0).mean())}
+    return Packed(**arrays, packed=pack, stats=stats)
+
+
+def _best_fit(lengths: list[int], seq_len: int) -> list[list[int]]:
+    """The examples of each row, by best-fit decreasing: longest first, each into the row it
+    fills most tightly, else a new row. Deterministic (ties go to the lower index), and
+    within 11/9 of the fewest possible rows (plus one)."""
+    rows: list[list[int]] = []
+    free: list[tuple[int, int]] = []  # (free positions, row), ascending
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        n = lengths[i]
+        j = bisect_left(free, (n, -1))
+        if j == len(free):
+            rows.append([i])
+            room, r = seq_len - n, len(rows) - 1
+        else:
+            room, r = free.pop(j)
+            rows[r].append(i)
+            room -= n
+        if room > 0:
+            insort(free, (room, r))
+    return rows
+
+
+def _describe(s: dict) -> str:
+    return (f"{_count(s['examples'], 'example')}: {s['truncated']:,} truncated to seq_len + 1 "
+            f"tokens, {s['dropped_overlong']:,} dropped as too long, "
+            f"{s['dropped_untrained']:,} dropped with nothing left to train")
+
+
+def packed_rows(num_rows: int, *, seed: int, step: int, batch_size: int) -> np.ndarray:
+    """The rows of the global batch of (seed, step). Rows are visited in epochs, each a
+    permutation drawn from np.random.default_rng([seed, epoch]): every row once per epoch,
+    and a resumed run needs nothing but the step."""
+    if num_rows < 1 or batch_size < 1 or seed < 0 or step < 0:
+        raise ValueError(f"num_rows ({num_rows}) and batch_size ({batch_size}) must be >= 1, "
+                         f"seed ({seed}) and step ({step}) >= 0")
+    epoch, k = np.divmod(step * batch_size + np.arange(batch_size, dtype=np.int64), num_rows)
+    out = np.empty(batch_size, np.int64)
+    for e in np.unique(epoch):
+        out[epoch == e] = np.random.default_rng([seed, int(e)]).permutation(num_rows)[k[epoch == e]]
+    return out
+
+
+def packed_batch(packed: Packed, rows: np.ndarray,
+                 sharding: jax.sharding.Sharding) -> dict[str, jax.Array]:
+    """Rows `rows` of `packed` (-1: an empty row, all weights 0) as a global batch laid out
+    by `sharding`, {field: [len(rows), seq_len]}; each process builds only its own shards.
+    Unpacked rows leave out segment_ids and positions: one example per row, followed by
+    padding, needs nothing but the causal mask (which keeps every attention kernel open)."""
+    out = {}
+    for name in PACKED_FIELDS if packed.packed else PACKED_FIELDS[:3]:
+        table = getattr(packed, name)
+
+        def shard(index, table=table):
+            r, c = (slice(None), slice(None)) if index is None else tuple(index)
+            pick = rows[r]
+            x = table[np.maximum(pick, 0)][:, c]
+            x[pick < 0] = 0
+            return x
+
+        out[name] = jax.make_array_from_callback((len(rows), packed.seq_len), sharding, shard,
+                                                 dtype=table.dtype)
+    return out
+
+
+def held_out_batches(packed: Packed, batch_size: int,
+                     sharding: jax.sharding.Sharding) -> Iterator[dict[str, jax.Array]]:
+    """Every row of `packed` once, in order, batch_size at a time (the last batch is filled up
+    with empty rows): an eval that sees the whole held-out split, each token once."""
+    for start in range(0, packed.num_rows, batch_size):
+        rows = np.arange(start, start + batch_size)
+        rows[rows >= packed.num_rows] = -1
+        yield packed_batch(packed, rows, sharding)
+
+
+@dataclass
+class SFTDataset(Dataset):
+    """`train` and `eval` are `Packed` rows; `eval_examples` are the held-out examples, whose
+    prompts the trainer completes at eval."""
+    eval_examples: list[Example] = field(default_factory=list, repr=False)
+
+
+def tokenizer_path(cfg: DataConfig) -> str:
+    """The sentencepiece model that a run with data config `cfg` tokenizes with."""
+    if cfg.format == "sft" and cfg.tokenizer:
+        return cfg.tokenizer
+    if cfg.path and cfg.format != "sft":
+        return os.path.join(cfg.path, "tokenizer.model")
+    return os.path.join(_stdlib_corpus(_cache_root(cfg.cache_dir), vocab_size=cfg.vocab_size),
+                        "tokenizer.model")
+
+
+def load_sft(cfg: DataConfig, seq_len: int) -> SFTDataset:
+    """Read, split, tokenize and pack --data.path (and --data.eval-path) for rows of seq_len.
+    Every process does the same work and gets the same rows."""
+    if not cfg.path:
+        raise DataError(f"--data.format sft needs --data.path: a JSONL file with one example "
+                         f"per line, {SFT_SHAPES}")
+    if not cfg.eval_path and not 0.0 < cfg.eval_fraction < 1.0:
+        raise DataError(f"--data.eval-fraction {cfg.eval_fraction}: must be strictly between "
+                         f"0 and 1 (or give --data.eval-path)")
+    tok = tokenizer_path(cfg)
+    if not os.path.isfile(tok):
+        raise FileNotFoundError(f"--data.tokenizer {tok!r}: no such file; give a sentencepiece "
+                                f".model, or leave it empty for the embedded corpus's")
+    try:
+        sp = spm.SentencePieceProcessor(model_file=tok)
+    except (OSError, RuntimeError) as e:
+        raise DataError(f"--data.tokenizer {tok!r} is not a sentencepiece model ({e})") from None
+    train = read_sft_jsonl(cfg.path)
+    if cfg.eval_path:
+        held = read_sft_jsonl(cfg.eval_path, "--data.eval-path")
+    else:
+        if len(train) < 2:
+            raise DataError(f"--data.path {cfg.path!r} holds one example: too few to hold "
+                             f"one out; add examples or give --data.eval-path")
+        n_eval = min(len(train) - 1, max(1, round(cfg.eval_fraction * len(train))))
+        is_eval = np.zeros(len(train), bool)
+        is_eval[np.random.default_rng(cfg.seed).permutation(len(train))[:n_eval]] = True
+        held = [ex for ex, e in zip(train, is_eval) if e]
+        train = [ex for ex, e in zip(train, is_eval) if not e]
+    rules = dict(train_on=cfg.train_on, loss_average=cfg.loss_average, overlong=cfg.overlong,
+                 pack=cfg.pack)
+    eval_examples = tokenize_examples(held, sp)
+    ds = SFTDataset(
+        train=pack_examples(tokenize_examples(train, sp), seq_len, name=cfg.path, **rules),
+        eval=pack_examples(eval_examples, seq_len, name=f"{cfg.path} (held out)", **rules),
+        vocab_size=sp.get_piece_size(), tokenizer_path=tok, eval_examples=eval_examples)
+    for split in ("train", "eval"):
+        s = getattr(ds, split).stats
+        print(f"data: sft {split}: {_count(s['kept'], 'example')} in {s['rows']:,} rows of "
+              f"{seq_len} ({'packed' if cfg.pack else 'one per row'}; "
+              f"{100 * s['non_pad']:.1f}% of positions hold tokens, {100 * s['trained']:.1f}% "
+              f"are trained targets) | of {_describe(s)}", flush=True)
+    return ds
 
 
 # ----------------------------------------------------------------------------------------------
