@@ -33,7 +33,7 @@ from jax.sharding import PartitionSpec as P
 from common import hf, multislice
 from common.checkpoint import (CheckpointConfig, CheckpointError, Checkpointer,
                                ConfigConflictError, PreemptionGuard, check_run_config)
-from common.data import DataConfig, get_batch, load_dataset
+from common.data import DataConfig, get_batch, load_dataset, open_tokenizer
 from common.mesh import (BATCH_AXES, MeshConfig, MeshError, batch_shards, describe, make_mesh,
                          resolve, tpu_topology_devices)
 
@@ -1121,17 +1121,18 @@ def refuse_shape_flags(args: list[str]) -> None:
 
 def check_hf_tokenizer(cfg: Config, tokenizer_path: str) -> None:
     """The data must be token ids of the model's own tokenizer, or the model reads other words.
-    Where the folder ships a sentencepiece tokenizer.model, prepare copies it byte for byte."""
-    theirs = os.path.join(cfg.init_from_hf, "tokenizer.model")
-    if not os.path.isfile(theirs):
-        log(f"note: {cfg.init_from_hf} has no tokenizer.model, so the data's tokenizer "
-            f"({tokenizer_path}) cannot be checked against the model's.")
-    elif not filecmp.cmp(theirs, tokenizer_path, shallow=False):
+    `prepare --tokenizer` copies the model's tokenizer.model or tokenizer.json byte for byte."""
+    shipped = [p for p in (os.path.join(cfg.init_from_hf, n) for n in
+                           ("tokenizer.model", "tokenizer.json")) if os.path.isfile(p)]
+    if not shipped:
+        log(f"note: {cfg.init_from_hf} ships no tokenizer.model or tokenizer.json, so the "
+            f"data's tokenizer ({tokenizer_path}) cannot be checked against the model's.")
+    elif not any(filecmp.cmp(p, tokenizer_path, shallow=False) for p in shipped):
         raise ConfigError(
-            f"--init-from-hf {cfg.init_from_hf} ships tokenizer.model, but the data "
-            f"(--data.path {cfg.data.path or '(embedded corpus)'!r}) was tokenized with "
+            f"--init-from-hf {cfg.init_from_hf} ships {os.path.basename(shipped[0])}, but the "
+            f"data (--data.path {cfg.data.path or '(embedded corpus)'!r}) was tokenized with "
             f"another one ({tokenizer_path}). Tokenize it with the model's: python -m "
-            f"common.data prepare --input <text> --tokenizer {theirs} --out data/x, then "
+            f"common.data prepare --input <text> --tokenizer {shipped[-1]} --out data/x, then "
             "--data.path data/x.")
 
 
@@ -1185,9 +1186,9 @@ def export_hf(run_dir: str, out: str, step: int = -1,
     else:  # trained from scratch: ship the run's sentencepiece model and its special ids
         try:
             tokenizer = load_dataset(cfg.data).tokenizer_path
-            import sentencepiece as spm
-            sp = spm.SentencePieceProcessor(model_file=tokenizer)
-            base = {"bos_token_id": sp.bos_id(), "eos_token_id": sp.eos_id()}
+            tok = open_tokenizer(tokenizer)
+            base = {"bos_token_id": tok.bos_id() if tok.bos_id() >= 0 else None,
+                    "eos_token_id": tok.eos_id()}
         except (FileNotFoundError, ValueError, OSError):
             tokenizer = None
     files = save_hf(params, cfg.model, out, model_type=model_type, base_config=base,
@@ -1195,8 +1196,7 @@ def export_hf(run_dir: str, out: str, step: int = -1,
     if src and base is not None:
         files += hf.copy_tokenizer(src, out)
     elif tokenizer:
-        shutil.copyfile(tokenizer, os.path.join(out, "tokenizer.model"))
-        files.append("tokenizer.model")
+        files += hf.copy_tokenizer(os.path.dirname(tokenizer), out)
     size = sum(os.path.getsize(os.path.join(out, f)) for f in files)
     print(f"export-hf: step {at} of {run_dir} -> {out} ({len(files)} files, {size / 1e9:.2f} GB, "
           f"{dtype}): {', '.join(files)}", flush=True)

@@ -373,3 +373,46 @@ def test_init_from_hf_refuses_another_tokenizer(data_path, tmp_path):
                     run_dir=str(tmp_path / "run"))
     with pytest.raises(td.ConfigError, match=r"tokenized with\s+another one"):
         td.main(cfg)
+
+
+def test_prepare_and_check_a_hf_tokenizer_json(tmp_path):
+    """Llama 3 and Qwen ship only tokenizer.json: prepare tokenizes with it (through the
+    optional `tokenizers` package), EOS from tokenizer_config.json, and --init-from-hf accepts
+    the data only if its tokenizer is the model's."""
+    tokenizers = pytest.importorskip("tokenizers")
+    stdlib = sysconfig.get_paths()["stdlib"]
+    files = [os.path.join(stdlib, f) for f in ("string.py", "textwrap.py", "shlex.py")]
+    byte_level = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE())
+    tok.pre_tokenizer, tok.decoder = byte_level, tokenizers.decoders.ByteLevel()
+    tok.train(files, tokenizers.trainers.BpeTrainer(
+        vocab_size=400, special_tokens=["<|begin|>", "<|end|>"],
+        initial_alphabet=byte_level.alphabet(), show_progress=False))
+    model = tmp_path / "model"
+    model.mkdir()
+    tok.save(str(model / "tokenizer.json"))
+    (model / "tokenizer_config.json").write_text(json.dumps(
+        {"eos_token": "<|end|>", "bos_token": {"content": "<|begin|>"}}))
+
+    out = prepare(files, str(tmp_path / "data"), tokenizer=str(model / "tokenizer.json"))
+    ds = load_dataset(DataConfig(path=out))
+    assert ds.tokenizer_path.endswith("tokenizer.json")
+    assert ds.vocab_size == tok.get_vocab_size() > 300
+    assert (ds.eos_id, ds.bos_id) == (tok.token_to_id("<|end|>"), tok.token_to_id("<|begin|>"))
+    text = "def f(x):\n    return x  # ünïcode"
+    assert ds.encode(text) == tok.encode(text, add_special_tokens=False).ids
+    assert ds.decode(ds.encode(text)) == text
+    tokens = np.concatenate([ds.train, ds.eval])
+    assert (tokens == ds.eos_id).sum() == len(files)  # one EOS after each document
+    first = ds.train[:list(ds.train).index(ds.eos_id)]
+    assert ds.decode(first) in [open(f).read() for f in files]
+
+    cfg = td.Config(init_from_hf=str(model), data=DataConfig(path=out))
+    td.check_hf_tokenizer(cfg, ds.tokenizer_path)  # the model's own: accepted
+    other = tmp_path / "other"
+    shutil.copytree(model, other)
+    tok.add_special_tokens(["<|extra|>"])
+    tok.save(str(other / "tokenizer.json"))
+    with pytest.raises(td.ConfigError, match=r"ships tokenizer.json, but the data"):
+        td.check_hf_tokenizer(dataclasses.replace(cfg, init_from_hf=str(other)),
+                              ds.tokenizer_path)
