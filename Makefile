@@ -11,7 +11,8 @@ MOE_PRESET ?= tiny-moe
 GRPO_PRESET ?= tiny
 
 .DEFAULT_GOAL := help
-.PHONY: help train test bench bench-parity dry-run prepare clean train-moe bench-moe train-grpo
+.PHONY: help train test bench bench-parity dry-run prepare clean train-moe bench-moe train-grpo \
+  export-hf hf-fixtures
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-16s %s\n", $$1, $$2}'
@@ -49,6 +50,13 @@ dry-run: $(VENV)/.installed  ## compile llama3.1-70b on 256 simulated devices an
 
 prepare: $(VENV)/.installed  ## tokenize your own text: make prepare ARGS="--input my.txt --out data/mine"
 	$(PY) -m common.data prepare $(ARGS)
+
+export-hf: $(VENV)/.installed  ## a run's checkpoint as a HuggingFace folder: make export-hf ARGS="--run-dir runs/tiny --out hf/tiny"
+	$(PY) train_dense.py export-hf $(ARGS)
+
+hf-fixtures: $(VENV)/.installed  ## remake tests/fixtures/hf with torch + transformers (installs the parity extra)
+	$(PY) -m pip install -q -e '.[parity]'
+	$(PY) tests/make_hf_fixtures.py
 
 clean:  ## remove the virtual environment (runs/ and data/ are yours: never touched)
 	rm -rf $(VENV)

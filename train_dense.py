@@ -3,9 +3,11 @@
     python train_dense.py tiny                                   # the `make train` run
     python train_dense.py llama3.1-8b --mesh.fsdp 8 --train.steps 1000
     python train_dense.py llama3.1-70b --dry-run                 # compile only, print memory
+    python train_dense.py tiny --init-from-hf ~/hf/Llama-3.2-1B --data.path data/mine
+    python train_dense.py export-hf --run-dir runs/tiny --out hf/tiny
 
 Sections, in reading order: 1 config and presets, 2 parameters and their shardings, 3 model,
-4 loss and train step, 5 FLOPs and MFU, 6 main. Shapes are suffixed on tensor names:
+4 loss and train step, 5 FLOPs and MFU, 6 main, 7 HuggingFace in and out. Shapes are suffixed on tensor names:
 B batch, T sequence, S key sequence, D model width, N query heads, K key/value heads,
 H head width, F MLP width, V vocabulary, L layers.
 """
@@ -1155,8 +1157,7 @@ def export_hf(run_dir: str, out: str, step: int = -1,
         out: The folder to create (new or empty).
         step: The checkpoint to export; -1 = the latest.
         dtype: Of the weights written (checkpoints hold float32).
-        model_type: The HuggingFace family; "" = the one the run started from, else the one
-            the model's knobs imply (q/k norm: qwen3, q/k/v bias: qwen2, else llama).
+        model_type: The family; "" = the source's, else by knob: qwen3, qwen2 or llama.
         max_shard_gb: The largest safetensors file.
     """
     path = os.path.join(run_dir, "config.json")

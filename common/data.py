@@ -691,8 +691,8 @@ def _prepare_cli(
                        if os.path.isfile(os.path.join(out, n))]
     for name in tokenizer_files + list(PREPARED_FILES[1:]):
         path = os.path.join(out, name)
-        line = f"  {name:16s} {os.path.getsize(path) / 1e6:10.2f} MB"
-        if name.endswith(".json"):
+        line = f"  {name:21s} {os.path.getsize(path) / 1e6:10.2f} MB"
+        if name in ("train.json", "eval.json"):
             with open(path) as f:
                 meta = json.load(f)
             line += (f"  {meta['num_tokens']:,} {meta['dtype']} tokens, "
