@@ -14,7 +14,6 @@ H head width, F MLP width, V vocabulary, L layers.
 from __future__ import annotations
 
 import dataclasses
-import filecmp
 import json
 import math
 import os
@@ -35,7 +34,7 @@ from jax.sharding import PartitionSpec as P
 from common import hf, multislice
 from common.checkpoint import (CheckpointConfig, CheckpointError, Checkpointer,
                                ConfigConflictError, PreemptionGuard, check_run_config)
-from common.data import DataConfig, get_batch, load_dataset, open_tokenizer
+from common.data import DataConfig, get_batch, load_dataset
 from common.mesh import (BATCH_AXES, MeshConfig, MeshError, batch_shards, describe, make_mesh,
                          resolve, tpu_topology_devices)
 
@@ -779,8 +778,9 @@ def _train(cfg: Config, mesh, tx) -> dict:
     t_start = time.perf_counter()
     tc, mc = cfg.train, cfg.model
     ds = load_dataset(cfg.data)
-    if cfg.init_from_hf:
-        check_hf_tokenizer(cfg, ds.tokenizer_path)
+    if cfg.init_from_hf and (note := hf.check_tokenizer(
+            cfg.init_from_hf, ds.tokenizer_path, f"--data.path {cfg.data.path!r}")):
+        log(note)
     if ds.vocab_size > mc.vocab_size:
         raise ConfigError(f"the tokenizer has {ds.vocab_size} tokens but --model.vocab-size is "
                           f"{mc.vocab_size}; set --model.vocab-size {ds.vocab_size} or larger.")
@@ -1121,23 +1121,6 @@ def refuse_shape_flags(args: list[str]) -> None:
                               "may be set).")
 
 
-def check_hf_tokenizer(cfg: Config, tokenizer_path: str) -> None:
-    """The data must be token ids of the model's own tokenizer, or the model reads other words.
-    `prepare --tokenizer` copies the model's tokenizer.model or tokenizer.json byte for byte."""
-    shipped = [p for p in (os.path.join(cfg.init_from_hf, n) for n in
-                           ("tokenizer.model", "tokenizer.json")) if os.path.isfile(p)]
-    if not shipped:
-        log(f"note: {cfg.init_from_hf} ships no tokenizer.model or tokenizer.json, so the "
-            f"data's tokenizer ({tokenizer_path}) cannot be checked against the model's.")
-    elif not any(filecmp.cmp(p, tokenizer_path, shallow=False) for p in shipped):
-        raise ConfigError(
-            f"--init-from-hf {cfg.init_from_hf} ships {os.path.basename(shipped[0])}, but the "
-            f"data (--data.path {cfg.data.path or '(embedded corpus)'!r}) was tokenized with "
-            f"another one ({tokenizer_path}). Tokenize it with the model's: python -m "
-            f"common.data prepare --input <text> --tokenizer {shipped[-1]} --out data/x, then "
-            "--data.path data/x.")
-
-
 def init_state_from_hf(cfg: Config, tx, shardings) -> dict:
     """Step 0 from published weights: parameters from --init-from-hf, a fresh optimiser."""
     _, params = load_hf(cfg.init_from_hf, shardings["step"].mesh)
@@ -1181,23 +1164,15 @@ def export_hf(run_dir: str, out: str, step: int = -1,
         params = ckpt.restore(at, abstract_state(cfg, tx, state_shardings(cfg, mesh, tx)))
         params = params["params"]
     src = saved.get("init_from_hf") or ""
-    base, tokenizer = None, None
-    if src and os.path.isfile(os.path.join(src, hf.CONFIG)):
-        base = hf.read_config(src)
-    else:  # trained from scratch: ship the run's sentencepiece model and its special ids
-        try:
-            tokenizer = load_dataset(cfg.data).tokenizer_path
-            tok = open_tokenizer(tokenizer)
-            base = {"bos_token_id": tok.bos_id() if tok.bos_id() >= 0 else None,
-                    "eos_token_id": tok.eos_id()}
-        except (FileNotFoundError, ValueError, OSError):
-            tokenizer = None
+    try:
+        tokenizer = None if src else load_dataset(cfg.data).tokenizer_path
+    except (FileNotFoundError, ValueError, OSError):  # data gone: export without a tokenizer
+        tokenizer = None
+    base, tokenizer_dir = hf.export_extras(src, tokenizer)
     files = save_hf(params, cfg.model, out, model_type=model_type, base_config=base,
                     dtype=dtype, max_shard_bytes=int(max_shard_gb * 2**30))
-    if src and base is not None:
-        files += hf.copy_tokenizer(src, out)
-    elif tokenizer:
-        files += hf.copy_tokenizer(os.path.dirname(tokenizer), out)
+    if tokenizer_dir:
+        files += hf.copy_tokenizer(tokenizer_dir, out)
     size = sum(os.path.getsize(os.path.join(out, f)) for f in files)
     print(f"export-hf: step {at} of {run_dir} -> {out} ({len(files)} files, {size / 1e9:.2f} GB, "
           f"{dtype}): {', '.join(files)}", flush=True)

@@ -26,6 +26,7 @@ then the byte buffer, offsets relative to its start. A sharded checkpoint adds
 """
 from __future__ import annotations
 
+import filecmp
 import json
 import math
 import os
@@ -380,3 +381,40 @@ def copy_tokenizer(src: str, dst: str) -> list[str]:
             shutil.copy2(os.path.join(src, name), os.path.join(dst, name))
             copied.append(name)
     return copied
+
+
+# ----------------------------------------------------------------------------------------------
+# Runs that start from, or end as, a HuggingFace folder (what the trainers' CLIs share)
+
+
+def check_tokenizer(model_dir: str, tokenizer_path: str, data_flag: str) -> str:
+    """Training data must be token ids of the model's own tokenizer, or the model reads other
+    words. `prepare --tokenizer` copies the model's tokenizer.model or tokenizer.json byte for
+    byte, so a byte comparison decides. Raises on a mismatch; returns a note ("" if none)."""
+    shipped = [p for p in (os.path.join(model_dir, n) for n in
+                           ("tokenizer.model", "tokenizer.json")) if os.path.isfile(p)]
+    if not shipped:
+        return (f"note: {model_dir} ships no tokenizer.model or tokenizer.json, so the data's "
+                f"tokenizer ({tokenizer_path}) cannot be checked against the model's.")
+    if not any(filecmp.cmp(p, tokenizer_path, shallow=False) for p in shipped):
+        raise HFError(
+            f"--init-from-hf {model_dir} ships {os.path.basename(shipped[0])}, but the data "
+            f"({data_flag}) was tokenized with another one ({tokenizer_path}). Tokenize it with "
+            f"the model's: python -m common.data prepare --input <text> --tokenizer "
+            f"{shipped[-1]} --out data/x, then --data.path data/x.")
+    return ""
+
+
+def export_extras(init_from_hf: str, tokenizer_path: str | None) -> tuple[dict, str | None]:
+    """What an exported run keeps besides its weights: (config.json keys, the folder to copy
+    tokenizer files from). A run started from a HuggingFace model keeps that model's config
+    (token ids, chat settings) and tokenizer; one trained from scratch ships its data's
+    tokenizer and that tokenizer's special ids."""
+    if init_from_hf and os.path.isfile(os.path.join(init_from_hf, CONFIG)):
+        return read_config(init_from_hf), init_from_hf
+    if tokenizer_path:
+        from common.data import open_tokenizer
+        tok = open_tokenizer(tokenizer_path)
+        return ({"bos_token_id": tok.bos_id() if tok.bos_id() >= 0 else None,
+                 "eos_token_id": tok.eos_id()}, os.path.dirname(tokenizer_path))
+    return {}, None

@@ -371,7 +371,7 @@ def test_init_from_hf_refuses_another_tokenizer(data_path, tmp_path):
     cfg = td.Config(init_from_hf=src, data=DataConfig(path=data_path),
                     train=td.TrainConfig(batch_size=8, seq_len=32, steps=1),
                     run_dir=str(tmp_path / "run"))
-    with pytest.raises(td.ConfigError, match=r"tokenized with\s+another one"):
+    with pytest.raises(hf.HFError, match=r"tokenized with another one"):
         td.main(cfg)
 
 
@@ -407,12 +407,12 @@ def test_prepare_and_check_a_hf_tokenizer_json(tmp_path):
     first = ds.train[:list(ds.train).index(ds.eos_id)]
     assert ds.decode(first) in [open(f).read() for f in files]
 
-    cfg = td.Config(init_from_hf=str(model), data=DataConfig(path=out))
-    td.check_hf_tokenizer(cfg, ds.tokenizer_path)  # the model's own: accepted
+    assert hf.check_tokenizer(str(model), ds.tokenizer_path, "--data.path x") == ""
     other = tmp_path / "other"
     shutil.copytree(model, other)
     tok.add_special_tokens(["<|extra|>"])
     tok.save(str(other / "tokenizer.json"))
-    with pytest.raises(td.ConfigError, match=r"ships tokenizer.json, but the data"):
-        td.check_hf_tokenizer(dataclasses.replace(cfg, init_from_hf=str(other)),
-                              ds.tokenizer_path)
+    with pytest.raises(hf.HFError, match=r"ships tokenizer.json, but the data \(--data.path x\)"):
+        hf.check_tokenizer(str(other), ds.tokenizer_path, "--data.path x")
+    os.remove(other / "tokenizer.json")
+    assert "cannot be checked" in hf.check_tokenizer(str(other), ds.tokenizer_path, "")
