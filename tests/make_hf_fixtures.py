@@ -1,4 +1,5 @@
-"""Make the tiny HuggingFace checkpoints that tests/test_hf.py checks our loaders against.
+"""Make the tiny HuggingFace checkpoints that tests/test_hf.py and tests/test_hf_moe.py check
+our loaders against.
 
     pip install torch transformers          # the `parity` extra; only this script needs them
     python tests/make_hf_fixtures.py        # rewrites tests/fixtures/hf/
@@ -13,7 +14,8 @@ Each family turns on what its published models use and what is easy to get wrong
 MQA, head counts that are not powers of two, a head width that is not d_model / heads,
 Llama 3.1 rope scaling with every frequency band in play (a low rope_theta makes the
 rescaled bands matter within 16 positions), tied embeddings, Qwen2's q/k/v biases, Qwen3's
-q/k norms, Mistral's sliding window, and checkpoints split into several shards with an index.
+q/k norms, Mistral's sliding window, top-k weights renormalised or not (Mixtral, Qwen3-MoE),
+and checkpoints split into several shards with an index.
 """
 from __future__ import annotations
 
@@ -59,6 +61,18 @@ FAMILIES = {
         vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=12, rms_norm_eps=1e-6,
         rope_theta=1000.0, tie_word_embeddings=False, max_position_embeddings=64), "16KB"),
+    # Mixture of experts (train_moe.py). Mixtral always renormalises its top-k weights;
+    # this Qwen3-MoE does not (norm_topk_prob false) and picks 3 of 4.
+    "mixtral": ("mixtral", dict(
+        vocab_size=64, hidden_size=32, intermediate_size=16, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+        num_experts_per_tok=2, rms_norm_eps=1e-5, rope_theta=10000.0,
+        max_position_embeddings=64), None),
+    "qwen3_moe": ("qwen3_moe", dict(
+        vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=12,
+        num_experts=4, num_experts_per_tok=3, norm_topk_prob=False, rms_norm_eps=1e-6,
+        rope_theta=1000.0, max_position_embeddings=64), "16KB"),
 }
 
 
@@ -75,8 +89,8 @@ def randomize(model: torch.nn.Module, seed: int) -> None:
                 p.copy_(0.5 * noise)
             elif name.endswith("embed_tokens.weight"):
                 p.copy_(noise)
-            else:  # a Linear [out, in]: unit-variance outputs for unit-variance inputs
-                p.copy_(noise / p.shape[1] ** 0.5)
+            else:  # [..., out, in] (a Linear, or stacked experts): unit-variance outputs
+                p.copy_(noise / p.shape[-1] ** 0.5)
 
 
 def make(name: str, model_type: str, kwargs: dict, shard: str | None, seed: int) -> dict:
