@@ -976,13 +976,12 @@ def config_from_hf(c: dict, where: str = "config.json") -> ModelConfig:
         raise unsupported("attention_bias / mlp_bias (biases on every projection)")
     if c.get("partial_rotary_factor", 1.0) != 1.0:
         raise unsupported(f"partial_rotary_factor {c['partial_rotary_factor']}")
-    # transformers 5 writes rope_parameters (with rope_theta inside); 4.x wrote rope_theta
-    # beside a rope_scaling dict ("type" before 4.43, "rope_type" after).
-    rope = dict(c.get("rope_parameters") or c.get("rope_scaling") or {})
-    theta = float(rope.get("rope_theta", c.get("rope_theta", 10_000.0)))
-    kind = rope.get("rope_type", rope.get("type", "default"))
+    theta, kind, rope = hf.rope_parameters(c, 10_000.0, where)
     scaling = {}
     if kind == "llama3":
+        lacking = {"factor", "low_freq_factor", "high_freq_factor"} - set(rope)
+        if lacking:
+            raise hf.HFError(f"{where}: rope type 'llama3' without {', '.join(sorted(lacking))}.")
         scaling = dict(rope_scaling=float(rope["factor"]),
                        rope_low_freq_factor=float(rope["low_freq_factor"]),
                        rope_high_freq_factor=float(rope["high_freq_factor"]),

@@ -1188,9 +1188,7 @@ def config_from_hf(c: dict, where: str = "config.json") -> ModelConfig:
                           "decoder_sparse_step)")
     if c.get("partial_rotary_factor", 1.0) != 1.0:
         raise unsupported(f"partial_rotary_factor {c['partial_rotary_factor']}")
-    rope = dict(c.get("rope_parameters") or c.get("rope_scaling") or {})
-    theta = float(rope.get("rope_theta", c["rope_theta"]))
-    kind = rope.get("rope_type", rope.get("type", "default"))
+    theta, kind, _ = hf.rope_parameters(c, c["rope_theta"], where)
     if kind != "default":
         raise unsupported(f"rope type {kind!r} (only the default)")
     # A sliding window of W tokens changes nothing on sequences of at most W tokens.

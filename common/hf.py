@@ -137,6 +137,19 @@ def read_config(path: str) -> dict:
     return cfg
 
 
+def rope_parameters(c: dict, default_theta: float, where: str) -> tuple[float, str, dict]:
+    """(rope_theta, rope type, the type's parameters) from a config.json in either spelling:
+    transformers 5 writes rope_parameters with rope_theta inside; 4.x wrote rope_theta beside
+    a rope_scaling dict ("type" before 4.43, "rope_type" after)."""
+    rope = dict(c.get("rope_parameters") or c.get("rope_scaling") or {})
+    if any(isinstance(v, dict) for v in rope.values()):
+        raise HFError(f"{where}: rope parameters per layer type ({', '.join(rope)}) are not "
+                      "implemented.")
+    theta = float(rope.pop("rope_theta", c.get("rope_theta", default_theta)))
+    kind = rope.pop("rope_type", rope.pop("type", "default"))
+    return theta, kind, rope
+
+
 def _read_header(file: str) -> tuple[dict, int]:
     """The tensors of one safetensors file (name -> dtype, shape, begin, end), and where its
     byte buffer starts. Every entry is checked against the file, so a truncated or foreign

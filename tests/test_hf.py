@@ -274,6 +274,10 @@ def test_unknown_model_type(tmp_path):
 @pytest.mark.parametrize("edit,match", [
     (lambda c: c["rope_parameters"].update(rope_type="yarn", factor=4.0), r"rope type 'yarn'"),
     (lambda c: c.update(hidden_act="gelu"), r"hidden_act 'gelu'"),
+    (lambda c: c.update(rope_parameters={"full_attention": c["rope_parameters"]}),
+     r"rope parameters per layer type \(full_attention\)"),
+    (lambda c: c.update(rope_parameters={"rope_type": "llama3", "factor": 8.0}),
+     r"'llama3' without high_freq_factor, low_freq_factor"),
     (lambda c: c.update(mlp_bias=True), r"attention_bias / mlp_bias"),
 ])
 def test_unsupported_options(tmp_path, edit, match):
