@@ -7,9 +7,9 @@
     python train_dense.py export-hf --run-dir runs/tiny --out hf/tiny
 
 Sections, in reading order: 1 config and presets, 2 parameters and their shardings, 3 model,
-4 loss and train step, 5 FLOPs and MFU, 6 main, 7 HuggingFace in and out. Shapes are suffixed on tensor names:
-B batch, T sequence, S key sequence, D model width, N query heads, K key/value heads,
-H head width, F MLP width, V vocabulary, L layers.
+4 loss and train step, 5 FLOPs and MFU, 6 main, 7 HuggingFace in and out. Shapes are suffixed
+on tensor names: B batch, T sequence, S key sequence, D model width, N query heads, K key/value
+heads, H head width, F MLP width, V vocabulary, L layers.
 """
 from __future__ import annotations
 
@@ -17,7 +17,6 @@ import dataclasses
 import json
 import math
 import os
-import shutil
 import sys
 import time
 from dataclasses import dataclass, field
@@ -109,7 +108,7 @@ class Config:
     compile_topology: str = ""    # with --dry-run: compile for this TPU type (v5p-256), needs libtpu
     compile_slices: int = 1       # ... and this many slices of it (set --mesh.dcn-* to match)
     bench: int = 0                # time this many steps on synthetic tokens, print, exit
-    init_from_hf: str = ""        # a HuggingFace folder: start from its weights (shape from its config.json)
+    init_from_hf: str = ""        # HuggingFace folder: start from its weights and config.json
 
 
 def _big(model: ModelConfig, run: str, seq_len: int = 4096) -> Config:
@@ -1114,9 +1113,9 @@ def refuse_shape_flags(args: list[str]) -> None:
         name = a.split("=")[0]
         field_name = name.removeprefix("--model.").replace("-", "_").removeprefix("no_")
         if name.startswith("--model.") and field_name not in _COMPUTE_FIELDS:
+            allowed = ", ".join("--model." + f.replace("_", "-") for f in _COMPUTE_FIELDS)
             raise ConfigError(f"{name} conflicts with --init-from-hf: the model's shape comes "
-                              "from that folder's config.json. Drop the flag (only "
-                              f"{', '.join('--model.' + f.replace('_', '-') for f in _COMPUTE_FIELDS)} "
+                              f"from that folder's config.json. Drop the flag (only {allowed} "
                               "may be set).")
 
 

@@ -6,11 +6,11 @@
 
 Sections, in reading order: 1 config and presets, 2 parameters and their shardings, 3 model
 (attention, router, dispatch to the experts, grouped matmul), 4 loss and train step, 5 FLOPs
-and MFU, 6 main, 7 HuggingFace in and out (Mixtral, Qwen3-MoE). Shapes are suffixed on tensor names: B batch, T sequence, D model width,
-N query heads, K key/value heads, H head width, V vocabulary, L layers, E experts, F expert
-MLP width, R experts chosen per token (top-k), A = tokens x R assignments, M rows of a
-grouped matmul, G groups, X experts held by one device, P devices on the expert axis,
-C expert capacity.
+and MFU, 6 main, 7 HuggingFace in and out (Mixtral, Qwen3-MoE). Shapes are suffixed on tensor
+names: B batch, T sequence, D model width, N query heads, K key/value heads, H head width,
+V vocabulary, L layers, E experts, F expert MLP width, R experts chosen per token (top-k),
+A = tokens x R assignments, M rows of a grouped matmul, G groups, X experts held by one
+device, P devices on the expert axis, C expert capacity.
 
 The MoE block, per layer (Switch Transformer, Mixtral, Qwen3-MoE):
 
@@ -133,7 +133,7 @@ class Config:
     dry_run: bool = False         # compile one step on abstract inputs, print memory, exit
     bench: int = 0                # time this many steps on synthetic tokens, print, exit
     bench_twin: bool = True       # --bench also times the dense twin (same active parameters)
-    init_from_hf: str = ""        # a HuggingFace folder: start from its weights (shape from its config.json)
+    init_from_hf: str = ""        # HuggingFace folder: start from its weights and config.json
 
 
 def _big(model: ModelConfig, run: str, seq_len: int = 4096) -> Config:
@@ -1315,9 +1315,9 @@ def refuse_shape_flags(args: list[str]) -> None:
         name = a.split("=")[0]
         field_name = name.removeprefix("--model.").replace("-", "_").removeprefix("no_")
         if name.startswith("--model.") and field_name not in _KEEP_FIELDS:
+            allowed = ", ".join("--model." + f.replace("_", "-") for f in _KEEP_FIELDS)
             raise ConfigError(f"{name} conflicts with --init-from-hf: the model's shape comes "
-                              "from that folder's config.json. Drop the flag (only "
-                              f"{', '.join('--model.' + f.replace('_', '-') for f in _KEEP_FIELDS)} "
+                              f"from that folder's config.json. Drop the flag (only {allowed} "
                               "may be set).")
 
 
