@@ -16,7 +16,7 @@ comma  := ,
 
 .DEFAULT_GOAL := help
 .PHONY: help train test bench bench-parity dry-run prepare clean train-moe bench-moe train-grpo \
-        plot tensorboard need-run sft
+        plot tensorboard need-run sft export-hf hf-fixtures
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-16s %s\n", $$1, $$2}'
@@ -76,6 +76,14 @@ tensorboard: need-run $(VENV)/.installed  ## TensorBoard (scalars, config, profi
 	  $(PY) -m pip install -q tensorboard tensorboard-plugin-profile
 	$(PY) -m tensorboard.main --port $(PORT) $(if $(word 2,$(RUN)),--logdir_spec \
 	  $(subst $() ,$(comma),$(foreach r,$(RUN),$(notdir $(patsubst %/,%,$(r))):$(r))),--logdir $(RUN)) $(ARGS)
+
+
+export-hf: $(VENV)/.installed  ## a run's checkpoint as a HuggingFace folder: make export-hf ARGS="--run-dir runs/tiny --out hf/tiny"
+	$(PY) train_dense.py export-hf $(ARGS)
+
+hf-fixtures: $(VENV)/.installed  ## remake tests/fixtures/hf with torch + transformers (installs the parity extra)
+	$(PY) -m pip install -q -e '.[parity]'
+	$(PY) tests/make_hf_fixtures.py
 
 clean:  ## remove the virtual environment (runs/ and data/ are yours: never touched)
 	rm -rf $(VENV)

@@ -3,11 +3,13 @@
     python train_dense.py tiny                                   # the `make train` run
     python train_dense.py llama3.1-8b --mesh.fsdp 8 --train.steps 1000
     python train_dense.py llama3.1-70b --dry-run                 # compile only, print memory
+    python train_dense.py tiny --init-from-hf ~/hf/Llama-3.2-1B --data.path data/mine
+    python train_dense.py export-hf --run-dir runs/tiny --out hf/tiny
 
 Sections, in reading order: 1 config and presets, 2 parameters and their shardings, 3 model,
-4 loss and train step, 5 FLOPs and MFU, 6 main. Shapes are suffixed on tensor names:
-B batch, T sequence, S key sequence, D model width, N query heads, K key/value heads,
-H head width, F MLP width, V vocabulary, L layers.
+4 loss and train step, 5 FLOPs and MFU, 6 main, 7 HuggingFace in and out. Shapes are suffixed
+on tensor names: B batch, T sequence, S key sequence, D model width, N query heads, K key/value
+heads, H head width, F MLP width, V vocabulary, L layers.
 """
 from __future__ import annotations
 
@@ -28,7 +30,7 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from common import multislice, observe
+from common import hf, multislice, observe
 from common.checkpoint import (CheckpointConfig, CheckpointError, Checkpointer,
                                ConfigConflictError, PreemptionGuard, check_run_config)
 from common.data import (DataConfig, DataError, SFTDataset, get_batch, held_out_batches,
@@ -111,6 +113,7 @@ class Config:
     compile_slices: int = 1       # ... and this many slices of it (set --mesh.dcn-* to match)
     bench: int = 0                # time this many steps on synthetic tokens, print, exit
     quiet: bool = False           # no progress lines; steps, evals and the summary still print
+    init_from_hf: str = ""        # HuggingFace folder: start from its weights and config.json
 
 
 def _big(model: ModelConfig, run: str, seq_len: int = 4096) -> Config:
@@ -943,6 +946,10 @@ def load_init_params(cfg: Config, tx, shardings) -> dict:
 
 
 def main(cfg: Config) -> dict:
+    if cfg.init_from and cfg.init_from_hf:
+        raise ConfigError(f"--init-from {cfg.init_from} and --init-from-hf {cfg.init_from_hf}: "
+                          "start from one or the other.")
+    cfg = with_hf_model(cfg)
     multislice.initialize()
     multislice.enable_compilation_cache()
     observe.configure(quiet=cfg.quiet)
@@ -972,6 +979,9 @@ def _train(cfg: Config, mesh, tx) -> dict:
     t_start = time.perf_counter()
     tc, mc = cfg.train, cfg.model
     ds = load_dataset(init_data_config(cfg), seq_len=tc.seq_len)
+    if cfg.init_from_hf and (note := hf.check_tokenizer(
+            cfg.init_from_hf, ds.tokenizer_path, f"--data.path {cfg.data.path!r}")):
+        log(note)
     if ds.vocab_size > mc.vocab_size:
         raise ConfigError(f"the tokenizer has {ds.vocab_size} tokens but --model.vocab-size is "
                           f"{mc.vocab_size}; set --model.vocab-size {ds.vocab_size} or larger.")
@@ -992,8 +1002,12 @@ def _train_loop(cfg: Config, mesh, tx, ds, ckpt: Checkpointer, metrics_log: obse
     shardings = state_shardings(cfg, mesh, tx)
     start = ckpt.resume_step()
     if start is None:
-        params = load_init_params(cfg, tx, shardings) if cfg.init_from else None
-        state, start = init_state(cfg, tx, shardings, params), 0
+        if cfg.init_from_hf:
+            state = init_state_from_hf(cfg, tx, shardings)
+        else:
+            params = load_init_params(cfg, tx, shardings) if cfg.init_from else None
+            state = init_state(cfg, tx, shardings, params)
+        start = 0
     else:
         state = ckpt.restore(start, abstract_state(cfg, tx, shardings))
         log(f"resumed from step {start} ({cfg.run_dir}/checkpoints/{start})")
@@ -1146,16 +1160,308 @@ def _print_summary(cfg: Config, s: dict, metrics_log, profiler, fpt: float, peak
     ] + observe.where_rows(cfg.run_dir, metrics_log, profiler))
 
 
+# ----------------------------------------------------------------------------------------------
+# 7. HuggingFace in and out
+# ----------------------------------------------------------------------------------------------
+
+# HuggingFace rotates the two halves of each head, as `apply_rope` does, so its q_proj and
+# k_proj load as they are. (Meta's original Llama code rotates interleaved pairs; HF permuted
+# the rows of those weights once, at conversion, so every HF checkpoint is in the halves
+# layout. A checkpoint in Meta's own format would need that permutation; we read HF only.)
+HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                    "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+# What transformers assumes for a key that config.json leaves out (its config classes).
+_HF_DEFAULTS = {
+    "llama": dict(rms_norm_eps=1e-6, max_position_embeddings=2048),
+    "mistral": dict(rms_norm_eps=1e-6, max_position_embeddings=131072, num_key_value_heads=8,
+                    sliding_window=4096),
+    "qwen2": dict(rms_norm_eps=1e-6, max_position_embeddings=32768, num_key_value_heads=32),
+    "qwen3": dict(rms_norm_eps=1e-6, max_position_embeddings=32768, num_key_value_heads=32,
+                  head_dim=128),
+}
+
+
+def hf_mapping(cfg: ModelConfig) -> dict:
+    """Our parameter tree, each leaf as (HuggingFace tensor name, layout): see common/hf.py.
+
+    HF's nn.Linear keeps [out, in]; ours are [in, out] with the heads split out, so every
+    projection is a transpose plus a reshape, and per-layer tensors stack on l.
+    Atoms: l layers, d model, n query heads, k key/value heads, h head width, f MLP, v vocab.
+    """
+    lay = "model.layers.{l}."
+    layers = {
+        "attn_norm": (lay + "input_layernorm.weight", "d -> l d"),
+        "wq": (lay + "self_attn.q_proj.weight", "(n h) d -> l d n h"),
+        "wk": (lay + "self_attn.k_proj.weight", "(k h) d -> l d k h"),
+        "wv": (lay + "self_attn.v_proj.weight", "(k h) d -> l d k h"),
+        "wo": (lay + "self_attn.o_proj.weight", "d (n h) -> l n h d"),
+        "mlp_norm": (lay + "post_attention_layernorm.weight", "d -> l d"),
+        "w_gate": (lay + "mlp.gate_proj.weight", "f d -> l d f"),
+        "w_up": (lay + "mlp.up_proj.weight", "f d -> l d f"),
+        "w_down": (lay + "mlp.down_proj.weight", "d f -> l f d"),
+    }
+    if cfg.qkv_bias:
+        layers |= {"bq": (lay + "self_attn.q_proj.bias", "(n h) -> l n h"),
+                   "bk": (lay + "self_attn.k_proj.bias", "(k h) -> l k h"),
+                   "bv": (lay + "self_attn.v_proj.bias", "(k h) -> l k h")}
+    if cfg.qk_norm:
+        layers |= {"q_norm": (lay + "self_attn.q_norm.weight", "h -> l h"),
+                   "k_norm": (lay + "self_attn.k_norm.weight", "h -> l h")}
+    tree = {"embed": ("model.embed_tokens.weight", "v d -> v d"), "layers": layers,
+            "final_norm": ("model.norm.weight", "d -> d")}
+    if not cfg.tie_embeddings:
+        tree["unembed"] = ("lm_head.weight", "v d -> d v")
+    return tree
+
+
+def _hf_sizes(cfg: ModelConfig) -> dict:
+    return dict(l=cfg.n_layers, d=cfg.d_model, n=cfg.n_heads, k=cfg.n_kv_heads, h=cfg.head_dim,
+                f=cfg.d_ff, v=cfg.vocab_size)
+
+
+def config_from_hf(c: dict, where: str = "config.json") -> ModelConfig:
+    """Our ModelConfig from a HuggingFace config.json (as a dict). Anything that would change
+    what the model computes and that we do not implement is an error, never ignored."""
+    mt = c.get("model_type")
+    if mt not in HF_ARCHITECTURES:
+        raise hf.HFError(f"{where}: model_type {mt!r} is not a dense family that train_dense.py "
+                         f"loads ({', '.join(HF_ARCHITECTURES)}); mixture-of-experts models "
+                         "(mixtral, qwen3_moe) belong to train_moe.py.")
+    c = _HF_DEFAULTS[mt] | c
+
+    def unsupported(what: str):
+        return hf.HFError(f"{where}: {what} is not implemented by train_dense.py, so this "
+                          f"{mt} model cannot be loaded faithfully.")
+
+    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                "num_attention_heads"):
+        if key not in c:
+            raise hf.HFError(f"{where} has no {key!r}; it is not a complete {mt} config.")
+    if c.get("hidden_act", "silu") != "silu":
+        raise unsupported(f"hidden_act {c['hidden_act']!r} (only silu)")
+    if c.get("attention_bias") or c.get("mlp_bias"):
+        raise unsupported("attention_bias / mlp_bias (biases on every projection)")
+    if c.get("partial_rotary_factor", 1.0) != 1.0:
+        raise unsupported(f"partial_rotary_factor {c['partial_rotary_factor']}")
+    theta, kind, rope = hf.rope_parameters(c, 10_000.0, where)
+    scaling = {}
+    if kind == "llama3":
+        lacking = {"factor", "low_freq_factor", "high_freq_factor"} - set(rope)
+        if lacking:
+            raise hf.HFError(f"{where}: rope type 'llama3' without {', '.join(sorted(lacking))}.")
+        scaling = dict(rope_scaling=float(rope["factor"]),
+                       rope_low_freq_factor=float(rope["low_freq_factor"]),
+                       rope_high_freq_factor=float(rope["high_freq_factor"]),
+                       rope_original_max_len=int(rope.get("original_max_position_embeddings",
+                                                          c["max_position_embeddings"])))
+    elif kind != "default":
+        raise unsupported(f"rope type {kind!r} (only the default and 'llama3')")
+    # A sliding window of W tokens changes nothing on sequences of at most W tokens, and we
+    # train no longer ones: the window becomes the model's maximum length.
+    window = (c.get("sliding_window") if mt == "mistral" or c.get("use_sliding_window")
+              else None)
+    max_len = c["max_position_embeddings"] if window is None else min(
+        c["max_position_embeddings"], window)
+    n_heads = c["num_attention_heads"]
+    return ModelConfig(
+        vocab_size=c["vocab_size"], d_model=c["hidden_size"], n_layers=c["num_hidden_layers"],
+        n_heads=n_heads, n_kv_heads=c.get("num_key_value_heads") or n_heads,
+        head_dim=c.get("head_dim") or c["hidden_size"] // n_heads, d_ff=c["intermediate_size"],
+        max_seq_len=max_len, rope_theta=theta, norm_eps=float(c["rms_norm_eps"]),
+        tie_embeddings=bool(c.get("tie_word_embeddings", False)), qkv_bias=mt == "qwen2",
+        qk_norm=mt == "qwen3", **scaling)
+
+
+def config_to_hf(cfg: ModelConfig, model_type: str = "", dtype: str = "float32") -> dict:
+    """A config.json for `cfg` that transformers 4.4x and 5.x both read (each finds its own
+    spelling of the rope settings). model_type "" picks the family from the knobs."""
+    mt = model_type or ("qwen3" if cfg.qk_norm else "qwen2" if cfg.qkv_bias else "llama")
+    if mt not in HF_ARCHITECTURES:
+        raise hf.HFError(f"model_type {mt!r}: choose one of {', '.join(HF_ARCHITECTURES)}.")
+    if cfg.qkv_bias != (mt == "qwen2") or cfg.qk_norm != (mt == "qwen3"):
+        raise hf.HFError(f"model_type {mt!r} does not fit this model (qkv_bias={cfg.qkv_bias}, "
+                         f"qk_norm={cfg.qk_norm}): q/k/v biases are qwen2's, q/k norms "
+                         "qwen3's, and neither is llama's or mistral's.")
+    rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    if cfg.rope_scaling > 0:
+        rope = {"rope_type": "llama3", "rope_theta": cfg.rope_theta, "factor": cfg.rope_scaling,
+                "low_freq_factor": cfg.rope_low_freq_factor,
+                "high_freq_factor": cfg.rope_high_freq_factor,
+                "original_max_position_embeddings": cfg.rope_original_max_len}
+    L = cfg.n_layers
+    c = dict(architectures=[HF_ARCHITECTURES[mt]], model_type=mt, vocab_size=cfg.vocab_size,
+             hidden_size=cfg.d_model, intermediate_size=cfg.d_ff, num_hidden_layers=L,
+             num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_kv_heads,
+             head_dim=cfg.head_dim, hidden_act="silu", max_position_embeddings=cfg.max_seq_len,
+             rms_norm_eps=cfg.norm_eps, tie_word_embeddings=cfg.tie_embeddings,
+             rope_parameters=rope, rope_theta=cfg.rope_theta,
+             rope_scaling={k: v for k, v in rope.items() if k != "rope_theta"}
+             if cfg.rope_scaling > 0 else None,
+             attention_dropout=0.0, initializer_range=0.02, use_cache=True, dtype=dtype,
+             torch_dtype=dtype)
+    if mt == "llama":
+        c |= dict(attention_bias=False, mlp_bias=False, pretraining_tp=1)
+    if mt == "mistral":
+        c |= dict(sliding_window=None)
+    if mt in ("qwen2", "qwen3"):
+        c |= dict(use_sliding_window=False, sliding_window=None, max_window_layers=L,
+                  layer_types=["full_attention"] * L)
+    if mt == "qwen3":
+        c |= dict(attention_bias=False)
+    return c
+
+
+def load_hf(path: str, mesh=None) -> tuple[ModelConfig, dict]:
+    """A HuggingFace folder (config.json and safetensors, one file or sharded with an index)
+    as our ModelConfig and float32 parameters, each placed with its `param_specs` sharding on
+    `mesh` (default: the first device). Tensors stream in block by block: see common/hf.py."""
+    ckpt = hf.Checkpoint(path)
+    cfg = config_from_hf(ckpt.config, os.path.join(path, hf.CONFIG))
+    if mesh is None:
+        mesh = make_mesh(MeshConfig(fsdp=1), jax.devices()[:1])
+    specs = param_specs(cfg)
+    for name, (shape, spec, _) in _flat_table(cfg).items():
+        for n, axes in zip(shape, spec):
+            ways = math.prod(mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else
+                                                     axes or ()))
+            if n % ways:
+                raise ConfigError(f"{path}: {name} has a dimension of {n}, which the mesh "
+                                  f"({describe(mesh)}) splits {ways} ways; choose mesh sizes "
+                                  "that divide the model's.")
+    # Some exports keep lm_head.weight although it is tied; older ones saved rotary tables.
+    ignore = lambda n: (cfg.tie_embeddings and n == "lm_head.weight") or n.endswith(
+        "rotary_emb.inv_freq")
+    params = hf.load(ckpt, hf_mapping(cfg), _hf_sizes(cfg), named(mesh, specs),
+                     what=f"{ckpt.config['model_type']} model of this config", ignore=ignore)
+    return cfg, params
+
+
+def _flat_table(cfg: ModelConfig) -> dict:
+    table = _param_table(cfg)
+    return {k: v for k, v in table.items() if k != "layers"} | {
+        f"layers/{k}": v for k, v in table["layers"].items()}
+
+
+def save_hf(params: dict, cfg: ModelConfig, path: str, *, model_type: str = "",
+            base_config: dict | None = None, dtype: str = "float32",
+            max_shard_bytes: int = 5 * 2**30) -> list[str]:
+    """Write `params` as a HuggingFace folder that transformers (and vLLM) load: config.json
+    and safetensors shards of at most `max_shard_bytes` with their index. `base_config` (the
+    config.json the run started from) keeps its other keys: token ids, chat settings.
+    Returns the files written."""
+    base = dict(base_config or {})
+    c = config_to_hf(cfg, model_type or base.get("model_type", ""), dtype)
+    # Keys that would contradict ours: per-layer attention kinds, a quantisation recipe.
+    for key in ("layer_types", "quantization_config", "transformers_version", "rope_scaling",
+                "rope_parameters"):
+        base.pop(key, None)
+    return hf.save(path, params, hf_mapping(cfg), _hf_sizes(cfg), base | c, dtype=dtype,
+                   max_shard_bytes=max_shard_bytes)
+
+
+# Starting a run from published weights (--init-from-hf), and exporting one (export-hf).
+
+_COMPUTE_FIELDS = tuple(sorted(k.split(".", 1)[1] for k in MAY_CHANGE if k.startswith("model.")))
+
+
+def with_hf_model(cfg: Config) -> Config:
+    """With --init-from-hf the model's shape comes from PATH/config.json; only how it computes
+    (--model.dtype, --model.remat, ... the fields a resume may change) stays the flags'."""
+    if not cfg.init_from_hf:
+        return cfg
+    shape = config_from_hf(hf.read_config(cfg.init_from_hf),
+                           os.path.join(cfg.init_from_hf, hf.CONFIG))
+    keep = {f: getattr(cfg.model, f) for f in _COMPUTE_FIELDS}
+    return dataclasses.replace(cfg, model=dataclasses.replace(shape, **keep))
+
+
+def refuse_shape_flags(args: list[str]) -> None:
+    """A --model.* flag that sets the shape contradicts --init-from-hf: say so, do not pick."""
+    for a in args:
+        name = a.split("=")[0]
+        field_name = name.removeprefix("--model.").replace("-", "_").removeprefix("no_")
+        if name.startswith("--model.") and field_name not in _COMPUTE_FIELDS:
+            allowed = ", ".join("--model." + f.replace("_", "-") for f in _COMPUTE_FIELDS)
+            raise ConfigError(f"{name} conflicts with --init-from-hf: the model's shape comes "
+                              f"from that folder's config.json. Drop the flag (only {allowed} "
+                              "may be set).")
+
+
+def init_state_from_hf(cfg: Config, tx, shardings) -> dict:
+    """Step 0 from published weights: parameters from --init-from-hf, a fresh optimiser."""
+    _, params = load_hf(cfg.init_from_hf, shardings["step"].mesh)
+    opt_state = jax.jit(tx.init, out_shardings=shardings["opt_state"])(params)
+    return {"params": params, "opt_state": opt_state,
+            "step": jax.device_put(jnp.zeros((), jnp.int32), shardings["step"])}
+
+
+def export_hf(run_dir: str, out: str, step: int = -1,
+              dtype: Literal["float32", "bfloat16"] = "float32",
+              model_type: Literal["", "llama", "mistral", "qwen2", "qwen3"] = "",
+              max_shard_gb: float = 5.0) -> list[str]:
+    """Write a run's checkpoint as a HuggingFace folder (config.json, safetensors, tokenizer).
+
+    Args:
+        run_dir: The run directory: its config.json and checkpoints/.
+        out: The folder to create (new or empty).
+        step: The checkpoint to export; -1 = the latest.
+        dtype: Of the weights written (checkpoints hold float32).
+        model_type: The family; "" = the source's, else by knob: qwen3, qwen2 or llama.
+        max_shard_gb: The largest safetensors file.
+    """
+    path = os.path.join(run_dir, "config.json")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"--run-dir {run_dir}: no config.json, so not a run directory.")
+    with open(path) as f:
+        saved = json.load(f)
+    try:
+        cfg = Config(model=ModelConfig(**saved["model"]), train=TrainConfig(**saved["train"]),
+                     data=DataConfig(**saved["data"]), run_dir=run_dir)
+    except (KeyError, TypeError) as e:
+        raise ConfigError(f"{path} is not a run config this train_dense.py reads ({e}).")
+    n = len(jax.devices())  # fsdp over every local device: each holds 1/n of the state
+    mesh = make_mesh(MeshConfig(fsdp=n if cfg.model.d_model % n == 0 else 1),
+                     jax.devices()[:n if cfg.model.d_model % n == 0 else 1])
+    tx = make_optimizer(cfg.train)
+    with Checkpointer(run_dir, CheckpointConfig(restore_step=step)) as ckpt:
+        at = ckpt.resume_step()
+        if at is None:
+            raise CheckpointError(f"--run-dir {run_dir} has no checkpoint to export.")
+        params = ckpt.restore(at, abstract_state(cfg, tx, state_shardings(cfg, mesh, tx)))
+        params = params["params"]
+    src = saved.get("init_from_hf") or ""
+    try:
+        tokenizer = None if src else load_dataset(cfg.data).tokenizer_path
+    except (FileNotFoundError, ValueError, OSError):  # data gone: export without a tokenizer
+        tokenizer = None
+    base, tokenizer_dir = hf.export_extras(src, tokenizer)
+    files = save_hf(params, cfg.model, out, model_type=model_type, base_config=base,
+                    dtype=dtype, max_shard_bytes=int(max_shard_gb * 2**30))
+    if tokenizer_dir:
+        files += hf.copy_tokenizer(tokenizer_dir, out)
+    size = sum(os.path.getsize(os.path.join(out, f)) for f in files)
+    print(f"export-hf: step {at} of {run_dir} -> {out} ({len(files)} files, {size / 1e9:.2f} GB, "
+          f"{dtype}): {', '.join(files)}", flush=True)
+    return files
+
+
 def cli(args=None) -> Config:
     import tyro
-    return tyro.extras.overridable_config_cli(PRESETS, args=args)
+    cfg = tyro.extras.overridable_config_cli(PRESETS, args=args)
+    if cfg.init_from_hf:
+        refuse_shape_flags(sys.argv[1:] if args is None else args)
+    return cfg
 
 
 if __name__ == "__main__":
     try:
-        main(cli())
+        if sys.argv[1:2] == ["export-hf"]:  # python train_dense.py export-hf --run-dir R --out O
+            import tyro
+            tyro.cli(export_hf, args=sys.argv[2:], prog="train_dense.py export-hf")
+        else:
+            main(cli())
     except (ConfigError, MeshError, ConfigConflictError, CheckpointError, FileNotFoundError,
-            DataError, multislice.DistributedInitError) as e:
+            DataError, multislice.DistributedInitError, hf.HFError) as e:
         # Bad input: a one-paragraph reason and the fix, not a traceback.
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

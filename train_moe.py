@@ -6,11 +6,11 @@
 
 Sections, in reading order: 1 config and presets, 2 parameters and their shardings, 3 model
 (attention, router, dispatch to the experts, grouped matmul), 4 loss and train step, 5 FLOPs
-and MFU, 6 main. Shapes are suffixed on tensor names: B batch, T sequence, D model width,
-N query heads, K key/value heads, H head width, V vocabulary, L layers, E experts, F expert
-MLP width, R experts chosen per token (top-k), A = tokens x R assignments, M rows of a
-grouped matmul, G groups, X experts held by one device, P devices on the expert axis,
-C expert capacity.
+and MFU, 6 main, 7 HuggingFace in and out (Mixtral, Qwen3-MoE). Shapes are suffixed on tensor
+names: B batch, T sequence, D model width, N query heads, K key/value heads, H head width,
+V vocabulary, L layers, E experts, F expert MLP width, R experts chosen per token (top-k),
+A = tokens x R assignments, M rows of a grouped matmul, G groups, X experts held by one
+device, P devices on the expert axis, C expert capacity.
 
 The MoE block, per layer (Switch Transformer, Mixtral, Qwen3-MoE):
 
@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import json
 import os
 import sys
 import time
@@ -49,7 +50,7 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from common import multislice, observe
+from common import hf, multislice, observe
 from common.checkpoint import (CheckpointConfig, CheckpointError, Checkpointer,
                                ConfigConflictError, PreemptionGuard, check_run_config)
 from common.data import DataConfig, get_batch, load_dataset
@@ -134,6 +135,7 @@ class Config:
     bench: int = 0                # time this many steps on synthetic tokens, print, exit
     bench_twin: bool = True       # --bench also times the dense twin (same active parameters)
     quiet: bool = False           # no progress lines; steps, evals and the summary still print
+    init_from_hf: str = ""        # HuggingFace folder: start from its weights and config.json
 
 
 def _big(model: ModelConfig, run: str, seq_len: int = 4096) -> Config:
@@ -973,6 +975,7 @@ def bench(cfg: Config, mesh, tx) -> dict:
 
 
 def main(cfg: Config) -> dict:
+    cfg = with_hf_model(cfg)
     multislice.initialize()
     multislice.enable_compilation_cache()
     observe.configure(quiet=cfg.quiet)
@@ -998,6 +1001,9 @@ def _train(cfg: Config, mesh, tx) -> dict:
     t_start = time.perf_counter()
     tc, mc = cfg.train, cfg.model
     ds = load_dataset(cfg.data)
+    if cfg.init_from_hf and (note := hf.check_tokenizer(
+            cfg.init_from_hf, ds.tokenizer_path, f"--data.path {cfg.data.path!r}")):
+        log(note)
     if ds.vocab_size > mc.vocab_size:
         raise ConfigError(f"the tokenizer has {ds.vocab_size} tokens but --model.vocab-size is "
                           f"{mc.vocab_size}; set --model.vocab-size {ds.vocab_size} or larger.")
@@ -1018,7 +1024,8 @@ def _train_loop(cfg: Config, mesh, tx, ds, ckpt: Checkpointer, metrics_log: obse
     shardings = state_shardings(cfg, mesh, tx)
     start = ckpt.resume_step()
     if start is None:
-        state, start = init_state(cfg, tx, shardings), 0
+        state, start = (init_state_from_hf(cfg, tx, shardings) if cfg.init_from_hf else
+                        init_state(cfg, tx, shardings)), 0
     else:
         state = ckpt.restore(start, abstract_state(cfg, tx, shardings))
         log(f"resumed from step {start} ({cfg.run_dir}/checkpoints/{start})")
@@ -1158,15 +1165,298 @@ def _print_summary(cfg: Config, s: dict, metrics_log, profiler, fpt: float, peak
     ] + observe.where_rows(cfg.run_dir, metrics_log, profiler))
 
 
+# ----------------------------------------------------------------------------------------------
+# 7. HuggingFace in and out
+# ----------------------------------------------------------------------------------------------
+
+# As in train_dense.py: HF rotates the two halves of each head, as `apply_rope` does, so no
+# weight is permuted. The experts are stored one tensor per expert and per layer.
+HF_ARCHITECTURES = {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+# What transformers assumes for a key that config.json leaves out (its config classes).
+_HF_DEFAULTS = {
+    "mixtral": dict(rms_norm_eps=1e-5, max_position_embeddings=131072, num_key_value_heads=8,
+                    rope_theta=1_000_000.0, num_local_experts=8, num_experts_per_tok=2),
+    "qwen3_moe": dict(rms_norm_eps=1e-6, max_position_embeddings=32768, num_key_value_heads=4,
+                      rope_theta=10_000.0, num_experts=128, num_experts_per_tok=8,
+                      moe_intermediate_size=768, norm_topk_prob=False),
+}
+
+
+def hf_mapping(cfg: ModelConfig, model_type: str) -> dict:
+    """Our parameter tree, each leaf as (HuggingFace tensor name, layout): see common/hf.py.
+    Atoms: l layers, e experts, d model, n query heads, k key/value heads, h head width,
+    f expert MLP width, v vocabulary. Mixtral calls the gate/up/down projections w1/w3/w2."""
+    lay = "model.layers.{l}."
+    if model_type == "mixtral":
+        moe, gate, up, down = lay + "block_sparse_moe.", "w1", "w3", "w2"
+    else:
+        moe, gate, up, down = lay + "mlp.", "gate_proj", "up_proj", "down_proj"
+    expert = moe + "experts.{e}."
+    layers = {
+        "attn_norm": (lay + "input_layernorm.weight", "d -> l d"),
+        "wq": (lay + "self_attn.q_proj.weight", "(n h) d -> l d n h"),
+        "wk": (lay + "self_attn.k_proj.weight", "(k h) d -> l d k h"),
+        "wv": (lay + "self_attn.v_proj.weight", "(k h) d -> l d k h"),
+        "wo": (lay + "self_attn.o_proj.weight", "d (n h) -> l n h d"),
+        "mlp_norm": (lay + "post_attention_layernorm.weight", "d -> l d"),
+        "w_router": (moe + "gate.weight", "e d -> l d e"),
+        "w_gate": (expert + gate + ".weight", "f d -> l e d f"),
+        "w_up": (expert + up + ".weight", "f d -> l e d f"),
+        "w_down": (expert + down + ".weight", "d f -> l e f d"),
+    }
+    if cfg.qk_norm:
+        layers |= {"q_norm": (lay + "self_attn.q_norm.weight", "h -> l h"),
+                   "k_norm": (lay + "self_attn.k_norm.weight", "h -> l h")}
+    tree = {"embed": ("model.embed_tokens.weight", "v d -> v d"), "layers": layers,
+            "final_norm": ("model.norm.weight", "d -> d")}
+    if not cfg.tie_embeddings:
+        tree["unembed"] = ("lm_head.weight", "v d -> d v")
+    return tree
+
+
+def _hf_sizes(cfg: ModelConfig) -> dict:
+    return dict(l=cfg.n_layers, e=cfg.n_experts, d=cfg.d_model, n=cfg.n_heads,
+                k=cfg.n_kv_heads, h=cfg.head_dim, f=cfg.d_ff, v=cfg.vocab_size)
+
+
+def config_from_hf(c: dict, where: str = "config.json") -> ModelConfig:
+    """Our ModelConfig from a HuggingFace config.json (as a dict). Anything that would change
+    what the model computes and that we do not implement is an error, never ignored."""
+    mt = c.get("model_type")
+    if mt not in HF_ARCHITECTURES:
+        raise hf.HFError(f"{where}: model_type {mt!r} is not a mixture-of-experts family that "
+                         f"train_moe.py loads ({', '.join(HF_ARCHITECTURES)}); dense models "
+                         "(llama, mistral, qwen2, qwen3) belong to train_dense.py.")
+    # transformers 5 writes Qwen3-MoE's expert count as num_local_experts, 4.x as num_experts.
+    n_experts = c.get("num_experts", c.get("num_local_experts")) if mt == "qwen3_moe" else \
+        c.get("num_local_experts")
+    c = _HF_DEFAULTS[mt] | c
+
+    def unsupported(what: str):
+        return hf.HFError(f"{where}: {what} is not implemented by train_moe.py, so this {mt} "
+                          "model cannot be loaded faithfully.")
+
+    for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                "intermediate_size" if mt == "mixtral" else "moe_intermediate_size"):
+        if key not in c:
+            raise hf.HFError(f"{where} has no {key!r}; it is not a complete {mt} config.")
+    if c.get("hidden_act", "silu") != "silu":
+        raise unsupported(f"hidden_act {c['hidden_act']!r} (only silu)")
+    if c.get("attention_bias"):
+        raise unsupported("attention_bias (biases on the attention projections)")
+    if c.get("mlp_only_layers") or c.get("decoder_sparse_step", 1) != 1:
+        raise unsupported("dense MLP layers between the MoE layers (mlp_only_layers, "
+                          "decoder_sparse_step)")
+    if c.get("partial_rotary_factor", 1.0) != 1.0:
+        raise unsupported(f"partial_rotary_factor {c['partial_rotary_factor']}")
+    theta, kind, _ = hf.rope_parameters(c, c["rope_theta"], where)
+    if kind != "default":
+        raise unsupported(f"rope type {kind!r} (only the default)")
+    # A sliding window of W tokens changes nothing on sequences of at most W tokens.
+    window = (c.get("sliding_window") if mt == "mixtral" or c.get("use_sliding_window")
+              else None)
+    max_len = c["max_position_embeddings"] if window is None else min(
+        c["max_position_embeddings"], window)
+    n_heads = c["num_attention_heads"]
+    return ModelConfig(
+        vocab_size=c["vocab_size"], d_model=c["hidden_size"], n_layers=c["num_hidden_layers"],
+        n_heads=n_heads, n_kv_heads=c.get("num_key_value_heads") or n_heads,
+        head_dim=c.get("head_dim") or c["hidden_size"] // n_heads,
+        n_experts=n_experts or c.get("num_experts") or c["num_local_experts"],
+        top_k=c["num_experts_per_tok"],
+        d_ff=c["intermediate_size"] if mt == "mixtral" else c["moe_intermediate_size"],
+        norm_topk=True if mt == "mixtral" else bool(c["norm_topk_prob"]),
+        max_seq_len=max_len, rope_theta=theta, norm_eps=float(c["rms_norm_eps"]),
+        tie_embeddings=bool(c.get("tie_word_embeddings", False)), qk_norm=mt == "qwen3_moe")
+
+
+def _model_type(cfg: ModelConfig, model_type: str) -> str:
+    mt = model_type or ("qwen3_moe" if cfg.qk_norm else "mixtral")
+    if mt not in HF_ARCHITECTURES:
+        raise hf.HFError(f"model_type {mt!r}: choose one of {', '.join(HF_ARCHITECTURES)}.")
+    if cfg.qk_norm != (mt == "qwen3_moe") or (mt == "mixtral" and not cfg.norm_topk):
+        raise hf.HFError(f"model_type {mt!r} does not fit this model (qk_norm={cfg.qk_norm}, "
+                         f"norm_topk={cfg.norm_topk}): q/k norms are qwen3_moe's, and "
+                         "mixtral always renormalises its top-k weights.")
+    return mt
+
+
+def config_to_hf(cfg: ModelConfig, model_type: str = "", dtype: str = "float32") -> dict:
+    """A config.json for `cfg` that transformers 4.4x and 5.x both read."""
+    mt = _model_type(cfg, model_type)
+    c = dict(architectures=[HF_ARCHITECTURES[mt]], model_type=mt, vocab_size=cfg.vocab_size,
+             hidden_size=cfg.d_model, num_hidden_layers=cfg.n_layers,
+             num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_kv_heads,
+             head_dim=cfg.head_dim, hidden_act="silu", max_position_embeddings=cfg.max_seq_len,
+             rms_norm_eps=cfg.norm_eps, tie_word_embeddings=cfg.tie_embeddings,
+             rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
+             rope_theta=cfg.rope_theta, rope_scaling=None, sliding_window=None,
+             num_experts_per_tok=cfg.top_k, num_local_experts=cfg.n_experts,
+             attention_dropout=0.0, initializer_range=0.02, use_cache=True, dtype=dtype,
+             torch_dtype=dtype)
+    if mt == "mixtral":
+        c |= dict(intermediate_size=cfg.d_ff, router_jitter_noise=0.0)
+    else:  # intermediate_size is the width of dense layers, which this model has none of
+        c |= dict(num_experts=cfg.n_experts, moe_intermediate_size=cfg.d_ff,
+                  intermediate_size=cfg.d_ff, norm_topk_prob=cfg.norm_topk,
+                  decoder_sparse_step=1, mlp_only_layers=[], use_sliding_window=False,
+                  attention_bias=False)
+    return c
+
+
+def _flat_table(cfg: ModelConfig) -> dict:
+    table = _param_table(cfg)
+    return {k: v for k, v in table.items() if k != "layers"} | {
+        f"layers/{k}": v for k, v in table["layers"].items()}
+
+
+def load_hf(path: str, mesh=None) -> tuple[ModelConfig, dict]:
+    """A HuggingFace folder (config.json and safetensors, one file or sharded with an index)
+    as our ModelConfig and float32 parameters, each placed with its `param_specs` sharding on
+    `mesh` (default: the first device), every device reading only its own experts' blocks."""
+    ckpt = hf.Checkpoint(path)
+    cfg = config_from_hf(ckpt.config, os.path.join(path, hf.CONFIG))
+    if mesh is None:
+        mesh = make_mesh(MeshConfig(fsdp=1), jax.devices()[:1])
+    for name, (shape, spec, _) in _flat_table(cfg).items():
+        for n, axes in zip(shape, spec):
+            ways = math.prod(mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else
+                                                     axes or ()))
+            if n % ways:
+                raise ConfigError(f"{path}: {name} has a dimension of {n}, which the mesh "
+                                  f"({describe(mesh)}) splits {ways} ways; choose mesh sizes "
+                                  "that divide the model's.")
+    mt = ckpt.config["model_type"]
+    ignore = lambda n: (cfg.tie_embeddings and n == "lm_head.weight") or n.endswith(
+        "rotary_emb.inv_freq")
+    params = hf.load(ckpt, hf_mapping(cfg, mt), _hf_sizes(cfg),
+                     named(mesh, param_specs(cfg)), what=f"{mt} model of this config",
+                     ignore=ignore)
+    return cfg, params
+
+
+def save_hf(params: dict, cfg: ModelConfig, path: str, *, model_type: str = "",
+            base_config: dict | None = None, dtype: str = "float32",
+            max_shard_bytes: int = 5 * 2**30) -> list[str]:
+    """Write `params` as a HuggingFace folder that transformers (and vLLM) load: config.json
+    and safetensors shards of at most `max_shard_bytes` with their index. `base_config` (the
+    config.json the run started from) keeps its other keys. Returns the files written."""
+    base = dict(base_config or {})
+    mt = _model_type(cfg, model_type or base.get("model_type", ""))
+    for key in ("layer_types", "quantization_config", "transformers_version", "rope_scaling",
+                "rope_parameters"):
+        base.pop(key, None)
+    return hf.save(path, params, hf_mapping(cfg, mt), _hf_sizes(cfg),
+                   base | config_to_hf(cfg, mt, dtype), dtype=dtype,
+                   max_shard_bytes=max_shard_bytes)
+
+
+# Starting a run from published weights (--init-from-hf), and exporting one (export-hf).
+
+# What --init-from-hf leaves to the flags: how to compute, and the capacity factor (HF's
+# models are dropless; capacity mode is a training-time approximation one may choose).
+_KEEP_FIELDS = tuple(sorted(k.split(".", 1)[1] for k in MAY_CHANGE if k.startswith("model.")
+                            )) + ("capacity_factor",)
+
+
+def with_hf_model(cfg: Config) -> Config:
+    """With --init-from-hf the model's shape comes from PATH/config.json; only how it computes
+    (--model.dtype, ... and --model.capacity-factor) stays the flags'."""
+    if not cfg.init_from_hf:
+        return cfg
+    shape = config_from_hf(hf.read_config(cfg.init_from_hf),
+                           os.path.join(cfg.init_from_hf, hf.CONFIG))
+    keep = {f: getattr(cfg.model, f) for f in _KEEP_FIELDS}
+    return dataclasses.replace(cfg, model=dataclasses.replace(shape, **keep))
+
+
+def refuse_shape_flags(args: list[str]) -> None:
+    """A --model.* flag that sets the shape contradicts --init-from-hf: say so, do not pick."""
+    for a in args:
+        name = a.split("=")[0]
+        field_name = name.removeprefix("--model.").replace("-", "_").removeprefix("no_")
+        if name.startswith("--model.") and field_name not in _KEEP_FIELDS:
+            allowed = ", ".join("--model." + f.replace("_", "-") for f in _KEEP_FIELDS)
+            raise ConfigError(f"{name} conflicts with --init-from-hf: the model's shape comes "
+                              f"from that folder's config.json. Drop the flag (only {allowed} "
+                              "may be set).")
+
+
+def init_state_from_hf(cfg: Config, tx, shardings) -> dict:
+    """Step 0 from published weights: parameters from --init-from-hf, a fresh optimiser."""
+    _, params = load_hf(cfg.init_from_hf, shardings["step"].mesh)
+    opt_state = jax.jit(tx.init, out_shardings=shardings["opt_state"])(params)
+    return {"params": params, "opt_state": opt_state,
+            "step": jax.device_put(jnp.zeros((), jnp.int32), shardings["step"])}
+
+
+def export_hf(run_dir: str, out: str, step: int = -1,
+              dtype: Literal["float32", "bfloat16"] = "float32",
+              model_type: Literal["", "mixtral", "qwen3_moe"] = "",
+              max_shard_gb: float = 5.0) -> list[str]:
+    """Write a run's checkpoint as a HuggingFace folder (config.json, safetensors, tokenizer).
+
+    Args:
+        run_dir: The run directory: its config.json and checkpoints/.
+        out: The folder to create (new or empty).
+        step: The checkpoint to export; -1 = the latest.
+        dtype: Of the weights written (checkpoints hold float32).
+        model_type: The family; "" = the source's, else qwen3_moe for q/k norm, or mixtral.
+        max_shard_gb: The largest safetensors file.
+    """
+    path = os.path.join(run_dir, "config.json")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"--run-dir {run_dir}: no config.json, so not a run directory.")
+    with open(path) as f:
+        saved = json.load(f)
+    try:
+        cfg = Config(model=ModelConfig(**saved["model"]), train=TrainConfig(**saved["train"]),
+                     data=DataConfig(**saved["data"]), run_dir=run_dir)
+    except (KeyError, TypeError) as e:
+        raise ConfigError(f"{path} is not a run config this train_moe.py reads ({e}).")
+    n = len(jax.devices())  # fsdp over every local device: each holds 1/n of the state
+    n = n if cfg.model.d_model % n == 0 else 1
+    mesh = make_mesh(MeshConfig(fsdp=n), jax.devices()[:n])
+    tx = make_optimizer(cfg.train)
+    with Checkpointer(run_dir, CheckpointConfig(restore_step=step)) as ckpt:
+        at = ckpt.resume_step()
+        if at is None:
+            raise CheckpointError(f"--run-dir {run_dir} has no checkpoint to export.")
+        params = ckpt.restore(at, abstract_state(cfg, tx, state_shardings(cfg, mesh, tx)))
+        params = params["params"]
+    src = saved.get("init_from_hf") or ""
+    try:
+        tokenizer = None if src else load_dataset(cfg.data).tokenizer_path
+    except (FileNotFoundError, ValueError, OSError):  # data gone: export without a tokenizer
+        tokenizer = None
+    base, tokenizer_dir = hf.export_extras(src, tokenizer)
+    files = save_hf(params, cfg.model, out, model_type=model_type, base_config=base,
+                    dtype=dtype, max_shard_bytes=int(max_shard_gb * 2**30))
+    if tokenizer_dir:
+        files += hf.copy_tokenizer(tokenizer_dir, out)
+    size = sum(os.path.getsize(os.path.join(out, f)) for f in files)
+    print(f"export-hf: step {at} of {run_dir} -> {out} ({len(files)} files, {size / 1e9:.2f} GB, "
+          f"{dtype}): {', '.join(files)}", flush=True)
+    return files
+
+
 def cli(args=None) -> Config:
     import tyro
-    return tyro.extras.overridable_config_cli(PRESETS, args=args)
+    cfg = tyro.extras.overridable_config_cli(PRESETS, args=args)
+    if cfg.init_from_hf:
+        refuse_shape_flags(sys.argv[1:] if args is None else args)
+    return cfg
 
 
 if __name__ == "__main__":
     try:
-        main(cli())
-    except (ConfigError, MeshError, ConfigConflictError, CheckpointError, FileNotFoundError) as e:
+        if sys.argv[1:2] == ["export-hf"]:  # python train_moe.py export-hf --run-dir R --out O
+            import tyro
+            tyro.cli(export_hf, args=sys.argv[2:], prog="train_moe.py export-hf")
+        else:
+            main(cli())
+    except (ConfigError, MeshError, ConfigConflictError, CheckpointError, FileNotFoundError,
+            hf.HFError) as e:
         # Bad input: a one-paragraph reason and the fix, not a traceback.
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -3,7 +3,8 @@
 
 A prepared data folder holds
 
-    tokenizer.model          sentencepiece model
+    tokenizer.model          sentencepiece model (or tokenizer.json + tokenizer_config.json:
+                             a HuggingFace tokenizer, with the optional `tokenizers` package)
     train.bin, eval.bin      every document's token ids followed by EOS, concatenated:
                              a flat little-endian uint16 array (uint32 when vocab > 65536)
     train.json, eval.json    sidecars: tokenizer, vocab_size, dtype, num_tokens, num_documents,
@@ -108,8 +109,8 @@ class Dataset:
     tokenizer_path: str
 
     @functools.cached_property
-    def _sp(self) -> spm.SentencePieceProcessor:
-        return spm.SentencePieceProcessor(model_file=self.tokenizer_path)
+    def _sp(self):
+        return open_tokenizer(self.tokenizer_path)
 
     @property
     def eos_id(self) -> int:
@@ -200,6 +201,61 @@ def get_batch(tokens: np.ndarray | Packed, *, seed: int, step: int, batch_size: 
 # Loading
 
 
+class HFTokenizer:
+    """A HuggingFace tokenizer.json (Llama 3, Qwen: no sentencepiece model shipped), through
+    the optional `tokenizers` package, behind the sentencepiece calls this module makes. Its
+    special tokens are named in the tokenizer_config.json beside it. Text is encoded without
+    added specials, as sentencepiece encodes it: documents are separated by EOS only."""
+
+    def __init__(self, path: str):
+        try:
+            import tokenizers
+        except ImportError:
+            raise ValueError("a HuggingFace tokenizer.json needs the `tokenizers` package: "
+                             "pip install -e '.[hf]'") from None
+        try:
+            self._tok = tokenizers.Tokenizer.from_file(path)
+        except Exception as e:  # the Rust side raises a bare Exception
+            raise ValueError(f"not a HuggingFace tokenizer.json ({e})") from None
+        special = {}
+        config = os.path.join(os.path.dirname(path), "tokenizer_config.json")
+        if os.path.isfile(config):
+            with open(config) as f:
+                special = json.load(f)
+
+        def token_id(key: str) -> int:
+            t = special.get(key)
+            t = t.get("content") if isinstance(t, dict) else t
+            i = self._tok.token_to_id(t) if t else None
+            return -1 if i is None else i
+
+        self._eos, self._bos = token_id("eos_token"), token_id("bos_token")
+
+    def get_piece_size(self) -> int:
+        return self._tok.get_vocab_size()
+
+    def eos_id(self) -> int:
+        return self._eos
+
+    def bos_id(self) -> int:
+        return self._bos
+
+    def encode(self, text, num_threads: int | None = None):
+        if isinstance(text, str):
+            return self._tok.encode(text, add_special_tokens=False).ids
+        return [e.ids for e in self._tok.encode_batch(text, add_special_tokens=False)]
+
+    def decode(self, ids) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=False)
+
+
+def open_tokenizer(path: str):
+    """The tokenizer at `path`: sentencepiece, or a HuggingFace tokenizer.json."""
+    if path.endswith(".json"):
+        return HFTokenizer(path)
+    return spm.SentencePieceProcessor(model_file=path)
+
+
 def load_dataset(cfg: DataConfig, seq_len: int | None = None) -> Dataset:
     """The data of `cfg`; `seq_len` is needed only to pack SFT rows (--data.format sft)."""
     if cfg.format == "sft":
@@ -229,7 +285,11 @@ def _missing(path: str, what: str) -> FileNotFoundError:
 def _load_prepared(path: str) -> Dataset:
     if not os.path.isdir(path):
         raise _missing(path, "no such folder")
-    for name in PREPARED_FILES:
+    tokenizer = PREPARED_FILES[0]  # or the tokenizer.json that the sidecar names
+    if os.path.isfile(os.path.join(path, "train.json")):
+        with open(os.path.join(path, "train.json")) as f:
+            tokenizer = json.load(f).get("tokenizer", tokenizer)
+    for name in (tokenizer,) + PREPARED_FILES[1:]:
         if not os.path.isfile(os.path.join(path, name)):
             raise _missing(path, f"{name} is missing, so this is not a prepared data folder")
     metas, splits = {}, {}
@@ -238,7 +298,7 @@ def _load_prepared(path: str) -> Dataset:
             metas[split] = json.load(f)
         splits[split] = _map_tokens(os.path.join(path, f"{split}.bin"), metas[split])
     tokenizer_path = os.path.join(path, metas["train"]["tokenizer"])
-    vocab_size = spm.SentencePieceProcessor(model_file=tokenizer_path).get_piece_size()
+    vocab_size = open_tokenizer(tokenizer_path).get_piece_size()
     # Token files from one tokenizer read with another would train without complaint on
     # garbage; the sidecars make the mismatch visible.
     for split, meta in metas.items():
@@ -355,7 +415,8 @@ def prepare(inputs: list[str], out: str, *, tokenizer: str = "", vocab_size: int
         raise ValueError(f"--eval-fraction {eval_fraction}: must be strictly between 0 and 1")
     if tokenizer and not os.path.isfile(tokenizer):
         raise FileNotFoundError(f"--tokenizer {tokenizer!r}: no such file; give a "
-                                f"sentencepiece .model file, or leave it out to train one")
+                                f"sentencepiece .model file or a HuggingFace tokenizer.json, "
+                                f"or leave it out to train one")
     _check_out_is_free(out)
     files = _expand_inputs(inputs)
     parent = os.path.dirname(os.path.abspath(out))
@@ -459,20 +520,27 @@ def _write_prepared(folder: str, documents: Callable[[], Iterator[str]], *, labe
         raise ValueError(f"no text found in the {label}: files must be UTF-8 "
                          f"{'/'.join(TEXT_SUFFIXES)} or JSON Lines "
                          f"{'/'.join(JSONL_SUFFIXES)} with the text in --jsonl-field")
-    model_path = os.path.join(folder, "tokenizer.model")
+    name = "tokenizer.json" if tokenizer.endswith(".json") else "tokenizer.model"
+    model_path = os.path.join(folder, name)
     if tokenizer:
         shutil.copyfile(tokenizer, model_path)
+        beside = os.path.join(os.path.dirname(tokenizer), "tokenizer_config.json")
+        if name == "tokenizer.json" and os.path.isfile(beside):  # names its special tokens
+            shutil.copyfile(beside, os.path.join(folder, "tokenizer_config.json"))
     else:
         mb = sum(len(c) for c in sample.chunks) / 1e6
         with progress(f"data: training tokenizer on {mb:.1f} MB of {label}"):
             _train_tokenizer(sample.chunks, model_path, vocab_size)
     try:
-        sp = spm.SentencePieceProcessor(model_file=model_path)
+        sp = open_tokenizer(model_path)
     except (OSError, RuntimeError) as e:
         raise ValueError(f"--tokenizer {tokenizer!r} is not a sentencepiece model ({e})") from None
+    except ValueError as e:
+        raise ValueError(f"--tokenizer {tokenizer!r}: {e}") from None
     if sp.eos_id() < 0:
         raise ValueError(f"--tokenizer {tokenizer!r} defines no EOS piece, which separates "
-                         f"documents; use a model trained with eos_id >= 0")
+                         f"documents; use a model trained with eos_id >= 0 (a tokenizer.json "
+                         f"needs a tokenizer_config.json beside it that names eos_token)")
     vocab = sp.get_piece_size()
     if not tokenizer and vocab < vocab_size:
         print(f"data: the text supports only {vocab} pieces, so the vocabulary is {vocab}, "
@@ -506,7 +574,7 @@ def _write_prepared(folder: str, documents: Callable[[], Iterator[str]], *, labe
                     counts[split][1] += 1
             p.update(len(texts))
     for split, (n_tokens, n_docs) in counts.items():
-        meta = {"tokenizer": "tokenizer.model", "vocab_size": vocab, "dtype": dtype.name,
+        meta = {"tokenizer": name, "vocab_size": vocab, "dtype": dtype.name,
                 "num_tokens": n_tokens, "num_documents": n_docs, "eos_id": sp.eos_id(),
                 "bos_id": sp.bos_id()}
         with open(os.path.join(folder, f"{split}.json"), "w") as f:
@@ -941,8 +1009,8 @@ def load_sft(cfg: DataConfig, seq_len: int) -> SFTDataset:
         raise FileNotFoundError(f"--data.tokenizer {tok!r}: no such file; give a sentencepiece "
                                 f".model, or leave it empty for the embedded corpus's")
     try:
-        sp = spm.SentencePieceProcessor(model_file=tok)
-    except (OSError, RuntimeError) as e:
+        sp = open_tokenizer(tok)
+    except (OSError, RuntimeError, ValueError) as e:
         raise DataError(f"--data.tokenizer {tok!r} is not a sentencepiece model ({e})") from None
     train = read_sft_jsonl(cfg.path)
     if cfg.eval_path:
@@ -1002,10 +1070,12 @@ def _prepare_cli(
     except (FileNotFoundError, ValueError) as e:
         raise SystemExit(f"error: {e}") from None
     print(f"wrote {out}:")
-    for name in PREPARED_FILES:
+    tokenizer_files = [n for n in ("tokenizer.model", "tokenizer.json", "tokenizer_config.json")
+                       if os.path.isfile(os.path.join(out, n))]
+    for name in tokenizer_files + list(PREPARED_FILES[1:]):
         path = os.path.join(out, name)
-        line = f"  {name:16s} {os.path.getsize(path) / 1e6:10.2f} MB"
-        if name.endswith(".json"):
+        line = f"  {name:21s} {os.path.getsize(path) / 1e6:10.2f} MB"
+        if name in ("train.json", "eval.json"):
             with open(path) as f:
                 meta = json.load(f)
             line += (f"  {meta['num_tokens']:,} {meta['dtype']} tokens, "

@@ -1,0 +1,133 @@
+"""Make the tiny HuggingFace checkpoints that tests/test_hf.py and tests/test_hf_moe.py check
+our loaders against.
+
+    pip install torch transformers          # the `parity` extra; only this script needs them
+    python tests/make_hf_fixtures.py        # rewrites tests/fixtures/hf/
+
+For each family a tiny random model is built with `transformers`, given weights far from
+its default initialisation (norm gains and biases away from 1 and 0, matrices large enough
+that the logits spread over several units), saved in bfloat16 as `save_pretrained` writes
+it, read back in float32, and run on fixed tokens. The folder keeps the checkpoint and
+`expected.npz` (tokens, float32 logits), so CI checks parity without torch.
+
+Each family turns on what its published models use and what is easy to get wrong: GQA and
+MQA, head counts that are not powers of two, a head width that is not d_model / heads,
+Llama 3.1 rope scaling with every frequency band in play (a low rope_theta makes the
+rescaled bands matter within 16 positions), tied embeddings, Qwen2's q/k/v biases, Qwen3's
+q/k norms, Mistral's sliding window, top-k weights renormalised or not (Mixtral, Qwen3-MoE),
+and checkpoints split into several shards with an index.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+
+import numpy as np
+import torch
+import transformers
+
+OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "hf")
+TOKENS_SHAPE = (2, 16)
+
+_LLAMA3_ROPE = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                    original_max_position_embeddings=64)
+
+# name -> (model_type, config kwargs, max shard size or None for a single file)
+FAMILIES = {
+    "llama2": ("llama", dict(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, rms_norm_eps=1e-5, rope_theta=10000.0,
+        max_position_embeddings=64), None),
+    "llama3.1": ("llama", dict(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=12, rms_norm_eps=1e-5,
+        rope_theta=100.0, rope_scaling=_LLAMA3_ROPE, max_position_embeddings=128), "16KB"),
+    "llama3.2": ("llama", dict(
+        vocab_size=64, hidden_size=36, intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=6, num_key_value_heads=2, rms_norm_eps=1e-5,
+        rope_theta=300.0, rope_scaling=_LLAMA3_ROPE, tie_word_embeddings=True,
+        max_position_embeddings=128), None),
+    "mistral": ("mistral", dict(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=1, rms_norm_eps=1e-5, rope_theta=1000.0,
+        sliding_window=48, max_position_embeddings=64), None),
+    "qwen2": ("qwen2", dict(
+        vocab_size=64, hidden_size=24, intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=6, num_key_value_heads=2, rms_norm_eps=1e-6, rope_theta=10000.0,
+        tie_word_embeddings=True, max_position_embeddings=64), None),
+    "qwen3": ("qwen3", dict(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=12, rms_norm_eps=1e-6,
+        rope_theta=1000.0, tie_word_embeddings=False, max_position_embeddings=64), "16KB"),
+    # Mixture of experts (train_moe.py). Mixtral always renormalises its top-k weights;
+    # this Qwen3-MoE does not (norm_topk_prob false) and picks 3 of 4.
+    "mixtral": ("mixtral", dict(
+        vocab_size=64, hidden_size=32, intermediate_size=16, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+        num_experts_per_tok=2, rms_norm_eps=1e-5, rope_theta=10000.0,
+        max_position_embeddings=64), None),
+    "qwen3_moe": ("qwen3_moe", dict(
+        vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=12,
+        num_experts=4, num_experts_per_tok=3, norm_topk_prob=False, rms_norm_eps=1e-6,
+        rope_theta=1000.0, max_position_embeddings=64), "16KB"),
+}
+
+
+def randomize(model: torch.nn.Module, seed: int) -> None:
+    """Weights whose every entry matters to the logits: unit-scale activations, gains near
+    but not at 1, biases away from 0."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters()):
+            noise = torch.randn(p.shape, generator=g, dtype=torch.float32)
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.3 * noise)
+            elif name.endswith(".bias"):
+                p.copy_(0.5 * noise)
+            elif name.endswith("embed_tokens.weight"):
+                p.copy_(noise)
+            else:  # [..., out, in] (a Linear, or stacked experts): unit-variance outputs
+                p.copy_(noise / p.shape[-1] ** 0.5)
+
+
+def make(name: str, model_type: str, kwargs: dict, shard: str | None, seed: int) -> dict:
+    folder = os.path.join(OUT, name)
+    shutil.rmtree(folder, ignore_errors=True)
+    cfg = transformers.AutoConfig.for_model(model_type, **kwargs)
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    randomize(model, seed)
+    model.to(torch.bfloat16).save_pretrained(folder, max_shard_size=shard or "50GB")
+    # The reference is the saved bfloat16 weights, read back and run in float32.
+    ref = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32,
+                                                            attn_implementation="eager")
+    tokens = np.random.default_rng(seed).integers(0, kwargs["vocab_size"], TOKENS_SHAPE)
+    with torch.no_grad():
+        logits = ref(torch.from_numpy(tokens)).logits.float().numpy()
+    np.savez(os.path.join(folder, "expected.npz"), tokens=tokens.astype(np.int32),
+             logits=logits.astype(np.float32))
+    files = sorted(os.listdir(folder))
+    size = sum(os.path.getsize(os.path.join(folder, f)) for f in files)
+    return {"files": files, "bytes": size, "logit_absmax": float(np.abs(logits).max())}
+
+
+def main() -> None:
+    os.makedirs(OUT, exist_ok=True)
+    report = {"transformers": transformers.__version__, "torch": torch.__version__,
+              "families": {}}
+    for i, (name, (model_type, kwargs, shard)) in enumerate(FAMILIES.items()):
+        report["families"][name] = make(name, model_type, kwargs, shard, seed=i)
+        print(f"{name:10s} {report['families'][name]}")
+    with open(os.path.join(OUT, "MANIFEST.json"), "w") as f:
+        json.dump(report, f, indent=1, sort_keys=True)
+        f.write("\n")
+    total = sum(r["bytes"] for r in report["families"].values())
+    print(f"total {total / 1e3:.0f} KB in {OUT}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

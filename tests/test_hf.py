@@ -1,0 +1,422 @@
+"""HuggingFace in and out: logits against transformers, round trips, sharded loads, bad folders.
+
+The fixtures (tests/fixtures/hf/, made by tests/make_hf_fixtures.py) are tiny random models
+saved by transformers with their float32 logits on fixed tokens, so these tests need no torch.
+Where transformers is installed (the `parity` extra), the live tests also run it.
+"""
+import dataclasses
+import json
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import train_dense as td
+from common import hf
+from common.data import DataConfig, batch_rows, load_dataset, prepare
+from common.mesh import MeshConfig, make_mesh
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FIXTURES = os.path.join(ROOT, "tests", "fixtures", "hf")
+FAMILIES = ["llama2", "llama3.1", "llama3.2", "mistral", "qwen2", "qwen3"]
+TOL = 1e-4  # float32, on logits that reach 3 to 50 in these fixtures
+# Bookkeeping in a config.json, not the model: left out of the key-by-key comparison.
+BOOKKEEPING = {"transformers_version", "dtype", "torch_dtype", "bos_token_id", "eos_token_id",
+               "pad_token_id", "use_cache", "initializer_range", "attention_dropout",
+               "max_window_layers"}
+
+
+def fixture(name):
+    return os.path.join(FIXTURES, name)
+
+
+def expected(name):
+    e = np.load(os.path.join(fixture(name), "expected.npz"))
+    return e["tokens"], e["logits"]
+
+
+def logits(params, cfg, tokens, mesh=None):
+    if mesh is None:
+        return np.asarray(jax.jit(td.forward, static_argnums=2)(params, tokens, cfg))
+    with jax.set_mesh(mesh):
+        tokens = jax.device_put(tokens, NamedSharding(mesh, P(("data", "fsdp"), None)))
+        return np.asarray(jax.jit(td.forward, static_argnums=2)(params, tokens, cfg))
+
+
+def max_diff(a, b):
+    return float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
+
+
+def host(params):
+    return jax.tree.map(np.asarray, jax.device_get(params))
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    return {name: td.load_hf(fixture(name)) for name in FAMILIES}
+
+
+# ----------------------------------------------------------------------------------------------
+# Parity with transformers
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_logits_match_transformers(name, loaded):
+    cfg, params = loaded[name]
+    tokens, want = expected(name)
+    diff = max_diff(logits(params, cfg, tokens), want)
+    print(f"{name}: max |logit difference| {diff:.2e}")
+    assert diff < TOL
+
+
+def test_config_mapping(loaded):
+    """The knobs each fixture turns on arrive in our config (the parity above needs them)."""
+    c = {name: loaded[name][0] for name in FAMILIES}
+    assert c["llama3.1"].rope_scaling == 8.0 and c["llama3.1"].rope_original_max_len == 64
+    assert c["llama3.1"].head_dim == 12 != c["llama3.1"].d_model // c["llama3.1"].n_heads
+    assert c["llama3.2"].tie_embeddings and "unembed" not in loaded["llama3.2"][1]
+    assert c["mistral"].n_kv_heads == 1 and c["mistral"].max_seq_len == 48  # sliding window
+    assert c["qwen2"].qkv_bias and c["qwen2"].tie_embeddings and c["qwen2"].norm_eps == 1e-6
+    assert c["qwen3"].qk_norm and not c["qwen3"].qkv_bias
+    assert c["llama2"].n_kv_heads == c["llama2"].n_heads == 4
+
+
+def test_parity_catches_rope_mistakes(loaded):
+    """The tolerance is tight enough to see the mistakes a converter makes: dropping Llama
+    3.1's frequency rescaling, or rotating interleaved pairs (Meta's layout) where HF rotates
+    halves, which needs a permutation of q_proj/k_proj rows that we rightly do not apply."""
+    cfg, params = loaded["llama3.1"]
+    tokens, want = expected("llama3.1")
+    assert max_diff(logits(params, dataclasses.replace(cfg, rope_scaling=0.0), tokens),
+                    want) > 1e-2
+    H = cfg.head_dim
+    interleave = np.concatenate([np.arange(0, H, 2), np.arange(1, H, 2)])
+    layers = dict(params["layers"])
+    for w in ("wq", "wk"):
+        layers[w] = np.asarray(layers[w])[..., interleave]
+    assert max_diff(logits(params | {"layers": layers}, cfg, tokens), want) > 1e-2
+
+
+transformers = None
+try:
+    import torch
+    import transformers
+except ImportError:
+    pass
+live = pytest.mark.skipif(transformers is None, reason="transformers not installed (extra: parity)")
+
+
+def hf_logits(folder, tokens):
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        folder, dtype=torch.float32, attn_implementation="eager")
+    with torch.no_grad():
+        return model(torch.from_numpy(np.asarray(tokens, np.int64))).logits.numpy()
+
+
+@live
+@pytest.mark.parametrize("name", FAMILIES)
+def test_live_fixture_logits_are_current(name):
+    """The stored logits are what the installed transformers computes on the fixture."""
+    tokens, want = expected(name)
+    assert max_diff(hf_logits(fixture(name), tokens), want) < TOL
+
+
+# ----------------------------------------------------------------------------------------------
+# Saving
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_save_load_round_trip(name, loaded, tmp_path):
+    cfg, params = loaded[name]
+    src = hf.Checkpoint(fixture(name))
+    out = str(tmp_path / "out")
+    files = td.save_hf(params, cfg, out, model_type=src.config["model_type"],
+                       max_shard_bytes=6000)
+    assert hf.INDEX in files and len(files) > 3  # several shards and their index
+    cfg2, params2 = td.load_hf(out)
+    assert cfg2 == cfg
+    for a, b in zip(jax.tree.leaves(host(params)), jax.tree.leaves(host(params2))):
+        np.testing.assert_array_equal(a, b)
+
+    # What transformers reads: the fixture's tensor names and shapes, its config keys.
+    ours = hf.Checkpoint(out)
+    assert {n: ours.shape(n) for n in ours.names()} == {n: src.shape(n) for n in src.names()}
+    differ = {k: (v, ours.config.get(k, "(absent)")) for k, v in src.config.items()
+              if k not in BOOKKEEPING and ours.config.get(k, "(absent)") != v}
+    if name == "mistral":  # the sliding window became the maximum length, by design
+        assert differ == {"sliding_window": (48, None), "max_position_embeddings": (64, 48)}
+    else:
+        assert differ == {}
+
+
+@pytest.mark.parametrize("name", ["qwen2", "llama3.1"])
+def test_bfloat16_export_is_the_fixture_bit_for_bit(name, loaded, tmp_path):
+    """The fixtures hold bfloat16: loading widens to float32 exactly, so writing bfloat16
+    again must give back every tensor unchanged."""
+    cfg, params = loaded[name]
+    src = hf.Checkpoint(fixture(name))
+    td.save_hf(params, cfg, str(tmp_path), model_type=src.config["model_type"], dtype="bfloat16")
+    ours = hf.Checkpoint(str(tmp_path))
+    assert ours.names() == src.names()
+    for n in src.names():
+        assert ours.array(n).dtype == src.array(n).dtype
+        np.testing.assert_array_equal(ours.array(n).view(np.uint16), src.array(n).view(np.uint16))
+
+
+def test_reference_safetensors_reads_our_files(loaded, tmp_path):
+    safetensors = pytest.importorskip("safetensors")
+    cfg, params = loaded["qwen2"]
+    td.save_hf(params, cfg, str(tmp_path), max_shard_bytes=6000)
+    ours = hf.Checkpoint(str(tmp_path))
+    seen = set()
+    for file in sorted(os.listdir(tmp_path)):
+        if file.endswith(".safetensors"):
+            with safetensors.safe_open(str(tmp_path / file), framework="np") as f:
+                assert f.metadata() == {"format": "pt"}
+                for n in f.keys():
+                    np.testing.assert_array_equal(f.get_tensor(n), ours.array(n))
+                    seen.add(n)
+    assert seen == ours.names()
+
+
+@live
+@pytest.mark.parametrize("name", FAMILIES)
+def test_live_transformers_loads_our_export(name, loaded, tmp_path):
+    cfg, params = loaded[name]
+    td.save_hf(params, cfg, str(tmp_path), model_type=hf.read_config(fixture(name))["model_type"],
+               max_shard_bytes=6000)
+    tokens, want = expected(name)
+    assert max_diff(hf_logits(str(tmp_path), tokens), want) < TOL
+
+
+# ----------------------------------------------------------------------------------------------
+# Sharded loading
+
+
+@pytest.mark.parametrize("name", ["qwen3", "llama3.1"])
+def test_sharded_load_equals_one_device(name, loaded):
+    cfg, one = loaded[name]
+    mesh = make_mesh(MeshConfig(fsdp=4, tensor=2))
+    cfg2, params = td.load_hf(fixture(name), mesh)
+    specs = td.param_specs(cfg)
+    for x, spec in zip(jax.tree.leaves(params), jax.tree.leaves(
+            specs, is_leaf=lambda s: isinstance(s, P))):
+        assert x.sharding == NamedSharding(mesh, spec)
+    for a, b in zip(jax.tree.leaves(host(one)), jax.tree.leaves(host(params))):
+        np.testing.assert_array_equal(a, b)
+    tokens, want = expected(name)
+    tokens4, want4 = np.concatenate([tokens, tokens]), np.concatenate([want, want])
+    assert max_diff(logits(params, cfg2, tokens4, mesh), want4) < TOL
+
+
+def test_load_refuses_a_mesh_that_does_not_divide_the_model():
+    with pytest.raises(td.ConfigError, match=r"splits 2 ways"):
+        td.load_hf(fixture("mistral"), make_mesh(MeshConfig(fsdp=4, tensor=2)))  # 1 kv head
+
+
+# ----------------------------------------------------------------------------------------------
+# Bad folders: each a clear error that names the problem
+
+
+def copy(name, tmp_path, edit=None):
+    dst = str(tmp_path / name)
+    shutil.copytree(fixture(name), dst)
+    if edit:
+        path = os.path.join(dst, "config.json")
+        with open(path) as f:
+            c = json.load(f)
+        edit(c)
+        with open(path, "w") as f:
+            json.dump(c, f)
+    return dst
+
+
+def test_missing_shard(tmp_path):
+    folder = copy("qwen3", tmp_path)
+    os.remove(os.path.join(folder, "model-00003-of-00004.safetensors"))
+    with pytest.raises(hf.HFError, match=r"1 of the 4 shards .* missing: "
+                                         r"model-00003-of-00004.safetensors"):
+        td.load_hf(folder)
+
+
+def test_index_that_lies(tmp_path):
+    folder = copy("qwen3", tmp_path)
+    path = os.path.join(folder, hf.INDEX)
+    with open(path) as f:
+        index = json.load(f)
+    index["weight_map"]["model.norm.weight"] = "model-00001-of-00004.safetensors"
+    with open(path, "w") as f:
+        json.dump(index, f)
+    with pytest.raises(hf.HFError, match=r"places model.norm.weight in model-00001-of-00004"):
+        td.load_hf(folder)
+
+
+def test_shape_mismatch(tmp_path):
+    folder = copy("llama2", tmp_path, lambda c: c.update(intermediate_size=40))
+    with pytest.raises(hf.HFError, match=r"model.layers.0.mlp.down_proj.weight has shape "
+                                         r"\[32, 48\] but config.json implies \[32, 40\]"):
+        td.load_hf(folder)
+
+
+def test_unknown_model_type(tmp_path):
+    folder = copy("llama2", tmp_path, lambda c: c.update(model_type="gpt2"))
+    with pytest.raises(hf.HFError, match=r"model_type 'gpt2' is not a dense family"):
+        td.load_hf(folder)
+
+
+@pytest.mark.parametrize("edit,match", [
+    (lambda c: c["rope_parameters"].update(rope_type="yarn", factor=4.0), r"rope type 'yarn'"),
+    (lambda c: c.update(hidden_act="gelu"), r"hidden_act 'gelu'"),
+    (lambda c: c.update(rope_parameters={"full_attention": c["rope_parameters"]}),
+     r"rope parameters per layer type \(full_attention\)"),
+    (lambda c: c.update(rope_parameters={"rope_type": "llama3", "factor": 8.0}),
+     r"'llama3' without high_freq_factor, low_freq_factor"),
+    (lambda c: c.update(mlp_bias=True), r"attention_bias / mlp_bias"),
+])
+def test_unsupported_options(tmp_path, edit, match):
+    with pytest.raises(hf.HFError, match=match):
+        td.load_hf(copy("llama2", tmp_path, edit))
+
+
+def test_weights_we_would_drop(tmp_path):
+    """Qwen2's biases under a llama config would be ignored by a lax loader: we refuse."""
+    folder = copy("qwen2", tmp_path, lambda c: c.update(model_type="llama"))
+    with pytest.raises(hf.HFError, match=r"tensors have no place .*q_proj.bias"):
+        td.load_hf(folder)
+
+
+def test_truncated_file(tmp_path):
+    folder = copy("llama2", tmp_path)
+    path = os.path.join(folder, "model.safetensors")
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) - 100)
+    with pytest.raises(hf.HFError, match=r"truncated"):
+        td.load_hf(folder)
+
+
+def test_save_refusals(loaded, tmp_path):
+    cfg, params = loaded["qwen3"]
+    with pytest.raises(hf.HFError, match=r"model_type 'llama' does not fit"):
+        td.save_hf(params, cfg, str(tmp_path / "a"), model_type="llama")
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "model.safetensors").write_text("old")
+    with pytest.raises(hf.HFError, match=r"not empty"):
+        td.save_hf(params, cfg, str(tmp_path / "b"))
+
+
+# ----------------------------------------------------------------------------------------------
+# The command line: --init-from-hf, train, export-hf
+
+
+@pytest.fixture(scope="module")
+def data_path(tmp_path_factory):
+    stdlib = sysconfig.get_paths()["stdlib"]
+    files = [os.path.join(stdlib, f) for f in ("argparse.py", "textwrap.py", "string.py")]
+    return prepare(files, str(tmp_path_factory.mktemp("d") / "prepared"), vocab_size=400)
+
+
+def test_init_from_hf_train_and_export(data_path, tmp_path):
+    # A "published" model: random weights far from our init, the data's tokenizer, a token id
+    # in its config that export must keep.
+    model = td.ModelConfig(vocab_size=512, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
+                           head_dim=8, d_ff=64, max_seq_len=64, qk_norm=True, loss_chunk=16)
+    rng = np.random.default_rng(5)  # in numpy: nothing to compile
+    published = jax.tree.map(
+        lambda e: (1.0 if e[2] is None else 0.0) + 0.3 * rng.standard_normal(e[0], np.float32),
+        td._param_table(model), is_leaf=td._is_entry)
+    src = str(tmp_path / "published")
+    td.save_hf(published, model, src, base_config={"eos_token_id": 2, "bos_token_id": 1})
+    shutil.copy(os.path.join(data_path, "tokenizer.model"), src)
+
+    args = ["tiny", "--init-from-hf", src, "--data.path", data_path, "--run-dir",
+            str(tmp_path / "run"), "--train.steps", "2", "--train.batch-size", "8",
+            "--train.seq-len", "32", "--train.sample-tokens", "0", "--train.log-every", "1",
+            "--checkpoint.every", "2", "--model.dtype", "float32"]
+    with pytest.raises(td.ConfigError, match=r"--model.n-layers conflicts with --init-from-hf"):
+        td.cli(args + ["--model.n-layers", "3"])
+    cfg = td.cli(args)
+    summary = td.main(cfg)
+    # The first step's loss is the published model's, not a fresh init's (ln 512 = 6.24).
+    batch = batch_rows(load_dataset(DataConfig(path=data_path)).train, seed=0, step=0,
+                       batch_size=8, seq_len=32)
+    want = float(td.loss_fn(published, batch, td.with_hf_model(cfg).model)[1])
+    first = json.loads(open(tmp_path / "run" / "metrics.jsonl").readline())
+    assert first["step"] == 1 and first["loss"] == pytest.approx(want, rel=1e-5)
+    assert abs(want - np.log(512)) > 0.5
+
+    out = str(tmp_path / "exported")
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "train_dense.py"), "export-hf",
+                        "--run-dir", str(tmp_path / "run"), "--out", out],
+                       capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "export-hf: step 2" in r.stdout
+    cfg_out, params_out = td.load_hf(out)
+    assert cfg_out == dataclasses.replace(td.with_hf_model(cfg).model, dtype="float32")
+    trained = host(summary["state"]["params"])
+    for a, b in zip(jax.tree.leaves(trained), jax.tree.leaves(host(params_out))):
+        np.testing.assert_array_equal(a, b)
+    assert hf.read_config(out)["eos_token_id"] == 2
+    assert open(os.path.join(out, "tokenizer.model"), "rb").read() == open(
+        os.path.join(src, "tokenizer.model"), "rb").read()
+
+
+def test_init_from_hf_refuses_another_tokenizer(data_path, tmp_path):
+    src = str(tmp_path / "published")
+    shutil.copytree(fixture("llama2"), src)
+    with open(os.path.join(src, "tokenizer.model"), "wb") as f:
+        f.write(b"not the data's tokenizer")
+    cfg = td.Config(init_from_hf=src, data=DataConfig(path=data_path),
+                    train=td.TrainConfig(batch_size=8, seq_len=32, steps=1),
+                    run_dir=str(tmp_path / "run"))
+    with pytest.raises(hf.HFError, match=r"tokenized with another one"):
+        td.main(cfg)
+
+
+def test_prepare_and_check_a_hf_tokenizer_json(tmp_path):
+    """Llama 3 and Qwen ship only tokenizer.json: prepare tokenizes with it (through the
+    optional `tokenizers` package), EOS from tokenizer_config.json, and --init-from-hf accepts
+    the data only if its tokenizer is the model's."""
+    tokenizers = pytest.importorskip("tokenizers")
+    stdlib = sysconfig.get_paths()["stdlib"]
+    files = [os.path.join(stdlib, f) for f in ("string.py", "textwrap.py", "shlex.py")]
+    byte_level = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE())
+    tok.pre_tokenizer, tok.decoder = byte_level, tokenizers.decoders.ByteLevel()
+    tok.train(files, tokenizers.trainers.BpeTrainer(
+        vocab_size=400, special_tokens=["<|begin|>", "<|end|>"],
+        initial_alphabet=byte_level.alphabet(), show_progress=False))
+    model = tmp_path / "model"
+    model.mkdir()
+    tok.save(str(model / "tokenizer.json"))
+    (model / "tokenizer_config.json").write_text(json.dumps(
+        {"eos_token": "<|end|>", "bos_token": {"content": "<|begin|>"}}))
+
+    out = prepare(files, str(tmp_path / "data"), tokenizer=str(model / "tokenizer.json"))
+    ds = load_dataset(DataConfig(path=out))
+    assert ds.tokenizer_path.endswith("tokenizer.json")
+    assert ds.vocab_size == tok.get_vocab_size() > 300
+    assert (ds.eos_id, ds.bos_id) == (tok.token_to_id("<|end|>"), tok.token_to_id("<|begin|>"))
+    text = "def f(x):\n    return x  # ünïcode"
+    assert ds.encode(text) == tok.encode(text, add_special_tokens=False).ids
+    assert ds.decode(ds.encode(text)) == text
+    tokens = np.concatenate([ds.train, ds.eval])
+    assert (tokens == ds.eos_id).sum() == len(files)  # one EOS after each document
+    first = ds.train[:list(ds.train).index(ds.eos_id)]
+    assert ds.decode(first) in [open(f).read() for f in files]
+
+    assert hf.check_tokenizer(str(model), ds.tokenizer_path, "--data.path x") == ""
+    other = tmp_path / "other"
+    shutil.copytree(model, other)
+    tok.add_special_tokens(["<|extra|>"])
+    tok.save(str(other / "tokenizer.json"))
+    with pytest.raises(hf.HFError, match=r"ships tokenizer.json, but the data \(--data.path x\)"):
+        hf.check_tokenizer(str(other), ds.tokenizer_path, "--data.path x")
+    os.remove(other / "tokenizer.json")
+    assert "cannot be checked" in hf.check_tokenizer(str(other), ds.tokenizer_path, "")
