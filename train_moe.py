@@ -34,8 +34,8 @@ weight is split on d over fsdp and gathered per layer, and on its hidden width o
 from __future__ import annotations
 
 import dataclasses
-import math
 import json
+import math
 import os
 import sys
 import time
