@@ -3,6 +3,7 @@
     python train_grpo.py tiny                       # the `make train-grpo` run: warm start, GRPO
     python train_grpo.py tiny --grpo.loss gspo      # sequence-level importance ratios
     python train_grpo.py tiny --init-from runs/tiny # start from a train_dense.py run
+    python train_grpo.py tiny --init-from-hf ~/hf/Qwen3-0.6B  # from a HuggingFace folder
 
 The loop (Shao et al. 2024, "DeepSeekMath", section 4.1): draw a batch of prompts, sample G
 completions of each on the device (prefill, then decode with a preallocated KV cache), score
@@ -13,7 +14,8 @@ log-probabilities recorded while sampling. The policy is train_dense.py's model,
 
 Sections, in reading order: 1 config and presets, 2 parameters and their shardings (as in
 train_dense.py), 3 model (as in train_dense.py, plus padding masks and a KV cache),
-4 rollouts, 5 task, tokenizer and rewards, 6 advantages, loss and train step, 7 main.
+4 rollouts, 5 task, tokenizer and rewards, 6 advantages, loss and train step, 7 main,
+8 HuggingFace in (--init-from-hf).
 Shapes are suffixed on tensor names: B batch (rollouts), T sequence, S key sequence (the KV
 cache), P prompt, N new (completion) tokens, D model width, H head width, K key/value heads,
 V vocabulary, L layers. Run with `--help` for every flag.
@@ -38,10 +40,10 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from common import multislice, observe
+from common import hf, multislice, observe
 from common.checkpoint import (CheckpointConfig, CheckpointError, Checkpointer,
                                ConfigConflictError, PreemptionGuard, check_run_config)
-from common.data import DataConfig, load_dataset
+from common.data import DataConfig, load_dataset, open_tokenizer
 from common.mesh import BATCH_AXES, MeshConfig, MeshError, describe, make_mesh, resolve
 
 # ----------------------------------------------------------------------------------------------
@@ -151,6 +153,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     run_dir: str = "runs/grpo-tiny"
     init_from: str = ""           # a train_dense.py run dir: its model, tokenizer and weights
+    init_from_hf: str = ""        # a HuggingFace folder: its config.json, tokenizer and weights
     quiet: bool = False           # no progress lines; steps, evals and the summary still print
 
 
@@ -658,8 +661,8 @@ class CharTokenizer:
     '='; BPE would merge digit runs into pieces of varying length, so the model would have to
     learn how each piece spells its digits before it could add them. With one digit per token
     the columns of the sum line up token for token, 16 ids split over any power-of-two tensor
-    axis, and nothing has to be trained or downloaded. (--init-from uses the dense run's
-    sentencepiece model instead: the weights only understand that one.)
+    axis, and nothing has to be trained or downloaded. (--init-from and --init-from-hf use the
+    model's own tokenizer instead: the weights only understand that one.)
     """
     SYMBOLS = ("<pad>", "<bos>", "<eos>") + tuple("0123456789+= ")
     pad_id, bos_id, eos_id = 0, 1, 2
@@ -680,23 +683,25 @@ class CharTokenizer:
         return [self.bos_id] + self.encode(text)
 
 
-class SentencePieceTokenizer:
-    """The tokenizer of a train_dense.py run (--init-from), through common/data.py."""
+class PretrainedTokenizer:
+    """The tokenizer a pretrained model came with: a train_dense.py run's (--init-from) or a
+    HuggingFace folder's (--init-from-hf), sentencepiece or tokenizer.json, through
+    common/data.py's open_tokenizer. `start_id` is the token after which the model saw a
+    document begin, and each prompt begins with it."""
 
-    def __init__(self, data: DataConfig):
-        self._ds = load_dataset(data)
-        self.vocab_size, self.eos_id = self._ds.vocab_size, self._ds.eos_id
+    def __init__(self, path: str, eos_id: int, start_id: int):
+        self._sp = open_tokenizer(path)
+        self.vocab_size, self.eos_id, self.start_id = self._sp.get_piece_size(), eos_id, start_id
         self.pad_id = 0  # never read: pads are masked out of attention and the loss
 
     def encode(self, text: str) -> list[int]:
-        return self._ds.encode(text)
+        return self._sp.encode(text)
 
     def decode(self, ids) -> str:
-        return self._ds.decode(list(ids))
+        return self._sp.decode([int(i) for i in ids])
 
     def prompt(self, text: str) -> list[int]:
-        # The dense model saw documents separated by EOS: after one, a document begins.
-        return [self.eos_id] + self.encode(text)
+        return [self.start_id] + self.encode(text)
 
 
 def problems(rng: np.random.Generator, n: int, t: TaskConfig) -> list[tuple[str, str]]:
@@ -1004,10 +1009,18 @@ def dense_run_config(run_dir: str) -> dict:
 
 
 def resolve_init_from(cfg: Config) -> Config:
-    """With --init-from, the model is the dense run's (how to compute stays this run's)."""
-    if not cfg.init_from:
+    """With --init-from, the model is the dense run's; with --init-from-hf, the one that the
+    folder's config.json describes. How to compute stays this run's either way."""
+    if cfg.init_from and cfg.init_from_hf:
+        raise ConfigError(f"--init-from {cfg.init_from} and --init-from-hf {cfg.init_from_hf}: "
+                          "start from one or the other.")
+    if cfg.init_from_hf:
+        saved = dataclasses.asdict(config_from_hf(
+            hf.read_config(cfg.init_from_hf), os.path.join(cfg.init_from_hf, hf.CONFIG)))
+    elif cfg.init_from:
+        saved = dense_run_config(cfg.init_from).get("model", {})
+    else:
         return cfg
-    saved = dense_run_config(cfg.init_from).get("model", {})
     known = {f.name for f in dataclasses.fields(ModelConfig)}
     if set(saved) - known:
         raise ConfigError(f"--init-from {cfg.init_from}: its model has fields this file does not "
@@ -1017,9 +1030,12 @@ def resolve_init_from(cfg: Config) -> Config:
 
 
 def make_tokenizer(cfg: Config):
+    if cfg.init_from_hf:
+        return hf_tokenizer(cfg.init_from_hf)
     if cfg.init_from:
-        data = dense_run_config(cfg.init_from).get("data", {})
-        return SentencePieceTokenizer(DataConfig(**data))
+        ds = load_dataset(DataConfig(**dense_run_config(cfg.init_from).get("data", {})))
+        # The dense model saw documents separated by EOS: after one, a document begins.
+        return PretrainedTokenizer(ds.tokenizer_path, ds.eos_id, ds.eos_id)
     return CharTokenizer()
 
 
@@ -1165,7 +1181,10 @@ class Trainer:
 
     def initial_state(self):
         cfg = self.cfg
-        if cfg.init_from:
+        if cfg.init_from_hf:
+            _, params = load_hf(cfg.init_from_hf, self.mesh)
+            log(f"initialised from {cfg.init_from_hf} (HuggingFace)")
+        elif cfg.init_from:
             params = load_dense_params(cfg, self.mesh)
         else:
             params = init_params(cfg.model, jax.random.key(cfg.grpo.seed), self.mesh)
@@ -1306,16 +1325,197 @@ class Trainer:
             f"rollout tok/s | {rec['ms_per_step']:.0f} ms/step")
 
 
+# ----------------------------------------------------------------------------------------------
+# 8. HuggingFace in (--init-from-hf): train_dense.py's section 7, the loading half
+# ----------------------------------------------------------------------------------------------
+
+# The parameter tree is train_dense.py's, so its name mapping and config translation are too
+# (tests/test_grpo_hf.py holds them equal); the file handling is common/hf.py's. HuggingFace
+# rotates the two halves of each head, as `apply_rope` does: no weight needs a permutation.
+HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                    "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+# What transformers assumes for a key that config.json leaves out (its config classes).
+_HF_DEFAULTS = {
+    "llama": dict(rms_norm_eps=1e-6, max_position_embeddings=2048),
+    "mistral": dict(rms_norm_eps=1e-6, max_position_embeddings=131072, num_key_value_heads=8,
+                    sliding_window=4096),
+    "qwen2": dict(rms_norm_eps=1e-6, max_position_embeddings=32768, num_key_value_heads=32),
+    "qwen3": dict(rms_norm_eps=1e-6, max_position_embeddings=32768, num_key_value_heads=32,
+                  head_dim=128),
+}
+
+
+def hf_mapping(cfg: ModelConfig) -> dict:
+    """Our parameter tree, each leaf as (HuggingFace tensor name, layout): see common/hf.py.
+
+    HF's nn.Linear keeps [out, in]; ours are [in, out] with the heads split out, so every
+    projection is a transpose plus a reshape, and per-layer tensors stack on l.
+    Atoms: l layers, d model, n query heads, k key/value heads, h head width, f MLP, v vocab.
+    """
+    lay = "model.layers.{l}."
+    layers = {
+        "attn_norm": (lay + "input_layernorm.weight", "d -> l d"),
+        "wq": (lay + "self_attn.q_proj.weight", "(n h) d -> l d n h"),
+        "wk": (lay + "self_attn.k_proj.weight", "(k h) d -> l d k h"),
+        "wv": (lay + "self_attn.v_proj.weight", "(k h) d -> l d k h"),
+        "wo": (lay + "self_attn.o_proj.weight", "d (n h) -> l n h d"),
+        "mlp_norm": (lay + "post_attention_layernorm.weight", "d -> l d"),
+        "w_gate": (lay + "mlp.gate_proj.weight", "f d -> l d f"),
+        "w_up": (lay + "mlp.up_proj.weight", "f d -> l d f"),
+        "w_down": (lay + "mlp.down_proj.weight", "d f -> l f d"),
+    }
+    if cfg.qkv_bias:
+        layers |= {"bq": (lay + "self_attn.q_proj.bias", "(n h) -> l n h"),
+                   "bk": (lay + "self_attn.k_proj.bias", "(k h) -> l k h"),
+                   "bv": (lay + "self_attn.v_proj.bias", "(k h) -> l k h")}
+    if cfg.qk_norm:
+        layers |= {"q_norm": (lay + "self_attn.q_norm.weight", "h -> l h"),
+                   "k_norm": (lay + "self_attn.k_norm.weight", "h -> l h")}
+    tree = {"embed": ("model.embed_tokens.weight", "v d -> v d"), "layers": layers,
+            "final_norm": ("model.norm.weight", "d -> d")}
+    if not cfg.tie_embeddings:
+        tree["unembed"] = ("lm_head.weight", "v d -> d v")
+    return tree
+
+
+def _hf_sizes(cfg: ModelConfig) -> dict:
+    return dict(l=cfg.n_layers, d=cfg.d_model, n=cfg.n_heads, k=cfg.n_kv_heads, h=cfg.head_dim,
+                f=cfg.d_ff, v=cfg.vocab_size)
+
+
+def config_from_hf(c: dict, where: str = "config.json") -> ModelConfig:
+    """Our ModelConfig from a HuggingFace config.json (as a dict). Anything that would change
+    what the model computes and that we do not implement is an error, never ignored."""
+    mt = c.get("model_type")
+    if mt not in HF_ARCHITECTURES:
+        raise hf.HFError(f"{where}: model_type {mt!r} is not a dense family that train_grpo.py "
+                         f"loads ({', '.join(HF_ARCHITECTURES)}); mixture-of-experts models "
+                         "(mixtral, qwen3_moe) are not trained with GRPO here.")
+    c = _HF_DEFAULTS[mt] | c
+
+    def unsupported(what: str):
+        return hf.HFError(f"{where}: {what} is not implemented by train_grpo.py, so this "
+                          f"{mt} model cannot be loaded faithfully.")
+
+    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                "num_attention_heads"):
+        if key not in c:
+            raise hf.HFError(f"{where} has no {key!r}; it is not a complete {mt} config.")
+    if c.get("hidden_act", "silu") != "silu":
+        raise unsupported(f"hidden_act {c['hidden_act']!r} (only silu)")
+    if c.get("attention_bias") or c.get("mlp_bias"):
+        raise unsupported("attention_bias / mlp_bias (biases on every projection)")
+    if c.get("partial_rotary_factor", 1.0) != 1.0:
+        raise unsupported(f"partial_rotary_factor {c['partial_rotary_factor']}")
+    theta, kind, rope = hf.rope_parameters(c, 10_000.0, where)
+    scaling = {}
+    if kind == "llama3":
+        lacking = {"factor", "low_freq_factor", "high_freq_factor"} - set(rope)
+        if lacking:
+            raise hf.HFError(f"{where}: rope type 'llama3' without {', '.join(sorted(lacking))}.")
+        scaling = dict(rope_scaling=float(rope["factor"]),
+                       rope_low_freq_factor=float(rope["low_freq_factor"]),
+                       rope_high_freq_factor=float(rope["high_freq_factor"]),
+                       rope_original_max_len=int(rope.get("original_max_position_embeddings",
+                                                          c["max_position_embeddings"])))
+    elif kind != "default":
+        raise unsupported(f"rope type {kind!r} (only the default and 'llama3')")
+    # A sliding window of W tokens changes nothing on sequences of at most W tokens, and we
+    # sample no longer ones: the window becomes the model's maximum length.
+    window = (c.get("sliding_window") if mt == "mistral" or c.get("use_sliding_window")
+              else None)
+    max_len = c["max_position_embeddings"] if window is None else min(
+        c["max_position_embeddings"], window)
+    n_heads = c["num_attention_heads"]
+    return ModelConfig(
+        vocab_size=c["vocab_size"], d_model=c["hidden_size"], n_layers=c["num_hidden_layers"],
+        n_heads=n_heads, n_kv_heads=c.get("num_key_value_heads") or n_heads,
+        head_dim=c.get("head_dim") or c["hidden_size"] // n_heads, d_ff=c["intermediate_size"],
+        max_seq_len=max_len, rope_theta=theta, norm_eps=float(c["rms_norm_eps"]),
+        tie_embeddings=bool(c.get("tie_word_embeddings", False)), qkv_bias=mt == "qwen2",
+        qk_norm=mt == "qwen3", **scaling)
+
+
+def load_hf(path: str, mesh=None) -> tuple[ModelConfig, dict]:
+    """A HuggingFace folder (config.json and safetensors, one file or sharded with an index)
+    as our ModelConfig and float32 parameters, each placed with its `param_specs` sharding on
+    `mesh` (default: the first device). Tensors stream in block by block: see common/hf.py."""
+    ckpt = hf.Checkpoint(path)
+    cfg = config_from_hf(ckpt.config, os.path.join(path, hf.CONFIG))
+    if mesh is None:
+        mesh = make_mesh(MeshConfig(fsdp=1), jax.devices()[:1])
+    table = _param_table(cfg)
+    flat = {k: v for k, v in table.items() if k != "layers"} | {
+        f"layers/{k}": v for k, v in table["layers"].items()}
+    for name, (shape, spec, _) in flat.items():
+        for n, axes in zip(shape, spec):
+            ways = math.prod(mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else
+                                                     axes or ()))
+            if n % ways:
+                raise ConfigError(f"{path}: {name} has a dimension of {n}, which the mesh "
+                                  f"({describe(mesh)}) splits {ways} ways; choose mesh sizes "
+                                  "that divide the model's.")
+    # Some exports keep lm_head.weight although it is tied; older ones saved rotary tables.
+    ignore = lambda n: (cfg.tie_embeddings and n == "lm_head.weight") or n.endswith(
+        "rotary_emb.inv_freq")
+    params = hf.load(ckpt, hf_mapping(cfg), _hf_sizes(cfg), named(mesh, param_specs(cfg)),
+                     what=f"{ckpt.config['model_type']} model of this config", ignore=ignore)
+    return cfg, params
+
+
+def hf_tokenizer(path: str) -> PretrainedTokenizer:
+    """The folder's own tokenizer: GRPO decodes every completion to score it, so the words
+    must be the ones the weights were trained on."""
+    files = [os.path.join(path, n) for n in ("tokenizer.model", "tokenizer.json")
+             if os.path.isfile(os.path.join(path, n))]
+    if not files:
+        raise FileNotFoundError(
+            f"--init-from-hf {path} has no tokenizer.model or tokenizer.json; GRPO decodes "
+            "completions to score them with the model's own tokenizer. Copy the model's "
+            "tokenizer files into the folder.")
+    try:  # sentencepiece first: it needs no optional package
+        tok = open_tokenizer(files[0])
+    except (ValueError, OSError, RuntimeError) as e:
+        raise ConfigError(f"--init-from-hf {path}: cannot read {files[0]} ({e}).") from None
+    eos = tok.eos_id()
+    if eos < 0:  # tokenizer.json without tokenizer_config.json: config.json may still say
+        ids = hf.read_config(path).get("eos_token_id")
+        ids = ids if isinstance(ids, list) else [ids]  # instruct models list several
+        eos = ids[0] if ids and isinstance(ids[0], int) else -1
+    if eos < 0:
+        raise ConfigError(f"--init-from-hf {path}: no end-of-sequence token in its tokenizer "
+                          "files or config.json; rollouts stop at it, so set eos_token in "
+                          "tokenizer_config.json or eos_token_id in config.json.")
+    # Llama begins each document with BOS; Qwen has none and separates documents with EOS.
+    start = tok.bos_id() if tok.bos_id() >= 0 else eos
+    return PretrainedTokenizer(files[0], eos, start)
+
+
+def refuse_shape_flags(args: list[str]) -> None:
+    """A --model.* flag that sets the shape contradicts --init-from-hf: say so, do not pick."""
+    for a in args:
+        name = a.split("=")[0]
+        field_name = name.removeprefix("--model.").replace("-", "_").removeprefix("no_")
+        if name.startswith("--model.") and field_name not in COMPUTE_FIELDS:
+            allowed = ", ".join("--model." + f.replace("_", "-") for f in COMPUTE_FIELDS)
+            raise ConfigError(f"{name} conflicts with --init-from-hf: the model's shape comes "
+                              f"from that folder's config.json. Drop the flag (only {allowed} "
+                              "may be set).")
+
+
 def cli(args=None) -> Config:
     import tyro
-    return tyro.extras.overridable_config_cli(PRESETS, args=args)
+    cfg = tyro.extras.overridable_config_cli(PRESETS, args=args)
+    if cfg.init_from_hf:
+        refuse_shape_flags(sys.argv[1:] if args is None else args)
+    return cfg
 
 
 if __name__ == "__main__":
     try:
         main(cli())
     except (ConfigError, MeshError, ConfigConflictError, CheckpointError, FileNotFoundError,
-            multislice.DistributedInitError) as e:
+            multislice.DistributedInitError, hf.HFError) as e:
         # Bad input: a one-paragraph reason and the fix, not a traceback.
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
