@@ -1493,14 +1493,8 @@ def hf_tokenizer(path: str) -> PretrainedTokenizer:
 
 def refuse_shape_flags(args: list[str]) -> None:
     """A --model.* flag that sets the shape contradicts --init-from-hf: say so, do not pick."""
-    for a in args:
-        name = a.split("=")[0]
-        field_name = name.removeprefix("--model.").replace("-", "_").removeprefix("no_")
-        if name.startswith("--model.") and field_name not in COMPUTE_FIELDS:
-            allowed = ", ".join("--model." + f.replace("_", "-") for f in COMPUTE_FIELDS)
-            raise ConfigError(f"{name} conflicts with --init-from-hf: the model's shape comes "
-                              f"from that folder's config.json. Drop the flag (only {allowed} "
-                              "may be set).")
+    if problem := hf.shape_flag_problem(args, COMPUTE_FIELDS):
+        raise ConfigError(problem)
 
 
 def cli(args=None) -> Config:

@@ -1372,14 +1372,8 @@ def with_hf_model(cfg: Config) -> Config:
 
 def refuse_shape_flags(args: list[str]) -> None:
     """A --model.* flag that sets the shape contradicts --init-from-hf: say so, do not pick."""
-    for a in args:
-        name = a.split("=")[0]
-        field_name = name.removeprefix("--model.").replace("-", "_").removeprefix("no_")
-        if name.startswith("--model.") and field_name not in _KEEP_FIELDS:
-            allowed = ", ".join("--model." + f.replace("_", "-") for f in _KEEP_FIELDS)
-            raise ConfigError(f"{name} conflicts with --init-from-hf: the model's shape comes "
-                              f"from that folder's config.json. Drop the flag (only {allowed} "
-                              "may be set).")
+    if problem := hf.shape_flag_problem(args, _KEEP_FIELDS):
+        raise ConfigError(problem)
 
 
 def init_state_from_hf(cfg: Config, tx, shardings) -> dict:

@@ -480,27 +480,37 @@ def _documents(files: list[str], jsonl_field: str, errors: str = "strict") -> It
             yield text
 
 
-def _jsonl_documents(path: str, jsonl_field: str) -> Iterator[str]:
-    with open(path, encoding="utf-8") as f:
-        for line_no, line in enumerate(f, 1):
+def jsonl_objects(path: str) -> Iterator[tuple[str, object]]:
+    """("<path>, line N", the parsed line) for each non-blank line; a line that is not UTF-8
+    or not JSON is a DataError naming the file and line."""
+    with open(path, "rb") as f:  # bytes: a bad encoding is reported at its very line
+        for line_no, raw in enumerate(f, 1):
+            where = f"{path}, line {line_no}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DataError(f"{where}: not UTF-8 ({e.reason} at byte {e.start} of the "
+                                f"line); convert the file first, e.g. iconv -t utf-8") from None
             if not line.strip():
                 continue
             try:
-                obj = json.loads(line)
+                yield where, json.loads(line)
             except json.JSONDecodeError as e:
-                raise ValueError(f"{path}, line {line_no}: not valid JSON ({e.msg}); a JSONL "
-                                 f"file holds one JSON object per line") from None
-            if not isinstance(obj, dict) or jsonl_field not in obj:
-                raise ValueError(f"{path}, line {line_no}: no field {jsonl_field!r} in this "
-                                 f"line's object; name the field that holds the text with "
-                                 f"--jsonl-field")
-            text = obj[jsonl_field]
-            if not isinstance(text, str):
-                raise ValueError(f"{path}, line {line_no}: field {jsonl_field!r} holds "
-                                 f"{type(text).__name__}, not a string; name the field that "
-                                 f"holds the text with --jsonl-field")
-            if text:
-                yield text
+                raise DataError(f"{where}: not valid JSON ({e.msg}, column {e.colno}); a JSONL "
+                                f"file holds one JSON object per line") from None
+
+
+def _jsonl_documents(path: str, jsonl_field: str) -> Iterator[str]:
+    for where, obj in jsonl_objects(path):
+        if not isinstance(obj, dict) or jsonl_field not in obj:
+            raise ValueError(f"{where}: no field {jsonl_field!r} in this line's object; name "
+                             f"the field that holds the text with --jsonl-field")
+        text = obj[jsonl_field]
+        if not isinstance(text, str):
+            raise ValueError(f"{where}: field {jsonl_field!r} holds {type(text).__name__}, not "
+                             f"a string; name the field that holds the text with --jsonl-field")
+        if text:
+            yield text
 
 
 def _write_prepared(folder: str, documents: Callable[[], Iterator[str]], *, label: str,
@@ -762,23 +772,7 @@ def read_sft_jsonl(path: str, flag: str = "--data.path") -> list[list[tuple[str 
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{flag} {path!r}: no such file; SFT data is a JSONL file with "
                                 f"one example per line, {SFT_SHAPES}")
-    examples = []
-    with open(path, "rb") as f:  # bytes: a bad encoding is reported at its very line
-        for line_no, raw in enumerate(f, 1):
-            where = f"{path}, line {line_no}"
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise DataError(f"{where}: not UTF-8 ({e.reason} at byte {e.start} of the "
-                                f"line); convert the file first, e.g. iconv -t utf-8") from None
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{where}: not valid JSON ({e.msg}, column {e.colno}); a JSONL "
-                                f"file holds one JSON object per line") from None
-            examples.append(sft_spans(obj, where))
+    examples = [sft_spans(obj, where) for where, obj in jsonl_objects(path)]
     if not examples:
         raise DataError(f"{flag} {path!r} holds no examples")
     return examples

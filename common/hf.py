@@ -431,3 +431,16 @@ def export_extras(init_from_hf: str, tokenizer_path: str | None) -> tuple[dict, 
         return ({"bos_token_id": tok.bos_id() if tok.bos_id() >= 0 else None,
                  "eos_token_id": tok.eos_id()}, os.path.dirname(tokenizer_path))
     return {}, None
+
+
+def shape_flag_problem(args: list[str], allowed: tuple[str, ...]) -> str | None:
+    """With --init-from-hf the model's shape comes from the folder's config.json: a
+    --model.* flag outside `allowed` (how to compute) contradicts it. The reason, or None."""
+    for a in args:
+        name = a.split("=")[0]
+        field_name = name.removeprefix("--model.").replace("-", "_").removeprefix("no_")
+        if name.startswith("--model.") and field_name not in allowed:
+            flags = ", ".join("--model." + f.replace("_", "-") for f in allowed)
+            return (f"{name} conflicts with --init-from-hf: the model's shape comes from that "
+                    f"folder's config.json. Drop the flag (only {flags} may be set).")
+    return None
