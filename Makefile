@@ -97,14 +97,14 @@ TPU_NAME   ?= jax-trainers
 TPU_TYPE   ?= v5p-32
 TPU_RUNTIME ?= v2-alpha-tpuv5
 NUM_SLICES ?= 2
-# Every process of a run must see RUN_DIR: on several hosts, a shared mount (Filestore, NFS,
-# gcsfuse); gs:// URLs are not supported yet by common/checkpoint.py.
+# Every process of a run must see RUN_DIR: on several hosts, a gs:// bucket (what a TPU pod
+# uses: RUN_DIR=gs://my-bucket/runs/8b) or a shared mount (Filestore, NFS).
 RUN_DIR    ?= runs/$(PRESET)
 REMOTE_DIR ?= jax-trainers
 GPUS       ?= 8
 NODES      ?= 2
 GPU_ARGS   ?= --model.dtype bfloat16
-TPU_REMOTE  = cd $(REMOTE_DIR) && python3 -m venv .venv && .venv/bin/pip install -q -e '.[tpu]' && \
+TPU_REMOTE  = cd $(REMOTE_DIR) && python3 -m venv .venv && .venv/bin/pip install -q -e '.[tpu,gcs]' && \
   .venv/bin/python train_dense.py $(PRESET) --run-dir $(RUN_DIR) --mesh.fsdp -1
 .PHONY: tpu-vm tpu-multislice gpu-node gpu-slurm
 

@@ -14,7 +14,6 @@ heads, H head width, F MLP width, V vocabulary, L layers.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 import sys
@@ -32,7 +31,8 @@ from jax.sharding import PartitionSpec as P
 
 from common import hf, multislice, observe
 from common.checkpoint import (CheckpointConfig, CheckpointError, Checkpointer,
-                               ConfigConflictError, PreemptionGuard, check_run_config)
+                               ConfigConflictError, PreemptionGuard, check_run_config,
+                               read_run_config, run_path)
 from common.data import (DataConfig, DataError, SFTDataset, get_batch, held_out_batches,
                          load_dataset, tokenizer_path)
 from common.mesh import (BATCH_AXES, MeshConfig, MeshError, batch_shards, describe, make_mesh,
@@ -886,13 +886,11 @@ def bench(cfg: Config, mesh, tx) -> dict:
 
 
 def init_run_config(run_dir: str) -> dict:
-    path = os.path.join(run_dir, "config.json")
-    if not os.path.isfile(path) or not os.path.isdir(os.path.join(run_dir, "checkpoints")):
+    if not (run_path(run_dir, "config.json").exists() and run_path(run_dir, "checkpoints").is_dir()):
         raise FileNotFoundError(f"--init-from {run_dir!r}: not a train_dense.py run directory "
                                 f"(it needs config.json and checkpoints/); train one first, "
                                 f"e.g. `make train` for runs/tiny.")
-    with open(path) as f:
-        return json.load(f)
+    return read_run_config(run_dir, "--init-from")
 
 
 def resolve_init_from(cfg: Config) -> Config:
@@ -985,7 +983,7 @@ def _train(cfg: Config, mesh, tx) -> dict:
     if ds.vocab_size > mc.vocab_size:
         raise ConfigError(f"the tokenizer has {ds.vocab_size} tokens but --model.vocab-size is "
                           f"{mc.vocab_size}; set --model.vocab-size {ds.vocab_size} or larger.")
-    os.makedirs(cfg.run_dir, exist_ok=True)
+    run_path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
     if multislice.is_main_process():
         check_run_config(cfg.run_dir, dataclasses.asdict(cfg), MAY_CHANGE,
                          defaults=dataclasses.asdict(Config()))
@@ -1116,7 +1114,8 @@ def _train_loop(cfg: Config, mesh, tx, ds, ckpt: Checkpointer, metrics_log: obse
                 # device array) would hide a wait for the device.
                 stop = stop_vote is not None and bool(jax.device_get(stop_vote))
                 stop_vote = multislice.any_process(guard.requested)
-                ckpt.save(done, state, force=done == tc.steps or stop)
+                if ckpt.save(done, state, force=done == tc.steps or stop):
+                    metrics_log.checkpointed()
                 if stop:
                     log(f"SIGTERM: saved step {done}, exiting")
                     break
@@ -1404,11 +1403,8 @@ def export_hf(run_dir: str, out: str, step: int = -1,
         model_type: The family; "" = the source's, else by knob: qwen3, qwen2 or llama.
         max_shard_gb: The largest safetensors file.
     """
-    path = os.path.join(run_dir, "config.json")
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"--run-dir {run_dir}: no config.json, so not a run directory.")
-    with open(path) as f:
-        saved = json.load(f)
+    path = run_path(run_dir, "config.json")
+    saved = read_run_config(run_dir, "--run-dir")
     try:
         cfg = Config(model=ModelConfig(**saved["model"]), train=TrainConfig(**saved["train"]),
                      data=DataConfig(**saved["data"]), run_dir=run_dir)

@@ -23,7 +23,6 @@ V vocabulary, L layers. Run with `--help` for every flag.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 import re
@@ -42,7 +41,8 @@ from jax.sharding import PartitionSpec as P
 
 from common import hf, multislice, observe
 from common.checkpoint import (CheckpointConfig, CheckpointError, Checkpointer,
-                               ConfigConflictError, PreemptionGuard, check_run_config)
+                               ConfigConflictError, PreemptionGuard, check_run_config,
+                               read_run_config, run_path)
 from common.data import DataConfig, load_dataset, open_tokenizer
 from common.mesh import BATCH_AXES, MeshConfig, MeshError, describe, make_mesh, resolve
 
@@ -637,7 +637,7 @@ def completion_logps(params, prompt_BP, valid_BP, completion_BN, cfg: ModelConfi
     """Log-probs [B, N] of the completion tokens and the policy's entropy at each, from one
     forward over prompt + completion. Only the N completion positions are unembedded: the
     [B, T, V] logits of the prompt are never made."""
-    Pw, N = prompt_BP.shape[1], completion_BN.shape[1]
+    Pw = prompt_BP.shape[1]
     tokens_BT = jnp.concatenate([prompt_BP, completion_BN], axis=1)[:, :-1]
     valid_BT = jnp.concatenate([valid_BP, jnp.ones_like(completion_BN, bool)], axis=1)[:, :-1]
     h_BTD = hidden(params, tokens_BT, cfg, padded_positions(valid_BT),
@@ -999,13 +999,11 @@ def fetch(x) -> np.ndarray:
 
 
 def dense_run_config(run_dir: str) -> dict:
-    path = os.path.join(run_dir, "config.json")
-    if not os.path.isfile(path) or not os.path.isdir(os.path.join(run_dir, "checkpoints")):
+    if not (run_path(run_dir, "config.json").exists() and run_path(run_dir, "checkpoints").is_dir()):
         raise FileNotFoundError(f"--init-from {run_dir!r}: not a train_dense.py run directory "
                                 f"(it needs config.json and checkpoints/); train one with "
                                 f"`python train_dense.py tiny --run-dir {run_dir}`.")
-    with open(path) as f:
-        return json.load(f)
+    return read_run_config(run_dir, "--init-from")
 
 
 def resolve_init_from(cfg: Config) -> Config:
@@ -1067,7 +1065,7 @@ def main(cfg: Config) -> dict:
         f"{jax.device_count()} {jax.devices()[0].platform} devices | loss {cfg.grpo.loss} "
         f"(clip {1 - lo:g}..{1 + hi:g}, beta {cfg.grpo.beta:g}, mu {cfg.grpo.mu}, "
         f"{'std-scaled' if cfg.grpo.scale_rewards else 'mean-centred'} advantages)")
-    os.makedirs(cfg.run_dir, exist_ok=True)
+    run_path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
     if multislice.is_main_process():
         check_run_config(cfg.run_dir, dataclasses.asdict(cfg), MAY_CHANGE)
     # Closed in reverse: the last save is waited for (and raises if it failed) first.
@@ -1270,7 +1268,8 @@ class Trainer:
                 self.record(rec)
                 stop = stop_vote is not None and bool(jax.device_get(stop_vote))  # same everywhere
                 stop_vote = multislice.any_process(guard.requested)
-                self.ckpt.save(done, state, force=done == g.steps or stop)
+                if self.ckpt.save(done, state, force=done == g.steps or stop):
+                    self.metrics_log.checkpointed()
                 if stop:
                     log(f"SIGTERM: saved step {done}, exiting")
                     break

@@ -34,7 +34,6 @@ weight is split on d over fsdp and gathered per layer, and on its hidden width o
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 import sys
@@ -52,7 +51,8 @@ from jax.sharding import PartitionSpec as P
 
 from common import hf, multislice, observe
 from common.checkpoint import (CheckpointConfig, CheckpointError, Checkpointer,
-                               ConfigConflictError, PreemptionGuard, check_run_config)
+                               ConfigConflictError, PreemptionGuard, check_run_config,
+                               read_run_config, run_path)
 from common.data import DataConfig, get_batch, load_dataset
 from common.mesh import (BATCH_AXES, MeshConfig, MeshError, batch_shards, describe, make_mesh,
                          resolve)
@@ -999,7 +999,7 @@ def main(cfg: Config) -> dict:
 
 def _train(cfg: Config, mesh, tx) -> dict:
     t_start = time.perf_counter()
-    tc, mc = cfg.train, cfg.model
+    mc = cfg.model
     ds = load_dataset(cfg.data)
     if cfg.init_from_hf and (note := hf.check_tokenizer(
             cfg.init_from_hf, ds.tokenizer_path, f"--data.path {cfg.data.path!r}")):
@@ -1007,7 +1007,7 @@ def _train(cfg: Config, mesh, tx) -> dict:
     if ds.vocab_size > mc.vocab_size:
         raise ConfigError(f"the tokenizer has {ds.vocab_size} tokens but --model.vocab-size is "
                           f"{mc.vocab_size}; set --model.vocab-size {ds.vocab_size} or larger.")
-    os.makedirs(cfg.run_dir, exist_ok=True)
+    run_path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
     if multislice.is_main_process():
         check_run_config(cfg.run_dir, dataclasses.asdict(cfg), MAY_CHANGE,
                          defaults=dataclasses.asdict(Config()))
@@ -1112,7 +1112,8 @@ def _train_loop(cfg: Config, mesh, tx, ds, ckpt: Checkpointer, metrics_log: obse
                 # device array) would hide a wait for the device.
                 stop = stop_vote is not None and bool(jax.device_get(stop_vote))
                 stop_vote = multislice.any_process(guard.requested)
-                ckpt.save(done, state, force=done == tc.steps or stop)
+                if ckpt.save(done, state, force=done == tc.steps or stop):
+                    metrics_log.checkpointed()
                 if stop:
                     log(f"SIGTERM: saved step {done}, exiting")
                     break
@@ -1398,11 +1399,8 @@ def export_hf(run_dir: str, out: str, step: int = -1,
         model_type: The family; "" = the source's, else qwen3_moe for q/k norm, or mixtral.
         max_shard_gb: The largest safetensors file.
     """
-    path = os.path.join(run_dir, "config.json")
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"--run-dir {run_dir}: no config.json, so not a run directory.")
-    with open(path) as f:
-        saved = json.load(f)
+    path = run_path(run_dir, "config.json")
+    saved = read_run_config(run_dir, "--run-dir")
     try:
         cfg = Config(model=ModelConfig(**saved["model"]), train=TrainConfig(**saved["train"]),
                      data=DataConfig(**saved["data"]), run_dir=run_dir)

@@ -10,9 +10,14 @@ Orbax does the heavy lifting. Each process writes only the shards it holds, and 
 reads only the slices that the *target* shardings ask for, so a checkpoint written on one
 mesh resumes on any other (a different device count, 4x2 -> 8x1, many hosts -> one CPU).
 A save first writes into a temporary folder and renames it to `<step>/` only once every
-byte is down (on object stores, where renames are not atomic, Orbax writes a commit file
-instead); a folder still carrying the temporary suffix is never mistaken for a checkpoint,
-so a save cut off by preemption or a crash can never hide the last good one.
+byte is down (on object stores, where renames are not atomic, Orbax writes into `<step>/`
+and adds `commit_success.txt` last); a folder still carrying the temporary suffix, or a
+bucket folder without that file, is never mistaken for a checkpoint, so a save cut off by
+preemption or a crash can never hide the last good one.
+
+The run directory may be a local path, a mount every host sees, or a `gs://` bucket
+(what a TPU pod uses: no shared disk). All file access goes through `etils.epath`, which
+Orbax uses too; a bucket needs `gcsfs` (`pip install '.[gcs]'`).
 
 What this module adds on top is mostly *refusal*: it will not write into a directory
 that holds someone else's files, resume a run whose model has changed, or report a save
@@ -26,7 +31,6 @@ import json
 import logging
 import os
 import re
-import shutil
 import signal
 import tempfile
 import threading
@@ -35,8 +39,9 @@ from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
+from etils import epath
 
-from common.observe import progress
+from common.observe import is_remote, progress
 
 # Orbax logs through absl at INFO about fifty lines per save (thread names, barrier keys,
 # byte counts). Silent by default, but the moment a trainer calls
@@ -57,6 +62,8 @@ _TMP_STEP = re.compile(r"^\d+\.orbax-checkpoint-tmp(-\d+)?$")
 # Orbax writes this into a step folder before any array data, so every step folder of
 # ours has it, even one whose arrays were later damaged.
 _STEP_METADATA_FILE = "_CHECKPOINT_METADATA"
+# What Orbax writes last into a step folder on an object store (no atomic rename there).
+_COMMIT_FILE = "commit_success.txt"
 # Orbax's name for the manager-level metadata folder; it creates it only when asked to,
 # but it is Orbax's by right and must not make our own run directory look foreign.
 _ROOT_METADATA_DIR = "metadata"
@@ -86,6 +93,30 @@ class ConfigConflictError(ValueError):
     """The run directory belongs to a run with a different config."""
 
 
+def run_path(run_dir: str | os.PathLike, *parts: str) -> epath.Path:
+    """`run_dir/parts...` as an epath.Path: made absolute if local (Orbax wants that), as
+    given if a bucket URL."""
+    root = os.fspath(run_dir)
+    return epath.Path(root if is_remote(root) else os.path.abspath(root)).joinpath(*parts)
+
+
+def read_run_config(run_dir: str | os.PathLike, what: str) -> dict:
+    """The config.json a run saved, for `what` (the flag that named the run: "--init-from")."""
+    path = run_path(run_dir, "config.json")
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{what} {run_dir}: no config.json there, so not a run directory. "
+                                "Fix: pass the --run-dir of a run that has started.") from None
+    try:
+        saved = json.loads(text)
+    except ValueError as e:
+        raise ValueError(f"{what} {run_dir}: {path} is not valid JSON ({e}). Fix: repair or remove it.") from e
+    if not isinstance(saved, dict):
+        raise ValueError(f"{what} {run_dir}: {path} does not hold a config (a JSON object).")
+    return saved
+
+
 def _reason(e: BaseException) -> str:
     """One readable line from an exception raised somewhere inside Orbax or TensorStore.
 
@@ -109,7 +140,7 @@ class Checkpointer:
 
     def __init__(self, run_dir: str, cfg: CheckpointConfig):
         self.cfg = cfg
-        self.directory = os.path.join(os.path.abspath(run_dir), "checkpoints")
+        self.directory = run_path(run_dir, "checkpoints")
         _refuse_foreign_directory(self.directory)
 
         registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
@@ -220,11 +251,14 @@ class Checkpointer:
         if self._swept:
             return
         self._swept = True
-        if jax.process_index() != 0:
+        if jax.process_index() != 0 or not self.directory.exists():
             return
-        for name in os.listdir(self.directory):
-            if _TMP_STEP.match(name):
-                shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
+        for path in self.directory.iterdir():
+            if _is_leftover(path):
+                try:
+                    path.rmtree()
+                except OSError:
+                    pass  # half-deleted is as harmless as whole: nothing reads them
 
     def wait(self) -> None:
         """Blocks until a background save is on disk; raises CheckpointError if it failed."""
@@ -240,7 +274,7 @@ class Checkpointer:
     def _save_failed(self, step: int | None, e: BaseException, background: bool = False) -> str:
         what = f"step {step}" if step is not None else "a checkpoint"
         where = "in the background " if background else ""
-        last = self.latest_step() if os.path.isdir(self.directory) else None
+        last = self.latest_step() if self.directory.is_dir() else None
         kept = "" if last is None else f"The last complete checkpoint, step {last}, is untouched. "
         return (
             f"saving {what} {where}to {self.directory} failed: {_reason(e)}. {kept}"
@@ -259,7 +293,7 @@ class Checkpointer:
         weights): only that part is read, and the rest of the checkpoint is ignored.
         """
         self.wait()  # an async save of this very step must land first
-        step_dir = os.path.join(self.directory, str(step))
+        step_dir = self.directory / str(step)
         steps = self.all_steps()
         if step not in steps:
             raise CheckpointError(
@@ -287,8 +321,8 @@ class Checkpointer:
             raise CheckpointError(
                 f"checkpoint {step_dir} does not match the state being restored:\n  "
                 + "\n  ".join(shown)
-                + f"\nFix: resume with the config the run was saved with (see {os.path.dirname(self.directory)}"
-                "/config.json), or start a new --run-dir for the new model."
+                + f"\nFix: resume with the config the run was saved with (see {self.directory.parent / 'config.json'}), "
+                "or start a new --run-dir for the new model."
             )
 
         if partial:
@@ -325,27 +359,36 @@ class Checkpointer:
         self.close()
 
 
-def _refuse_foreign_directory(directory: str) -> None:
+def _is_leftover(path: epath.Path) -> bool:
+    """A step folder of a save that was cut off: Orbax's temporary folder, or on an object
+    store (no renames, so no temporary name) a step folder without its commit file."""
+    if _TMP_STEP.match(path.name):
+        return True
+    return is_remote(path) and path.name.isdigit() and not (path / _COMMIT_FILE).exists()
+
+
+def _refuse_foreign_directory(directory: epath.Path) -> None:
     """Raises unless `directory` is absent, empty, or holds only what Orbax writes there.
 
     Orbax deletes old step folders to keep the last N, and force-saving a step replaces a
     folder of that name. Pointing a run at a directory full of someone else's files could
     therefore destroy them; we stop before touching anything.
     """
-    if not os.path.lexists(directory):
+    if not (directory.exists() or os.path.islink(directory)):
         return
-    if not os.path.isdir(directory):
+    if not directory.is_dir():
         raise CheckpointError(
             f"{directory} exists but is not a directory. "
             "Fix: use another --run-dir, or move that file aside."
         )
     foreign = []
-    for name in sorted(os.listdir(directory)):
-        path = os.path.join(directory, name)
-        if os.path.isdir(path) and not os.path.islink(path):
-            if name.isdigit() and os.path.exists(os.path.join(path, _STEP_METADATA_FILE)):
+    for path in sorted(directory.iterdir()):
+        name = path.name
+        local_link = not is_remote(path) and os.path.islink(path)
+        if path.is_dir() and not local_link:
+            if name.isdigit() and (path / _STEP_METADATA_FILE).exists():
                 continue  # a step folder (complete or damaged: restore tells which)
-            if _TMP_STEP.match(name) or name == _ROOT_METADATA_DIR:
+            if _is_leftover(path) or name == _ROOT_METADATA_DIR:
                 continue
         foreign.append(name)
     if foreign:
@@ -402,14 +445,17 @@ def _flatten_config(config: dict, prefix: str = "") -> dict[str, Any]:
     return flat
 
 
-def _write_json_atomically(path: str, obj: Any) -> None:
+def _write_json_atomically(path: epath.Path, obj: Any) -> None:
+    text = json.dumps(obj, indent=2, sort_keys=True) + "\n"
+    if is_remote(path):
+        path.write_text(text)  # an object is replaced whole: readers see one version or the other
+        return
     # A unique temporary name per writer: several processes of one run may write the
     # same file at once, and each rename is atomic, so a reader sees one whole version.
     fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".config.", suffix=".json.tmp")
     try:
         with os.fdopen(fd, "w") as f:
-            json.dump(obj, f, indent=2, sort_keys=True)
-            f.write("\n")
+            f.write(text)
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
@@ -431,14 +477,14 @@ def check_run_config(run_dir: str, config: dict, may_change: frozenset[str] = fr
     # Round-trip through JSON so that the live config compares as it will read back
     # (tuples become lists; values JSON cannot hold are recorded by their str()).
     now = json.loads(json.dumps(config, default=str))
-    os.makedirs(run_dir, exist_ok=True)
-    path = os.path.join(run_dir, "config.json")
-    if not os.path.exists(path):
+    root = run_path(run_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    path = root / "config.json"
+    if not path.exists():
         _write_json_atomically(path, now)
         return
     try:
-        with open(path) as f:
-            saved = json.load(f)
+        saved = json.loads(path.read_text())
     except (OSError, ValueError) as e:
         raise ConfigConflictError(
             f"{path} cannot be read as JSON ({e}). Fix: repair or remove it, or choose a new --run-dir."
@@ -471,12 +517,12 @@ def check_run_config(run_dir: str, config: dict, may_change: frozenset[str] = fr
         # Keep the old file: the run's history (which steps ran with which budget or mesh)
         # lives only there.
         stamp = time.strftime("%Y%m%d-%H%M%S")
-        backup = os.path.join(run_dir, f"config.{stamp}.json")
+        backup = root / f"config.{stamp}.json"
         n = 1
-        while os.path.exists(backup):
-            backup = os.path.join(run_dir, f"config.{stamp}-{n}.json")
+        while backup.exists():
+            backup = root / f"config.{stamp}-{n}.json"
             n += 1
-        shutil.copy2(path, backup)
+        path.copy(backup)
         _write_json_atomically(path, now)
 
 

@@ -9,13 +9,19 @@ TensorBoard files are written with tensorboardX (an optional extra: `pip install
 whose writer thread does the file work, so a log step costs the loop a queue put per
 figure. Without it a run writes metrics.jsonl only and says once how to get the rest.
 Everything here writes from process 0 only; the other processes keep quiet.
+
+A run directory in a bucket (gs://) cannot be appended to, so there these files are written
+to a local staging folder and copied up whole (see `Mirror`): every 30 s while they change,
+and at the end of the run.
 """
 from __future__ import annotations
 
 import json
 import math
 import os
+import shutil
 import sys
+import tempfile
 import threading
 import time
 
@@ -50,6 +56,66 @@ def note(*a, **kw) -> None:
     """A progress line: said unless quiet."""
     if not _QUIET:
         say(*a, **kw)
+
+
+def is_remote(path: str | os.PathLike) -> bool:
+    """Whether `path` is an object-store URL (gs://, s3://) rather than a file system path."""
+    return "://" in os.fspath(path)
+
+
+class Mirror:
+    """A local folder whose files are copied, whole, to `remote` (a bucket folder).
+
+    Object stores have no append: a file that grows (metrics.jsonl, TensorBoard events) is
+    written here and re-uploaded whole once it has changed, at most every `every_s`
+    seconds (`sync()`) and at the end (`sync(force=True)`). The files are small next to a
+    checkpoint (a few hundred bytes per logged step), so each upload costs little.
+    """
+
+    def __init__(self, remote: str, every_s: float = 30.0):
+        from etils import epath  # orbax's dependency; imported here so the data CLI stays light
+
+        self.remote = epath.Path(remote)
+        self.local = tempfile.mkdtemp(prefix="run-staging-")
+        self.every_s = every_s
+        self._sent: dict[str, tuple[int, int]] = {}
+        self._last = time.monotonic()
+
+    def fetch(self, name: str) -> str:
+        """The local copy of `remote/name`, downloaded if it exists (to append to it)."""
+        local = os.path.join(self.local, name)
+        os.makedirs(os.path.dirname(local), exist_ok=True)
+        src = self.remote / name
+        if src.exists():
+            with open(local, "wb") as f:
+                f.write(src.read_bytes())
+            st = os.stat(local)
+            self._sent[name] = (st.st_size, st.st_mtime_ns)
+        return local
+
+    def sync(self, force: bool = False) -> None:
+        if not force and time.monotonic() - self._last < self.every_s:
+            return
+        self._last = time.monotonic()
+        for folder, _, files in os.walk(self.local):
+            for f in files:
+                local = os.path.join(folder, f)
+                name = os.path.relpath(local, self.local)
+                st = os.stat(local)
+                if self._sent.get(name) == (st.st_size, st.st_mtime_ns):
+                    continue
+                with open(local, "rb") as fh:
+                    data = fh.read()
+                dst = self.remote / name
+                dst.parent.mkdir(parents=True, exist_ok=True)
+                dst.write_bytes(data)
+                self._sent[name] = (st.st_size, st.st_mtime_ns)
+
+    def close(self) -> None:
+        try:
+            self.sync(force=True)
+        finally:
+            shutil.rmtree(self.local, ignore_errors=True)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -187,6 +253,16 @@ class MetricsLog:
         self.main = is_main_process()
         self._tbx = _tensorboardx() if self.main else None
         self._writers = {}
+        # In a bucket: write locally, upload whole (see Mirror).
+        self._mirror = Mirror(self.run_dir) if self.main and is_remote(run_dir) else None
+        self._file = self._mirror.fetch("metrics.jsonl") if self._mirror else self.path
+        self._tb_local = os.path.join(self._mirror.local, "tensorboard") if self._mirror else self.tensorboard_dir
+        self._due = False
+
+    def checkpointed(self) -> None:
+        """A checkpoint was just saved. A run resumed from it will not log the steps before
+        it again, so in a bucket the rows up to it go up with the next record, not in 30 s."""
+        self._due = True
 
     @property
     def has_tensorboard(self) -> bool:
@@ -199,20 +275,22 @@ class MetricsLog:
         self.records.append(rec)
         if not self.main:
             return
-        with open(self.path, "a") as f:
+        with open(self._file, "a") as f:
             f.write(json.dumps(rec) + "\n")
-        if self._tbx is None:
-            return
-        step = int(rec[step_key])
-        if run not in self._writers:
-            self._open(run, step)
-        prefix = f"{run}/" if run else ""
-        for tag, v in scalars(rec, skip=(step_key,)).items():
-            self._writers[run].add_scalar(prefix + tag, v, step)
+        if self._tbx is not None:
+            step = int(rec[step_key])
+            if run not in self._writers:
+                self._open(run, step)
+            prefix = f"{run}/" if run else ""
+            for tag, v in scalars(rec, skip=(step_key,)).items():
+                self._writers[run].add_scalar(prefix + tag, v, step)
+        if self._mirror is not None:
+            self._mirror.sync(force=self._due)
+            self._due = False
 
     def _open(self, run: str, step: int) -> None:
         # flush_secs: a person watching TensorBoard sees a point within ~10 s of its log line.
-        writer = self._tbx.SummaryWriter(os.path.join(self.tensorboard_dir, run),
+        writer = self._tbx.SummaryWriter(os.path.join(self._tb_local, run),
                                          purge_step=step, max_queue=1000, flush_secs=10)
         if self.config is not None and not run:
             text = json.dumps(self.config, indent=2, sort_keys=True, default=str)
@@ -223,6 +301,10 @@ class MetricsLog:
     def close(self) -> None:
         for writer in self._writers.values():
             writer.close()  # flushes and joins the writer thread
+        self._writers.clear()
+        if self._mirror is not None:
+            self._mirror.close()
+            self._mirror = None
 
     def __enter__(self) -> MetricsLog:
         return self
@@ -278,6 +360,8 @@ class Profiler:
         self.dir = os.path.join(run_dir, "profile")
         if jax.process_count() > 1:
             self.dir = os.path.join(self.dir, f"process_{jax.process_index()}")
+        # The profiler writes through the local file system only: trace there, then upload.
+        self._mirror = Mirror(self.dir) if steps and is_remote(self.dir) else None
         self.active = False
         self.traced: tuple[int, int] | None = None
         self._annotation = None
@@ -285,7 +369,8 @@ class Profiler:
     def before(self, step: int) -> None:
         if not self.active and self.traced is None and self.first <= step <= self.last:
             note(f"profile: tracing steps {step}-{self.last} into {self.dir}")
-            jax.profiler.start_trace(self.dir, create_perfetto_trace=True)
+            jax.profiler.start_trace(self._mirror.local if self._mirror else self.dir,
+                                     create_perfetto_trace=True)
             self.active, self._began = True, step
         if self.active:
             # Marks the step in the trace: the profile plugin's step-time view reads these.
@@ -303,6 +388,9 @@ class Profiler:
     def _stop(self, step: int) -> None:
         with progress("profile: writing the trace"):
             jax.profiler.stop_trace()
+            if self._mirror is not None:
+                self._mirror.close()
+                self._mirror = None
         self.active, self.traced = False, (self._began, step)
 
     def close(self) -> None:
@@ -312,6 +400,9 @@ class Profiler:
             self._annotation = None
         if self.active:
             self._stop(-1)
+        if self._mirror is not None:  # never traced (a resume past the range): nothing to upload
+            self._mirror.close()
+            self._mirror = None
 
     def __enter__(self) -> Profiler:
         return self

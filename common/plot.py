@@ -15,11 +15,16 @@ step is not past the previous one starts over from there, so each step shows its
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import math
 import os
 import sys
 from dataclasses import dataclass, field
+
+from etils import epath  # local folders and gs:// buckets alike (gs:// needs the gcs extra)
+
+from common.observe import is_remote
 
 # Every figure has this size, so figures of different runs line up side by side.
 FIGSIZE_IN, DPI = (11, 7), 100
@@ -46,37 +51,39 @@ def _num(v) -> float:
     return float("nan") if v is None else float(v)
 
 
+def _norm(d: str) -> str:
+    return d.rstrip("/") if is_remote(d) else os.path.normpath(d)  # normpath eats gs://'s "/"
+
+
 def read_run(run_dir: str, name: str | None = None) -> Run:
-    path = os.path.join(run_dir, "metrics.jsonl")
-    if not os.path.isfile(path):
+    path = epath.Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
         raise FileNotFoundError(f"{run_dir}: no metrics.jsonl here; is it a run directory "
                                 f"(--run-dir of a trainer) that has logged a step?")
     by_step: dict[int, dict] = {}
     warm, last = [], None
-    with open(path) as f:
-        for line_no, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
-                # A run killed mid-write leaves half a line; everything before it still counts.
-                print(f"plot: {path}, line {line_no}: not JSON, skipped", file=sys.stderr)
-                continue
-            if "step" not in rec:
-                warm += [rec] if "warm_step" in rec else []
-                continue
-            step = rec["step"]
-            if last is not None and step < last:  # a resume: what follows replaces the rest
-                for s in [s for s in by_step if s >= step]:
-                    del by_step[s]
-            by_step.setdefault(step, {}).update(rec)
-            last = step
+    for line_no, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            # A run killed mid-write leaves half a line; everything before it still counts.
+            print(f"plot: {path}, line {line_no}: not JSON, skipped", file=sys.stderr)
+            continue
+        if "step" not in rec:
+            warm += [rec] if "warm_step" in rec else []
+            continue
+        step = rec["step"]
+        if last is not None and step < last:  # a resume: what follows replaces the rest
+            for s in [s for s in by_step if s >= step]:
+                del by_step[s]
+        by_step.setdefault(step, {}).update(rec)
+        last = step
     config = {}
-    if os.path.isfile(os.path.join(run_dir, "config.json")):
-        with open(os.path.join(run_dir, "config.json")) as f:
-            config = json.load(f)
-    return Run(name or os.path.basename(os.path.normpath(run_dir)),
+    if (epath.Path(run_dir) / "config.json").is_file():
+        config = json.loads((epath.Path(run_dir) / "config.json").read_text())
+    return Run(name or os.path.basename(_norm(run_dir)),
                [by_step[s] for s in sorted(by_step)], warm, config)
 
 
@@ -283,25 +290,27 @@ def figures(runs: list[Run], log_y: bool = False) -> dict:
 def default_out(run_dirs: list[str]) -> str:
     if len(run_dirs) == 1:
         return os.path.join(run_dirs[0], "plots")
-    names = [os.path.basename(os.path.normpath(d)) for d in run_dirs]
-    parent = os.path.dirname(os.path.normpath(run_dirs[0]))
+    names = [os.path.basename(_norm(d)) for d in run_dirs]
+    parent = os.path.dirname(_norm(run_dirs[0]))
     return os.path.join(parent, "compare-" + "-".join(names))
 
 
 def plot(run_dirs: list[str], out: str = "", log_y: bool = False) -> list[str]:
     """Write the PNGs of `run_dirs` into `out` (default: see default_out); returns their paths."""
-    names = [os.path.basename(os.path.normpath(d)) for d in run_dirs]
+    names = [os.path.basename(_norm(d)) for d in run_dirs]
     if len(set(names)) < len(names):  # runs/a/x and runs/b/x: tell them apart by full path
-        names = [os.path.normpath(d) for d in run_dirs]
+        names = [_norm(d) for d in run_dirs]
     runs = [read_run(d, n) for d, n in zip(run_dirs, names)]
     if not any(r.steps or r.warm for r in runs):
         raise ValueError(f"{' '.join(run_dirs)}: metrics.jsonl holds no records yet")
     out = out or default_out(run_dirs)
-    os.makedirs(out, exist_ok=True)
+    epath.Path(out).mkdir(parents=True, exist_ok=True)
     paths = []
     for name, fig in figures(runs, log_y).items():
+        png = io.BytesIO()
+        fig.savefig(png, dpi=DPI, format="png")
         path = os.path.join(out, f"{name}.png")
-        fig.savefig(path, dpi=DPI)
+        epath.Path(path).write_bytes(png.getvalue())
         paths.append(path)
     return paths
 

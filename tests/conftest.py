@@ -1,6 +1,9 @@
 """Test set-up: 8 simulated CPU devices, set before JAX is imported anywhere."""
+import logging
 import os
 import sys
+
+import pytest
 
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
@@ -10,3 +13,33 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
+
+
+@pytest.fixture(scope="session")
+def gcs():
+    """A fake GCS bucket served from this process (tests/fake_gcs.py), and this process and
+    its children pointed at it; yields the bucket's URL. Skips where gcsfs is missing.
+
+    One per test process: gcsfs keeps its client (and the server's address) for the life of
+    the process, so tests share the bucket and use folders of their own.
+    """
+    pytest.importorskip("gcsfs", reason="pip install -e '.[test]' (gcsfs: gs:// run directories)")
+    # gcsfs asks Google's auth for the bucket's type on every path and, finding no
+    # credentials (the fake needs none), warns each time before doing the right thing.
+    logging.getLogger("gcsfs").setLevel(logging.ERROR)
+    from tests.fake_gcs import FakeGCS
+
+    server = FakeGCS(buckets=["runs-bucket"]).start()
+    names = ("STORAGE_EMULATOR_HOST", "TENSORSTORE_GCS_HTTP_URL", "GOOGLE_AUTH_TOKEN_FOR_TESTING")
+    saved = {k: os.environ.get(k) for k in names}
+    os.environ.update(STORAGE_EMULATOR_HOST=server.url, TENSORSTORE_GCS_HTTP_URL=server.url,
+                      GOOGLE_AUTH_TOKEN_FOR_TESTING="fake")
+    try:
+        yield "gs://runs-bucket"
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        server.stop()

@@ -8,8 +8,8 @@ VARS = ["PROJECT=proj", "ZONE=zone-a", "TPU_NAME=pod", "TPU_TYPE=v5p-64", "NUM_S
         "VENV=/nonexistent-venv"]
 
 
-def dry(target):
-    r = subprocess.run(["make", "-n", "-B", target, *VARS], cwd=ROOT, capture_output=True,
+def dry(target, *overrides):
+    r = subprocess.run(["make", "-n", "-B", target, *VARS, *overrides], cwd=ROOT, capture_output=True,
                        text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     return " ".join(r.stdout.replace("\\\n", " ").split())
@@ -20,6 +20,12 @@ def test_tpu_vm():
     assert "gcloud compute tpus tpu-vm scp --recurse --project=proj --zone=zone-a --worker=all" in out
     assert "gcloud compute tpus tpu-vm ssh pod --project=proj --zone=zone-a --worker=all" in out
     assert "train_dense.py llama3.1-8b --run-dir /mnt/shared/run --mesh.fsdp -1" in out
+    assert "pip install -q -e '.[tpu,gcs]'" in out  # gcs: a gs:// RUN_DIR, the pod's usual
+
+
+def test_tpu_vm_with_the_run_in_a_bucket():
+    out = dry("tpu-vm", "RUN_DIR=gs://my-bucket/runs/8b")
+    assert "train_dense.py llama3.1-8b --run-dir gs://my-bucket/runs/8b --mesh.fsdp -1" in out
 
 
 def test_tpu_multislice_sets_the_dcn_axis():

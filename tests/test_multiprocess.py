@@ -11,6 +11,7 @@ import time
 import jax
 import numpy as np
 import pytest
+from etils import epath
 
 import train_dense as td
 from common.checkpoint import Checkpointer
@@ -75,9 +76,9 @@ def single_process(data_path, run_dir, *extra, script="train_dense.py", preset=(
 def losses(run_dir):
     """Loss per step; a restarted run logs retraced steps again: they must agree."""
     out = {}
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        for rec in map(json.loads, f):
-            assert out.setdefault(rec["step"], rec["loss"]) == rec["loss"]
+    for line in epath.Path(run_dir, "metrics.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        assert out.setdefault(rec["step"], rec["loss"]) == rec["loss"]
     return [out[s] for s in sorted(out)]
 
 
@@ -168,6 +169,20 @@ def test_kill_9_restarts_the_group_and_ends_bit_identical(reference, data_path, 
     assert "resumed from step" in out and "launch: recovered in" in out
     assert_bitwise(final_params(tmp_path, data_path), final_params(reference, data_path))
     assert losses(tmp_path) == losses(reference)
+
+
+def test_kill_9_with_the_run_in_a_bucket_ends_bit_identical(reference, data_path, gcs):
+    # Each process writes its own shards into the bucket and the restarted group reads them
+    # back: what a TPU pod without a shared disk does (see conftest.py for the fake bucket).
+    run = f"{gcs}/two-processes"
+    p = launcher(data_path, run)
+    run_until_step(p, 5)
+    os.kill(process_with_id(p.pid, 0), signal.SIGKILL)
+    out = finish(p)
+    assert p.returncode == 0, out
+    assert "resumed from step" in out and "launch: recovered in" in out
+    assert_bitwise(final_params(run, data_path), final_params(reference, data_path))
+    assert losses(run) == losses(reference)
 
 
 def test_sigterm_to_the_launcher_saves_exits_0_and_resumes_exactly(reference, data_path,
