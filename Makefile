@@ -15,7 +15,7 @@ PORT   ?= 6006
 comma  := ,
 
 .DEFAULT_GOAL := help
-.PHONY: help train test bench bench-parity dry-run prepare clean train-moe bench-moe train-grpo \
+.PHONY: help train test bench bench-parity bench-recovery dry-run prepare clean train-moe bench-moe train-grpo \
         plot tensorboard need-run sft export-hf hf-fixtures
 
 help:  ## list the targets
@@ -52,6 +52,9 @@ bench-moe: $(VENV)/.installed  ## tok/s and MFU of MOE_PRESET and of its dense t
 
 bench-parity: $(VENV)/.installed  ## ours vs MaxText 0.2.5 on the same model, alternating, medians + ratio
 	$(PY) bench/parity.py $(ARGS)
+
+bench-recovery: $(VENV)/.installed  ## seconds from a kill -9 to the first step of the restarted group; checkpoint overhead
+	$(PY) bench/recovery.py --preset $(PRESET) $(ARGS)
 
 dry-run: $(VENV)/.installed  ## compile llama3.1-70b on 256 simulated devices and print its memory
 	XLA_FLAGS=--xla_force_host_platform_device_count=256 $(PY) train_dense.py llama3.1-70b \

@@ -2,6 +2,7 @@
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -221,3 +222,14 @@ def test_unreachable_coordinator_fails_fast_and_says_what_to_check(data_path, tm
     assert "coordinator 127.0.0.1:" in r.stderr and "every one of the 2 processes" in r.stderr
     if case == "wrong-address":   # a Python error with the fix, not a C++ abort
         assert r.returncode == 2 and "no coordinator answered" in r.stderr, r.stderr
+
+
+def test_bench_recovery_reports_its_figures(data_path):
+    # `make bench-recovery` on a small model: one kill, one round of the overhead comparison.
+    flags = " ".join(FLAGS[:-2] + ["--data.path", data_path])  # its own --checkpoint.every
+    r = subprocess.run([sys.executable, "bench/recovery.py", "--flags", flags, "--kills", "1",
+                        "--every", "2", "--overhead-steps", "10", "--rounds", "1"], cwd=ROOT,
+                       env=env(), capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert re.search(r"recovery: [\d.]+ s; median [\d.]+ s", r.stdout), r.stdout
+    assert re.search(r"checkpoint overhead: \d+ vs \d+ ms/step \(medians\): [+-][\d.]+%", r.stdout)
