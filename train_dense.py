@@ -34,7 +34,8 @@ from common.checkpoint import (CheckpointConfig, CheckpointError, Checkpointer,
                                ConfigConflictError, PreemptionGuard, check_run_config,
                                read_run_config, run_path)
 from common.data import (DataConfig, DataError, SFTDataset, get_batch, held_out_batches,
-                         load_dataset, tokenizer_path)
+                         load_dataset)
+from common.data import run_tokenizer as data_run_tokenizer
 from common.mesh import (BATCH_AXES, MeshConfig, MeshError, batch_shards, describe, make_mesh,
                          resolve, tpu_topology_devices)
 
@@ -910,14 +911,8 @@ def resolve_init_from(cfg: Config) -> Config:
 
 
 def run_tokenizer(run_dir: str) -> str:
-    """The sentencepiece model the run in `run_dir` tokenized with, following its own
-    --init-from when it was a fine-tune that named none."""
-    saved = init_run_config(run_dir)
-    known = {f.name for f in dataclasses.fields(DataConfig)}
-    theirs = DataConfig(**{k: v for k, v in saved.get("data", {}).items() if k in known})
-    if theirs.format == "sft" and not theirs.tokenizer and saved.get("init_from"):
-        return run_tokenizer(saved["init_from"])
-    return tokenizer_path(theirs)
+    """The sentencepiece model the run in `run_dir` tokenized with (see common/data.py)."""
+    return data_run_tokenizer(run_dir, init_run_config)
 
 
 def init_data_config(cfg: Config) -> DataConfig:
@@ -1421,9 +1416,11 @@ def export_hf(run_dir: str, out: str, step: int = -1,
         params = ckpt.restore(at, abstract_state(cfg, tx, state_shardings(cfg, mesh, tx)))
         params = params["params"]
     src = saved.get("init_from_hf") or ""
-    try:
-        tokenizer = None if src else load_dataset(cfg.data).tokenizer_path
+    try:  # an SFT run's config names no tokenizer: the run it started from does
+        tokenizer = None if src else run_tokenizer(run_dir)
     except (FileNotFoundError, ValueError, OSError):  # data gone: export without a tokenizer
+        tokenizer = None
+    if tokenizer and not os.path.isfile(tokenizer):
         tokenizer = None
     base, tokenizer_dir = hf.export_extras(src, tokenizer)
     files = save_hf(params, cfg.model, out, model_type=model_type, base_config=base,

@@ -43,7 +43,7 @@ from common import hf, multislice, observe
 from common.checkpoint import (CheckpointConfig, CheckpointError, Checkpointer,
                                ConfigConflictError, PreemptionGuard, check_run_config,
                                read_run_config, run_path)
-from common.data import DataConfig, load_dataset, open_tokenizer
+from common.data import open_tokenizer, run_tokenizer
 from common.mesh import BATCH_AXES, MeshConfig, MeshError, describe, make_mesh, resolve
 
 # ----------------------------------------------------------------------------------------------
@@ -1031,9 +1031,11 @@ def make_tokenizer(cfg: Config):
     if cfg.init_from_hf:
         return hf_tokenizer(cfg.init_from_hf)
     if cfg.init_from:
-        ds = load_dataset(DataConfig(**dense_run_config(cfg.init_from).get("data", {})))
+        # Pre-training or SFT: the file the dense run (or the run it fine-tuned) tokenized with.
+        path = run_tokenizer(cfg.init_from, dense_run_config)
+        eos = open_tokenizer(path).eos_id()
         # The dense model saw documents separated by EOS: after one, a document begins.
-        return PretrainedTokenizer(ds.tokenizer_path, ds.eos_id, ds.eos_id)
+        return PretrainedTokenizer(path, eos, eos)
     return CharTokenizer()
 
 

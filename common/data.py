@@ -35,7 +35,7 @@ import sysconfig
 import time
 import uuid
 from bisect import bisect_left, insort
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from collections.abc import Callable, Iterable, Iterator
 from typing import Annotated, Literal
 
@@ -987,6 +987,18 @@ def tokenizer_path(cfg: DataConfig) -> str:
         return os.path.join(cfg.path, "tokenizer.model")
     return os.path.join(_stdlib_corpus(_cache_root(cfg.cache_dir), vocab_size=cfg.vocab_size),
                         "tokenizer.model")
+
+
+def run_tokenizer(run_dir: str, read_config: Callable[[str], dict]) -> str:
+    """The sentencepiece model the train_dense.py run in `run_dir` tokenized with, following
+    its --init-from when it was a fine-tune that named none (an SFT config holds no
+    tokenizer of its own). `read_config(run_dir)` returns a run's saved config.json."""
+    saved = read_config(run_dir)
+    known = {f.name for f in fields(DataConfig)}
+    theirs = DataConfig(**{k: v for k, v in saved.get("data", {}).items() if k in known})
+    if theirs.format == "sft" and not theirs.tokenizer and saved.get("init_from"):
+        return run_tokenizer(saved["init_from"], read_config)
+    return tokenizer_path(theirs)
 
 
 def load_sft(cfg: DataConfig, seq_len: int) -> SFTDataset:

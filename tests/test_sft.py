@@ -345,6 +345,15 @@ def test_fine_tune_from_a_pretraining_run(tokenizer, tmp_path, capsys):
     log = capsys.readouterr().out
     assert "resumed from step 4" in log and "initialised from" not in log
     assert again["final_step"] == 6
+    # What comes after SFT finds the pre-training tokenizer through --init-from: an export
+    # ships it, and GRPO starts from the fine-tune with it.
+    files = td.export_hf(sft.run_dir, str(tmp_path / "hf"))
+    assert "tokenizer.model" in files
+    with open(tmp_path / "hf" / "tokenizer.model", "rb") as a, open(tokenizer, "rb") as b:
+        assert a.read() == b.read()
+    import train_grpo as tg
+    tok = tg.make_tokenizer(tg.Config(init_from=sft.run_dir))
+    assert tok.encode("1+2=") == D.open_tokenizer(tokenizer).encode("1+2=")
 
 
 def test_a_run_saved_before_the_sft_fields_existed_still_resumes(tmp_path):
