@@ -887,11 +887,7 @@ def bench(cfg: Config, mesh, tx) -> dict:
 
 
 def init_run_config(run_dir: str) -> dict:
-    if not (run_path(run_dir, "config.json").exists() and run_path(run_dir, "checkpoints").is_dir()):
-        raise FileNotFoundError(f"--init-from {run_dir!r}: not a train_dense.py run directory "
-                                f"(it needs config.json and checkpoints/); train one first, "
-                                f"e.g. `make train` for runs/tiny.")
-    return read_run_config(run_dir, "--init-from")
+    return read_run_config(run_dir, "--init-from", trained=True)
 
 
 def resolve_init_from(cfg: Config) -> Config:

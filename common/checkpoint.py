@@ -100,9 +100,14 @@ def run_path(run_dir: str | os.PathLike, *parts: str) -> epath.Path:
     return epath.Path(root if is_remote(root) else os.path.abspath(root)).joinpath(*parts)
 
 
-def read_run_config(run_dir: str | os.PathLike, what: str) -> dict:
-    """The config.json a run saved, for `what` (the flag that named the run: "--init-from")."""
+def read_run_config(run_dir: str | os.PathLike, what: str, trained: bool = False) -> dict:
+    """The config.json a run saved, for `what` (the flag that named the run: "--init-from").
+    `trained`: the run must also have checkpoints/ (to start from its weights)."""
     path = run_path(run_dir, "config.json")
+    if trained and not (path.exists() and run_path(run_dir, "checkpoints").is_dir()):
+        raise FileNotFoundError(f"{what} {os.fspath(run_dir)!r}: not a train_dense.py run directory "
+                                f"(it needs config.json and checkpoints/); train one first, "
+                                f"e.g. `make train` for runs/tiny.")
     try:
         text = path.read_text()
     except FileNotFoundError:

@@ -360,8 +360,7 @@ class Profiler:
         self.dir = os.path.join(run_dir, "profile")
         if jax.process_count() > 1:
             self.dir = os.path.join(self.dir, f"process_{jax.process_index()}")
-        # The profiler writes through the local file system only: trace there, then upload.
-        self._mirror = Mirror(self.dir) if steps and is_remote(self.dir) else None
+        self._mirror: Mirror | None = None
         self.active = False
         self.traced: tuple[int, int] | None = None
         self._annotation = None
@@ -369,6 +368,8 @@ class Profiler:
     def before(self, step: int) -> None:
         if not self.active and self.traced is None and self.first <= step <= self.last:
             note(f"profile: tracing steps {step}-{self.last} into {self.dir}")
+            # The profiler writes through the local file system only: trace there, then upload.
+            self._mirror = Mirror(self.dir) if is_remote(self.dir) else None
             jax.profiler.start_trace(self._mirror.local if self._mirror else self.dir,
                                      create_perfetto_trace=True)
             self.active, self._began = True, step
@@ -400,9 +401,6 @@ class Profiler:
             self._annotation = None
         if self.active:
             self._stop(-1)
-        if self._mirror is not None:  # never traced (a resume past the range): nothing to upload
-            self._mirror.close()
-            self._mirror = None
 
     def __enter__(self) -> Profiler:
         return self

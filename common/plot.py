@@ -80,9 +80,8 @@ def read_run(run_dir: str, name: str | None = None) -> Run:
                 del by_step[s]
         by_step.setdefault(step, {}).update(rec)
         last = step
-    config = {}
-    if (epath.Path(run_dir) / "config.json").is_file():
-        config = json.loads((epath.Path(run_dir) / "config.json").read_text())
+    config_file = epath.Path(run_dir) / "config.json"
+    config = json.loads(config_file.read_text()) if config_file.is_file() else {}
     return Run(name or os.path.basename(_norm(run_dir)),
                [by_step[s] for s in sorted(by_step)], warm, config)
 
@@ -208,16 +207,26 @@ def expert_load_figure(runs, log_y=False):
     return fig
 
 
+def _bands(ax, runs, bounds) -> None:
+    """A shaded band per run, in its line's colour, between the lower and upper series that
+    `bounds(run)` returns as (x, lower, upper); skipped where they do not line up."""
+    for i, run in enumerate(runs):
+        x, lo, hi = bounds(run)
+        if x and len(x) == len(lo) == len(hi):
+            ax.fill_between(x, lo, hi, color=_color(i), alpha=0.15, linewidth=0)
+
+
 def reward_figure(runs, log_y=False):
     if not any(r.has("reward") for r in runs):
         return None
     fig, (a, b) = _figure("reward", 2)
-    for i, run in enumerate(runs):
+
+    def mean_std(run):
         x, y = run.series("reward")
         _, sd = run.series("reward_std")
-        if len(sd) == len(y):
-            a.fill_between(x, [m - s for m, s in zip(y, sd)], [m + s for m, s in zip(y, sd)],
-                           color=_color(i), alpha=0.15, linewidth=0)
+        return x, [m - s for m, s in zip(y, sd)], [m + s for m, s in zip(y, sd)]
+
+    _bands(a, runs, mean_std)
     _lines(a, runs, [("reward", "sampled (mean, ± std)"), ("eval_reward", "held-out (greedy)")],
            ylabel="reward")
     _lines(b, runs, [("rewards/correctness/mean", "correct"), ("rewards/format/mean", "format")],
@@ -244,11 +253,12 @@ def lengths_figure(runs, log_y=False):
     if not any(r.has("completions/mean_length") for r in runs):
         return None
     fig, (a, b) = _figure("completions", 2)
-    for i, run in enumerate(runs):
+
+    def min_max(run):
         x, lo = run.series("completions/min_length")
-        _, hi = run.series("completions/max_length")
-        if x and len(lo) == len(hi):
-            a.fill_between(x, lo, hi, color=_color(i), alpha=0.15, linewidth=0)
+        return x, lo, run.series("completions/max_length")[1]
+
+    _bands(a, runs, min_max)
     _lines(a, runs, [("completions/mean_length", "mean (band: min-max)")], ylabel="tokens")
     _lines(b, runs, [("completions/clipped_ratio", "unfinished")],
            ylabel="share cut at --grpo.max-new-tokens")
