@@ -7,17 +7,18 @@
     python train_dense.py export-hf --run-dir runs/tiny --out hf/tiny
 
 Sections, in reading order: 1 config and presets, 2 parameters and their shardings, 3 model,
-4 loss and train step, 5 FLOPs and MFU, 6 main, 7 HuggingFace in and out. Shapes are suffixed
-on tensor names: B batch, T sequence, S key sequence, D model width, N query heads, K key/value
-heads, H head width, F MLP width, V vocabulary, L layers.
+4 loss and train step, 5 main and the training loop, 6 HuggingFace in and out. What no model
+changes (jitting with donation, state, MFU, dry-run and bench reports, the loop's logging,
+evals and checkpoints, the command line) is written once in common/train.py. Lines marked
+"SFT:" serve supervised fine-tuning only (--data.format sft); a pre-training fork deletes them.
+Shapes are suffixed on tensor names: B batch, T sequence, S key sequence, D model width,
+N query heads, K key/value heads, H head width, F MLP width, V vocabulary, L layers.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
 import os
-import sys
-import time
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Literal
@@ -29,15 +30,12 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from common import hf, multislice, observe
-from common.checkpoint import (CheckpointConfig, CheckpointError, Checkpointer,
-                               ConfigConflictError, PreemptionGuard, check_run_config,
-                               read_run_config, run_path)
-from common.data import (DataConfig, DataError, SFTDataset, get_batch, held_out_batches,
-                         load_dataset)
+from common import hf, observe, train
+from common.checkpoint import CheckpointConfig, read_run_config
+from common.data import DataConfig, SFTDataset, get_batch, held_out_batches, load_dataset
 from common.data import run_tokenizer as data_run_tokenizer
-from common.mesh import (BATCH_AXES, MeshConfig, MeshError, batch_shards, describe, make_mesh,
-                         resolve, tpu_topology_devices)
+from common.mesh import BATCH_AXES, MeshConfig, describe, make_mesh, resolve
+from common.train import ConfigError, log, named
 
 # ----------------------------------------------------------------------------------------------
 # 1. Config
@@ -175,8 +173,9 @@ MAY_CHANGE = frozenset({
     "model.loss_impl"})
 
 
-class ConfigError(ValueError):
-    """A flag value that cannot work; the message names the flag and the fix."""
+# Model fields that say how to compute, not what: with --init-from or --init-from-hf the model
+# is the source's, and these stay this run's flags.
+COMPUTE_FIELDS = tuple(sorted(k.split(".", 1)[1] for k in MAY_CHANGE if k.startswith("model.")))
 
 
 def validate(cfg: Config, n_devices: int) -> None:
@@ -186,52 +185,31 @@ def validate(cfg: Config, n_devices: int) -> None:
     if mesh.expert * mesh.dcn_expert != 1:
         raise ConfigError(f"--mesh.expert {mesh.expert}: the dense model has no experts; "
                           "keep it 1 (use train_moe.py for expert parallelism).")
-    tp = mesh.tensor * mesh.dcn_tensor
-    for flag, v in [("--model.n-heads", m.n_heads), ("--model.n-kv-heads", m.n_kv_heads),
-                    ("--model.d-ff", m.d_ff), ("--model.vocab-size", m.vocab_size)]:
-        if v % tp:
-            raise ConfigError(f"{flag} {v} is not divisible by --mesh.tensor {tp}: tensor "
-                              f"parallelism splits it evenly; choose a tensor size dividing {v}.")
+    train.check_sizes(mesh, {"tensor": [
+        ("--model.n-heads", m.n_heads), ("--model.n-kv-heads", m.n_kv_heads),
+        ("--model.d-ff", m.d_ff), ("--model.vocab-size", m.vocab_size)],
+        "fsdp": [("--model.d-model", m.d_model)]})
     if m.n_heads % m.n_kv_heads:
         raise ConfigError(f"--model.n-heads {m.n_heads} is not a multiple of --model.n-kv-heads "
                           f"{m.n_kv_heads} (each key/value head serves a whole group).")
-    fsdp = mesh.fsdp * mesh.dcn_fsdp
-    if m.d_model % fsdp:
-        raise ConfigError(f"--model.d-model {m.d_model} is not divisible by --mesh.fsdp {fsdp}.")
     if m.head_dim % 2:
         raise ConfigError(f"--model.head-dim {m.head_dim} must be even (RoPE rotates pairs).")
-    shards = fsdp * mesh.data * mesh.dcn_data
-    if t.batch_size % t.microbatches:
-        raise ConfigError(f"--train.batch-size {t.batch_size} is not divisible by "
-                          f"--train.microbatches {t.microbatches}.")
-    if (t.batch_size // t.microbatches) % shards:
-        raise ConfigError(f"--train.batch-size {t.batch_size} / --train.microbatches "
-                          f"{t.microbatches} is not divisible by data x fsdp = {shards} batch "
-                          f"shards; use a batch size that is a multiple of {shards * t.microbatches}.")
+    train.check_batch(t.batch_size, t.microbatches, train.batch_shards(mesh))
     if t.seq_len > m.max_seq_len:
         raise ConfigError(f"--train.seq-len {t.seq_len} exceeds the model's maximum "
                           f"--model.max-seq-len {m.max_seq_len}.")
     if t.seq_len % min(m.loss_chunk, t.seq_len):
         raise ConfigError(f"--train.seq-len {t.seq_len} is not a multiple of --model.loss-chunk "
                           f"{m.loss_chunk}.")
-    if t.steps < 1 or t.log_every < 1 or t.eval_every < 1:
-        raise ConfigError("--train.steps, --train.log-every and --train.eval-every must be >= 1.")
-    problem = observe.profile_steps_problem(t.profile_steps, "--train.profile-steps", t.steps)
-    if problem:
-        raise ConfigError(problem)
+    train.check_loop(t.steps, t.log_every, t.eval_every, t.profile_steps)
     d = cfg.data
-    if d.format == "sft":
-        if not d.path:
-            raise ConfigError("--data.format sft needs --data.path: a JSONL file of "
-                              '{"prompt", "completion"} or {"messages"} examples.')
-        if d.pack and m.attention == "cudnn":
-            raise ConfigError("--model.attention cudnn cannot mask packed SFT rows (JAX's cuDNN "
-                              "path takes causal and length masks only); use --model.attention "
-                              "auto or xla, or --data.no-pack (one example per row needs only "
-                              "the causal mask).")
-        if not d.eval_path and not 0.0 < d.eval_fraction < 1.0:
-            raise ConfigError(f"--data.eval-fraction {d.eval_fraction} must be strictly between "
-                              f"0 and 1 (or give --data.eval-path).")
+    if d.format == "sft" and not d.path:  # SFT
+        raise ConfigError("--data.format sft needs --data.path: a JSONL file of "
+                          '{"prompt", "completion"} or {"messages"} examples.')
+    if d.format == "sft" and d.pack and m.attention == "cudnn":  # SFT
+        raise ConfigError("--model.attention cudnn cannot mask packed SFT rows (JAX's cuDNN "
+                          "path takes causal and length masks only); use --model.attention "
+                          "auto or xla, or --data.no-pack.")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -274,31 +252,13 @@ def _param_table(cfg: ModelConfig) -> dict:
     return table
 
 
-def _is_entry(x) -> bool:
-    return isinstance(x, tuple) and len(x) == 3 and isinstance(x[1], P)
-
 
 def param_specs(cfg: ModelConfig) -> dict:
-    return jax.tree.map(lambda e: e[1], _param_table(cfg), is_leaf=_is_entry)
+    return train.table_specs(_param_table(cfg))
 
 
 def _init(cfg: ModelConfig, key: jax.Array) -> dict:
-    table = _param_table(cfg)
-    entries, treedef = jax.tree.flatten(table, is_leaf=_is_entry)
-    keys = jax.random.split(key, len(entries))
-
-    def one(entry, k):
-        shape, _, std = entry
-        if std is None:
-            return jnp.ones(shape, jnp.float32)
-        return std * jax.random.normal(k, shape, jnp.float32)
-
-    return jax.tree.unflatten(treedef, [one(e, k) for e, k in zip(entries, keys)])
-
-
-def named(mesh, specs):
-    return jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
-                        is_leaf=lambda x: isinstance(x, P))
+    return train.table_init(_param_table(cfg), key)
 
 
 def init_params(cfg: ModelConfig, key: jax.Array, mesh=None) -> dict:
@@ -308,8 +268,14 @@ def init_params(cfg: ModelConfig, key: jax.Array, mesh=None) -> dict:
 
 
 def count_params(cfg: ModelConfig) -> int:
-    shapes = jax.eval_shape(lambda: _init(cfg, jax.random.key(0)))
-    return sum(math.prod(x.shape) for x in jax.tree.leaves(shapes))
+    return train.table_count(_param_table(cfg))
+
+
+def train_state(cfg: Config, mesh) -> train.TrainState:
+    """{params, opt_state, step} of this model and optimiser on `mesh` (see common/train.py)."""
+    return train.TrainState(partial(_init, cfg.model), param_specs(cfg.model),
+                            make_optimizer(cfg.train), mesh)
+
 
 
 # ----------------------------------------------------------------------------------------------
@@ -460,13 +426,91 @@ def forward(params: dict, tokens_BT, cfg: ModelConfig, segment_ids=None, positio
                       preferred_element_type=jnp.float32)
 
 
+
 # ----------------------------------------------------------------------------------------------
 # 4. Loss and train step
 # ----------------------------------------------------------------------------------------------
 
 
+def loss_sums(params: dict, batch, cfg: ModelConfig, z_loss: float = 0.0):
+    """(objective, cross-entropy), each summed over the batch's targets times their weights:
+
+        ce = sum_t w_t (logsumexp(l_t) - l_t[y_t]),   objective = ce + z_loss sum_t w_t lse_t^2
+
+    for logits l_t = h_t W_unembed. The z term (PaLM) keeps the softmax normaliser near 1.
+    The [B, T, V] logits never exist at once: the sequence is cut into chunks of
+    `loss_chunk` positions (with a 128k vocabulary, gigabytes become megabytes), and with
+    loss_impl "fused" each chunk's gradient is made with its loss (`_ce_fused`).
+    """
+    inputs, targets, weights, segment_ids, positions = split_batch(batch)
+    h_BTD = hidden(params, inputs, cfg, segment_ids, positions)
+    w_DV = unembedding(params, cfg).astype(h_BTD.dtype)
+    ce_impl = _ce_fused if cfg.loss_impl == "fused" else _ce_remat
+    return ce_impl(h_BTD, w_DV, targets, weights, cfg.loss_chunk, z_loss)
+
+
+def train_step(state: dict, batch, *, cfg: Config, tx):
+    """One optimiser step on a global batch (tokens [B, T+1], or packed SFT rows); returns
+    the new state and metrics. Every microbatch divides its sums by the whole batch's
+    weight, so their gradients add up to the gradient of the batch mean even when they hold
+    different numbers of trained tokens (SFT)."""
+    n = loss_weight(batch)
+    mean_loss = lambda p, mb: tuple(x / n for x in loss_sums(p, mb, cfg.model, cfg.train.z_loss))
+    grads, ce = train.accumulate(jax.grad(mean_loss, has_aux=True), state["params"], batch,
+                                 cfg.train.microbatches, BATCH_AXES)
+    updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
+    params = optax.apply_updates(state["params"], updates)
+    metrics = {"loss": ce, "grad_norm": optax.tree.norm(grads),
+               "lr": make_schedule(cfg.train)(state["step"])}
+    return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
+
+
+def loss_fn(params, batch, cfg: ModelConfig, z_loss: float = 0.0):
+    """Mean next-token cross-entropy (+ z_loss * mean logsumexp^2) over the batch's trained
+    targets (all of them in pre-training). Returns (objective, ce)."""
+    obj, ce = loss_sums(params, batch, cfg, z_loss)
+    n = loss_weight(batch)
+    return obj / n, ce / n
+
+
+def eval_sums(params, batch, *, cfg: ModelConfig):
+    """(weighted cross-entropy sum, weight sum): added up over a held-out split."""
+    return loss_sums(params, batch, cfg)[1], loss_weight(batch)
+
+
+def split_batch(batch):
+    """(inputs, targets, weights, segment_ids, positions) of a batch, each [B, T] or None.
+
+    A pre-training batch is token windows [B, T+1]: every next token is a target, weight 1.
+    SFT: a batch is a dict of packed rows (common/data.py, `Packed`): its weights are 0 on
+    prompts and padding, and packed rows carry segment ids and per-example positions.
+    """
+    if isinstance(batch, dict):  # SFT
+        return (batch["inputs"], batch["targets"], batch["weights"], batch.get("segment_ids"),
+                batch.get("positions"))
+    return batch[:, :-1], batch[:, 1:], None, None, None
+
+
+def loss_weight(batch):
+    """What the summed loss is divided by: the batch's total target weight (its number of
+    trained tokens, or of examples under --data.loss-average example; B*T in pre-training)."""
+    if isinstance(batch, dict):  # SFT
+        return jnp.sum(batch["weights"])
+    return batch.shape[0] * (batch.shape[1] - 1)
+
+
+def make_schedule(t: TrainConfig):
+    return train.lr_schedule(t.schedule, t.lr, t.warmup_steps, t.steps, t.min_lr_ratio,
+                             t.decay_fraction)
+
+
+def make_optimizer(t: TrainConfig):
+    return train.adamw(make_schedule(t), b1=t.b1, b2=t.b2, weight_decay=t.weight_decay,
+                       clip_norm=t.clip_norm, decayed={"embed", "unembed", "wq", "wk", "wv",
+                                                       "wo", "w_gate", "w_up", "w_down"})
+
+
 def _chunked(chunk: int, *xs_BT):
-    """[B, T, ...] arrays -> [T/C, B, C, ...] chunks to scan over (None stays None)."""
     def cut(x):
         if x is None:
             return None
@@ -550,167 +594,6 @@ def _ce_fused_bwd(chunk, z_loss, res, g):
 _ce_fused.defvjp(_ce_fused_fwd, _ce_fused_bwd)
 
 
-def split_batch(batch):
-    """(inputs, targets, weights, segment_ids, positions) of a batch, each [B, T] or None.
-
-    A pre-training batch is token windows [B, T+1]: every next token is a target, weight 1.
-    An SFT batch is a dict of packed rows (common/data.py, `Packed`): its weights are 0 on
-    prompts and padding, and packed rows carry segment ids and per-example positions.
-    """
-    if isinstance(batch, dict):
-        return (batch["inputs"], batch["targets"], batch["weights"], batch.get("segment_ids"),
-                batch.get("positions"))
-    return batch[:, :-1], batch[:, 1:], None, None, None
-
-
-def loss_weight(batch):
-    """What the summed loss is divided by: the batch's total target weight (its number of
-    trained tokens, or of examples under --data.loss-average example; B*T in pre-training)."""
-    if isinstance(batch, dict):
-        return jnp.sum(batch["weights"])
-    return batch.shape[0] * (batch.shape[1] - 1)
-
-
-def loss_sums(params: dict, batch, cfg: ModelConfig, z_loss: float = 0.0):
-    """(objective, cross-entropy), each summed over the batch's targets times their weights;
-    the objective adds z_loss * logsumexp^2 (PaLM) to keep the softmax normaliser near 1.
-
-    The [B, T, V] logits never exist at once: the sequence is cut into chunks of
-    `loss_chunk` positions. With a 128k vocabulary this is the difference between gigabytes
-    and megabytes of activations.
-    """
-    inputs, targets, weights, segment_ids, positions = split_batch(batch)
-    h_BTD = hidden(params, inputs, cfg, segment_ids, positions)
-    w_DV = unembedding(params, cfg).astype(h_BTD.dtype)
-    ce_impl = _ce_fused if cfg.loss_impl == "fused" else _ce_remat
-    return ce_impl(h_BTD, w_DV, targets, weights, cfg.loss_chunk, z_loss)
-
-
-def loss_fn(params, batch, cfg: ModelConfig, z_loss: float = 0.0):
-    """Mean next-token cross-entropy (+ z_loss * mean logsumexp^2) over the batch's trained
-    targets (all of them in pre-training). Returns (objective, ce)."""
-    obj, ce = loss_sums(params, batch, cfg, z_loss)
-    n = loss_weight(batch)
-    return obj / n, ce / n
-
-
-def make_schedule(t: TrainConfig):
-    """Learning rate at optimiser step s (0-based); step 0 already gets lr / warmup_steps."""
-    end, warmup = t.lr * t.min_lr_ratio, max(t.warmup_steps, 1)
-    if t.schedule == "cosine":
-        base = optax.warmup_cosine_decay_schedule(0.0, t.lr, warmup, max(t.steps, warmup + 1), end)
-    elif t.schedule == "constant":
-        base = optax.join_schedules([optax.linear_schedule(0.0, t.lr, warmup),
-                                     optax.constant_schedule(t.lr)], [warmup])
-    else:
-        # Warmup-stable-decay (MiniCPM): flat at the peak, then a linear cool-down at the end.
-        decay = max(1, int(t.steps * t.decay_fraction))
-        stable = max(t.steps - decay - warmup, 0)
-        base = optax.join_schedules(
-            [optax.linear_schedule(0.0, t.lr, warmup), optax.constant_schedule(t.lr),
-             optax.linear_schedule(t.lr, end, decay)], [warmup, warmup + stable])
-    return lambda s: base(s + 1)
-
-
-DECAYED = {"embed", "unembed", "wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"}
-
-
-def make_optimizer(t: TrainConfig):
-    # Weight decay on matrices only: decaying norms' gains and biases only hurts.
-    mask = lambda params: {k: (jax.tree.map(lambda _: k in DECAYED, v) if k != "layers" else
-                               {n: n in DECAYED for n in v}) for k, v in params.items()}
-    return optax.chain(optax.clip_by_global_norm(t.clip_norm),
-                       optax.adamw(make_schedule(t), t.b1, t.b2, weight_decay=t.weight_decay,
-                                   mask=mask))
-
-
-def compute_grads(params, batch, cfg: Config):
-    """Gradient of the mean loss over the global batch, accumulated over microbatches.
-
-    Every microbatch divides its sum by the whole batch's weight, so the microbatch
-    gradients add up to the gradient of the batch mean even when they hold different
-    numbers of trained tokens (SFT).
-    """
-    M, n = cfg.train.microbatches, loss_weight(batch)
-
-    def mean_loss(params, mb):
-        obj, ce = loss_sums(params, mb, cfg.model, cfg.train.z_loss)
-        return obj / n, ce / n
-
-    grad_fn = jax.grad(mean_loss, has_aux=True)
-    if M == 1:
-        return grad_fn(params, batch)
-    # Microbatch m takes rows m, m+M, m+2M, ...: each device keeps its own rows of every
-    # microbatch, so the split moves no data between devices.
-    split = lambda x: constrain(x.reshape(x.shape[0] // M, M, *x.shape[1:]).swapaxes(0, 1),
-                                P(None, BATCH_AXES, None))
-
-    def acc(carry, mb):
-        return jax.tree.map(jnp.add, carry, grad_fn(params, mb)), None
-
-    zeros = jax.tree.map(jnp.zeros_like, (params, jnp.zeros((), jnp.float32)))
-    total, _ = jax.lax.scan(acc, zeros, jax.tree.map(split, batch))
-    return total
-
-
-def train_step(state: dict, batch, *, cfg: Config, tx):
-    """One optimiser step on a global batch (tokens [B, T+1], or packed SFT rows); returns
-    the new state and metrics."""
-    grads, ce = compute_grads(state["params"], batch, cfg)
-    updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
-    params = optax.apply_updates(state["params"], updates)
-    metrics = {"loss": ce, "grad_norm": optax.tree.norm(grads),
-               "lr": make_schedule(cfg.train)(state["step"])}
-    return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
-
-
-def eval_step(params, batch, *, cfg: ModelConfig):
-    return loss_fn(params, batch, cfg)[1]
-
-
-def eval_sums(params, batch, *, cfg: ModelConfig):
-    """(weighted cross-entropy sum, weight sum): added up over a whole held-out split."""
-    return loss_sums(params, batch, cfg)[1], loss_weight(batch)
-
-
-def state_shardings(cfg: Config, mesh, tx):
-    """Shardings of {params, opt_state, step}: Adam's moments follow their parameter."""
-    p_sh = named(mesh, param_specs(cfg.model))
-    abstract = jax.eval_shape(lambda: _init(cfg.model, jax.random.key(0)))  # no concrete key:
-    # on --compile-topology the mesh is of devices that do not exist here
-    replicated = NamedSharding(mesh, P())
-    opt_sh = optax.tree_map_params(tx, lambda _, s: s, jax.eval_shape(tx.init, abstract), p_sh,
-                                   transform_non_params=lambda _: replicated)
-    return {"params": p_sh, "opt_state": opt_sh, "step": replicated}
-
-
-def _make_state(cfg: Config, tx):
-    def make(key):
-        params = _init(cfg.model, key)
-        return {"params": params, "opt_state": tx.init(params), "step": jnp.zeros((), jnp.int32)}
-    return make
-
-
-def init_state(cfg: Config, tx, shardings, params=None) -> dict:
-    """A fresh state: random parameters, or `params` (--init-from) with a fresh optimiser."""
-    if params is None:
-        return jax.jit(_make_state(cfg, tx), out_shardings=shardings)(
-            jax.random.key(cfg.train.seed))
-    make = lambda p: {"params": p, "opt_state": tx.init(p), "step": jnp.zeros((), jnp.int32)}
-    return jax.jit(make, out_shardings=shardings, donate_argnums=0)(params)
-
-
-def abstract_state(cfg: Config, tx, shardings) -> dict:
-    """The state's shapes, dtypes and target shardings, with nothing allocated."""
-    shapes = jax.eval_shape(lambda: _make_state(cfg, tx)(jax.random.key(0)))
-    return jax.tree.map(lambda s, d: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=d),
-                        shapes, shardings)
-
-
-# ----------------------------------------------------------------------------------------------
-# 5. FLOPs and MFU
-# ----------------------------------------------------------------------------------------------
-
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     """Training FLOPs per token: 3x the forward (backward is twice the forward).
@@ -729,85 +612,126 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     return 3.0 * (2 * matmul_weights + attn)
 
 
-# Dense bf16 peak per chip, from the vendors' data sheets.
-PEAK_TFLOPS = {"TPU v4": 275, "TPU v5 lite": 197, "TPU v5e": 197, "TPU v5p": 459, "TPU v5": 459,
-               "TPU v6 lite": 918, "TPU v6e": 918, "H100": 989, "H200": 989, "A100": 312,
-               "B200": 2250, "L4": 121, "A10": 125}
-
-
-def peak_flops_per_device(override_tflops: float = 0.0) -> tuple[float, str]:
-    if override_tflops > 0:
-        return override_tflops * 1e12, "--train.peak-tflops"
-    kind = jax.devices()[0].device_kind
-    for name, tf in PEAK_TFLOPS.items():
-        if name.lower() in kind.lower():
-            return tf * 1e12, f"{kind} data sheet"
-    if jax.devices()[0].platform != "cpu":
-        return 0.0, f"unknown device {kind!r}: pass --train.peak-tflops"
-    # CPU: all simulated devices share the host's cores, so measure the host once with a
-    # float32 matmul and divide among them.
-    n = 1024
-    a = jnp.ones((n, n), jnp.float32)
-    mm = jax.jit(lambda a: a @ a)
-    mm(a).block_until_ready()
-    t0 = time.perf_counter()
-    for _ in range(5):
-        out = mm(a)
-    out.block_until_ready()
-    host = 5 * 2 * n ** 3 / (time.perf_counter() - t0)
-    return host / jax.device_count(), f"measured f32 matmul, host {host / 1e9:.0f} GFLOP/s"
-
 
 # ----------------------------------------------------------------------------------------------
-# 6. Main
+# 5. Main and the training loop
 # ----------------------------------------------------------------------------------------------
 
 
-def log(*a, **kw):
-    if multislice.is_main_process():
-        print(*a, **kw, flush=True)
+def main(cfg: Config) -> dict:
+    if cfg.init_from and cfg.init_from_hf:
+        raise ConfigError(f"--init-from {cfg.init_from} and --init-from-hf {cfg.init_from_hf}: "
+                          "start from one or the other.")
+    cfg = with_hf_model(cfg)
+    train.start(cfg.quiet)
+    cfg = resolve_init_from(cfg)
+    devices = train.devices(cfg.compile_topology, cfg.compile_slices, cfg.dry_run)
+    validate(cfg, len(devices))
+    mesh = make_mesh(cfg.mesh, devices)
+    tc = cfg.train
+    st = train_state(cfg, mesh)
+    step_fn = st.jit(partial(train_step, cfg=cfg, tx=st.tx))
+    log(f"model {count_params(cfg.model) / 1e6:.1f}M parameters | mesh {describe(mesh)} | "
+        f"{len(devices)} {devices[0].platform} devices, {jax.process_count()} process(es)")
+    batch_sh = NamedSharding(mesh, P(BATCH_AXES, None))
+    shape = (tc.batch_size, tc.seq_len + 1)
+    if cfg.dry_run:
+        return train.dry_run(step_fn, st.abstract(), jax.ShapeDtypeStruct(
+            shape, jnp.int32, sharding=batch_sh), mesh, count_params(cfg.model))
+    with jax.set_mesh(mesh):
+        if cfg.bench:  # random tokens: no data, no checkpoints
+            tokens = np.random.default_rng(0).integers(0, cfg.model.vocab_size, shape, np.int32)
+            return train.bench(step_fn, st.fresh(jax.random.key(tc.seed)),
+                               jax.device_put(tokens, batch_sh), cfg.bench,
+                               tokens_per_step=tc.batch_size * tc.seq_len,
+                               flops_per_token=flops_per_token(cfg.model, tc.seq_len),
+                               peak=train.peak_flops_per_device(tc.peak_tflops))
+        return train_loop(cfg, mesh, st, step_fn)
 
 
-def sample(params, prompts: list[list[int]], cfg: Config, mesh, key,
-           n_valid: int) -> list[list[int]]:
-    """Decode `sample_tokens` tokens after each prompt with full forwards (no KV cache: this
-    is a peek at the model, not an inference server), jitted once for a fixed-size buffer.
-    Only the first `n_valid` ids are drawn: the model's vocabulary may be padded past the
-    tokenizer's. Prompts of different lengths are left-padded: the padding is a segment of
-    its own, which no prompt attends to, and each prompt's positions start at 0 as they
-    did in training."""
-    n_new = cfg.train.sample_tokens
-    keep = max(1, min(cfg.train.seq_len, cfg.model.max_seq_len) - n_new)
-    prompts = [list(p)[-keep:] for p in prompts]
-    width = max(len(p) for p in prompts)
-    shards = batch_shards(mesh)  # whole rows per batch shard: the activation constraints stay even
-    B = -(-len(prompts) // shards) * shards
-    buf = np.zeros((B, width + n_new), np.int32)
-    seg = np.ones_like(buf)
-    pos = np.zeros_like(buf)
-    for i in range(B):
-        p = prompts[min(i, len(prompts) - 1)]  # spare rows repeat the last prompt
-        pad = width - len(p)
-        buf[i, pad:width], seg[i, :pad] = p, 0
-        pos[i, pad:] = np.arange(buf.shape[1] - pad)
-    ragged = any(len(p) != width for p in prompts)
-    temp = cfg.train.temperature
+def train_loop(cfg: Config, mesh, st: train.TrainState, step_fn) -> dict:
+    tc, mc = cfg.train, cfg.model
+    ds = load_dataset(init_data_config(cfg), seq_len=tc.seq_len)
+    if cfg.init_from_hf and (note := hf.check_tokenizer(
+            cfg.init_from_hf, ds.tokenizer_path, f"--data.path {cfg.data.path!r}")):
+        log(note)
+    if ds.vocab_size > mc.vocab_size:
+        raise ConfigError(f"the tokenizer has {ds.vocab_size} tokens but --model.vocab-size is "
+                          f"{mc.vocab_size}; set --model.vocab-size {ds.vocab_size} or larger.")
+    sft = isinstance(ds, SFTDataset)  # SFT
+    batch_sh = NamedSharding(mesh, P(BATCH_AXES, None))
+    batch = partial(get_batch, batch_size=tc.batch_size, seq_len=tc.seq_len, sharding=batch_sh)
+    sums_fn = jax.jit(partial(eval_sums, cfg=mc))
+    peak, peak_src = train.peak_flops_per_device(tc.peak_tflops)
+    fpt = flops_per_token(mc, tc.seq_len)
+    key = jax.random.key(tc.seed + 7)
 
-    @jax.jit
-    def run(params, buf, seg, pos, key):
-        def one(i, carry):
-            buf, key = carry
-            extra = (seg, pos) if ragged else ()
-            logits = forward(params, buf, cfg.model, *extra)[:, i - 1, :n_valid]
-            key, sub = jax.random.split(key)
-            nxt = (jnp.argmax(logits, -1) if temp == 0 else
-                   jax.random.categorical(sub, logits / temp, axis=-1))
-            return buf.at[:, i].set(nxt.astype(buf.dtype)), key
-        return jax.lax.fori_loop(width, width + n_new, one, (buf, key))[0]
+    def evaluate(params) -> dict:
+        """Held-out loss. SFT: over the whole split, each trained token once, and answers to
+        the first --train.eval-samples held-out prompts."""
+        if sft:
+            batches = held_out_batches(ds.eval, tc.batch_size, batch_sh)
+        else:
+            batches = (batch(ds.eval, seed=cfg.data.seed + 1, step=i)
+                       for i in range(tc.eval_batches))
+        ce, n = np.sum(jax.device_get([sums_fn(params, b) for b in batches]), axis=0)
+        out, line = {"eval_loss": float(ce / n)}, f"eval_loss {ce / n:.3f}"
+        if sft and (samples := sft_samples(params, ds, cfg, mesh, key)):  # SFT
+            out["exact_match"] = np.mean([r["sample"] == r["expected"] for r in samples])
+            line += (f" | held-out answers exactly right {100 * out['exact_match']:.0f}% of "
+                     f"{len(samples)}")
+            line += "".join(f"\n  held-out {i} | {r['prompt'][-100:]!r} -> {r['sample']!r} "
+                            f"(data: {r['expected']!r})" for i, r in enumerate(samples[:3], 1))
+            out["samples"] = samples
+        log(f"eval step {loop.step} | {line}")
+        return out
 
-    put = lambda x: jax.device_put(x, NamedSharding(mesh, P(BATCH_AXES, None)))
-    out = np.asarray(jax.device_get(run(params, put(buf), put(seg), put(pos), key)))
-    return [out[i, width:].tolist() for i in range(len(prompts))]
+    with train.Run(cfg, MAY_CHANGE, tc.profile_steps, defaults=Config()) as run:
+        state, start = run.resume(st.abstract())
+        if state is None and cfg.init_from_hf:
+            state = st.from_params(load_hf(cfg.init_from_hf, mesh)[1])
+        elif state is None and cfg.init_from:
+            state = st.from_params(train.restore_params(cfg.init_from, st.abstract()["params"]))
+        elif state is None:
+            state = st.fresh(jax.random.key(tc.seed))
+        loop = train.Loop(run, start, tc.steps, log_every=tc.log_every,
+                          eval_every=tc.eval_every, tokens_per_step=tc.batch_size * tc.seq_len,
+                          flops_per_token=fpt, peak=(peak, peak_src), show=lambda r: (
+                              f"loss {r['loss']:.3f} | lr {r['lr']:.1e} | grad_norm "
+                              f"{r['grad_norm']:.2f}"))
+        if start == 0 and cfg.init_from and tc.steps > 0:  # the starting point, to compare
+            loop.eval(evaluate(state["params"]))
+        next_batch = partial(batch, ds.train, seed=cfg.data.seed)
+        step_fn = loop.compile(step_fn, state, next_batch(step=start))
+        for step in loop:
+            state, metrics = step_fn(state, next_batch(step=step))
+            loop.log(metrics)
+            if loop.eval_due:
+                loop.eval(evaluate(state["params"]))
+            loop.checkpoint(state)
+
+        run.ckpt.wait()
+        if tc.sample_tokens > 0 and not sft:  # SFT samples at eval
+            prompt = ds.encode(tc.sample_prompt)
+            out = sample(state["params"], [prompt], cfg, mesh, key, ds.vocab_size)[0]
+            log("sample:\n" + ds.decode(prompt + out))
+        evals = [(s, e["eval_loss"]) for s, e in loop.evals]
+        best = min((e for _, e in evals), default=None)
+        return loop.summary(state, f"{tc.batch_size} x {tc.seq_len}", [
+            ("loss", f"{observe.fmt(loop.first_loss)} -> {observe.fmt(loop.last_loss)} | best "
+                     f"eval loss {observe.fmt(best)} | last eval loss "
+                     f"{observe.fmt(evals[-1][1] if evals else None)}")]) | {
+            "evals": evals, "best_eval": best} | ({"packing": {  # SFT
+                "train": ds.train.stats, "eval": ds.eval.stats}} if sft else {})
+
+
+def sample(params, prompts: list[list[int]], cfg: Config, mesh, key, n_valid: int):
+    """--train.sample-tokens tokens after each prompt, at --train.temperature (0 = greedy)."""
+    return train.sample(lambda p, tokens, *seg_pos: forward(p, tokens, cfg.model, *seg_pos),
+                        params, prompts, n_new=cfg.train.sample_tokens,
+                        max_len=min(cfg.train.seq_len, cfg.model.max_seq_len),
+                        temperature=cfg.train.temperature, n_valid=n_valid, mesh=mesh,
+                        batch_axes=BATCH_AXES, key=key)
 
 
 def sft_samples(params, ds: SFTDataset, cfg: Config, mesh, key) -> list[dict]:
@@ -823,335 +747,30 @@ def sft_samples(params, ds: SFTDataset, cfg: Config, mesh, key) -> list[dict]:
              "expected": cut(ex.answer.tolist())} for ex, out in zip(examples, outs)]
 
 
-def dry_run(cfg: Config, mesh, tx) -> dict:
-    """Compile one train step on abstract inputs (nothing allocated) and report memory."""
-    sh = state_shardings(cfg, mesh, tx)
-    abstract = abstract_state(cfg, tx, sh)
-    batch = jax.ShapeDtypeStruct((cfg.train.batch_size, cfg.train.seq_len + 1), jnp.int32,
-                                 sharding=NamedSharding(mesh, P(BATCH_AXES, None)))
-    t0 = time.perf_counter()
-    step = jax.jit(partial(train_step, cfg=cfg, tx=tx), donate_argnums=0,
-                   out_shardings=(sh, None))
-    # Only tracing runs under the mesh: with --compile-topology its devices do not exist here,
-    # so no eager array may be created while it is set.
-    with jax.set_mesh(mesh):
-        compiled = step.lower(abstract, batch).compile()
-    mem = compiled.memory_analysis()
-    n = count_params(cfg.model)
-    report = {"params": n, "devices": mesh.size, "compile_s": time.perf_counter() - t0}
-    if mem is not None:
-        report |= {k: int(getattr(mem, k + "_in_bytes")) for k in
-                   ("argument_size", "output_size", "alias_size", "temp_size")}
-        report["per_device_bytes"] = (report["argument_size"] + report["output_size"]
-                                      - report["alias_size"] + report["temp_size"])
-    gib = lambda b: f"{b / 2**30:.2f} GiB"
-    log(f"dry run | {n:,} parameters | mesh {describe(mesh)} | compiled in "
-        f"{report['compile_s']:.1f} s")
-    if mem is not None:
-        log(f"per device: {gib(report['per_device_bytes'])} = arguments "
-            f"{gib(report['argument_size'])} + outputs {gib(report['output_size'])} - donated "
-            f"{gib(report['alias_size'])} + temporaries {gib(report['temp_size'])}")
-    return report
-
-
-def bench(cfg: Config, mesh, tx) -> dict:
-    """Median step time over `cfg.bench` steps after compilation, on random tokens (no data,
-    no checkpoints). Each step is synced here, which the training loop never does."""
-    tc = cfg.train
-    sh = state_shardings(cfg, mesh, tx)
-    state = init_state(cfg, tx, sh)
-    batch = jax.device_put(
-        np.random.default_rng(0).integers(0, cfg.model.vocab_size,
-                                          (tc.batch_size, tc.seq_len + 1), dtype=np.int32),
-        NamedSharding(mesh, P(BATCH_AXES, None)))
-    t0 = time.perf_counter()
-    step = jax.jit(partial(train_step, cfg=cfg, tx=tx), donate_argnums=0,
-                   out_shardings=(sh, None)).lower(state, batch).compile()
-    compile_s = time.perf_counter() - t0
-    state, m = step(state, batch)  # warm-up: first-touch allocations
-    jax.block_until_ready(m)
-    times = []
-    for _ in range(cfg.bench):
-        t0 = time.perf_counter()
-        state, m = step(state, batch)
-        jax.block_until_ready(m)
-        times.append(time.perf_counter() - t0)
-    peak, src = peak_flops_per_device(tc.peak_tflops)
-    dt = float(np.median(times))
-    tok_s = tc.batch_size * tc.seq_len / dt
-    mfu = flops_per_token(cfg.model, tc.seq_len) * tok_s / (peak * jax.device_count())
-    log(f"bench | {tok_s:.0f} tok/s | {1e3 * dt:.1f} ms/step (median of {cfg.bench}, "
-        f"min {1e3 * min(times):.1f}) | MFU {100 * mfu:.1f}% of {peak / 1e12:.3g} TFLOP/s per "
-        f"device ({src}) | compile {compile_s:.1f} s")
-    return {"tokens_per_s": tok_s, "ms_per_step": 1e3 * dt, "mfu": mfu, "compile_s": compile_s}
-
-
-def init_run_config(run_dir: str) -> dict:
-    return read_run_config(run_dir, "--init-from", trained=True)
-
-
 def resolve_init_from(cfg: Config) -> Config:
     """With --init-from, the model is that run's; how to compute (dtype, attention, remat,
     ...) stays this run's."""
     if not cfg.init_from:
         return cfg
-    saved = init_run_config(cfg.init_from).get("model", {})
-    known = {f.name for f in dataclasses.fields(ModelConfig)}
-    if set(saved) - known:
-        raise ConfigError(f"--init-from {cfg.init_from}: its model has fields this file does "
-                          f"not know ({sorted(set(saved) - known)}); was it written by "
-                          f"train_dense.py?")
-    how = {k.split(".", 1)[1] for k in MAY_CHANGE if k.startswith("model.")}
-    arch = {k: v for k, v in saved.items() if k not in how}
+    arch = train.model_of_run(cfg.init_from, ModelConfig, COMPUTE_FIELDS, "train_dense.py")
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **arch))
 
 
 def run_tokenizer(run_dir: str) -> str:
     """The sentencepiece model the run in `run_dir` tokenized with (see common/data.py)."""
-    return data_run_tokenizer(run_dir, init_run_config)
+    return data_run_tokenizer(run_dir, lambda d: read_run_config(d, "--init-from", True))
 
 
 def init_data_config(cfg: Config) -> DataConfig:
-    """The data config to load: SFT without --data.tokenizer tokenizes as --init-from's run
-    did (a path resolved here, not stored: the embedded corpus's cache path differs between
-    machines and Pythons)."""
+    """SFT: without --data.tokenizer, tokenize as --init-from's run did (a path resolved here,
+    not stored: the embedded corpus's cache path differs between machines and Pythons)."""
     if cfg.data.format != "sft" or cfg.data.tokenizer or not cfg.init_from:
         return cfg.data
     return dataclasses.replace(cfg.data, tokenizer=run_tokenizer(cfg.init_from))
 
 
-def load_init_params(cfg: Config, tx, shardings) -> dict:
-    """The parameters of --init-from's latest checkpoint, read straight into this run's
-    shardings. Its optimiser state is never read: a fine-tune starts a fresh one."""
-    abstract = abstract_state(cfg, tx, shardings)["params"]
-    with Checkpointer(cfg.init_from, CheckpointConfig(async_save=False)) as ckpt:
-        step = ckpt.latest_step()
-        if step is None:
-            raise CheckpointError(f"--init-from {cfg.init_from}: no complete checkpoint in "
-                                  f"{cfg.init_from}/checkpoints; train it first.")
-        params = ckpt.restore(step, {"params": abstract}, partial=True)["params"]
-    log(f"initialised from {cfg.init_from}/checkpoints/{step} (parameters; fresh optimiser)")
-    return params
-
-
-def main(cfg: Config) -> dict:
-    if cfg.init_from and cfg.init_from_hf:
-        raise ConfigError(f"--init-from {cfg.init_from} and --init-from-hf {cfg.init_from_hf}: "
-                          "start from one or the other.")
-    cfg = with_hf_model(cfg)
-    multislice.initialize()
-    multislice.enable_compilation_cache()
-    observe.configure(quiet=cfg.quiet)
-    cfg = resolve_init_from(cfg)
-    devices = jax.devices()
-    if cfg.compile_topology:
-        if not cfg.dry_run:
-            raise ConfigError(f"--compile-topology {cfg.compile_topology} compiles for hardware "
-                              "this machine does not have, so it cannot train: add --dry-run.")
-        devices = tpu_topology_devices(cfg.compile_topology, cfg.compile_slices)
-    validate(cfg, len(devices))
-    mesh = make_mesh(cfg.mesh, devices)
-    tx = make_optimizer(cfg.train)
-    n_params = count_params(cfg.model)
-    log(f"model {n_params / 1e6:.1f}M parameters | mesh {describe(mesh)} | "
-        f"{len(devices)} {devices[0].platform} devices, "
-        f"{jax.process_count()} process(es)")
-    if cfg.dry_run:
-        return dry_run(cfg, mesh, tx)
-    with jax.set_mesh(mesh):
-        if cfg.bench:
-            return bench(cfg, mesh, tx)
-        return _train(cfg, mesh, tx)
-
-
-def _train(cfg: Config, mesh, tx) -> dict:
-    t_start = time.perf_counter()
-    tc, mc = cfg.train, cfg.model
-    ds = load_dataset(init_data_config(cfg), seq_len=tc.seq_len)
-    if cfg.init_from_hf and (note := hf.check_tokenizer(
-            cfg.init_from_hf, ds.tokenizer_path, f"--data.path {cfg.data.path!r}")):
-        log(note)
-    if ds.vocab_size > mc.vocab_size:
-        raise ConfigError(f"the tokenizer has {ds.vocab_size} tokens but --model.vocab-size is "
-                          f"{mc.vocab_size}; set --model.vocab-size {ds.vocab_size} or larger.")
-    run_path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
-    if multislice.is_main_process():
-        check_run_config(cfg.run_dir, dataclasses.asdict(cfg), MAY_CHANGE,
-                         defaults=dataclasses.asdict(Config()))
-    # Closed in reverse: the last save is waited for (and raises if it failed) first.
-    with observe.MetricsLog(cfg.run_dir, dataclasses.asdict(cfg)) as metrics_log, \
-            observe.Profiler(cfg.run_dir, cfg.train.profile_steps) as profiler, \
-            Checkpointer(cfg.run_dir, cfg.checkpoint) as ckpt:
-        return _train_loop(cfg, mesh, tx, ds, ckpt, metrics_log, profiler, t_start)
-
-
-def _train_loop(cfg: Config, mesh, tx, ds, ckpt: Checkpointer, metrics_log: observe.MetricsLog,
-                profiler: observe.Profiler, t_start: float) -> dict:
-    tc, mc = cfg.train, cfg.model
-    shardings = state_shardings(cfg, mesh, tx)
-    start = ckpt.resume_step()
-    if start is None:
-        if cfg.init_from_hf:
-            state = init_state_from_hf(cfg, tx, shardings)
-        else:
-            params = load_init_params(cfg, tx, shardings) if cfg.init_from else None
-            state = init_state(cfg, tx, shardings, params)
-        start = 0
-    else:
-        state = ckpt.restore(start, abstract_state(cfg, tx, shardings))
-        log(f"resumed from step {start} ({cfg.run_dir}/checkpoints/{start})")
-
-    batch_sh = NamedSharding(mesh, P(BATCH_AXES, None))
-    next_batch = partial(get_batch, ds.train, seed=cfg.data.seed, batch_size=tc.batch_size,
-                         seq_len=tc.seq_len, sharding=batch_sh)
-    step_fn = jax.jit(partial(train_step, cfg=cfg, tx=tx), donate_argnums=0,
-                      out_shardings=(shardings, None))
-    eval_fn = jax.jit(partial(eval_step, cfg=mc))
-    sums_fn = jax.jit(partial(eval_sums, cfg=mc))
-    peak, peak_src = peak_flops_per_device(tc.peak_tflops)
-    fpt = flops_per_token(mc, tc.seq_len)
-    tokens_per_step = tc.batch_size * tc.seq_len
-
-    def evaluate(params) -> float:
-        if isinstance(ds, SFTDataset):  # the whole held-out split, each trained token once
-            sums = [sums_fn(params, b) for b in held_out_batches(ds.eval, tc.batch_size, batch_sh)]
-            ce, n = np.sum(jax.device_get(sums), axis=0)
-            return float(ce / n)
-        losses = [eval_fn(params, get_batch(ds.eval, seed=cfg.data.seed + 1, step=i,
-                                            batch_size=tc.batch_size, seq_len=tc.seq_len,
-                                            sharding=batch_sh))
-                  for i in range(tc.eval_batches)]
-        return float(np.mean(jax.device_get(losses)))
-
-    summary = {"start_step": start, "first_loss": None, "last_loss": None, "eval_loss": None,
-               "best_eval": None}
-    evals = {}  # step -> eval loss, joined to that step's log record
-    if isinstance(ds, SFTDataset):
-        summary["packing"] = {"train": ds.train.stats, "eval": ds.eval.stats}
-
-    def evaluate_and_show(params, step) -> float:
-        loss = summary["eval_loss"] = evaluate(params)
-        best = summary["best_eval"]
-        summary["best_eval"] = loss if best is None else min(best, loss)
-        summary.setdefault("evals", []).append((step, loss))
-        line = f"eval step {step} | eval_loss {loss:.3f}"
-        samples = []
-        if isinstance(ds, SFTDataset):
-            samples = summary["samples"] = sft_samples(params, ds, cfg, mesh,
-                                                       jax.random.key(tc.seed + 7))
-        if samples:
-            summary["exact_match"] = np.mean([r["sample"] == r["expected"] for r in samples])
-            line += (f" | held-out answers exactly right {100 * summary['exact_match']:.0f}% "
-                     f"of {len(samples)}")
-        log(line)
-        for i, r in enumerate(samples[:3], 1):
-            log(f"  held-out {i} | {r['prompt'][-100:]!r} -> {r['sample']!r} "
-                f"(data: {r['expected']!r})")
-        return loss
-
-    if start == 0 and cfg.init_from and start < tc.steps:
-        # the starting point, to compare against
-        metrics_log.write({"step": 0, "eval_loss": evaluate_and_show(state["params"], 0)})
-
-    def emit(step, m, dt_s, n_steps):
-        tok_s = tokens_per_step * n_steps / dt_s
-        mfu = fpt * tok_s / (peak * jax.device_count()) if peak else float("nan")
-        rec = {"step": step, "loss": float(m["loss"]), "lr": float(m["lr"]),
-               "grad_norm": float(m["grad_norm"]), "tokens_per_s": tok_s, "mfu": mfu,
-               "ms_per_step": 1e3 * dt_s / n_steps}
-        if step in evals:
-            rec["eval_loss"] = evals.pop(step)
-        summary["first_loss"] = summary["first_loss"] or rec["loss"]
-        summary["last_loss"] = rec["loss"]
-        log(f"step {step} | loss {rec['loss']:.3f} | lr {rec['lr']:.1e} | grad_norm "
-            f"{rec['grad_norm']:.2f} | {tok_s / 1e3:.1f}k tok/s | MFU {100 * mfu:.1f}% | "
-            f"{rec['ms_per_step']:.0f} ms/step")
-        metrics_log.write(rec)
-
-    if start >= tc.steps:
-        log(f"already at step {start} of --train.steps {tc.steps}: nothing to train "
-            f"(raise --train.steps to continue)")
-    else:
-        with observe.progress("compiling train step") as p:
-            step_fn = step_fn.lower(state, next_batch(step=start)).compile()
-            p.note = (f"| peak {peak / 1e12:.3g} TFLOP/s per device ({peak_src}) | "
-                      f"{fpt / 1e6:.1f} MFLOP/token")
-        summary["compile_s"] = p.seconds
-        t_loop = time.perf_counter()
-        pending = None  # (step, device metrics, steps covered): fetched one step late
-        stop_vote = None  # did any process get SIGTERM? also read one step late
-        t_log, steps_since = time.perf_counter(), 0
-        with PreemptionGuard() as guard:
-            for step in range(start, tc.steps):
-                done = step + 1
-                profiler.before(done)
-                state, metrics = step_fn(state, next_batch(step=step))
-                profiler.after(done, metrics)
-                steps_since += 1
-                if pending is not None:   # the previous log step is finished by now, or nearly
-                    m = jax.device_get(pending[1])
-                    now = time.perf_counter()
-                    emit(pending[0], m, now - t_log, pending[2])
-                    t_log, pending = now, None
-                if done % tc.log_every == 0 or done == tc.steps or done == start + 1:
-                    pending, steps_since = (done, metrics, steps_since), 0
-                if done % tc.eval_every == 0 or done == tc.steps:
-                    loss = evaluate_and_show(state["params"], done)
-                    if pending is not None and pending[0] == done:
-                        evals[done] = loss
-                    else:  # not a log step: a record of its own
-                        metrics_log.write({"step": done, "eval_loss": loss})
-                # Explicit, like every fetch in this loop: an implicit one (float(x) of a
-                # device array) would hide a wait for the device.
-                stop = stop_vote is not None and bool(jax.device_get(stop_vote))
-                stop_vote = multislice.any_process(guard.requested)
-                if ckpt.save(done, state, force=done == tc.steps or stop):
-                    metrics_log.checkpointed()
-                if stop:
-                    log(f"SIGTERM: saved step {done}, exiting")
-                    break
-            if pending is not None:
-                jax.block_until_ready(pending[1])
-                emit(pending[0], jax.device_get(pending[1]), time.perf_counter() - t_log,
-                     pending[2])
-        summary["loop_s"] = time.perf_counter() - t_loop
-    ckpt.wait()
-    summary["final_step"] = int(jax.device_get(state["step"]))
-    summary["state"] = state
-    if tc.sample_tokens > 0 and not isinstance(ds, SFTDataset):  # SFT samples at eval
-        prompt = ds.encode(tc.sample_prompt)
-        out = sample(state["params"], [prompt], cfg, mesh, jax.random.key(tc.seed + 7),
-                     ds.vocab_size)[0]
-        log("sample:\n" + ds.decode(prompt + out))
-    _print_summary(cfg, summary, metrics_log, profiler, fpt, peak, time.perf_counter() - t_start)
-    return summary
-
-
-def _print_summary(cfg: Config, s: dict, metrics_log, profiler, fpt: float, peak: float,
-                   wall_s: float) -> None:
-    """The run on one screen: how far it got, how well, how fast, and where its files are."""
-    tc, fmt = cfg.train, observe.fmt
-    start, end = s["start_step"], s["final_step"]
-    tokens = (end - start) * tc.batch_size * tc.seq_len
-    ms = observe.mean_ms_per_step(metrics_log.records, start)
-    tok_s = tc.batch_size * tc.seq_len / ms * 1e3
-    mfu = fpt * tok_s / (peak * jax.device_count()) if peak else float("nan")
-    timing = f"{observe.duration(wall_s)}"
-    if "compile_s" in s:
-        timing += f" (compile {s['compile_s']:.1f} s, steps {observe.duration(s['loop_s'])})"
-    observe.print_summary(f"run {cfg.run_dir}: done", [
-        ("steps", f"{start} -> {end} ({end - start} this run, of --train.steps {tc.steps})"),
-        ("tokens", f"{tokens:,} this run ({tc.batch_size} x {tc.seq_len} per step)"),
-        ("loss", f"{fmt(s['first_loss'])} -> {fmt(s['last_loss'])} | best eval loss "
-                 f"{fmt(s['best_eval'])} | last eval loss {fmt(s['eval_loss'])}"),
-        ("wall time", timing),
-        ("throughput", f"{fmt(tok_s / 1e3, '.1f')}k tok/s, MFU {fmt(100 * mfu, '.1f')}%, "
-                       f"{fmt(ms, '.0f')} ms/step (mean over logged steps after the first)"),
-    ] + observe.where_rows(cfg.run_dir, metrics_log, profiler))
-
-
 # ----------------------------------------------------------------------------------------------
-# 7. HuggingFace in and out
+# 6. HuggingFace in and out
 # ----------------------------------------------------------------------------------------------
 
 # HuggingFace rotates the two halves of each head, as `apply_rope` does, so its q_proj and
@@ -1309,27 +928,13 @@ def load_hf(path: str, mesh=None) -> tuple[ModelConfig, dict]:
     cfg = config_from_hf(ckpt.config, os.path.join(path, hf.CONFIG))
     if mesh is None:
         mesh = make_mesh(MeshConfig(fsdp=1), jax.devices()[:1])
-    specs = param_specs(cfg)
-    for name, (shape, spec, _) in _flat_table(cfg).items():
-        for n, axes in zip(shape, spec):
-            ways = math.prod(mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else
-                                                     axes or ()))
-            if n % ways:
-                raise ConfigError(f"{path}: {name} has a dimension of {n}, which the mesh "
-                                  f"({describe(mesh)}) splits {ways} ways; choose mesh sizes "
-                                  "that divide the model's.")
+    train.check_divides(_param_table(cfg), mesh, path)
     # Some exports keep lm_head.weight although it is tied; older ones saved rotary tables.
     ignore = lambda n: (cfg.tie_embeddings and n == "lm_head.weight") or n.endswith(
         "rotary_emb.inv_freq")
-    params = hf.load(ckpt, hf_mapping(cfg), _hf_sizes(cfg), named(mesh, specs),
+    params = hf.load(ckpt, hf_mapping(cfg), _hf_sizes(cfg), named(mesh, param_specs(cfg)),
                      what=f"{ckpt.config['model_type']} model of this config", ignore=ignore)
     return cfg, params
-
-
-def _flat_table(cfg: ModelConfig) -> dict:
-    table = _param_table(cfg)
-    return {k: v for k, v in table.items() if k != "layers"} | {
-        f"layers/{k}": v for k, v in table["layers"].items()}
 
 
 def save_hf(params: dict, cfg: ModelConfig, path: str, *, model_type: str = "",
@@ -1351,33 +956,13 @@ def save_hf(params: dict, cfg: ModelConfig, path: str, *, model_type: str = "",
 
 # Starting a run from published weights (--init-from-hf), and exporting one (export-hf).
 
-_COMPUTE_FIELDS = tuple(sorted(k.split(".", 1)[1] for k in MAY_CHANGE
-                             if k.startswith("model.")))
-
 
 def with_hf_model(cfg: Config) -> Config:
     """With --init-from-hf the model's shape comes from PATH/config.json; only how it computes
     (--model.dtype, --model.remat, ... the fields a resume may change) stays the flags'."""
-    if not cfg.init_from_hf:
-        return cfg
-    shape = config_from_hf(hf.read_config(cfg.init_from_hf),
-                           os.path.join(cfg.init_from_hf, hf.CONFIG))
-    keep = {f: getattr(cfg.model, f) for f in _COMPUTE_FIELDS}
-    return dataclasses.replace(cfg, model=dataclasses.replace(shape, **keep))
-
-
-def refuse_shape_flags(args: list[str]) -> None:
-    """A --model.* flag that sets the shape contradicts --init-from-hf: say so, do not pick."""
-    if problem := hf.shape_flag_problem(args, _COMPUTE_FIELDS):
-        raise ConfigError(problem)
-
-
-def init_state_from_hf(cfg: Config, tx, shardings) -> dict:
-    """Step 0 from published weights: parameters from --init-from-hf, a fresh optimiser."""
-    _, params = load_hf(cfg.init_from_hf, shardings["step"].mesh)
-    opt_state = jax.jit(tx.init, out_shardings=shardings["opt_state"])(params)
-    return {"params": params, "opt_state": opt_state,
-            "step": jax.device_put(jnp.zeros((), jnp.int32), shardings["step"])}
+    path = cfg.init_from_hf
+    return train.with_model(cfg, config_from_hf(hf.read_config(path), os.path.join(
+        path, hf.CONFIG)), COMPUTE_FIELDS) if path else cfg
 
 
 def export_hf(run_dir: str, out: str, step: int = -1,
@@ -1394,58 +979,20 @@ def export_hf(run_dir: str, out: str, step: int = -1,
         model_type: The family; "" = the source's, else by knob: qwen3, qwen2 or llama.
         max_shard_gb: The largest safetensors file.
     """
-    path = run_path(run_dir, "config.json")
-    saved = read_run_config(run_dir, "--run-dir")
-    try:
-        cfg = Config(model=ModelConfig(**saved["model"]), train=TrainConfig(**saved["train"]),
-                     data=DataConfig(**saved["data"]), run_dir=run_dir)
-    except (KeyError, TypeError) as e:
-        raise ConfigError(f"{path} is not a run config this train_dense.py reads ({e}).")
-    n = len(jax.devices())  # fsdp over every local device: each holds 1/n of the state
-    mesh = make_mesh(MeshConfig(fsdp=n if cfg.model.d_model % n == 0 else 1),
-                     jax.devices()[:n if cfg.model.d_model % n == 0 else 1])
-    tx = make_optimizer(cfg.train)
-    with Checkpointer(run_dir, CheckpointConfig(restore_step=step)) as ckpt:
-        at = ckpt.resume_step()
-        if at is None:
-            raise CheckpointError(f"--run-dir {run_dir} has no checkpoint to export.")
-        params = ckpt.restore(at, abstract_state(cfg, tx, state_shardings(cfg, mesh, tx)))
-        params = params["params"]
-    src = saved.get("init_from_hf") or ""
-    try:  # an SFT run's config names no tokenizer: the run it started from does
-        tokenizer = None if src else run_tokenizer(run_dir)
-    except (FileNotFoundError, ValueError, OSError):  # data gone: export without a tokenizer
-        tokenizer = None
-    if tokenizer and not os.path.isfile(tokenizer):
-        tokenizer = None
-    base, tokenizer_dir = hf.export_extras(src, tokenizer)
-    files = save_hf(params, cfg.model, out, model_type=model_type, base_config=base,
-                    dtype=dtype, max_shard_bytes=int(max_shard_gb * 2**30))
-    if tokenizer_dir:
-        files += hf.copy_tokenizer(tokenizer_dir, out)
-    size = sum(os.path.getsize(os.path.join(out, f)) for f in files)
-    print(f"export-hf: step {at} of {run_dir} -> {out} ({len(files)} files, {size / 1e9:.2f} GB, "
-          f"{dtype}): {', '.join(files)}", flush=True)
-    return files
+    def read(saved: dict) -> Config:
+        return Config(model=ModelConfig(**saved["model"]), train=TrainConfig(**saved["train"]),
+                      data=DataConfig(**saved["data"]), run_dir=run_dir)
+
+    return train.export_run(
+        run_dir, out, step, dtype, read=read, table=lambda c: _param_table(c.model), save=lambda params, c, out, base: save_hf(
+            params, c.model, out, model_type=model_type, base_config=base, dtype=dtype,
+            max_shard_bytes=int(max_shard_gb * 2**30)),
+        tokenizer=lambda c: run_tokenizer(run_dir))  # an SFT run's is its --init-from's
 
 
 def cli(args=None) -> Config:
-    import tyro
-    cfg = tyro.extras.overridable_config_cli(PRESETS, args=args)
-    if cfg.init_from_hf:
-        refuse_shape_flags(sys.argv[1:] if args is None else args)
-    return cfg
+    return train.cli(PRESETS, COMPUTE_FIELDS, args)
 
 
 if __name__ == "__main__":
-    try:
-        if sys.argv[1:2] == ["export-hf"]:  # python train_dense.py export-hf --run-dir R --out O
-            import tyro
-            tyro.cli(export_hf, args=sys.argv[2:], prog="train_dense.py export-hf")
-        else:
-            main(cli())
-    except (ConfigError, MeshError, ConfigConflictError, CheckpointError, FileNotFoundError,
-            DataError, multislice.DistributedInitError, hf.HFError) as e:
-        # Bad input: a one-paragraph reason and the fix, not a traceback.
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    train.run_cli(main, cli, export_hf)

@@ -5,6 +5,7 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -83,17 +84,23 @@ def test_sharded_equals_unsharded(model):
 
 
 def run_steps(cfg, batches, mesh):
-    tx = td.make_optimizer(cfg.train)
+    st = td.train_state(cfg, mesh)
     with jax.set_mesh(mesh):
-        sh = td.state_shardings(cfg, mesh, tx)
-        state = td.init_state(cfg, tx, sh)
-        step = jax.jit(partial(td.train_step, cfg=cfg, tx=tx), donate_argnums=0,
-                       out_shardings=(sh, None))
+        state = st.fresh(jax.random.key(cfg.train.seed))
+        step = st.jit(partial(td.train_step, cfg=cfg, tx=st.tx))
         losses = []
         for b in batches:
             state, m = step(state, jax.device_put(b, NamedSharding(mesh, P(("data", "fsdp")))))
             losses.append(float(m["loss"]))
         return jax.device_get(state["params"]), losses
+
+
+def grads_of_step(params, batch, cfg):
+    """The gradient train_step applies (read off an SGD step of rate 1) and its loss."""
+    tx = optax.sgd(1.0)
+    state = {"params": params, "opt_state": tx.init(params), "step": jnp.zeros((), jnp.int32)}
+    new, m = td.train_step(state, batch, cfg=cfg, tx=tx)
+    return jax.tree.map(jnp.subtract, params, new["params"]), m["loss"]
 
 
 def test_gradient_accumulation_equals_one_big_batch():
@@ -103,8 +110,8 @@ def test_gradient_accumulation_equals_one_big_batch():
     with jax.set_mesh(mesh):
         params = jax.device_put(params, td.named(mesh, td.param_specs(SMALL)))
         batch = jax.device_put(batch, NamedSharding(mesh, P(("data", "fsdp"))))
-        g1, l1 = jax.jit(partial(td.compute_grads, cfg=one))(params, batch)
-        g4, l4 = jax.jit(partial(td.compute_grads, cfg=four))(params, batch)
+        g1, l1 = jax.jit(partial(grads_of_step, cfg=one))(params, batch)
+        g4, l4 = jax.jit(partial(grads_of_step, cfg=four))(params, batch)
     assert float(l4) == pytest.approx(float(l1), rel=1e-6)
     for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g4)):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-7)

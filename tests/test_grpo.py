@@ -439,13 +439,10 @@ def dense_run(tmp_path_factory):
     cfg = td.Config(model=dense(dataclasses.replace(SMALL, vocab_size=512)),
                     data=DataConfig(path=data), run_dir=str(root / "run"))
     check_run_config(cfg.run_dir, dataclasses.asdict(cfg))
-    tx = td.make_optimizer(cfg.train)
     mesh = make_mesh(MeshConfig(fsdp=-1))
     params = perturbed_params(dataclasses.replace(SMALL, vocab_size=512), seed=11)
     with jax.set_mesh(mesh):
-        sh = td.state_shardings(cfg, mesh, tx)
-        state = jax.jit(lambda p: {"params": p, "opt_state": tx.init(p),
-                                   "step": jnp.zeros((), jnp.int32)}, out_shardings=sh)(params)
+        state = td.train_state(cfg, mesh).from_params(jax.tree.map(jnp.copy, params))
         with Checkpointer(cfg.run_dir, CheckpointConfig()) as ckpt:
             ckpt.save(7, state, force=True)
     return cfg, params

@@ -19,7 +19,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import train_dense as td
-from common import hf
+from common import hf, train
 from common.data import DataConfig, batch_rows, load_dataset, prepare
 from common.mesh import MeshConfig, make_mesh
 
@@ -330,7 +330,7 @@ def test_init_from_hf_train_and_export(data_path, tmp_path):
     rng = np.random.default_rng(5)  # in numpy: nothing to compile
     published = jax.tree.map(
         lambda e: (1.0 if e[2] is None else 0.0) + 0.3 * rng.standard_normal(e[0], np.float32),
-        td._param_table(model), is_leaf=td._is_entry)
+        td._param_table(model), is_leaf=train.is_entry)
     src = str(tmp_path / "published")
     td.save_hf(published, model, src, base_config={"eos_token_id": 2, "bos_token_id": 1})
     shutil.copy(os.path.join(data_path, "tokenizer.model"), src)

@@ -86,10 +86,9 @@ def losses(run_dir):
 def final_params(run_dir, data_path):
     cfg = td.cli(trainer_args(data_path, run_dir))
     mesh = make_mesh(cfg.mesh)
-    tx = td.make_optimizer(cfg.train)
     with jax.set_mesh(mesh), Checkpointer(str(run_dir), cfg.checkpoint) as ckpt:
         assert ckpt.latest_step() == STEPS
-        state = ckpt.restore(STEPS, td.abstract_state(cfg, tx, td.state_shardings(cfg, mesh, tx)))
+        state = ckpt.restore(STEPS, td.train_state(cfg, mesh).abstract())
     return jax.device_get(state["params"])
 
 

@@ -118,6 +118,11 @@ def test_attention_never_crosses_segments(attention):
     assert np.abs(run(row, one)[seg == 3] - run(changed, one)[seg == 3]).max() > 1e-3
 
 
+def grads_of_step(params, batch, cfg):
+    from test_dense import grads_of_step as of_step  # the gradient that train_step applies
+    return of_step(params, batch, cfg)
+
+
 def test_gradient_accumulation_over_uneven_microbatches():
     """Microbatches with different numbers of trained tokens still give the batch mean."""
     examples = random_examples() + random_examples(seed=5)
@@ -129,8 +134,8 @@ def test_gradient_accumulation_over_uneven_microbatches():
     assert sums[0::2].sum() != sums[1::2].sum()  # microbatch m takes rows m, m+2, ...
     cfg = lambda m: td.Config(model=SMALL, train=td.TrainConfig(batch_size=8, microbatches=m))
     params = perturbed_params(SMALL)
-    g1, l1 = jax.jit(partial(td.compute_grads, cfg=cfg(1)))(params, batch)
-    g2, l2 = jax.jit(partial(td.compute_grads, cfg=cfg(2)))(params, batch)
+    g1, l1 = jax.jit(partial(grads_of_step, cfg=cfg(1)))(params, batch)
+    g2, l2 = jax.jit(partial(grads_of_step, cfg=cfg(2)))(params, batch)
     assert float(l2) == pytest.approx(float(l1), rel=1e-6)
     for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2)):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-7)
@@ -332,11 +337,9 @@ def test_fine_tune_from_a_pretraining_run(tokenizer, tmp_path, capsys):
     with Checkpointer(pre.run_dir, CheckpointConfig(async_save=False)) as ck:
         mesh = make_mesh(MeshConfig(fsdp=-1))
         with jax.set_mesh(mesh):
-            tx = td.make_optimizer(pre.train)
-            sh = td.state_shardings(pre, mesh, tx)
-            full = ck.restore(2, td.abstract_state(pre, tx, sh))
-            part = ck.restore(2, {"params": td.abstract_state(pre, tx, sh)["params"]},
-                              partial=True)
+            abstract = td.train_state(pre, mesh).abstract()
+            full = ck.restore(2, abstract)
+            part = ck.restore(2, {"params": abstract["params"]}, partial=True)
     assert set(part) == {"params"}
     for a, b in zip(jax.tree.leaves(full["params"]), jax.tree.leaves(part["params"])):
         np.testing.assert_array_equal(a, b)

@@ -76,12 +76,11 @@ def test_restore_onto_another_mesh(data_path, tmp_path):
     shutil.copytree(tmp_path / "a", tmp_path / "b")
     other = MeshConfig(data=2, fsdp=2, tensor=2)
 
-    tx = td.make_optimizer(a.train)
     restored = {}
     for name, mc in (("a", a.mesh), ("b", other)):
         mesh = make_mesh(mc)
         with jax.set_mesh(mesh):
-            abstract = td.abstract_state(a, tx, td.state_shardings(a, mesh, tx))
+            abstract = td.train_state(a, mesh).abstract()
             with Checkpointer(str(tmp_path / name), a.checkpoint) as ckpt:
                 state = ckpt.restore(4, abstract)
         wq = state["params"]["layers"]["wq"]

@@ -1,0 +1,695 @@
+"""The training plumbing that no model changes, written once for every trainer.
+
+A trainer (train_*.py) keeps what a forker edits: its config and presets, the parameter
+table, the model, the loss, `train_step` and a short loop in plain sight. This file holds the
+rest, the same whatever the model:
+
+    parameter tables     (shape, PartitionSpec, init std) -> specs, fresh weights, counts
+    optimiser            AdamW with global-norm clipping, weight decay on named matrices,
+                         warmup + cosine / constant / warmup-stable-decay schedules
+    TrainState           {params, opt_state, step}: shardings, fresh, from given weights,
+                         abstract (nothing allocated), and a step jitted with donation
+    FLOPs                the accelerators' peak table and MFU
+    dry_run, bench       compile on abstract inputs and report memory; time a step
+    Run, Loop            a run directory opened for training, and the loop's mechanics:
+                         metrics fetched one step late, evals, checkpoints, SIGTERM, summary
+    export_run, cli      the export-hf driver and the command line
+
+It knows no model: nothing here reads a ModelConfig field.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import os
+import sys
+import time
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from common import hf, multislice, observe
+from common.checkpoint import (CheckpointConfig, CheckpointError, Checkpointer,
+                               ConfigConflictError, PreemptionGuard, check_run_config,
+                               read_run_config, run_path)
+from common.data import DataError
+from common.mesh import MeshConfig, MeshError, describe, make_mesh, tpu_topology_devices
+
+log = observe.say  # process 0 prints; the others keep quiet
+
+
+class ConfigError(ValueError):
+    """A flag value that cannot work; the message names the flag and the fix."""
+
+
+# Bad input of any kind: the command line prints the reason and exits 2, never a traceback.
+INPUT_ERRORS = (ConfigError, MeshError, ConfigConflictError, CheckpointError, FileNotFoundError,
+                DataError, multislice.DistributedInitError, hf.HFError)
+
+
+# ----------------------------------------------------------------------------------------------
+# Parameter tables: name -> (shape, PartitionSpec, init std)
+
+
+def is_entry(x) -> bool:
+    return isinstance(x, tuple) and len(x) == 3 and isinstance(x[1], P)
+
+
+def table_specs(table: dict) -> dict:
+    return jax.tree.map(lambda e: e[1], table, is_leaf=is_entry)
+
+
+def table_init(table: dict, key: jax.Array) -> dict:
+    """Float32 weights: std None = ones (norm gains), 0.0 = zeros (biases), else normal(0, std).
+    One key per entry, in the table's (sorted) order."""
+    entries, treedef = jax.tree.flatten(table, is_leaf=is_entry)
+    keys = jax.random.split(key, len(entries))
+
+    def one(entry, k):
+        shape, _, std = entry
+        if std is None:
+            return jnp.ones(shape, jnp.float32)
+        return std * jax.random.normal(k, shape, jnp.float32)
+
+    return jax.tree.unflatten(treedef, [one(e, k) for e, k in zip(entries, keys)])
+
+
+def table_count(table: dict) -> int:
+    return sum(math.prod(e[0]) for e in jax.tree.leaves(table, is_leaf=is_entry))
+
+
+def named(mesh, specs):
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
+                        is_leaf=lambda x: isinstance(x, P))
+
+
+def check_divides(table: dict, mesh, where: str) -> None:
+    """Every sharded dimension of the table splits evenly over its mesh axes."""
+    flat = jax.tree_util.tree_flatten_with_path(table, is_leaf=is_entry)[0]
+    for path, (shape, spec, _) in flat:
+        for n, axes in zip(shape, spec):
+            ways = math.prod(mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else
+                                                     axes or ()))
+            if n % ways:
+                name = "/".join(str(k.key) for k in path)
+                raise ConfigError(f"{where}: {name} has a dimension of {n}, which the mesh "
+                                  f"({describe(mesh)}) splits {ways} ways; choose mesh sizes "
+                                  "that divide the model's.")
+
+
+# ----------------------------------------------------------------------------------------------
+# Checks that need no compilation, so that a bad launch fails in a second
+
+
+def check_sizes(mesh: MeshConfig, splits: dict[str, list[tuple[str, int]]]) -> None:
+    """Each model size that a mesh axis splits ({axis: [(flag, size), ...]}) divides evenly."""
+    for axis, sizes in splits.items():
+        ways = getattr(mesh, axis) * getattr(mesh, "dcn_" + axis)
+        for flag, v in sizes:
+            if v % ways:
+                raise ConfigError(f"{flag} {v} is not divisible by --mesh.{axis} {ways}: {axis} "
+                                  f"parallelism splits it evenly; choose a {axis} size "
+                                  f"dividing {v}.")
+
+
+def batch_shards(mesh: MeshConfig, axes=("data", "fsdp")) -> int:
+    return math.prod(getattr(mesh, a) * getattr(mesh, "dcn_" + a) for a in axes)
+
+
+def check_batch(batch_size: int, microbatches: int, shards: int, flag: str = "--train") -> None:
+    """The batch splits into microbatches, and each of those over the batch shards."""
+    if batch_size % microbatches:
+        raise ConfigError(f"{flag}.batch-size {batch_size} is not divisible by "
+                          f"{flag}.microbatches {microbatches}.")
+    if (batch_size // microbatches) % shards:
+        raise ConfigError(f"{flag}.batch-size {batch_size} / {flag}.microbatches {microbatches} "
+                          f"is not divisible by the {shards} batch shards (data x fsdp); use a "
+                          f"batch size that is a multiple of {shards * microbatches}.")
+
+
+def check_loop(steps: int, log_every: int, eval_every: int, profile_steps: tuple[int, ...],
+               flag: str = "--train") -> None:
+    if steps < 1 or log_every < 1 or eval_every < 1:
+        raise ConfigError(f"{flag}.steps, {flag}.log-every and {flag}.eval-every must be >= 1.")
+    if problem := observe.profile_steps_problem(profile_steps, f"{flag}.profile-steps", steps):
+        raise ConfigError(problem)
+
+
+# ----------------------------------------------------------------------------------------------
+# Optimiser
+
+
+def lr_schedule(kind: str, lr: float, warmup_steps: int, steps: int = 0,
+                min_lr_ratio: float = 0.1, decay_fraction: float = 0.2):
+    """Learning rate at optimiser step s (0-based); step 0 already gets lr / warmup_steps.
+    cosine: down to lr * min_lr_ratio at `steps`; constant: flat after the warmup; wsd
+    (warmup-stable-decay, MiniCPM): flat, then a linear cool-down over the last
+    decay_fraction of the steps."""
+    end, warmup = lr * min_lr_ratio, max(warmup_steps, 1)
+    ramp = optax.linear_schedule(0.0, lr, warmup)
+    if kind == "cosine":
+        base = optax.warmup_cosine_decay_schedule(0.0, lr, warmup, max(steps, warmup + 1), end)
+    elif kind == "constant":
+        base = optax.join_schedules([ramp, optax.constant_schedule(lr)], [warmup])
+    else:
+        decay = max(1, int(steps * decay_fraction))
+        stable = max(steps - decay - warmup, 0)
+        base = optax.join_schedules(
+            [ramp, optax.constant_schedule(lr), optax.linear_schedule(lr, end, decay)],
+            [warmup, warmup + stable])
+    return lambda s: base(s + 1)
+
+
+def adamw(schedule, *, b1: float, b2: float, weight_decay: float, clip_norm: float,
+          decayed: set[str]):
+    """Clip by global norm, then AdamW. Weight decay only on the parameters whose name is in
+    `decayed` (the matrices): decaying norm gains and biases only hurts."""
+    mask = lambda params: jax.tree_util.tree_map_with_path(
+        lambda path, _: path[-1].key in decayed, params)
+    return optax.chain(optax.clip_by_global_norm(clip_norm),
+                       optax.adamw(schedule, b1, b2, weight_decay=weight_decay, mask=mask))
+
+
+# ----------------------------------------------------------------------------------------------
+# Training state
+
+
+class TrainState:
+    """{params, opt_state, step} on a mesh, with Adam's moments sharded like their parameter
+    (and, with `ref`, a frozen copy of the parameters: a KL reference).
+
+    `init(key)` makes float32 parameters; it runs under jit with the specs as out_shardings,
+    so no full copy of a large model is ever made on one device.
+    """
+
+    def __init__(self, init: Callable, specs: dict, tx, mesh, *, ref: bool = False):
+        self.init, self.tx, self.mesh, self.ref = init, tx, mesh, ref
+        p_sh = named(mesh, specs)
+        # No concrete key: with --compile-topology the mesh's devices do not exist here.
+        abstract = jax.eval_shape(lambda: init(jax.random.key(0)))
+        replicated = NamedSharding(mesh, P())
+        opt_sh = optax.tree_map_params(tx, lambda _, s: s, jax.eval_shape(tx.init, abstract),
+                                       p_sh, transform_non_params=lambda _: replicated)
+        self.shardings = {"params": p_sh, "opt_state": opt_sh, "step": replicated}
+        if ref:
+            self.shardings["ref"] = p_sh
+
+    def _make(self, params):
+        s = {"params": params, "opt_state": self.tx.init(params),
+             "step": jnp.zeros((), jnp.int32)}
+        # The reference is a copy, not an alias: the policy's buffers are donated.
+        return s | {"ref": jax.tree.map(jnp.copy, params)} if self.ref else s
+
+    def fresh(self, key) -> dict:
+        return jax.jit(lambda k: self._make(self.init(k)), out_shardings=self.shardings)(key)
+
+    def from_params(self, params) -> dict:
+        """Given parameters (a fine-tune's start) with a fresh optimiser; they are donated."""
+        return jax.jit(self._make, out_shardings=self.shardings, donate_argnums=0)(params)
+
+    def abstract(self) -> dict:
+        """Shapes, dtypes and target shardings, nothing allocated: what a restore fills."""
+        shapes = jax.eval_shape(lambda: self._make(self.init(jax.random.key(0))))
+        return jax.tree.map(lambda s, d: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=d),
+                            shapes, self.shardings)
+
+    def jit(self, step_fn):
+        """step_fn(state, batch) -> (state, metrics) under jit, the state donated: its
+        buffers are reused for the new state, so a step holds one copy, not two."""
+        return jax.jit(step_fn, donate_argnums=0, out_shardings=(self.shardings, None))
+
+
+def accumulate(grad_fn, params, batch, microbatches: int, batch_axes):
+    """The sum of grad_fn(params, mb) over `microbatches` slices of the batch's rows, under
+    lax.scan (gradient accumulation). Microbatch m takes rows m, m+M, m+2M, ...: each device
+    keeps its own rows of every microbatch, so the split moves no data between devices."""
+    M = microbatches
+    if M == 1:
+        return grad_fn(params, batch)
+
+    def split(x):
+        y = x.reshape(x.shape[0] // M, M, *x.shape[1:]).swapaxes(0, 1)
+        if jax.sharding.get_abstract_mesh().empty:
+            return y
+        return jax.lax.with_sharding_constraint(y, P(None, batch_axes, *[None] * (x.ndim - 1)))
+
+    def acc(carry, mb):
+        return jax.tree.map(jnp.add, carry, grad_fn(params, mb)), None
+
+    mbs = jax.tree.map(split, batch)
+    shapes = jax.eval_shape(grad_fn, params, jax.tree.map(lambda x: x[0], mbs))
+    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+    return jax.lax.scan(acc, zeros, mbs)[0]
+
+
+def restore_params(run_dir: str, abstract_params, flag: str = "--init-from") -> dict:
+    """The parameters of another run's latest checkpoint, read straight into these shardings.
+    Its optimiser state is never read: a fine-tune starts a fresh one."""
+    with Checkpointer(run_dir, CheckpointConfig(async_save=False)) as ckpt:
+        step = ckpt.latest_step()
+        if step is None:
+            raise CheckpointError(f"{flag} {run_dir}: no complete checkpoint in "
+                                  f"{run_dir}/checkpoints; train it first.")
+        params = ckpt.restore(step, {"params": abstract_params}, partial=True)["params"]
+    log(f"initialised from {run_dir}/checkpoints/{step} (parameters; fresh optimiser)")
+    return params
+
+
+def model_of_run(run_dir: str, model_cls, keep: tuple[str, ...], prog: str) -> dict:
+    """The model fields of a trained run's config.json, less those in `keep` (how to compute),
+    which stay this run's."""
+    saved = read_run_config(run_dir, "--init-from", trained=True).get("model", {})
+    unknown = set(saved) - {f.name for f in dataclasses.fields(model_cls)}
+    if unknown:
+        raise ConfigError(f"--init-from {run_dir}: its model has fields this file does not "
+                          f"know ({sorted(unknown)}); was it written by {prog}?")
+    return {k: v for k, v in saved.items() if k not in keep}
+
+
+def with_model(cfg, shape, keep: tuple[str, ...]):
+    """cfg with the model `shape` (a ModelConfig from elsewhere), keeping cfg's fields `keep`."""
+    return dataclasses.replace(cfg, model=dataclasses.replace(
+        shape, **{f: getattr(cfg.model, f) for f in keep}))
+
+
+# ----------------------------------------------------------------------------------------------
+# FLOPs and MFU
+
+# Dense bf16 peak per chip, from the vendors' data sheets.
+PEAK_TFLOPS = {"TPU v4": 275, "TPU v5 lite": 197, "TPU v5e": 197, "TPU v5p": 459, "TPU v5": 459,
+               "TPU v6 lite": 918, "TPU v6e": 918, "H100": 989, "H200": 989, "A100": 312,
+               "B200": 2250, "L4": 121, "A10": 125}
+
+
+def peak_flops_per_device(override_tflops: float = 0.0) -> tuple[float, str]:
+    """(peak FLOP/s of one device, where the figure comes from); 0 when unknown."""
+    if override_tflops > 0:
+        return override_tflops * 1e12, "--train.peak-tflops"
+    kind = jax.devices()[0].device_kind
+    for name, tf in PEAK_TFLOPS.items():
+        if name.lower() in kind.lower():
+            return tf * 1e12, f"{kind} data sheet"
+    if jax.devices()[0].platform != "cpu":
+        return 0.0, f"unknown device {kind!r}: pass --train.peak-tflops"
+    # CPU: all simulated devices share the host's cores, so measure the host once with a
+    # float32 matmul and divide among them.
+    n = 1024
+    a = jnp.ones((n, n), jnp.float32)
+    mm = jax.jit(lambda a: a @ a)
+    mm(a).block_until_ready()
+    t0 = time.perf_counter()
+    for _ in range(5):
+        out = mm(a)
+    out.block_until_ready()
+    host = 5 * 2 * n ** 3 / (time.perf_counter() - t0)
+    return host / jax.device_count(), f"measured f32 matmul, host {host / 1e9:.0f} GFLOP/s"
+
+
+def mfu(flops_per_token: float, tokens_per_s: float, peak: float) -> float:
+    """Model FLOPs utilisation over all devices; NaN when the peak is unknown."""
+    return flops_per_token * tokens_per_s / (peak * jax.device_count()) if peak else math.nan
+
+
+# ----------------------------------------------------------------------------------------------
+# Start-up, dry run and bench
+
+
+def start(quiet: bool) -> None:
+    """What every run does first: join the other processes, cache compiles, set the noise."""
+    multislice.initialize()
+    multislice.enable_compilation_cache()
+    observe.configure(quiet=quiet)
+
+
+def devices(compile_topology: str = "", compile_slices: int = 1, dry_run: bool = False):
+    """The devices to build the mesh from: this machine's, or with --compile-topology a TPU
+    slice's that exists only as a description (for --dry-run)."""
+    if not compile_topology:
+        return jax.devices()
+    if not dry_run:
+        raise ConfigError(f"--compile-topology {compile_topology} compiles for hardware this "
+                          "machine does not have, so it cannot train: add --dry-run.")
+    return tpu_topology_devices(compile_topology, compile_slices)
+
+
+def dry_run(step_fn, abstract_state, batch, mesh, n_params: int, **extra) -> dict:
+    """Compile one jitted step on abstract inputs (nothing allocated) and report memory."""
+    t0 = time.perf_counter()
+    # Only tracing runs under the mesh: with --compile-topology its devices do not exist here,
+    # so no eager array may be created while it is set.
+    with jax.set_mesh(mesh):
+        compiled = step_fn.lower(abstract_state, batch).compile()
+    mem = compiled.memory_analysis()
+    report = {"params": n_params, **extra, "devices": mesh.size,
+              "compile_s": time.perf_counter() - t0}
+    if mem is not None:
+        report |= {k: int(getattr(mem, k + "_in_bytes")) for k in
+                   ("argument_size", "output_size", "alias_size", "temp_size")}
+        report["per_device_bytes"] = (report["argument_size"] + report["output_size"]
+                                      - report["alias_size"] + report["temp_size"])
+    gib = lambda b: f"{b / 2**30:.2f} GiB"
+    log(f"dry run | {n_params:,} parameters | mesh {describe(mesh)} | compiled in "
+        f"{report['compile_s']:.1f} s")
+    if mem is not None:
+        log(f"per device: {gib(report['per_device_bytes'])} = arguments "
+            f"{gib(report['argument_size'])} + outputs {gib(report['output_size'])} - donated "
+            f"{gib(report['alias_size'])} + temporaries {gib(report['temp_size'])}")
+    return report
+
+
+def bench(step_fn, state, batch, n_steps: int, *, tokens_per_step: int,
+          flops_per_token: float, peak: tuple[float, str], what: str = "") -> dict:
+    """Median step time over `n_steps` steps after compilation and one warm-up step (first-
+    touch allocations). Each step is synced here, which the training loop never does."""
+    t0 = time.perf_counter()
+    step = step_fn.lower(state, batch).compile()
+    compile_s = time.perf_counter() - t0
+    state, m = step(state, batch)
+    jax.block_until_ready(m)
+    times = []
+    for _ in range(n_steps):
+        t0 = time.perf_counter()
+        state, m = step(state, batch)
+        jax.block_until_ready(m)
+        times.append(time.perf_counter() - t0)
+    dt = float(np.median(times))
+    tok_s = tokens_per_step / dt
+    util = mfu(flops_per_token, tok_s, peak[0])
+    log(f"bench{what} | {tok_s:.0f} tok/s | {1e3 * dt:.1f} ms/step (median of {n_steps}, "
+        f"min {1e3 * min(times):.1f}) | MFU {observe.fmt(100 * util, '.1f')}% of "
+        f"{peak[0] / 1e12:.3g} TFLOP/s per device ({peak[1]}) | compile {compile_s:.1f} s")
+    return {"tokens_per_s": tok_s, "ms_per_step": 1e3 * dt, "mfu": util, "compile_s": compile_s}
+
+
+def put(x: np.ndarray, mesh, batch_axes) -> jax.Array:
+    """A host array that every process holds whole -> a global array split on its rows."""
+    spec = NamedSharding(mesh, P(batch_axes, *[None] * (x.ndim - 1)))
+    return jax.make_array_from_callback(x.shape, spec, lambda i: x[i])
+
+
+def fetch(x) -> np.ndarray:
+    """A global array, whole, on every process's host (gathered when several hold parts)."""
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return np.asarray(jax.device_get(x))
+
+
+def sample(logits_fn, params, prompts: list[list[int]], *, n_new: int, max_len: int,
+           temperature: float, n_valid: int, mesh, batch_axes, key) -> list[list[int]]:
+    """Decode n_new tokens after each prompt with full forwards (no KV cache: this is a peek
+    at the model, not an inference server), jitted once for a fixed-size buffer.
+    logits_fn(params, tokens[, segment_ids, positions]) -> [B, T, V] logits. Only the first
+    `n_valid` ids are drawn: the model's vocabulary may be padded past the tokenizer's.
+    Prompts of different lengths are left-padded: the padding is a segment of its own, which
+    no prompt attends to, and each prompt's positions start at 0 as they did in training."""
+    keep = max(1, max_len - n_new)
+    prompts = [list(p)[-keep:] for p in prompts]
+    width = max(len(p) for p in prompts)
+    shards = math.prod(mesh.shape[a] for a in batch_axes)  # whole rows per batch shard: the
+    B = -(-len(prompts) // shards) * shards                 # activation constraints stay even
+    buf = np.zeros((B, width + n_new), np.int32)
+    seg = np.ones_like(buf)
+    pos = np.zeros_like(buf)
+    for i in range(B):
+        p = prompts[min(i, len(prompts) - 1)]  # spare rows repeat the last prompt
+        pad = width - len(p)
+        buf[i, pad:width], seg[i, :pad] = p, 0
+        pos[i, pad:] = np.arange(buf.shape[1] - pad)
+    ragged = any(len(p) != width for p in prompts)
+
+    @jax.jit
+    def run(params, buf, seg, pos, key):
+        def one(i, carry):
+            buf, key = carry
+            logits = logits_fn(params, buf, *((seg, pos) if ragged else ()))[:, i - 1, :n_valid]
+            key, sub = jax.random.split(key)
+            nxt = (jnp.argmax(logits, -1) if temperature == 0 else
+                   jax.random.categorical(sub, logits / temperature, axis=-1))
+            return buf.at[:, i].set(nxt.astype(buf.dtype)), key
+        return jax.lax.fori_loop(width, width + n_new, one, (buf, key))[0]
+
+    out = fetch(run(params, *(put(x, mesh, batch_axes) for x in (buf, seg, pos)), key))
+    return [out[i, width:].tolist() for i in range(len(prompts))]
+
+
+# ----------------------------------------------------------------------------------------------
+# A run directory opened for training, and the loop's mechanics
+
+
+class Run:
+    """The run directory of a training run: config.json checked against this run's config
+    (nothing saved is overwritten by a conflicting one), metrics, profiler, checkpoints.
+    Closed in reverse order: the last save is waited for (and raises if it failed) first."""
+
+    def __init__(self, cfg, may_change: frozenset[str], profile_steps: tuple[int, ...] = (),
+                 defaults=None):
+        self.cfg, self.dir = cfg, cfg.run_dir
+        self.t_start = time.perf_counter()
+        run_path(self.dir).mkdir(parents=True, exist_ok=True)
+        config = dataclasses.asdict(cfg)
+        if multislice.is_main_process():
+            check_run_config(self.dir, config, may_change,
+                             defaults=None if defaults is None else dataclasses.asdict(defaults))
+        with contextlib.ExitStack() as stack:
+            self.metrics_log = stack.enter_context(observe.MetricsLog(self.dir, config))
+            self.profiler = stack.enter_context(observe.Profiler(self.dir, profile_steps))
+            self.ckpt = stack.enter_context(Checkpointer(self.dir, cfg.checkpoint))
+            self._stack = stack.pop_all()
+
+    def __enter__(self) -> Run:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stack.close()
+
+    def resume(self, abstract_state) -> tuple[dict | None, int]:
+        """(the latest checkpoint's state, its step), or (None, 0) in a new run directory."""
+        start = self.ckpt.resume_step()
+        if start is None:
+            return None, 0
+        state = self.ckpt.restore(start, abstract_state)
+        log(f"resumed from step {start} ({self.dir}/checkpoints/{start})")
+        return state, start
+
+    def where_rows(self) -> list[tuple[str, str]]:
+        return observe.where_rows(self.dir, self.metrics_log, self.profiler)
+
+
+class Loop:
+    """Everything a training loop does besides the step, so that the trainer shows its loop:
+
+        loop = Loop(run, start, steps, log_every=..., eval_every=..., ...)
+        for step in loop:                      # profiler marks; stops after a SIGTERM save
+            state, metrics = step_fn(state, batch(step))
+            loop.log(metrics)                  # fetched one step late: no sync per step
+            if loop.eval_due:
+                loop.eval({"eval_loss": evaluate(state["params"])})
+            loop.checkpoint(state)             # every --checkpoint.every, at the end, SIGTERM
+
+    Log records go to metrics.jsonl (and TensorBoard) with throughput and MFU; a log line
+    is "step N | " + show(record) + throughput. `loop.step` is the step just taken (1-based).
+    """
+
+    def __init__(self, run: Run, start: int, steps: int, *, log_every: int, eval_every: int,
+                 tokens_per_step: int, flops_per_token: float, peak: tuple[float, str],
+                 show: Callable[[dict], str], flag: str = "--train"):
+        self.run, self.start, self.steps, self.flag = run, start, steps, flag
+        self.log_every, self.eval_every, self.show = log_every, eval_every, show
+        self.tokens_per_step, self.fpt, (self.peak, self.peak_src) = (tokens_per_step,
+                                                                      flops_per_token, peak)
+        self.step, self.stopped, self.seconds, self.compile_s = start, False, 0.0, None
+        self.evals: list[tuple[int, dict]] = []
+        self.first_loss = self.last_loss = None
+        self._pending = None    # (step, device metrics, steps covered): fetched a step late
+        self._joined = {}       # step -> eval figures, written with that step's log record
+        self._stop_vote = None  # did any process get SIGTERM? also read one step late
+        self._since = 0
+
+    def compile(self, step_fn, state, batch):
+        """The step compiled ahead of time for these inputs (timed, with a progress line), or
+        as it is when nothing is left to train."""
+        if self.start >= self.steps:
+            log(f"already at step {self.start} of {self.flag}.steps {self.steps}: nothing to "
+                f"train (raise {self.flag}.steps to continue)")
+            return step_fn
+        with observe.progress("compiling train step") as p:
+            step_fn = step_fn.lower(state, batch).compile()
+            p.note = (f"| peak {self.peak / 1e12:.3g} TFLOP/s per device ({self.peak_src}) | "
+                      f"{self.fpt / 1e6:.1f} MFLOP/token")
+        self.compile_s = p.seconds
+        return step_fn
+
+    def __iter__(self):
+        t_loop = self._t_log = time.perf_counter()
+        with PreemptionGuard() as self._guard:
+            for step in range(self.start, self.steps):
+                self.step = step + 1
+                self._since += 1
+                self.run.profiler.before(self.step)
+                yield step
+                if self.stopped:
+                    break
+            if self._pending is not None:
+                self._fetch_and_emit()
+        self.seconds = time.perf_counter() - t_loop
+
+    def log(self, metrics: dict) -> None:
+        """The step's device metrics; the previous log step's are fetched now, finished by
+        then (or nearly), so logging never stalls the device."""
+        self.run.profiler.after(self.step, metrics)
+        if self._pending is not None:
+            self._fetch_and_emit()
+        s = self.step
+        if s % self.log_every == 0 or s == self.steps or s == self.start + 1:
+            self._pending, self._since = (s, metrics, self._since), 0
+
+    def _fetch_and_emit(self) -> None:
+        step, metrics, n_steps = self._pending
+        # Explicit, like every fetch here: float(x) of a device array would hide a wait.
+        m = jax.device_get(metrics)
+        now = time.perf_counter()
+        dt_s, self._t_log, self._pending = now - self._t_log, now, None
+        tok_s = self.tokens_per_step * n_steps / dt_s
+        util = mfu(self.fpt, tok_s, self.peak)
+        rec = {"step": step} | {k: np.asarray(v).tolist() if np.ndim(v) else float(v)
+                                for k, v in m.items()}
+        rec |= {"tokens_per_s": tok_s, "mfu": util, "ms_per_step": 1e3 * dt_s / n_steps}
+        rec |= self._joined.pop(step, {})
+        if "loss" in rec:
+            self.first_loss = self.first_loss or rec["loss"]
+            self.last_loss = rec["loss"]
+        log(f"step {step} | {self.show(rec)} | {tok_s / 1e3:.1f}k tok/s | MFU "
+            f"{100 * util:.1f}% | {rec['ms_per_step']:.0f} ms/step")
+        self.run.metrics_log.write(rec)
+
+    @property
+    def eval_due(self) -> bool:
+        return self.step % self.eval_every == 0 or self.step == self.steps
+
+    def eval(self, figures: dict) -> None:
+        """Held-out figures of this step: joined to its log record, or a record of their own."""
+        self.evals.append((self.step, figures))
+        if self._pending is not None and self._pending[0] == self.step:
+            self._joined[self.step] = figures
+        else:
+            self.run.metrics_log.write({"step": self.step} | figures)
+
+    def checkpoint(self, state) -> None:
+        """Save when due, at the last step, and at the step after any process got SIGTERM
+        (the vote is read one step late: every process saves the same step)."""
+        stop = self._stop_vote is not None and bool(jax.device_get(self._stop_vote))
+        self._stop_vote = multislice.any_process(self._guard.requested)
+        if self.run.ckpt.save(self.step, state, force=self.step == self.steps or stop):
+            self.run.metrics_log.checkpointed()
+        if stop:
+            log(f"SIGTERM: saved step {self.step}, exiting")
+            self.stopped = True
+
+    def summary(self, state, per_step: str, rows: list[tuple[str, str]]) -> dict:
+        """The run on one screen: how far, the trainer's rows (how well), how long, how
+        fast, and where its files are. Returns the figures for the caller."""
+        fmt, start = observe.fmt, self.start
+        end = int(jax.device_get(state["step"]))
+        ms = observe.mean_ms_per_step(self.run.metrics_log.records, start)
+        tok_s = self.tokens_per_step / ms * 1e3
+        util = mfu(self.fpt, tok_s, self.peak)
+        timing = observe.duration(time.perf_counter() - self.run.t_start)
+        if self.compile_s is not None:
+            timing += f" (compile {self.compile_s:.1f} s, steps {observe.duration(self.seconds)})"
+        observe.print_summary(f"run {self.run.dir}: done", [
+            ("steps", f"{start} -> {end} ({end - start} this run, of {self.flag}.steps "
+                      f"{self.steps})"),
+            ("tokens", f"{(end - start) * self.tokens_per_step:,} this run ({per_step} per "
+                       "step)"),
+        ] + rows + [
+            ("wall time", timing),
+            ("throughput", f"{fmt(tok_s / 1e3, '.1f')}k tok/s, MFU {fmt(100 * util, '.1f')}%, "
+                           f"{fmt(ms, '.0f')} ms/step (mean over logged steps after the "
+                           "first)"),
+        ] + self.run.where_rows())
+        return {"start_step": start, "final_step": end, "state": state,
+                "first_loss": self.first_loss, "last_loss": self.last_loss,
+                "compile_s": self.compile_s} | (self.evals[-1][1] if self.evals else {})
+
+
+# ----------------------------------------------------------------------------------------------
+# export-hf and the command line
+
+
+def export_run(run_dir: str, out: str, step: int, dtype: str, *, read: Callable[[dict], object],
+               table: Callable[[object], dict], save: Callable,
+               tokenizer: Callable[[object], str | None]) -> list[str]:
+    """The export-hf driver: a run's checkpoint (`step`, -1 = latest) as a HuggingFace folder.
+
+    read(saved config.json) -> the run's Config; table(cfg) -> its parameter table;
+    save(params, cfg, out, base_config) -> the files written; tokenizer(cfg) -> the tokenizer
+    file the run trained with, or None. The parameters are read split over every local
+    device (fsdp) when the model's sizes allow. A run started from a HuggingFace folder keeps
+    that folder's config keys and tokenizer files.
+    """
+    path = run_path(run_dir, "config.json")
+    saved = read_run_config(run_dir, "--run-dir")
+    try:
+        cfg = read(saved)
+    except (KeyError, TypeError) as e:
+        raise ConfigError(f"{path} is not a run config this trainer reads ({e}).") from None
+    mesh = make_mesh(MeshConfig(fsdp=len(jax.devices())))
+    try:
+        check_divides(table(cfg), mesh, run_dir)
+    except ConfigError:
+        mesh = make_mesh(MeshConfig(fsdp=1), jax.devices()[:1])
+    abstract = jax.tree.map(lambda e, sh: jax.ShapeDtypeStruct(e[0], jnp.float32, sharding=sh),
+                            table(cfg), named(mesh, table_specs(table(cfg))), is_leaf=is_entry)
+    with Checkpointer(run_dir, CheckpointConfig(restore_step=step)) as ckpt:
+        at = ckpt.resume_step()
+        if at is None:
+            raise CheckpointError(f"--run-dir {run_dir} has no checkpoint to export.")
+        params = ckpt.restore(at, {"params": abstract}, partial=True)["params"]
+    src = saved.get("init_from_hf") or ""
+    try:
+        tok = None if src else tokenizer(cfg)
+    except (FileNotFoundError, ValueError, OSError):  # data gone: export without a tokenizer
+        tok = None
+    if tok and not os.path.isfile(tok):
+        tok = None
+    base, tokenizer_dir = hf.export_extras(src, tok)
+    files = save(params, cfg, out, base)
+    if tokenizer_dir:
+        files += hf.copy_tokenizer(tokenizer_dir, out)
+    size = sum(os.path.getsize(os.path.join(out, f)) for f in files)
+    print(f"export-hf: step {at} of {run_dir} -> {out} ({len(files)} files, {size / 1e9:.2f} "
+          f"GB, {dtype}): {', '.join(files)}", flush=True)
+    return files
+
+
+def cli(presets: dict, keep: tuple[str, ...], args: list[str] | None = None):
+    """A preset by name, any field as a flag (tyro). With --init-from-hf the model's shape is
+    the folder's: a --model.* flag outside `keep` (how to compute) is refused, not chosen."""
+    import tyro
+    cfg = tyro.extras.overridable_config_cli(presets, args=args)
+    if getattr(cfg, "init_from_hf", "") and (problem := hf.shape_flag_problem(
+            sys.argv[1:] if args is None else args, keep)):
+        raise ConfigError(problem)
+    return cfg
+
+
+def run_cli(main: Callable, cli: Callable, export: Callable | None = None) -> None:
+    """`python train_x.py PRESET [--flags]`, or `python train_x.py export-hf --run-dir R
+    --out O`. Bad input prints a one-paragraph reason and the fix and exits 2."""
+    prog = os.path.basename(sys.argv[0])
+    try:
+        if export is not None and sys.argv[1:2] == ["export-hf"]:
+            import tyro
+            tyro.cli(export, args=sys.argv[2:], prog=f"{prog} export-hf")
+        else:
+            main(cli())
+    except INPUT_ERRORS as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
