@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Literal
@@ -176,11 +175,17 @@ MAY_CHANGE = frozenset({
 # Model fields that say how to compute, not what: with --init-from or --init-from-hf the model
 # is the source's, and these stay this run's flags.
 COMPUTE_FIELDS = tuple(sorted(k.split(".", 1)[1] for k in MAY_CHANGE if k.startswith("model.")))
+# Allowed values of the numbers whose default's sign does not say (see train.check_ranges).
+RULES = {"train.temperature": ">= 0", "train.min_lr_ratio": "[0, 1]", "train.b1": "[0, 1)",
+         "train.b2": "[0, 1)", "train.decay_fraction": "(0, 1]", "train.weight_decay": ">= 0",
+         "train.warmup_steps": ">= 0", "train.sample_tokens": ">= 0",
+         "train.eval_samples": ">= 0"}
 
 
 def validate(cfg: Config, n_devices: int) -> None:
     """Every check that needs no compilation, so a bad launch fails in a second."""
     m, t = cfg.model, cfg.train
+    train.check_ranges(cfg, RULES)
     mesh = resolve(cfg.mesh, n_devices, max(1, math.prod(cfg.mesh.dcn())))
     if mesh.expert * mesh.dcn_expert != 1:
         raise ConfigError(f"--mesh.expert {mesh.expert}: the dense model has no experts; "
@@ -194,18 +199,15 @@ def validate(cfg: Config, n_devices: int) -> None:
                           f"{m.n_kv_heads} (each key/value head serves a whole group).")
     if m.head_dim % 2:
         raise ConfigError(f"--model.head-dim {m.head_dim} must be even (RoPE rotates pairs).")
-    train.check_batch(t.batch_size, t.microbatches, train.batch_shards(mesh))
+    train.check_batch(t.batch_size, t.microbatches, mesh)
     if t.seq_len > m.max_seq_len:
         raise ConfigError(f"--train.seq-len {t.seq_len} exceeds the model's maximum "
                           f"--model.max-seq-len {m.max_seq_len}.")
     if t.seq_len % min(m.loss_chunk, t.seq_len):
         raise ConfigError(f"--train.seq-len {t.seq_len} is not a multiple of --model.loss-chunk "
                           f"{m.loss_chunk}.")
-    train.check_loop(t.steps, t.log_every, t.eval_every, t.profile_steps)
+    train.check_profile(t.profile_steps, t.steps)
     d = cfg.data
-    if d.format == "sft" and not d.path:  # SFT
-        raise ConfigError("--data.format sft needs --data.path: a JSONL file of "
-                          '{"prompt", "completion"} or {"messages"} examples.')
     if d.format == "sft" and d.pack and m.attention == "cudnn":  # SFT
         raise ConfigError("--model.attention cudnn cannot mask packed SFT rows (JAX's cuDNN "
                           "path takes causal and length masks only); use --model.attention "
@@ -327,28 +329,25 @@ def apply_rope(x_BTNH, pos_BT, inv_freq):
 
 
 def attention(q_BTNH, k_BSKH, v_BSKH, cfg: ModelConfig, mask_BTS=None):
-    """Causal grouped-query attention: query head n reads key/value head n // (N/K).
-
-    mask_BTS (True = may attend), when given, is applied on top of the causal mask: packed
-    rows pass "same segment", so attention never crosses from one example into another.
+    """Grouped-query attention: query head n reads key/value head n // (N/K). Causal unless
+    mask_BTS (True = may attend) is given, which replaces the causal mask: packed rows keep
+    each example to itself, left-padded rows hide their padding, a KV cache its empty tail.
     """
     if cfg.attention != "einsum":
-        if mask_BTS is not None and cfg.attention == "cudnn":
-            # jax.nn.dot_product_attention's cuDNN path takes causal and length masks only.
-            raise ValueError("--model.attention cudnn cannot take an attention mask (packed "
-                             "segments); use --model.attention auto or xla")
+        if mask_BTS is not None:
+            # cuDNN's fused kernel takes only causal or length masks: an explicit one runs on XLA.
+            return jax.nn.dot_product_attention(q_BTNH, k_BSKH, v_BSKH, mask=mask_BTS[:, None],
+                                                implementation="xla")
         impl = None if cfg.attention == "auto" else cfg.attention
-        mask = None if mask_BTS is None else mask_BTS[:, None]
-        return jax.nn.dot_product_attention(q_BTNH, k_BSKH, v_BSKH, mask=mask, is_causal=True,
+        return jax.nn.dot_product_attention(q_BTNH, k_BSKH, v_BSKH, is_causal=True,
                                             implementation=impl)
     B, T, N, H = q_BTNH.shape
     K = k_BSKH.shape[2]
     q_BTKGH = q_BTNH.reshape(B, T, K, N // K, H)
     s_BKGTS = jnp.einsum("btkgh,bskh->bkgts", q_BTKGH, k_BSKH,
                          preferred_element_type=jnp.float32) / math.sqrt(H)
-    allowed = jnp.tril(jnp.ones((T, k_BSKH.shape[1]), bool))
-    if mask_BTS is not None:
-        allowed = allowed & mask_BTS[:, None, None]
+    causal_TS = jnp.tril(jnp.ones((T, k_BSKH.shape[1]), bool))
+    allowed = causal_TS if mask_BTS is None else mask_BTS[:, None, None]
     s_BKGTS = jnp.where(allowed, s_BKGTS, -1e30)   # finite: a fully masked row stays NaN-free
     p_BKGTS = jax.nn.softmax(s_BKGTS, axis=-1).astype(v_BSKH.dtype)
     return jnp.einsum("bkgts,bskh->btkgh", p_BKGTS, v_BSKH).reshape(B, T, N, H)
@@ -395,8 +394,10 @@ def hidden(params: dict, tokens_BT, cfg: ModelConfig, segment_ids=None, position
     pos_BT = (jnp.broadcast_to(jnp.arange(tokens_BT.shape[1]), tokens_BT.shape)
               if positions is None else positions)
     mask_BTS = None
-    if segment_ids is not None:
-        mask_BTS = constrain(segment_ids[:, :, None] == segment_ids[:, None, :],
+    if segment_ids is not None:  # causal within each example
+        T = tokens_BT.shape[1]
+        same_BTS = segment_ids[:, :, None] == segment_ids[:, None, :]
+        mask_BTS = constrain(same_BTS & jnp.tril(jnp.ones((T, T), bool)),
                              P(BATCH_AXES, None, None))
     inv_freq = rope_inv_freq(cfg)
 
@@ -619,12 +620,8 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
 
 
 def main(cfg: Config) -> dict:
-    if cfg.init_from and cfg.init_from_hf:
-        raise ConfigError(f"--init-from {cfg.init_from} and --init-from-hf {cfg.init_from_hf}: "
-                          "start from one or the other.")
-    cfg = with_hf_model(cfg)
+    cfg = train.with_source_model(cfg, config_from_hf, COMPUTE_FIELDS)
     train.start(cfg.quiet)
-    cfg = resolve_init_from(cfg)
     devices = train.devices(cfg.compile_topology, cfg.compile_slices, cfg.dry_run)
     validate(cfg, len(devices))
     mesh = make_mesh(cfg.mesh, devices)
@@ -633,16 +630,16 @@ def main(cfg: Config) -> dict:
     step_fn = st.jit(partial(train_step, cfg=cfg, tx=st.tx))
     log(f"model {count_params(cfg.model) / 1e6:.1f}M parameters | mesh {describe(mesh)} | "
         f"{len(devices)} {devices[0].platform} devices, {jax.process_count()} process(es)")
-    batch_sh = NamedSharding(mesh, P(BATCH_AXES, None))
-    shape = (tc.batch_size, tc.seq_len + 1)
+    # Random tokens for --dry-run and --bench: no data, no checkpoints.
+    tokens = np.random.default_rng(0).integers(0, cfg.model.vocab_size,
+                                               (tc.batch_size, tc.seq_len + 1), np.int32)
     if cfg.dry_run:
-        return train.dry_run(step_fn, st.abstract(), jax.ShapeDtypeStruct(
-            shape, jnp.int32, sharding=batch_sh), mesh, count_params(cfg.model))
+        return train.dry_run(step_fn, st.abstract(), train.put(tokens, mesh, BATCH_AXES, True),
+                             mesh, count_params(cfg.model))
     with jax.set_mesh(mesh):
-        if cfg.bench:  # random tokens: no data, no checkpoints
-            tokens = np.random.default_rng(0).integers(0, cfg.model.vocab_size, shape, np.int32)
+        if cfg.bench:
             return train.bench(step_fn, st.fresh(jax.random.key(tc.seed)),
-                               jax.device_put(tokens, batch_sh), cfg.bench,
+                               train.put(tokens, mesh, BATCH_AXES), cfg.bench,
                                tokens_per_step=tc.batch_size * tc.seq_len,
                                flops_per_token=flops_per_token(cfg.model, tc.seq_len),
                                peak=train.peak_flops_per_device(tc.peak_tflops))
@@ -655,9 +652,7 @@ def train_loop(cfg: Config, mesh, st: train.TrainState, step_fn) -> dict:
     if cfg.init_from_hf and (note := hf.check_tokenizer(
             cfg.init_from_hf, ds.tokenizer_path, f"--data.path {cfg.data.path!r}")):
         log(note)
-    if ds.vocab_size > mc.vocab_size:
-        raise ConfigError(f"the tokenizer has {ds.vocab_size} tokens but --model.vocab-size is "
-                          f"{mc.vocab_size}; set --model.vocab-size {ds.vocab_size} or larger.")
+    train.check_vocab(ds.vocab_size, mc.vocab_size)
     sft = isinstance(ds, SFTDataset)  # SFT
     batch_sh = NamedSharding(mesh, P(BATCH_AXES, None))
     batch = partial(get_batch, batch_size=tc.batch_size, seq_len=tc.seq_len, sharding=batch_sh)
@@ -717,11 +712,12 @@ def train_loop(cfg: Config, mesh, st: train.TrainState, step_fn) -> dict:
             log("sample:\n" + ds.decode(prompt + out))
         evals = [(s, e["eval_loss"]) for s, e in loop.evals]
         best = min((e for _, e in evals), default=None)
-        return loop.summary(state, f"{tc.batch_size} x {tc.seq_len}", [
+        end = int(jax.device_get(state["step"]))
+        return loop.summary(end, f"{tc.batch_size} x {tc.seq_len}", [
             ("loss", f"{observe.fmt(loop.first_loss)} -> {observe.fmt(loop.last_loss)} | best "
                      f"eval loss {observe.fmt(best)} | last eval loss "
                      f"{observe.fmt(evals[-1][1] if evals else None)}")]) | {
-            "evals": evals, "best_eval": best} | ({"packing": {  # SFT
+            "state": state, "evals": evals, "best_eval": best} | ({"packing": {  # SFT
                 "train": ds.train.stats, "eval": ds.eval.stats}} if sft else {})
 
 
@@ -745,15 +741,6 @@ def sft_samples(params, ds: SFTDataset, cfg: Config, mesh, key) -> list[dict]:
     cut = lambda ids: ds.decode(ids[:ids.index(ds.eos_id)] if ds.eos_id in ids else ids)
     return [{"prompt": ds.decode(ex.prompt), "sample": cut(out),
              "expected": cut(ex.answer.tolist())} for ex, out in zip(examples, outs)]
-
-
-def resolve_init_from(cfg: Config) -> Config:
-    """With --init-from, the model is that run's; how to compute (dtype, attention, remat,
-    ...) stays this run's."""
-    if not cfg.init_from:
-        return cfg
-    arch = train.model_of_run(cfg.init_from, ModelConfig, COMPUTE_FIELDS, "train_dense.py")
-    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **arch))
 
 
 def run_tokenizer(run_dir: str) -> str:
@@ -833,14 +820,14 @@ def config_from_hf(c: dict, where: str = "config.json") -> ModelConfig:
     what the model computes and that we do not implement is an error, never ignored."""
     mt = c.get("model_type")
     if mt not in HF_ARCHITECTURES:
-        raise hf.HFError(f"{where}: model_type {mt!r} is not a dense family that train_dense.py "
-                         f"loads ({', '.join(HF_ARCHITECTURES)}); mixture-of-experts models "
-                         "(mixtral, qwen3_moe) belong to train_moe.py.")
+        raise hf.HFError(f"{where}: model_type {mt!r} is not a dense family this trainer loads "
+                         f"({', '.join(HF_ARCHITECTURES)}); mixture-of-experts models (mixtral, "
+                         "qwen3_moe) belong to train_moe.py.")
     c = _HF_DEFAULTS[mt] | c
 
     def unsupported(what: str):
-        return hf.HFError(f"{where}: {what} is not implemented by train_dense.py, so this "
-                          f"{mt} model cannot be loaded faithfully.")
+        return hf.HFError(f"{where}: {what} is not implemented here, so this {mt} model "
+                          "cannot be loaded faithfully.")
 
     for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                 "num_attention_heads"):
@@ -922,19 +909,9 @@ def config_to_hf(cfg: ModelConfig, model_type: str = "", dtype: str = "float32")
 
 def load_hf(path: str, mesh=None) -> tuple[ModelConfig, dict]:
     """A HuggingFace folder (config.json and safetensors, one file or sharded with an index)
-    as our ModelConfig and float32 parameters, each placed with its `param_specs` sharding on
-    `mesh` (default: the first device). Tensors stream in block by block: see common/hf.py."""
-    ckpt = hf.Checkpoint(path)
-    cfg = config_from_hf(ckpt.config, os.path.join(path, hf.CONFIG))
-    if mesh is None:
-        mesh = make_mesh(MeshConfig(fsdp=1), jax.devices()[:1])
-    train.check_divides(_param_table(cfg), mesh, path)
-    # Some exports keep lm_head.weight although it is tied; older ones saved rotary tables.
-    ignore = lambda n: (cfg.tie_embeddings and n == "lm_head.weight") or n.endswith(
-        "rotary_emb.inv_freq")
-    params = hf.load(ckpt, hf_mapping(cfg), _hf_sizes(cfg), named(mesh, param_specs(cfg)),
-                     what=f"{ckpt.config['model_type']} model of this config", ignore=ignore)
-    return cfg, params
+    as our ModelConfig and float32 parameters placed with their `param_specs` on `mesh`."""
+    return train.load_hf(path, mesh, config_from_hf, _param_table, lambda c, _: hf_mapping(c),
+                         _hf_sizes)
 
 
 def save_hf(params: dict, cfg: ModelConfig, path: str, *, model_type: str = "",
@@ -957,14 +934,6 @@ def save_hf(params: dict, cfg: ModelConfig, path: str, *, model_type: str = "",
 # Starting a run from published weights (--init-from-hf), and exporting one (export-hf).
 
 
-def with_hf_model(cfg: Config) -> Config:
-    """With --init-from-hf the model's shape comes from PATH/config.json; only how it computes
-    (--model.dtype, --model.remat, ... the fields a resume may change) stays the flags'."""
-    path = cfg.init_from_hf
-    return train.with_model(cfg, config_from_hf(hf.read_config(path), os.path.join(
-        path, hf.CONFIG)), COMPUTE_FIELDS) if path else cfg
-
-
 def export_hf(run_dir: str, out: str, step: int = -1,
               dtype: Literal["float32", "bfloat16"] = "float32",
               model_type: Literal["", "llama", "mistral", "qwen2", "qwen3"] = "",
@@ -984,7 +953,8 @@ def export_hf(run_dir: str, out: str, step: int = -1,
                       data=DataConfig(**saved["data"]), run_dir=run_dir)
 
     return train.export_run(
-        run_dir, out, step, dtype, read=read, table=lambda c: _param_table(c.model), save=lambda params, c, out, base: save_hf(
+        run_dir, out, step, dtype, read=read, table=lambda c: _param_table(c.model),
+        save=lambda params, c, out, base: save_hf(
             params, c.model, out, model_type=model_type, base_config=base, dtype=dtype,
             max_shard_bytes=int(max_shard_gb * 2**30)),
         tokenizer=lambda c: run_tokenizer(run_dir))  # an SFT run's is its --init-from's

@@ -4,29 +4,25 @@
     python train_grpo.py tiny --grpo.loss gspo      # sequence-level importance ratios
     python train_grpo.py tiny --init-from runs/tiny # start from a train_dense.py run
     python train_grpo.py tiny --init-from-hf ~/hf/Qwen3-0.6B  # from a HuggingFace folder
+    python train_grpo.py tiny --bench 10            # time the policy update; --dry-run: memory
 
 The loop (Shao et al. 2024, "DeepSeekMath", section 4.1): draw a batch of prompts, sample G
 completions of each on the device (prefill, then decode with a preallocated KV cache), score
 each completion with plain-Python reward functions, normalise the rewards within each group of
 G into advantages, and take `mu` clipped policy-gradient steps on that batch against the
 log-probabilities recorded while sampling. The policy is train_dense.py's model, copied here
-(section 3) and held numerically identical to it by tests/test_grpo.py.
+(sections 2-3) and held identical to it by tests/test_copies.py and tests/test_grpo.py.
 
-Sections, in reading order: 1 config and presets, 2 parameters and their shardings (as in
-train_dense.py), 3 model (as in train_dense.py, plus padding masks and a KV cache),
-4 rollouts, 5 task, tokenizer and rewards, 6 advantages, loss and train step, 7 main,
-8 HuggingFace in (--init-from-hf).
-Shapes are suffixed on tensor names: B batch (rollouts), T sequence, S key sequence (the KV
-cache), P prompt, N new (completion) tokens, D model width, H head width, K key/value heads,
-V vocabulary, L layers. Run with `--help` for every flag.
+Sections: 1 config and presets, 2 parameters, 3 model (both as in train_dense.py, plus padding
+masks and a KV cache), 4 rollouts, 5 task, tokenizer and rewards, 6 advantages, loss and
+train step, 7 main and the training loop, 8 HuggingFace in. The plumbing no model changes is
+common/train.py's. Shapes: B batch (rollouts), T sequence, S key sequence (the KV cache),
+P prompt, N new (completion) tokens, D model, H head, K key/value heads, V vocabulary.
 """
 from __future__ import annotations
 
-import dataclasses
 import math
-import os
 import re
-import sys
 import time
 from dataclasses import dataclass, field
 from functools import partial
@@ -36,15 +32,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from common import hf, multislice, observe
-from common.checkpoint import (CheckpointConfig, CheckpointError, Checkpointer,
-                               ConfigConflictError, PreemptionGuard, check_run_config,
-                               read_run_config, run_path)
-from common.data import open_tokenizer, run_tokenizer
-from common.mesh import BATCH_AXES, MeshConfig, MeshError, describe, make_mesh, resolve
+from common import hf, observe, train
+from common.checkpoint import CheckpointConfig, read_run_config
+from common.data import (PretrainedTokenizer, decode_completions, encode_completions,
+                         encode_prompts, open_tokenizer, run_tokenizer)
+from common.mesh import BATCH_AXES, MeshConfig, describe, make_mesh, resolve
+from common.train import ConfigError, fetch, log, named
 
 # ----------------------------------------------------------------------------------------------
 # 1. Config
@@ -80,9 +75,9 @@ class ModelConfig:
     loss_impl: Literal["fused", "remat"] = "fused"  # that a dense config.json loads unchanged
 
 
-# Fields that say how to compute rather than what the model is: with --init-from they keep
-# this run's values, everything else comes from the dense run's config.json.
-COMPUTE_FIELDS = ("dtype", "attention", "remat", "scan_layers", "loss_chunk", "loss_impl")
+# Model fields that say how to compute, not what: with --init-from or --init-from-hf the model
+# is the source's, and these stay this run's flags.
+COMPUTE_FIELDS = ("attention", "dtype", "loss_chunk", "loss_impl", "remat", "scan_layers")
 
 
 @dataclass(frozen=True)
@@ -128,6 +123,7 @@ class GRPOConfig:
     log_every: int = 10
     eval_every: int = 50
     profile_steps: tuple[int, ...] = ()  # first and last step to trace into <run_dir>/profile
+    peak_tflops: float = 0.0      # per device, for MFU; 0 = look up (TPU/GPU) or measure (CPU)
 
 
 @dataclass(frozen=True)
@@ -155,6 +151,8 @@ class Config:
     init_from: str = ""           # a train_dense.py run dir: its model, tokenizer and weights
     init_from_hf: str = ""        # a HuggingFace folder: its config.json, tokenizer and weights
     quiet: bool = False           # no progress lines; steps, evals and the summary still print
+    dry_run: bool = False         # compile one policy update on abstract inputs, print memory
+    bench: int = 0                # time this many policy updates on synthetic rollouts, exit
 
 
 # The demo model: ~0.4M parameters, a 16-symbol character vocabulary (section 5).
@@ -179,7 +177,7 @@ PRESETS: dict[str, tuple[str, Config]] = {
 # mesh and how it computes. The warm start is over once a checkpoint exists.
 MAY_CHANGE = frozenset({
     "grpo.steps", "grpo.log_every", "grpo.eval_every", "grpo.microbatches", "warm", "mesh",
-    "grpo.profile_steps", "quiet",
+    "grpo.profile_steps", "grpo.peak_tflops", "quiet", "dry_run", "bench",
     "checkpoint", "run_dir", "model.dtype", "model.attention", "model.remat",
     "model.scan_layers", "model.loss_chunk", "model.loss_impl"})
 
@@ -196,46 +194,37 @@ def clip_range(g: GRPOConfig) -> tuple[float, float]:
     lo = lo if g.eps_low < 0 else g.eps_low
     hi = hi if g.eps_high < 0 else g.eps_high
     return lo, hi
-
-
-class ConfigError(ValueError):
-    """A flag value that cannot work; the message names the flag and the fix."""
+# Allowed values of the numbers whose default's sign does not say (see train.check_ranges).
+RULES = {"grpo.steps": ">= 0", "grpo.top_p": "(0, 1]", "grpo.eps_low": "-1 or (0, 1)",
+         "grpo.eps_high": "-1 or > 0", "grpo.b1": "[0, 1)", "grpo.b2": "[0, 1)",
+         "grpo.warmup_steps": ">= 0", "grpo.format_weight": ">= 0", "warm.max_steps": ">= 0",
+         "warm.target_reward": ">= 0", "warm.warmup_steps": ">= 0"}
 
 
 def validate(cfg: Config, n_devices: int, tok) -> None:
     """Every check that needs no compilation, so a bad launch fails in a second."""
     m, g, w, t = cfg.model, cfg.grpo, cfg.warm, cfg.task
+    train.check_ranges(cfg, RULES)
     mesh = resolve(cfg.mesh, n_devices, max(1, math.prod(cfg.mesh.dcn())))
     if mesh.expert * mesh.dcn_expert != 1:
         raise ConfigError(f"--mesh.expert {mesh.expert}: the dense model has no experts; "
                           "keep it 1.")
-    tp = mesh.tensor * mesh.dcn_tensor
-    for flag, v in [("--model.n-heads", m.n_heads), ("--model.n-kv-heads", m.n_kv_heads),
-                    ("--model.d-ff", m.d_ff), ("--model.vocab-size", m.vocab_size)]:
-        if v % tp:
-            raise ConfigError(f"{flag} {v} is not divisible by --mesh.tensor {tp}: tensor "
-                              f"parallelism splits it evenly; choose a tensor size dividing {v}.")
+    train.check_sizes(mesh, {"tensor": [
+        ("--model.n-heads", m.n_heads), ("--model.n-kv-heads", m.n_kv_heads),
+        ("--model.d-ff", m.d_ff), ("--model.vocab-size", m.vocab_size)],
+        "fsdp": [("--model.d-model", m.d_model)]})
     if m.n_heads % m.n_kv_heads:
         raise ConfigError(f"--model.n-heads {m.n_heads} is not a multiple of --model.n-kv-heads "
                           f"{m.n_kv_heads} (each key/value head serves a whole group).")
-    fsdp = mesh.fsdp * mesh.dcn_fsdp
-    if m.d_model % fsdp:
-        raise ConfigError(f"--model.d-model {m.d_model} is not divisible by --mesh.fsdp {fsdp}.")
     if m.head_dim % 2:
         raise ConfigError(f"--model.head-dim {m.head_dim} must be even (RoPE rotates pairs).")
-    if tok.vocab_size > m.vocab_size:
-        raise ConfigError(f"the tokenizer has {tok.vocab_size} tokens but --model.vocab-size is "
-                          f"{m.vocab_size}; set --model.vocab-size {tok.vocab_size} or larger.")
+    train.check_vocab(tok.vocab_size, m.vocab_size)
     if g.group_size < 2:
         raise ConfigError(f"--grpo.group-size {g.group_size}: advantages compare the completions "
                           "of one prompt with each other, so a group needs at least 2.")
-    shards = batch_shards_of(mesh)
-    rows = g.prompts_per_step * g.group_size
-    if rows % (shards * g.microbatches):
-        raise ConfigError(f"--grpo.prompts-per-step {g.prompts_per_step} x --grpo.group-size "
-                          f"{g.group_size} = {rows} rollouts do not split into --grpo.microbatches "
-                          f"{g.microbatches} x {shards} batch shards (data x fsdp); make it a "
-                          f"multiple of {shards * g.microbatches}.")
+    shards, rows = train.batch_shards(mesh), g.prompts_per_step * g.group_size
+    train.check_batch(rows, g.microbatches, mesh, flag="--grpo", what=(
+        f"--grpo.prompts-per-step {g.prompts_per_step} x --grpo.group-size {g.group_size}"))
     for flag, v in [("--task.eval-prompts", t.eval_prompts), ("--warm.batch-size", w.batch_size)]:
         if v % shards:
             raise ConfigError(f"{flag} {v} is not divisible by the {shards} batch shards "
@@ -250,29 +239,11 @@ def validate(cfg: Config, n_devices: int, tok) -> None:
     if prompt_width(t) + g.max_new_tokens > m.max_seq_len:
         raise ConfigError(f"prompt ({prompt_width(t)}) + --grpo.max-new-tokens "
                           f"({g.max_new_tokens}) exceed --model.max-seq-len {m.max_seq_len}.")
-    if g.temperature <= 0:
-        raise ConfigError(f"--grpo.temperature {g.temperature}: rollouts must sample (> 0); the "
-                          "held-out eval is the greedy one.")
-    if not 0 < g.top_p <= 1 or g.top_k < 0:
-        raise ConfigError(f"--grpo.top-p {g.top_p} must be in (0, 1] and --grpo.top-k "
-                          f"{g.top_k} >= 0 (0 = off).")
-    if g.beta < 0 or g.mu < 1 or g.steps < 0 or g.log_every < 1 or g.eval_every < 1:
-        raise ConfigError("--grpo.beta must be >= 0, --grpo.mu, --grpo.log-every and "
-                          "--grpo.eval-every >= 1, --grpo.steps >= 0.")
-    lo, hi = clip_range(g)
-    if not (0 < lo < 1 and hi > 0):
-        raise ConfigError(f"--grpo.eps-low {lo} must be in (0, 1) and --grpo.eps-high {hi} > 0.")
-    problem = observe.profile_steps_problem(g.profile_steps, "--grpo.profile-steps", g.steps)
-    if problem:
-        raise ConfigError(problem)
-
-
-def batch_shards_of(mesh: MeshConfig) -> int:
-    return mesh.data * mesh.fsdp * mesh.dcn_data * mesh.dcn_fsdp
+    train.check_profile(g.profile_steps, g.steps, "--grpo")
 
 
 # ----------------------------------------------------------------------------------------------
-# 2. Parameters and their shardings (copied from train_dense.py; tests keep them identical)
+# 2. Parameters and their shardings (train_dense.py's; tests/test_copies.py keeps them equal)
 # ----------------------------------------------------------------------------------------------
 
 
@@ -311,31 +282,13 @@ def _param_table(cfg: ModelConfig) -> dict:
     return table
 
 
-def _is_entry(x) -> bool:
-    return isinstance(x, tuple) and len(x) == 3 and isinstance(x[1], P)
-
 
 def param_specs(cfg: ModelConfig) -> dict:
-    return jax.tree.map(lambda e: e[1], _param_table(cfg), is_leaf=_is_entry)
+    return train.table_specs(_param_table(cfg))
 
 
 def _init(cfg: ModelConfig, key: jax.Array) -> dict:
-    table = _param_table(cfg)
-    entries, treedef = jax.tree.flatten(table, is_leaf=_is_entry)
-    keys = jax.random.split(key, len(entries))
-
-    def one(entry, k):
-        shape, _, std = entry
-        if std is None:
-            return jnp.ones(shape, jnp.float32)
-        return std * jax.random.normal(k, shape, jnp.float32)
-
-    return jax.tree.unflatten(treedef, [one(e, k) for e, k in zip(entries, keys)])
-
-
-def named(mesh, specs):
-    return jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
-                        is_leaf=lambda x: isinstance(x, P))
+    return train.table_init(_param_table(cfg), key)
 
 
 def init_params(cfg: ModelConfig, key: jax.Array, mesh=None) -> dict:
@@ -345,8 +298,13 @@ def init_params(cfg: ModelConfig, key: jax.Array, mesh=None) -> dict:
 
 
 def count_params(cfg: ModelConfig) -> int:
-    shapes = jax.eval_shape(partial(_init, cfg), jax.random.key(0))
-    return sum(math.prod(x.shape) for x in jax.tree.leaves(shapes))
+    return train.table_count(_param_table(cfg))
+
+
+def train_state(cfg: Config, mesh, tx, ref: bool = False) -> train.TrainState:
+    """{params, opt_state, step} with optimiser `tx` on `mesh`, and with `ref` a frozen copy of
+    the parameters, the KL reference (see common/train.py)."""
+    return train.TrainState(partial(_init, cfg.model), param_specs(cfg.model), tx, mesh, ref=ref)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -399,10 +357,9 @@ def apply_rope(x_BTNH, pos_BT, inv_freq):
 
 
 def attention(q_BTNH, k_BSKH, v_BSKH, cfg: ModelConfig, mask_BTS=None):
-    """Causal grouped-query attention: query head n reads key/value head n // (N/K).
-
-    mask_BTS (True = may attend), when given, replaces the causal mask: it also hides the
-    left padding of prompts and the unwritten tail of a KV cache.
+    """Grouped-query attention: query head n reads key/value head n // (N/K). Causal unless
+    mask_BTS (True = may attend) is given, which replaces the causal mask: packed rows keep
+    each example to itself, left-padded rows hide their padding, a KV cache its empty tail.
     """
     if cfg.attention != "einsum":
         if mask_BTS is not None:
@@ -458,37 +415,38 @@ REMAT_POLICIES = {"full": jax.checkpoint_policies.nothing_saveable,
                   "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
 
 
-def _embed(params: dict, tokens_BT, cfg: ModelConfig):
+def hidden(params: dict, tokens_BT, cfg: ModelConfig, pos_BT=None, mask_BTS=None, cache=None,
+           index=0):
+    """Token ids -> (final-normed hidden states [B, T, D] in the compute dtype, KV cache):
+    train_dense.py's `hidden` with the defaults. Left-padded rows pass positions counted from
+    their first real token and a mask that hides the padding. With `cache` (keys and values
+    [L, B, S, K, H]) the tokens sit at columns index..index+T-1 and are written in."""
     # Gather the table's fsdp shards first (as FSDP does for every weight): a lookup into a
     # table split on d makes XLA replicate the whole result and re-split it.
     embed = constrain(params["embed"], P("tensor", None))
-    return constrain(jnp.take(embed, tokens_BT, axis=0).astype(jnp.dtype(cfg.dtype)), ACT_BTD)
-
-
-def hidden(params: dict, tokens_BT, cfg: ModelConfig, pos_BT=None, mask_BTS=None):
-    """Token ids -> final-normed hidden states [B, T, D] in the compute dtype.
-
-    With the defaults this is train_dense.py's `hidden`. Left-padded rows pass their
-    positions (counted from the first real token) and a mask that hides the padding, so a
-    padded prompt computes exactly what it would unpadded.
-    """
-    x = _embed(params, tokens_BT, cfg)
+    x = constrain(jnp.take(embed, tokens_BT, axis=0).astype(jnp.dtype(cfg.dtype)), ACT_BTD)
     if pos_BT is None:
         pos_BT = jnp.broadcast_to(jnp.arange(tokens_BT.shape[1]), tokens_BT.shape)
     inv_freq = rope_inv_freq(cfg)
 
-    def layer(x, lp):
-        return block(x, lp, pos_BT, inv_freq, cfg, mask_BTS)[0], None
+    def layer(x, xs):
+        return block(x, xs[0], pos_BT, inv_freq, cfg, mask_BTS, xs[1], index)
 
-    if cfg.remat != "none":
+    if cfg.remat != "none" and cache is None:  # decoding keeps no activations for a backward
         # prevent_cse=False: inside scan the recomputation cannot be merged away anyway.
         layer = jax.checkpoint(layer, policy=REMAT_POLICIES[cfg.remat], prevent_cse=False)
+    xs = (params["layers"], None if cache is None else (cache["k"], cache["v"]))
     if cfg.scan_layers:
-        x, _ = jax.lax.scan(layer, x, params["layers"])
+        x, kv = jax.lax.scan(layer, x, xs)
     else:
+        kvs = []
         for i in range(cfg.n_layers):
-            x, _ = layer(x, jax.tree.map(lambda a: a[i], params["layers"]))
-    return rms_norm(x, params["final_norm"], cfg.norm_eps)
+            x, kv = layer(x, jax.tree.map(lambda a: a[i], xs))
+            kvs.append(kv)
+        kv = jax.tree.map(lambda *a: jnp.stack(a), *kvs)
+    if cache is not None:
+        cache = {"k": constrain(kv[0], CACHE_LBSKH), "v": constrain(kv[1], CACHE_LBSKH)}
+    return rms_norm(x, params["final_norm"], cfg.norm_eps), cache
 
 
 def unembedding(params: dict, cfg: ModelConfig):
@@ -502,7 +460,7 @@ def logits_of(params: dict, h_BTD, cfg: ModelConfig):
 
 def forward(params: dict, tokens_BT, cfg: ModelConfig, pos_BT=None, mask_BTS=None):
     """Logits [B, T, V] in float32 (train_dense.py's `forward` when pos and mask are None)."""
-    return logits_of(params, hidden(params, tokens_BT, cfg, pos_BT, mask_BTS), cfg)
+    return logits_of(params, hidden(params, tokens_BT, cfg, pos_BT, mask_BTS)[0], cfg)
 
 
 def padded_positions(valid_BS):
@@ -525,74 +483,32 @@ def init_cache(cfg: ModelConfig, B: int, S: int) -> dict:
 
 def forward_cached(params: dict, tokens_BT, cache: dict, index, pos_BT, mask_BTS,
                    cfg: ModelConfig):
-    """Logits of T new tokens at columns index..index+T-1 of a preallocated KV cache
-    [L, B, S, K, H], and the cache with their keys and values written in. Prefill is T = the
-    prompt width at index 0; each decode step is T = 1."""
-    x = _embed(params, tokens_BT, cfg)
-    inv_freq = rope_inv_freq(cfg)
-
-    def layer(x, xs):
-        lp, k, v = xs
-        x, (k, v) = block(x, lp, pos_BT, inv_freq, cfg, mask_BTS, (k, v), index)
-        return x, (k, v)
-
-    xs = (params["layers"], cache["k"], cache["v"])
-    if cfg.scan_layers:
-        x, (k, v) = jax.lax.scan(layer, x, xs)
-    else:
-        kvs = []
-        for i in range(cfg.n_layers):
-            x, kv = layer(x, jax.tree.map(lambda a: a[i], xs))
-            kvs.append(kv)
-        k, v = (jnp.stack([kv[j] for kv in kvs]) for j in (0, 1))
-    h = rms_norm(x, params["final_norm"], cfg.norm_eps)
-    return logits_of(params, h, cfg), {"k": constrain(k, CACHE_LBSKH),
-                                       "v": constrain(v, CACHE_LBSKH)}
+    """Logits of T new tokens at columns index..index+T-1 of a preallocated KV cache, and the
+    cache with their keys and values written in. Prefill is T = the prompt width at index 0;
+    each decode step is T = 1."""
+    h_BTD, cache = hidden(params, tokens_BT, cfg, pos_BT, mask_BTS, cache, index)
+    return logits_of(params, h_BTD, cfg), cache
 
 
 # ----------------------------------------------------------------------------------------------
 # 4. Rollouts: prefill, then decode with the KV cache until EOS or the token budget
 # ----------------------------------------------------------------------------------------------
 
-MASKED = -1e30  # finite: exp() underflows to 0 and 0 * MASKED stays 0 (entropy is NaN-free)
-
-
 def policy_logits(logits_BV, temperature, n_valid: int):
     """The sampling policy's logits: ids past the tokenizer's vocabulary (the model's may be
     padded) are impossible, and the temperature divides. The loss scores tokens under this
     same distribution, so rollout-time and training-time log-probs are comparable."""
     z = logits_BV / temperature
-    return jnp.where(jnp.arange(z.shape[-1]) < n_valid, z, MASKED)
-
-
-def sample(key, z_BV, temperature, top_k: int, top_p: float):
-    """One token per row from policy logits z; argmax where temperature == 0.
-
-    top-k keeps the k largest logits; top-p (Holtzman et al. 2020) keeps the smallest set of
-    most likely tokens whose mass reaches p: a token stays if the mass before it is < p.
-    """
-    if top_k > 0:
-        kth = jax.lax.top_k(z_BV, top_k)[0][:, -1:]
-        z_BV = jnp.where(z_BV < kth, MASKED, z_BV)
-    if top_p < 1.0:
-        desc_BV = -jnp.sort(-z_BV, axis=-1)
-        p_BV = jax.nn.softmax(desc_BV, axis=-1)
-        n_keep = jnp.sum(jnp.cumsum(p_BV, axis=-1) - p_BV < top_p, axis=-1, keepdims=True)
-        z_BV = jnp.where(z_BV < jnp.take_along_axis(desc_BV, n_keep - 1, axis=-1), MASKED, z_BV)
-    drawn = jax.random.categorical(key, z_BV, axis=-1)
-    return jnp.where(temperature > 0, drawn, jnp.argmax(z_BV, axis=-1)).astype(jnp.int32)
+    return jnp.where(jnp.arange(z.shape[-1]) < n_valid, z, train.MASKED)
 
 
 def rollout(params, prompt_BP, valid_BP, key, temperature, *, cfg: ModelConfig, max_new: int,
             eos_id: int, pad_id: int, n_valid: int, top_k: int = 0, top_p: float = 1.0):
-    """Complete every row of a left-padded prompt batch; runs whole on the device.
-
-    Returns completion ids [B, N] (pad after EOS), their mask (True up to and including EOS),
-    the log-probs of the drawn tokens under the temperature-scaled policy (the "old" policy of
-    the importance ratio; top-k/top-p truncation is a sampling device, not part of the
-    policy being optimised, as in TRL), and the number of decode steps run.
-    `temperature` is traced: the greedy eval (0) and the sampled rollouts share one compile.
-    """
+    """Complete every row of a left-padded prompt batch, whole on the device: completion ids
+    [B, N] (pad after EOS), their mask (True up to and including EOS), the log-probs of the
+    drawn tokens under the temperature-scaled policy (the importance ratio's "old" policy;
+    top-k/top-p truncation is a sampling device, not part of the policy, as in TRL) and the
+    decode steps run. `temperature` is traced: greedy eval and rollouts share one compile."""
     B, Pw = prompt_BP.shape
     S = Pw + max_new
     valid_BS = jnp.concatenate([valid_BP, jnp.ones((B, max_new), bool)], axis=1)
@@ -608,7 +524,7 @@ def rollout(params, prompt_BP, valid_BP, key, temperature, *, cfg: ModelConfig, 
         i = c["i"]
         key, sub = jax.random.split(c["key"])
         z_BV = policy_logits(c["logits_BV"], safe_t, n_valid)
-        tok_B = sample(sub, z_BV, temperature, top_k, top_p)
+        tok_B = train.draw(sub, z_BV, temperature, top_k, top_p)
         logp_B = jnp.take_along_axis(jax.nn.log_softmax(z_BV, axis=-1), tok_B[:, None], -1)[:, 0]
         live_B = ~c["done_B"]
         tok_B = jnp.where(live_B, tok_B, pad_id)
@@ -641,7 +557,7 @@ def completion_logps(params, prompt_BP, valid_BP, completion_BN, cfg: ModelConfi
     tokens_BT = jnp.concatenate([prompt_BP, completion_BN], axis=1)[:, :-1]
     valid_BT = jnp.concatenate([valid_BP, jnp.ones_like(completion_BN, bool)], axis=1)[:, :-1]
     h_BTD = hidden(params, tokens_BT, cfg, padded_positions(valid_BT),
-                   padded_mask(valid_BT, 0, tokens_BT.shape[1]))
+                   padded_mask(valid_BT, 0, tokens_BT.shape[1]))[0]
     z_BNV = policy_logits(logits_of(params, h_BTD[:, Pw - 1:], cfg), temperature, n_valid)
     logp_BNV = jax.nn.log_softmax(z_BNV, axis=-1)
     logp_BN = jnp.take_along_axis(logp_BNV, completion_BN[..., None], axis=-1)[..., 0]
@@ -655,15 +571,10 @@ def completion_logps(params, prompt_BP, valid_BP, completion_BN, cfg: ModelConfi
 
 
 class CharTokenizer:
-    """One token per character of "0123456789+= ", plus pad, begin and end of sequence.
-
-    Why characters and not a trained sentencepiece model: the task's text is digits, '+' and
-    '='; BPE would merge digit runs into pieces of varying length, so the model would have to
-    learn how each piece spells its digits before it could add them. With one digit per token
-    the columns of the sum line up token for token, 16 ids split over any power-of-two tensor
-    axis, and nothing has to be trained or downloaded. (--init-from and --init-from-hf use the
-    model's own tokenizer instead: the weights only understand that one.)
-    """
+    """One token per character of "0123456789+= ", plus pad, begin and end of sequence. BPE
+    would merge digit runs into pieces the model must first learn to spell; with one digit per
+    token the columns of the sum line up, 16 ids split over any power-of-two tensor axis, and
+    nothing is trained or downloaded. (--init-from and --init-from-hf use the model's own.)"""
     SYMBOLS = ("<pad>", "<bos>", "<eos>") + tuple("0123456789+= ")
     pad_id, bos_id, eos_id = 0, 1, 2
     vocab_size = len(SYMBOLS)
@@ -681,27 +592,6 @@ class CharTokenizer:
 
     def prompt(self, text: str) -> list[int]:
         return [self.bos_id] + self.encode(text)
-
-
-class PretrainedTokenizer:
-    """The tokenizer a pretrained model came with: a train_dense.py run's (--init-from) or a
-    HuggingFace folder's (--init-from-hf), sentencepiece or tokenizer.json, through
-    common/data.py's open_tokenizer. `start_id` is the token after which the model saw a
-    document begin, and each prompt begins with it."""
-
-    def __init__(self, path: str, eos_id: int, start_id: int):
-        self._sp = open_tokenizer(path)
-        self.vocab_size, self.eos_id, self.start_id = self._sp.get_piece_size(), eos_id, start_id
-        self.pad_id = 0  # never read: pads are masked out of attention and the loss
-
-    def encode(self, text: str) -> list[int]:
-        return self._sp.encode(text)
-
-    def decode(self, ids) -> str:
-        return self._sp.decode([int(i) for i in ids])
-
-    def prompt(self, text: str) -> list[int]:
-        return [self.start_id] + self.encode(text)
 
 
 def problems(rng: np.random.Generator, n: int, t: TaskConfig) -> list[tuple[str, str]]:
@@ -723,39 +613,6 @@ def prompt_width(t: TaskConfig) -> int:
 def longest_answers(t: TaskConfig) -> list[str]:
     top = 10 ** t.max_digits - 1
     return [str(top + top)[::-1], str(top + 1)[::-1]]
-
-
-def encode_prompts(tok, texts: list[str], width: int):
-    """Left-padded ids [B, width] and their validity mask: every row ends at the same column,
-    so generation starts at one column for the whole batch."""
-    ids = np.full((len(texts), width), tok.pad_id, np.int32)
-    valid = np.zeros((len(texts), width), bool)
-    for r, text in enumerate(texts):
-        p = tok.prompt(text)
-        if len(p) > width:
-            raise ValueError(f"prompt {text!r} is {len(p)} tokens, more than the width {width}")
-        ids[r, width - len(p):], valid[r, width - len(p):] = p, True
-    return ids, valid
-
-
-def encode_completions(tok, texts: list[str], width: int):
-    """Right-padded ids [B, width] of text + EOS, and the mask of those tokens."""
-    ids = np.full((len(texts), width), tok.pad_id, np.int32)
-    mask = np.zeros((len(texts), width), bool)
-    for r, text in enumerate(texts):
-        c = (tok.encode(text) + [tok.eos_id])[:width]
-        ids[r, :len(c)], mask[r, :len(c)] = c, True
-    return ids, mask
-
-
-def decode_completions(tok, tokens_BN: np.ndarray, mask_BN: np.ndarray):
-    """Text of each completion (without its EOS) and whether it ended with EOS."""
-    texts, finished = [], np.zeros(len(tokens_BN), bool)
-    for r in range(len(tokens_BN)):
-        ids = tokens_BN[r, mask_BN[r]].tolist()
-        finished[r] = bool(ids) and ids[-1] == tok.eos_id
-        texts.append(tok.decode(ids[:-1] if finished[r] else ids))
-    return texts, finished
 
 
 # Reward functions: plain Python over decoded text, one float per completion, as TRL's
@@ -856,85 +713,32 @@ def policy_loss(logp_BN, old_BN, adv_B, mask_BN, g: GRPOConfig, *, ref_BN=None,
     return loss, sums
 
 
-def grpo_loss(params, batch: dict, cfg: Config, n_valid: int):
-    logp_BN, entropy_BN = completion_logps(params, batch["prompt"], batch["prompt_valid"],
-                                           batch["completion"], cfg.model, cfg.grpo.temperature,
-                                           n_valid)
-    loss, sums = policy_loss(logp_BN, batch["old_logp"], batch["adv"], batch["mask"], cfg.grpo,
-                             ref_BN=batch.get("ref_logp"), n_tokens=batch["n_tokens"])
-    sums["entropy"] = jnp.sum(entropy_BN * batch["mask"])
-    return loss, sums
-
-
-def schedule(lr: float, warmup: int):
-    """Linear warmup to `lr`, then constant; step 0 already gets lr / warmup."""
-    warmup = max(warmup, 1)
-    base = optax.join_schedules([optax.linear_schedule(0.0, lr, warmup),
-                                 optax.constant_schedule(lr)], [warmup])
-    return lambda s: base(s + 1)
-
-
-DECAYED = {"embed", "unembed", "wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"}
-
-
-def make_optimizer(lr: float, warmup: int, g: GRPOConfig):
-    """AdamW with global-norm clipping, built exactly as train_dense.py builds it, so that a
-    dense checkpoint's optimiser state has the tree this file expects (--init-from)."""
-    mask = lambda params: {k: (jax.tree.map(lambda _: k in DECAYED, v) if k != "layers" else
-                               {n: n in DECAYED for n in v}) for k, v in params.items()}
-    return optax.chain(optax.clip_by_global_norm(g.clip_norm),
-                       optax.adamw(schedule(lr, warmup), g.b1, g.b2, weight_decay=g.weight_decay,
-                                   mask=mask))
-
-
-def grpo_optimizer(cfg: Config):
-    return make_optimizer(cfg.grpo.lr, cfg.grpo.warmup_steps, cfg.grpo)
-
-
-def split_rows(x, M: int):
-    """[B, ...] -> [M, B/M, ...]; microbatch m takes rows m, m+M, ...: each device keeps its
-    own rows of every microbatch, so the split moves no data between devices."""
-    y = x.reshape(x.shape[0] // M, M, *x.shape[1:]).swapaxes(0, 1)
-    return constrain(y, P(None, BATCH_AXES, *([None] * (x.ndim - 1))))
-
-
-def compute_grads(params, batch: dict, cfg: Config, n_valid: int):
-    """Gradient of the loss over the rollout batch, accumulated over microbatches."""
-    M = cfg.grpo.microbatches
-    grad_fn = jax.grad(partial(grpo_loss, cfg=cfg, n_valid=n_valid), has_aux=True)
-    if M == 1:
-        return grad_fn(params, batch)
-    rows = {k: v for k, v in batch.items() if k != "n_tokens"}
+def train_step(state: dict, batch: dict, *, cfg: Config, n_valid: int):
+    """One optimiser step on a rollout batch, accumulated over --grpo.microbatches; returns
+    the new state and metrics (the diagnostics' means over the completion tokens)."""
+    g, tx = cfg.grpo, grpo_optimizer(cfg)
+    M = g.microbatches
     # DAPO divides by the whole batch's tokens; the mean over M microbatches below divides
     # by M again, so each microbatch is handed n_tokens / M.
-    shared = {"n_tokens": batch["n_tokens"] / M}
+    rows = {k: v for k, v in batch.items() if k != "n_tokens"}
 
-    def acc(carry, mb):
-        g, s = grad_fn(params, mb | shared)
-        return (jax.tree.map(jnp.add, carry[0], g), jax.tree.map(jnp.add, carry[1], s)), None
+    def loss(params, mb):
+        logp_BN, entropy_BN = completion_logps(params, mb["prompt"], mb["prompt_valid"],
+                                               mb["completion"], cfg.model, g.temperature, n_valid)
+        loss, sums = policy_loss(logp_BN, mb["old_logp"], mb["adv"], mb["mask"], g,
+                                 ref_BN=mb.get("ref_logp"), n_tokens=batch["n_tokens"] / M)
+        return loss, sums | {"entropy": jnp.sum(entropy_BN * mb["mask"])}
 
-    shapes = jax.eval_shape(grad_fn, params, jax.tree.map(lambda x: x[::M], rows) | shared)
-    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
-    (g, sums), _ = jax.lax.scan(acc, zeros, jax.tree.map(lambda x: split_rows(x, M), rows))
-    return jax.tree.map(lambda x: x / M, g), sums
-
-
-def train_step(state: dict, batch: dict, *, cfg: Config, n_valid: int):
-    """One optimiser step on a rollout batch; returns the new state and metrics."""
-    tx = grpo_optimizer(cfg)
-    grads, sums = compute_grads(state["params"], batch, cfg, n_valid)
+    grads, sums = train.accumulate(jax.grad(loss, has_aux=True), state["params"], rows, M,
+                                   BATCH_AXES)
+    grads = jax.tree.map(lambda x: x / M, grads)
     updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
     params = optax.apply_updates(state["params"], updates)
     n = jnp.maximum(sums.pop("tokens"), 1.0)
     metrics = {k: v / n for k, v in sums.items()}
-    metrics |= {"grad_norm": optax.tree.norm(grads),
-                "learning_rate": schedule(cfg.grpo.lr, cfg.grpo.warmup_steps)(state["step"])}
+    metrics |= {"grad_norm": optax.tree.norm(grads), "learning_rate": train.lr_schedule(
+        "constant", g.lr, g.warmup_steps)(state["step"])}
     return state | {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
-
-
-def reference_logps(ref_params, batch: dict, *, cfg: Config, n_valid: int):
-    return completion_logps(ref_params, batch["prompt"], batch["prompt_valid"],
-                            batch["completion"], cfg.model, cfg.grpo.temperature, n_valid)[0]
 
 
 def sft_step(state: dict, batch: dict, *, cfg: Config, n_valid: int):
@@ -942,10 +746,9 @@ def sft_step(state: dict, batch: dict, *, cfg: Config, n_valid: int):
     tx = make_optimizer(cfg.warm.lr, cfg.warm.warmup_steps, cfg.grpo)
 
     def loss_fn(params):
-        logp_BN, _ = completion_logps(params, batch["prompt"], batch["prompt_valid"],
-                                      batch["completion"], cfg.model, 1.0, n_valid)
-        m = batch["mask"].astype(jnp.float32)
-        return -jnp.sum(logp_BN * m) / jnp.sum(m)
+        logp_BN = completion_logps(params, batch["prompt"], batch["prompt_valid"],
+                                   batch["completion"], cfg.model, 1.0, n_valid)[0]
+        return -jnp.sum(logp_BN * batch["mask"]) / jnp.sum(batch["mask"])
 
     loss, grads = jax.value_and_grad(loss_fn)(state["params"])
     updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
@@ -953,382 +756,275 @@ def sft_step(state: dict, batch: dict, *, cfg: Config, n_valid: int):
             "step": state["step"] + 1}, loss
 
 
-def state_shardings(cfg: Config, mesh, tx, with_ref: bool) -> dict:
-    """Shardings of {params, opt_state, step[, ref]}: Adam's moments follow their parameter."""
-    p_sh = named(mesh, param_specs(cfg.model))
-    abstract = jax.eval_shape(partial(_init, cfg.model), jax.random.key(0))
-    replicated = NamedSharding(mesh, P())
-    opt_sh = optax.tree_map_params(tx, lambda _, s: s, jax.eval_shape(tx.init, abstract), p_sh,
-                                   transform_non_params=lambda _: replicated)
-    out = {"params": p_sh, "opt_state": opt_sh, "step": replicated}
-    return out | {"ref": p_sh} if with_ref else out
+def make_optimizer(lr: float, warmup: int, g: GRPOConfig):
+    """AdamW with global-norm clipping, built as train_dense.py builds it (so that a dense
+    checkpoint's optimiser state has this tree), flat after a linear warmup."""
+    return train.adamw(train.lr_schedule("constant", lr, warmup), b1=g.b1, b2=g.b2,
+                       weight_decay=g.weight_decay, clip_norm=g.clip_norm,
+                       decayed={"embed", "unembed", "wq", "wk", "wv", "wo", "w_gate", "w_up",
+                                "w_down"})
 
 
-def abstract_state(cfg: Config, tx, shardings: dict) -> dict:
-    """The state's shapes, dtypes and target shardings, with nothing allocated."""
-    def make(key):
-        params = _init(cfg.model, key)
-        s = {"params": params, "opt_state": tx.init(params), "step": jnp.zeros((), jnp.int32)}
-        return s | {"ref": params} if "ref" in shardings else s
-    shapes = jax.eval_shape(make, jax.random.key(0))
-    return jax.tree.map(lambda s, d: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=d),
-                        shapes, shardings)
+def grpo_optimizer(cfg: Config):
+    return make_optimizer(cfg.grpo.lr, cfg.grpo.warmup_steps, cfg.grpo)
+
+
+def flops_per_step(cfg: Config) -> tuple[int, float]:
+    """(tokens, model FLOPs) of a GRPO step over its padded rows of prompt + budget: mu
+    training passes, one forward for the rollout, one for the reference when beta > 0."""
+    g, T = cfg.grpo, prompt_width(cfg.task) + cfg.grpo.max_new_tokens
+    tokens = g.prompts_per_step * g.group_size * T
+    return tokens, tokens * flops_per_token(cfg.model, T) * (g.mu + (1 + (g.beta > 0)) / 3)
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """Training FLOPs per token, 3x the forward: train_dense.py's count (PaLM appendix B)."""
+    D, N, K, H, F, L = (cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ff,
+                        cfg.n_layers)
+    per_layer = D * N * H + 2 * D * K * H + N * H * D + 3 * D * F
+    matmul_weights = L * per_layer + D * cfg.vocab_size
+    attn = L * 2 * 2 * seq_len * N * H
+    return 3.0 * (2 * matmul_weights + attn)
 
 
 # ----------------------------------------------------------------------------------------------
-# 7. Main
+# 7. Main and the training loop
 # ----------------------------------------------------------------------------------------------
 
 
-def log(*a, **kw):
-    if multislice.is_main_process():
-        print(*a, **kw, flush=True)
+def main(cfg: Config) -> dict:
+    train.start(cfg.quiet)
+    cfg = train.with_source_model(cfg, config_from_hf, COMPUTE_FIELDS)
+    tok = make_tokenizer(cfg)
+    validate(cfg, jax.device_count(), tok)
+    mesh = make_mesh(cfg.mesh)
+    st = train_state(cfg, mesh, grpo_optimizer(cfg), ref=cfg.grpo.beta > 0)
+    step_fn = st.jit(partial(train_step, cfg=cfg, n_valid=tok.vocab_size))
+    lo, hi = clip_range(cfg.grpo)
+    n_params = count_params(cfg.model)
+    log(f"model {n_params / 1e6:.2f}M parameters | mesh {describe(mesh)} | "
+        f"{jax.device_count()} {jax.devices()[0].platform} devices | loss {cfg.grpo.loss} "
+        f"(clip {1 - lo:g}..{1 + hi:g}, beta {cfg.grpo.beta:g}, mu {cfg.grpo.mu}, "
+        f"{'std-scaled' if cfg.grpo.scale_rewards else 'mean-centred'} advantages)")
+    batch = synthetic_batch(cfg, tok)  # --dry-run and --bench: one policy update on it
+    if cfg.dry_run:
+        return train.dry_run(step_fn, st.abstract(), train.put(batch, mesh, BATCH_AXES, True),
+                             mesh, n_params)
+    if cfg.bench:
+        with jax.set_mesh(mesh):
+            T = batch["prompt"].shape[1] + batch["completion"].shape[1]
+            return train.bench(step_fn, st.fresh(jax.random.key(cfg.grpo.seed)),
+                               train.put(batch, mesh, BATCH_AXES), cfg.bench,
+                               tokens_per_step=batch["prompt"].shape[0] * T,
+                               flops_per_token=flops_per_token(cfg.model, T),
+                               peak=train.peak_flops_per_device(cfg.grpo.peak_tflops))
+    with jax.set_mesh(mesh), train.Run(cfg, MAY_CHANGE, cfg.grpo.profile_steps,
+                                       defaults=Config()) as run:
+        return train_loop(cfg, mesh, tok, st, step_fn, run)
 
 
-def put(x: np.ndarray, mesh):
-    """A host array every process holds whole -> a batch-sharded global array."""
-    spec = P(BATCH_AXES, *([None] * (x.ndim - 1)))
-    return jax.make_array_from_callback(x.shape, NamedSharding(mesh, spec), lambda i: x[i])
+def train_loop(cfg: Config, mesh, tok, st: train.TrainState, step_fn, run: train.Run) -> dict:
+    g, n_valid, width = cfg.grpo, tok.vocab_size, prompt_width(cfg.task)
+    funcs = reward_funcs(g)
+    rollout_fn = jax.jit(partial(rollout, cfg=cfg.model, max_new=g.max_new_tokens,
+                                 eos_id=tok.eos_id, pad_id=tok.pad_id, n_valid=n_valid,
+                                 top_k=g.top_k, top_p=g.top_p))
+    ref_fn = jax.jit(lambda ref, b: completion_logps(ref, b["prompt"], b["prompt_valid"],
+                     b["completion"], cfg.model, g.temperature, n_valid)[0])
+    eval_problems = problems(np.random.default_rng([cfg.task.eval_seed]), cfg.task.eval_prompts,
+                             cfg.task)
+    held_out = {}
+
+    def generate(params, items: list[tuple[str, str]], key, temperature: float) -> dict:
+        """One completion per (prompt, answer), decoded and scored on the host."""
+        ids, valid = encode_prompts(tok, [p for p, _ in items], width)
+        t0 = time.perf_counter()
+        out = rollout_fn(params, train.put(ids, mesh, BATCH_AXES),
+                         train.put(valid, mesh, BATCH_AXES), key, jnp.float32(temperature))
+        tokens, mask = fetch(out["tokens_BN"]), fetch(out["mask_BN"])
+        seconds = time.perf_counter() - t0
+        texts, finished = decode_completions(tok, tokens, mask)
+        total, each = score(funcs, texts, [a for _, a in items], finished)
+        return {"out": out, "prompt": ids, "valid": valid, "texts": texts, "mask": mask,
+                "finished": finished, "reward": total, "rewards": each, "seconds": seconds}
+
+    def evaluate(params) -> dict:
+        """Greedy completions of the fixed held-out prompts."""
+        r = generate(params, eval_problems, jax.random.key(0), 0.0)
+        held_out["texts"] = r["texts"]
+        return {"eval_reward": float(r["reward"].mean())} | {
+            f"eval_rewards/{n}/mean": float(v.mean()) for n, v in r["rewards"].items()}
+
+    def prompts_at(step: int, n: int, salt: int = 0) -> list[tuple[str, str]]:
+        """A step's prompts: a pure function of (seed, step), so a resume needs no state."""
+        return problems(np.random.default_rng([g.seed, salt, step]), n, cfg.task)
+
+    state, start = run.resume(st.abstract())
+    warm = {}
+    if state is None:
+        params = initial_params(cfg, mesh, tok)
+        if cfg.warm.max_steps > 0:
+            params, warm = warm_start(cfg, mesh, tok, params, generate, prompts_at, run)
+        state = st.from_params(params)
+        run.ckpt.save(0, state, force=True)  # a resume never repeats the warm start
+    tokens, flops = flops_per_step(cfg)
+    peak = train.peak_flops_per_device(g.peak_tflops)
+    loop = train.Loop(run, start, g.steps, log_every=1, eval_every=g.eval_every,
+                      tokens_per_step=tokens, flops_per_token=flops / tokens, peak=peak,
+                      show=None, flag="--grpo")
+    ev = loop.eval(evaluate(state["params"]))
+    log(f"eval step {start} | held-out reward {ev['eval_reward']:.3f} (greedy, "
+        f"{len(eval_problems)} prompts)")
+    rollout_tokens, rollout_s = 0, 0.0
+
+    for step in loop:
+        t0 = time.perf_counter()
+        items = [p for p in prompts_at(step, g.prompts_per_step) for _ in range(g.group_size)]
+        r = generate(state["params"], items, jax.random.fold_in(jax.random.key(g.seed), step),
+                     g.temperature)
+        lengths = r["mask"].sum(axis=1)
+        rollout_tokens, rollout_s = rollout_tokens + int(lengths.sum()), rollout_s + r["seconds"]
+        adv = group_advantages(r["reward"], g.group_size, g.scale_rewards)
+        batch = {"prompt": train.put(r["prompt"], mesh, BATCH_AXES),
+                 "prompt_valid": train.put(r["valid"], mesh, BATCH_AXES),
+                 "completion": r["out"]["tokens_BN"], "mask": r["out"]["mask_BN"],
+                 "old_logp": r["out"]["logp_BN"], "adv": train.put(adv, mesh, BATCH_AXES),
+                 "n_tokens": jnp.float32(lengths.sum())}
+        if g.beta > 0:
+            batch["ref_logp"] = ref_fn(state["ref"], batch)
+        passes = []
+        for _ in range(g.mu):
+            state, m = step_fn(state, batch)
+            passes.append(m)
+        # Fetched at once: the next rollout needs these parameters anyway, so there is
+        # nothing for the host to overlap with.
+        m = {k: float(np.mean([p[k] for p in jax.device_get(passes)])) for k in passes[0]}
+        run.profiler.after(loop.step, state)
+        rec = {"step": loop.step} | rollout_record(r, lengths, g.group_size) | m
+        rec["ms_per_step"] = 1e3 * (time.perf_counter() - t0)
+        rec["mfu"] = train.mfu(flops / tokens, tokens / rec["ms_per_step"] * 1e3, peak[0])
+        if loop.eval_due:
+            rec |= loop.eval(evaluate(state["params"]), write=False)
+        if loop.step % g.log_every == 0 or loop.step == g.steps or "eval_reward" in rec:
+            log_step(rec)
+        run.metrics_log.write(rec)
+        loop.checkpoint(state)
+
+    run.ckpt.wait()
+    for (p, a), c in zip(eval_problems[:4], held_out["texts"]):
+        log(f"  {p}{c:<6} (expected {a})")
+    evals = [(s, e["eval_reward"]) for s, e in loop.evals]
+    best = max(evals, key=lambda e: e[1])
+    end = int(jax.device_get(state["step"])) // g.mu
+    timing = f" (warm start {observe.duration(warm['warm_start_s'])} over " \
+             f"{warm['warm_start_steps']} steps)" if warm else ""
+    out = loop.summary(end, f"{g.prompts_per_step} prompts x {g.group_size} completions x "
+                       f"{tokens // (g.prompts_per_step * g.group_size)} tokens", [
+        ("held-out", f"reward {evals[0][1]:.3f} (step {evals[0][0]}) -> {evals[-1][1]:.3f} "
+                     f"(step {evals[-1][0]}) | best {best[1]:.3f} (step {best[0]}), greedy"),
+        ("rollouts", f"{rollout_tokens:,} completion tokens sampled this run, "
+                     f"{rollout_tokens / max(rollout_s, 1e-9):.0f} tok/s{timing}")])
+    return out | warm | {"state": state, "eval": evals,
+                         "rollout_tokens_per_s": rollout_tokens / max(rollout_s, 1e-9)}
 
 
-def fetch(x) -> np.ndarray:
-    if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
-    return np.asarray(jax.device_get(x))
+def rollout_record(r: dict, lengths: np.ndarray, group_size: int) -> dict:
+    """A step's rollout figures, named as TRL logs them."""
+    rec = {"reward": float(r["reward"].mean()), "reward_std": float(r["reward"].std(ddof=1))}
+    for n, v in r["rewards"].items():
+        rec |= {f"rewards/{n}/mean": float(v.mean()), f"rewards/{n}/std": float(v.std(ddof=1))}
+    zero_std = r["reward"].reshape(-1, group_size).std(axis=1) == 0
+    return rec | {"frac_reward_zero_std": float(np.mean(zero_std)),
+                  "completions/mean_length": float(lengths.mean()),
+                  "completions/max_length": int(lengths.max()),
+                  "completions/min_length": int(lengths.min()),
+                  "completions/clipped_ratio": float(np.mean(~r["finished"])),
+                  "rollout_tokens_per_s": float(lengths.sum() / r["seconds"])}
 
 
-def dense_run_config(run_dir: str) -> dict:
-    return read_run_config(run_dir, "--init-from", trained=True)
+def log_step(r: dict) -> None:
+    log(f"step {r['step']} | reward {r['reward']:.3f} ± {r['reward_std']:.3f} | correct "
+        f"{r['rewards/correctness/mean']:.3f} | format {r['rewards/format/mean']:.3f}"
+        + (f" | kl {r['kl']:.4f}" if "kl" in r else "") + f" | clip "
+        f"{r['clip_ratio/region_mean']:.3f} | len {r['completions/mean_length']:.1f}/"
+        f"{r['completions/max_length']} | entropy {r['entropy']:.3f}"
+        + (f" | held-out {r['eval_reward']:.3f}" if "eval_reward" in r else "") +
+        f" | {r['rollout_tokens_per_s'] / 1e3:.1f}k rollout tok/s | {r['ms_per_step']:.0f} ms/step")
 
 
-def resolve_init_from(cfg: Config) -> Config:
-    """With --init-from, the model is the dense run's; with --init-from-hf, the one that the
-    folder's config.json describes. How to compute stays this run's either way."""
-    if cfg.init_from and cfg.init_from_hf:
-        raise ConfigError(f"--init-from {cfg.init_from} and --init-from-hf {cfg.init_from_hf}: "
-                          "start from one or the other.")
-    if cfg.init_from_hf:
-        saved = dataclasses.asdict(config_from_hf(
-            hf.read_config(cfg.init_from_hf), os.path.join(cfg.init_from_hf, hf.CONFIG)))
-    elif cfg.init_from:
-        saved = dense_run_config(cfg.init_from).get("model", {})
-    else:
-        return cfg
-    known = {f.name for f in dataclasses.fields(ModelConfig)}
-    if set(saved) - known:
-        raise ConfigError(f"--init-from {cfg.init_from}: its model has fields this file does not "
-                          f"know ({sorted(set(saved) - known)}); was it written by train_dense.py?")
-    arch = {k: v for k, v in saved.items() if k not in COMPUTE_FIELDS}
-    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **arch))
+def warm_start(cfg: Config, mesh, tok, params, generate, prompts_at, run: train.Run):
+    """SFT on correct examples until the sampled (not greedy) reward reaches the target:
+    from random weights every completion scores 0, every group's advantages are 0 and GRPO
+    has no gradient; it needs a policy that is sometimes right."""
+    w, g = cfg.warm, cfg.grpo
+    st = train_state(cfg, mesh, make_optimizer(w.lr, w.warmup_steps, g))
+    state = st.from_params(params)
+    step_fn = st.jit(partial(sft_step, cfg=cfg, n_valid=tok.vocab_size))
+    width, t0, losses = prompt_width(cfg.task), time.perf_counter(), []
+    for i in range(w.max_steps):
+        items = prompts_at(i, w.batch_size, salt=1)
+        arrays = (encode_prompts(tok, [p for p, _ in items], width)
+                  + encode_completions(tok, [a for _, a in items], g.max_new_tokens))
+        batch = dict(zip(("prompt", "prompt_valid", "completion", "mask"), arrays))
+        state, loss = step_fn(state, train.put(batch, mesh, BATCH_AXES))
+        losses.append(loss)
+        if (i + 1) % w.check_every == 0 or i + 1 == w.max_steps:
+            # Distinct prompts, as many as a rollout batch has rows (the same compile).
+            r = generate(state["params"], prompts_at(i, g.prompts_per_step * g.group_size, 2),
+                         jax.random.fold_in(jax.random.key(g.seed + 1), i), g.temperature)
+            reward = float(r["reward"].mean())
+            sft_loss, losses = float(np.mean(jax.device_get(losses))), []
+            log(f"warm start step {i + 1} | sft_loss {sft_loss:.3f} | sampled reward "
+                f"{reward:.3f} (target {w.target_reward}) | {time.perf_counter() - t0:.0f} s")
+            # Counted in its own steps: in TensorBoard, a run of its own.
+            run.metrics_log.write({"warm_step": i + 1, "sft_loss": sft_loss, "reward": reward},
+                                  step_key="warm_step", run="warm_start")
+            if reward >= w.target_reward:
+                break
+    return state["params"], {"warm_start_steps": i + 1, "warm_start_s": time.perf_counter() - t0}
+
+
+def synthetic_batch(cfg: Config, tok) -> dict[str, np.ndarray]:
+    """A rollout batch of random tokens, for --dry-run and --bench (no rollouts are run)."""
+    g, rng = cfg.grpo, np.random.default_rng(0)
+    B, Pw, N = g.prompts_per_step * g.group_size, prompt_width(cfg.task), g.max_new_tokens
+    logp = np.full((B, N), -math.log(tok.vocab_size), np.float32)
+    return {"prompt": rng.integers(0, tok.vocab_size, (B, Pw), np.int32),
+            "prompt_valid": np.ones((B, Pw), bool), "mask": np.ones((B, N), bool),
+            "completion": rng.integers(0, tok.vocab_size, (B, N), np.int32), "old_logp": logp,
+            "adv": rng.standard_normal(B).astype(np.float32), "n_tokens": np.float32(B * N)
+            } | ({"ref_logp": logp} if g.beta > 0 else {})
 
 
 def make_tokenizer(cfg: Config):
     if cfg.init_from_hf:
         return hf_tokenizer(cfg.init_from_hf)
+    if not cfg.init_from:
+        return CharTokenizer()
+    # Pre-training or SFT: the file the dense run (or the run it fine-tuned) tokenized with.
+    # The dense model saw documents separated by EOS: after one, a document begins.
+    path = run_tokenizer(cfg.init_from, lambda d: read_run_config(d, "--init-from", True))
+    eos = open_tokenizer(path).eos_id()
+    return PretrainedTokenizer(path, eos, eos)
+
+
+def initial_params(cfg: Config, mesh, tok) -> dict:
+    """The policy before the warm start: a HuggingFace folder's, a dense run's, or random."""
+    if cfg.init_from_hf:
+        log(f"initialised from {cfg.init_from_hf} (HuggingFace)")
+        return load_hf(cfg.init_from_hf, mesh)[1]
     if cfg.init_from:
-        # Pre-training or SFT: the file the dense run (or the run it fine-tuned) tokenized with.
-        path = run_tokenizer(cfg.init_from, dense_run_config)
-        eos = open_tokenizer(path).eos_id()
-        # The dense model saw documents separated by EOS: after one, a document begins.
-        return PretrainedTokenizer(path, eos, eos)
-    return CharTokenizer()
-
-
-def load_dense_params(cfg: Config, mesh) -> dict:
-    """The parameters of the latest checkpoint of a train_dense.py run, sharded for this mesh.
-    Its state is {params, opt_state, step} with train_dense's AdamW; only params are kept."""
-    tx = make_optimizer(1.0, 1, cfg.grpo)
-    sh = state_shardings(cfg, mesh, tx, with_ref=False)
-    with Checkpointer(cfg.init_from, CheckpointConfig(async_save=False)) as ckpt:
-        step = ckpt.latest_step()
-        if step is None:
-            raise CheckpointError(f"--init-from {cfg.init_from}: no complete checkpoint in "
-                                  f"{cfg.init_from}/checkpoints; train it first.")
-        state = ckpt.restore(step, abstract_state(cfg, tx, sh))
-    log(f"initialised from {cfg.init_from}/checkpoints/{step} (train_dense.py)")
-    return state["params"]
-
-
-def main(cfg: Config) -> dict:
-    multislice.initialize()
-    multislice.enable_compilation_cache()
-    observe.configure(quiet=cfg.quiet)
-    cfg = resolve_init_from(cfg)
-    tok = make_tokenizer(cfg)
-    validate(cfg, jax.device_count(), tok)
-    mesh = make_mesh(cfg.mesh)
-    lo, hi = clip_range(cfg.grpo)
-    log(f"model {count_params(cfg.model) / 1e6:.2f}M parameters | mesh {describe(mesh)} | "
-        f"{jax.device_count()} {jax.devices()[0].platform} devices | loss {cfg.grpo.loss} "
-        f"(clip {1 - lo:g}..{1 + hi:g}, beta {cfg.grpo.beta:g}, mu {cfg.grpo.mu}, "
-        f"{'std-scaled' if cfg.grpo.scale_rewards else 'mean-centred'} advantages)")
-    run_path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
-    if multislice.is_main_process():
-        check_run_config(cfg.run_dir, dataclasses.asdict(cfg), MAY_CHANGE)
-    # Closed in reverse: the last save is waited for (and raises if it failed) first.
-    with jax.set_mesh(mesh), \
-            observe.MetricsLog(cfg.run_dir, dataclasses.asdict(cfg)) as metrics_log, \
-            observe.Profiler(cfg.run_dir, cfg.grpo.profile_steps) as profiler, \
-            Checkpointer(cfg.run_dir, cfg.checkpoint) as ckpt:
-        return Trainer(cfg, mesh, tok, ckpt, metrics_log, profiler).run()
-
-
-class Trainer:
-    """The host loop. Everything per-token runs in the four jitted functions built here."""
-
-    def __init__(self, cfg: Config, mesh, tok, ckpt: Checkpointer,
-                 metrics_log: observe.MetricsLog, profiler: observe.Profiler):
-        self.cfg, self.mesh, self.tok, self.ckpt = cfg, mesh, tok, ckpt
-        self.metrics_log, self.profiler = metrics_log, profiler
-        g, n_valid = cfg.grpo, tok.vocab_size
-        self.width = prompt_width(cfg.task)
-        self.funcs = reward_funcs(g)
-        self.tx = grpo_optimizer(cfg)
-        self.shardings = state_shardings(cfg, mesh, self.tx, with_ref=g.beta > 0)
-        self.rollout_fn = jax.jit(partial(
-            rollout, cfg=cfg.model, max_new=g.max_new_tokens, eos_id=tok.eos_id,
-            pad_id=tok.pad_id, n_valid=n_valid, top_k=g.top_k, top_p=g.top_p))
-        self.step_fn = jax.jit(partial(train_step, cfg=cfg, n_valid=n_valid), donate_argnums=0,
-                               out_shardings=(self.shardings, None))
-        self.ref_fn = jax.jit(partial(reference_logps, cfg=cfg, n_valid=n_valid))
-        eval_rng = np.random.default_rng([cfg.task.eval_seed])
-        self.eval_problems = problems(eval_rng, cfg.task.eval_prompts, cfg.task)
-        self.summary = {"eval": []}
-
-    # -- pieces ---------------------------------------------------------------------------
-
-    def generate(self, params, items: list[tuple[str, str]], key, temperature: float):
-        """Roll out one completion per (prompt, answer) and score it; returns host arrays."""
-        ids, valid = encode_prompts(self.tok, [p for p, _ in items], self.width)
-        t0 = time.perf_counter()
-        out = self.rollout_fn(params, put(ids, self.mesh), put(valid, self.mesh), key,
-                              jnp.float32(temperature))
-        tokens, mask = fetch(out["tokens_BN"]), fetch(out["mask_BN"])
-        seconds = time.perf_counter() - t0
-        texts, finished = decode_completions(self.tok, tokens, mask)
-        total, each = score(self.funcs, texts, [a for _, a in items], finished)
-        return {"out": out, "prompt": ids, "valid": valid, "texts": texts, "finished": finished,
-                "tokens": tokens, "mask": mask, "reward": total, "rewards": each,
-                "seconds": seconds}
-
-    def evaluate(self, params) -> dict:
-        """Greedy completions of the fixed held-out prompts."""
-        r = self.generate(params, self.eval_problems, jax.random.key(0), 0.0)
-        self.last_eval_texts = r["texts"]
-        return {"eval_reward": float(r["reward"].mean())} | {
-            f"eval_rewards/{n}/mean": float(v.mean()) for n, v in r["rewards"].items()}
-
-    def problems_at(self, step: int, n: int, salt: int = 0):
-        """The prompts of a step: a pure function of (seed, step), so a resume needs no state."""
-        rng = np.random.default_rng([self.cfg.grpo.seed, salt, step])
-        return problems(rng, n, self.cfg.task)
-
-    def group_batch(self, step: int, salt: int = 0) -> list[tuple[str, str]]:
-        """prompts_per_step prompts, each repeated group_size times in consecutive rows."""
-        g = self.cfg.grpo
-        return [p for p in self.problems_at(step, g.prompts_per_step, salt)
-                for _ in range(g.group_size)]
-
-    def record(self, rec: dict) -> None:
-        if "warm_step" in rec:  # counted in its own steps: in TensorBoard, a run of its own
-            self.metrics_log.write(rec, step_key="warm_step", run="warm_start")
-        else:
-            self.metrics_log.write(rec)
-
-    # -- warm start -----------------------------------------------------------------------
-
-    def warm_start(self, params):
-        """SFT on correct examples until the sampled reward reaches the target."""
-        cfg, w = self.cfg, self.cfg.warm
-        tx = make_optimizer(w.lr, w.warmup_steps, cfg.grpo)
-        sh = state_shardings(cfg, self.mesh, tx, with_ref=False)
-        state = jax.jit(lambda p: {"params": p, "opt_state": tx.init(p),
-                                   "step": jnp.zeros((), jnp.int32)}, out_shardings=sh)(params)
-        step_fn = jax.jit(partial(sft_step, cfg=cfg, n_valid=self.tok.vocab_size),
-                          donate_argnums=0, out_shardings=(sh, None))
-        t0, losses = time.perf_counter(), []
-        for i in range(w.max_steps):
-            items = self.problems_at(i, w.batch_size, salt=1)
-            prompt, valid = encode_prompts(self.tok, [p for p, _ in items], self.width)
-            comp, mask = encode_completions(self.tok, [a for _, a in items],
-                                            cfg.grpo.max_new_tokens)
-            batch = {k: put(v, self.mesh) for k, v in (("prompt", prompt), ("prompt_valid", valid),
-                                                        ("completion", comp), ("mask", mask))}
-            state, loss = step_fn(state, batch)
-            losses.append(loss)
-            if (i + 1) % w.check_every == 0 or i + 1 == w.max_steps:
-                # Distinct prompts, as many as a rollout batch has rows (the same compile).
-                rows = cfg.grpo.prompts_per_step * cfg.grpo.group_size
-                r = self.generate(state["params"], self.problems_at(i, rows, salt=2),
-                                  jax.random.fold_in(jax.random.key(cfg.grpo.seed + 1), i),
-                                  cfg.grpo.temperature)
-                reward = float(r["reward"].mean())
-                sft_loss = float(np.mean(jax.device_get(losses)))
-                losses = []
-                log(f"warm start step {i + 1} | sft_loss {sft_loss:.3f} | sampled reward "
-                    f"{reward:.3f} (target {w.target_reward}) | {time.perf_counter() - t0:.0f} s")
-                self.record({"warm_step": i + 1, "sft_loss": sft_loss, "reward": reward})
-                if reward >= w.target_reward:
-                    break
-        self.summary["warm_start_steps"] = i + 1
-        self.summary["warm_start_s"] = time.perf_counter() - t0
-        return state["params"]
-
-    def initial_state(self):
-        cfg = self.cfg
-        if cfg.init_from_hf:
-            _, params = load_hf(cfg.init_from_hf, self.mesh)
-            log(f"initialised from {cfg.init_from_hf} (HuggingFace)")
-        elif cfg.init_from:
-            params = load_dense_params(cfg, self.mesh)
-        else:
-            params = init_params(cfg.model, jax.random.key(cfg.grpo.seed), self.mesh)
-        if cfg.warm.max_steps > 0:
-            params = self.warm_start(params)
-        tx, with_ref = self.tx, cfg.grpo.beta > 0
-
-        def make(p):
-            s = {"params": p, "opt_state": tx.init(p), "step": jnp.zeros((), jnp.int32)}
-            # The reference is a copy, not an alias: the policy's buffers are donated.
-            return s | {"ref": jax.tree.map(jnp.copy, p)} if with_ref else s
-        return jax.jit(make, out_shardings=self.shardings)(params)
-
-    # -- GRPO -----------------------------------------------------------------------------
-
-    def run(self) -> dict:
-        cfg, g = self.cfg, self.cfg.grpo
-        t_start = time.perf_counter()
-        start = self.ckpt.resume_step()
-        if start is None:
-            state, start = self.initial_state(), 0
-            # Saved at once: a resume never repeats the warm start.
-            self.ckpt.save(0, state, force=True)
-        else:
-            state = self.ckpt.restore(start, abstract_state(cfg, self.tx, self.shardings))
-            log(f"resumed from step {start} ({cfg.run_dir}/checkpoints/{start})")
-        ev = self.evaluate(state["params"])
-        self.summary["eval"].append((start, ev["eval_reward"]))
-        log(f"eval step {start} | held-out reward {ev['eval_reward']:.3f} (greedy, "
-            f"{len(self.eval_problems)} prompts)")
-        self.record({"step": start} | ev)
-        if start >= g.steps:
-            log(f"already at step {start} of --grpo.steps {g.steps}: nothing to train (raise "
-                "--grpo.steps to continue)")
-        rollout_tokens, rollout_s = 0, 0.0
-        t_loop = time.perf_counter()
-        stop_vote = None  # did any process get SIGTERM? read one step late, as train_dense does
-        with PreemptionGuard() as guard:
-            for step in range(start, g.steps):
-                t0 = time.perf_counter()
-                self.profiler.before(step + 1)
-                items = self.group_batch(step)
-                r = self.generate(state["params"], items,
-                                  jax.random.fold_in(jax.random.key(g.seed), step), g.temperature)
-                lengths = r["mask"].sum(axis=1)
-                rollout_tokens += int(lengths.sum())
-                rollout_s += r["seconds"]
-                adv = group_advantages(r["reward"], g.group_size, g.scale_rewards)
-                batch = {"prompt": put(r["prompt"], self.mesh),
-                         "prompt_valid": put(r["valid"], self.mesh),
-                         "completion": r["out"]["tokens_BN"], "mask": r["out"]["mask_BN"],
-                         "old_logp": r["out"]["logp_BN"], "adv": put(adv, self.mesh),
-                         "n_tokens": jnp.float32(lengths.sum())}
-                if g.beta > 0:
-                    batch["ref_logp"] = self.ref_fn(state["ref"], batch)
-                passes = []
-                for _ in range(g.mu):
-                    state, m = self.step_fn(state, batch)
-                    passes.append(m)
-                # Fetched at once: the next rollout needs these parameters anyway, so there is
-                # nothing for the host to overlap with.
-                m = {k: float(np.mean([p[k] for p in jax.device_get(passes)])) for k in passes[0]}
-                done = step + 1
-                self.profiler.after(done, state)
-                rec = {"step": done, "reward": float(r["reward"].mean()),
-                       "reward_std": float(r["reward"].std(ddof=1))}
-                for n, v in r["rewards"].items():
-                    rec |= {f"rewards/{n}/mean": float(v.mean()),
-                            f"rewards/{n}/std": float(v.std(ddof=1))}
-                stds = r["reward"].reshape(-1, g.group_size).std(axis=1)
-                rec |= {"frac_reward_zero_std": float(np.mean(stds == 0)),
-                        "completions/mean_length": float(lengths.mean()),
-                        "completions/max_length": int(lengths.max()),
-                        "completions/min_length": int(lengths.min()),
-                        "completions/clipped_ratio": float(np.mean(~r["finished"]))} | m
-                rec["rollout_tokens_per_s"] = float(lengths.sum() / r["seconds"])
-                rec["ms_per_step"] = 1e3 * (time.perf_counter() - t0)
-                if done % g.eval_every == 0 or done == g.steps:
-                    rec |= self.evaluate(state["params"])
-                    self.summary["eval"].append((done, rec["eval_reward"]))
-                if done % g.log_every == 0 or done == g.steps or "eval_reward" in rec:
-                    self.log_step(rec)
-                self.record(rec)
-                stop = stop_vote is not None and bool(jax.device_get(stop_vote))  # same everywhere
-                stop_vote = multislice.any_process(guard.requested)
-                if self.ckpt.save(done, state, force=done == g.steps or stop):
-                    self.metrics_log.checkpointed()
-                if stop:
-                    log(f"SIGTERM: saved step {done}, exiting")
-                    break
-        loop_s = time.perf_counter() - t_loop
-        self.ckpt.wait()
-        for (p, a), c in zip(self.eval_problems[:4], self.last_eval_texts):
-            log(f"  {p}{c:<6} (expected {a})")
-        self.summary |= {"state": state, "final_step": int(jax.device_get(state["step"])) // g.mu,
-                         "rollout_tokens_per_s": rollout_tokens / max(rollout_s, 1e-9)}
-        self.print_summary(start, rollout_tokens, rollout_s, loop_s,
-                           time.perf_counter() - t_start)
-        return self.summary
-
-    def print_summary(self, start: int, rollout_tokens: int, rollout_s: float, loop_s: float,
-                      wall_s: float) -> None:
-        """The run on one screen: how far it got, how well, how fast, and where its files are."""
-        g, s, fmt = self.cfg.grpo, self.summary, observe.fmt
-        end, evals = s["final_step"], s["eval"]
-        best = max(evals, key=lambda e: e[1])
-        steps = [r for r in self.metrics_log.records if "reward" in r and "step" in r]
-        last = steps[-1] if steps else {}
-        timing = observe.duration(wall_s)
-        if "warm_start_s" in s:
-            timing += (f" (warm start {observe.duration(s['warm_start_s'])} over "
-                       f"{s['warm_start_steps']} steps)")
-        ms = observe.mean_ms_per_step(self.metrics_log.records, start)
-        kl = f" | kl {last['kl']:.4f}" if "kl" in last else ""
-        observe.print_summary(f"run {self.cfg.run_dir}: done", [
-            ("steps", f"{start} -> {end} ({end - start} this run, of --grpo.steps {g.steps}; "
-                      f"{g.prompts_per_step} prompts x {g.group_size} completions, {g.mu} "
-                      f"pass(es) each)"),
-            ("tokens", f"{rollout_tokens:,} completion tokens sampled this run"),
-            ("held-out", f"reward {evals[0][1]:.3f} (step {evals[0][0]}) -> {evals[-1][1]:.3f} "
-                         f"(step {evals[-1][0]}) | best {best[1]:.3f} (step {best[0]}), greedy"),
-            ("last step", f"reward {fmt(last.get('reward'))}{kl} | clip "
-                          f"{fmt(last.get('clip_ratio/region_mean'))} | length "
-                          f"{fmt(last.get('completions/mean_length'), '.1f')}"),
-            ("wall time", timing),
-            ("throughput", f"rollouts {rollout_tokens / max(rollout_s, 1e-9):.0f} tok/s | "
-                           f"{fmt(ms, '.0f')} ms/step (mean over steps after the first) | "
-                           f"steps {observe.duration(loop_s)}"),
-        ] + observe.where_rows(self.cfg.run_dir, self.metrics_log, self.profiler))
-
-    def log_step(self, rec: dict) -> None:
-        kl = f" | kl {rec['kl']:.4f}" if "kl" in rec else ""
-        held = f" | held-out {rec['eval_reward']:.3f}" if "eval_reward" in rec else ""
-        log(f"step {rec['step']} | reward {rec['reward']:.3f} ± {rec['reward_std']:.3f} | "
-            f"correct {rec['rewards/correctness/mean']:.3f} | format "
-            f"{rec['rewards/format/mean']:.3f}{kl} | clip {rec['clip_ratio/region_mean']:.3f} | "
-            f"len {rec['completions/mean_length']:.1f}/{rec['completions/max_length']} | "
-            f"entropy {rec['entropy']:.3f}{held} | {rec['rollout_tokens_per_s'] / 1e3:.1f}k "
-            f"rollout tok/s | {rec['ms_per_step']:.0f} ms/step")
+        abstract = train_state(cfg, mesh, grpo_optimizer(cfg)).abstract()["params"]
+        return train.restore_params(cfg.init_from, abstract)
+    return init_params(cfg.model, jax.random.key(cfg.grpo.seed), mesh)
 
 
 # ----------------------------------------------------------------------------------------------
-# 8. HuggingFace in (--init-from-hf): train_dense.py's section 7, the loading half
+# 8. HuggingFace in (--init-from-hf): train_dense.py's section 6, the loading half
 # ----------------------------------------------------------------------------------------------
 
 # The parameter tree is train_dense.py's, so its name mapping and config translation are too
-# (tests/test_grpo_hf.py holds them equal); the file handling is common/hf.py's. HuggingFace
-# rotates the two halves of each head, as `apply_rope` does: no weight needs a permutation.
+# (tests/test_copies.py holds them equal); the file handling is common/hf.py's.
 HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                     "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 # What transformers assumes for a key that config.json leaves out (its config classes).
@@ -1385,14 +1081,14 @@ def config_from_hf(c: dict, where: str = "config.json") -> ModelConfig:
     what the model computes and that we do not implement is an error, never ignored."""
     mt = c.get("model_type")
     if mt not in HF_ARCHITECTURES:
-        raise hf.HFError(f"{where}: model_type {mt!r} is not a dense family that train_grpo.py "
-                         f"loads ({', '.join(HF_ARCHITECTURES)}); mixture-of-experts models "
-                         "(mixtral, qwen3_moe) are not trained with GRPO here.")
+        raise hf.HFError(f"{where}: model_type {mt!r} is not a dense family this trainer loads "
+                         f"({', '.join(HF_ARCHITECTURES)}); mixture-of-experts models (mixtral, "
+                         "qwen3_moe) belong to train_moe.py.")
     c = _HF_DEFAULTS[mt] | c
 
     def unsupported(what: str):
-        return hf.HFError(f"{where}: {what} is not implemented by train_grpo.py, so this "
-                          f"{mt} model cannot be loaded faithfully.")
+        return hf.HFError(f"{where}: {what} is not implemented here, so this {mt} model "
+                          "cannot be loaded faithfully.")
 
     for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                 "num_attention_heads"):
@@ -1418,7 +1114,7 @@ def config_from_hf(c: dict, where: str = "config.json") -> ModelConfig:
     elif kind != "default":
         raise unsupported(f"rope type {kind!r} (only the default and 'llama3')")
     # A sliding window of W tokens changes nothing on sequences of at most W tokens, and we
-    # sample no longer ones: the window becomes the model's maximum length.
+    # train no longer ones: the window becomes the model's maximum length.
     window = (c.get("sliding_window") if mt == "mistral" or c.get("use_sliding_window")
               else None)
     max_len = c["max_position_embeddings"] if window is None else min(
@@ -1435,78 +1131,20 @@ def config_from_hf(c: dict, where: str = "config.json") -> ModelConfig:
 
 def load_hf(path: str, mesh=None) -> tuple[ModelConfig, dict]:
     """A HuggingFace folder (config.json and safetensors, one file or sharded with an index)
-    as our ModelConfig and float32 parameters, each placed with its `param_specs` sharding on
-    `mesh` (default: the first device). Tensors stream in block by block: see common/hf.py."""
-    ckpt = hf.Checkpoint(path)
-    cfg = config_from_hf(ckpt.config, os.path.join(path, hf.CONFIG))
-    if mesh is None:
-        mesh = make_mesh(MeshConfig(fsdp=1), jax.devices()[:1])
-    table = _param_table(cfg)
-    flat = {k: v for k, v in table.items() if k != "layers"} | {
-        f"layers/{k}": v for k, v in table["layers"].items()}
-    for name, (shape, spec, _) in flat.items():
-        for n, axes in zip(shape, spec):
-            ways = math.prod(mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else
-                                                     axes or ()))
-            if n % ways:
-                raise ConfigError(f"{path}: {name} has a dimension of {n}, which the mesh "
-                                  f"({describe(mesh)}) splits {ways} ways; choose mesh sizes "
-                                  "that divide the model's.")
-    # Some exports keep lm_head.weight although it is tied; older ones saved rotary tables.
-    ignore = lambda n: (cfg.tie_embeddings and n == "lm_head.weight") or n.endswith(
-        "rotary_emb.inv_freq")
-    params = hf.load(ckpt, hf_mapping(cfg), _hf_sizes(cfg), named(mesh, param_specs(cfg)),
-                     what=f"{ckpt.config['model_type']} model of this config", ignore=ignore)
-    return cfg, params
+    as our ModelConfig and float32 parameters placed with their `param_specs` on `mesh`."""
+    return train.load_hf(path, mesh, config_from_hf, _param_table, lambda c, _: hf_mapping(c),
+                         _hf_sizes)
 
 
 def hf_tokenizer(path: str) -> PretrainedTokenizer:
     """The folder's own tokenizer: GRPO decodes every completion to score it, so the words
     must be the ones the weights were trained on."""
-    files = [os.path.join(path, n) for n in ("tokenizer.model", "tokenizer.json")
-             if os.path.isfile(os.path.join(path, n))]
-    if not files:
-        raise FileNotFoundError(
-            f"--init-from-hf {path} has no tokenizer.model or tokenizer.json; GRPO decodes "
-            "completions to score them with the model's own tokenizer. Copy the model's "
-            "tokenizer files into the folder.")
-    try:  # sentencepiece first: it needs no optional package
-        tok = open_tokenizer(files[0])
-    except (ValueError, OSError, RuntimeError) as e:
-        raise ConfigError(f"--init-from-hf {path}: cannot read {files[0]} ({e}).") from None
-    eos = tok.eos_id()
-    if eos < 0:  # tokenizer.json without tokenizer_config.json: config.json may still say
-        ids = hf.read_config(path).get("eos_token_id")
-        ids = ids if isinstance(ids, list) else [ids]  # instruct models list several
-        eos = ids[0] if ids and isinstance(ids[0], int) else -1
-    if eos < 0:
-        raise ConfigError(f"--init-from-hf {path}: no end-of-sequence token in its tokenizer "
-                          "files or config.json; rollouts stop at it, so set eos_token in "
-                          "tokenizer_config.json or eos_token_id in config.json.")
-    # Llama begins each document with BOS; Qwen has none and separates documents with EOS.
-    start = tok.bos_id() if tok.bos_id() >= 0 else eos
-    return PretrainedTokenizer(files[0], eos, start)
-
-
-def refuse_shape_flags(args: list[str]) -> None:
-    """A --model.* flag that sets the shape contradicts --init-from-hf: say so, do not pick."""
-    if problem := hf.shape_flag_problem(args, COMPUTE_FIELDS):
-        raise ConfigError(problem)
+    return PretrainedTokenizer(*hf.tokenizer(path))
 
 
 def cli(args=None) -> Config:
-    import tyro
-    cfg = tyro.extras.overridable_config_cli(PRESETS, args=args)
-    if cfg.init_from_hf:
-        refuse_shape_flags(sys.argv[1:] if args is None else args)
-    return cfg
+    return train.cli(PRESETS, COMPUTE_FIELDS, args)
 
 
 if __name__ == "__main__":
-    try:
-        main(cli())
-    except (ConfigError, MeshError, ConfigConflictError, CheckpointError, FileNotFoundError,
-            multislice.DistributedInitError, hf.HFError) as e:
-        # Bad input: a one-paragraph reason and the fix, not a traceback.
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    train.run_cli(main, cli)

@@ -3,14 +3,17 @@
     python train_moe.py tiny-moe                                  # the `make train-moe` run
     python train_moe.py mixtral-8x7b --mesh.expert 8 --mesh.fsdp -1
     python train_moe.py qwen3-30b-a3b --dry-run --mesh.expert 8   # compile only, print memory
+    python train_moe.py export-hf --run-dir runs/tiny-moe --out hf/tiny-moe
 
 Sections, in reading order: 1 config and presets, 2 parameters and their shardings, 3 model
-(attention, router, dispatch to the experts, grouped matmul), 4 loss and train step, 5 FLOPs
-and MFU, 6 main, 7 HuggingFace in and out (Mixtral, Qwen3-MoE). Shapes are suffixed on tensor
-names: B batch, T sequence, D model width, N query heads, K key/value heads, H head width,
-V vocabulary, L layers, E experts, F expert MLP width, R experts chosen per token (top-k),
-A = tokens x R assignments, M rows of a grouped matmul, G groups, X experts held by one
-device, P devices on the expert axis, C expert capacity.
+(attention, router, dispatch to the experts, grouped matmul), 4 loss and train step, 5 main
+and the training loop, 6 HuggingFace in and out (Mixtral, Qwen3-MoE); what no model changes
+(state, optimiser, MFU, dry run, bench, the loop's mechanics, the command line) is written
+once in common/train.py. Shapes are suffixed on tensor names: B batch, T sequence, D model
+width, N query heads, K key/value heads, H head width, V vocabulary, L layers, E experts,
+F expert MLP width, R experts chosen per token (top-k), A = tokens x R assignments, M rows of
+a grouped matmul, G groups, X experts held by one device, P devices on the expert axis,
+C expert capacity.
 
 The MoE block, per layer (Switch Transformer, Mixtral, Qwen3-MoE):
 
@@ -35,9 +38,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
-import sys
-import time
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Literal
@@ -49,13 +49,11 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from common import hf, multislice, observe
-from common.checkpoint import (CheckpointConfig, CheckpointError, Checkpointer,
-                               ConfigConflictError, PreemptionGuard, check_run_config,
-                               read_run_config, run_path)
+from common import hf, observe, train
+from common.checkpoint import CheckpointConfig
 from common.data import DataConfig, get_batch, load_dataset
-from common.mesh import (BATCH_AXES, MeshConfig, MeshError, batch_shards, describe, make_mesh,
-                         resolve)
+from common.mesh import BATCH_AXES, MeshConfig, describe, make_mesh, resolve
+from common.train import ConfigError, log, named
 
 # The batch is split over data and fsdp, as in the dense trainer, and over expert: the devices
 # of one expert group each hold other tokens, which the all-to-all sends to their experts.
@@ -174,14 +172,22 @@ MAY_CHANGE = frozenset({
     "model.dtype", "model.attention", "model.remat", "model.scan_layers", "model.loss_chunk",
     "model.grouped_matmul", "model.gmm_tile"})
 
-
-class ConfigError(ValueError):
-    """A flag value that cannot work; the message names the flag and the fix."""
+# Model fields that say how to compute, not what: with --init-from-hf the model is the
+# folder's, and these stay this run's flags. Also the capacity factor: HF's models are
+# dropless, and capacity mode is a training-time approximation one may choose.
+COMPUTE_FIELDS = tuple(sorted(k.split(".", 1)[1] for k in MAY_CHANGE if k.startswith("model.")
+                              )) + ("capacity_factor",)
+# Allowed values of the numbers whose default's sign does not say (see train.check_ranges).
+RULES = {"train.temperature": ">= 0", "train.min_lr_ratio": "[0, 1]", "train.b1": "[0, 1)",
+         "train.b2": "[0, 1)", "train.decay_fraction": "(0, 1]", "train.weight_decay": ">= 0",
+         "train.warmup_steps": ">= 0", "train.sample_tokens": ">= 0",
+         "train.load_balance_loss": ">= 0", "train.router_z_loss": ">= 0"}
 
 
 def validate(cfg: Config, n_devices: int) -> None:
     """Every check that needs no compilation, so a bad launch fails in a second."""
     m, t = cfg.model, cfg.train
+    train.check_ranges(cfg, RULES)
     mesh = resolve(cfg.mesh, n_devices, max(1, math.prod(cfg.mesh.dcn())))
     if m.n_experts < 2:
         raise ConfigError(f"--model.n-experts {m.n_experts}: a mixture needs at least 2 experts; "
@@ -190,50 +196,29 @@ def validate(cfg: Config, n_devices: int) -> None:
     if not 1 <= m.top_k <= m.n_experts:
         raise ConfigError(f"--model.top-k {m.top_k} must be between 1 and --model.n-experts "
                           f"{m.n_experts}: each token picks top-k distinct experts.")
-    ep = mesh.expert * mesh.dcn_expert
-    if m.n_experts % ep:
-        raise ConfigError(f"--mesh.expert {ep} does not divide --model.n-experts {m.n_experts}: "
-                          "each device of the expert axis holds n_experts / expert whole experts; "
-                          f"choose an expert axis size that divides {m.n_experts}.")
     if m.capacity_factor < 0:
         raise ConfigError(f"--model.capacity-factor {m.capacity_factor}: use 0 for dropless "
                           "routing or a positive factor (1.25 is usual) for capacity mode.")
     if m.gmm_tile < 1:
         raise ConfigError(f"--model.gmm-tile {m.gmm_tile} must be >= 1.")
-    tp = mesh.tensor * mesh.dcn_tensor
-    for flag, v in [("--model.n-heads", m.n_heads), ("--model.n-kv-heads", m.n_kv_heads),
-                    ("--model.d-ff", m.d_ff), ("--model.vocab-size", m.vocab_size)]:
-        if v % tp:
-            raise ConfigError(f"{flag} {v} is not divisible by --mesh.tensor {tp}: tensor "
-                              f"parallelism splits it evenly; choose a tensor size dividing {v}.")
+    # A device of the expert axis holds n_experts / expert whole experts.
+    train.check_sizes(mesh, {"expert": [("--model.n-experts", m.n_experts)], "tensor": [
+        ("--model.n-heads", m.n_heads), ("--model.n-kv-heads", m.n_kv_heads),
+        ("--model.d-ff", m.d_ff), ("--model.vocab-size", m.vocab_size)],
+        "fsdp": [("--model.d-model", m.d_model)]})
     if m.n_heads % m.n_kv_heads:
         raise ConfigError(f"--model.n-heads {m.n_heads} is not a multiple of --model.n-kv-heads "
                           f"{m.n_kv_heads} (each key/value head serves a whole group).")
-    fsdp = mesh.fsdp * mesh.dcn_fsdp
-    if m.d_model % fsdp:
-        raise ConfigError(f"--model.d-model {m.d_model} is not divisible by --mesh.fsdp {fsdp}.")
     if m.head_dim % 2:
         raise ConfigError(f"--model.head-dim {m.head_dim} must be even (RoPE rotates pairs).")
-    shards = fsdp * mesh.data * mesh.dcn_data * ep
-    if t.batch_size % t.microbatches:
-        raise ConfigError(f"--train.batch-size {t.batch_size} is not divisible by "
-                          f"--train.microbatches {t.microbatches}.")
-    if (t.batch_size // t.microbatches) % shards:
-        raise ConfigError(f"--train.batch-size {t.batch_size} / --train.microbatches "
-                          f"{t.microbatches} is not divisible by data x fsdp x expert = {shards} "
-                          f"batch shards; use a batch size that is a multiple of "
-                          f"{shards * t.microbatches}.")
+    train.check_batch(t.batch_size, t.microbatches, mesh, MOE_BATCH)
     if t.seq_len > m.max_seq_len:
         raise ConfigError(f"--train.seq-len {t.seq_len} exceeds the model's maximum "
                           f"--model.max-seq-len {m.max_seq_len}.")
     if t.seq_len % min(m.loss_chunk, t.seq_len):
         raise ConfigError(f"--train.seq-len {t.seq_len} is not a multiple of --model.loss-chunk "
                           f"{m.loss_chunk}.")
-    if t.steps < 1 or t.log_every < 1 or t.eval_every < 1:
-        raise ConfigError("--train.steps, --train.log-every and --train.eval-every must be >= 1.")
-    problem = observe.profile_steps_problem(t.profile_steps, "--train.profile-steps", t.steps)
-    if problem:
-        raise ConfigError(problem)
+    train.check_profile(t.profile_steps, t.steps)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -278,31 +263,12 @@ def _param_table(cfg: ModelConfig) -> dict:
     return table
 
 
-def _is_entry(x) -> bool:
-    return isinstance(x, tuple) and len(x) == 3 and isinstance(x[1], P)
-
-
 def param_specs(cfg: ModelConfig) -> dict:
-    return jax.tree.map(lambda e: e[1], _param_table(cfg), is_leaf=_is_entry)
+    return train.table_specs(_param_table(cfg))
 
 
 def _init(cfg: ModelConfig, key: jax.Array) -> dict:
-    table = _param_table(cfg)
-    entries, treedef = jax.tree.flatten(table, is_leaf=_is_entry)
-    keys = jax.random.split(key, len(entries))
-
-    def one(entry, k):
-        shape, _, std = entry
-        if std is None:
-            return jnp.ones(shape, jnp.float32)
-        return std * jax.random.normal(k, shape, jnp.float32)
-
-    return jax.tree.unflatten(treedef, [one(e, k) for e, k in zip(entries, keys)])
-
-
-def named(mesh, specs):
-    return jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
-                        is_leaf=lambda x: isinstance(x, P))
+    return train.table_init(_param_table(cfg), key)
 
 
 def init_params(cfg: ModelConfig, key: jax.Array, mesh=None) -> dict:
@@ -312,14 +278,19 @@ def init_params(cfg: ModelConfig, key: jax.Array, mesh=None) -> dict:
 
 
 def count_params(cfg: ModelConfig) -> int:
-    shapes = jax.eval_shape(partial(_init, cfg), jax.random.key(0))
-    return sum(math.prod(x.shape) for x in jax.tree.leaves(shapes))
+    return train.table_count(_param_table(cfg))
 
 
 def count_active_params(cfg: ModelConfig) -> int:
     """Parameters one token uses: all of them but the n_experts - top_k experts it skips."""
     unused = cfg.n_layers * (cfg.n_experts - cfg.top_k) * 3 * cfg.d_model * cfg.d_ff
     return count_params(cfg) - unused
+
+
+def train_state(cfg: Config, mesh) -> train.TrainState:
+    """{params, opt_state, step} of this model and optimiser on `mesh` (see common/train.py)."""
+    return train.TrainState(partial(_init, cfg.model), param_specs(cfg.model),
+                            make_optimizer(cfg.train), mesh)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -359,28 +330,25 @@ def apply_rope(x_BTNH, pos_BT, inv_freq):
 
 
 def attention(q_BTNH, k_BSKH, v_BSKH, cfg: ModelConfig, mask_BTS=None):
-    """Causal grouped-query attention: query head n reads key/value head n // (N/K).
-
-    mask_BTS (True = may attend), when given, is applied on top of the causal mask: packed
-    rows pass "same segment", so attention never crosses from one example into another.
+    """Grouped-query attention: query head n reads key/value head n // (N/K). Causal unless
+    mask_BTS (True = may attend) is given, which replaces the causal mask: packed rows keep
+    each example to itself, left-padded rows hide their padding, a KV cache its empty tail.
     """
     if cfg.attention != "einsum":
-        if mask_BTS is not None and cfg.attention == "cudnn":
-            # jax.nn.dot_product_attention's cuDNN path takes causal and length masks only.
-            raise ValueError("--model.attention cudnn cannot take an attention mask (packed "
-                             "segments); use --model.attention auto or xla")
+        if mask_BTS is not None:
+            # cuDNN's fused kernel takes only causal or length masks: an explicit one runs on XLA.
+            return jax.nn.dot_product_attention(q_BTNH, k_BSKH, v_BSKH, mask=mask_BTS[:, None],
+                                                implementation="xla")
         impl = None if cfg.attention == "auto" else cfg.attention
-        mask = None if mask_BTS is None else mask_BTS[:, None]
-        return jax.nn.dot_product_attention(q_BTNH, k_BSKH, v_BSKH, mask=mask, is_causal=True,
+        return jax.nn.dot_product_attention(q_BTNH, k_BSKH, v_BSKH, is_causal=True,
                                             implementation=impl)
     B, T, N, H = q_BTNH.shape
     K = k_BSKH.shape[2]
     q_BTKGH = q_BTNH.reshape(B, T, K, N // K, H)
     s_BKGTS = jnp.einsum("btkgh,bskh->bkgts", q_BTKGH, k_BSKH,
                          preferred_element_type=jnp.float32) / math.sqrt(H)
-    allowed = jnp.tril(jnp.ones((T, k_BSKH.shape[1]), bool))
-    if mask_BTS is not None:
-        allowed = allowed & mask_BTS[:, None, None]
+    causal_TS = jnp.tril(jnp.ones((T, k_BSKH.shape[1]), bool))
+    allowed = causal_TS if mask_BTS is None else mask_BTS[:, None, None]
     s_BKGTS = jnp.where(allowed, s_BKGTS, -1e30)   # finite: a fully masked row stays NaN-free
     p_BKGTS = jax.nn.softmax(s_BKGTS, axis=-1).astype(v_BSKH.dtype)
     return jnp.einsum("bkgts,bskh->btkgh", p_BKGTS, v_BSKH).reshape(B, T, N, H)
@@ -659,7 +627,7 @@ def unembedding(params: dict, cfg: ModelConfig):
 
 
 def forward(params: dict, tokens_BT, cfg: ModelConfig):
-    """Logits [B, T, V] in float32. Training never builds these whole: see `loss_sums`."""
+    """Logits [B, T, V] in float32. Training never builds these whole: see `loss_fn`."""
     h, _ = hidden(params, tokens_BT, cfg)
     return jnp.einsum("btd,dv->btv", h, unembedding(params, cfg).astype(h.dtype),
                       preferred_element_type=jnp.float32)
@@ -670,9 +638,15 @@ def forward(params: dict, tokens_BT, cfg: ModelConfig):
 # ----------------------------------------------------------------------------------------------
 
 
-def loss_sums(params: dict, batch_BT1, cfg: ModelConfig):
-    """Summed cross-entropy, summed logsumexp^2 over all B*T targets, and routing stats [L].
+def loss_fn(params, batch_BT1, cfg: ModelConfig, t: TrainConfig = TrainConfig()):
+    """The objective on token windows [B, T+1], every next token a target:
 
+        loss = ce + z_loss * mean_t lse_t^2
+               + load_balance_loss * mean_l aux_l + router_z_loss * mean_l router_z_l,
+        ce = mean_t (lse_t - l_t[y_t])
+
+    for logits l_t = h_t W_unembed, lse_t = logsumexp(l_t), over all B*T targets, and each
+    layer l's router losses (see `router`). Returns (loss, {"ce": ce, routing stats [L]}).
     The [B, T, V] logits never exist at once: the sequence is cut into chunks of
     `loss_chunk` positions, each chunk's logits are made, reduced and dropped, and remat
     recomputes them in the backward pass.
@@ -695,72 +669,20 @@ def loss_sums(params: dict, batch_BT1, cfg: ModelConfig):
 
     zero = jnp.zeros((), jnp.float32)
     (ce, z), _ = jax.lax.scan(chunk, (zero, zero), (h_nBCD, t_nBC))
-    return ce, z, stats
-
-
-def loss_fn(params, batch_BT1, cfg: ModelConfig, t: TrainConfig = TrainConfig()):
-    """Objective = mean cross-entropy + z_loss * mean lse^2 + the router losses, each a mean
-    over layers. Returns (objective, {"ce": mean cross-entropy, routing stats per layer})."""
-    ce, z, stats = loss_sums(params, batch_BT1, cfg)
-    n = batch_BT1.shape[0] * (batch_BT1.shape[1] - 1)
+    n = B * T
     obj = ((ce + t.z_loss * z) / n + t.load_balance_loss * jnp.mean(stats["aux_loss"])
            + t.router_z_loss * jnp.mean(stats["router_z"]))
     return obj, {"ce": ce / n, **stats}
 
 
-def make_schedule(t: TrainConfig):
-    """Learning rate at optimiser step s (0-based); step 0 already gets lr / warmup_steps."""
-    end, warmup = t.lr * t.min_lr_ratio, max(t.warmup_steps, 1)
-    if t.schedule == "cosine":
-        base = optax.warmup_cosine_decay_schedule(0.0, t.lr, warmup, max(t.steps, warmup + 1), end)
-    elif t.schedule == "constant":
-        base = optax.join_schedules([optax.linear_schedule(0.0, t.lr, warmup),
-                                     optax.constant_schedule(t.lr)], [warmup])
-    else:
-        # Warmup-stable-decay (MiniCPM): flat at the peak, then a linear cool-down at the end.
-        decay = max(1, int(t.steps * t.decay_fraction))
-        stable = max(t.steps - decay - warmup, 0)
-        base = optax.join_schedules(
-            [optax.linear_schedule(0.0, t.lr, warmup), optax.constant_schedule(t.lr),
-             optax.linear_schedule(t.lr, end, decay)], [warmup, warmup + stable])
-    return lambda s: base(s + 1)
-
-
-DECAYED = {"embed", "unembed", "wq", "wk", "wv", "wo", "w_router", "w_gate", "w_up", "w_down"}
-
-
-def make_optimizer(t: TrainConfig):
-    # Weight decay on matrices only: decaying norms' gains only hurts.
-    mask = lambda params: {k: (jax.tree.map(lambda _: k in DECAYED, v) if k != "layers" else
-                               {n: n in DECAYED for n in v}) for k, v in params.items()}
-    return optax.chain(optax.clip_by_global_norm(t.clip_norm),
-                       optax.adamw(make_schedule(t), t.b1, t.b2, weight_decay=t.weight_decay,
-                                   mask=mask))
-
-
-def compute_grads(params, batch_BT1, cfg: Config):
-    """Gradient of the mean objective over the global batch, accumulated over microbatches;
-    the aux (cross-entropy, routing stats) is the microbatches' mean."""
+def train_step(state: dict, batch_BT1, *, cfg: Config, tx):
+    """One optimiser step on a global batch [B, T+1]; returns the new state and metrics. The
+    gradient of the loss, and its aux (cross-entropy, routing stats), are the microbatches'
+    mean."""
     M = cfg.train.microbatches
     grad_fn = jax.grad(partial(loss_fn, cfg=cfg.model, t=cfg.train), has_aux=True)
-    if M == 1:
-        return grad_fn(params, batch_BT1)
-    # Microbatch m takes rows m, m+M, m+2M, ...: each device keeps its own rows of every
-    # microbatch, so the split moves no data between devices.
-    B, T1 = batch_BT1.shape
-    mb_MBT = constrain(batch_BT1.reshape(B // M, M, T1).swapaxes(0, 1), P(None, MOE_BATCH, None))
-
-    def acc(carry, mb):
-        return jax.tree.map(jnp.add, carry, grad_fn(params, mb)), None
-
-    zeros = jax.tree.map(jnp.zeros_like, jax.eval_shape(grad_fn, params, mb_MBT[0]))
-    total, _ = jax.lax.scan(acc, zeros, mb_MBT)
-    return jax.tree.map(lambda x: x / M, total)
-
-
-def train_step(state: dict, batch_BT1, *, cfg: Config, tx):
-    """One optimiser step on a global batch [B, T+1]; returns the new state and metrics."""
-    grads, aux = compute_grads(state["params"], batch_BT1, cfg)
+    total = train.accumulate(grad_fn, state["params"], batch_BT1, M, MOE_BATCH)
+    grads, aux = jax.tree.map(lambda x: x / M, total)
     updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
     params = optax.apply_updates(state["params"], updates)
     metrics = {"loss": aux["ce"], "grad_norm": optax.tree.norm(grads),
@@ -771,41 +693,16 @@ def train_step(state: dict, batch_BT1, *, cfg: Config, tx):
     return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
 
 
-def eval_step(params, batch_BT1, *, cfg: ModelConfig):
-    return loss_fn(params, batch_BT1, cfg)[1]["ce"]
+def make_schedule(t: TrainConfig):
+    return train.lr_schedule(t.schedule, t.lr, t.warmup_steps, t.steps, t.min_lr_ratio,
+                             t.decay_fraction)
 
 
-def state_shardings(cfg: Config, mesh, tx):
-    """Shardings of {params, opt_state, step}: Adam's moments follow their parameter."""
-    p_sh = named(mesh, param_specs(cfg.model))
-    abstract = jax.eval_shape(partial(_init, cfg.model), jax.random.key(0))
-    replicated = NamedSharding(mesh, P())
-    opt_sh = optax.tree_map_params(tx, lambda _, s: s, jax.eval_shape(tx.init, abstract), p_sh,
-                                   transform_non_params=lambda _: replicated)
-    return {"params": p_sh, "opt_state": opt_sh, "step": replicated}
-
-
-def _make_state(cfg: Config, tx):
-    def make(key):
-        params = _init(cfg.model, key)
-        return {"params": params, "opt_state": tx.init(params), "step": jnp.zeros((), jnp.int32)}
-    return make
-
-
-def init_state(cfg: Config, tx, shardings) -> dict:
-    return jax.jit(_make_state(cfg, tx), out_shardings=shardings)(jax.random.key(cfg.train.seed))
-
-
-def abstract_state(cfg: Config, tx, shardings) -> dict:
-    """The state's shapes, dtypes and target shardings, with nothing allocated."""
-    shapes = jax.eval_shape(_make_state(cfg, tx), jax.random.key(0))
-    return jax.tree.map(lambda s, d: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=d),
-                        shapes, shardings)
-
-
-# ----------------------------------------------------------------------------------------------
-# 5. FLOPs and MFU
-# ----------------------------------------------------------------------------------------------
+def make_optimizer(t: TrainConfig):
+    return train.adamw(make_schedule(t), b1=t.b1, b2=t.b2, weight_decay=t.weight_decay,
+                       clip_norm=t.clip_norm, decayed={"embed", "unembed", "wq", "wk", "wv",
+                                                       "wo", "w_router", "w_gate", "w_up",
+                                                       "w_down"})
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
@@ -825,99 +722,110 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     return 3.0 * (2 * matmul_weights + attn)
 
 
-# Dense bf16 peak per chip, from the vendors' data sheets.
-PEAK_TFLOPS = {"TPU v4": 275, "TPU v5 lite": 197, "TPU v5e": 197, "TPU v5p": 459, "TPU v5": 459,
-               "TPU v6 lite": 918, "TPU v6e": 918, "H100": 989, "H200": 989, "A100": 312,
-               "B200": 2250, "L4": 121, "A10": 125}
-
-
-def peak_flops_per_device(override_tflops: float = 0.0) -> tuple[float, str]:
-    if override_tflops > 0:
-        return override_tflops * 1e12, "--train.peak-tflops"
-    kind = jax.devices()[0].device_kind
-    for name, tf in PEAK_TFLOPS.items():
-        if name.lower() in kind.lower():
-            return tf * 1e12, f"{kind} data sheet"
-    if jax.devices()[0].platform != "cpu":
-        return 0.0, f"unknown device {kind!r}: pass --train.peak-tflops"
-    # CPU: all simulated devices share the host's cores, so measure the host once with a
-    # float32 matmul and divide among them.
-    n = 1024
-    a = jnp.ones((n, n), jnp.float32)
-    mm = jax.jit(lambda a: a @ a)
-    mm(a).block_until_ready()
-    t0 = time.perf_counter()
-    for _ in range(5):
-        out = mm(a)
-    out.block_until_ready()
-    host = 5 * 2 * n ** 3 / (time.perf_counter() - t0)
-    return host / jax.device_count(), f"measured f32 matmul, host {host / 1e9:.0f} GFLOP/s"
-
-
 # ----------------------------------------------------------------------------------------------
-# 6. Main
+# 5. Main and the training loop
 # ----------------------------------------------------------------------------------------------
 
 
-def log(*a, **kw):
-    if multislice.is_main_process():
-        print(*a, **kw, flush=True)
+def main(cfg: Config) -> dict:
+    cfg = train.with_source_model(cfg, config_from_hf, COMPUTE_FIELDS)
+    train.start(cfg.quiet)
+    validate(cfg, jax.device_count())
+    mesh = make_mesh(cfg.mesh)
+    tc, m = cfg.train, cfg.model
+    st = train_state(cfg, mesh)
+    step_fn = st.jit(partial(train_step, cfg=cfg, tx=st.tx))
+    log(f"model {count_params(m):,} parameters, {count_active_params(m):,} active "
+        f"({m.n_experts} experts, top-{m.top_k}, "
+        f"{'dropless' if m.capacity_factor == 0 else f'capacity factor {m.capacity_factor}'}, "
+        f"{_grouped_impl(m)} grouped matmul; MFU counts active FLOPs) | mesh {describe(mesh)} "
+        f"| {jax.device_count()} {jax.devices()[0].platform} devices, "
+        f"{jax.process_count()} process(es)")
+    # Random tokens for --dry-run and --bench: no data, no checkpoints.
+    tokens = np.random.default_rng(0).integers(0, m.vocab_size,
+                                               (tc.batch_size, tc.seq_len + 1), np.int32)
+    if cfg.dry_run:
+        return train.dry_run(step_fn, st.abstract(), train.put(tokens, mesh, MOE_BATCH, True),
+                             mesh, count_params(m), active_params=count_active_params(m))
+    with jax.set_mesh(mesh):
+        if cfg.bench:
+            return bench(cfg, mesh, train.put(tokens, mesh, MOE_BATCH))
+        return train_loop(cfg, mesh, st, step_fn)
 
 
-def sample(params, prompt: list[int], cfg: Config, mesh, key, n_valid: int) -> list[int]:
-    """Decode `sample_tokens` tokens after `prompt` with full forwards (no KV cache: this is
-    a peek at the model, not an inference server), jitted once for a fixed-size buffer.
-    Only the first `n_valid` ids are drawn: the model's vocabulary may be padded past the
-    tokenizer's."""
-    n_new, T = cfg.train.sample_tokens, min(cfg.train.seq_len, cfg.model.max_seq_len)
-    prompt = prompt[-(T - n_new):]
-    B = batch_shards(mesh, MOE_BATCH)  # one row per batch shard: the constraints stay even
-    buf = np.zeros((B, T), np.int32)
-    buf[:, :len(prompt)] = prompt
-    temp = cfg.train.temperature
+def train_loop(cfg: Config, mesh, st: train.TrainState, step_fn) -> dict:
+    tc, mc = cfg.train, cfg.model
+    ds = load_dataset(cfg.data)
+    if cfg.init_from_hf and (note := hf.check_tokenizer(
+            cfg.init_from_hf, ds.tokenizer_path, f"--data.path {cfg.data.path!r}")):
+        log(note)
+    train.check_vocab(ds.vocab_size, mc.vocab_size)
+    batch = partial(get_batch, batch_size=tc.batch_size, seq_len=tc.seq_len,
+                    sharding=NamedSharding(mesh, P(MOE_BATCH, None)))
+    eval_fn = jax.jit(lambda params, b: loss_fn(params, b, mc)[1]["ce"])  # held-out ce
+    peak, peak_src = train.peak_flops_per_device(tc.peak_tflops)
 
-    @jax.jit
-    def run(params, buf, key):
-        def one(i, carry):
-            buf, key = carry
-            logits = forward(params, buf, cfg.model)[:, i - 1, :n_valid]
-            key, sub = jax.random.split(key)
-            nxt = (jnp.argmax(logits, -1) if temp == 0 else
-                   jax.random.categorical(sub, logits / temp, axis=-1))
-            return buf.at[:, i].set(nxt.astype(buf.dtype)), key
-        return jax.lax.fori_loop(len(prompt), len(prompt) + n_new, one, (buf, key))[0]
+    def evaluate(params) -> dict:
+        losses = [eval_fn(params, batch(ds.eval, seed=cfg.data.seed + 1, step=i))
+                  for i in range(tc.eval_batches)]
+        loss = float(np.mean(jax.device_get(losses)))
+        log(f"eval step {loop.step} | eval_loss {loss:.3f}")
+        return {"eval_loss": loss}
 
-    out = run(params, jax.device_put(buf, NamedSharding(mesh, P(MOE_BATCH, None))), key)
-    return np.asarray(jax.device_get(out))[0, len(prompt):len(prompt) + n_new].tolist()
+    def show(r: dict) -> str:
+        drop = f" | dropped {100 * r['dropped']:.1f}%" if mc.capacity_factor > 0 else ""
+        return (f"loss {r['loss']:.3f} | aux {r['aux_loss']:.3f} | router_z "
+                f"{r['router_z']:.2f} | load {min(r['load_min']):.3f}-{max(r['load_max']):.3f}"
+                f"{drop} | lr {r['lr']:.1e} | grad_norm {r['grad_norm']:.2f}")
+
+    with train.Run(cfg, MAY_CHANGE, tc.profile_steps, defaults=Config()) as run:
+        state, start = run.resume(st.abstract())
+        if state is None and cfg.init_from_hf:
+            state = st.from_params(load_hf(cfg.init_from_hf, mesh)[1])
+        elif state is None:
+            state = st.fresh(jax.random.key(tc.seed))
+        loop = train.Loop(run, start, tc.steps, log_every=tc.log_every,
+                          eval_every=tc.eval_every, tokens_per_step=tc.batch_size * tc.seq_len,
+                          flops_per_token=flops_per_token(mc, tc.seq_len),
+                          peak=(peak, peak_src), show=show)
+        next_batch = partial(batch, ds.train, seed=cfg.data.seed)
+        step_fn = loop.compile(step_fn, state, next_batch(step=start))
+        for step in loop:
+            state, metrics = step_fn(state, next_batch(step=step))
+            loop.log(metrics)
+            if loop.eval_due:
+                loop.eval(evaluate(state["params"]))
+            loop.checkpoint(state)
+
+        run.ckpt.wait()
+        if tc.sample_tokens > 0:
+            prompt = ds.encode(tc.sample_prompt)
+            out = sample(state["params"], [prompt], cfg, mesh, jax.random.key(tc.seed + 7),
+                         ds.vocab_size)[0]
+            log("sample:\n" + ds.decode(prompt + out))
+        evals = [(s, e["eval_loss"]) for s, e in loop.evals]
+        best = min((e for _, e in evals), default=None)
+        logged = [r for r in run.metrics_log.records if "load_max" in r]
+        routing = "-" if not logged else (
+            f"expert shares {min(logged[-1]['load_min']):.3f}-{max(logged[-1]['load_max']):.3f} "
+            f"(even: {1 / mc.n_experts:.3f}) | aux loss {logged[-1]['aux_loss']:.3f} | router z "
+            f"{logged[-1]['router_z']:.2f} (last logged step)")
+        end = int(jax.device_get(state["step"]))
+        return loop.summary(end, f"{tc.batch_size} x {tc.seq_len}", [
+            ("loss", f"{observe.fmt(loop.first_loss)} -> {observe.fmt(loop.last_loss)} | best "
+                     f"eval loss {observe.fmt(best)} | last eval loss "
+                     f"{observe.fmt(evals[-1][1] if evals else None)}"),
+            ("routing", routing)]) | {"state": state, "evals": evals, "best_eval": best}
 
 
-def dry_run(cfg: Config, mesh, tx) -> dict:
-    """Compile one train step on abstract inputs (nothing allocated) and report memory."""
-    sh = state_shardings(cfg, mesh, tx)
-    abstract = abstract_state(cfg, tx, sh)
-    batch = jax.ShapeDtypeStruct((cfg.train.batch_size, cfg.train.seq_len + 1), jnp.int32,
-                                 sharding=NamedSharding(mesh, P(MOE_BATCH, None)))
-    t0 = time.perf_counter()
-    step = jax.jit(partial(train_step, cfg=cfg, tx=tx), donate_argnums=0,
-                   out_shardings=(sh, None))
-    compiled = step.lower(abstract, batch).compile()
-    mem = compiled.memory_analysis()
-    n = count_params(cfg.model)
-    report = {"params": n, "active_params": count_active_params(cfg.model),
-              "devices": mesh.size, "compile_s": time.perf_counter() - t0}
-    if mem is not None:
-        report |= {k: int(getattr(mem, k + "_in_bytes")) for k in
-                   ("argument_size", "output_size", "alias_size", "temp_size")}
-        report["per_device_bytes"] = (report["argument_size"] + report["output_size"]
-                                      - report["alias_size"] + report["temp_size"])
-    gib = lambda b: f"{b / 2**30:.2f} GiB"
-    log(f"dry run | {n:,} parameters | mesh {describe(mesh)} | compiled in "
-        f"{report['compile_s']:.1f} s")
-    if mem is not None:
-        log(f"per device: {gib(report['per_device_bytes'])} = arguments "
-            f"{gib(report['argument_size'])} + outputs {gib(report['output_size'])} - donated "
-            f"{gib(report['alias_size'])} + temporaries {gib(report['temp_size'])}")
-    return report
+def sample(params, prompts: list[list[int]], cfg: Config, mesh, key, n_valid: int):
+    """--train.sample-tokens tokens after each prompt, at --train.temperature (0 = greedy).
+    The prompts are of one length: this forward takes no segments to left-pad them with."""
+    return train.sample(lambda p, tokens: forward(p, tokens, cfg.model), params, prompts,
+                        n_new=cfg.train.sample_tokens,
+                        max_len=min(cfg.train.seq_len, cfg.model.max_seq_len),
+                        temperature=cfg.train.temperature, n_valid=n_valid, mesh=mesh,
+                        batch_axes=MOE_BATCH, key=key)
 
 
 def dense_twin(cfg: Config) -> Config:
@@ -928,246 +836,30 @@ def dense_twin(cfg: Config) -> Config:
         m, n_experts=1, top_k=1, d_ff=m.top_k * m.d_ff, capacity_factor=0.0))
 
 
-def _bench_one(cfg: Config, mesh, tx, peak: float, what: str) -> dict:
+def bench(cfg: Config, mesh, batch) -> dict:
+    """Median step time over --bench steps on `batch` (random tokens), of the MoE model and
+    (--bench-twin) of its dense twin, and the MoE step's cost per active FLOP over the
+    twin's: the price of routing, sorting and dispatch."""
     tc = cfg.train
-    sh = state_shardings(cfg, mesh, tx)
-    state = init_state(cfg, tx, sh)
-    batch = jax.device_put(
-        np.random.default_rng(0).integers(0, cfg.model.vocab_size,
-                                          (tc.batch_size, tc.seq_len + 1), dtype=np.int32),
-        NamedSharding(mesh, P(MOE_BATCH, None)))
-    t0 = time.perf_counter()
-    step = jax.jit(partial(train_step, cfg=cfg, tx=tx), donate_argnums=0,
-                   out_shardings=(sh, None)).lower(state, batch).compile()
-    compile_s = time.perf_counter() - t0
-    state, m = step(state, batch)  # warm-up: first-touch allocations
-    jax.block_until_ready(m)
-    times = []
-    for _ in range(cfg.bench):
-        t0 = time.perf_counter()
-        state, m = step(state, batch)
-        jax.block_until_ready(m)
-        times.append(time.perf_counter() - t0)
-    dt = float(np.median(times))
-    tok_s = tc.batch_size * tc.seq_len / dt
-    mfu = flops_per_token(cfg.model, tc.seq_len) * tok_s / (peak * jax.device_count())
-    log(f"bench {what} | {tok_s:.0f} tok/s | {1e3 * dt:.1f} ms/step (median of {cfg.bench}, "
-        f"min {1e3 * min(times):.1f}) | MFU {100 * mfu:.1f}% | "
-        f"{count_active_params(cfg.model) / 1e6:.2f}M active parameters | "
-        f"compile {compile_s:.1f} s")
-    return {"tokens_per_s": tok_s, "ms_per_step": 1e3 * dt, "mfu": mfu, "compile_s": compile_s}
-
-
-def bench(cfg: Config, mesh, tx) -> dict:
-    """Median step time over `cfg.bench` steps after compilation, on random tokens (no data,
-    no checkpoints), of the MoE model and (bench_twin) of its dense twin. Each step is
-    synced here, which the training loop never does."""
-    peak, src = peak_flops_per_device(cfg.train.peak_tflops)
-    log(f"bench | MFU on active FLOPs, against {peak / 1e12:.3g} TFLOP/s per device ({src})")
-    report = {"moe": _bench_one(cfg, mesh, tx, peak, "moe  ")}
+    peak = train.peak_flops_per_device(tc.peak_tflops)
+    report = {}
+    for what, c in [("moe", cfg)] + ([("dense", dense_twin(cfg))] if cfg.bench_twin else []):
+        log(f"bench {what} | {count_active_params(c.model) / 1e6:.2f}M active parameters; "
+            "MFU on active FLOPs")
+        st = train_state(c, mesh)
+        report[what] = train.bench(
+            st.jit(partial(train_step, cfg=c, tx=st.tx)), st.fresh(jax.random.key(tc.seed)),
+            batch, cfg.bench, tokens_per_step=tc.batch_size * tc.seq_len,
+            flops_per_token=flops_per_token(c.model, tc.seq_len), peak=peak, what=" " + what)
     if cfg.bench_twin:
-        report["dense"] = _bench_one(dense_twin(cfg), mesh, tx, peak, "dense")
-        # Time per active FLOP, MoE over dense: the cost of routing, sorting and dispatch.
         report["cost_ratio"] = report["dense"]["mfu"] / report["moe"]["mfu"]
         log(f"bench | the MoE step costs {report['cost_ratio']:.2f}x the dense step per "
             f"active FLOP")
     return report
 
 
-def main(cfg: Config) -> dict:
-    cfg = with_hf_model(cfg)
-    multislice.initialize()
-    multislice.enable_compilation_cache()
-    observe.configure(quiet=cfg.quiet)
-    validate(cfg, jax.device_count())
-    mesh = make_mesh(cfg.mesh)
-    tx = make_optimizer(cfg.train)
-    m = cfg.model
-    log(f"model {count_params(m):,} parameters, {count_active_params(m):,} active "
-        f"({m.n_experts} experts, top-{m.top_k}, "
-        f"{'dropless' if m.capacity_factor == 0 else f'capacity factor {m.capacity_factor}'}, "
-        f"{_grouped_impl(m)} grouped matmul) | mesh {describe(mesh)} | "
-        f"{jax.device_count()} {jax.devices()[0].platform} devices, "
-        f"{jax.process_count()} process(es)")
-    with jax.set_mesh(mesh):
-        if cfg.dry_run:
-            return dry_run(cfg, mesh, tx)
-        if cfg.bench:
-            return bench(cfg, mesh, tx)
-        return _train(cfg, mesh, tx)
-
-
-def _train(cfg: Config, mesh, tx) -> dict:
-    t_start = time.perf_counter()
-    mc = cfg.model
-    ds = load_dataset(cfg.data)
-    if cfg.init_from_hf and (note := hf.check_tokenizer(
-            cfg.init_from_hf, ds.tokenizer_path, f"--data.path {cfg.data.path!r}")):
-        log(note)
-    if ds.vocab_size > mc.vocab_size:
-        raise ConfigError(f"the tokenizer has {ds.vocab_size} tokens but --model.vocab-size is "
-                          f"{mc.vocab_size}; set --model.vocab-size {ds.vocab_size} or larger.")
-    run_path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
-    if multislice.is_main_process():
-        check_run_config(cfg.run_dir, dataclasses.asdict(cfg), MAY_CHANGE,
-                         defaults=dataclasses.asdict(Config()))
-    # Closed in reverse: the last save is waited for (and raises if it failed) first.
-    with observe.MetricsLog(cfg.run_dir, dataclasses.asdict(cfg)) as metrics_log, \
-            observe.Profiler(cfg.run_dir, cfg.train.profile_steps) as profiler, \
-            Checkpointer(cfg.run_dir, cfg.checkpoint) as ckpt:
-        return _train_loop(cfg, mesh, tx, ds, ckpt, metrics_log, profiler, t_start)
-
-
-def _train_loop(cfg: Config, mesh, tx, ds, ckpt: Checkpointer, metrics_log: observe.MetricsLog,
-                profiler: observe.Profiler, t_start: float) -> dict:
-    tc, mc = cfg.train, cfg.model
-    shardings = state_shardings(cfg, mesh, tx)
-    start = ckpt.resume_step()
-    if start is None:
-        state, start = (init_state_from_hf(cfg, tx, shardings) if cfg.init_from_hf else
-                        init_state(cfg, tx, shardings)), 0
-    else:
-        state = ckpt.restore(start, abstract_state(cfg, tx, shardings))
-        log(f"resumed from step {start} ({cfg.run_dir}/checkpoints/{start})")
-
-    batch_sh = NamedSharding(mesh, P(MOE_BATCH, None))
-    next_batch = partial(get_batch, ds.train, seed=cfg.data.seed, batch_size=tc.batch_size,
-                         seq_len=tc.seq_len, sharding=batch_sh)
-    step_fn = jax.jit(partial(train_step, cfg=cfg, tx=tx), donate_argnums=0,
-                      out_shardings=(shardings, None))
-    eval_fn = jax.jit(partial(eval_step, cfg=mc))
-    peak, peak_src = peak_flops_per_device(tc.peak_tflops)
-    fpt = flops_per_token(mc, tc.seq_len)
-    tokens_per_step = tc.batch_size * tc.seq_len
-
-    def evaluate(params) -> float:
-        losses = [eval_fn(params, get_batch(ds.eval, seed=cfg.data.seed + 1, step=i,
-                                            batch_size=tc.batch_size, seq_len=tc.seq_len,
-                                            sharding=batch_sh))
-                  for i in range(tc.eval_batches)]
-        return float(np.mean(jax.device_get(losses)))
-
-    summary = {"start_step": start, "first_loss": None, "last_loss": None, "eval_loss": None,
-               "best_eval": None}
-    evals = {}  # step -> eval loss, joined to that step's log record
-
-    def emit(step, m, dt_s, n_steps):
-        tok_s = tokens_per_step * n_steps / dt_s
-        mfu = fpt * tok_s / (peak * jax.device_count()) if peak else float("nan")
-        rec = {"step": step, "loss": float(m["loss"]), "lr": float(m["lr"]),
-               "grad_norm": float(m["grad_norm"]), "aux_loss": float(m["aux_loss"]),
-               "router_z": float(m["router_z"]), "dropped": float(m["dropped"]),
-               "load_min": np.asarray(m["load_min"]).tolist(),   # per layer
-               "load_max": np.asarray(m["load_max"]).tolist(),
-               "tokens_per_s": tok_s, "mfu": mfu, "ms_per_step": 1e3 * dt_s / n_steps}
-        if step in evals:
-            rec["eval_loss"] = evals.pop(step)
-        summary["first_loss"] = summary["first_loss"] or rec["loss"]
-        summary["last_loss"] = rec["loss"]
-        drop = f" | dropped {100 * rec['dropped']:.1f}%" if mc.capacity_factor > 0 else ""
-        log(f"step {step} | loss {rec['loss']:.3f} | aux {rec['aux_loss']:.3f} | router_z "
-            f"{rec['router_z']:.2f} | load {min(rec['load_min']):.3f}-{max(rec['load_max']):.3f}"
-            f"{drop} | lr {rec['lr']:.1e} | grad_norm {rec['grad_norm']:.2f} | "
-            f"{tok_s / 1e3:.1f}k tok/s | MFU {100 * mfu:.1f}% | {rec['ms_per_step']:.0f} ms/step")
-        metrics_log.write(rec)
-
-    if start >= tc.steps:
-        log(f"already at step {start} of --train.steps {tc.steps}: nothing to train "
-            f"(raise --train.steps to continue)")
-    else:
-        with observe.progress("compiling train step") as p:
-            step_fn = step_fn.lower(state, next_batch(step=start)).compile()
-            p.note = (f"| peak {peak / 1e12:.3g} TFLOP/s per device ({peak_src}) | "
-                      f"{fpt / 1e6:.1f} MFLOP/token (active)")
-        summary["compile_s"] = p.seconds
-        t_loop = time.perf_counter()
-        pending = None  # (step, device metrics, steps covered): fetched one step late
-        stop_vote = None  # did any process get SIGTERM? also read one step late
-        t_log, steps_since = time.perf_counter(), 0
-        with PreemptionGuard() as guard:
-            for step in range(start, tc.steps):
-                done = step + 1
-                profiler.before(done)
-                state, metrics = step_fn(state, next_batch(step=step))
-                profiler.after(done, metrics)
-                steps_since += 1
-                if pending is not None:   # the previous log step is finished by now, or nearly
-                    m = jax.device_get(pending[1])
-                    now = time.perf_counter()
-                    emit(pending[0], m, now - t_log, pending[2])
-                    t_log, pending = now, None
-                if done % tc.log_every == 0 or done == tc.steps or done == start + 1:
-                    pending, steps_since = (done, metrics, steps_since), 0
-                if done % tc.eval_every == 0 or done == tc.steps:
-                    loss = evaluate(state["params"])
-                    summary["eval_loss"] = loss
-                    best = summary["best_eval"]
-                    summary["best_eval"] = loss if best is None else min(best, loss)
-                    log(f"eval step {done} | eval_loss {loss:.3f}")
-                    if pending is not None and pending[0] == done:
-                        evals[done] = loss
-                    else:  # not a log step: a record of its own
-                        metrics_log.write({"step": done, "eval_loss": loss})
-                # Explicit, like every fetch in this loop: an implicit one (float(x) of a
-                # device array) would hide a wait for the device.
-                stop = stop_vote is not None and bool(jax.device_get(stop_vote))
-                stop_vote = multislice.any_process(guard.requested)
-                if ckpt.save(done, state, force=done == tc.steps or stop):
-                    metrics_log.checkpointed()
-                if stop:
-                    log(f"SIGTERM: saved step {done}, exiting")
-                    break
-            if pending is not None:
-                jax.block_until_ready(pending[1])
-                emit(pending[0], jax.device_get(pending[1]), time.perf_counter() - t_log,
-                     pending[2])
-        summary["loop_s"] = time.perf_counter() - t_loop
-    ckpt.wait()
-    summary["final_step"] = int(jax.device_get(state["step"]))
-    summary["state"] = state
-    if tc.sample_tokens > 0:
-        prompt = ds.encode(tc.sample_prompt)
-        out = sample(state["params"], prompt, cfg, mesh, jax.random.key(tc.seed + 7),
-                     ds.vocab_size)
-        log("sample:\n" + ds.decode(prompt + out))
-    _print_summary(cfg, summary, metrics_log, profiler, fpt, peak, time.perf_counter() - t_start)
-    return summary
-
-
-def _print_summary(cfg: Config, s: dict, metrics_log, profiler, fpt: float, peak: float,
-                   wall_s: float) -> None:
-    """The run on one screen: how far it got, how well, how fast, and where its files are."""
-    tc, fmt = cfg.train, observe.fmt
-    start, end = s["start_step"], s["final_step"]
-    tokens = (end - start) * tc.batch_size * tc.seq_len
-    ms = observe.mean_ms_per_step(metrics_log.records, start)
-    tok_s = tc.batch_size * tc.seq_len / ms * 1e3
-    mfu = fpt * tok_s / (peak * jax.device_count()) if peak else float("nan")
-    timing = f"{observe.duration(wall_s)}"
-    if "compile_s" in s:
-        timing += f" (compile {s['compile_s']:.1f} s, steps {observe.duration(s['loop_s'])})"
-    logged = [r for r in metrics_log.records if "load_max" in r]
-    routing = "-"
-    if logged:
-        r = logged[-1]
-        routing = (f"expert shares {min(r['load_min']):.3f}-{max(r['load_max']):.3f} "
-                   f"(even: {1 / cfg.model.n_experts:.3f}) | aux loss "
-                   f"{r['aux_loss']:.3f} | router z {r['router_z']:.2f} (last logged step)")
-    observe.print_summary(f"run {cfg.run_dir}: done", [
-        ("steps", f"{start} -> {end} ({end - start} this run, of --train.steps {tc.steps})"),
-        ("tokens", f"{tokens:,} this run ({tc.batch_size} x {tc.seq_len} per step)"),
-        ("loss", f"{fmt(s['first_loss'])} -> {fmt(s['last_loss'])} | best eval loss "
-                 f"{fmt(s['best_eval'])} | last eval loss {fmt(s['eval_loss'])}"),
-        ("routing", routing),
-        ("wall time", timing),
-        ("throughput", f"{fmt(tok_s / 1e3, '.1f')}k tok/s, MFU {fmt(100 * mfu, '.1f')}% (active "
-                       f"FLOPs), {fmt(ms, '.0f')} ms/step (mean over logged steps after the "
-                       "first)"),
-    ] + observe.where_rows(cfg.run_dir, metrics_log, profiler))
-
-
 # ----------------------------------------------------------------------------------------------
-# 7. HuggingFace in and out
+# 6. HuggingFace in and out
 # ----------------------------------------------------------------------------------------------
 
 # As in train_dense.py: HF rotates the two halves of each head, as `apply_rope` does, so no
@@ -1305,35 +997,11 @@ def config_to_hf(cfg: ModelConfig, model_type: str = "", dtype: str = "float32")
     return c
 
 
-def _flat_table(cfg: ModelConfig) -> dict:
-    table = _param_table(cfg)
-    return {k: v for k, v in table.items() if k != "layers"} | {
-        f"layers/{k}": v for k, v in table["layers"].items()}
-
-
 def load_hf(path: str, mesh=None) -> tuple[ModelConfig, dict]:
     """A HuggingFace folder (config.json and safetensors, one file or sharded with an index)
-    as our ModelConfig and float32 parameters, each placed with its `param_specs` sharding on
-    `mesh` (default: the first device), every device reading only its own experts' blocks."""
-    ckpt = hf.Checkpoint(path)
-    cfg = config_from_hf(ckpt.config, os.path.join(path, hf.CONFIG))
-    if mesh is None:
-        mesh = make_mesh(MeshConfig(fsdp=1), jax.devices()[:1])
-    for name, (shape, spec, _) in _flat_table(cfg).items():
-        for n, axes in zip(shape, spec):
-            ways = math.prod(mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else
-                                                     axes or ()))
-            if n % ways:
-                raise ConfigError(f"{path}: {name} has a dimension of {n}, which the mesh "
-                                  f"({describe(mesh)}) splits {ways} ways; choose mesh sizes "
-                                  "that divide the model's.")
-    mt = ckpt.config["model_type"]
-    ignore = lambda n: (cfg.tie_embeddings and n == "lm_head.weight") or n.endswith(
-        "rotary_emb.inv_freq")
-    params = hf.load(ckpt, hf_mapping(cfg, mt), _hf_sizes(cfg),
-                     named(mesh, param_specs(cfg)), what=f"{mt} model of this config",
-                     ignore=ignore)
-    return cfg, params
+    as our ModelConfig and float32 parameters placed with their `param_specs` on `mesh`,
+    every device reading only its own experts' blocks."""
+    return train.load_hf(path, mesh, config_from_hf, _param_table, hf_mapping, _hf_sizes)
 
 
 def save_hf(params: dict, cfg: ModelConfig, path: str, *, model_type: str = "",
@@ -1354,36 +1022,6 @@ def save_hf(params: dict, cfg: ModelConfig, path: str, *, model_type: str = "",
 
 # Starting a run from published weights (--init-from-hf), and exporting one (export-hf).
 
-# What --init-from-hf leaves to the flags: how to compute, and the capacity factor (HF's
-# models are dropless; capacity mode is a training-time approximation one may choose).
-_KEEP_FIELDS = tuple(sorted(k.split(".", 1)[1] for k in MAY_CHANGE if k.startswith("model.")
-                            )) + ("capacity_factor",)
-
-
-def with_hf_model(cfg: Config) -> Config:
-    """With --init-from-hf the model's shape comes from PATH/config.json; only how it computes
-    (--model.dtype, ... and --model.capacity-factor) stays the flags'."""
-    if not cfg.init_from_hf:
-        return cfg
-    shape = config_from_hf(hf.read_config(cfg.init_from_hf),
-                           os.path.join(cfg.init_from_hf, hf.CONFIG))
-    keep = {f: getattr(cfg.model, f) for f in _KEEP_FIELDS}
-    return dataclasses.replace(cfg, model=dataclasses.replace(shape, **keep))
-
-
-def refuse_shape_flags(args: list[str]) -> None:
-    """A --model.* flag that sets the shape contradicts --init-from-hf: say so, do not pick."""
-    if problem := hf.shape_flag_problem(args, _KEEP_FIELDS):
-        raise ConfigError(problem)
-
-
-def init_state_from_hf(cfg: Config, tx, shardings) -> dict:
-    """Step 0 from published weights: parameters from --init-from-hf, a fresh optimiser."""
-    _, params = load_hf(cfg.init_from_hf, shardings["step"].mesh)
-    opt_state = jax.jit(tx.init, out_shardings=shardings["opt_state"])(params)
-    return {"params": params, "opt_state": opt_state,
-            "step": jax.device_put(jnp.zeros((), jnp.int32), shardings["step"])}
-
 
 def export_hf(run_dir: str, out: str, step: int = -1,
               dtype: Literal["float32", "bfloat16"] = "float32",
@@ -1399,56 +1037,21 @@ def export_hf(run_dir: str, out: str, step: int = -1,
         model_type: The family; "" = the source's, else qwen3_moe for q/k norm, or mixtral.
         max_shard_gb: The largest safetensors file.
     """
-    path = run_path(run_dir, "config.json")
-    saved = read_run_config(run_dir, "--run-dir")
-    try:
-        cfg = Config(model=ModelConfig(**saved["model"]), train=TrainConfig(**saved["train"]),
-                     data=DataConfig(**saved["data"]), run_dir=run_dir)
-    except (KeyError, TypeError) as e:
-        raise ConfigError(f"{path} is not a run config this train_moe.py reads ({e}).")
-    n = len(jax.devices())  # fsdp over every local device: each holds 1/n of the state
-    n = n if cfg.model.d_model % n == 0 else 1
-    mesh = make_mesh(MeshConfig(fsdp=n), jax.devices()[:n])
-    tx = make_optimizer(cfg.train)
-    with Checkpointer(run_dir, CheckpointConfig(restore_step=step)) as ckpt:
-        at = ckpt.resume_step()
-        if at is None:
-            raise CheckpointError(f"--run-dir {run_dir} has no checkpoint to export.")
-        params = ckpt.restore(at, abstract_state(cfg, tx, state_shardings(cfg, mesh, tx)))
-        params = params["params"]
-    src = saved.get("init_from_hf") or ""
-    try:
-        tokenizer = None if src else load_dataset(cfg.data).tokenizer_path
-    except (FileNotFoundError, ValueError, OSError):  # data gone: export without a tokenizer
-        tokenizer = None
-    base, tokenizer_dir = hf.export_extras(src, tokenizer)
-    files = save_hf(params, cfg.model, out, model_type=model_type, base_config=base,
-                    dtype=dtype, max_shard_bytes=int(max_shard_gb * 2**30))
-    if tokenizer_dir:
-        files += hf.copy_tokenizer(tokenizer_dir, out)
-    size = sum(os.path.getsize(os.path.join(out, f)) for f in files)
-    print(f"export-hf: step {at} of {run_dir} -> {out} ({len(files)} files, {size / 1e9:.2f} GB, "
-          f"{dtype}): {', '.join(files)}", flush=True)
-    return files
+    def read(saved: dict) -> Config:
+        return Config(model=ModelConfig(**saved["model"]), train=TrainConfig(**saved["train"]),
+                      data=DataConfig(**saved["data"]), run_dir=run_dir)
+
+    return train.export_run(
+        run_dir, out, step, dtype, read=read, table=lambda c: _param_table(c.model),
+        save=lambda params, c, out, base: save_hf(
+            params, c.model, out, model_type=model_type, base_config=base, dtype=dtype,
+            max_shard_bytes=int(max_shard_gb * 2**30)),
+        tokenizer=lambda c: load_dataset(c.data).tokenizer_path)
 
 
 def cli(args=None) -> Config:
-    import tyro
-    cfg = tyro.extras.overridable_config_cli(PRESETS, args=args)
-    if cfg.init_from_hf:
-        refuse_shape_flags(sys.argv[1:] if args is None else args)
-    return cfg
+    return train.cli(PRESETS, COMPUTE_FIELDS, args)
 
 
 if __name__ == "__main__":
-    try:
-        if sys.argv[1:2] == ["export-hf"]:  # python train_moe.py export-hf --run-dir R --out O
-            import tyro
-            tyro.cli(export_hf, args=sys.argv[2:], prog="train_moe.py export-hf")
-        else:
-            main(cli())
-    except (ConfigError, MeshError, ConfigConflictError, CheckpointError, FileNotFoundError,
-            hf.HFError) as e:
-        # Bad input: a one-paragraph reason and the fix, not a traceback.
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    train.run_cli(main, cli, export_hf)

@@ -256,6 +256,62 @@ def open_tokenizer(path: str):
     return spm.SentencePieceProcessor(model_file=path)
 
 
+class PretrainedTokenizer:
+    """A pretrained model's tokenizer (sentencepiece or tokenizer.json) for prompting it:
+    `start_id` is the token after which the model saw a document begin, and each prompt
+    begins with it. pad_id is never read: pads are masked out of attention and the loss."""
+
+    def __init__(self, path: str, eos_id: int, start_id: int):
+        self._tok = open_tokenizer(path)
+        self.vocab_size, self.eos_id, self.start_id = self._tok.get_piece_size(), eos_id, start_id
+        self.pad_id = 0
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text)
+
+    def decode(self, ids) -> str:
+        return self._tok.decode([int(i) for i in ids])
+
+    def prompt(self, text: str) -> list[int]:
+        return [self.start_id] + self.encode(text)
+
+
+# Prompts and completions as generation batches (train_grpo.py's rollouts and warm start)
+
+
+def encode_prompts(tok, texts: list[str], width: int):
+    """Left-padded ids [B, width] and their validity mask: every row ends at the same column,
+    so generation starts at one column for the whole batch."""
+    ids = np.full((len(texts), width), tok.pad_id, np.int32)
+    valid = np.zeros((len(texts), width), bool)
+    for r, text in enumerate(texts):
+        p = tok.prompt(text)
+        if len(p) > width:
+            raise ValueError(f"prompt {text!r} is {len(p)} tokens, more than the width {width}")
+        ids[r, width - len(p):], valid[r, width - len(p):] = p, True
+    return ids, valid
+
+
+def encode_completions(tok, texts: list[str], width: int):
+    """Right-padded ids [B, width] of text + EOS, and the mask of those tokens."""
+    ids = np.full((len(texts), width), tok.pad_id, np.int32)
+    mask = np.zeros((len(texts), width), bool)
+    for r, text in enumerate(texts):
+        c = (tok.encode(text) + [tok.eos_id])[:width]
+        ids[r, :len(c)], mask[r, :len(c)] = c, True
+    return ids, mask
+
+
+def decode_completions(tok, tokens_BN: np.ndarray, mask_BN: np.ndarray):
+    """Text of each completion (without its EOS) and whether it ended with EOS."""
+    texts, finished = [], np.zeros(len(tokens_BN), bool)
+    for r in range(len(tokens_BN)):
+        ids = tokens_BN[r, mask_BN[r]].tolist()
+        finished[r] = bool(ids) and ids[-1] == tok.eos_id
+        texts.append(tok.decode(ids[:-1] if finished[r] else ids))
+    return texts, finished
+
+
 def load_dataset(cfg: DataConfig, seq_len: int | None = None) -> Dataset:
     """The data of `cfg`; `seq_len` is needed only to pack SFT rows (--data.format sft)."""
     if cfg.format == "sft":

@@ -444,3 +444,30 @@ def shape_flag_problem(args: list[str], allowed: tuple[str, ...]) -> str | None:
             return (f"{name} conflicts with --init-from-hf: the model's shape comes from that "
                     f"folder's config.json. Drop the flag (only {flags} may be set).")
     return None
+
+
+def tokenizer(path: str) -> tuple[str, int, int]:
+    """The folder's own tokenizer file (tokenizer.model, else tokenizer.json), its end-of-
+    sequence id and the id after which a document begins (BOS for Llama; Qwen has none and
+    separates documents with EOS). Generation stops at EOS, so a folder without one is refused."""
+    from common.data import open_tokenizer
+    files = [os.path.join(path, n) for n in ("tokenizer.model", "tokenizer.json")
+             if os.path.isfile(os.path.join(path, n))]
+    if not files:
+        raise FileNotFoundError(
+            f"--init-from-hf {path} has no tokenizer.model or tokenizer.json; completions are "
+            "decoded with the model's own tokenizer. Copy its tokenizer files into the folder.")
+    try:  # sentencepiece first: it needs no optional package
+        tok = open_tokenizer(files[0])
+    except (ValueError, OSError, RuntimeError) as e:
+        raise HFError(f"--init-from-hf {path}: cannot read {files[0]} ({e}).") from None
+    eos = tok.eos_id()
+    if eos < 0:  # tokenizer.json without tokenizer_config.json: config.json may still say
+        ids = read_config(path).get("eos_token_id")
+        ids = ids if isinstance(ids, list) else [ids]  # instruct models list several
+        eos = ids[0] if ids and isinstance(ids[0], int) else -1
+    if eos < 0:
+        raise HFError(f"--init-from-hf {path}: no end-of-sequence token in its tokenizer files "
+                      "or config.json; generation stops at it, so set eos_token in "
+                      "tokenizer_config.json or eos_token_id in config.json.")
+    return files[0], eos, tok.bos_id() if tok.bos_id() >= 0 else eos

@@ -107,6 +107,53 @@ def check_divides(table: dict, mesh, where: str) -> None:
 # Checks that need no compilation, so that a bad launch fails in a second
 
 
+# The ranges of the common configs' numbers (see check_ranges); a trainer adds its own.
+RULES = {"data.eval_fraction": "(0, 1)", "checkpoint.every": ">= 0",
+         "checkpoint.restore_step": "-1 or >= 0"}
+
+
+def check_ranges(cfg, rules: dict[str, str]) -> None:
+    """Every number in the config (but the mesh's, which `resolve` checks) is finite and in its
+    range, else a ConfigError that names the flag. `rules` maps "section.field" to "> 0",
+    ">= 0", "[0, 1)", "(0, 1]" (interval bounds as written), or "v or RANGE" (a value with a
+    meaning of its own, such as -1 for "the paper's"). A number without a rule keeps the
+    sign of its default: > 0 where the default is positive, >= 0 where it is zero. Integers
+    stay below 2^31 (steps and sizes are int32 on the device)."""
+    rules = RULES | rules
+    for path, v, default in _numbers(cfg):
+        rule = rules.get(path) or (">= 0" if default == 0 else "> 0" if default > 0 else None)
+        if rule is None or path.startswith("mesh."):
+            continue
+        if not _within(v, rule) or (isinstance(v, int) and v >= 2**31):
+            flag = "--" + path.replace("_", "-")
+            raise ConfigError(f"{flag} {v}: must be {rule}" + (" and below 2^31" if isinstance(
+                v, int) else ", a finite number") + f" (the default is {default}).")
+
+
+def _numbers(obj, prefix: str = ""):
+    """(dotted path, value, default) of every int and float field, nested dataclasses too."""
+    for f in dataclasses.fields(obj):
+        v = getattr(obj, f.name)
+        if dataclasses.is_dataclass(v):
+            yield from _numbers(v, f"{prefix}{f.name}.")
+        elif isinstance(v, (int, float)) and not isinstance(v, bool):
+            yield f"{prefix}{f.name}", v, f.default
+
+
+def _within(v: float, rule: str) -> bool:
+    if " or " in rule:
+        special, rule = rule.split(" or ")
+        if v == float(special):
+            return True
+    if not math.isfinite(v):
+        return False
+    if rule[0] in "[(":
+        lo, hi = (float(x) for x in rule[1:-1].split(","))
+        return (lo <= v if rule[0] == "[" else lo < v) and (v <= hi if rule[-1] == "]" else v < hi)
+    op, x = rule.split()
+    return v > float(x) if op == ">" else v >= float(x)
+
+
 def check_sizes(mesh: MeshConfig, splits: dict[str, list[tuple[str, int]]]) -> None:
     """Each model size that a mesh axis splits ({axis: [(flag, size), ...]}) divides evenly."""
     for axis, sizes in splits.items():
@@ -122,21 +169,24 @@ def batch_shards(mesh: MeshConfig, axes=("data", "fsdp")) -> int:
     return math.prod(getattr(mesh, a) * getattr(mesh, "dcn_" + a) for a in axes)
 
 
-def check_batch(batch_size: int, microbatches: int, shards: int, flag: str = "--train") -> None:
-    """The batch splits into microbatches, and each of those over the batch shards."""
-    if batch_size % microbatches:
-        raise ConfigError(f"{flag}.batch-size {batch_size} is not divisible by "
-                          f"{flag}.microbatches {microbatches}.")
-    if (batch_size // microbatches) % shards:
-        raise ConfigError(f"{flag}.batch-size {batch_size} / {flag}.microbatches {microbatches} "
-                          f"is not divisible by the {shards} batch shards (data x fsdp); use a "
-                          f"batch size that is a multiple of {shards * microbatches}.")
+def check_batch(batch_size: int, microbatches: int, mesh: MeshConfig,
+                axes=("data", "fsdp"), flag: str = "--train", what: str = "") -> None:
+    """The batch (`what` says what makes it, if not {flag}.batch-size) splits into
+    microbatches, and each of those over the batch shards."""
+    shards, what = batch_shards(mesh, axes), what or f"{flag}.batch-size {batch_size}"
+    if batch_size % microbatches or (batch_size // microbatches) % shards:
+        raise ConfigError(f"{what} / {flag}.microbatches {microbatches} is not divisible by "
+                          f"{' x '.join(axes)} = {shards} batch shards; use a batch size that is "
+                          f"a multiple of {shards * microbatches}.")
 
 
-def check_loop(steps: int, log_every: int, eval_every: int, profile_steps: tuple[int, ...],
-               flag: str = "--train") -> None:
-    if steps < 1 or log_every < 1 or eval_every < 1:
-        raise ConfigError(f"{flag}.steps, {flag}.log-every and {flag}.eval-every must be >= 1.")
+def check_vocab(tokenizer_size: int, vocab_size: int) -> None:
+    if tokenizer_size > vocab_size:
+        raise ConfigError(f"the tokenizer has {tokenizer_size} tokens but --model.vocab-size is "
+                          f"{vocab_size}; set --model.vocab-size {tokenizer_size} or larger.")
+
+
+def check_profile(profile_steps: tuple[int, ...], steps: int, flag: str = "--train") -> None:
     if problem := observe.profile_steps_problem(profile_steps, f"{flag}.profile-steps", steps):
         raise ConfigError(problem)
 
@@ -261,19 +311,27 @@ def restore_params(run_dir: str, abstract_params, flag: str = "--init-from") -> 
     return params
 
 
-def model_of_run(run_dir: str, model_cls, keep: tuple[str, ...], prog: str) -> dict:
-    """The model fields of a trained run's config.json, less those in `keep` (how to compute),
-    which stay this run's."""
-    saved = read_run_config(run_dir, "--init-from", trained=True).get("model", {})
-    unknown = set(saved) - {f.name for f in dataclasses.fields(model_cls)}
-    if unknown:
-        raise ConfigError(f"--init-from {run_dir}: its model has fields this file does not "
-                          f"know ({sorted(unknown)}); was it written by {prog}?")
-    return {k: v for k, v in saved.items() if k not in keep}
-
-
-def with_model(cfg, shape, keep: tuple[str, ...]):
-    """cfg with the model `shape` (a ModelConfig from elsewhere), keeping cfg's fields `keep`."""
+def with_source_model(cfg, config_from_hf: Callable, keep: tuple[str, ...],
+                      prog: str = "train_dense.py"):
+    """cfg with the model its run starts from: with --init-from-hf the one that folder's
+    config.json describes (read by the trainer's config_from_hf), with --init-from that
+    trained run's (written by `prog`). The model fields in `keep` (how to compute, not what)
+    stay this run's flags either way."""
+    run, folder = getattr(cfg, "init_from", ""), getattr(cfg, "init_from_hf", "")
+    if run and folder:
+        raise ConfigError(f"--init-from {run} and --init-from-hf {folder}: start from one or "
+                          "the other.")
+    if folder:
+        shape = config_from_hf(hf.read_config(folder), os.path.join(folder, hf.CONFIG))
+    elif run:
+        saved = read_run_config(run, "--init-from", trained=True).get("model", {})
+        unknown = set(saved) - {f.name for f in dataclasses.fields(cfg.model)}
+        if unknown:
+            raise ConfigError(f"--init-from {run}: its model has fields this file does not "
+                              f"know ({sorted(unknown)}); was it written by {prog}?")
+        shape = dataclasses.replace(cfg.model, **saved)
+    else:
+        return cfg
     return dataclasses.replace(cfg, model=dataclasses.replace(
         shape, **{f: getattr(cfg.model, f) for f in keep}))
 
@@ -314,6 +372,10 @@ def peak_flops_per_device(override_tflops: float = 0.0) -> tuple[float, str]:
 def mfu(flops_per_token: float, tokens_per_s: float, peak: float) -> float:
     """Model FLOPs utilisation over all devices; NaN when the peak is unknown."""
     return flops_per_token * tokens_per_s / (peak * jax.device_count()) if peak else math.nan
+
+
+def mfu_text(util: float) -> str:
+    return "MFU unknown" if math.isnan(util) else f"MFU {100 * util:.1f}%"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -382,15 +444,21 @@ def bench(step_fn, state, batch, n_steps: int, *, tokens_per_step: int,
     tok_s = tokens_per_step / dt
     util = mfu(flops_per_token, tok_s, peak[0])
     log(f"bench{what} | {tok_s:.0f} tok/s | {1e3 * dt:.1f} ms/step (median of {n_steps}, "
-        f"min {1e3 * min(times):.1f}) | MFU {observe.fmt(100 * util, '.1f')}% of "
-        f"{peak[0] / 1e12:.3g} TFLOP/s per device ({peak[1]}) | compile {compile_s:.1f} s")
+        f"min {1e3 * min(times):.1f}) | {mfu_text(util)} of {peak[0] / 1e12:.3g} TFLOP/s per "
+        f"device ({peak[1]}) | compile {compile_s:.1f} s")
     return {"tokens_per_s": tok_s, "ms_per_step": 1e3 * dt, "mfu": util, "compile_s": compile_s}
 
 
-def put(x: np.ndarray, mesh, batch_axes) -> jax.Array:
-    """A host array that every process holds whole -> a global array split on its rows."""
-    spec = NamedSharding(mesh, P(batch_axes, *[None] * (x.ndim - 1)))
-    return jax.make_array_from_callback(x.shape, spec, lambda i: x[i])
+def put(tree, mesh, batch_axes, abstract: bool = False):
+    """Host arrays that every process holds whole -> global arrays split on their rows
+    (scalars replicated); with `abstract`, only their shapes, dtypes and shardings."""
+    def one(x):
+        x = np.asarray(x)
+        sh = NamedSharding(mesh, P(batch_axes, *[None] * (x.ndim - 1)) if x.ndim else P())
+        if abstract:
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh)
+        return jax.make_array_from_callback(x.shape, sh, lambda i: x[i])
+    return jax.tree.map(one, tree)
 
 
 def fetch(x) -> np.ndarray:
@@ -399,6 +467,27 @@ def fetch(x) -> np.ndarray:
         from jax.experimental import multihost_utils
         return np.asarray(multihost_utils.process_allgather(x, tiled=True))
     return np.asarray(jax.device_get(x))
+
+
+MASKED = -1e30  # finite: exp() underflows to 0 and 0 * MASKED stays 0 (entropy is NaN-free)
+
+
+def draw(key, z_BV, temperature, top_k: int, top_p: float):
+    """One token per row from policy logits z; argmax where temperature == 0.
+
+    top-k keeps the k largest logits; top-p (Holtzman et al. 2020) keeps the smallest set of
+    most likely tokens whose mass reaches p: a token stays if the mass before it is < p.
+    """
+    if top_k > 0:
+        kth = jax.lax.top_k(z_BV, top_k)[0][:, -1:]
+        z_BV = jnp.where(z_BV < kth, MASKED, z_BV)
+    if top_p < 1.0:
+        desc_BV = -jnp.sort(-z_BV, axis=-1)
+        p_BV = jax.nn.softmax(desc_BV, axis=-1)
+        n_keep = jnp.sum(jnp.cumsum(p_BV, axis=-1) - p_BV < top_p, axis=-1, keepdims=True)
+        z_BV = jnp.where(z_BV < jnp.take_along_axis(desc_BV, n_keep - 1, axis=-1), MASKED, z_BV)
+    drawn = jax.random.categorical(key, z_BV, axis=-1)
+    return jnp.where(temperature > 0, drawn, jnp.argmax(z_BV, axis=-1)).astype(jnp.int32)
 
 
 def sample(logits_fn, params, prompts: list[list[int]], *, n_new: int, max_len: int,
@@ -516,8 +605,6 @@ class Loop:
         """The step compiled ahead of time for these inputs (timed, with a progress line), or
         as it is when nothing is left to train."""
         if self.start >= self.steps:
-            log(f"already at step {self.start} of {self.flag}.steps {self.steps}: nothing to "
-                f"train (raise {self.flag}.steps to continue)")
             return step_fn
         with observe.progress("compiling train step") as p:
             step_fn = step_fn.lower(state, batch).compile()
@@ -527,6 +614,9 @@ class Loop:
         return step_fn
 
     def __iter__(self):
+        if self.start >= self.steps:
+            log(f"already at step {self.start} of {self.flag}.steps {self.steps}: nothing to "
+                f"train (raise {self.flag}.steps to continue)")
         t_loop = self._t_log = time.perf_counter()
         with PreemptionGuard() as self._guard:
             for step in range(self.start, self.steps):
@@ -565,21 +655,23 @@ class Loop:
         if "loss" in rec:
             self.first_loss = self.first_loss or rec["loss"]
             self.last_loss = rec["loss"]
-        log(f"step {step} | {self.show(rec)} | {tok_s / 1e3:.1f}k tok/s | MFU "
-            f"{100 * util:.1f}% | {rec['ms_per_step']:.0f} ms/step")
+        log(f"step {step} | {self.show(rec)} | {tok_s / 1e3:.1f}k tok/s | {mfu_text(util)} | "
+            f"{rec['ms_per_step']:.0f} ms/step")
         self.run.metrics_log.write(rec)
 
     @property
     def eval_due(self) -> bool:
         return self.step % self.eval_every == 0 or self.step == self.steps
 
-    def eval(self, figures: dict) -> None:
-        """Held-out figures of this step: joined to its log record, or a record of their own."""
+    def eval(self, figures: dict, write: bool = True) -> dict:
+        """Held-out figures of this step: joined to its log record, else (unless the caller
+        writes them itself) a record of their own."""
         self.evals.append((self.step, figures))
         if self._pending is not None and self._pending[0] == self.step:
             self._joined[self.step] = figures
-        else:
+        elif write:
             self.run.metrics_log.write({"step": self.step} | figures)
+        return figures
 
     def checkpoint(self, state) -> None:
         """Save when due, at the last step, and at the step after any process got SIGTERM
@@ -592,11 +684,10 @@ class Loop:
             log(f"SIGTERM: saved step {self.step}, exiting")
             self.stopped = True
 
-    def summary(self, state, per_step: str, rows: list[tuple[str, str]]) -> dict:
-        """The run on one screen: how far, the trainer's rows (how well), how long, how
-        fast, and where its files are. Returns the figures for the caller."""
+    def summary(self, end: int, per_step: str, rows: list[tuple[str, str]]) -> dict:
+        """The run on one screen: how far (to step `end`), the trainer's rows (how well), how
+        long, how fast, and where its files are. Returns the figures for the caller."""
         fmt, start = observe.fmt, self.start
-        end = int(jax.device_get(state["step"]))
         ms = observe.mean_ms_per_step(self.run.metrics_log.records, start)
         tok_s = self.tokens_per_step / ms * 1e3
         util = mfu(self.fpt, tok_s, self.peak)
@@ -610,11 +701,11 @@ class Loop:
                        "step)"),
         ] + rows + [
             ("wall time", timing),
-            ("throughput", f"{fmt(tok_s / 1e3, '.1f')}k tok/s, MFU {fmt(100 * util, '.1f')}%, "
+            ("throughput", f"{fmt(tok_s / 1e3, '.1f')}k tok/s, {mfu_text(util)}, "
                            f"{fmt(ms, '.0f')} ms/step (mean over logged steps after the "
                            "first)"),
         ] + self.run.where_rows())
-        return {"start_step": start, "final_step": end, "state": state,
+        return {"start_step": start, "final_step": end,
                 "first_loss": self.first_loss, "last_loss": self.last_loss,
                 "compile_s": self.compile_s} | (self.evals[-1][1] if self.evals else {})
 
@@ -667,6 +758,24 @@ def export_run(run_dir: str, out: str, step: int, dtype: str, *, read: Callable[
     print(f"export-hf: step {at} of {run_dir} -> {out} ({len(files)} files, {size / 1e9:.2f} "
           f"GB, {dtype}): {', '.join(files)}", flush=True)
     return files
+
+
+def load_hf(path: str, mesh, config_from_hf: Callable, table: Callable, mapping: Callable,
+            sizes: Callable):
+    """(ModelConfig, float32 parameters) of a HuggingFace folder: config_from_hf(config.json)
+    gives the model, table(model) its parameter table (whose specs place each tensor on
+    `mesh`, default the first device), mapping(model, model_type) and sizes(model) the
+    family's names and layouts (common/hf.py). Each device reads only its own block."""
+    ckpt = hf.Checkpoint(path)
+    cfg = config_from_hf(ckpt.config, os.path.join(path, hf.CONFIG))
+    mesh = mesh or make_mesh(MeshConfig(fsdp=1), jax.devices()[:1])
+    check_divides(table(cfg), mesh, path)
+    mt = ckpt.config["model_type"]
+    # Some exports keep lm_head.weight although it is tied; older ones saved rotary tables.
+    ignore = lambda n: (getattr(cfg, "tie_embeddings", False) and n == "lm_head.weight") or (
+        n.endswith("rotary_emb.inv_freq"))
+    return cfg, hf.load(ckpt, mapping(cfg, mt), sizes(cfg), named(mesh, table_specs(table(cfg))),
+                        what=f"{mt} model of this config", ignore=ignore)
 
 
 def cli(presets: dict, keep: tuple[str, ...], args: list[str] | None = None):

@@ -15,7 +15,7 @@ import pytest
 from etils import epath
 
 import train_dense as td
-from common import plot
+from common import plot, train
 from common.checkpoint import CheckpointConfig, CheckpointError, Checkpointer, ConfigConflictError
 from tests.test_train import config, data_path, metrics  # noqa: F401  (data_path: a fixture)
 
@@ -107,5 +107,6 @@ def test_init_from_and_export_read_a_bucket(gcs, data_path, tmp_path):
                     jax.tree.leaves(jax.device_get(params))):
         np.testing.assert_array_equal(a, b)
     with pytest.raises(FileNotFoundError, match="not a train_dense.py run directory"):
-        td.resolve_init_from(dataclasses.replace(config(tmp_path / "x", data_path, steps=2),
-                                                 init_from=f"{gcs}/nothing-here"))
+        train.with_source_model(dataclasses.replace(config(tmp_path / "x", data_path, steps=2),
+                                                    init_from=f"{gcs}/nothing-here"),
+                                td.config_from_hf, td.COMPUTE_FIELDS)

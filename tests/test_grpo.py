@@ -17,13 +17,18 @@ import train_dense as td
 import train_grpo as tg
 from common.checkpoint import CheckpointConfig, Checkpointer, check_run_config
 from common.data import DataConfig, prepare
-from common.mesh import MeshConfig, MeshError, make_mesh
+from common.mesh import BATCH_AXES, MeshConfig, MeshError, make_mesh
+from common import train
 
 SMALL = tg.ModelConfig(vocab_size=16, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
                        head_dim=8, d_ff=64, max_seq_len=32, loss_chunk=8, remat="none")
 # Every knob on at once: Qwen2 biases, Qwen3 q/k norm, tied embeddings, Llama 3.1 rope scaling.
 KNOBS = dataclasses.replace(SMALL, qkv_bias=True, qk_norm=True, tie_embeddings=True,
                             rope_scaling=8.0, rope_original_max_len=16)
+
+
+def put(x, mesh):
+    return train.put(x, mesh, BATCH_AXES)
 
 
 def dense(m: tg.ModelConfig) -> td.ModelConfig:
@@ -147,7 +152,7 @@ def test_greedy_rollout_is_the_same_sharded():
     mesh = make_mesh(MeshConfig(fsdp=4, tensor=2))
     with jax.set_mesh(mesh):
         sp = jax.device_put(params, tg.named(mesh, tg.param_specs(m)))
-        two = run_rollout(m, sp, tg.put(prompt, mesh), tg.put(valid, mesh), jax.random.key(0), 0.0)
+        two = run_rollout(m, sp, put(prompt, mesh), put(valid, mesh), jax.random.key(0), 0.0)
     np.testing.assert_array_equal(one["tokens_BN"], two["tokens_BN"])
     np.testing.assert_allclose(one["logp_BN"], two["logp_BN"], rtol=1e-5, atol=1e-5)
     # Greedy: each token is the argmax of the (masked) forward at its position.
@@ -163,7 +168,7 @@ def test_greedy_rollout_is_the_same_sharded():
 def test_sampling_temperature_top_k_top_p():
     probs = np.array([0.5, 0.3, 0.15, 0.05])
     z = jnp.asarray(np.log(np.tile(probs, (20000, 1))), jnp.float32)
-    draw = lambda **kw: np.asarray(tg.sample(jax.random.key(0), z, jnp.float32(1.0), **kw))
+    draw = lambda **kw: np.asarray(train.draw(jax.random.key(0), z, jnp.float32(1.0), **kw))
     freq = lambda x: np.bincount(x, minlength=4) / len(x)
     np.testing.assert_allclose(freq(draw(top_k=0, top_p=1.0)), probs, atol=0.015)
     np.testing.assert_allclose(freq(draw(top_k=2, top_p=1.0)), [0.625, 0.375, 0, 0], atol=0.015)
@@ -171,7 +176,7 @@ def test_sampling_temperature_top_k_top_p():
     np.testing.assert_allclose(freq(draw(top_k=0, top_p=0.7)), [0.625, 0.375, 0, 0], atol=0.015)
     np.testing.assert_allclose(freq(draw(top_k=0, top_p=0.85)), [*probs[:3] / 0.95, 0], atol=0.015)
     assert freq(draw(top_k=0, top_p=0.4))[0] == 1.0
-    greedy = tg.sample(jax.random.key(0), z[:3], jnp.float32(0.0), 0, 1.0)
+    greedy = train.draw(jax.random.key(0), z[:3], jnp.float32(0.0), 0, 1.0)
     np.testing.assert_array_equal(greedy, [0, 0, 0])
     # policy_logits divides by the temperature and forbids ids past the tokenizer's vocabulary
     pz = tg.policy_logits(jnp.asarray([[2.0, 4.0, 8.0]]), 2.0, n_valid=2)
@@ -356,13 +361,10 @@ def rollout_batch(cfg, seed=0):
 
 def step_once(cfg, params, batch, mesh):
     with jax.set_mesh(mesh):
-        tx = tg.grpo_optimizer(cfg)
-        sh = tg.state_shardings(cfg, mesh, tx, with_ref=False)
-        state = jax.jit(lambda p: {"params": p, "opt_state": tx.init(p),
-                                   "step": jnp.zeros((), jnp.int32)}, out_shardings=sh)(
-            jax.device_put(params, sh["params"]))
-        b = {k: (tg.put(v, mesh) if np.ndim(v) else v) for k, v in batch.items()}
-        fn = jax.jit(partial(tg.train_step, cfg=cfg, n_valid=16), out_shardings=(sh, None))
+        st = tg.train_state(cfg, mesh, tg.grpo_optimizer(cfg))
+        state = st.from_params(jax.device_put(params, st.shardings["params"]))
+        b = {k: (put(v, mesh) if np.ndim(v) else v) for k, v in batch.items()}
+        fn = st.jit(partial(tg.train_step, cfg=cfg, n_valid=16))
         state, m = fn(state, b)
         return jax.device_get(state["params"]), jax.device_get(m)
 
@@ -423,7 +425,7 @@ def test_resumed_equals_uninterrupted_and_logs_trl_metrics(tmp_path, capsys):
                 "frac_reward_zero_std", "rollout_tokens_per_s"):
         assert key in steps[0], key
     assert "eval_reward" in steps[1] and "eval_reward" not in steps[0]
-    timing = ("ms_per_step", "rollout_tokens_per_s")
+    timing = ("ms_per_step", "rollout_tokens_per_s", "mfu")
     drop = lambda rs: [{k: v for k, v in r.items() if k not in timing} for r in rs]
     assert drop(steps) == drop([r for r in metrics(tmp_path / "b") if "reward" in r])
     assert steps[1]["kl"] > 0 and steps[0]["completions/max_length"] <= 3

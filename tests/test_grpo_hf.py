@@ -20,7 +20,7 @@ import pytest
 
 import train_dense as td
 import train_grpo as tg
-from common import hf
+from common import hf, train
 from common.checkpoint import CheckpointConfig
 from common.mesh import MeshConfig
 
@@ -28,6 +28,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIXTURES = os.path.join(ROOT, "tests", "fixtures", "hf")
 FAMILIES = ["llama2", "llama3.1", "llama3.2", "mistral", "qwen2", "qwen3"]
 TOL = 1e-4  # float32, as tests/test_hf.py
+
+
+def with_source(cfg):
+    return train.with_source_model(cfg, tg.config_from_hf, tg.COMPUTE_FIELDS)
 
 
 def fixture(name):
@@ -43,7 +47,7 @@ def test_mapping_and_config_translation_equal_train_dense():
     for name in FAMILIES + ["qwen3_moe"]:
         c = hf.read_config(fixture(name))
         if c["model_type"] not in tg.HF_ARCHITECTURES:
-            with pytest.raises(hf.HFError, match="not a dense family that train_grpo.py"):
+            with pytest.raises(hf.HFError, match="not a dense family this trainer loads"):
                 tg.config_from_hf(c)
             continue
         m = tg.config_from_hf(c)
@@ -55,7 +59,7 @@ def test_mapping_and_config_translation_equal_train_dense():
 def test_forward_after_init_from_hf_matches_transformers(name):
     """The CLI path: the preset's tiny model is replaced by the folder's, whose weights then
     give transformers' logits through train_grpo.py's own forward."""
-    cfg = tg.resolve_init_from(tg.cli(["tiny", "--init-from-hf", fixture(name)]))
+    cfg = with_source(tg.cli(["tiny", "--init-from-hf", fixture(name)]))
     shape, params = tg.load_hf(fixture(name))
     assert cfg.model == dataclasses.replace(shape, remat=tg.PRESETS["tiny"][1].model.remat)
     assert cfg.model.vocab_size == 64 != tg.PRESETS["tiny"][1].model.vocab_size
@@ -108,7 +112,7 @@ def test_the_folders_tokenizer(tmp_path):
     assert js.encode("12+3=") == [4, 5, 13, 6, 14] and js.decode([4, 5, 13]) == "12+"
     # Without tokenizer_config.json the EOS comes from config.json, or there is none at all.
     os.remove(tmp_path / "b" / "tokenizer_config.json")
-    with pytest.raises(tg.ConfigError, match="no end-of-sequence token"):
+    with pytest.raises(hf.HFError, match="no end-of-sequence token"):
         tg.hf_tokenizer(str(tmp_path / "b"))
     c = hf.read_config(str(tmp_path / "b")) | {"eos_token_id": [7, 2]}
     hf.write_json(str(tmp_path / "b" / "config.json"), c)
@@ -162,7 +166,7 @@ def test_unknown_model_type_exits_with_a_message(tmp_path):
     src = shutil.copytree(fixture("qwen3"), tmp_path / "gpt2")
     hf.write_json(str(src / "config.json"), hf.read_config(str(src)) | {"model_type": "gpt2"})
     with pytest.raises(hf.HFError, match="model_type 'gpt2' is not a dense family"):
-        tg.resolve_init_from(grpo_config(tmp_path / "r", str(src), 1))
+        with_source(grpo_config(tmp_path / "r", str(src), 1))
     r = subprocess.run([sys.executable, os.path.join(ROOT, "train_grpo.py"), "tiny",
                         "--init-from-hf", str(src), "--run-dir", str(tmp_path / "r")],
                        capture_output=True, text=True, cwd=ROOT, timeout=300,

@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 import train_dense as td
 import train_moe as tm
-from common import hf
+from common import hf, train
 from common.data import DataConfig, batch_rows, load_dataset, prepare
 from common.mesh import MeshConfig, make_mesh
 
@@ -189,7 +189,7 @@ def test_init_from_hf_train_and_export(tmp_path):
     rng = np.random.default_rng(5)  # in numpy: nothing to compile
     published = jax.tree.map(
         lambda e: (1.0 if e[2] is None else 0.0) + 0.3 * rng.standard_normal(e[0], np.float32),
-        tm._param_table(model), is_leaf=tm._is_entry)
+        tm._param_table(model), is_leaf=train.is_entry)
     src = str(tmp_path / "published")
     tm.save_hf(published, model, src, base_config={"eos_token_id": 2})
     shutil.copy(os.path.join(data, "tokenizer.model"), src)
@@ -204,7 +204,7 @@ def test_init_from_hf_train_and_export(tmp_path):
     summary = tm.main(cfg)
     batch = batch_rows(load_dataset(DataConfig(path=data)).train, seed=0, step=0,
                        batch_size=8, seq_len=32)
-    h, _ = tm.hidden(published, batch[:, :-1], tm.with_hf_model(cfg).model)
+    h, _ = tm.hidden(published, batch[:, :-1], train.with_source_model(cfg, tm.config_from_hf, tm.COMPUTE_FIELDS).model)
     logp = jax.nn.log_softmax(h @ published["unembed"], axis=-1)
     want = -float(np.mean(np.take_along_axis(np.asarray(logp), batch[:, 1:, None], -1)))
     first = json.loads(open(tmp_path / "run" / "metrics.jsonl").readline())

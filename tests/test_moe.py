@@ -16,6 +16,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+import train_dense as td
 import train_moe as tm
 from common.data import DataConfig, prepare
 from common.mesh import MeshConfig, MeshError, make_mesh
@@ -108,6 +109,24 @@ def test_dropless_layer_equals_naive_per_token_loop(model):
     assert len(set(np.bincount(np.asarray(e).ravel(), minlength=8).tolist())) > 2
 
 
+@pytest.mark.parametrize("attention", ["xla", "einsum"])
+def test_attention_mask_replaces_the_causal_mask(attention):
+    """mask_BTS means what it means in train_dense.py and train_grpo.py: the whole mask. Two
+    packed segments, each causal, attend as if each were alone, as the dense one's does."""
+    m = dataclasses.replace(SMALL, attention=attention)
+    rng = np.random.default_rng(4)
+    q = rng.standard_normal((2, 12, 4, 8), np.float32)
+    k, v = (rng.standard_normal((2, 12, 2, 8), np.float32) for _ in range(2))
+    seg = np.array([0] * 5 + [1] * 7)
+    mask = np.broadcast_to((seg[:, None] == seg[None, :]) & np.tri(12, dtype=bool), (2, 12, 12))
+    got = np.asarray(tm.attention(q, k, v, m, mask))
+    for a, b in ((0, 5), (5, 12)):
+        alone = tm.attention(q[:, a:b], k[:, a:b], v[:, a:b], m)
+        np.testing.assert_allclose(got[:, a:b], alone, rtol=1e-5, atol=1e-6)
+    d = td.ModelConfig(n_heads=4, n_kv_heads=2, head_dim=8, attention=attention)
+    np.testing.assert_array_equal(got, td.attention(q, k, v, d, mask))
+
+
 # ------------------------------------------------------------------- sharded == one device
 
 
@@ -186,6 +205,29 @@ def test_moe_layer_equals_dropless_on_one_device(capacity, mesh, skewed):
                 jax.device_put(lp, tm.named(m, specs)))
     np.testing.assert_allclose(jax.device_get(got), want, rtol=1e-5, atol=1e-6)
     assert_trees_close(jax.device_get(g_got), g_want)
+
+
+def test_microbatches_average_to_the_whole_batch():
+    """train_step with --train.microbatches 2 on an expert-parallel mesh: the loss and the
+    gradient are the microbatches' mean, so equal to one pass over the whole batch (the
+    load-balancing loss is off: it is not linear in the batch, the rest is)."""
+    cfg = small_cfg(mesh=EXPERT4, batch_size=16, load_balance_loss=0.0, router_z_loss=0.01,
+                    z_loss=1e-3)
+    batch = tokens(cfg)
+    mesh = make_mesh(EXPERT4)
+    metrics = []
+    with jax.set_mesh(mesh):
+        for M in (1, 2):
+            c = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, microbatches=M))
+            tm.validate(c, jax.device_count())
+            st = tm.train_state(c, mesh)
+            step = st.jit(partial(tm.train_step, cfg=c, tx=st.tx))
+            _, m = step(st.fresh(jax.random.key(0)),
+                        jax.device_put(batch, NamedSharding(mesh, P(tm.MOE_BATCH, None))))
+            metrics.append(jax.device_get(m))
+    one, two = metrics
+    for key in ("loss", "grad_norm", "router_z"):
+        assert float(two[key]) == pytest.approx(float(one[key]), rel=1e-5), key
 
 
 def test_capacity_mode_drops_second_choices_first():
@@ -343,7 +385,7 @@ def test_train_log_and_resume_on_an_expert_parallel_mesh(data_path, tmp_path, ca
         assert math.isfinite(r["loss"])
     assert recs[-1]["loss"] < recs[0]["loss"]
     # A second start resumes from the last checkpoint, onto another mesh, and has nothing
-    # left to do (training on after a resume is train_dense's loop, tested there).
+    # left to do (training on after a resume: test_resumed_equals_uninterrupted).
     again = tm.main(dataclasses.replace(cfg, mesh=MeshConfig(fsdp=2, expert=2, tensor=2)))
     out = capsys.readouterr().out
     assert "resumed from step 4" in out and "nothing to train" in out
@@ -351,3 +393,38 @@ def test_train_log_and_resume_on_an_expert_parallel_mesh(data_path, tmp_path, ca
     for a, b in zip(jax.tree.leaves(jax.device_get(first["state"])),
                     jax.tree.leaves(jax.device_get(again["state"]))):
         np.testing.assert_array_equal(a, b)
+
+
+def test_resumed_equals_uninterrupted(data_path, tmp_path, capsys):
+    """6 steps in one go == 3 steps, then a resume to 6: the same state, bitwise, and the
+    same loss at every step, on an expert-parallel mesh (the all-to-all path)."""
+    def config(run_dir, steps):
+        return tm.Config(
+            model=dataclasses.replace(SMALL, vocab_size=512),
+            train=tm.TrainConfig(steps=steps, batch_size=8, seq_len=16, warmup_steps=2,
+                                 lr=1e-2, schedule="constant", log_every=1, eval_every=4,
+                                 eval_batches=1, sample_tokens=4, peak_tflops=1.0),
+            mesh=EXPERT4, data=DataConfig(path=data_path),
+            checkpoint=tm.CheckpointConfig(every=3, keep=2), run_dir=str(run_dir))
+
+    full = tm.main(config(tmp_path / "a", 6))
+    tm.main(config(tmp_path / "b", 3))
+    resumed = tm.main(config(tmp_path / "b", 6))
+    out = capsys.readouterr().out
+    assert "resumed from step 3" in out and "sample:" in out
+    assert resumed["start_step"] == 3 and resumed["final_step"] == full["final_step"] == 6
+    a, b = (jax.tree_util.tree_flatten_with_path(jax.device_get(r["state"]))[0]
+            for r in (full, resumed))
+    assert [path for path, _ in a] == [path for path, _ in b]
+    assert any("w_router" in jax.tree_util.keystr(path) for path, _ in a)
+    for (path, x), (_, y) in zip(a, b):
+        np.testing.assert_array_equal(x, y, err_msg=jax.tree_util.keystr(path))  # bitwise
+
+    def losses(run):
+        with open(tmp_path / run / "metrics.jsonl") as f:
+            recs = [json.loads(line) for line in f]
+        return [r["step"] for r in recs if "loss" in r], [r["loss"] for r in recs if "loss" in r]
+
+    (steps_a, la), (steps_b, lb) = losses("a"), losses("b")
+    assert steps_a == steps_b == [1, 2, 3, 4, 5, 6]
+    assert la == lb

@@ -294,11 +294,14 @@ def test_cudnn_with_packed_rows_is_refused_before_compiling():
     with pytest.raises(td.ConfigError, match="--model.attention cudnn cannot mask packed"):
         td.validate(cfg, 8)
     td.validate(dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, pack=False)), 8)
-    with pytest.raises(td.ConfigError, match="--data.format sft needs --data.path"):
-        td.validate(dataclasses.replace(cfg, data=D.DataConfig(format="sft")), 8)
-    q = jnp.zeros((1, 4, 4, 8))
-    with pytest.raises(ValueError, match="cudnn cannot take an attention mask"):
-        td.attention(q, q, q, cfg.model, jnp.ones((1, 4, 4), bool))
+    with pytest.raises(D.DataError, match="--data.format sft needs --data.path"):
+        D.load_dataset(D.DataConfig(format="sft"), seq_len=32)
+    # Inside the model an explicit mask (a packed row's) runs on XLA, whatever the flag asks.
+    q = jnp.asarray(np.random.default_rng(0).standard_normal((1, 4, 4, 8)), jnp.float32)
+    mask = jnp.asarray(np.tri(4, dtype=bool))[None]
+    xla = dataclasses.replace(cfg.model, attention="xla")
+    np.testing.assert_array_equal(td.attention(q, q, q, cfg.model, mask),
+                                  td.attention(q, q, q, xla, mask))
 
 
 # ---- From a pre-training run --------------------------------------------------------------

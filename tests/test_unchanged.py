@@ -47,3 +47,26 @@ def test_first_losses_of_the_default_run_are_unchanged(name, mod, preset, axes):
             state, m = step(state, jax.device_put(b, NamedSharding(mesh, P(axes, None))))
             losses.append(float(m["loss"]))
     np.testing.assert_allclose(losses, BEFORE[name], rtol=RTOL)
+
+
+def test_first_losses_of_the_grpo_warm_start_are_unchanged():
+    cfg = tg.PRESETS["tiny"][1]
+    mesh, tok, w = make_mesh(cfg.mesh), tg.CharTokenizer(), cfg.warm
+    st = tg.train_state(cfg, mesh, tg.make_optimizer(w.lr, w.warmup_steps, cfg.grpo))
+    width = tg.prompt_width(cfg.task)
+    with jax.set_mesh(mesh):
+        state = st.from_params(tg.init_params(cfg.model, jax.random.key(cfg.grpo.seed), mesh))
+        step = st.jit(partial(tg.sft_step, cfg=cfg, n_valid=tok.vocab_size))
+        losses = []
+        for i in range(4):  # the warm start's own examples (train_grpo.warm_start)
+            items = tg.problems(np.random.default_rng([cfg.grpo.seed, 1, i]), w.batch_size,
+                                cfg.task)
+            prompt, valid = tg.encode_prompts(tok, [p for p, _ in items], width)
+            comp, mask = tg.encode_completions(tok, [a for _, a in items],
+                                               cfg.grpo.max_new_tokens)
+            batch = {k: train.put(v, mesh, BATCH_AXES) for k, v in (
+                ("prompt", prompt), ("prompt_valid", valid), ("completion", comp),
+                ("mask", mask))}
+            state, loss = step(state, batch)
+            losses.append(float(loss))
+    np.testing.assert_allclose(losses, BEFORE["grpo_warm"], rtol=RTOL)
