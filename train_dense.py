@@ -25,11 +25,10 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from common import hf, observe, train
+from common import hf, train
 from common.checkpoint import CheckpointConfig, read_run_config
 from common.data import DataConfig, SFTDataset, get_batch, held_out_batches, load_dataset
 from common.data import run_tokenizer as data_run_tokenizer
@@ -95,6 +94,7 @@ class TrainConfig:
     eval_samples: int = 32        # SFT: held-out prompts answered at each eval (3 printed)
     peak_tflops: float = 0.0      # per device, for MFU; 0 = look up (TPU/GPU) or measure (CPU)
     profile_steps: tuple[int, ...] = ()  # first and last step to trace into <run_dir>/profile
+    max_bad_steps: int = 0        # updates with a non-finite loss or gradient to skip; then stop
 
 
 @dataclass(frozen=True)
@@ -163,9 +163,10 @@ PRESETS: dict[str, tuple[str, Config]] = {
 # Keys of the saved run config that a resumed run may change: how long, how often, on what
 # mesh and how it computes. Anything else (the model, the optimiser) must match.
 MAY_CHANGE = frozenset({
-    "train.steps", "train.log_every", "train.eval_every", "train.eval_batches",
+    "train.steps", "train.lr", "train.log_every", "train.eval_every", "train.eval_batches",
     "train.sample_tokens", "train.temperature", "train.sample_prompt", "train.peak_tflops",
-    "train.microbatches", "train.profile_steps", "quiet", "train.eval_samples",
+    "train.microbatches", "train.profile_steps", "train.max_bad_steps", "quiet",
+    "train.eval_samples",
     "mesh", "checkpoint", "dry_run", "compile_topology", "compile_slices", "bench",
     "data.cache_dir", "run_dir",
     "model.dtype", "model.attention", "model.remat", "model.scan_layers", "model.loss_chunk",
@@ -459,11 +460,8 @@ def train_step(state: dict, batch, *, cfg: Config, tx):
     mean_loss = lambda p, mb: tuple(x / n for x in loss_sums(p, mb, cfg.model, cfg.train.z_loss))
     grads, ce = train.accumulate(jax.grad(mean_loss, has_aux=True), state["params"], batch,
                                  cfg.train.microbatches, BATCH_AXES)
-    updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
-    params = optax.apply_updates(state["params"], updates)
-    metrics = {"loss": ce, "grad_norm": optax.tree.norm(grads),
-               "lr": make_schedule(cfg.train)(state["step"])}
-    return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
+    new, metrics = train.update(tx, grads, state, ce)  # kept as it was if not finite
+    return new, metrics | {"loss": ce, "lr": make_schedule(cfg.train)(state["step"])}
 
 
 def loss_fn(params, batch, cfg: ModelConfig, z_loss: float = 0.0):
@@ -657,8 +655,6 @@ def train_loop(cfg: Config, mesh, st: train.TrainState, step_fn) -> dict:
     batch_sh = NamedSharding(mesh, P(BATCH_AXES, None))
     batch = partial(get_batch, batch_size=tc.batch_size, seq_len=tc.seq_len, sharding=batch_sh)
     sums_fn = jax.jit(partial(eval_sums, cfg=mc))
-    peak, peak_src = train.peak_flops_per_device(tc.peak_tflops)
-    fpt = flops_per_token(mc, tc.seq_len)
     key = jax.random.key(tc.seed + 7)
 
     def evaluate(params) -> dict:
@@ -691,7 +687,8 @@ def train_loop(cfg: Config, mesh, st: train.TrainState, step_fn) -> dict:
             state = st.fresh(jax.random.key(tc.seed))
         loop = train.Loop(run, start, tc.steps, log_every=tc.log_every,
                           eval_every=tc.eval_every, tokens_per_step=tc.batch_size * tc.seq_len,
-                          flops_per_token=fpt, peak=(peak, peak_src), show=lambda r: (
+                          max_bad_steps=tc.max_bad_steps, peak_tflops=tc.peak_tflops,
+                          flops_per_token=flops_per_token(mc, tc.seq_len), show=lambda r: (
                               f"loss {r['loss']:.3f} | lr {r['lr']:.1e} | grad_norm "
                               f"{r['grad_norm']:.2f}"))
         if start == 0 and cfg.init_from and tc.steps > 0:  # the starting point, to compare
@@ -710,15 +707,9 @@ def train_loop(cfg: Config, mesh, st: train.TrainState, step_fn) -> dict:
             prompt = ds.encode(tc.sample_prompt)
             out = sample(state["params"], [prompt], cfg, mesh, key, ds.vocab_size)[0]
             log("sample:\n" + ds.decode(prompt + out))
-        evals = [(s, e["eval_loss"]) for s, e in loop.evals]
-        best = min((e for _, e in evals), default=None)
         end = int(jax.device_get(state["step"]))
-        return loop.summary(end, f"{tc.batch_size} x {tc.seq_len}", [
-            ("loss", f"{observe.fmt(loop.first_loss)} -> {observe.fmt(loop.last_loss)} | best "
-                     f"eval loss {observe.fmt(best)} | last eval loss "
-                     f"{observe.fmt(evals[-1][1] if evals else None)}")]) | {
-            "state": state, "evals": evals, "best_eval": best} | ({"packing": {  # SFT
-                "train": ds.train.stats, "eval": ds.eval.stats}} if sft else {})
+        return loop.summary(end, f"{tc.batch_size} x {tc.seq_len}") | {"state": state} | (
+            {"packing": {"train": ds.train.stats, "eval": ds.eval.stats}} if sft else {})  # SFT
 
 
 def sample(params, prompts: list[list[int]], cfg: Config, mesh, key, n_valid: int):

@@ -31,7 +31,6 @@ from typing import Callable, Literal
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from jax.sharding import PartitionSpec as P
 
 from common import hf, observe, train
@@ -101,8 +100,7 @@ class GRPOConfig:
     prompts_per_step: int = 32    # on the demo, 32 prompts x 4 beat 16 x 8 and 8 x 16 for the
     group_size: int = 4           # same 128 rollouts: G completions per prompt
     max_new_tokens: int = 6       # the completion budget (and Dr. GRPO's constant)
-    temperature: float = 0.7      # rollouts (the held-out eval is greedy); on the demo 0.7
-                                  # learns faster than 1.0, whose samples are mostly noise
+    temperature: float = 0.7      # rollouts (eval: greedy); 0.7 learns faster than 1.0 here
     top_k: int = 0                # 0 = off
     top_p: float = 1.0            # 1 = off
     loss: Literal["grpo", "bnpo", "dr_grpo", "dapo", "gspo"] = "grpo"
@@ -124,6 +122,7 @@ class GRPOConfig:
     eval_every: int = 50
     profile_steps: tuple[int, ...] = ()  # first and last step to trace into <run_dir>/profile
     peak_tflops: float = 0.0      # per device, for MFU; 0 = look up (TPU/GPU) or measure (CPU)
+    max_bad_steps: int = 0        # updates with a non-finite loss, KL or gradient to skip
 
 
 @dataclass(frozen=True)
@@ -176,9 +175,9 @@ PRESETS: dict[str, tuple[str, Config]] = {
 # Keys of the saved run config that a resumed run may change: how long, how often, on what
 # mesh and how it computes. The warm start is over once a checkpoint exists.
 MAY_CHANGE = frozenset({
-    "grpo.steps", "grpo.log_every", "grpo.eval_every", "grpo.microbatches", "warm", "mesh",
-    "grpo.profile_steps", "grpo.peak_tflops", "quiet", "dry_run", "bench",
-    "checkpoint", "run_dir", "model.dtype", "model.attention", "model.remat",
+    "grpo.steps", "grpo.lr", "grpo.log_every", "grpo.eval_every", "grpo.microbatches", "warm",
+    "mesh", "grpo.profile_steps", "grpo.peak_tflops", "grpo.max_bad_steps", "quiet", "dry_run",
+    "bench", "checkpoint", "run_dir", "model.dtype", "model.attention", "model.remat",
     "model.scan_layers", "model.loss_chunk", "model.loss_impl"})
 
 # Clip ranges from the papers, used when --grpo.eps-low/--grpo.eps-high are -1.
@@ -732,13 +731,11 @@ def train_step(state: dict, batch: dict, *, cfg: Config, n_valid: int):
     grads, sums = train.accumulate(jax.grad(loss, has_aux=True), state["params"], rows, M,
                                    BATCH_AXES)
     grads = jax.tree.map(lambda x: x / M, grads)
-    updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
-    params = optax.apply_updates(state["params"], updates)
     n = jnp.maximum(sums.pop("tokens"), 1.0)
-    metrics = {k: v / n for k, v in sums.items()}
-    metrics |= {"grad_norm": optax.tree.norm(grads), "learning_rate": train.lr_schedule(
+    metrics = {k: v / n for k, v in sums.items()}  # the KL among them: checked with the update
+    new, checks = train.update(tx, grads, state, *metrics.values())
+    return new, metrics | checks | {"learning_rate": train.lr_schedule(
         "constant", g.lr, g.warmup_steps)(state["step"])}
-    return state | {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
 
 
 def sft_step(state: dict, batch: dict, *, cfg: Config, n_valid: int):
@@ -751,9 +748,8 @@ def sft_step(state: dict, batch: dict, *, cfg: Config, n_valid: int):
         return -jnp.sum(logp_BN * batch["mask"]) / jnp.sum(batch["mask"])
 
     loss, grads = jax.value_and_grad(loss_fn)(state["params"])
-    updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
-    return {"params": optax.apply_updates(state["params"], updates), "opt_state": opt_state,
-            "step": state["step"] + 1}, loss
+    new, checks = train.update(tx, grads, state, loss)
+    return new, {"loss": loss} | checks
 
 
 def make_optimizer(lr: float, warmup: int, g: GRPOConfig):
@@ -801,15 +797,14 @@ def main(cfg: Config) -> dict:
     st = train_state(cfg, mesh, grpo_optimizer(cfg), ref=cfg.grpo.beta > 0)
     step_fn = st.jit(partial(train_step, cfg=cfg, n_valid=tok.vocab_size))
     lo, hi = clip_range(cfg.grpo)
-    n_params = count_params(cfg.model)
-    log(f"model {n_params / 1e6:.2f}M parameters | mesh {describe(mesh)} | "
+    log(f"model {count_params(cfg.model) / 1e6:.2f}M parameters | mesh {describe(mesh)} | "
         f"{jax.device_count()} {jax.devices()[0].platform} devices | loss {cfg.grpo.loss} "
         f"(clip {1 - lo:g}..{1 + hi:g}, beta {cfg.grpo.beta:g}, mu {cfg.grpo.mu}, "
         f"{'std-scaled' if cfg.grpo.scale_rewards else 'mean-centred'} advantages)")
     batch = synthetic_batch(cfg, tok)  # --dry-run and --bench: one policy update on it
     if cfg.dry_run:
         return train.dry_run(step_fn, st.abstract(), train.put(batch, mesh, BATCH_AXES, True),
-                             mesh, n_params)
+                             mesh, count_params(cfg.model))
     if cfg.bench:
         with jax.set_mesh(mesh):
             T = batch["prompt"].shape[1] + batch["completion"].shape[1]
@@ -829,8 +824,8 @@ def train_loop(cfg: Config, mesh, tok, st: train.TrainState, step_fn, run: train
     rollout_fn = jax.jit(partial(rollout, cfg=cfg.model, max_new=g.max_new_tokens,
                                  eos_id=tok.eos_id, pad_id=tok.pad_id, n_valid=n_valid,
                                  top_k=g.top_k, top_p=g.top_p))
-    ref_fn = jax.jit(lambda ref, b: completion_logps(ref, b["prompt"], b["prompt_valid"],
-                     b["completion"], cfg.model, g.temperature, n_valid)[0])
+    logp_fn = jax.jit(lambda p, b: completion_logps(p, b["prompt"], b["prompt_valid"],
+                      b["completion"], cfg.model, g.temperature, n_valid)[0])
     eval_problems = problems(np.random.default_rng([cfg.task.eval_seed]), cfg.task.eval_prompts,
                              cfg.task)
     held_out = {}
@@ -856,7 +851,6 @@ def train_loop(cfg: Config, mesh, tok, st: train.TrainState, step_fn, run: train
             f"eval_rewards/{n}/mean": float(v.mean()) for n, v in r["rewards"].items()}
 
     def prompts_at(step: int, n: int, salt: int = 0) -> list[tuple[str, str]]:
-        """A step's prompts: a pure function of (seed, step), so a resume needs no state."""
         return problems(np.random.default_rng([g.seed, salt, step]), n, cfg.task)
 
     state, start = run.resume(st.abstract())
@@ -868,10 +862,9 @@ def train_loop(cfg: Config, mesh, tok, st: train.TrainState, step_fn, run: train
         state = st.from_params(params)
         run.ckpt.save(0, state, force=True)  # a resume never repeats the warm start
     tokens, flops = flops_per_step(cfg)
-    peak = train.peak_flops_per_device(g.peak_tflops)
     loop = train.Loop(run, start, g.steps, log_every=1, eval_every=g.eval_every,
-                      tokens_per_step=tokens, flops_per_token=flops / tokens, peak=peak,
-                      show=None, flag="--grpo")
+                      tokens_per_step=tokens, flops_per_token=flops / tokens, show=None,
+                      flag="--grpo", max_bad_steps=g.max_bad_steps, peak_tflops=g.peak_tflops)
     ev = loop.eval(evaluate(state["params"]))
     log(f"eval step {start} | held-out reward {ev['eval_reward']:.3f} (greedy, "
         f"{len(eval_problems)} prompts)")
@@ -885,13 +878,14 @@ def train_loop(cfg: Config, mesh, tok, st: train.TrainState, step_fn, run: train
         lengths = r["mask"].sum(axis=1)
         rollout_tokens, rollout_s = rollout_tokens + int(lengths.sum()), rollout_s + r["seconds"]
         adv = group_advantages(r["reward"], g.group_size, g.scale_rewards)
-        batch = {"prompt": train.put(r["prompt"], mesh, BATCH_AXES),
-                 "prompt_valid": train.put(r["valid"], mesh, BATCH_AXES),
-                 "completion": r["out"]["tokens_BN"], "mask": r["out"]["mask_BN"],
-                 "old_logp": r["out"]["logp_BN"], "adv": train.put(adv, mesh, BATCH_AXES),
-                 "n_tokens": jnp.float32(lengths.sum())}
+        batch = train.put({"prompt": r["prompt"], "prompt_valid": r["valid"], "adv": adv,
+                           "n_tokens": np.float32(lengths.sum())}, mesh, BATCH_AXES) | {
+            "completion": r["out"]["tokens_BN"], "mask": r["out"]["mask_BN"],
+            "old_logp": r["out"]["logp_BN"]}
+        if cfg.model.dtype != "float32":  # the decode's bfloat16 log-probs differ from the
+            batch["old_logp"] = logp_fn(state["params"], batch)  # training forward's
         if g.beta > 0:
-            batch["ref_logp"] = ref_fn(state["ref"], batch)
+            batch["ref_logp"] = logp_fn(state["ref"], batch)
         passes = []
         for _ in range(g.mu):
             state, m = step_fn(state, batch)
@@ -899,10 +893,12 @@ def train_loop(cfg: Config, mesh, tok, st: train.TrainState, step_fn, run: train
         # Fetched at once: the next rollout needs these parameters anyway, so there is
         # nothing for the host to overlap with.
         m = {k: float(np.mean([p[k] for p in jax.device_get(passes)])) for k in passes[0]}
+        if m["nonfinite"]:  # some pass did not update: stop, or count it within the allowance
+            loop.nonfinite(loop.step, m)
         run.profiler.after(loop.step, state)
         rec = {"step": loop.step} | rollout_record(r, lengths, g.group_size) | m
         rec["ms_per_step"] = 1e3 * (time.perf_counter() - t0)
-        rec["mfu"] = train.mfu(flops / tokens, tokens / rec["ms_per_step"] * 1e3, peak[0])
+        rec["mfu"] = train.mfu(flops / tokens, tokens / rec["ms_per_step"] * 1e3, loop.peak)
         if loop.eval_due:
             rec |= loop.eval(evaluate(state["params"]), write=False)
         if loop.step % g.log_every == 0 or loop.step == g.steps or "eval_reward" in rec:
@@ -943,13 +939,13 @@ def rollout_record(r: dict, lengths: np.ndarray, group_size: int) -> dict:
 
 
 def log_step(r: dict) -> None:
+    kl = f" | kl {r['kl']:.4f}" if "kl" in r else ""
+    held = f" | held-out {r['eval_reward']:.3f}" if "eval_reward" in r else ""
     log(f"step {r['step']} | reward {r['reward']:.3f} ± {r['reward_std']:.3f} | correct "
-        f"{r['rewards/correctness/mean']:.3f} | format {r['rewards/format/mean']:.3f}"
-        + (f" | kl {r['kl']:.4f}" if "kl" in r else "") + f" | clip "
-        f"{r['clip_ratio/region_mean']:.3f} | len {r['completions/mean_length']:.1f}/"
-        f"{r['completions/max_length']} | entropy {r['entropy']:.3f}"
-        + (f" | held-out {r['eval_reward']:.3f}" if "eval_reward" in r else "") +
-        f" | {r['rollout_tokens_per_s'] / 1e3:.1f}k rollout tok/s | {r['ms_per_step']:.0f} ms/step")
+        f"{r['rewards/correctness/mean']:.3f} | format {r['rewards/format/mean']:.3f}{kl} | "
+        f"clip {r['clip_ratio/region_mean']:.3f} | len {r['completions/mean_length']:.1f}/"
+        f"{r['completions/max_length']} | entropy {r['entropy']:.3f}{held} | "
+        f"{r['rollout_tokens_per_s'] / 1e3:.1f}k rollout tok/s | {r['ms_per_step']:.0f} ms/step")
 
 
 def warm_start(cfg: Config, mesh, tok, params, generate, prompts_at, run: train.Run):
@@ -961,19 +957,23 @@ def warm_start(cfg: Config, mesh, tok, params, generate, prompts_at, run: train.
     state = st.from_params(params)
     step_fn = st.jit(partial(sft_step, cfg=cfg, n_valid=tok.vocab_size))
     width, t0, losses = prompt_width(cfg.task), time.perf_counter(), []
-    for i in range(w.max_steps):
+    for i in range(w.max_steps):  # a step's prompts: a pure function of (seed, step)
         items = prompts_at(i, w.batch_size, salt=1)
         arrays = (encode_prompts(tok, [p for p, _ in items], width)
                   + encode_completions(tok, [a for _, a in items], g.max_new_tokens))
         batch = dict(zip(("prompt", "prompt_valid", "completion", "mask"), arrays))
-        state, loss = step_fn(state, train.put(batch, mesh, BATCH_AXES))
-        losses.append(loss)
+        state, m = step_fn(state, train.put(batch, mesh, BATCH_AXES))
+        losses.append(m)
         if (i + 1) % w.check_every == 0 or i + 1 == w.max_steps:
+            losses = jax.device_get(losses)
+            if any(m["nonfinite"] for m in losses):  # not applied; nothing saved yet
+                raise train.NonFiniteError(f"warm start step {i + 1}: a non-finite loss or "
+                                           f"gradient; lower --warm.lr {w.lr} and rerun.")
             # Distinct prompts, as many as a rollout batch has rows (the same compile).
             r = generate(state["params"], prompts_at(i, g.prompts_per_step * g.group_size, 2),
                          jax.random.fold_in(jax.random.key(g.seed + 1), i), g.temperature)
             reward = float(r["reward"].mean())
-            sft_loss, losses = float(np.mean(jax.device_get(losses))), []
+            sft_loss, losses = float(np.mean([m["loss"] for m in losses])), []
             log(f"warm start step {i + 1} | sft_loss {sft_loss:.3f} | sampled reward "
                 f"{reward:.3f} (target {w.target_reward}) | {time.perf_counter() - t0:.0f} s")
             # Counted in its own steps: in TensorBoard, a run of its own.

@@ -45,11 +45,10 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from common import hf, observe, train
+from common import hf, train
 from common.checkpoint import CheckpointConfig
 from common.data import DataConfig, get_batch, load_dataset
 from common.mesh import BATCH_AXES, MeshConfig, describe, make_mesh, resolve
@@ -119,6 +118,7 @@ class TrainConfig:
     sample_prompt: str = "def"    # no trailing space: sentencepiece would make it a lone "▁"
     peak_tflops: float = 0.0      # per device, for MFU; 0 = look up (TPU/GPU) or measure (CPU)
     profile_steps: tuple[int, ...] = ()  # first and last step to trace into <run_dir>/profile
+    max_bad_steps: int = 0        # updates with a non-finite loss or gradient to skip; then stop
 
 
 @dataclass(frozen=True)
@@ -165,9 +165,9 @@ PRESETS: dict[str, tuple[str, Config]] = {
 # Keys of the saved run config that a resumed run may change: how long, how often, on what
 # mesh and how it computes. Anything else (the model, the routing, the optimiser) must match.
 MAY_CHANGE = frozenset({
-    "train.steps", "train.log_every", "train.eval_every", "train.eval_batches",
+    "train.steps", "train.lr", "train.log_every", "train.eval_every", "train.eval_batches",
     "train.sample_tokens", "train.temperature", "train.sample_prompt", "train.peak_tflops",
-    "train.microbatches", "train.profile_steps", "quiet",
+    "train.microbatches", "train.profile_steps", "train.max_bad_steps", "quiet",
     "mesh", "checkpoint", "dry_run", "bench", "bench_twin", "data.cache_dir", "run_dir",
     "model.dtype", "model.attention", "model.remat", "model.scan_layers", "model.loss_chunk",
     "model.grouped_matmul", "model.gmm_tile"})
@@ -683,14 +683,11 @@ def train_step(state: dict, batch_BT1, *, cfg: Config, tx):
     grad_fn = jax.grad(partial(loss_fn, cfg=cfg.model, t=cfg.train), has_aux=True)
     total = train.accumulate(grad_fn, state["params"], batch_BT1, M, MOE_BATCH)
     grads, aux = jax.tree.map(lambda x: x / M, total)
-    updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
-    params = optax.apply_updates(state["params"], updates)
-    metrics = {"loss": aux["ce"], "grad_norm": optax.tree.norm(grads),
-               "lr": make_schedule(cfg.train)(state["step"]),
-               "aux_loss": jnp.mean(aux["aux_loss"]), "router_z": jnp.mean(aux["router_z"]),
-               "load_min": aux["load_min"], "load_max": aux["load_max"],
-               "dropped": jnp.mean(aux["dropped"])}
-    return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
+    new, metrics = train.update(tx, grads, state, aux["ce"])  # kept as it was if not finite
+    return new, metrics | {"loss": aux["ce"], "lr": make_schedule(cfg.train)(state["step"]),
+                           "aux_loss": jnp.mean(aux["aux_loss"]),
+                           "router_z": jnp.mean(aux["router_z"]), "load_min": aux["load_min"],
+                           "load_max": aux["load_max"], "dropped": jnp.mean(aux["dropped"])}
 
 
 def make_schedule(t: TrainConfig):
@@ -763,7 +760,6 @@ def train_loop(cfg: Config, mesh, st: train.TrainState, step_fn) -> dict:
     batch = partial(get_batch, batch_size=tc.batch_size, seq_len=tc.seq_len,
                     sharding=NamedSharding(mesh, P(MOE_BATCH, None)))
     eval_fn = jax.jit(lambda params, b: loss_fn(params, b, mc)[1]["ce"])  # held-out ce
-    peak, peak_src = train.peak_flops_per_device(tc.peak_tflops)
 
     def evaluate(params) -> dict:
         losses = [eval_fn(params, batch(ds.eval, seed=cfg.data.seed + 1, step=i))
@@ -787,7 +783,7 @@ def train_loop(cfg: Config, mesh, st: train.TrainState, step_fn) -> dict:
         loop = train.Loop(run, start, tc.steps, log_every=tc.log_every,
                           eval_every=tc.eval_every, tokens_per_step=tc.batch_size * tc.seq_len,
                           flops_per_token=flops_per_token(mc, tc.seq_len),
-                          peak=(peak, peak_src), show=show)
+                          peak_tflops=tc.peak_tflops, show=show, max_bad_steps=tc.max_bad_steps)
         next_batch = partial(batch, ds.train, seed=cfg.data.seed)
         step_fn = loop.compile(step_fn, state, next_batch(step=start))
         for step in loop:
@@ -803,19 +799,14 @@ def train_loop(cfg: Config, mesh, st: train.TrainState, step_fn) -> dict:
             out = sample(state["params"], [prompt], cfg, mesh, jax.random.key(tc.seed + 7),
                          ds.vocab_size)[0]
             log("sample:\n" + ds.decode(prompt + out))
-        evals = [(s, e["eval_loss"]) for s, e in loop.evals]
-        best = min((e for _, e in evals), default=None)
         logged = [r for r in run.metrics_log.records if "load_max" in r]
         routing = "-" if not logged else (
             f"expert shares {min(logged[-1]['load_min']):.3f}-{max(logged[-1]['load_max']):.3f} "
             f"(even: {1 / mc.n_experts:.3f}) | aux loss {logged[-1]['aux_loss']:.3f} | router z "
             f"{logged[-1]['router_z']:.2f} (last logged step)")
         end = int(jax.device_get(state["step"]))
-        return loop.summary(end, f"{tc.batch_size} x {tc.seq_len}", [
-            ("loss", f"{observe.fmt(loop.first_loss)} -> {observe.fmt(loop.last_loss)} | best "
-                     f"eval loss {observe.fmt(best)} | last eval loss "
-                     f"{observe.fmt(evals[-1][1] if evals else None)}"),
-            ("routing", routing)]) | {"state": state, "evals": evals, "best_eval": best}
+        return loop.summary(end, f"{tc.batch_size} x {tc.seq_len}", [("routing", routing)]) | {
+            "state": state}
 
 
 def sample(params, prompts: list[list[int]], cfg: Config, mesh, key, n_valid: int):

@@ -7,13 +7,12 @@ A run directory looks like this:
     <run_dir>/checkpoints/<step>.orbax-checkpoint-tmp/   a save still in flight (or cut off)
 
 Orbax does the heavy lifting. Each process writes only the shards it holds, and a restore
-reads only the slices that the *target* shardings ask for, so a checkpoint written on one
-mesh resumes on any other (a different device count, 4x2 -> 8x1, many hosts -> one CPU).
-A save first writes into a temporary folder and renames it to `<step>/` only once every
-byte is down (on object stores, where renames are not atomic, Orbax writes into `<step>/`
-and adds `commit_success.txt` last); a folder still carrying the temporary suffix, or a
-bucket folder without that file, is never mistaken for a checkpoint, so a save cut off by
-preemption or a crash can never hide the last good one.
+reads only the slices the *target* shardings ask for, so a checkpoint written on one mesh
+resumes on any other (a different device count, 4x2 -> 8x1, many hosts -> one CPU). A save
+writes into a temporary folder renamed to `<step>/` once every byte is down (on object
+stores, with no atomic rename, Orbax writes `<step>/` and adds `commit_success.txt` last); a
+folder with the temporary suffix, or a bucket folder without that file, is never taken for a
+checkpoint, so a save cut off by preemption or a crash never hides the last good one.
 
 The run directory may be a local path, a mount every host sees, or a `gs://` bucket
 (what a TPU pod uses: no shared disk). All file access goes through `etils.epath`, which
@@ -43,12 +42,10 @@ from etils import epath
 
 from common.observe import is_remote, progress
 
-# Orbax logs through absl at INFO about fifty lines per save (thread names, barrier keys,
-# byte counts). Silent by default, but the moment a trainer calls
-# `logging.basicConfig(level=INFO)` for its own progress lines they drown the training
-# log. Warnings and errors still pass (a failed background save is logged by Orbax with
-# its traceback, and we raise it as well). Only an unset level is touched, so whoever
-# configures the "absl" logger on purpose (`absl.app`, `--verbosity`) still wins.
+# Orbax logs through absl at INFO about fifty lines per save, which drown the training log
+# once a trainer calls `logging.basicConfig(level=INFO)`. Warnings and errors still pass (a
+# failed background save is logged with its traceback, and we raise it too). Only an unset
+# level is touched, so whoever configures "absl" on purpose (`--verbosity`) still wins.
 _absl_logger = logging.getLogger("absl")
 if _absl_logger.level == logging.NOTSET:
     _absl_logger.setLevel(logging.WARNING)
@@ -78,11 +75,11 @@ class CheckpointConfig:
 
     def __post_init__(self):
         if self.every < 0:
-            raise ValueError(f"checkpoint.every must be >= 0 (0 = only at the end), got {self.every}")
+            raise ValueError(f"--checkpoint.every must be >= 0 (0 = only at the end), got {self.every}")
         if self.keep < 1:
-            raise ValueError(f"checkpoint.keep must be >= 1, got {self.keep}")
+            raise ValueError(f"--checkpoint.keep must be >= 1, got {self.keep}")
         if self.restore_step < -1:
-            raise ValueError(f"checkpoint.restore_step must be a step or -1 (latest), got {self.restore_step}")
+            raise ValueError(f"--checkpoint.restore-step must be a step or -1 (latest), got {self.restore_step}")
 
 
 class CheckpointError(RuntimeError):
@@ -94,8 +91,7 @@ class ConfigConflictError(ValueError):
 
 
 def run_path(run_dir: str | os.PathLike, *parts: str) -> epath.Path:
-    """`run_dir/parts...` as an epath.Path: made absolute if local (Orbax wants that), as
-    given if a bucket URL."""
+    """`run_dir/parts...`: made absolute if local (Orbax wants that), as given if a bucket."""
     root = os.fspath(run_dir)
     return epath.Path(root if is_remote(root) else os.path.abspath(root)).joinpath(*parts)
 
@@ -123,24 +119,17 @@ def read_run_config(run_dir: str | os.PathLike, what: str, trained: bool = False
 
 
 def _reason(e: BaseException) -> str:
-    """One readable line from an exception raised somewhere inside Orbax or TensorStore.
-
-    TensorStore appends its full JSON spec (a few kilobytes) to every message; the part
-    before it already names the file and what went wrong.
-    """
-    text = str(e).split(" [tensorstore_spec=")[0].strip() or repr(e)
-    first = text.splitlines()[0]
-    if len(first) > 400:
-        first = first[:400] + "..."
-    return f"{type(e).__name__}: {first}"
+    """One readable line from an exception raised inside Orbax or TensorStore, whose
+    messages end in a JSON spec of kilobytes; the part before it names file and fault."""
+    first = (str(e).split(" [tensorstore_spec=")[0].strip() or repr(e)).splitlines()[0]
+    return f"{type(e).__name__}: {first[:400] + '...' if len(first) > 400 else first}"
 
 
 class Checkpointer:
     """Saves and restores one pytree (the train state) under `<run_dir>/checkpoints/`.
 
-    Every process of a multi-process run must make the same calls in the same order
-    (Orbax synchronises them with barriers): construct, `save` at the same steps,
-    `restore`, `close`.
+    Every process of a multi-process run must make the same calls in the same order (Orbax
+    synchronises them with barriers): construct, `save` at the same steps, `restore`, `close`.
     """
 
     def __init__(self, run_dir: str, cfg: CheckpointConfig):
@@ -156,16 +145,14 @@ class Checkpointer:
             # We decide when to save (see `save`); Orbax only keeps the last `keep`.
             preservation_policy=ocp.checkpoint_managers.LatestN(n=cfg.keep),
             enable_async_checkpointing=cfg.async_save,
-            # Create the step's temporary folder before `save` returns rather than in the
-            # background. When that creation fails in the background (the disk is gone, the
-            # path became a file), Orbax 0.12 leaves its writer threads waiting for a
-            # "folder created" signal that never comes: the error is reported, but the
-            # process then hangs for five minutes at exit. A mkdir is cheap to wait for.
+            # Create the step's temporary folder before `save` returns, not in the background:
+            # when that fails in the background (the disk is gone, the path became a file),
+            # Orbax 0.12 leaves its writer threads waiting for a signal that never comes, and
+            # the process hangs for five minutes at exit. A mkdir is cheap to wait for.
             async_options=ocp.AsyncOptions(create_directories_asynchronously=False),
-            # Orbax could also delete the leftovers of cut-off saves here, on opening; we
-            # do it at the first save instead (see `_sweep_leftovers`), so that merely
-            # reading a run (say, to initialise another from it) never deletes the folder
-            # of a save that run is writing at that moment.
+            # Orbax could delete the leftovers of cut-off saves on opening; we do it at the
+            # first save (`_sweep_leftovers`), so that merely reading a run (to initialise
+            # another from it) never deletes the folder of a save that run is writing now.
             cleanup_tmp_directories=False,
             create=True,
         )
@@ -174,8 +161,7 @@ class Checkpointer:
         except Exception as e:
             raise CheckpointError(
                 f"cannot open the checkpoint directory {self.directory}: {_reason(e)}. "
-                "Fix: make sure the run directory is writable, or choose another --run-dir."
-            ) from e
+                "Fix: make sure the run directory is writable, or choose another --run-dir.") from e
         self._in_flight: int | None = None  # step of an async save not yet known to be on disk
         self._swept = False
         self._closed = False
@@ -183,18 +169,13 @@ class Checkpointer:
     # -- which steps exist ------------------------------------------------------------
 
     def all_steps(self) -> list[int]:
-        """Steps with a complete (committed) checkpoint on disk, ascending.
-
-        Read from the directory rather than from Orbax's in-memory list: that list counts
-        a save as soon as it *starts*, so during an async save it names a step that a
-        crash would still lose.
-        """
-        name_format = ocp.path.step.standard_name_format()
-        return sorted(m.step for m in name_format.find_all(self.directory))
+        """Steps with a complete (committed) checkpoint on disk, ascending. Read from the
+        directory: Orbax's in-memory list counts a save as soon as it *starts*, so during an
+        async save it names a step that a crash would still lose."""
+        return sorted(m.step for m in ocp.path.step.standard_name_format().find_all(self.directory))
 
     def latest_step(self) -> int | None:
-        steps = self.all_steps()
-        return steps[-1] if steps else None
+        return max(self.all_steps(), default=None)
 
     def resume_step(self) -> int | None:
         """The step a run should restore from: `cfg.restore_step`, else the latest; None if fresh."""
@@ -205,11 +186,14 @@ class Checkpointer:
             raise CheckpointError(
                 f"restore_step={self.cfg.restore_step} requested, but {self.directory} has no complete "
                 f"checkpoint for it (complete: {steps or 'none'}). "
-                "Fix: pick one of those steps, or -1 for the latest."
-            )
+                "Fix: pick one of those steps, or -1 for the latest.")
         return self.cfg.restore_step
 
     # -- save ---------------------------------------------------------------------------
+
+    def due(self, step: int) -> bool:
+        """Whether --checkpoint.every makes `step` a save step."""
+        return self.cfg.every > 0 and step % self.cfg.every == 0
 
     def save(self, step: int, state: Any, *, force: bool = False) -> bool:
         """Saves `state` as `step` if due (or forced); returns whether it saved.
@@ -219,7 +203,7 @@ class Checkpointer:
         background thread. A failure of that background write surfaces here, at the next
         `save`, or at `wait`/`close`: never silently.
         """
-        if not (force or (self.cfg.every > 0 and step % self.cfg.every == 0)):
+        if not (force or self.due(step)):
             return False
         # Surface a failure of the previous background save now, naming *its* step,
         # before starting another one (Orbax would otherwise raise it from inside the
@@ -247,16 +231,12 @@ class Checkpointer:
         return True
 
     def _sweep_leftovers(self) -> None:
-        """Deletes the temporary folders of saves that were cut off, once, before our first save.
-
-        They are Orbax's own, nothing ever reads them, and for a large model each is as
-        big as a checkpoint. A run that saves owns its directory, so none of them can be a
-        save in progress. One process deletes; the others never look at these folders.
+        """Deletes the folders of cut-off saves, once, before our first save: Orbax's own,
+        never read, and each as big as a checkpoint. A run that saves owns its directory, so
+        none can be a save in progress. One process deletes; the others never look at them.
         """
-        if self._swept:
-            return
-        self._swept = True
-        if jax.process_index() != 0 or not self.directory.exists():
+        swept, self._swept = self._swept, True
+        if swept or jax.process_index() != 0 or not self.directory.exists():
             return
         for path in self.directory.iterdir():
             if _is_leftover(path):
@@ -281,10 +261,8 @@ class Checkpointer:
         where = "in the background " if background else ""
         last = self.latest_step() if self.directory.is_dir() else None
         kept = "" if last is None else f"The last complete checkpoint, step {last}, is untouched. "
-        return (
-            f"saving {what} {where}to {self.directory} failed: {_reason(e)}. {kept}"
-            "Fix: check free disk space and that the directory is writable, then resume."
-        )
+        return (f"saving {what} {where}to {self.directory} failed: {_reason(e)}. {kept}"
+                "Fix: check free disk space and that the directory is writable, then resume.")
 
     # -- restore ------------------------------------------------------------------------
 
@@ -303,14 +281,12 @@ class Checkpointer:
         if step not in steps:
             raise CheckpointError(
                 f"no complete checkpoint for step {step} in {self.directory} (complete: {steps or 'none'}). "
-                "Fix: restore one of those steps, or start a new --run-dir."
-            )
+                "Fix: restore one of those steps, or start a new --run-dir.")
 
         def corrupt(why: str) -> CheckpointError:
-            return CheckpointError(
-                f"checkpoint {step_dir} is damaged: {why}. Fix: delete that folder (or move it out of "
-                f"{self.directory}) to resume from the checkpoint before it, or restore another step."
-            )
+            return CheckpointError(f"checkpoint {step_dir} is damaged: {why}. Fix: delete that "
+                                   f"folder (or move it out of {self.directory}) to resume from "
+                                   "the checkpoint before it, or restore another step.")
 
         try:
             saved = self._manager.metadata(step).item_metadata
@@ -327,15 +303,12 @@ class Checkpointer:
                 f"checkpoint {step_dir} does not match the state being restored:\n  "
                 + "\n  ".join(shown)
                 + f"\nFix: resume with the config the run was saved with (see {self.directory.parent / 'config.json'}), "
-                "or start a new --run-dir for the new model."
-            )
+                "or start a new --run-dir for the new model.")
 
         if partial:
-            args = ocp.args.PyTreeRestore(
-                abstract_state,
-                restore_args=ocp.checkpoint_utils.construct_restore_args(abstract_state),
-                partial_restore=True,
-            )
+            restore_args = ocp.checkpoint_utils.construct_restore_args(abstract_state)
+            args = ocp.args.PyTreeRestore(abstract_state, restore_args=restore_args,
+                                          partial_restore=True)
         else:
             args = ocp.args.StandardRestore(abstract_state)
         with progress(f"checkpoint: restoring step {step} from {step_dir}"):
@@ -367,9 +340,8 @@ class Checkpointer:
 def _is_leftover(path: epath.Path) -> bool:
     """A step folder of a save that was cut off: Orbax's temporary folder, or on an object
     store (no renames, so no temporary name) a step folder without its commit file."""
-    if _TMP_STEP.match(path.name):
-        return True
-    return is_remote(path) and path.name.isdigit() and not (path / _COMMIT_FILE).exists()
+    return bool(_TMP_STEP.match(path.name)) or (
+        is_remote(path) and path.name.isdigit() and not (path / _COMMIT_FILE).exists())
 
 
 def _refuse_foreign_directory(directory: epath.Path) -> None:
@@ -382,57 +354,46 @@ def _refuse_foreign_directory(directory: epath.Path) -> None:
     if not (directory.exists() or os.path.islink(directory)):
         return
     if not directory.is_dir():
-        raise CheckpointError(
-            f"{directory} exists but is not a directory. "
-            "Fix: use another --run-dir, or move that file aside."
-        )
+        raise CheckpointError(f"{directory} exists but is not a directory. "
+                              "Fix: use another --run-dir, or move that file aside.")
     foreign = []
     for path in sorted(directory.iterdir()):
-        name = path.name
-        local_link = not is_remote(path) and os.path.islink(path)
-        if path.is_dir() and not local_link:
-            if name.isdigit() and (path / _STEP_METADATA_FILE).exists():
-                continue  # a step folder (complete or damaged: restore tells which)
-            if _is_leftover(path) or name == _ROOT_METADATA_DIR:
-                continue
-        foreign.append(name)
+        # Ours: a step folder (complete or damaged: restore tells which), the leftover of a
+        # cut-off save, or Orbax's metadata folder; never a file or a local symlink.
+        if path.is_dir() and (is_remote(path) or not os.path.islink(path)) and (
+                (path.name.isdigit() and (path / _STEP_METADATA_FILE).exists())
+                or _is_leftover(path) or path.name == _ROOT_METADATA_DIR):
+            continue
+        foreign.append(path.name)
     if foreign:
         listed = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
         raise CheckpointError(
             f"{directory} holds files that are not checkpoints of this trainer ({listed}); "
             "refusing to write there, as keeping the last N checkpoints deletes old folders. "
-            "Fix: use another --run-dir, or move those files aside."
-        )
+            "Fix: use another --run-dir, or move those files aside.")
 
 
 def _flat(tree: Any) -> dict[str, Any]:
-    """{"params/layers/wq": leaf} for any pytree, including Orbax's metadata trees.
-
-    Orbax stores tuples as lists and named tuples (optax states) as dicts keyed by field
-    name; jax names a list index and a tuple index alike, and a named-tuple field by its
-    name, so a saved tree and the live one flatten to the same keys.
-    """
+    """{"params/layers/wq": leaf} for any pytree, including Orbax's metadata trees. Orbax
+    stores tuples as lists and named tuples (optax states) as dicts keyed by field name; jax
+    names a list and a tuple index alike, and a named-tuple field by its name, so a saved
+    tree and the live one flatten to the same keys."""
     leaves, _ = jax.tree_util.tree_flatten_with_path(tree)
     return {jax.tree_util.keystr(path, simple=True, separator="/"): leaf for path, leaf in leaves}
 
 
 def _tree_mismatch(saved: dict[str, Any], wanted: dict[str, Any], partial: bool = False) -> list[str]:
-    problems = []
-    for key in sorted(wanted.keys() - saved.keys()):
-        problems.append(f"{key}: expected, but not in the checkpoint")
-    for key in sorted(saved.keys() - wanted.keys()) if not partial else []:
-        problems.append(f"{key}: in the checkpoint, but not expected")
+    extra = [] if partial else sorted(saved.keys() - wanted)
+    problems = [f"{k}: expected, but not in the checkpoint" for k in sorted(wanted.keys() - saved)]
+    problems += [f"{k}: in the checkpoint, but not expected" for k in extra]
+    # A dtype change would be cast silently on read; for a resume it means the config
+    # changed (say, float32 master weights became bfloat16), which we refuse.
     for key in sorted(saved.keys() & wanted.keys()):
-        s, w = saved[key], wanted[key]
-        s_shape, w_shape = getattr(s, "shape", None), getattr(w, "shape", None)
-        if s_shape is not None and w_shape is not None and tuple(s_shape) != tuple(w_shape):
-            problems.append(f"{key}: shape {tuple(s_shape)} in checkpoint, {tuple(w_shape)} expected")
-            continue
-        # A dtype change would be cast silently on read; for a resume it means the config
-        # changed (say, float32 master weights became bfloat16), which we refuse.
-        s_dtype, w_dtype = getattr(s, "dtype", None), getattr(w, "dtype", None)
-        if s_dtype is not None and w_dtype is not None and str(s_dtype) != str(w_dtype):
-            problems.append(f"{key}: dtype {s_dtype} in checkpoint, {w_dtype} expected")
+        for attr, norm in (("shape", tuple), ("dtype", str)):
+            s, w = getattr(saved[key], attr, None), getattr(wanted[key], attr, None)
+            if s is not None and w is not None and norm(s) != norm(w):
+                problems.append(f"{key}: {attr} {norm(s)} in checkpoint, {norm(w)} expected")
+                break  # a shape mismatch is enough said
     return problems
 
 
@@ -442,11 +403,10 @@ def _tree_mismatch(saved: dict[str, Any], wanted: dict[str, Any], partial: bool 
 def _flatten_config(config: dict, prefix: str = "") -> dict[str, Any]:
     flat = {}
     for key, value in config.items():
-        dotted = f"{prefix}{key}"
         if isinstance(value, dict):
-            flat.update(_flatten_config(value, dotted + "."))
+            flat |= _flatten_config(value, f"{prefix}{key}.")
         else:
-            flat[dotted] = value
+            flat[f"{prefix}{key}"] = value
     return flat
 
 
@@ -491,14 +451,10 @@ def check_run_config(run_dir: str, config: dict, may_change: frozenset[str] = fr
     try:
         saved = json.loads(path.read_text())
     except (OSError, ValueError) as e:
-        raise ConfigConflictError(
-            f"{path} cannot be read as JSON ({e}). Fix: repair or remove it, or choose a new --run-dir."
-        ) from e
+        raise ConfigConflictError(f"{path} cannot be read as JSON ({e}). Fix: repair or remove "
+                                  "it, or choose a new --run-dir.") from e
     if not isinstance(saved, dict):
         raise ConfigConflictError(f"{path} does not hold a config (a JSON object). Fix: choose a new --run-dir.")
-
-    def allowed(key: str) -> bool:
-        return any(key == p or key.startswith(p + ".") for p in may_change)
 
     old, new = _flatten_config(saved), _flatten_config(now)
     missing = "(absent)"
@@ -506,27 +462,20 @@ def check_run_config(run_dir: str, config: dict, may_change: frozenset[str] = fr
         added = _flatten_config(json.loads(json.dumps(defaults, default=str)))
         old |= {k: added[k] for k in new.keys() - old.keys() if k in added and new[k] == added[k]}
     changed = sorted(k for k in old.keys() | new.keys() if old.get(k, missing) != new.get(k, missing))
-    conflicts = [k for k in changed if not allowed(k)]
+    conflicts = [k for k in changed if not any(k == p or k.startswith(p + ".") for p in may_change)]
     if conflicts:
-
-        def show(v: Any) -> str:
-            return v if v is missing else json.dumps(v)
-
-        lines = [f"{k}: {show(old.get(k, missing))} (saved) -> {show(new.get(k, missing))} (now)" for k in conflicts]
+        lines = [f"{k}: {json.dumps(old[k]) if k in old else missing} (saved) -> "
+                 f"{json.dumps(new[k]) if k in new else missing} (now)" for k in conflicts]
         raise ConfigConflictError(
             f"{run_dir} belongs to a run with a different config:\n  "
             + "\n  ".join(lines)
-            + "\nFix: pass the same flags to resume this run, or choose a new --run-dir."
-        )
+            + "\nFix: pass the same flags to resume this run, or choose a new --run-dir.")
     if changed:
-        # Keep the old file: the run's history (which steps ran with which budget or mesh)
-        # lives only there.
+        # Keep the old file: the run's history (which steps ran with which budget) lives there.
         stamp = time.strftime("%Y%m%d-%H%M%S")
-        backup = root / f"config.{stamp}.json"
-        n = 1
+        backup, n = root / f"config.{stamp}.json", 1
         while backup.exists():
-            backup = root / f"config.{stamp}-{n}.json"
-            n += 1
+            backup, n = root / f"config.{stamp}-{n}.json", n + 1
         path.copy(backup)
         _write_json_atomically(path, now)
 
@@ -563,17 +512,10 @@ class PreemptionGuard:
     def requested(self) -> bool:
         return self._requested.is_set()
 
-    def request(self) -> None:
-        """Asks for a stop as SIGTERM would (for tests, or a stop file checked by the loop)."""
-        self._requested.set()
-
-    def _handle(self, signum, frame) -> None:
-        self._requested.set()
-
     def __enter__(self) -> PreemptionGuard:
         if threading.current_thread() is threading.main_thread():
             try:
-                self._previous = signal.signal(self._signum, self._handle)
+                self._previous = signal.signal(self._signum, lambda *_: self._requested.set())
                 self._installed = True
             except ValueError:
                 pass  # main thread of a sub-interpreter: signals are not ours to take
@@ -583,6 +525,5 @@ class PreemptionGuard:
         if self._installed:
             # `None` means the previous handler was installed from C, and Python cannot
             # reinstall it; the default action (terminate) is the honest fallback.
-            previous = signal.SIG_DFL if self._previous is None else self._previous
-            signal.signal(self._signum, previous)
+            signal.signal(self._signum, self._previous or signal.SIG_DFL)
             self._installed = False

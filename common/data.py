@@ -1,7 +1,6 @@
-"""Data: a sentencepiece tokenizer, flat token files, and batches that are a pure function of
-(seed, step).
+"""Data: a tokenizer, flat token files, and batches that are a pure function of (seed, step).
 
-A prepared data folder holds
+A prepared data folder, made from the user's text by `python -m common.data prepare`, holds
 
     tokenizer.model          sentencepiece model (or tokenizer.json + tokenizer_config.json:
                              a HuggingFace tokenizer, with the optional `tokenizers` package)
@@ -10,18 +9,13 @@ A prepared data folder holds
     train.json, eval.json    sidecars: tokenizer, vocab_size, dtype, num_tokens, num_documents,
                              eos_id, bos_id
 
-and is made from the user's text by `python -m common.data prepare --input ... --out ...`.
 With no folder given, the trainers use the embedded corpus: the Python standard library's own
 source, present on every machine, tokenized once and cached.
 
-A batch row is a window of seq_len + 1 tokens at a start drawn from
-np.random.default_rng([seed, step]). Nothing else enters, so resuming at step k needs no
-iterator state, and every process computes the same starts and reads only the rows that its
-own devices hold.
-
-Supervised fine-tuning (--data.format sft) reads a JSONL file of prompt/completion or chat
-examples instead, masks the prompts out of the loss and packs the examples into rows once,
-at start; its batches pick rows by (seed, step) in the same way (see the section below).
+Batch rows are windows of seq_len + 1 tokens at starts drawn from default_rng([seed, step]).
+Nothing else enters, so resuming at step k needs no iterator state, and every process computes
+the same starts and reads only the rows that its own devices hold. Fine-tuning (--data.format
+sft) instead packs JSONL examples into rows, once, and picks rows by (seed, step) alike.
 """
 from __future__ import annotations
 
@@ -36,7 +30,8 @@ import time
 import uuid
 from bisect import bisect_left, insort
 from dataclasses import dataclass, field, fields
-from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+from collections.abc import Callable, Iterator
 from typing import Annotated, Literal
 
 import jax
@@ -55,8 +50,7 @@ STDLIB_MAX_BYTES = 16_000_000
 STDLIB_SKIP_DIRS = frozenset({"site-packages", "test", "tests", "idlelib", "lib2to3"})
 # 2% of ~550 files is ~11 whole files, 40k-110k tokens: varied enough for a steady eval loss.
 _STDLIB_EVAL_FRACTION = 0.02
-# Bump when anything that changes the embedded corpus's tokens changes, so that stale caches
-# are not reused.
+# Bump on any change to the embedded corpus's tokens, so that stale caches are not reused.
 _RECIPE = 1
 
 # The tokenizer is trained on a deterministic sample of at most this much text. BPE on 8 MB
@@ -108,17 +102,9 @@ class Dataset:
     vocab_size: int
     tokenizer_path: str
 
-    @functools.cached_property
-    def _sp(self):
-        return open_tokenizer(self.tokenizer_path)
-
-    @property
-    def eos_id(self) -> int:
-        return self._sp.eos_id()
-
-    @property
-    def bos_id(self) -> int:
-        return self._sp.bos_id()
+    _sp = functools.cached_property(lambda self: open_tokenizer(self.tokenizer_path))
+    eos_id = property(lambda self: self._sp.eos_id())
+    bos_id = property(lambda self: self._sp.bos_id())
 
     def encode(self, text: str) -> list[int]:
         return self._sp.encode(text)
@@ -127,85 +113,62 @@ class Dataset:
         return self._sp.decode([int(i) for i in np.asarray(ids).reshape(-1)])
 
 
-# ----------------------------------------------------------------------------------------------
-# Batches
-
-
-def batch_starts(num_tokens: int, *, seed: int, step: int, batch_size: int,
-                 seq_len: int) -> np.ndarray:
-    """Where each row of the global batch for (seed, step) starts in the token array.
-
-    Every process draws all batch_size starts (a few integers), so a row's content never
-    depends on how the batch is split over processes or devices.
-    """
+# --- Batches ----------------------------------------------------------------------------------
+def batch_rows(tokens: np.ndarray, *, seed: int, step: int, batch_size: int, seq_len: int,
+               rows: slice = slice(None)) -> np.ndarray:
+    """Rows `rows` of the global batch for (seed, step): int32 [len(rows), seq_len + 1]. Every
+    process draws all batch_size starts (a few integers), so a row's content never depends on
+    how the batch is split over processes or devices."""
     window = seq_len + 1
     if seq_len < 1 or batch_size < 1:
         raise ValueError(f"batch_size ({batch_size}) and seq_len ({seq_len}) must be >= 1")
     if seed < 0 or step < 0:
         raise ValueError(f"seed ({seed}) and step ({step}) must be >= 0")
-    if num_tokens < window + 1:
+    if len(tokens) < window + 1:
         raise ValueError(
-            f"the token array has {num_tokens} tokens, too few for windows of seq_len + 1 = "
+            f"the token array has {len(tokens)} tokens, too few for windows of seq_len + 1 = "
             f"{window} tokens (at least seq_len + 2 = {window + 1} are needed); use a shorter "
             f"sequence length or more data (the eval split is eval_fraction of the documents)")
-    return np.random.default_rng([seed, step]).integers(0, num_tokens - window + 1,
-                                                        size=batch_size)
-
-
-def batch_rows(tokens: np.ndarray, *, seed: int, step: int, batch_size: int, seq_len: int,
-               rows: slice = slice(None)) -> np.ndarray:
-    """Rows `rows` of the global batch for (seed, step): int32 [len(rows), seq_len + 1]."""
-    starts = batch_starts(len(tokens), seed=seed, step=step, batch_size=batch_size,
-                          seq_len=seq_len)
-    return _windows(tokens, starts[rows], seq_len + 1)
-
-
-def _windows(tokens: np.ndarray, starts: np.ndarray, window: int) -> np.ndarray:
-    out = np.empty((len(starts), window), np.int32)
-    for i, s in enumerate(starts):  # contiguous slices: a memmap reads only these pages
-        out[i] = tokens[s:s + window]
-    return out
+    starts = np.random.default_rng([seed, step]).integers(0, len(tokens) - window + 1,
+                                                          size=batch_size)[rows]
+    # Contiguous slices: a memmap reads only these pages.
+    return np.array([tokens[s:s + window] for s in starts], np.int32).reshape(-1, window)
 
 
 def get_batch(tokens: np.ndarray | Packed, *, seed: int, step: int, batch_size: int,
               seq_len: int, sharding: jax.sharding.Sharding) -> jax.Array | dict:
     """The global batch for (seed, step): int32 [batch_size, seq_len + 1], laid out by
     `sharding`. Inputs are [:, :-1], targets [:, 1:]. Given `Packed` SFT rows instead of a
-    token array, a dict of [batch_size, seq_len] arrays (see `packed_batch`).
-
-    Each process builds only the shards of its addressable devices, so no host ever holds the
-    global batch. Devices that hold the same rows (replicas over "tensor", say) share one
-    read.
-    """
+    token array, a dict of [batch_size, seq_len] arrays (see `packed_batch`)."""
     if isinstance(tokens, Packed):
         if seq_len != tokens.seq_len:
             raise ValueError(f"rows were packed for seq_len {tokens.seq_len}, not {seq_len}")
         return packed_batch(tokens, packed_rows(tokens.num_rows, seed=seed, step=step,
                                                 batch_size=batch_size), sharding)
-    starts = batch_starts(len(tokens), seed=seed, step=step, batch_size=batch_size,
-                          seq_len=seq_len)
-    built: dict[tuple, np.ndarray] = {}
+    return _sharded((batch_size, seq_len + 1), sharding, np.int32, lambda rows, cols: batch_rows(
+        tokens, seed=seed, step=step, batch_size=batch_size, seq_len=seq_len, rows=rows)[:, cols])
+
+
+def _sharded(shape: tuple, sharding: jax.sharding.Sharding, dtype,
+             block: Callable[[slice, slice], np.ndarray]) -> jax.Array:
+    """The global array of `shape` laid out by `sharding`, each shard `block(rows, cols)`.
+    Each process builds only the shards of its addressable devices, so no host ever holds the
+    global array; devices that hold the same block (replicas over "tensor", say) share one."""
+    # Cached by the slices' bounds: slices are unhashable before Python 3.12.
+    cached = functools.cache(lambda r, c: block(slice(*r), slice(*c)))
 
     def shard(index) -> np.ndarray:
         rows, cols = (slice(None), slice(None)) if index is None else tuple(index)
-        key = (rows.start, rows.stop, rows.step, cols.start, cols.stop, cols.step)
-        if key not in built:
-            built[key] = _windows(tokens, starts[rows], seq_len + 1)[:, cols]
-        return built[key]
+        return cached((rows.start, rows.stop, rows.step), (cols.start, cols.stop, cols.step))
 
-    return jax.make_array_from_callback((batch_size, seq_len + 1), sharding, shard,
-                                        dtype=np.int32)
+    return jax.make_array_from_callback(shape, sharding, shard, dtype=dtype)
 
 
-# ----------------------------------------------------------------------------------------------
-# Loading
-
-
+# --- Loading ----------------------------------------------------------------------------------
 class HFTokenizer:
-    """A HuggingFace tokenizer.json (Llama 3, Qwen: no sentencepiece model shipped), through
-    the optional `tokenizers` package, behind the sentencepiece calls this module makes. Its
-    special tokens are named in the tokenizer_config.json beside it. Text is encoded without
-    added specials, as sentencepiece encodes it: documents are separated by EOS only."""
+    """A HuggingFace tokenizer.json (Llama 3, Qwen ship no sentencepiece model) behind the
+    sentencepiece calls this module makes, its special tokens named in the tokenizer_config.json
+    beside it. Text is encoded without added specials: documents are separated by EOS only."""
 
     def __init__(self, path: str):
         try:
@@ -217,28 +180,14 @@ class HFTokenizer:
             self._tok = tokenizers.Tokenizer.from_file(path)
         except Exception as e:  # the Rust side raises a bare Exception
             raise ValueError(f"not a HuggingFace tokenizer.json ({e})") from None
-        special = {}
-        config = os.path.join(os.path.dirname(path), "tokenizer_config.json")
-        if os.path.isfile(config):
-            with open(config) as f:
-                special = json.load(f)
-
-        def token_id(key: str) -> int:
-            t = special.get(key)
-            t = t.get("content") if isinstance(t, dict) else t
-            i = self._tok.token_to_id(t) if t else None
-            return -1 if i is None else i
-
-        self._eos, self._bos = token_id("eos_token"), token_id("bos_token")
-
-    def get_piece_size(self) -> int:
-        return self._tok.get_vocab_size()
-
-    def eos_id(self) -> int:
-        return self._eos
-
-    def bos_id(self) -> int:
-        return self._bos
+        config = Path(path).parent / "tokenizer_config.json"
+        special = json.loads(config.read_text()) if config.is_file() else {}
+        names = [special.get(k) for k in ("eos_token", "bos_token")]  # a name or {"content": name}
+        names = [t.get("content") if isinstance(t, dict) else t for t in names]
+        ids = [self._tok.token_to_id(t) if t else None for t in names]
+        eos, bos = (-1 if i is None else i for i in ids)  # -1: none, as in sentencepiece
+        self.get_piece_size = self._tok.get_vocab_size  # sentencepiece's accessors
+        self.eos_id, self.bos_id = (lambda: eos), (lambda: bos)
 
     def encode(self, text, num_threads: int | None = None):
         if isinstance(text, str):
@@ -251,9 +200,8 @@ class HFTokenizer:
 
 def open_tokenizer(path: str):
     """The tokenizer at `path`: sentencepiece, or a HuggingFace tokenizer.json."""
-    if path.endswith(".json"):
-        return HFTokenizer(path)
-    return spm.SentencePieceProcessor(model_file=path)
+    return (HFTokenizer(path) if path.endswith(".json")
+            else spm.SentencePieceProcessor(model_file=path))
 
 
 class PretrainedTokenizer:
@@ -277,8 +225,6 @@ class PretrainedTokenizer:
 
 
 # Prompts and completions as generation batches (train_grpo.py's rollouts and warm start)
-
-
 def encode_prompts(tok, texts: list[str], width: int):
     """Left-padded ids [B, width] and their validity mask: every row ends at the same column,
     so generation starts at one column for the whole batch."""
@@ -304,12 +250,9 @@ def encode_completions(tok, texts: list[str], width: int):
 
 def decode_completions(tok, tokens_BN: np.ndarray, mask_BN: np.ndarray):
     """Text of each completion (without its EOS) and whether it ended with EOS."""
-    texts, finished = [], np.zeros(len(tokens_BN), bool)
-    for r in range(len(tokens_BN)):
-        ids = tokens_BN[r, mask_BN[r]].tolist()
-        finished[r] = bool(ids) and ids[-1] == tok.eos_id
-        texts.append(tok.decode(ids[:-1] if finished[r] else ids))
-    return texts, finished
+    rows = [tokens_BN[r, mask_BN[r]].tolist() for r in range(len(tokens_BN))]
+    finished = np.array([bool(ids) and ids[-1] == tok.eos_id for ids in rows], bool)
+    return [tok.decode(ids[:-1] if f else ids) for ids, f in zip(rows, finished)], finished
 
 
 def load_dataset(cfg: DataConfig, seq_len: int | None = None) -> Dataset:
@@ -317,129 +260,95 @@ def load_dataset(cfg: DataConfig, seq_len: int | None = None) -> Dataset:
     if cfg.format == "sft":
         if seq_len is None:
             raise DataError("--data.format sft: this trainer does not read SFT data; "
-                             "fine-tune with train_dense.py")
+                            "fine-tune with train_dense.py")
         return load_sft(cfg, seq_len)
-    if cfg.path:
-        return _load_prepared(cfg.path)
-    return _load_prepared(_stdlib_corpus(_cache_root(cfg.cache_dir), vocab_size=cfg.vocab_size))
+    return _load_prepared(cfg.path or _stdlib_corpus(_cache_root(cfg.cache_dir),
+                                                     vocab_size=cfg.vocab_size))
 
 
 def _cache_root(cache_dir: str) -> str:
-    # A flag beats the environment, the environment beats the default.
-    if cache_dir == DEFAULT_CACHE_DIR and os.environ.get(CACHE_ENV):
-        cache_dir = os.environ[CACHE_ENV]
-    return os.path.expanduser(cache_dir)
-
-
-def _missing(path: str, what: str) -> FileNotFoundError:
-    return FileNotFoundError(
-        f"--data.path {path!r}: {what}. A data folder is made from your text files with\n"
-        f"    python -m common.data prepare --input <files or folders> --out {path}\n"
-        f"or leave --data.path empty to train on the embedded corpus (the Python stdlib).")
+    """A flag beats the environment, the environment beats the default."""
+    env = os.environ.get(CACHE_ENV) if cache_dir == DEFAULT_CACHE_DIR else None
+    return os.path.expanduser(env or cache_dir)
 
 
 def _load_prepared(path: str) -> Dataset:
-    if not os.path.isdir(path):
-        raise _missing(path, "no such folder")
     tokenizer = PREPARED_FILES[0]  # or the tokenizer.json that the sidecar names
     if os.path.isfile(os.path.join(path, "train.json")):
-        with open(os.path.join(path, "train.json")) as f:
-            tokenizer = json.load(f).get("tokenizer", tokenizer)
+        tokenizer = json.loads(Path(path, "train.json").read_text()).get("tokenizer", tokenizer)
     for name in (tokenizer,) + PREPARED_FILES[1:]:
         if not os.path.isfile(os.path.join(path, name)):
-            raise _missing(path, f"{name} is missing, so this is not a prepared data folder")
-    metas, splits = {}, {}
-    for split in ("train", "eval"):
-        with open(os.path.join(path, f"{split}.json")) as f:
-            metas[split] = json.load(f)
-        splits[split] = _map_tokens(os.path.join(path, f"{split}.bin"), metas[split])
-    tokenizer_path = os.path.join(path, metas["train"]["tokenizer"])
+            what = (f"{name} is missing, so this is not a prepared data folder"
+                    if os.path.isdir(path) else "no such folder")
+            raise FileNotFoundError(
+                f"--data.path {path!r}: {what}. A data folder is made from your text files with\n"
+                f"    python -m common.data prepare --input <files or folders> --out {path}\n"
+                f"or leave --data.path empty to train on the embedded corpus (the Python stdlib).")
+    tokenizer_path = os.path.join(path, tokenizer)
     vocab_size = open_tokenizer(tokenizer_path).get_piece_size()
-    # Token files from one tokenizer read with another would train without complaint on
-    # garbage; the sidecars make the mismatch visible.
-    for split, meta in metas.items():
+    splits = {}
+    for split in ("train", "eval"):
+        meta = json.loads(Path(path, f"{split}.json").read_text())
+        bin_path, n = os.path.join(path, f"{split}.bin"), meta["num_tokens"]
+        dtype = np.dtype({"uint16": "<u2", "uint32": "<u4"}[meta["dtype"]])
+        if (size := os.path.getsize(bin_path)) != n * dtype.itemsize:
+            raise ValueError(f"{bin_path} holds {size} bytes but its sidecar promises {n} "
+                             f"{meta['dtype']} tokens ({n * dtype.itemsize} bytes): the file is "
+                             f"truncated or stale; prepare the folder again")
+        # A memmap: only the pages that batches touch are ever read (mmap cannot map an empty file).
+        splits[split] = (np.memmap(bin_path, dtype=dtype, mode="r", shape=(n,)) if n
+                         else np.zeros(0, dtype))
+        # Tokens read with another tokenizer would train without complaint, on garbage.
         if meta["vocab_size"] != vocab_size:
             raise ValueError(f"--data.path {path!r}: {split}.bin was written with a "
                              f"{meta['vocab_size']}-piece tokenizer but {tokenizer_path} has "
                              f"{vocab_size} pieces; prepare the folder again")
-    return Dataset(train=splits["train"], eval=splits["eval"], vocab_size=vocab_size,
-                   tokenizer_path=tokenizer_path)
+    return Dataset(**splits, vocab_size=vocab_size, tokenizer_path=tokenizer_path)
 
 
-def _map_tokens(bin_path: str, meta: dict) -> np.ndarray:
-    dtype = np.dtype({"uint16": "<u2", "uint32": "<u4"}[meta["dtype"]])
-    n = meta["num_tokens"]
-    size = os.path.getsize(bin_path)
-    if size != n * dtype.itemsize:
-        raise ValueError(f"{bin_path} holds {size} bytes but its sidecar promises {n} "
-                         f"{meta['dtype']} tokens ({n * dtype.itemsize} bytes): the file is "
-                         f"truncated or stale; prepare the folder again")
-    if n == 0:  # mmap cannot map an empty file
-        return np.zeros(0, dtype)
-    # A memmap: only the pages that batches touch are ever read.
-    return np.memmap(bin_path, dtype=dtype, mode="r", shape=(n,))
-
-
-# ----------------------------------------------------------------------------------------------
-# The embedded corpus
-
-
+# --- The embedded corpus ----------------------------------------------------------------------
 def _stdlib_files(max_bytes: int) -> list[str]:
     root = sysconfig.get_paths()["stdlib"]
     found = []
     for folder, subdirs, files in os.walk(root):
         subdirs[:] = [d for d in subdirs if d not in STDLIB_SKIP_DIRS]
-        found += [os.path.relpath(os.path.join(folder, f), root) for f in files
-                  if f.endswith(".py")]
-    chosen, total = [], 0
+        found += [os.path.join(folder, f) for f in files if f.endswith(".py")]
     # Sorted relative paths with "/" separators: the same list on every machine that has the
     # same Python, which matters when each host of a multi-host run builds its own cache.
-    for rel in sorted(found, key=lambda p: p.replace(os.sep, "/")):
-        size = os.path.getsize(os.path.join(root, rel))
-        if total + size > max_bytes:
-            break
-        chosen.append(os.path.join(root, rel))
-        total += size
-    return chosen
+    found.sort(key=lambda p: os.path.relpath(p, root).replace(os.sep, "/"))
+    total = np.cumsum([os.path.getsize(p) for p in found])
+    return found[:int(np.searchsorted(total, max_bytes, side="right"))]  # at most max_bytes
 
 
 def _stdlib_corpus(cache_root: str, *, vocab_size: int, max_bytes: int | None = None) -> str:
-    """The prepared folder of the embedded corpus, built on first use. Returns its path.
-    `max_bytes` (default STDLIB_MAX_BYTES) lets tests build a tiny one."""
-    v = sys.version_info
-    tag = f"stdlib-vocab{vocab_size}-r{_RECIPE}"
-    if max_bytes is None:
-        max_bytes = STDLIB_MAX_BYTES
-    else:
-        tag += f"-max{max_bytes}"
-    final = os.path.join(cache_root, f"py{v.major}.{v.minor}.{v.micro}", tag)
+    """The prepared folder of the embedded corpus, built on first use (`max_bytes`: for tests)."""
+    tag = f"stdlib-vocab{vocab_size}-r{_RECIPE}" + ("" if max_bytes is None else f"-max{max_bytes}")
+    final = os.path.join(cache_root, "py%d.%d.%d" % sys.version_info[:3], tag)
     if os.path.isfile(os.path.join(final, "eval.json")):
         return final
-    files = _stdlib_files(max_bytes)
-    os.makedirs(os.path.dirname(final), exist_ok=True)
+    files = _stdlib_files(STDLIB_MAX_BYTES if max_bytes is None else max_bytes)
     t0 = time.perf_counter()
-    tmp = _fresh_dir(final)
-    try:
-        # errors="replace": a distribution's odd file must not stop the default run.
-        _write_prepared(tmp, lambda: _documents(files, "text", errors="replace"),
-                        label="stdlib source",
-                        tokenizer="", vocab_size=vocab_size, eval_fraction=_STDLIB_EVAL_FRACTION,
-                        seed=0)
-        # Several processes may build at once (all hosts of a run, or two runs): each builds
-        # in its own temporary folder, the first rename wins and the others use its result.
-        _publish(tmp, final)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    # errors="replace": a distribution's odd file must not stop the default run. Several
+    # processes may build at once (all hosts of a run, or two runs): each builds in its own
+    # temporary folder, the first rename wins and the others use its result.
+    _build(final, lambda tmp: _write_prepared(
+        tmp, lambda: _documents(files, "text", errors="replace"), label="stdlib source",
+        tokenizer="", vocab_size=vocab_size, eval_fraction=_STDLIB_EVAL_FRACTION, seed=0))
     note(f"data: embedded corpus ready in {final} ({time.perf_counter() - t0:.1f} s)")
     return final
 
 
-def _fresh_dir(final: str) -> str:
-    """A new hidden folder beside `final`, unique to this call, to be renamed onto it."""
+def _build(final: str, write: Callable[[str], None]) -> bool:
+    """`write` a new hidden folder beside `final`, then move it there; False if `final` is taken."""
     parent, name = os.path.split(final)
+    os.makedirs(parent, exist_ok=True)
     tmp = os.path.join(parent, f".{name}.tmp-{os.getpid()}-{uuid.uuid4().hex}")
     os.mkdir(tmp)  # unlike tempfile.mkdtemp's 0700, honours the umask: others may read it
-    return tmp
+    try:
+        write(tmp)
+        return _publish(tmp, final)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _publish(tmp: str, final: str) -> bool:
@@ -453,39 +362,37 @@ def _publish(tmp: str, final: str) -> bool:
         raise
 
 
-# ----------------------------------------------------------------------------------------------
-# Preparing a data folder from the user's text
+# --- Preparing a data folder from the user's text ---------------------------------------------
+def prepare(inputs: Annotated[list[str], tyro.conf.arg(name="input")], out: str, *,
+            tokenizer: str = "", vocab_size: int = 4096, eval_fraction: float = 0.01,
+            jsonl_field: str = "text", seed: int = 0) -> str:
+    """Tokenize text files, folders and JSONL into the data folder `out`, for --data.path.
 
-
-def prepare(inputs: list[str], out: str, *, tokenizer: str = "", vocab_size: int = 4096,
-            eval_fraction: float = 0.01, jsonl_field: str = "text", seed: int = 0) -> str:
-    """Tokenize text files, folders and JSONL into the prepared folder `out`; returns `out`.
-
-    Text files (.txt, .md, .py, or any file named directly) are one document each; a JSONL
-    file (.jsonl, .json: one object per line) gives one document per line, its text in
-    `jsonl_field`. Folders are searched recursively for those suffixes. Documents are split
-    into train and eval by a shuffle with `seed`; a single document is split by tokens.
-    `tokenizer` reuses a sentencepiece model instead of training one on the inputs.
+    Args:
+        inputs: Files and folders. A text file (.txt .md .py) is a document; so is a JSONL line.
+        out: The data folder to create; it must not exist or be empty.
+        tokenizer: A sentencepiece .model or tokenizer.json to reuse; by default one is trained.
+        vocab_size: Vocabulary of the tokenizer trained on the inputs.
+        eval_fraction: Fraction of the documents held out for evaluation (of a lone one: its end).
+        jsonl_field: The JSONL field that holds the text.
+        seed: Seed of the train/eval split and of the tokenizer's training sample.
     """
     if not 0.0 < eval_fraction < 1.0:
         raise ValueError(f"--eval-fraction {eval_fraction}: must be strictly between 0 and 1")
+    if not 0 < vocab_size < 2**31:
+        raise ValueError(f"--vocab-size {vocab_size}: must be a positive number of tokens")
+    if not 0 <= seed < 2**32:
+        raise ValueError(f"--seed {seed}: must be >= 0 (numpy's seeds are non-negative)")
     if tokenizer and not os.path.isfile(tokenizer):
         raise FileNotFoundError(f"--tokenizer {tokenizer!r}: no such file; give a "
                                 f"sentencepiece .model file or a HuggingFace tokenizer.json, "
                                 f"or leave it out to train one")
     _check_out_is_free(out)
     files = _expand_inputs(inputs)
-    parent = os.path.dirname(os.path.abspath(out))
-    os.makedirs(parent, exist_ok=True)
-    tmp = _fresh_dir(os.path.abspath(out))
-    try:
-        _write_prepared(tmp, lambda: _documents(files, jsonl_field), label="input text",
-                        tokenizer=tokenizer, vocab_size=vocab_size,
-                        eval_fraction=eval_fraction, seed=seed)
-        if not _publish(tmp, out):
-            _check_out_is_free(out)  # someone filled `out` while we worked: say so
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    if not _build(os.path.abspath(out), lambda tmp: _write_prepared(
+            tmp, lambda: _documents(files, jsonl_field), label="input text",
+            tokenizer=tokenizer, vocab_size=vocab_size, eval_fraction=eval_fraction, seed=seed)):
+        _check_out_is_free(out)  # someone filled `out` while we worked: say so
     return out
 
 
@@ -495,45 +402,47 @@ def _check_out_is_free(out: str) -> None:
                          f"never overwrites data: pick another --out, or delete {out} first")
 
 
-def _expand_inputs(inputs: Iterable[str]) -> list[str]:
-    inputs = list(inputs)
+def _expand_inputs(inputs: list[str]) -> list[str]:
     if not inputs:
         raise ValueError("no --input given: name text files, JSONL files or folders")
-    files, seen = [], set()
+    files: dict[str, str] = {}  # real path -> path as given: a file reached twice is read once
     for path in inputs:
-        if os.path.isdir(path):
-            found = []
-            for folder, subdirs, names in os.walk(path):
-                subdirs[:] = [d for d in subdirs if not d.startswith(".")]
-                found += [os.path.join(folder, n) for n in names if not n.startswith(".")
-                          and n.endswith(TEXT_SUFFIXES + JSONL_SUFFIXES)]
-            candidates = sorted(found)
-        elif os.path.isfile(path):
-            candidates = [path]  # named directly: read whatever its suffix
-        else:
+        if not (os.path.isfile(path) or os.path.isdir(path)):
             raise FileNotFoundError(f"--input {path!r}: no such file or folder")
-        for f in candidates:
-            if os.path.realpath(f) not in seen:
-                seen.add(os.path.realpath(f))
-                files.append(f)
-    return files
+        found = [path] if os.path.isfile(path) else []  # named directly: whatever its suffix
+        for folder, subdirs, names in os.walk(path):  # of a file: nothing
+            subdirs[:] = [d for d in subdirs if not d.startswith(".")]
+            found += [os.path.join(folder, n) for n in names if not n.startswith(".")
+                      and n.endswith(TEXT_SUFFIXES + JSONL_SUFFIXES)]
+        for f in sorted(found):
+            files.setdefault(os.path.realpath(f), f)
+    return list(files.values())
 
 
 def _documents(files: list[str], jsonl_field: str, errors: str = "strict") -> Iterator[str]:
     """Every non-empty document of `files`, in order. Text is kept byte for byte (newline=""
     keeps "\r\n"): the model sees what the user gave."""
     for path in files:
-        try:
-            if path.endswith(JSONL_SUFFIXES):
-                yield from _jsonl_documents(path, jsonl_field)
-                continue
-            with open(path, encoding="utf-8", errors=errors, newline="") as f:
-                text = f.read()
-        except UnicodeDecodeError as e:
-            raise ValueError(f"--input {path!r} is not UTF-8 text ({e.reason} at byte "
-                             f"{e.start}); convert it first, e.g. iconv -t utf-8") from None
-        if text:
-            yield text
+        if not path.endswith(JSONL_SUFFIXES):
+            try:
+                with open(path, encoding="utf-8", errors=errors, newline="") as f:
+                    text = f.read()
+            except UnicodeDecodeError as e:
+                raise ValueError(f"--input {path!r} is not UTF-8 text ({e.reason} at byte "
+                                 f"{e.start}); convert it first, e.g. iconv -t utf-8") from None
+            if text:
+                yield text
+            continue
+        for where, obj in jsonl_objects(path):
+            text = obj.get(jsonl_field) if isinstance(obj, dict) else None
+            if not isinstance(text, str):
+                what = (f"field {jsonl_field!r} holds {type(text).__name__}, not a string"
+                        if isinstance(obj, dict) and jsonl_field in obj
+                        else f"no field {jsonl_field!r} in this line's object")
+                raise ValueError(f"{where}: {what}; name the field that holds the text with "
+                                 f"--jsonl-field")
+            if text:
+                yield text
 
 
 def jsonl_objects(path: str) -> Iterator[tuple[str, object]]:
@@ -556,31 +465,24 @@ def jsonl_objects(path: str) -> Iterator[tuple[str, object]]:
                                 f"file holds one JSON object per line") from None
 
 
-def _jsonl_documents(path: str, jsonl_field: str) -> Iterator[str]:
-    for where, obj in jsonl_objects(path):
-        if not isinstance(obj, dict) or jsonl_field not in obj:
-            raise ValueError(f"{where}: no field {jsonl_field!r} in this line's object; name "
-                             f"the field that holds the text with --jsonl-field")
-        text = obj[jsonl_field]
-        if not isinstance(text, str):
-            raise ValueError(f"{where}: field {jsonl_field!r} holds {type(text).__name__}, not "
-                             f"a string; name the field that holds the text with --jsonl-field")
-        if text:
-            yield text
-
-
 def _write_prepared(folder: str, documents: Callable[[], Iterator[str]], *, label: str,
                     tokenizer: str, vocab_size: int, eval_fraction: float, seed: int) -> None:
-    """Fill the empty `folder`. `documents()` is read twice: once to count the documents and
-    sample the tokenizer's training text, once to tokenize, so memory stays bounded."""
+    """Fill the empty `folder`. `documents()` is read twice, so memory stays bounded: to count
+    the documents and sample the tokenizer's training text (reservoir sampling of whole-line
+    chunks, seeded: the same input gives the same sample), then to tokenize."""
+    sample, rng = [], np.random.default_rng(seed)
+    capacity = max(1, TOKENIZER_SAMPLE_CHARS // _CHUNK_CHARS)
     with progress(f"data: reading {label}", unit="documents") as p:
-        num_docs, num_chars, sample = 0, 0, _Reservoir(TOKENIZER_SAMPLE_CHARS, seed)
+        num_docs = num_chars = seen = 0
         for text in documents():
-            num_docs += 1
-            num_chars += len(text)
+            num_docs, num_chars = num_docs + 1, num_chars + len(text)
             p.update()
-            if not tokenizer:
-                sample.add_document(text)
+            for chunk in () if tokenizer else _chunks(text):
+                if seen < capacity:
+                    sample.append(chunk)
+                elif (j := int(rng.integers(0, seen + 1))) < capacity:
+                    sample[j] = chunk
+                seen += 1
         p.note = f"({num_chars / 1e6:.1f} MB)"
     if num_docs == 0:
         raise ValueError(f"no text found in the {label}: files must be UTF-8 "
@@ -594,9 +496,9 @@ def _write_prepared(folder: str, documents: Callable[[], Iterator[str]], *, labe
         if name == "tokenizer.json" and os.path.isfile(beside):  # names its special tokens
             shutil.copyfile(beside, os.path.join(folder, "tokenizer_config.json"))
     else:
-        mb = sum(len(c) for c in sample.chunks) / 1e6
+        mb = sum(len(c) for c in sample) / 1e6
         with progress(f"data: training tokenizer on {mb:.1f} MB of {label}"):
-            _train_tokenizer(sample.chunks, model_path, vocab_size)
+            _train_tokenizer(sample, model_path, vocab_size)
     try:
         sp = open_tokenizer(model_path)
     except (OSError, RuntimeError) as e:
@@ -612,25 +514,16 @@ def _write_prepared(folder: str, documents: Callable[[], Iterator[str]], *, labe
         print(f"data: the text supports only {vocab} pieces, so the vocabulary is {vocab}, "
               f"not {vocab_size}", flush=True)
     dtype = np.dtype("<u2" if vocab <= 1 << 16 else "<u4")
-
-    # Eval documents: a seeded shuffle picks them; train keeps the input order.
-    n_eval = min(num_docs - 1, max(1, round(eval_fraction * num_docs)))
-    is_eval = np.zeros(num_docs, bool)
-    is_eval[np.random.default_rng(seed).permutation(num_docs)[:n_eval]] = True
-
+    is_eval = _held_out(num_docs, eval_fraction, seed)  # train keeps the input order
     counts = {"train": [0, 0], "eval": [0, 0]}  # tokens, documents
+    out = {split: open(os.path.join(folder, f"{split}.bin"), "wb") for split in counts}
     with progress(f"data: tokenizing {num_chars / 1e6:.1f} MB", total=num_docs,
-                  unit="documents") as p, \
-            open(os.path.join(folder, "train.bin"), "wb") as train_f, \
-            open(os.path.join(folder, "eval.bin"), "wb") as eval_f:
-        out = {"train": train_f, "eval": eval_f}
+                  unit="documents") as p, out["train"], out["eval"]:
         for first, texts in _batches(documents(), max_docs=256, max_chars=1_000_000):
             for i, ids in enumerate(sp.encode(texts, num_threads=os.cpu_count() or 1), first):
-                ids.append(sp.eos_id())
-                tokens = np.asarray(ids, dtype)
+                tokens = np.asarray(ids + [sp.eos_id()], dtype)
                 if num_docs == 1:  # nothing to shuffle: the document's tail is the eval set
-                    held_out = min(len(tokens) - 1, max(1, round(eval_fraction * len(tokens))))
-                    cut = len(tokens) - held_out
+                    cut = max(1, len(tokens) - max(1, round(eval_fraction * len(tokens))))
                     parts = {"train": tokens[:cut], "eval": tokens[cut:]}
                 else:
                     parts = {"eval" if is_eval[i] else "train": tokens}
@@ -640,15 +533,19 @@ def _write_prepared(folder: str, documents: Callable[[], Iterator[str]], *, labe
                     counts[split][1] += 1
             p.update(len(texts))
     for split, (n_tokens, n_docs) in counts.items():
-        meta = {"tokenizer": name, "vocab_size": vocab, "dtype": dtype.name,
-                "num_tokens": n_tokens, "num_documents": n_docs, "eos_id": sp.eos_id(),
-                "bos_id": sp.bos_id()}
-        with open(os.path.join(folder, f"{split}.json"), "w") as f:
-            json.dump(meta, f, indent=1)
+        meta = dict(tokenizer=name, vocab_size=vocab, dtype=dtype.name, num_tokens=n_tokens,
+                    num_documents=n_docs, eos_id=sp.eos_id(), bos_id=sp.bos_id())
+        Path(folder, f"{split}.json").write_text(json.dumps(meta, indent=1))
     print(f"data: {counts['train'][0]:,} train tokens ({_count(counts['train'][1], 'document')}), "
           f"{counts['eval'][0]:,} eval tokens ({_count(counts['eval'][1], 'document')}), "
           f"vocabulary {vocab}, {num_chars / max(1, sum(c[0] for c in counts.values())):.2f} "
           f"characters per token", flush=True)
+
+
+def _held_out(n: int, fraction: float, seed: int) -> np.ndarray:
+    """Which of n documents or examples a seeded shuffle holds out: at least one, never all."""
+    picked = np.random.default_rng(seed).permutation(n)[:min(n - 1, max(1, round(fraction * n)))]
+    return np.isin(np.arange(n), picked)
 
 
 def _count(n: int, noun: str) -> str:
@@ -668,118 +565,75 @@ def _batches(docs: Iterator[str], *, max_docs: int, max_chars: int):
         yield first, texts
 
 
-class _Reservoir:
-    """A uniform sample of ~`max_chars` of text, in chunks of whole lines (reservoir
-    sampling with a seeded generator: the same input gives the same sample)."""
-
-    def __init__(self, max_chars: int, seed: int):
-        self.capacity = max(1, max_chars // _CHUNK_CHARS)
-        self.rng = np.random.default_rng(seed)
-        self.chunks: list[str] = []
-        self.seen = 0
-
-    def add_document(self, text: str) -> None:
-        for chunk in _chunks(text):
-            if len(self.chunks) < self.capacity:
-                self.chunks.append(chunk)
-            else:
-                j = int(self.rng.integers(0, self.seen + 1))
-                if j < self.capacity:
-                    self.chunks[j] = chunk
-            self.seen += 1
-
-
 def _chunks(text: str) -> Iterator[str]:
     """Runs of whole lines of about _CHUNK_CHARS characters; an overlong line is cut."""
-    run, size = [], 0
+    run = ""
     for line in text.splitlines(keepends=True):
         while len(line) > _CHUNK_CHARS:  # prose in JSONL often has no newline at all
             yield line[:_CHUNK_CHARS]
             line = line[_CHUNK_CHARS:]
-        run.append(line)
-        size += len(line)
-        if size >= _CHUNK_CHARS:
-            yield "".join(run)
-            run, size = [], 0
+        run += line
+        if len(run) >= _CHUNK_CHARS:
+            yield run
+            run = ""
     if run:
-        yield "".join(run)
+        yield run
 
 
 def _train_tokenizer(sentences: list[str], model_path: str, vocab_size: int) -> None:
     model = io.BytesIO()
     try:
-        _sentencepiece_train(sentences, model, vocab_size)
-    except RuntimeError as e:  # its messages start with a C++ source location
-        # and may end with advice about its own flags, which are not ours.
+        spm.SentencePieceTrainer.train(
+            sentence_iterator=iter(sentences), model_writer=model, vocab_size=vocab_size,
+            # BPE, not unigram: its merges do not depend on num_threads (unigram's EM does), so
+            # hosts with different core counts that each build the embedded corpus agree on it.
+            model_type="bpe", split_digits=True, character_coverage=0.9995,
+            hard_vocab_limit=False,  # a small text gets a smaller vocabulary, not an error
+            byte_fallback=True,  # any text round-trips: unseen characters become UTF-8 bytes
+            # Code must survive: no NFKC, no whitespace folding, runs of spaces are pieces, and
+            # no dummy "▁" before each text, so encode(a + b) ≈ encode(a) + encode(b) and
+            # decoding a window that spans two documents gives back their text.
+            normalization_rule_name="identity", remove_extra_whitespaces=False,
+            allow_whitespace_only_pieces=True, add_dummy_prefix=False,
+            # In bytes: a chunk is under 2 * _CHUNK_CHARS characters of at most 4 bytes each.
+            max_sentence_length=8 * _CHUNK_CHARS,
+            # We sampled already (deterministically); sentencepiece must use it all, in order.
+            input_sentence_size=0, shuffle_input_sentence=False,
+            num_threads=os.cpu_count() or 1, pad_id=-1, unk_id=0, bos_id=1, eos_id=2,
+            minloglevel=2)  # its training log is long; we print one line of our own
+    except RuntimeError as e:  # cut its C++ source location and advice about its own flags
         reason = str(e).rsplit("] ", 1)[-1].split(" Increase vocab_size")[0].strip()
         raise ValueError(f"--vocab-size {vocab_size}: sentencepiece cannot train this "
                          f"tokenizer ({reason}); pick a larger --vocab-size, or reuse a "
                          f"model with --tokenizer") from None
-    with open(model_path, "wb") as f:
-        f.write(model.getvalue())
+    Path(model_path).write_bytes(model.getvalue())
 
 
-def _sentencepiece_train(sentences: list[str], model: io.BytesIO, vocab_size: int) -> None:
-    spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(sentences),
-        model_writer=model,
-        vocab_size=vocab_size,
-        # BPE, not unigram: its merges do not depend on num_threads (unigram's EM does), so
-        # hosts with different core counts that each build the embedded corpus agree on it.
-        model_type="bpe",
-        hard_vocab_limit=False,  # a small text gets a smaller vocabulary, not an error
-        byte_fallback=True,  # any text round-trips: unseen characters become UTF-8 bytes
-        split_digits=True,
-        character_coverage=0.9995,
-        # Code must survive: no NFKC, no whitespace folding, runs of spaces are pieces, and
-        # no dummy "▁" before each text, so encode(a + b) ≈ encode(a) + encode(b) and
-        # decoding a window that spans two documents gives back their text.
-        normalization_rule_name="identity",
-        remove_extra_whitespaces=False,
-        allow_whitespace_only_pieces=True,
-        add_dummy_prefix=False,
-        # In bytes: a chunk is under 2 * _CHUNK_CHARS characters of at most 4 bytes each.
-        max_sentence_length=8 * _CHUNK_CHARS,
-        # We sampled already (deterministically); sentencepiece must use it all, in order.
-        input_sentence_size=0,
-        shuffle_input_sentence=False,
-        num_threads=os.cpu_count() or 1,
-        pad_id=-1, unk_id=0, bos_id=1, eos_id=2,
-        minloglevel=2,  # its training log is long; we print one line of our own
-    )
-
-
-# ----------------------------------------------------------------------------------------------
-# Supervised fine-tuning: JSONL examples, a chat template, loss masks, packing
-#
+# --- Supervised fine-tuning: JSONL examples, a chat template, loss masks, packing -------------
 # A JSONL line becomes (text, trained) spans, then tokens with a trained flag each. The loss
-# weight of a target (the next token) is nonzero only where that token is trained. Examples
-# are packed into rows of seq_len positions once, at start, in the same way on every process;
-# a batch then picks whole rows by (seed, step), as pre-training picks windows.
+# weight of a target (the next token) is nonzero only where that token is trained.
 
 EOS = None  # a span that stands for the tokenizer's EOS id rather than for text
+Spans = list[tuple[str | None, bool]]  # (text or EOS, trained)
 CHAT_ROLES = ("system", "user", "assistant")
+SFT_SHAPES = ('{"prompt": ..., "completion": ...} or '
+              '{"messages": [{"role": ..., "content": ...}, ...]}')
+PACKED_FIELDS = ("inputs", "targets", "weights", "segment_ids", "positions")  # see `Packed`
 
 
 class DataError(ValueError):
     """Bad SFT input: the message names the file, the line or the flag, and the fix."""
 
 
-SFT_SHAPES = ('{"prompt": ..., "completion": ...} or '
-              '{"messages": [{"role": ..., "content": ...}, ...]}')
-
-
-def chat_spans(messages: list[dict]) -> list[tuple[str | None, bool]]:
+def chat_spans(messages: list[dict]) -> Spans:
     """The default chat template, as (text, trained) spans:
 
         <|system|>\\n{system}\\n<|user|>\\n{user}\\n<|assistant|>\\n{assistant}<eos><|user|>...
 
-    Each turn opens with a header line naming its role. System and user turns end with a
-    newline and are never trained. An assistant turn ends with EOS, the token generation
-    stops at; its content and EOS are trained, its header is not (at inference the prompt
-    ends with "<|assistant|>\\n"). The markers are plain text: any tokenizer can spell them.
-    """
-    spans: list[tuple[str | None, bool]] = []
+    Only assistant turns are trained: their content and the EOS that ends them, where generation
+    stops, but not their header (at inference the prompt ends with "<|assistant|>\\n"). The
+    markers are plain text: any tokenizer can spell them."""
+    spans: Spans = []
     for m in messages:
         if m["role"] == "assistant":
             spans += [("<|assistant|>\n", False), (m["content"], True), (EOS, True)]
@@ -788,29 +642,27 @@ def chat_spans(messages: list[dict]) -> list[tuple[str | None, bool]]:
     return spans
 
 
-def sft_spans(obj, where: str) -> list[tuple[str | None, bool]]:
+def sft_spans(obj, where: str) -> Spans:
     """The (text, trained) spans of one JSONL object of either shape; `where` names its line.
-
-    A prompt/completion pair gets no template: the completion continues the prompt's text
-    as written (as TRL does), followed by EOS.
-    """
+    A prompt/completion pair gets no template: the completion continues the prompt's text as
+    written (as TRL does), followed by EOS."""
     if not isinstance(obj, dict):
         raise DataError(f"{where}: a JSON {type(obj).__name__}, not an object; each line is "
-                         f"{SFT_SHAPES}")
+                        f"{SFT_SHAPES}")
     if "messages" in obj:
         msgs = obj["messages"]
         if not isinstance(msgs, list) or not msgs:
             raise DataError(f'{where}: "messages" must be a non-empty list of '
-                             f'{{"role": ..., "content": ...}} objects')
+                            f'{{"role": ..., "content": ...}} objects')
         for j, m in enumerate(msgs):
+            at = f"{where}: messages[{j}]"
             if not isinstance(m, dict) or "role" not in m or "content" not in m:
-                raise DataError(f'{where}: messages[{j}] needs the fields "role" and "content"')
+                raise DataError(f'{at} needs the fields "role" and "content"')
             if m["role"] not in CHAT_ROLES:
-                raise DataError(f"{where}: messages[{j}] has role {m['role']!r}; the roles are "
-                                 f"{', '.join(CHAT_ROLES)}")
+                raise DataError(f"{at} has role {m['role']!r}; the roles are "
+                                f"{', '.join(CHAT_ROLES)}")
             if not isinstance(m["content"], str):
-                raise DataError(f'{where}: messages[{j}]["content"] is a '
-                                 f'{type(m["content"]).__name__}, not a string')
+                raise DataError(f'{at}["content"] is a {type(m["content"]).__name__}, not a string')
         if not any(m["role"] == "assistant" for m in msgs):
             raise DataError(f"{where}: no assistant turn, so nothing to train on")
         return chat_spans(msgs)
@@ -818,12 +670,11 @@ def sft_spans(obj, where: str) -> list[tuple[str | None, bool]]:
         if key not in obj:
             raise DataError(f"{where}: missing field {key!r}; each line is {SFT_SHAPES}")
         if not isinstance(obj[key], str):
-            raise DataError(f"{where}: field {key!r} is a {type(obj[key]).__name__}, not a "
-                             f"string")
+            raise DataError(f"{where}: field {key!r} is a {type(obj[key]).__name__}, not a string")
     return [(obj["prompt"], False), (obj["completion"], True), (EOS, True)]
 
 
-def read_sft_jsonl(path: str, flag: str = "--data.path") -> list[list[tuple[str | None, bool]]]:
+def read_sft_jsonl(path: str, flag: str = "--data.path") -> list[Spans]:
     """Every example of a JSONL file as spans; a bad line is an error naming file and line."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{flag} {path!r}: no such file; SFT data is a JSONL file with "
@@ -851,45 +702,34 @@ class Example:
         return self.tokens[len(self.prompt):][:len(rest) if rest.all() else int(np.argmin(rest))]
 
 
-def tokenize_examples(examples: list[list[tuple[str | None, bool]]],
-                      sp: spm.SentencePieceProcessor) -> list[Example]:
+def tokenize_examples(examples: list[Spans], sp: spm.SentencePieceProcessor) -> list[Example]:
     """Spans -> tokens. Neighbouring spans with the same flag are encoded as one text, so the
     template's pieces merge as in running text, and a mask edge is always a token edge."""
     merged = []
     for spans in examples:
-        runs: list[tuple[str | None, bool]] = []
+        runs: Spans = []
         for text, trained in spans:
             if text is not EOS and runs and runs[-1][0] is not EOS and runs[-1][1] == trained:
-                runs[-1] = (runs[-1][0] + text, trained)
-            else:
-                runs.append((text, trained))
+                text = runs.pop()[0] + text
+            runs.append((text, trained))
         merged.append(runs)
     encoded = iter(sp.encode([t for runs in merged for t, _ in runs if t is not EOS],
                              num_threads=os.cpu_count() or 1))
     out = []
     for runs in merged:
-        ids: list[int] = []
-        flags: list[bool] = []
-        for text, trained in runs:
-            piece = [sp.eos_id()] if text is EOS else next(encoded)
-            ids += piece
-            flags += [trained] * len(piece)
-        out.append(Example(np.asarray(ids, np.int32), np.asarray(flags, bool)))
+        pieces = [([sp.eos_id()] if text is EOS else next(encoded), t) for text, t in runs]
+        out.append(Example(np.asarray([i for ids, _ in pieces for i in ids], np.int32),
+                           np.asarray([t for ids, t in pieces for _ in ids], bool)))
     return out
-
-
-PACKED_FIELDS = ("inputs", "targets", "weights", "segment_ids", "positions")
 
 
 @dataclass
 class Packed:
-    """SFT examples packed into rows of seq_len positions; every array is [rows, seq_len].
-
-    An example of n tokens fills n - 1 consecutive positions of one row: its tokens [:-1]
-    are the inputs there and its tokens [1:] the targets, so no target crosses into the next
-    example. segment_ids number a row's examples 1, 2, ... (0 = padding); positions restart
-    at 0 in each example; weights are each target's loss weight (0 on prompts and padding).
-    """
+    """SFT examples packed into rows of seq_len positions; every array is [rows, seq_len]. An
+    example of n tokens fills n - 1 consecutive positions of one row: its tokens [:-1] are the
+    inputs there and its tokens [1:] the targets, so no target crosses into the next example.
+    segment_ids number a row's examples 1, 2, ... (0 = padding); positions restart at 0 in each
+    example; weights are each target's loss weight (0 on prompts and padding)."""
     inputs: np.ndarray = field(repr=False)       # int32
     targets: np.ndarray = field(repr=False)      # int32
     weights: np.ndarray = field(repr=False)      # float32
@@ -898,13 +738,8 @@ class Packed:
     packed: bool = True  # False: one example per row, for which the causal mask suffices
     stats: dict = field(default_factory=dict)
 
-    @property
-    def num_rows(self) -> int:
-        return self.inputs.shape[0]
-
-    @property
-    def seq_len(self) -> int:
-        return self.inputs.shape[1]
+    num_rows = property(lambda self: self.inputs.shape[0])
+    seq_len = property(lambda self: self.inputs.shape[1])
 
 
 def pack_examples(examples: list[Example], seq_len: int, *, train_on: str = "completion",
@@ -914,12 +749,10 @@ def pack_examples(examples: list[Example], seq_len: int, *, train_on: str = "com
     target ("token": the batch's loss is the mean over its trained tokens), or 1/k for an
     example with k trained targets ("example": the mean over examples of their own means).
     The loss divides the weighted sum by the batch's total weight either way."""
-    stats = {"examples": len(examples), "truncated": 0, "dropped_overlong": 0,
-             "dropped_untrained": 0}
+    stats = dict(examples=len(examples), truncated=0, dropped_overlong=0, dropped_untrained=0)
     kept: list[tuple[np.ndarray, np.ndarray]] = []
     for ex in examples:
-        tokens = ex.tokens
-        trained = np.ones_like(ex.trained) if train_on == "all" else ex.trained
+        tokens, trained = ex.tokens, np.ones_like(ex.trained) if train_on == "all" else ex.trained
         if len(tokens) - 1 > seq_len:
             if overlong == "drop":
                 stats["dropped_overlong"] += 1
@@ -930,12 +763,10 @@ def pack_examples(examples: list[Example], seq_len: int, *, train_on: str = "com
         if not w.any():  # the truncation cut the whole answer, or a one-token example
             stats["dropped_untrained"] += 1
             continue
-        if loss_average == "example":
-            w /= w.sum()
-        kept.append((tokens, w))
+        kept.append((tokens, w / w.sum() if loss_average == "example" else w))
     if not kept:
         raise DataError(f"{name}: no example is left to train on ({_describe(stats)}); "
-                         f"raise --train.seq-len or use --data.overlong truncate")
+                        f"raise --train.seq-len or use --data.overlong truncate")
     lengths = [len(t) - 1 for t, _ in kept]
     rows = _best_fit(lengths, seq_len) if pack else [[i] for i in range(len(kept))]
     arrays = {f: np.zeros((len(rows), seq_len), np.float32 if f == "weights" else np.int32)
@@ -944,10 +775,8 @@ def pack_examples(examples: list[Example], seq_len: int, *, train_on: str = "com
         col = 0
         for seg, i in enumerate(members, 1):
             (tokens, w), n = kept[i], lengths[i]
-            at = (r, slice(col, col + n))
-            arrays["inputs"][at], arrays["targets"][at] = tokens[:-1], tokens[1:]
-            arrays["weights"][at], arrays["segment_ids"][at] = w, seg
-            arrays["positions"][at] = np.arange(n)
+            for f, v in zip(PACKED_FIELDS, (tokens[:-1], tokens[1:], w, seg, np.arange(n))):
+                arrays[f][r, col:col + n] = v
             col += n
     stats |= {"rows": len(rows), "seq_len": seq_len, "kept": len(kept),
               "non_pad": sum(lengths) / (len(rows) * seq_len),
@@ -964,15 +793,12 @@ def _best_fit(lengths: list[int], seq_len: int) -> list[list[int]]:
     for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
         n = lengths[i]
         j = bisect_left(free, (n, -1))
-        if j == len(free):
-            rows.append([i])
-            room, r = seq_len - n, len(rows) - 1
-        else:
-            room, r = free.pop(j)
-            rows[r].append(i)
-            room -= n
-        if room > 0:
-            insort(free, (room, r))
+        room, r = free.pop(j) if j < len(free) else (seq_len, len(rows))  # else a new row
+        if r == len(rows):
+            rows.append([])
+        rows[r].append(i)
+        if room > n:
+            insort(free, (room - n, r))
     return rows
 
 
@@ -990,32 +816,21 @@ def packed_rows(num_rows: int, *, seed: int, step: int, batch_size: int) -> np.n
         raise ValueError(f"num_rows ({num_rows}) and batch_size ({batch_size}) must be >= 1, "
                          f"seed ({seed}) and step ({step}) >= 0")
     epoch, k = np.divmod(step * batch_size + np.arange(batch_size, dtype=np.int64), num_rows)
-    out = np.empty(batch_size, np.int64)
-    for e in np.unique(epoch):
-        out[epoch == e] = np.random.default_rng([seed, int(e)]).permutation(num_rows)[k[epoch == e]]
-    return out
+    perms = {e: np.random.default_rng([seed, e]).permutation(num_rows) for e in set(epoch.tolist())}
+    return np.array([perms[e][i] for e, i in zip(epoch.tolist(), k.tolist())], np.int64)
 
 
 def packed_batch(packed: Packed, rows: np.ndarray,
                  sharding: jax.sharding.Sharding) -> dict[str, jax.Array]:
-    """Rows `rows` of `packed` (-1: an empty row, all weights 0) as a global batch laid out
-    by `sharding`, {field: [len(rows), seq_len]}; each process builds only its own shards.
-    Unpacked rows leave out segment_ids and positions: one example per row, followed by
-    padding, needs nothing but the causal mask (which keeps every attention kernel open)."""
-    out = {}
-    for name in PACKED_FIELDS if packed.packed else PACKED_FIELDS[:3]:
-        table = getattr(packed, name)
+    """Rows `rows` of `packed` (-1: an empty row, all weights 0), {field: [len(rows), seq_len]}
+    laid out by `sharding`. Unpacked rows leave out segment_ids and positions: one example per
+    row, then padding, needs only the causal mask (which keeps every attention kernel open)."""
+    def block(table: np.ndarray, r: slice, c: slice) -> np.ndarray:  # row -1: all zeros
+        return table[np.maximum(rows[r], 0)][:, c] * (rows[r] >= 0)[:, None]
 
-        def shard(index, table=table):
-            r, c = (slice(None), slice(None)) if index is None else tuple(index)
-            pick = rows[r]
-            x = table[np.maximum(pick, 0)][:, c]
-            x[pick < 0] = 0
-            return x
-
-        out[name] = jax.make_array_from_callback((len(rows), packed.seq_len), sharding, shard,
-                                                 dtype=table.dtype)
-    return out
+    return {name: _sharded((len(rows), packed.seq_len), sharding, getattr(packed, name).dtype,
+                           functools.partial(block, getattr(packed, name)))
+            for name in (PACKED_FIELDS if packed.packed else PACKED_FIELDS[:3])}
 
 
 def held_out_batches(packed: Packed, batch_size: int,
@@ -1024,14 +839,12 @@ def held_out_batches(packed: Packed, batch_size: int,
     with empty rows): an eval that sees the whole held-out split, each token once."""
     for start in range(0, packed.num_rows, batch_size):
         rows = np.arange(start, start + batch_size)
-        rows[rows >= packed.num_rows] = -1
-        yield packed_batch(packed, rows, sharding)
+        yield packed_batch(packed, np.where(rows < packed.num_rows, rows, -1), sharding)
 
 
 @dataclass
 class SFTDataset(Dataset):
-    """`train` and `eval` are `Packed` rows; `eval_examples` are the held-out examples, whose
-    prompts the trainer completes at eval."""
+    """`train` and `eval` are `Packed` rows; the trainer completes `eval_examples`' prompts."""
     eval_examples: list[Example] = field(default_factory=list, repr=False)
 
 
@@ -1039,10 +852,9 @@ def tokenizer_path(cfg: DataConfig) -> str:
     """The sentencepiece model that a run with data config `cfg` tokenizes with."""
     if cfg.format == "sft" and cfg.tokenizer:
         return cfg.tokenizer
-    if cfg.path and cfg.format != "sft":
-        return os.path.join(cfg.path, "tokenizer.model")
-    return os.path.join(_stdlib_corpus(_cache_root(cfg.cache_dir), vocab_size=cfg.vocab_size),
-                        "tokenizer.model")
+    folder = (cfg.format != "sft" and cfg.path) or _stdlib_corpus(_cache_root(cfg.cache_dir),
+                                                                   vocab_size=cfg.vocab_size)
+    return os.path.join(folder, "tokenizer.model")
 
 
 def run_tokenizer(run_dir: str, read_config: Callable[[str], dict]) -> str:
@@ -1062,10 +874,10 @@ def load_sft(cfg: DataConfig, seq_len: int) -> SFTDataset:
     Every process does the same work and gets the same rows."""
     if not cfg.path:
         raise DataError(f"--data.format sft needs --data.path: a JSONL file with one example "
-                         f"per line, {SFT_SHAPES}")
+                        f"per line, {SFT_SHAPES}")
     if not cfg.eval_path and not 0.0 < cfg.eval_fraction < 1.0:
         raise DataError(f"--data.eval-fraction {cfg.eval_fraction}: must be strictly between "
-                         f"0 and 1 (or give --data.eval-path)")
+                        f"0 and 1 (or give --data.eval-path)")
     tok = tokenizer_path(cfg)
     if not os.path.isfile(tok):
         raise FileNotFoundError(f"--data.tokenizer {tok!r}: no such file; give a sentencepiece "
@@ -1077,17 +889,13 @@ def load_sft(cfg: DataConfig, seq_len: int) -> SFTDataset:
     train = read_sft_jsonl(cfg.path)
     if cfg.eval_path:
         held = read_sft_jsonl(cfg.eval_path, "--data.eval-path")
+    elif len(train) < 2:
+        raise DataError(f"--data.path {cfg.path!r} holds one example: too few to hold one out; "
+                        f"add examples or give --data.eval-path")
     else:
-        if len(train) < 2:
-            raise DataError(f"--data.path {cfg.path!r} holds one example: too few to hold "
-                             f"one out; add examples or give --data.eval-path")
-        n_eval = min(len(train) - 1, max(1, round(cfg.eval_fraction * len(train))))
-        is_eval = np.zeros(len(train), bool)
-        is_eval[np.random.default_rng(cfg.seed).permutation(len(train))[:n_eval]] = True
-        held = [ex for ex, e in zip(train, is_eval) if e]
-        train = [ex for ex, e in zip(train, is_eval) if not e]
-    rules = dict(train_on=cfg.train_on, loss_average=cfg.loss_average, overlong=cfg.overlong,
-                 pack=cfg.pack)
+        is_eval = _held_out(len(train), cfg.eval_fraction, cfg.seed)
+        held, train = [[ex for ex, e in zip(train, is_eval) if e == want] for want in (True, False)]
+    rules = {k: getattr(cfg, k) for k in ("train_on", "loss_average", "overlong", "pack")}
     eval_examples = tokenize_examples(held, sp)
     ds = SFTDataset(
         train=pack_examples(tokenize_examples(train, sp), seq_len, name=cfg.path, **rules),
@@ -1102,52 +910,23 @@ def load_sft(cfg: DataConfig, seq_len: int) -> SFTDataset:
     return ds
 
 
-# ----------------------------------------------------------------------------------------------
-# Command line
-
-
-def _prepare_cli(
-    inputs: Annotated[list[str], tyro.conf.arg(name="input")],
-    out: str,
-    tokenizer: str = "",
-    vocab_size: int = 4096,
-    eval_fraction: float = 0.01,
-    jsonl_field: str = "text",
-    seed: int = 0,
-) -> None:
-    """Tokenize text files, folders and JSONL into a data folder for --data.path.
-
-    Args:
-        inputs: Files and folders. A text file (.txt .md .py) is a document; so is a JSONL line.
-        out: The data folder to create; it must not exist or be empty.
-        tokenizer: A sentencepiece .model to reuse; by default one is trained on the inputs.
-        vocab_size: Vocabulary of the tokenizer trained on the inputs.
-        eval_fraction: Fraction of the documents held out for evaluation.
-        jsonl_field: The JSONL field that holds the text.
-        seed: Seed of the train/eval split and of the tokenizer's training sample.
-    """
-    try:
-        prepare(inputs, out, tokenizer=tokenizer, vocab_size=vocab_size,
-                eval_fraction=eval_fraction, jsonl_field=jsonl_field, seed=seed)
-    except (FileNotFoundError, ValueError) as e:
-        raise SystemExit(f"error: {e}") from None
-    print(f"wrote {out}:")
-    tokenizer_files = [n for n in ("tokenizer.model", "tokenizer.json", "tokenizer_config.json")
-                       if os.path.isfile(os.path.join(out, n))]
-    for name in tokenizer_files + list(PREPARED_FILES[1:]):
-        path = os.path.join(out, name)
-        line = f"  {name:21s} {os.path.getsize(path) / 1e6:10.2f} MB"
-        if name in ("train.json", "eval.json"):
-            with open(path) as f:
-                meta = json.load(f)
-            line += (f"  {meta['num_tokens']:,} {meta['dtype']} tokens, "
-                     f"{meta['num_documents']:,} documents")
-        print(line)
-
-
+# --- Command line -----------------------------------------------------------------------------
 def main(args: list[str] | None = None) -> None:
-    tyro.extras.subcommand_cli_from_dict({"prepare": _prepare_cli}, prog="python -m common.data",
-                                         args=args)
+    try:
+        out = tyro.extras.subcommand_cli_from_dict({"prepare": prepare},
+                                                   prog="python -m common.data", args=args)
+    except (FileNotFoundError, ValueError) as e:  # bad input: the reason, exit 2, no traceback
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    print(f"wrote {out}:")
+    for name in ("tokenizer.model", "tokenizer.json", "tokenizer_config.json") + PREPARED_FILES[1:]:
+        if os.path.isfile(path := os.path.join(out, name)):
+            line = f"  {name:21s} {os.path.getsize(path) / 1e6:10.2f} MB"
+            if name in ("train.json", "eval.json"):
+                meta = json.loads(Path(path).read_text())
+                line += (f"  {meta['num_tokens']:,} {meta['dtype']} tokens, "
+                         f"{meta['num_documents']:,} documents")
+            print(line)
 
 
 if __name__ == "__main__":

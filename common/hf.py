@@ -1,32 +1,28 @@
 """HuggingFace checkpoint folders: safetensors files, their index, and config.json.
 
-Model-agnostic on purpose: each trainer states its family's name mapping in plain sight (at
-the end of its file) as a tree shaped like its parameters, every leaf a pair
+Model-agnostic on purpose: each trainer states its family's name mapping in plain sight (at the
+end of its file) as a tree shaped like its parameters, every leaf a pair (HF tensor name, layout):
 
-    (HF tensor name, layout)         e.g.  ("model.layers.{l}.self_attn.q_proj.weight",
-                                            "(n h) d -> l d n h")
+    ("model.layers.{l}.self_attn.q_proj.weight", "(n h) d -> l d n h")
 
-The layout says how HuggingFace's tensor becomes ours, einops-style: the left side is the
-tensor in the file (a group "(n h)" is one axis of size n*h, split into two), the right side
-is our axis order. An axis that only the right side names ("l" above) stacks many file
-tensors, one per value, named by putting the value into "{l}". Sizes come from a dict
-({"l": 32, "n": 32, "h": 128, ...}) built from the model's config. Loading and saving both
-read the same mapping, so they cannot drift apart.
+The layout says how HuggingFace's tensor becomes ours, einops-style: the left side is the tensor in
+the file (a group "(n h)" is one axis of size n*h, split in two), the right side our axis order. An
+axis only the right side names ("l" above) stacks many file tensors, one per value, named by putting
+the value into "{l}". Sizes come from a dict ({"l": 32, "n": 32, "h": 128, ...}) built from the
+model's config. Loading and saving read the same mapping, so they cannot drift apart.
 
-Reading is lazy and sliced: a safetensors file is a small JSON header followed by raw
-arrays, so we memory-map it and copy out only the block each device holds
-(`jax.make_array_from_callback`). A 70B model in bfloat16 is never whole in host memory,
-not even once; each device's shard of a tensor is read, cast to float32 and placed.
+Reading is sliced: each device's block of a tensor is copied from the memory-mapped file, cast
+to float32 and placed (`jax.make_array_from_callback`); a 70B model is never whole in host memory.
 
-The format, from the safetensors specification: 8 bytes, little-endian u64 N; N bytes of
-JSON {name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {...}};
-then the byte buffer, offsets relative to its start. A sharded checkpoint adds
-`model.safetensors.index.json` ({"weight_map": {name: file}}). We need neither torch nor the
-`safetensors` package for this (the tests check our files against that package).
+The format, from the safetensors specification: 8 bytes, little-endian u64 N; N bytes of JSON
+{name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {...}}; then the byte
+buffer, offsets relative to its start. A sharded checkpoint adds `model.safetensors.index.json`
+({"weight_map": {name: file}}). We need neither torch nor `safetensors` (the tests compare with it).
 """
 from __future__ import annotations
 
 import filecmp
+import functools
 import json
 import math
 import os
@@ -40,9 +36,7 @@ import jax
 import ml_dtypes
 import numpy as np
 
-INDEX = "model.safetensors.index.json"
-SINGLE = "model.safetensors"
-CONFIG = "config.json"
+INDEX, SINGLE, CONFIG = "model.safetensors.index.json", "model.safetensors", "config.json"
 # What a model folder may ship besides its weights and config; copied along on export.
 TOKENIZER_FILES = ("tokenizer.model", "tokenizer.json", "tokenizer_config.json",
                    "special_tokens_map.json", "added_tokens.json", "vocab.json", "merges.txt",
@@ -58,10 +52,7 @@ class HFError(ValueError):
     """A HuggingFace folder we cannot read faithfully; the message says what and the fix."""
 
 
-# ----------------------------------------------------------------------------------------------
-# Layouts: "(n h) d -> l d n h"
-
-
+# --- Layouts: "(n h) d -> l d n h" ------------------------------------------------------------
 @dataclass(frozen=True)
 class Layout:
     file_shape: tuple[int, ...]   # the tensor as stored
@@ -70,29 +61,20 @@ class Layout:
     perm: tuple[int, ...]         # ours[..., j] = split.transpose(perm): split axis of each of ours
     shape: tuple[int, ...]        # ours, stack axes first
 
-    @property
-    def n_stack(self) -> int:
-        return len(self.stack)
-
 
 def parse_layout(pattern: str, sizes: dict[str, int]) -> Layout:
     left, arrow, right = pattern.partition("->")
-    groups = re.findall(r"\(([^)]*)\)|(\w+)", left)
-    atoms_left, file_shape = [], []
-    for grouped, single in groups:
-        names = grouped.split() if grouped else [single]
-        atoms_left += names
-        file_shape.append(math.prod(sizes[a] for a in names))
-    atoms_right = right.split()
+    groups = [g.split() if g else [a] for g, a in re.findall(r"\(([^)]*)\)|(\w+)", left)]
+    atoms_left, atoms_right = [a for g in groups for a in g], right.split()
     stack = tuple(a for a in atoms_right if a not in atoms_left)
     data = [a for a in atoms_right if a in atoms_left]
     if (not arrow or sorted(data) != sorted(atoms_left) or
             tuple(atoms_right[:len(stack)]) != stack):
         raise ValueError(f"bad layout {pattern!r}: the right side must list every axis of the "
                          "left once, after the stacking axes")
-    return Layout(tuple(file_shape), tuple(sizes[a] for a in atoms_left), stack,
-                  tuple(atoms_left.index(a) for a in data),
-                  tuple(sizes[a] for a in atoms_right))
+    return Layout(tuple(math.prod(sizes[a] for a in g) for g in groups),
+                  tuple(sizes[a] for a in atoms_left), stack,
+                  tuple(atoms_left.index(a) for a in data), tuple(sizes[a] for a in atoms_right))
 
 
 def _is_entry(x) -> bool:
@@ -107,24 +89,17 @@ def _file_names(template: str, layout: Layout, sizes: dict) -> Iterator[tuple[tu
 
 def plan(mapping, sizes: dict[str, int]) -> dict[str, tuple[int, ...]]:
     """Every file tensor the mapping names, with the shape it must have."""
-    out = {}
-    for template, pattern in jax.tree.leaves(mapping, is_leaf=_is_entry):
-        layout = parse_layout(pattern, sizes)
-        for _, name in _file_names(template, layout, sizes):
-            out[name] = layout.file_shape
-    return out
+    leaves = [(t, parse_layout(p, sizes)) for t, p in jax.tree.leaves(mapping, is_leaf=_is_entry)]
+    return {name: layout.file_shape for template, layout in leaves
+            for _, name in _file_names(template, layout, sizes)}
 
 
-# ----------------------------------------------------------------------------------------------
-# Reading
-
-
+# --- Reading ----------------------------------------------------------------------------------
 def read_config(path: str) -> dict:
     file = os.path.join(path, CONFIG)
     if not os.path.isdir(path):
-        raise HFError(f"{path}: no such folder. Give the folder of a HuggingFace model "
-                      "(with config.json and *.safetensors), e.g. a `huggingface-cli download` "
-                      "target.")
+        raise HFError(f"{path}: no such folder. Give the folder of a HuggingFace model (with "
+                      "config.json and *.safetensors), e.g. a `huggingface-cli download` target.")
     if not os.path.isfile(file):
         raise HFError(f"{path} has no config.json, so it is not a HuggingFace model folder.")
     with open(file) as f:
@@ -146,14 +121,12 @@ def rope_parameters(c: dict, default_theta: float, where: str) -> tuple[float, s
         raise HFError(f"{where}: rope parameters per layer type ({', '.join(rope)}) are not "
                       "implemented.")
     theta = float(rope.pop("rope_theta", c.get("rope_theta", default_theta)))
-    kind = rope.pop("rope_type", rope.pop("type", "default"))
-    return theta, kind, rope
+    return theta, rope.pop("rope_type", rope.pop("type", "default")), rope
 
 
-def _read_header(file: str) -> tuple[dict, int]:
-    """The tensors of one safetensors file (name -> dtype, shape, begin, end), and where its
-    byte buffer starts. Every entry is checked against the file, so a truncated or foreign
-    file fails here, not later as garbage weights."""
+def _read_header(file: str) -> dict[str, tuple[np.dtype, tuple[int, ...], int]]:
+    """name -> (dtype, shape, file offset) of one safetensors file's tensors, each checked
+    against the file, so a truncated or foreign file fails here, not later as garbage weights."""
     size = os.path.getsize(file)
     with open(file, "rb") as f:
         head = f.read(8)
@@ -174,8 +147,8 @@ def _read_header(file: str) -> tuple[dict, int]:
         if end - begin != math.prod(shape) * DTYPES[t["dtype"]].itemsize or end > size - start:
             raise HFError(f"{file}: tensor {name} {list(shape)} {t['dtype']} does not fit its "
                           f"offsets [{begin}, {end}] in a {size}-byte file: truncated?")
-        tensors[name] = (DTYPES[t["dtype"]], shape, begin, end)
-    return tensors, start
+        tensors[name] = (DTYPES[t["dtype"]], shape, start + begin)
+    return tensors
 
 
 class Checkpoint:
@@ -184,38 +157,29 @@ class Checkpoint:
     the tensors it is said to; tensors are memory-mapped and read only when asked."""
 
     def __init__(self, path: str):
-        self.path = path
-        self.config = read_config(path)
-        index, single = os.path.join(path, INDEX), os.path.join(path, SINGLE)
+        self.path, self.config, self._maps = path, read_config(path), {}
+        index, weight_map = os.path.join(path, INDEX), None
         if os.path.isfile(index):
             with open(index) as f:
                 weight_map = json.load(f).get("weight_map")
             if not isinstance(weight_map, dict) or not weight_map:
                 raise HFError(f"{index} has no weight_map.")
-        elif os.path.isfile(single):
-            weight_map = None
-        else:
+        elif not os.path.isfile(os.path.join(path, SINGLE)):
             found = [f for f in os.listdir(path) if f.endswith((".bin", ".pt", ".pth", ".gguf"))]
-            raise HFError(f"{path} has neither {SINGLE} nor {INDEX}" + (
-                f" (found {', '.join(sorted(found)[:3])}: only safetensors load; convert with "
-                "transformers' save_pretrained(..., safe_serialization=True))" if found else "")
-                + ".")
+            hint = (f" (found {', '.join(sorted(found)[:3])}: only safetensors load; convert with "
+                    "transformers' save_pretrained(..., safe_serialization=True))" if found else "")
+            raise HFError(f"{path} has neither {SINGLE} nor {INDEX}{hint}.")
         files = sorted(set(weight_map.values())) if weight_map else [SINGLE]
-        missing = [f for f in files if not os.path.isfile(os.path.join(path, f))]
-        if missing:
+        if missing := [f for f in files if not os.path.isfile(os.path.join(path, f))]:
             raise HFError(f"{path}: {len(missing)} of the {len(files)} shards named in {INDEX} "
                           f"are missing: {', '.join(missing[:5])}. The download is incomplete; "
                           "fetch those files again.")
-        self._tensors, self._maps = {}, {}
-        for file in files:
-            tensors, start = _read_header(os.path.join(path, file))
-            for name, (dtype, shape, begin, end) in tensors.items():
-                self._tensors[name] = (file, dtype, shape, start + begin)
-        if weight_map:
-            lost = [n for n, f in weight_map.items() if self._tensors.get(n, (None,))[0] != f]
-            if lost:
-                raise HFError(f"{path}: {INDEX} places {lost[0]} in {weight_map[lost[0]]}, "
-                              f"which does not hold it ({len(lost)} such tensors).")
+        self._tensors = {name: (file, *t) for file in files
+                         for name, t in _read_header(os.path.join(path, file)).items()}
+        lost = [n for n, f in (weight_map or {}).items() if self._tensors.get(n, (None,))[0] != f]
+        if lost:
+            raise HFError(f"{path}: {INDEX} places {lost[0]} in {weight_map[lost[0]]}, "
+                          f"which does not hold it ({len(lost)} such tensors).")
 
     def names(self) -> set[str]:
         return set(self._tensors)
@@ -235,8 +199,7 @@ class Checkpoint:
               what: str) -> None:
         """Every expected tensor is present with its shape, and nothing is left unused: a
         tensor we do not know (a bias, an extra norm) would otherwise be dropped silently."""
-        missing = sorted(set(expected) - self.names())
-        if missing:
+        if missing := sorted(set(expected) - self.names()):
             raise HFError(f"{self.path}: {len(missing)} tensors that a {what} has are missing, "
                           f"e.g. {', '.join(missing[:3])}. Is config.json right for these "
                           "weights, and is the download complete?")
@@ -245,8 +208,7 @@ class Checkpoint:
                 raise HFError(f"{self.path}: tensor {name} has shape {list(self.shape(name))} "
                               f"but config.json implies {list(shape)} for a {what}; the "
                               "config and the weights disagree.")
-        extra = sorted(n for n in self.names() - set(expected) if not ignore(n))
-        if extra:
+        if extra := sorted(n for n in self.names() - set(expected) if not ignore(n)):
             raise HFError(f"{self.path}: {len(extra)} tensors have no place in a {what}: "
                           f"{', '.join(extra[:4])}. This model has parts our trainer does not "
                           "implement; loading it would silently change what it computes.")
@@ -254,41 +216,31 @@ class Checkpoint:
     def read_block(self, template: str, layout: Layout, sizes: dict, index: tuple) -> np.ndarray:
         """Our float32 block `index` (a tuple of slices into our shape) of one leaf."""
         ranges = [range(*s.indices(n)) for s, n in zip(index, layout.shape)]
-        k = layout.n_stack
+        k = len(layout.stack)
         out = np.empty([len(r) for r in ranges], np.float32)
         # Our data axis j is split axis perm[j]: slice the file tensor there, then transpose.
-        file_index = [slice(None)] * len(layout.split_shape)
-        for j, p in enumerate(layout.perm):
-            r = ranges[k + j]
-            file_index[p] = slice(r.start, r.stop, r.step)
+        file_index = tuple(index[k + j] for j in np.argsort(layout.perm))
         for pos in np.ndindex(*out.shape[:k]):
-            idx = tuple(r[i] for r, i in zip(ranges[:k], pos))
-            name = template.format(**dict(zip(layout.stack, idx)))
-            x = self.array(name).reshape(layout.split_shape)[tuple(file_index)]
+            name = template.format(**{a: r[i] for a, r, i in zip(layout.stack, ranges, pos)})
+            x = self.array(name).reshape(layout.split_shape)[file_index]
             out[pos] = x.transpose(layout.perm)
         return out
 
 
 def load(ckpt: Checkpoint, mapping, sizes: dict, shardings, what: str,
          ignore: Callable[[str], bool] = lambda name: False):
-    """Our parameter tree from `ckpt`: each leaf a float32 jax.Array with its sharding, built
-    from the blocks that each device holds (read, cast, placed; no whole copy anywhere)."""
+    """Our parameter tree from `ckpt`: float32 jax.Arrays with `shardings`, read block by block."""
     ckpt.check(plan(mapping, sizes), ignore, what)
 
     def one(entry, sharding):
-        template, pattern = entry
-        layout = parse_layout(pattern, sizes)
-        return jax.make_array_from_callback(
-            layout.shape, sharding,
-            lambda index: ckpt.read_block(template, layout, sizes, index), dtype=np.float32)
+        layout = parse_layout(entry[1], sizes)
+        read = functools.partial(ckpt.read_block, entry[0], layout, sizes)  # (index) -> block
+        return jax.make_array_from_callback(layout.shape, sharding, read, dtype=np.float32)
 
     return jax.tree.map(one, mapping, shardings, is_leaf=_is_entry)
 
 
-# ----------------------------------------------------------------------------------------------
-# Writing
-
-
+# --- Writing ----------------------------------------------------------------------------------
 def _write_file(file: str, tensors: list[tuple[str, tuple, np.dtype, Callable]]) -> None:
     """One safetensors file; each tensor's bytes are made (fetched from the devices) only
     when its turn comes, so a shard is never whole in memory."""
@@ -300,14 +252,13 @@ def _write_file(file: str, tensors: list[tuple[str, tuple, np.dtype, Callable]])
         offset += n
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)  # the buffer starts 8-byte aligned, as the spec advises
-    tmp = file + ".tmp"
-    with open(tmp, "wb") as f:
+    with open(file + ".tmp", "wb") as f:
         f.write(struct.pack("<Q", len(blob)) + blob)
         for name, shape, dtype, make in tensors:
             x = np.ascontiguousarray(make(), dtype=dtype)
             assert x.shape == tuple(shape), (name, x.shape, shape)
             f.write(x.tobytes())
-    os.replace(tmp, file)
+    os.replace(file + ".tmp", file)
 
 
 def save(path: str, params, mapping, sizes: dict, config: dict, *, dtype: str = "float32",
@@ -327,34 +278,29 @@ def save(path: str, params, mapping, sizes: dict, config: dict, *, dtype: str = 
         raise HFError(f"dtype {dtype!r}: choose float32, bfloat16 or float16.")
     os.makedirs(path, exist_ok=True)
 
-    # (name, shape, dtype, make): the leaf's stack slice is fetched once per outer index.
-    tensors, cache = [], {}
-
-    def fetch(leaf_id, leaf, outer):
-        if cache.get("key") != (leaf_id, outer):
-            x = leaf if outer is None else leaf[outer]
-            cache.update(key=(leaf_id, outer), value=np.asarray(jax.device_get(x)))
-        return cache["value"]
-
     entries, want = jax.tree.flatten(mapping, is_leaf=_is_entry)
     leaves, have = jax.tree.flatten(params)
     if want != have:
         raise HFError(f"the parameters are not the tree this config makes (have {have}, "
                       f"want {want}): pass the config the parameters were made with.")
+
+    @functools.lru_cache(maxsize=1)  # so a leaf's stack slice leaves the devices only once
+    def fetch(i: int, outer: int | None) -> np.ndarray:
+        return np.asarray(jax.device_get(leaves[i] if outer is None else leaves[i][outer]))
+
+    def make(i: int, idx: tuple, layout: Layout) -> np.ndarray:
+        """The file tensor at stack index `idx` of leaf i."""
+        x = fetch(i, idx[0] if idx else None)[idx[1:]]
+        return x.transpose(np.argsort(layout.perm)).reshape(layout.file_shape).astype(out_dtype)
+
+    tensors = []  # (name, shape, dtype, make)
     for i, ((template, pattern), leaf) in enumerate(zip(entries, leaves)):
         layout = parse_layout(pattern, sizes)
         if tuple(leaf.shape) != layout.shape:
             raise HFError(f"parameter {template} has shape {tuple(leaf.shape)}, the config "
                           f"implies {layout.shape}.")
-        inverse = tuple(np.argsort(layout.perm))
-        for idx, name in _file_names(template, layout, sizes):
-            outer, inner = (idx[0], idx[1:]) if idx else (None, ())
-
-            def make(i=i, leaf=leaf, outer=outer, inner=inner, layout=layout, inverse=inverse):
-                x = fetch(i, leaf, outer)[inner]
-                return x.transpose(inverse).reshape(layout.file_shape).astype(out_dtype)
-
-            tensors.append((name, layout.file_shape, out_dtype, make))
+        tensors += [(name, layout.file_shape, out_dtype, functools.partial(make, i, idx, layout))
+                    for idx, name in _file_names(template, layout, sizes)]
 
     shards, size = [[]], 0
     for t in tensors:
@@ -367,16 +313,13 @@ def save(path: str, params, mapping, sizes: dict, config: dict, *, dtype: str = 
              [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
     for name, shard in zip(names, shards):
         _write_file(os.path.join(path, name), shard)
-    written = list(names)
     if len(shards) > 1:
         total = sum(math.prod(t[1]) for t in tensors)
-        index = {"metadata": {"total_size": total * out_dtype.itemsize,
-                              "total_parameters": total},
-                 "weight_map": {t[0]: n for n, shard in zip(names, shards) for t in shard}}
-        write_json(os.path.join(path, INDEX), index)
-        written.append(INDEX)
+        write_json(os.path.join(path, INDEX), {
+            "metadata": {"total_size": total * out_dtype.itemsize, "total_parameters": total},
+            "weight_map": {t[0]: n for n, shard in zip(names, shards) for t in shard}})
     write_json(os.path.join(path, CONFIG), config)
-    return written + [CONFIG]
+    return names + ([INDEX] if len(shards) > 1 else []) + [CONFIG]
 
 
 def write_json(file: str, obj) -> None:
@@ -388,18 +331,13 @@ def write_json(file: str, obj) -> None:
 
 def copy_tokenizer(src: str, dst: str) -> list[str]:
     """Copies the tokenizer and generation files that `src` has into `dst`; returns them."""
-    copied = []
-    for name in TOKENIZER_FILES:
-        if os.path.isfile(os.path.join(src, name)):
-            shutil.copy2(os.path.join(src, name), os.path.join(dst, name))
-            copied.append(name)
+    copied = [name for name in TOKENIZER_FILES if os.path.isfile(os.path.join(src, name))]
+    for name in copied:
+        shutil.copy2(os.path.join(src, name), os.path.join(dst, name))
     return copied
 
 
-# ----------------------------------------------------------------------------------------------
-# Runs that start from, or end as, a HuggingFace folder (what the trainers' CLIs share)
-
-
+# --- Runs that start from, or end as, a HuggingFace folder (what the trainers' CLIs share) ----
 def check_tokenizer(model_dir: str, tokenizer_path: str, data_flag: str) -> str:
     """Training data must be token ids of the model's own tokenizer, or the model reads other
     words. `prepare --tokenizer` copies the model's tokenizer.model or tokenizer.json byte for
@@ -410,19 +348,17 @@ def check_tokenizer(model_dir: str, tokenizer_path: str, data_flag: str) -> str:
         return (f"note: {model_dir} ships no tokenizer.model or tokenizer.json, so the data's "
                 f"tokenizer ({tokenizer_path}) cannot be checked against the model's.")
     if not any(filecmp.cmp(p, tokenizer_path, shallow=False) for p in shipped):
-        raise HFError(
-            f"--init-from-hf {model_dir} ships {os.path.basename(shipped[0])}, but the data "
-            f"({data_flag}) was tokenized with another one ({tokenizer_path}). Tokenize it with "
-            f"the model's: python -m common.data prepare --input <text> --tokenizer "
-            f"{shipped[-1]} --out data/x, then --data.path data/x.")
+        raise HFError(f"--init-from-hf {model_dir} ships {os.path.basename(shipped[0])}, but the "
+                      f"data ({data_flag}) was tokenized with another one ({tokenizer_path}). "
+                      "Tokenize it with the model's: python -m common.data prepare --input <text> "
+                      f"--tokenizer {shipped[-1]} --out data/x, then --data.path data/x.")
     return ""
 
 
 def export_extras(init_from_hf: str, tokenizer_path: str | None) -> tuple[dict, str | None]:
     """What an exported run keeps besides its weights: (config.json keys, the folder to copy
-    tokenizer files from). A run started from a HuggingFace model keeps that model's config
-    (token ids, chat settings) and tokenizer; one trained from scratch ships its data's
-    tokenizer and that tokenizer's special ids."""
+    tokenizer files from). A run started from a HuggingFace model keeps its config (token ids,
+    chat settings) and tokenizer; one trained from scratch ships its data's tokenizer and ids."""
     if init_from_hf and os.path.isfile(os.path.join(init_from_hf, CONFIG)):
         return read_config(init_from_hf), init_from_hf
     if tokenizer_path:

@@ -10,8 +10,9 @@ launcher kills the others and starts the group again; the trainer resumes from i
 complete checkpoint, and because a batch is a pure function of (seed, step) the resumed run
 retraces the lost steps exactly. SIGTERM to the launcher is a preemption, not a failure: it
 is passed on, every process saves at its next step boundary and exits 0, and nothing is
-restarted. Exit code 2 (bad flags or data, reported before anything runs) is not retried
-either: it would fail the same way every time.
+restarted. Exit codes 2 (bad flags or data, reported before anything runs) and 3 (the run
+diverged: a non-finite loss or gradient, and its last good state is saved) are not retried
+either: a restart would fail the same way.
 """
 from __future__ import annotations
 
@@ -28,17 +29,13 @@ import time
 STEP_LINE = re.compile(r"^step \d+ \|")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Group:
     """One attempt: N processes sharing a coordinator, their output relayed line by line."""
 
     def __init__(self, cmd: list[str], nproc: int, cpu_devices: int, gpus: bool, attempt: int):
-        port = free_port()  # a fresh port per attempt: the old one may linger in TIME_WAIT
+        with socket.socket() as s:  # a fresh port per attempt: the old one may be in TIME_WAIT
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
         self.first_step_at: float | None = None
         self.procs = []
         for i in range(nproc):
@@ -67,36 +64,19 @@ class Group:
 
     def poll(self) -> tuple[int, int] | None:
         """(index, exit code) of the first process that failed, else None."""
-        for i, p in enumerate(self.procs):
-            rc = p.poll()
-            if rc is not None and rc != 0:
-                return i, rc
-        return None
+        failed = [(i, p.returncode) for i, p in enumerate(self.procs) if p.poll() not in (None, 0)]
+        return failed[0] if failed else None
 
     def done(self) -> bool:
         return all(p.poll() == 0 for p in self.procs)
 
     def signal(self, sig: int) -> None:
         for p in self.procs:
-            if p.poll() is None:
-                try:
-                    p.send_signal(sig)
-                except ProcessLookupError:
-                    pass
-
-    def wait(self, timeout: float | None = None) -> None:
-        for p in self.procs:
-            try:
-                p.wait(timeout)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+            p.send_signal(sig)  # a no-op for a process already reaped or gone
 
 
 def describe_exit(rc: int) -> str:
-    if rc < 0:
-        return f"was killed by {signal.Signals(-rc).name}"
-    return f"exited with code {rc}"
+    return f"was killed by {signal.Signals(-rc).name}" if rc < 0 else f"exited with code {rc}"
 
 
 def run(cmd: list[str], nproc: int, cpu_devices: int = 0, gpus: bool = False,
@@ -119,22 +99,23 @@ def run(cmd: list[str], nproc: int, cpu_devices: int = 0, gpus: bool = False,
                 forwarded = True
             if group.done():
                 return 0
-            failed = group.poll()
-            if failed is not None:
+            if (failed := group.poll()) is not None:
                 break
         i, rc = failed
         died_at = time.monotonic()
         # The survivors are blocked in collectives with a dead peer: nothing to save, and a
         # polite SIGTERM would only make them wait for a step that never completes.
         group.signal(signal.SIGKILL)
-        group.wait()
+        for p in group.procs:
+            p.wait()
         if preempted.is_set():
             print(f"launch: process {i} {describe_exit(rc)} while preempted; "
                   "not restarting", flush=True)
             return rc if rc > 0 else 1
-        if rc == 2:
-            print(f"launch: process {i} rejected its input (exit code 2); a restart would "
-                  "fail the same way, so not restarting", flush=True)
+        if rc in (2, 3):
+            why = "rejected its input" if rc == 2 else "stopped a diverging run"
+            print(f"launch: process {i} {why} (exit code {rc}); a restart would fail the same "
+                  "way, so not restarting", flush=True)
             return rc
         if attempt == max_restarts:
             print(f"launch: process {i} {describe_exit(rc)}; restart limit "

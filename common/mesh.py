@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass
 
 import jax
-import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
 AXES = ("data", "fsdp", "tensor", "expert")
+_DCN_AXES = tuple("dcn_" + a for a in AXES)  # MeshConfig's field names for the dcn sizes
 BATCH_AXES = ("data", "fsdp")  # the batch dimension is split over these (plus "expert" in MoE)
 
 
@@ -29,7 +28,7 @@ class MeshError(ValueError):
     """A mesh that cannot be built on the devices at hand; the message names the flag."""
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class MeshConfig:
     """Axis sizes. ICI: inside one slice (fast links). DCN: across slices (data-centre network).
 
@@ -50,7 +49,7 @@ class MeshConfig:
         return tuple(getattr(self, a) for a in AXES)
 
     def dcn(self) -> tuple[int, ...]:
-        return tuple(getattr(self, "dcn_" + a) for a in AXES)
+        return tuple(getattr(self, a) for a in _DCN_AXES)
 
 
 def _flags(names, sizes) -> str:
@@ -60,19 +59,19 @@ def _flags(names, sizes) -> str:
 def resolve(cfg: MeshConfig, n_devices: int, n_slices: int = 1) -> MeshConfig:
     """Fill the -1 and check every product; returns a config with concrete sizes."""
     ici, dcn = list(cfg.ici()), list(cfg.dcn())
-    for name, v in zip(AXES + tuple("dcn_" + a for a in AXES), ici + dcn):
+    for name, v in zip(AXES + _DCN_AXES, ici + dcn):
         if v == 0 or v < -1:
             raise MeshError(f"--mesh.{name.replace('_', '-')} {v}: an axis size is a positive "
                             "integer, or -1 for 'whatever is left'.")
     if -1 in dcn:
         raise MeshError("dcn sizes cannot be -1: give --mesh.dcn-* explicitly (their product is "
                         f"the number of slices, {n_slices} here).")
-    n_dcn = math.prod(dcn)
-    if n_dcn != n_slices:
-        raise MeshError(f"{_flags(['dcn_' + a for a in AXES], dcn)} = {n_dcn} slices, but this "
-                        f"run has {n_slices} slice(s); make the dcn sizes multiply to {n_slices}.")
+    if math.prod(dcn) != n_slices:
+        raise MeshError(f"{_flags(_DCN_AXES, dcn)} = {math.prod(dcn)} slices, but this run has "
+                        f"{n_slices} slice(s); make the dcn sizes multiply to {n_slices}.")
     if n_devices % n_slices:
-        raise MeshError(f"{n_devices} devices do not split into {n_slices} equal slices.")
+        raise MeshError(f"{_flags(_DCN_AXES, dcn)}: {n_devices} devices do not split into "
+                        f"{n_slices} equal slices.")
     per_slice = n_devices // n_slices
     if ici.count(-1) > 1:
         raise MeshError(f"{_flags(AXES, ici)}: at most one axis may be -1.")
@@ -110,10 +109,9 @@ def make_mesh(cfg: MeshConfig, devices=None) -> Mesh:
         # exist; falling back keeps a valid (if less optimal) assignment instead of failing.
         dev = mesh_utils.create_device_mesh(cfg.ici(), devices, allow_split_physical_axes=True)
     else:
-        dev = mesh_utils.create_hybrid_device_mesh(
-            cfg.ici(), cfg.dcn(), devices,
-            process_is_granule=not on_tpu,
-            allow_split_physical_axes=True)
+        dev = mesh_utils.create_hybrid_device_mesh(cfg.ici(), cfg.dcn(), devices,
+                                                   process_is_granule=not on_tpu,
+                                                   allow_split_physical_axes=True)
     # Auto axes: shardings are propagated by XLA from the constraints we pin at block boundaries.
     return Mesh(dev, AXES, axis_types=(AxisType.Auto,) * len(AXES))
 
@@ -123,7 +121,7 @@ def describe(mesh: Mesh) -> str:
 
 
 def batch_shards(mesh: Mesh, axes=BATCH_AXES) -> int:
-    return int(np.prod([mesh.shape[a] for a in axes]))
+    return math.prod(mesh.shape[a] for a in axes)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -131,9 +129,8 @@ def batch_shards(mesh: Mesh, axes=BATCH_AXES) -> int:
 # libtpu describes the named topology's devices, and XLA compiles for them from a CPU host.
 
 # generation -> (topology prefix, TensorCores per chip in the accelerator name, 3-D torus?)
-_TPU_FAMILIES = {"v4": ("v4", 2, True), "v5p": ("v5p", 2, True),
-                 "v5e": ("v5e", 1, False), "v5litepod": ("v5e", 1, False),
-                 "v6e": ("v6e", 1, False)}
+_TPU_FAMILIES = {"v4": ("v4", 2, True), "v5p": ("v5p", 2, True), "v5e": ("v5e", 1, False),
+                 "v5litepod": ("v5e", 1, False), "v6e": ("v6e", 1, False)}
 
 
 def tpu_topology_shape(chips: int, torus_3d: bool) -> tuple[int, ...]:
@@ -143,8 +140,7 @@ def tpu_topology_shape(chips: int, torus_3d: bool) -> tuple[int, ...]:
         return (1, chips)  # v5e-1: a single chip (3-D generations start at 4 chips, below)
     shape = [2, 2, 1] if torus_3d else [2, 2]
     while math.prod(shape) < chips:
-        i = len(shape) - 1 - shape[::-1].index(min(shape))
-        shape[i] *= 2
+        shape[len(shape) - 1 - shape[::-1].index(min(shape))] *= 2  # the last of the shortest
     return tuple(shape)
 
 

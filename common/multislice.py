@@ -27,21 +27,15 @@ class DistributedInitError(RuntimeError):
 
 
 def wants_distributed(env=os.environ) -> bool:
-    if int(env.get("JAX_NUM_PROCESSES", "1")) > 1:
-        return True
-    if int(env.get("SLURM_NTASKS", "1")) > 1:
-        return True
     # A TPU pod slice lists every worker of the slice; one host means nothing to join.
-    return len([h for h in env.get("TPU_WORKER_HOSTNAMES", "").split(",") if h]) > 1
+    return (int(env.get("JAX_NUM_PROCESSES", "1")) > 1 or int(env.get("SLURM_NTASKS", "1")) > 1
+            or len([h for h in env.get("TPU_WORKER_HOSTNAMES", "").split(",") if h]) > 1)
 
 
 def initialize(timeout_s: int | None = None) -> None:
-    """Join the process group if there is one; otherwise do nothing. Idempotent.
-
-    The wait for the other processes is bounded (JAX_TRAINERS_INIT_TIMEOUT seconds, default
-    300): a wrong coordinator address or a process that never starts is an error that says
-    what to check, not a hang.
-    """
+    """Join the process group if there is one; otherwise do nothing. Idempotent. The wait for
+    the others is bounded (JAX_TRAINERS_INIT_TIMEOUT seconds, default 300): a wrong coordinator
+    address or a process that never starts is an error that says what to check, not a hang."""
     if not wants_distributed() or jax.distributed.is_initialized():
         return
     if timeout_s is None:
@@ -68,13 +62,10 @@ def initialize(timeout_s: int | None = None) -> None:
     try:
         jax.distributed.initialize(initialization_timeout=timeout_s, **kwargs)
     except Exception as e:  # the coordinator is the usual culprit: say which one we tried
-        where = kwargs.get("coordinator_address", "auto-detected (Slurm/TPU)")
-        n = kwargs.get("num_processes", "?")
         raise DistributedInitError(
             f"jax.distributed.initialize did not complete within {timeout_s} s (coordinator "
-            f"{where}, {n} processes): {str(e).splitlines()[0] if str(e) else type(e).__name__}. "
-            "Check that process 0 runs on the coordinator address, that every one of the "
-            "processes was started, and that the port is reachable from all of them.") from e
+            f"{where}, {kwargs.get('num_processes', '?')} processes): "
+            f"{str(e).splitlines()[0] if str(e) else type(e).__name__}. Fix: {hint}.") from e
 
 
 def _wait_for_coordinator(address: str, timeout_s: int, hint: str) -> None:
@@ -95,8 +86,7 @@ def _wait_for_coordinator(address: str, timeout_s: int, hint: str) -> None:
 
 @functools.lru_cache(maxsize=1)
 def _or_over_processes():
-    devices = np.array(jax.devices())
-    mesh = Mesh(devices, ("all",))
+    mesh = Mesh(np.array(jax.devices()), ("all",))
     reduce = jax.jit(jnp.max, out_shardings=NamedSharding(mesh, P()))
     return NamedSharding(mesh, P("all")), reduce
 
@@ -110,8 +100,7 @@ def any_process(flag: bool) -> jax.Array:
     """
     sharding, reduce = _or_over_processes()
     local = np.full((1,), int(flag), np.int32)
-    return reduce(jax.make_array_from_callback((jax.device_count(),), sharding,
-                                               lambda _: local))
+    return reduce(jax.make_array_from_callback((jax.device_count(),), sharding, lambda _: local))
 
 
 def enable_compilation_cache() -> None:

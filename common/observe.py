@@ -1,24 +1,22 @@
-"""Seeing a run: its metrics on disk, progress on long waits, a profile of chosen steps, and
-a one-screen summary at the end. Model-agnostic: every trainer uses it the same way.
+"""Seeing a run: its metrics on disk, progress on long waits, a profile of chosen steps, and a
+one-screen summary at the end. Model-agnostic: every trainer uses it the same way.
 
     <run_dir>/metrics.jsonl     one JSON object per logged step: what the log line shows
     <run_dir>/tensorboard/      the same figures as TensorBoard scalars, and the config as text
     <run_dir>/profile/          a jax.profiler trace of the steps named by --*.profile-steps
 
 TensorBoard files are written with tensorboardX (an optional extra: `pip install -e .[viz]`),
-whose writer thread does the file work, so a log step costs the loop a queue put per
-figure. Without it a run writes metrics.jsonl only and says once how to get the rest.
-Everything here writes from process 0 only; the other processes keep quiet.
-
-A run directory in a bucket (gs://) cannot be appended to, so there these files are written
-to a local staging folder and copied up whole (see `Mirror`): every 30 s while they change,
-and at the end of the run.
+whose writer thread does the file work, so a log step costs the loop a queue put per figure.
+Without it a run writes metrics.jsonl only and says once how to get the rest. Only process 0
+writes; the others keep quiet. A bucket (gs://) has no append: see `Mirror`.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
+import pathlib
 import shutil
 import sys
 import tempfile
@@ -29,9 +27,7 @@ import jax
 
 _QUIET = False
 _TBX_HINT_SHOWN = False
-
-# The one place where a trainer's config.json-like dict is shown in TensorBoard.
-CONFIG_TAG = "config"
+CONFIG_TAG = "config"  # the one TensorBoard tag that shows a trainer's config.json-like dict
 
 
 def configure(*, quiet: bool) -> None:
@@ -67,28 +63,22 @@ class Mirror:
     """A local folder whose files are copied, whole, to `remote` (a bucket folder).
 
     Object stores have no append: a file that grows (metrics.jsonl, TensorBoard events) is
-    written here and re-uploaded whole once it has changed, at most every `every_s`
-    seconds (`sync()`) and at the end (`sync(force=True)`). The files are small next to a
-    checkpoint (a few hundred bytes per logged step), so each upload costs little.
-    """
+    written here and re-uploaded whole once it has changed, at most every `every_s` seconds
+    (`sync()`) and at the end (`sync(force=True)`). The files are small next to a checkpoint
+    (a few hundred bytes per logged step), so each upload costs little."""
 
     def __init__(self, remote: str, every_s: float = 30.0):
         from etils import epath  # orbax's dependency; imported here so the data CLI stays light
-
-        self.remote = epath.Path(remote)
-        self.local = tempfile.mkdtemp(prefix="run-staging-")
-        self.every_s = every_s
-        self._sent: dict[str, tuple[int, int]] = {}
-        self._last = time.monotonic()
+        self.remote, self.local = epath.Path(remote), tempfile.mkdtemp(prefix="run-staging-")
+        self.every_s, self._last = every_s, time.monotonic()
+        self._sent: dict[str, tuple[int, int]] = {}  # name -> (size, mtime) when uploaded
 
     def fetch(self, name: str) -> str:
         """The local copy of `remote/name`, downloaded if it exists (to append to it)."""
         local = os.path.join(self.local, name)
         os.makedirs(os.path.dirname(local), exist_ok=True)
-        src = self.remote / name
-        if src.exists():
-            with open(local, "wb") as f:
-                f.write(src.read_bytes())
+        if (self.remote / name).exists():
+            pathlib.Path(local).write_bytes((self.remote / name).read_bytes())
             st = os.stat(local)
             self._sent[name] = (st.st_size, st.st_mtime_ns)
         return local
@@ -100,16 +90,12 @@ class Mirror:
         for folder, _, files in os.walk(self.local):
             for f in files:
                 local = os.path.join(folder, f)
-                name = os.path.relpath(local, self.local)
-                st = os.stat(local)
-                if self._sent.get(name) == (st.st_size, st.st_mtime_ns):
-                    continue
-                with open(local, "rb") as fh:
-                    data = fh.read()
-                dst = self.remote / name
-                dst.parent.mkdir(parents=True, exist_ok=True)
-                dst.write_bytes(data)
-                self._sent[name] = (st.st_size, st.st_mtime_ns)
+                name, st = os.path.relpath(local, self.local), os.stat(local)
+                if self._sent.get(name) != (st.st_size, st.st_mtime_ns):
+                    dst = self.remote / name
+                    dst.parent.mkdir(parents=True, exist_ok=True)
+                    dst.write_bytes(pathlib.Path(local).read_bytes())
+                    self._sent[name] = (st.st_size, st.st_mtime_ns)
 
     def close(self) -> None:
         try:
@@ -118,35 +104,26 @@ class Mirror:
             shutil.rmtree(self.local, ignore_errors=True)
 
 
-# ----------------------------------------------------------------------------------------------
-# Progress
-
-
+# --- Progress ---------------------------------------------------------------------------------
 class progress:
     """A wait a person can see:
 
         with progress("data: tokenizing", total=n, unit="documents") as p:
             for doc in docs:
-                ...
                 p.update()
 
-    prints `data: tokenizing ... 563 documents, 2.1 s`. On a terminal the line is redrawn in
-    place twice a second with the count so far and the elapsed time, so a long wait (a
-    compile, a tokenizer in C++) is visibly alive; into a file or a pipe it is one line,
-    begun when the wait begins and finished when it ends, so a log has no carriage returns.
-    `min_s`: say nothing at all for waits shorter than this (a save that is usually done).
-    `note` is appended to the final line.
-    """
+    prints `data: tokenizing ... 563 documents, 2.1 s`, then `p.note` if set. On a terminal the
+    line is redrawn twice a second with the count so far and the elapsed time, so a long wait (a
+    compile, a tokenizer in C++) is visibly alive; into a file or a pipe it is one line, begun
+    when the wait begins and ended when it ends, so a log has no carriage returns. `min_s`: say
+    nothing at all for waits shorter than this (a save that is usually done)."""
 
-    def __init__(self, what: str, *, total: int | None = None, unit: str = "",
-                 min_s: float = 0.0):
+    def __init__(self, what: str, *, total: int | None = None, unit: str = "", min_s: float = 0.0):
         self.what, self.total, self.unit, self.min_s = what, total, unit, min_s
         self.count, self.note = 0, ""
         self.shown = not _QUIET and is_main_process()
         self.live = self.shown and sys.stdout.isatty()
-        self._stop = threading.Event()
-        self._lock = threading.Lock()
-        self._ticker = None
+        self._stop, self._lock, self._ticker = threading.Event(), threading.Lock(), None
 
     def update(self, n: int = 1) -> None:
         self.count += n
@@ -154,19 +131,16 @@ class progress:
     def _counts(self) -> str:
         if not self.unit:
             return ""
-        if self.total:
-            return (f"{self.count:,}/{self.total:,} {self.unit} "
-                    f"({100 * self.count / self.total:.0f}%), ")
-        return f"{self.count:,} {self.unit}, "
+        if not self.total:
+            return f"{self.count:,} {self.unit}, "
+        return f"{self.count:,}/{self.total:,} {self.unit} ({100 * self.count / self.total:.0f}%), "
 
     def _tick(self) -> None:
         while not self._stop.wait(0.5):
-            elapsed = time.perf_counter() - self.t0
-            if elapsed >= self.min_s:
-                with self._lock:
-                    # \x1b[K clears what a longer previous draw left on the line.
-                    sys.stdout.write(f"\r{self.what} ... {self._counts()}{elapsed:.0f} s\x1b[K")
-                    sys.stdout.flush()
+            if (elapsed := time.perf_counter() - self.t0) >= self.min_s:
+                with self._lock:  # \x1b[K clears what a longer previous draw left on the line
+                    print(f"\r{self.what} ... {self._counts()}{elapsed:.0f} s\x1b[K", end="",
+                          flush=True)
 
     def __enter__(self) -> progress:
         self.t0 = time.perf_counter()
@@ -184,24 +158,16 @@ class progress:
             self._ticker.join()
         if not self.shown or (self.seconds < self.min_s and exc_type is None):
             return
-        if exc_type is not None:
-            end = "failed"
-        else:
-            end = f"{self._counts()}{self.seconds:.1f} s" + (f" {self.note}" if self.note else "")
-        if self.live:
-            line = f"\r{self.what} ... {end}\x1b[K"
-        elif self.min_s > 0:
-            line = f"{self.what} ... {end}"   # nothing was printed when the wait began
-        else:
-            line = f" {end}"
+        end = ("failed" if exc_type is not None else
+               f"{self._counts()}{self.seconds:.1f} s" + (f" {self.note}" if self.note else ""))
+        # Live: redraw the line; min_s > 0: nothing was printed when the wait began; else end it.
+        line = (f"\r{self.what} ... {end}\x1b[K" if self.live else
+                f"{self.what} ... {end}" if self.min_s > 0 else f" {end}")
         with self._lock:
             print(line, flush=True)
 
 
-# ----------------------------------------------------------------------------------------------
-# Metrics: metrics.jsonl and TensorBoard
-
-
+# --- Metrics: metrics.jsonl and TensorBoard ---------------------------------------------------
 def _tensorboardx():
     """The tensorboardX module, or None after saying (once per process) how to install it."""
     global _TBX_HINT_SHOWN
@@ -211,9 +177,8 @@ def _tensorboardx():
     except ImportError:
         if not _TBX_HINT_SHOWN:
             _TBX_HINT_SHOWN = True
-            say("tensorboard: tensorboardX is not installed, so metrics go to metrics.jsonl "
-                "only; `pip install tensorboardX` (or `pip install -e '.[viz]'`) adds "
-                "TensorBoard files")
+            say("tensorboard: tensorboardX is not installed, so metrics go to metrics.jsonl only; "
+                "`pip install tensorboardX` (or `pip install -e '.[viz]'`) adds TensorBoard files")
         return None
 
 
@@ -234,30 +199,25 @@ def scalars(rec: dict, skip: tuple[str, ...] = ()) -> dict[str, float]:
     return out
 
 
-class MetricsLog:
+class MetricsLog(contextlib.AbstractContextManager):
     """Where a trainer's log records go: metrics.jsonl, and TensorBoard when it can.
 
-    A TensorBoard writer opens on its first record with `purge_step` at that record's step:
-    a run resumed from an earlier checkpoint than its last logged step makes TensorBoard
-    drop the old curve's tail, which the resumed run is about to log again. Records counted
-    in other steps (a warm start's) go to a sibling folder, a TensorBoard run of their own,
-    so that purge never reaches them.
-    """
+    A TensorBoard writer opens on its first record with `purge_step` at that record's step: a
+    run resumed from an earlier checkpoint than its last logged step makes TensorBoard drop the
+    old curve's tail, which the resumed run is about to log again. Records counted in other
+    steps (a warm start's) go to a sibling folder, a TensorBoard run of their own, so that
+    purge never reaches them."""
 
     def __init__(self, run_dir: str, config: dict | None = None):
-        self.run_dir = run_dir
-        self.path = os.path.join(run_dir, "metrics.jsonl")
+        self.config, self.main = config, is_main_process()
         self.tensorboard_dir = os.path.join(run_dir, "tensorboard")
-        self.config = config
         self.records: list[dict] = []  # this process's run, for the end-of-run summary
-        self.main = is_main_process()
         self._tbx = _tensorboardx() if self.main else None
-        self._writers = {}
-        # In a bucket: write locally, upload whole (see Mirror).
-        self._mirror = Mirror(self.run_dir) if self.main and is_remote(run_dir) else None
-        self._file = self._mirror.fetch("metrics.jsonl") if self._mirror else self.path
-        self._tb_local = os.path.join(self._mirror.local, "tensorboard") if self._mirror else self.tensorboard_dir
-        self._due = False
+        self._writers, self._due = {}, False
+        self._mirror = Mirror(run_dir) if self.main and is_remote(run_dir) else None
+        self._file = (self._mirror.fetch("metrics.jsonl") if self._mirror
+                      else os.path.join(run_dir, "metrics.jsonl"))
+        self._tb_local = os.path.join(os.path.dirname(self._file), "tensorboard")  # beside it
 
     def checkpointed(self) -> None:
         """A checkpoint was just saved. A run resumed from it will not log the steps before
@@ -270,8 +230,7 @@ class MetricsLog:
 
     def write(self, rec: dict, *, step_key: str = "step", run: str = "") -> None:
         """Append `rec` to metrics.jsonl as is; every number in it becomes a TensorBoard scalar
-        at step rec[step_key], tagged `run/key` in the folder tensorboard/run when `run` is
-        given."""
+        at step rec[step_key], tagged `run/key` in the folder tensorboard/run if `run` is set."""
         self.records.append(rec)
         if not self.main:
             return
@@ -281,9 +240,8 @@ class MetricsLog:
             step = int(rec[step_key])
             if run not in self._writers:
                 self._open(run, step)
-            prefix = f"{run}/" if run else ""
             for tag, v in scalars(rec, skip=(step_key,)).items():
-                self._writers[run].add_scalar(prefix + tag, v, step)
+                self._writers[run].add_scalar(f"{run}/{tag}" if run else tag, v, step)
         if self._mirror is not None:
             self._mirror.sync(force=self._due)
             self._due = False
@@ -306,9 +264,6 @@ class MetricsLog:
             self._mirror.close()
             self._mirror = None
 
-    def __enter__(self) -> MetricsLog:
-        return self
-
     def __exit__(self, *exc) -> None:
         self.close()
 
@@ -322,28 +277,22 @@ def mean_ms_per_step(records: list[dict], start_step: int) -> float:
         if "ms_per_step" in r:
             timed.append((r["step"] - prev, r["ms_per_step"]))
             prev = r["step"]
-    if len(timed) > 1:
-        timed = timed[1:]
+    timed = timed[1:] if len(timed) > 1 else timed
     steps = sum(n for n, _ in timed)
     return sum(n * ms for n, ms in timed) / steps if steps else float("nan")
 
 
-# ----------------------------------------------------------------------------------------------
-# Profiles
-
-
+# --- Profiles ---------------------------------------------------------------------------------
 def profile_steps_problem(steps: tuple[int, ...], flag: str, last_step: int) -> str | None:
     """Why `steps` (from `flag`) cannot be profiled in a run of `last_step` steps, or None."""
-    if not steps:
-        return None
-    if len(steps) > 2 or not 1 <= steps[0] <= steps[-1] <= last_step:
+    if steps and (len(steps) > 2 or not 1 <= steps[0] <= steps[-1] <= last_step):
         return (f"{flag} {' '.join(map(str, steps))}: give the first and last step to trace "
                 f"(e.g. {flag} 10 15, or one step), with 1 <= first <= last <= the run's "
                 f"{last_step} steps. Skip the first few: they pay for warm-up.")
     return None
 
 
-class Profiler:
+class Profiler(contextlib.AbstractContextManager):
     """A jax.profiler trace of the steps first..last (as the log numbers them) into
     `<run_dir>/profile`, for TensorBoard's profile plugin or Perfetto (perfetto_trace.json.gz).
 
@@ -351,19 +300,16 @@ class Profiler:
         state, m = step_fn(...)
         prof.after(step, m)          # after: the trace ends once step `last` has finished
 
-    A resumed run that starts inside the range traces the rest of it. Each process traces
-    its own devices; with several processes, each into profile/process_<i>.
-    """
+    A resumed run that starts inside the range traces the rest of it. Each process traces its
+    own devices; with several processes, each into profile/process_<i>."""
 
     def __init__(self, run_dir: str, steps: tuple[int, ...]):
         self.first, self.last = (steps[0], steps[-1]) if steps else (0, -1)
         self.dir = os.path.join(run_dir, "profile")
         if jax.process_count() > 1:
             self.dir = os.path.join(self.dir, f"process_{jax.process_index()}")
-        self._mirror: Mirror | None = None
-        self.active = False
-        self.traced: tuple[int, int] | None = None
-        self._annotation = None
+        self.active, self.traced, self._mirror = False, None, None  # traced: (first, last)
+        self._step = contextlib.ExitStack()  # the running step's annotation
 
     def before(self, step: int) -> None:
         if not self.active and self.traced is None and self.first <= step <= self.last:
@@ -375,44 +321,30 @@ class Profiler:
             self.active, self._began = True, step
         if self.active:
             # Marks the step in the trace: the profile plugin's step-time view reads these.
-            self._annotation = jax.profiler.StepTraceAnnotation("train", step_num=step)
-            self._annotation.__enter__()
+            self._step.enter_context(jax.profiler.StepTraceAnnotation("train", step_num=step))
 
     def after(self, step: int, outputs) -> None:
-        if self._annotation is not None:
-            self._annotation.__exit__(None, None, None)
-            self._annotation = None
+        self._step.close()
         if self.active and step >= self.last:
             jax.block_until_ready(outputs)  # the device's part of the last step, too
-            self._stop(step)
+            self.close(step)
 
-    def _stop(self, step: int) -> None:
-        with progress("profile: writing the trace"):
-            jax.profiler.stop_trace()
-            if self._mirror is not None:
-                self._mirror.close()
-                self._mirror = None
-        self.active, self.traced = False, (self._began, step)
-
-    def close(self) -> None:
-        """Ends a trace the loop left open (a run stopped by SIGTERM inside the range)."""
-        if self._annotation is not None:
-            self._annotation.__exit__(None, None, None)
-            self._annotation = None
+    def close(self, step: int = -1) -> None:
+        """Ends the trace after `step`; without one, a trace the loop left open (a run stopped
+        by SIGTERM inside the range)."""
+        self._step.close()
         if self.active:
-            self._stop(-1)
-
-    def __enter__(self) -> Profiler:
-        return self
+            with progress("profile: writing the trace"):
+                jax.profiler.stop_trace()
+                if self._mirror is not None:
+                    self._mirror.close()
+            self.active, self.traced = False, (self._began, step)
 
     def __exit__(self, *exc) -> None:
         self.close()
 
 
-# ----------------------------------------------------------------------------------------------
-# The end of a run
-
-
+# --- The end of a run -------------------------------------------------------------------------
 def duration(seconds: float) -> str:
     if seconds < 60:
         return f"{seconds:.1f} s"
@@ -423,8 +355,8 @@ def duration(seconds: float) -> str:
 def where_rows(run_dir: str, log: MetricsLog | None = None,
                profiler: Profiler | None = None) -> list[tuple[str, str]]:
     """The summary's rows that say where a run's files are and how to look at them."""
-    rows = [("checkpoints", os.path.join(run_dir, "checkpoints"))]
-    rows.append(("metrics", os.path.join(run_dir, "metrics.jsonl")))
+    rows = [("checkpoints", os.path.join(run_dir, "checkpoints")),
+            ("metrics", os.path.join(run_dir, "metrics.jsonl"))]
     if log is not None and log.has_tensorboard:
         rows.append(("tensorboard", f"{log.tensorboard_dir}   (make tensorboard RUN={run_dir})"))
     rows.append(("plots", f"make plot RUN={run_dir}   (writes {os.path.join(run_dir, 'plots')})"))
@@ -436,8 +368,7 @@ def where_rows(run_dir: str, log: MetricsLog | None = None,
 
 def print_summary(title: str, rows: list[tuple[str, str]]) -> None:
     """A one-screen block that ends a run's log: what it did, then where its files are."""
-    width = max(len(k) for k, _ in rows)
-    rule = "=" * 78
+    width, rule = max(len(k) for k, _ in rows), "=" * 78
     say("\n".join([f"{rule}\n{title}\n{'-' * 78}"] +
                   [f"{k:<{width}}  {v}" for k, v in rows] + [rule]))
 

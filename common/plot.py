@@ -4,10 +4,10 @@
     python -m common.plot runs/a runs/b --log-y        # both on every figure -> runs/compare-a-b/
     make plot RUN="runs/a runs/b" ARGS=--log-y
 
-Which figures depends on what the records hold: loss.png (train and eval loss), lr.png
-(learning rate and gradient norm), throughput.png (tokens/s and MFU, or rollout tokens/s);
-for train_moe.py expert_load.png; for train_grpo.py reward.png, kl.png, lengths.png and
-warm_start.png. matplotlib is an optional extra (`pip install -e '.[viz]'`).
+Which figures depends on what the records hold: loss.png (train and eval loss), lr.png (learning
+rate and gradient norm), throughput.png (tokens/s and MFU, or rollout tokens/s); for train_moe.py
+expert_load.png; for train_grpo.py reward.png, kl.png, lengths.png and warm_start.png.
+matplotlib is an optional extra (`pip install -e '.[viz]'`).
 
 A resumed run logs again the steps after its checkpoint; as TensorBoard does, a record whose
 step is not past the previous one starts over from there, so each step shows its last value.
@@ -42,13 +42,9 @@ class Run:
         return any(key in r for r in self.steps)
 
     def series(self, key: str, scale: float = 1.0, records=None):
-        pts = [(r.get("step", r.get("warm_step")), r[key]) for r in
-               (self.steps if records is None else records) if key in r]
-        return [p[0] for p in pts], [scale * _num(p[1]) for p in pts]
-
-
-def _num(v) -> float:
-    return float("nan") if v is None else float(v)
+        pts = [(r.get("step", r.get("warm_step")), r[key])
+               for r in (self.steps if records is None else records) if key in r]
+        return [x for x, _ in pts], [scale * float(math.nan if y is None else y) for _, y in pts]
 
 
 def _norm(d: str) -> str:
@@ -60,8 +56,7 @@ def read_run(run_dir: str, name: str | None = None) -> Run:
     if not path.is_file():
         raise FileNotFoundError(f"{run_dir}: no metrics.jsonl here; is it a run directory "
                                 f"(--run-dir of a trainer) that has logged a step?")
-    by_step: dict[int, dict] = {}
-    warm, last = [], None
+    by_step, warm, last = {}, [], None  # by_step: step -> that step's records merged
     for line_no, line in enumerate(path.read_text().splitlines(), 1):
         if not line.strip():
             continue
@@ -76,8 +71,7 @@ def read_run(run_dir: str, name: str | None = None) -> Run:
             continue
         step = rec["step"]
         if last is not None and step < last:  # a resume: what follows replaces the rest
-            for s in [s for s in by_step if s >= step]:
-                del by_step[s]
+            by_step = {s: r for s, r in by_step.items() if s < step}
         by_step.setdefault(step, {}).update(rec)
         last = step
     config_file = epath.Path(run_dir) / "config.json"
@@ -86,93 +80,90 @@ def read_run(run_dir: str, name: str | None = None) -> Run:
                [by_step[s] for s in sorted(by_step)], warm, config)
 
 
-# ----------------------------------------------------------------------------------------------
-# Figures: each takes the runs and returns a matplotlib Figure, or None when no run has its data
-
-
+# --- Figures: each takes the runs, returns a Figure or None (no run has its data) -------------
 def _figure(title: str, rows: int, cols: int = 1):
-    from matplotlib.figure import Figure
-    fig = Figure(figsize=FIGSIZE_IN, dpi=DPI, layout="constrained")
+    from matplotlib import figure, ticker
+    fig = figure.Figure(figsize=FIGSIZE_IN, dpi=DPI, layout="constrained")
     axes = fig.subplots(rows, cols, sharex=True, squeeze=False).ravel()
     fig.suptitle(title)
-    from matplotlib.ticker import MaxNLocator
     for ax in axes:
         ax.grid(True, alpha=0.3)
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole
+        ax.xaxis.set_major_locator(ticker.MaxNLocator(integer=True))  # steps are whole
     for ax in axes[-cols:]:
         ax.set_xlabel("step")
     return fig, axes
 
 
-def _color(i: int) -> str:
-    return f"C{i % 10}"
-
-
-def _lines(ax, runs, keys, *, ylabel, scale=1.0, styles=("-", "--", ":", "-.")):
-    """One line per (run, key): colour says the run, line style the key."""
+def _lines(ax, runs, keys, *, ylabel, scale=1.0, log=False, ymin=None, band=None, empty="",
+           styles=("-", "--", ":", "-.")):
+    """One line per (run, key): colour says the run, line style the key. `band(run)` gives
+    (x, lower, upper) for a shaded band in the run's colour (skipped where they do not line
+    up); `empty` is written on the panel if it has no line. Returns how many lines it drew."""
     drawn = 0
     for i, run in enumerate(runs):
+        x, lo, hi = band(run) if band else ([], [], [])
+        if x and len(x) == len(lo) == len(hi):
+            ax.fill_between(x, lo, hi, color=f"C{i % 10}", alpha=0.15, linewidth=0)
         for (key, label), style in zip(keys, styles):
             x, y = run.series(key, scale)
             if not x:
                 continue
-            marker = "o" if len(x) < 30 else None
             parts = ([run.name] if len(runs) > 1 else []) + ([label] if len(keys) > 1 else [])
-            ax.plot(x, y, style, color=_color(i), marker=marker, markersize=3,
-                    label=", ".join(parts) or None)
+            ax.plot(x, y, style, color=f"C{i % 10}", marker="o" if len(x) < 30 else None,
+                    markersize=3, label=", ".join(parts) or None)
             drawn += 1
     ax.set_ylabel(ylabel)
+    if log:
+        ax.set_yscale("log")
+    if ymin is not None:
+        ax.set_ylim(bottom=ymin)
+    if empty and not drawn:
+        ax.text(0.5, 0.5, empty, ha="center", transform=ax.transAxes)
     if drawn > 1:
         ax.legend(fontsize="small")
     return drawn
 
 
-def loss_figure(runs, log_y=False):
-    if not any(r.has("loss") or r.has("eval_loss") for r in runs):
+def _panels(runs, title, needs, panels):
+    """A figure of panels one above the other, each drawn by `_lines` with the arguments in
+    `panels`; None when no run has any of the keys in `needs`."""
+    if not any(r.has(k) for r in runs for k in needs):
         return None
-    fig, (ax,) = _figure("loss", 1)
-    _lines(ax, runs, [("loss", "train"), ("eval_loss", "eval")], ylabel="cross-entropy (nats)")
-    if log_y:
-        ax.set_yscale("log")
+    fig, axes = _figure(title, len(panels))
+    for ax, panel in zip(axes, panels):
+        _lines(ax, runs, **panel)
     return fig
+
+
+def loss_figure(runs, log_y=False):
+    return _panels(runs, "loss", ["loss", "eval_loss"], [
+        dict(keys=[("loss", "train"), ("eval_loss", "eval")], ylabel="cross-entropy (nats)",
+             log=log_y)])
 
 
 def lr_figure(runs, log_y=False):
     lr_key = "lr" if any(r.has("lr") for r in runs) else "learning_rate"
-    if not any(r.has(lr_key) or r.has("grad_norm") for r in runs):
-        return None
-    fig, (a, b) = _figure("optimiser", 2)
-    _lines(a, runs, [(lr_key, "lr")], ylabel="learning rate")
-    _lines(b, runs, [("grad_norm", "grad norm")], ylabel="gradient norm (before clipping)")
-    if log_y:
-        b.set_yscale("log")
-    return fig
+    return _panels(runs, "optimiser", [lr_key, "grad_norm"], [
+        dict(keys=[(lr_key, "lr")], ylabel="learning rate"),
+        dict(keys=[("grad_norm", "grad norm")], ylabel="gradient norm (before clipping)",
+             log=log_y)])
 
 
 def throughput_figure(runs, log_y=False):
+    # The y axes start at zero: a 5% wobble should look like one.
     if any(r.has("tokens_per_s") for r in runs):
-        fig, (a, b) = _figure("throughput", 2)
-        _lines(a, runs, [("tokens_per_s", "tok/s")], ylabel="tokens / s")
-        _lines(b, runs, [("mfu", "MFU")], ylabel="MFU (%)", scale=100)
-    elif any(r.has("rollout_tokens_per_s") for r in runs):
-        fig, (a, b) = _figure("throughput", 2)
-        _lines(a, runs, [("rollout_tokens_per_s", "rollout tok/s")],
-               ylabel="rollout tokens / s")
-        _lines(b, runs, [("ms_per_step", "ms/step")], ylabel="ms / step")
-    else:
-        return None
-    for ax in (a, b):  # from zero: a 5% wobble should look like one
-        ax.set_ylim(bottom=0)
-    return fig
+        return _panels(runs, "throughput", ["tokens_per_s"], [
+            dict(keys=[("tokens_per_s", "tok/s")], ylabel="tokens / s", ymin=0),
+            dict(keys=[("mfu", "MFU")], ylabel="MFU (%)", scale=100, ymin=0)])
+    return _panels(runs, "throughput", ["rollout_tokens_per_s"], [
+        dict(keys=[("rollout_tokens_per_s", "tok/s")], ylabel="rollout tokens / s", ymin=0),
+        dict(keys=[("ms_per_step", "ms/step")], ylabel="ms / step", ymin=0)])
 
 
 def _per_layer(run, key, reduce):
-    x, y = [], []
-    for r in run.steps:
-        if isinstance(r.get(key), list) and r[key]:
-            x.append(r["step"])
-            y.append(reduce(r[key]))
-    return x, y
+    pts = [(r["step"], reduce(r[key])) for r in run.steps
+           if isinstance(r.get(key), list) and r[key]]
+    return [x for x, _ in pts], [y for _, y in pts]
 
 
 def expert_load_figure(runs, log_y=False):
@@ -186,15 +177,13 @@ def expert_load_figure(runs, log_y=False):
                                     (axes[1], "load_min", "least-loaded expert", min)):
         for i, run in enumerate(runs):
             if per_layer:
-                n = max(len(r.get(key, [])) for r in run.steps)
-                for layer in range(n):
+                for layer in range(max(len(r.get(key, [])) for r in run.steps)):
                     x, y = _per_layer(run, key, lambda v: v[layer] if layer < len(v) else math.nan)
-                    ax.plot(x, y, color=_color(layer), label=f"layer {layer}")
+                    ax.plot(x, y, color=f"C{layer % 10}", label=f"layer {layer}")
             else:
-                x, y = _per_layer(run, key, extreme)
-                ax.plot(x, y, color=_color(i), label=f"{run.name} ({extreme.__name__} over layers)")
-            e = run.config.get("model", {}).get("n_experts")
-            if e:
+                ax.plot(*_per_layer(run, key, extreme), color=f"C{i % 10}",
+                        label=f"{run.name} ({extreme.__name__} over layers)")
+            if e := run.config.get("model", {}).get("n_experts"):
                 ax.axhline(1 / e, color="grey", ls=":", label=f"even (1/{e})" if i == 0 else None)
         ax.set_title(title, fontsize="medium")
         ax.set_ylabel("share")
@@ -207,62 +196,35 @@ def expert_load_figure(runs, log_y=False):
     return fig
 
 
-def _bands(ax, runs, bounds) -> None:
-    """A shaded band per run, in its line's colour, between the lower and upper series that
-    `bounds(run)` returns as (x, lower, upper); skipped where they do not line up."""
-    for i, run in enumerate(runs):
-        x, lo, hi = bounds(run)
-        if x and len(x) == len(lo) == len(hi):
-            ax.fill_between(x, lo, hi, color=_color(i), alpha=0.15, linewidth=0)
-
-
 def reward_figure(runs, log_y=False):
-    if not any(r.has("reward") for r in runs):
-        return None
-    fig, (a, b) = _figure("reward", 2)
-
     def mean_std(run):
-        x, y = run.series("reward")
-        _, sd = run.series("reward_std")
+        (x, y), sd = run.series("reward"), run.series("reward_std")[1]
         return x, [m - s for m, s in zip(y, sd)], [m + s for m, s in zip(y, sd)]
 
-    _bands(a, runs, mean_std)
-    _lines(a, runs, [("reward", "sampled (mean, ± std)"), ("eval_reward", "held-out (greedy)")],
-           ylabel="reward")
-    _lines(b, runs, [("rewards/correctness/mean", "correct"), ("rewards/format/mean", "format")],
-           ylabel="reward part")
-    return fig
+    return _panels(runs, "reward", ["reward"], [
+        dict(keys=[("reward", "sampled (mean, ± std)"), ("eval_reward", "held-out (greedy)")],
+             ylabel="reward", band=mean_std),
+        dict(keys=[("rewards/correctness/mean", "correct"), ("rewards/format/mean", "format")],
+             ylabel="reward part")])
 
 
 def kl_figure(runs, log_y=False):
-    if not any(r.has("entropy") or r.has("kl") for r in runs):
-        return None
-    fig, (a, b, c) = _figure("policy: KL to the reference, clipping, entropy", 3)
-    if not _lines(a, runs, [("kl", "KL")], ylabel="KL (k3)"):
-        a.text(0.5, 0.5, "no KL term in these runs (--grpo.beta 0)", ha="center",
-               transform=a.transAxes)
-    _lines(b, runs, [("clip_ratio/region_mean", "clipped"), ("clip_ratio/low_mean", "low"),
-                     ("clip_ratio/high_mean", "high")], ylabel="clipped token share")
-    _lines(c, runs, [("entropy", "entropy")], ylabel="entropy (nats)")
-    if log_y:
-        a.set_yscale("log")
-    return fig
+    return _panels(runs, "policy: KL to the reference, clipping, entropy", ["entropy", "kl"], [
+        dict(keys=[("kl", "KL")], ylabel="KL (k3)", log=log_y,
+             empty="no KL term in these runs (--grpo.beta 0)"),
+        dict(keys=[("clip_ratio/region_mean", "clipped"), ("clip_ratio/low_mean", "low"),
+                   ("clip_ratio/high_mean", "high")], ylabel="clipped token share"),
+        dict(keys=[("entropy", "entropy")], ylabel="entropy (nats)")])
 
 
 def lengths_figure(runs, log_y=False):
-    if not any(r.has("completions/mean_length") for r in runs):
-        return None
-    fig, (a, b) = _figure("completions", 2)
-
     def min_max(run):
-        x, lo = run.series("completions/min_length")
-        return x, lo, run.series("completions/max_length")[1]
+        return *run.series("completions/min_length"), run.series("completions/max_length")[1]
 
-    _bands(a, runs, min_max)
-    _lines(a, runs, [("completions/mean_length", "mean (band: min-max)")], ylabel="tokens")
-    _lines(b, runs, [("completions/clipped_ratio", "unfinished")],
-           ylabel="share cut at --grpo.max-new-tokens")
-    return fig
+    return _panels(runs, "completions", ["completions/mean_length"], [
+        dict(keys=[("completions/mean_length", "mean")], ylabel="tokens", band=min_max),
+        dict(keys=[("completions/clipped_ratio", "unfinished")],
+             ylabel="share cut at --grpo.max-new-tokens")])
 
 
 def warm_start_figure(runs, log_y=False):
@@ -271,14 +233,12 @@ def warm_start_figure(runs, log_y=False):
     fig, (a, b) = _figure("warm start (supervised, before GRPO)", 2)
     for ax, key, label in ((a, "sft_loss", "SFT loss"), (b, "reward", "sampled reward")):
         for i, run in enumerate(runs):
-            x, y = run.series(key, records=run.warm)
-            ax.plot(x, y, color=_color(i), marker="o", markersize=3,
-                    label=run.name if len(runs) > 1 else None)
+            ax.plot(*run.series(key, records=run.warm), color=f"C{i % 10}", marker="o",
+                    markersize=3, label=run.name if len(runs) > 1 else None)
         ax.set_ylabel(label)
         if len(runs) > 1:
             ax.legend(fontsize="small")
-    axes = fig.get_axes()
-    axes[-1].set_xlabel("warm-start step")
+    b.set_xlabel("warm-start step")
     return fig
 
 
@@ -289,20 +249,14 @@ FIGURES = {"loss": loss_figure, "lr": lr_figure, "throughput": throughput_figure
 
 def figures(runs: list[Run], log_y: bool = False) -> dict:
     """{name: Figure} of every figure the runs have data for."""
-    out = {}
-    for name, make in FIGURES.items():
-        fig = make(runs, log_y)
-        if fig is not None:
-            out[name] = fig
-    return out
+    return {name: fig for name, make in FIGURES.items() if (fig := make(runs, log_y)) is not None}
 
 
 def default_out(run_dirs: list[str]) -> str:
     if len(run_dirs) == 1:
         return os.path.join(run_dirs[0], "plots")
-    names = [os.path.basename(_norm(d)) for d in run_dirs]
-    parent = os.path.dirname(_norm(run_dirs[0]))
-    return os.path.join(parent, "compare-" + "-".join(names))
+    names = "-".join(os.path.basename(_norm(d)) for d in run_dirs)
+    return os.path.join(os.path.dirname(_norm(run_dirs[0])), f"compare-{names}")
 
 
 def plot(run_dirs: list[str], out: str = "", log_y: bool = False) -> list[str]:
@@ -319,9 +273,8 @@ def plot(run_dirs: list[str], out: str = "", log_y: bool = False) -> list[str]:
     for name, fig in figures(runs, log_y).items():
         png = io.BytesIO()
         fig.savefig(png, dpi=DPI, format="png")
-        path = os.path.join(out, f"{name}.png")
-        epath.Path(path).write_bytes(png.getvalue())
-        paths.append(path)
+        paths.append(os.path.join(out, f"{name}.png"))
+        epath.Path(paths[-1]).write_bytes(png.getvalue())
     return paths
 
 
@@ -334,10 +287,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--log-y", action="store_true", help="log-scale loss (and grad norm, KL)")
     args = ap.parse_args(argv)
     try:
-        import matplotlib  # noqa: F401
+        import matplotlib
     except ImportError:
         sys.exit("error: plotting needs matplotlib: `pip install matplotlib` (or "
                  "`pip install -e '.[viz]'`); `make plot` installs it for you")
+    del matplotlib  # imported only to see that it is there: the figures import their parts
     try:
         paths = plot(args.runs, args.out, args.log_y)
     except (FileNotFoundError, ValueError) as e:

@@ -1,21 +1,12 @@
 """The training plumbing that no model changes, written once for every trainer.
 
-A trainer (train_*.py) keeps what a forker edits: its config and presets, the parameter
-table, the model, the loss, `train_step` and a short loop in plain sight. This file holds the
-rest, the same whatever the model:
-
-    parameter tables     (shape, PartitionSpec, init std) -> specs, fresh weights, counts
-    optimiser            AdamW with global-norm clipping, weight decay on named matrices,
-                         warmup + cosine / constant / warmup-stable-decay schedules
-    TrainState           {params, opt_state, step}: shardings, fresh, from given weights,
-                         abstract (nothing allocated), and a step jitted with donation
-    FLOPs                the accelerators' peak table and MFU
-    dry_run, bench       compile on abstract inputs and report memory; time a step
-    Run, Loop            a run directory opened for training, and the loop's mechanics:
-                         metrics fetched one step late, evals, checkpoints, SIGTERM, summary
-    export_run, cli      the export-hf driver and the command line
-
-It knows no model: nothing here reads a ModelConfig field.
+A trainer (train_*.py) keeps what a forker edits: config and presets, parameter table, model,
+loss, `train_step` and a short loop in plain sight. This file holds the rest: parameter
+tables to specs and weights; the checks of flags; AdamW and its schedules; TrainState
+({params, opt_state, step}, sharded, fresh or abstract, a step jitted with donation and a
+guard against non-finite updates); peak FLOPs and MFU; dry-run and bench reports; sampling;
+Run and Loop (a run directory, and the loop's logging, evals, checkpoints and SIGTERM); the
+export-hf driver and the command line. It knows no model: it reads no ModelConfig field.
 """
 from __future__ import annotations
 
@@ -48,13 +39,16 @@ class ConfigError(ValueError):
     """A flag value that cannot work; the message names the flag and the fix."""
 
 
+class NonFiniteError(RuntimeError):
+    """Training diverged: a step's loss or gradient was not finite (exit code 3)."""
+
+
 # Bad input of any kind: the command line prints the reason and exits 2, never a traceback.
 INPUT_ERRORS = (ConfigError, MeshError, ConfigConflictError, CheckpointError, FileNotFoundError,
                 DataError, multislice.DistributedInitError, hf.HFError)
 
 
-# ----------------------------------------------------------------------------------------------
-# Parameter tables: name -> (shape, PartitionSpec, init std)
+# --- Parameter tables: name -> (shape, PartitionSpec, init std) -------------------------------
 
 
 def is_entry(x) -> bool:
@@ -103,8 +97,7 @@ def check_divides(table: dict, mesh, where: str) -> None:
                                   "that divide the model's.")
 
 
-# ----------------------------------------------------------------------------------------------
-# Checks that need no compilation, so that a bad launch fails in a second
+# --- Checks that need no compilation, so that a bad launch fails in a second ------------------
 
 
 # The ranges of the common configs' numbers (see check_ranges); a trainer adds its own.
@@ -113,12 +106,10 @@ RULES = {"data.eval_fraction": "(0, 1)", "checkpoint.every": ">= 0",
 
 
 def check_ranges(cfg, rules: dict[str, str]) -> None:
-    """Every number in the config (but the mesh's, which `resolve` checks) is finite and in its
-    range, else a ConfigError that names the flag. `rules` maps "section.field" to "> 0",
-    ">= 0", "[0, 1)", "(0, 1]" (interval bounds as written), or "v or RANGE" (a value with a
-    meaning of its own, such as -1 for "the paper's"). A number without a rule keeps the
-    sign of its default: > 0 where the default is positive, >= 0 where it is zero. Integers
-    stay below 2^31 (steps and sizes are int32 on the device)."""
+    """Every number in the config (the mesh's: see `resolve`) is finite and in its range, else
+    a ConfigError naming the flag. `rules`: "section.field" -> "> 0", ">= 0", "[0, 1)", ...,
+    or "v or RANGE" (v meaning something, as -1 "the paper's"). Without a rule a number keeps
+    its default's sign (> 0, or >= 0 if 0). Integers stay below 2^31: int32 on the device."""
     rules = RULES | rules
     for path, v, default in _numbers(cfg):
         rule = rules.get(path) or (">= 0" if default == 0 else "> 0" if default > 0 else None)
@@ -191,8 +182,7 @@ def check_profile(profile_steps: tuple[int, ...], steps: int, flag: str = "--tra
         raise ConfigError(problem)
 
 
-# ----------------------------------------------------------------------------------------------
-# Optimiser
+# --- Optimiser --------------------------------------------------------------------------------
 
 
 def lr_schedule(kind: str, lr: float, warmup_steps: int, steps: int = 0,
@@ -226,17 +216,13 @@ def adamw(schedule, *, b1: float, b2: float, weight_decay: float, clip_norm: flo
                        optax.adamw(schedule, b1, b2, weight_decay=weight_decay, mask=mask))
 
 
-# ----------------------------------------------------------------------------------------------
-# Training state
+# --- Training state ---------------------------------------------------------------------------
 
 
 class TrainState:
-    """{params, opt_state, step} on a mesh, with Adam's moments sharded like their parameter
-    (and, with `ref`, a frozen copy of the parameters: a KL reference).
-
-    `init(key)` makes float32 parameters; it runs under jit with the specs as out_shardings,
-    so no full copy of a large model is ever made on one device.
-    """
+    """{params, opt_state, step} on a mesh, Adam's moments sharded like their parameter (with
+    `ref`, a frozen copy of the parameters: a KL reference). `init(key)` makes the float32
+    parameters under jit, the specs as out_shardings: no device ever holds a whole model."""
 
     def __init__(self, init: Callable, specs: dict, tx, mesh, *, ref: bool = False):
         self.init, self.tx, self.mesh, self.ref = init, tx, mesh, ref
@@ -270,9 +256,27 @@ class TrainState:
                             shapes, self.shardings)
 
     def jit(self, step_fn):
-        """step_fn(state, batch) -> (state, metrics) under jit, the state donated: its
-        buffers are reused for the new state, so a step holds one copy, not two."""
+        """step_fn(state, batch) -> (state, metrics), jitted, the state donated (its buffers
+        are reused: a step holds one copy of the state, not two)."""
         return jax.jit(step_fn, donate_argnums=0, out_shardings=(self.shardings, None))
+
+
+def update(tx, grads, state: dict, *checked) -> tuple[dict, dict]:
+    """The optimiser step on `grads`, unless the gradient norm or a `checked` value (the loss)
+    is not finite: then the parameters and optimiser state stay as they were. Decided on the
+    device by a select, so no step waits for the host; the loop reads `nonfinite` with the
+    metrics it fetches anyway and stops (or, with --*.max-bad-steps, skips). The step counter
+    advances either way: the schedule stays with the data."""
+    norm = optax.tree.norm(grads)
+    ok = jnp.isfinite(norm)
+    for x in checked:
+        ok &= jnp.all(jnp.isfinite(x))
+    updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
+    params = optax.apply_updates(state["params"], updates)
+    keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)
+    return state | {"params": keep(params, state["params"]),
+                    "opt_state": keep(opt_state, state["opt_state"]),
+                    "step": state["step"] + 1}, {"grad_norm": norm, "nonfinite": ~ok}
 
 
 def accumulate(grad_fn, params, batch, microbatches: int, batch_axes):
@@ -336,8 +340,7 @@ def with_source_model(cfg, config_from_hf: Callable, keep: tuple[str, ...],
         shape, **{f: getattr(cfg.model, f) for f in keep}))
 
 
-# ----------------------------------------------------------------------------------------------
-# FLOPs and MFU
+# --- FLOPs and MFU ----------------------------------------------------------------------------
 
 # Dense bf16 peak per chip, from the vendors' data sheets.
 PEAK_TFLOPS = {"TPU v4": 275, "TPU v5 lite": 197, "TPU v5e": 197, "TPU v5p": 459, "TPU v5": 459,
@@ -356,16 +359,21 @@ def peak_flops_per_device(override_tflops: float = 0.0) -> tuple[float, str]:
     if jax.devices()[0].platform != "cpu":
         return 0.0, f"unknown device {kind!r}: pass --train.peak-tflops"
     # CPU: all simulated devices share the host's cores, so measure the host once with a
-    # float32 matmul and divide among them.
-    n = 1024
-    a = jnp.ones((n, n), jnp.float32)
-    mm = jax.jit(lambda a: a @ a)
-    mm(a).block_until_ready()
-    t0 = time.perf_counter()
-    for _ in range(5):
-        out = mm(a)
-    out.block_until_ready()
-    host = 5 * 2 * n ** 3 / (time.perf_counter() - t0)
+    # float32 matmul and divide among them. With several processes, process 0 measures while
+    # the others wait in the broadcast: measuring at once, each would see a share of the cores
+    # (the processes are taken to share one host, as the launcher starts them).
+    host, n, a = 0.0, 1024, jnp.ones((1024, 1024), jnp.float32)
+    if jax.process_index() == 0:
+        mm = jax.jit(lambda a: a @ a)
+        mm(a).block_until_ready()
+        t0 = time.perf_counter()
+        for _ in range(5):
+            out = mm(a)
+        out.block_until_ready()
+        host = 5 * 2 * n ** 3 / (time.perf_counter() - t0)
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+        host = float(multihost_utils.broadcast_one_to_all(np.float32(host)))
     return host / jax.device_count(), f"measured f32 matmul, host {host / 1e9:.0f} GFLOP/s"
 
 
@@ -378,8 +386,7 @@ def mfu_text(util: float) -> str:
     return "MFU unknown" if math.isnan(util) else f"MFU {100 * util:.1f}%"
 
 
-# ----------------------------------------------------------------------------------------------
-# Start-up, dry run and bench
+# --- Start-up, dry run and bench --------------------------------------------------------------
 
 
 def start(quiet: bool) -> None:
@@ -519,8 +526,7 @@ def sample(logits_fn, params, prompts: list[list[int]], *, n_new: int, max_len: 
             buf, key = carry
             logits = logits_fn(params, buf, *((seg, pos) if ragged else ()))[:, i - 1, :n_valid]
             key, sub = jax.random.split(key)
-            nxt = (jnp.argmax(logits, -1) if temperature == 0 else
-                   jax.random.categorical(sub, logits / temperature, axis=-1))
+            nxt = draw(sub, logits / temperature if temperature else logits, temperature, 0, 1.0)
             return buf.at[:, i].set(nxt.astype(buf.dtype)), key
         return jax.lax.fori_loop(width, width + n_new, one, (buf, key))[0]
 
@@ -528,8 +534,7 @@ def sample(logits_fn, params, prompts: list[list[int]], *, n_new: int, max_len: 
     return [out[i, width:].tolist() for i in range(len(prompts))]
 
 
-# ----------------------------------------------------------------------------------------------
-# A run directory opened for training, and the loop's mechanics
+# --- A run directory opened for training, and the loop's mechanics ----------------------------
 
 
 class Run:
@@ -541,7 +546,15 @@ class Run:
                  defaults=None):
         self.cfg, self.dir = cfg, cfg.run_dir
         self.t_start = time.perf_counter()
-        run_path(self.dir).mkdir(parents=True, exist_ok=True)
+        try:  # refused now, not at the first save 100 steps in
+            run_path(self.dir).mkdir(parents=True, exist_ok=True)
+            if not observe.is_remote(self.dir):  # a bucket: Orbax reports its own errors
+                probe = os.path.join(self.dir, f".write-test-{jax.process_index()}")
+                open(probe, "w").close()
+                os.remove(probe)
+        except OSError as e:
+            raise CheckpointError(f"--run-dir {self.dir}: cannot write there ({e}); choose a "
+                                  "directory this user can write to.") from None
         config = dataclasses.asdict(cfg)
         if multislice.is_main_process():
             check_run_config(self.dir, config, may_change,
@@ -567,9 +580,6 @@ class Run:
         log(f"resumed from step {start} ({self.dir}/checkpoints/{start})")
         return state, start
 
-    def where_rows(self) -> list[tuple[str, str]]:
-        return observe.where_rows(self.dir, self.metrics_log, self.profiler)
-
 
 class Loop:
     """Everything a training loop does besides the step, so that the trainer shows its loop:
@@ -584,26 +594,28 @@ class Loop:
 
     Log records go to metrics.jsonl (and TensorBoard) with throughput and MFU; a log line
     is "step N | " + show(record) + throughput. `loop.step` is the step just taken (1-based).
+    A step whose metrics say `nonfinite` (see `update`) stops the run with NonFiniteError
+    before anything of it is saved, or, within --*.max-bad-steps, is counted and skipped.
     """
 
     def __init__(self, run: Run, start: int, steps: int, *, log_every: int, eval_every: int,
-                 tokens_per_step: int, flops_per_token: float, peak: tuple[float, str],
-                 show: Callable[[dict], str], flag: str = "--train"):
+                 tokens_per_step: int, flops_per_token: float, peak_tflops: float,
+                 show: Callable[[dict], str], flag: str = "--train", max_bad_steps: int = 0):
         self.run, self.start, self.steps, self.flag = run, start, steps, flag
+        self.max_bad_steps, self.bad_steps, self._metrics = max_bad_steps, 0, {}
         self.log_every, self.eval_every, self.show = log_every, eval_every, show
-        self.tokens_per_step, self.fpt, (self.peak, self.peak_src) = (tokens_per_step,
-                                                                      flops_per_token, peak)
+        self.tokens_per_step, self.fpt = tokens_per_step, flops_per_token
+        self.peak, self.peak_src = peak_flops_per_device(peak_tflops)
         self.step, self.stopped, self.seconds, self.compile_s = start, False, 0.0, None
-        self.evals: list[tuple[int, dict]] = []
-        self.first_loss = self.last_loss = None
+        self.evals, self.first_loss, self.last_loss = [], None, None  # evals: (step, figures)
         self._pending = None    # (step, device metrics, steps covered): fetched a step late
         self._joined = {}       # step -> eval figures, written with that step's log record
-        self._stop_vote = None  # did any process get SIGTERM? also read one step late
+        self._late = None       # (did any process get SIGTERM?, was the step non-finite?, its
+        #                         metrics): read a step late, when the device is done with it
         self._since = 0
 
     def compile(self, step_fn, state, batch):
-        """The step compiled ahead of time for these inputs (timed, with a progress line), or
-        as it is when nothing is left to train."""
+        """The step compiled ahead of time (timed), unless nothing is left to train."""
         if self.start >= self.steps:
             return step_fn
         with observe.progress("compiling train step") as p:
@@ -633,6 +645,7 @@ class Loop:
     def log(self, metrics: dict) -> None:
         """The step's device metrics; the previous log step's are fetched now, finished by
         then (or nearly), so logging never stalls the device."""
+        self._metrics = metrics
         self.run.profiler.after(self.step, metrics)
         if self._pending is not None:
             self._fetch_and_emit()
@@ -650,7 +663,8 @@ class Loop:
         util = mfu(self.fpt, tok_s, self.peak)
         rec = {"step": step} | {k: np.asarray(v).tolist() if np.ndim(v) else float(v)
                                 for k, v in m.items()}
-        rec |= {"tokens_per_s": tok_s, "mfu": util, "ms_per_step": 1e3 * dt_s / n_steps}
+        rec |= {"tokens_per_s": tok_s, "mfu": util, "ms_per_step": 1e3 * dt_s / n_steps,
+                "skipped_steps": self.bad_steps}
         rec |= self._joined.pop(step, {})
         if "loss" in rec:
             self.first_loss = self.first_loss or rec["loss"]
@@ -675,19 +689,49 @@ class Loop:
 
     def checkpoint(self, state) -> None:
         """Save when due, at the last step, and at the step after any process got SIGTERM
-        (the vote is read one step late: every process saves the same step)."""
-        stop = self._stop_vote is not None and bool(jax.device_get(self._stop_vote))
-        self._stop_vote = multislice.any_process(self._guard.requested)
-        if self.run.ckpt.save(self.step, state, force=self.step == self.steps or stop):
+        (the vote is read one step late: every process saves the same step). A step is saved
+        only once its metrics are known finite: a save waits for its step anyway."""
+        m, bad = self._metrics, self._metrics.get("nonfinite", False)
+        late, self._late = self._late, (multislice.any_process(self._guard.requested), bad, m)
+        stop, late_bad = (False, False) if late is None else jax.device_get(late[:2])
+        if late_bad:
+            self.nonfinite(self.step - 1, late[2])
+        force = self.step == self.steps or stop
+        if (force or self.run.ckpt.due(self.step)) and jax.device_get(bad):
+            self.nonfinite(self.step, m)
+            self._late = (self._late[0], False, m)  # counted once
+        if self.run.ckpt.save(self.step, state, force=force):
             self.run.metrics_log.checkpointed()
         if stop:
             log(f"SIGTERM: saved step {self.step}, exiting")
             self.stopped = True
 
-    def summary(self, end: int, per_step: str, rows: list[tuple[str, str]]) -> dict:
-        """The run on one screen: how far (to step `end`), the trainer's rows (how well), how
-        long, how fast, and where its files are. Returns the figures for the caller."""
+    def nonfinite(self, step: int, m: dict) -> None:
+        """Step `step` (metrics `m`) did not update: stop, or count it and go on."""
+        self.bad_steps, m = self.bad_steps + 1, jax.device_get(m)
+        what = ", ".join(f"{k} {float(m[k]):.4g}" for k in ("loss", "grad_norm", "kl") if k in m)
+        if self.bad_steps > self.max_bad_steps:
+            raise NonFiniteError(
+                f"step {step}: {what}: not finite, so its update was not applied and nothing "
+                f"of it was saved. The newest checkpoint in {self.run.dir}/checkpoints is the "
+                f"last good state; a rerun resumes from it. Likely causes: a learning rate too "
+                f"high ({self.flag}.lr), an overflow in bfloat16 (--model.dtype float32 tells), "
+                f"a bad batch. {self.flag}.max-bad-steps N skips up to N such updates "
+                f"({self.bad_steps - 1} skipped in this run, of {self.max_bad_steps}).")
+        log(f"step {step}: {what}: not finite; update skipped ({self.bad_steps} of "
+            f"{self.flag}.max-bad-steps {self.max_bad_steps})")
+
+    def summary(self, end: int, per_step: str, rows=()) -> dict:
+        """The run on one screen: how far (to step `end`), how well (the loss and eval loss,
+        when logged, and the trainer's rows), how long, how fast, and where its files are.
+        Returns the figures for the caller."""
         fmt, start = observe.fmt, self.start
+        evals = [(s, e["eval_loss"]) for s, e in self.evals if "eval_loss" in e]
+        best = min((e for _, e in evals), default=None)
+        if self.first_loss is not None:
+            rows = [("loss", f"{fmt(self.first_loss)} -> {fmt(self.last_loss)} | best eval "
+                             f"loss {fmt(best)} | last eval loss "
+                             f"{fmt(evals[-1][1] if evals else None)}"), *rows]
         ms = observe.mean_ms_per_step(self.run.metrics_log.records, start)
         tok_s = self.tokens_per_step / ms * 1e3
         util = mfu(self.fpt, tok_s, self.peak)
@@ -698,20 +742,18 @@ class Loop:
             ("steps", f"{start} -> {end} ({end - start} this run, of {self.flag}.steps "
                       f"{self.steps})"),
             ("tokens", f"{(end - start) * self.tokens_per_step:,} this run ({per_step} per "
-                       "step)"),
-        ] + rows + [
+                       "step)"), *rows,
             ("wall time", timing),
             ("throughput", f"{fmt(tok_s / 1e3, '.1f')}k tok/s, {mfu_text(util)}, "
                            f"{fmt(ms, '.0f')} ms/step (mean over logged steps after the "
                            "first)"),
-        ] + self.run.where_rows())
-        return {"start_step": start, "final_step": end,
-                "first_loss": self.first_loss, "last_loss": self.last_loss,
-                "compile_s": self.compile_s} | (self.evals[-1][1] if self.evals else {})
+        ] + observe.where_rows(self.run.dir, self.run.metrics_log, self.run.profiler))
+        return {"start_step": start, "final_step": end, "first_loss": self.first_loss,
+                "last_loss": self.last_loss, "compile_s": self.compile_s, "evals": evals,
+                "best_eval": best} | (self.evals[-1][1] if self.evals else {})
 
 
-# ----------------------------------------------------------------------------------------------
-# export-hf and the command line
+# --- export-hf and the command line -----------------------------------------------------------
 
 
 def export_run(run_dir: str, out: str, step: int, dtype: str, *, read: Callable[[dict], object],
@@ -744,13 +786,11 @@ def export_run(run_dir: str, out: str, step: int, dtype: str, *, read: Callable[
             raise CheckpointError(f"--run-dir {run_dir} has no checkpoint to export.")
         params = ckpt.restore(at, {"params": abstract}, partial=True)["params"]
     src = saved.get("init_from_hf") or ""
-    try:
+    try:  # the data may be gone: then the export ships no tokenizer
         tok = None if src else tokenizer(cfg)
-    except (FileNotFoundError, ValueError, OSError):  # data gone: export without a tokenizer
+    except (FileNotFoundError, ValueError, OSError):
         tok = None
-    if tok and not os.path.isfile(tok):
-        tok = None
-    base, tokenizer_dir = hf.export_extras(src, tok)
+    base, tokenizer_dir = hf.export_extras(src, tok if tok and os.path.isfile(tok) else None)
     files = save(params, cfg, out, base)
     if tokenizer_dir:
         files += hf.copy_tokenizer(tokenizer_dir, out)
@@ -799,6 +839,6 @@ def run_cli(main: Callable, cli: Callable, export: Callable | None = None) -> No
             tyro.cli(export, args=sys.argv[2:], prog=f"{prog} export-hf")
         else:
             main(cli())
-    except INPUT_ERRORS as e:
+    except (*INPUT_ERRORS, NonFiniteError) as e:  # 3: not bad input, yet as sure to fail again
         print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+        sys.exit(3 if isinstance(e, NonFiniteError) else 2)

@@ -5,6 +5,7 @@ import dataclasses
 import math
 
 import jax
+import numpy as np
 import pytest
 
 import train_dense as td
@@ -49,3 +50,15 @@ def test_mfu_of_an_unknown_accelerator_reads_unknown(monkeypatch, capsys):
     report = td.main(dataclasses.replace(DENSE, bench=1))
     assert report["tokens_per_s"] > 0 and math.isnan(report["mfu"])
     assert "MFU unknown" in capsys.readouterr().out
+
+
+def test_with_several_processes_only_process_0_measures_the_peak(monkeypatch):
+    """Measured by every process at once, each would see a share of the host's cores (MFU
+    read 205-246% over 2 processes): process 1 waits for process 0's figure instead."""
+    from jax.experimental import multihost_utils
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    monkeypatch.setattr(jax, "process_index", lambda: 1)
+    monkeypatch.setattr(jax, "jit", lambda *a, **k: pytest.fail("process 1 measured"))
+    monkeypatch.setattr(multihost_utils, "broadcast_one_to_all", lambda x: np.float32(2**39))
+    peak, src = train.peak_flops_per_device(0.0)
+    assert peak == 2**39 / jax.device_count() and "host 550 GFLOP/s" in src

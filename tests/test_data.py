@@ -6,6 +6,7 @@ KB of generated text, so every test runs in well under a second.
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -177,8 +178,16 @@ def test_prepare_cli_prints_what_it_wrote(tmp_path, capsys):
     printed = capsys.readouterr().out
     n_train = read_sidecar(out, "train")["num_tokens"]
     assert f"wrote {out}" in printed and f"{n_train:,} uint16 tokens" in printed
-    with pytest.raises(SystemExit, match="--out .* already exists"):
+    with pytest.raises(SystemExit) as e:
         data.main(["prepare", "--input", str(tmp_path / "a.txt"), "--out", str(out)])
+    assert e.value.code == 2 and re.search("--out .* already exists", capsys.readouterr().err)
+    for flag, bad in (("--vocab-size", "0"), ("--vocab-size", "-5"), ("--eval-fraction", "0"),
+                      ("--eval-fraction", "nan"), ("--eval-fraction", "1.5"), ("--seed", "-1")):
+        with pytest.raises(SystemExit) as e:  # every number checked, before any work
+            data.main(["prepare", "--input", str(tmp_path / "a.txt"), "--out",
+                       str(tmp_path / "new"), flag, bad])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and flag in err and "Traceback" not in err, (flag, bad, err)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -505,3 +505,21 @@ def test_warm_start_stops_at_the_target_and_is_never_repeated(tmp_path, capsys):
     assert warm[-1]["reward"] >= 0.3 > max(r["reward"] for r in warm[:-1])
     again = tg.main(dataclasses.replace(cfg, grpo=dataclasses.replace(cfg.grpo, steps=1)))
     assert "resumed from step 0" in capsys.readouterr().out and "warm_start_steps" not in again
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_bfloat16_first_update_is_on_policy(tmp_path, monkeypatch, dtype):
+    """In bfloat16 on an accelerator the KV-cache decode and the training forward round
+    differently, enough to trip GSPO's 3e-4/4e-4 clip on the first, on-policy pass. The decode's
+    log-probs are shifted here by 0.01 as such rounding might: in bfloat16 the ratio's "old"
+    log-probs are the training forward's, so nothing clips; in float32 (where the two agree
+    to 1e-6) they are the decode's, and the shift shows as clipping."""
+    real = tg.rollout
+    monkeypatch.setattr(tg, "rollout", lambda *a, **k: (lambda out: out | {
+        "logp_BN": out["logp_BN"] - 0.01})(real(*a, **k)))
+    cfg = grpo_config(tmp_path, 2, grpo={"loss": "gspo", "beta": 0.0, "mu": 1},
+                      warm={"max_steps": 20, "check_every": 10})
+    tg.main(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, dtype=dtype)))
+    clip = [r["clip_ratio/region_mean"] for r in metrics(tmp_path) if "clip_ratio/region_mean" in r]
+    assert len(clip) == 2
+    assert (max(clip) == 0.0) if dtype == "bfloat16" else (min(clip) > 0), clip

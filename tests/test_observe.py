@@ -132,7 +132,7 @@ def test_event_files_hold_what_metrics_jsonl_holds(dense_run):
     expected = {(k, r["step"]): v for r in recs for k, v in r.items() if k != "step"}
     assert set(expected) <= set(scalars)
     assert {t for t, _ in expected} == {"loss", "eval_loss", "lr", "grad_norm", "tokens_per_s",
-                                        "mfu", "ms_per_step"}
+                                        "mfu", "ms_per_step", "nonfinite", "skipped_steps"}
     for key, v in expected.items():
         assert scalars[key] == np.float32(v), key   # TensorBoard keeps float32
     config = json.loads("\n".join(l[4:] for l in texts["config/text_summary"].splitlines()))
@@ -142,8 +142,8 @@ def test_event_files_hold_what_metrics_jsonl_holds(dense_run):
 
 def test_loop_fetches_metrics_on_log_steps_only(dense_run):
     # Every read of a device array is an explicit jax.device_get: metrics once per log step
-    # (one step late, not every step), plus the per-step stop vote (a scalar of the step
-    # before) and the evals. A float(metrics["loss"]) in the loop would wait for each step.
+    # (one step late, not every step), plus the per-step stop vote and non-finite flag
+    # (scalars of the step before) and the evals. A float(metrics["loss"]) in the loop would wait for each step.
     assert dense_run["implicit"] == []
     metric_fetches = [f for f in dense_run["fetched"] if isinstance(f, list) and "loss" in f]
     assert len(metric_fetches) == len(LOGGED) < STEPS

@@ -67,6 +67,6 @@ def test_first_losses_of_the_grpo_warm_start_are_unchanged():
             batch = {k: train.put(v, mesh, BATCH_AXES) for k, v in (
                 ("prompt", prompt), ("prompt_valid", valid), ("completion", comp),
                 ("mask", mask))}
-            state, loss = step(state, batch)
-            losses.append(float(loss))
+            state, m = step(state, batch)
+            losses.append(float(m["loss"]))
     np.testing.assert_allclose(losses, BEFORE["grpo_warm"], rtol=RTOL)
