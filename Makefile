@@ -15,7 +15,7 @@ PORT   ?= 6006
 comma  := ,
 
 .DEFAULT_GOAL := help
-.PHONY: help train test bench bench-parity bench-recovery dry-run prepare clean train-moe bench-moe train-grpo \
+.PHONY: help train test bench bench-parity bench-recovery bench-scale dry-run prepare clean train-moe bench-moe train-grpo \
         plot tensorboard need-run sft export-hf hf-fixtures
 
 help:  ## list the targets
@@ -56,6 +56,9 @@ bench-parity: $(VENV)/.installed  ## ours vs MaxText 0.2.5 on the same model, al
 bench-recovery: $(VENV)/.installed  ## seconds from a kill -9 to the first step of the restarted group; checkpoint overhead
 	$(PY) bench/recovery.py --preset $(PRESET) $(ARGS)
 
+bench-scale: $(VENV)/.installed  ## prepare MB/s and peak memory (1 vs 2 workers), tiny ms/step from gs:// vs disk
+	$(PY) bench/scale.py $(ARGS)
+
 dry-run: $(VENV)/.installed  ## compile llama3.1-70b on 256 simulated devices and print its memory
 	XLA_FLAGS=--xla_force_host_platform_device_count=256 $(PY) train_dense.py llama3.1-70b \
 	  --dry-run --mesh.fsdp 256 $(ARGS)
@@ -92,8 +95,10 @@ clean:  ## remove the virtual environment (runs/ and data/ are yours: never touc
 	rm -rf $(VENV)
 
 # ---- Many machines: each target prints the real commands (make echoes them) and runs them.
-# `make -n TARGET VAR=...` shows them without running. The same train_dense.py runs
-# everywhere; only the mesh flags and the launcher change.
+# `make -n TARGET VAR=...` shows them without running. The same script runs everywhere
+# (TRAINER: train_dense.py, train_moe.py or train_grpo.py, with one of its PRESETs); only the
+# mesh flags and the launcher change. Data for many hosts: --data.path gs://bucket/prefix.
+TRAINER    ?= train_dense.py
 PROJECT    ?= my-gcp-project
 ZONE       ?= us-east5-a
 TPU_NAME   ?= jax-trainers
@@ -108,12 +113,12 @@ GPUS       ?= 8
 NODES      ?= 2
 GPU_ARGS   ?= --model.dtype bfloat16
 TPU_REMOTE  = cd $(REMOTE_DIR) && python3 -m venv .venv && .venv/bin/pip install -q -e '.[tpu,gcs]' && \
-  .venv/bin/python train_dense.py $(PRESET) --run-dir $(RUN_DIR) --mesh.fsdp -1
+  .venv/bin/python $(TRAINER) $(PRESET) --run-dir $(RUN_DIR) --mesh.fsdp -1
 .PHONY: tpu-vm tpu-multislice gpu-node gpu-slurm
 
 tpu-vm:  ## one TPU VM slice: copy the repo to every worker, install, train (PROJECT ZONE TPU_NAME)
 	gcloud compute tpus tpu-vm scp --recurse --project=$(PROJECT) --zone=$(ZONE) --worker=all \
-	  common train_dense.py pyproject.toml README.md $(TPU_NAME):$(REMOTE_DIR)
+	  common $(TRAINER) pyproject.toml README.md $(TPU_NAME):$(REMOTE_DIR)
 	gcloud compute tpus tpu-vm ssh $(TPU_NAME) --project=$(PROJECT) --zone=$(ZONE) --worker=all \
 	  --command="$(TPU_REMOTE) $(ARGS)"
 
@@ -123,15 +128,15 @@ tpu-multislice:  ## NUM_SLICES TPU slices via queued resources, data parallel ov
 	  --runtime-version=$(TPU_RUNTIME)
 	for i in $$(seq 0 $$(($(NUM_SLICES) - 1))); do \
 	  gcloud compute tpus tpu-vm scp --recurse --project=$(PROJECT) --zone=$(ZONE) --worker=all \
-	    common train_dense.py pyproject.toml README.md $(TPU_NAME)-$$i:$(REMOTE_DIR) && \
+	    common $(TRAINER) pyproject.toml README.md $(TPU_NAME)-$$i:$(REMOTE_DIR) && \
 	  gcloud compute tpus tpu-vm ssh $(TPU_NAME)-$$i --project=$(PROJECT) --zone=$(ZONE) \
 	    --worker=all --command="$(TPU_REMOTE) --mesh.dcn-data $(NUM_SLICES) $(ARGS)" & \
 	done; wait
 
 gpu-node: $(VENV)/.installed  ## one GPU node: GPUS processes, one per GPU, restarted as a group on failure
-	$(PY) -m common.launch --nproc $(GPUS) --gpus -- $(PY) train_dense.py $(PRESET) \
+	$(PY) -m common.launch --nproc $(GPUS) --gpus -- $(PY) $(TRAINER) $(PRESET) \
 	  --run-dir $(RUN_DIR) --mesh.fsdp -1 $(GPU_ARGS) $(ARGS)
 
 gpu-slurm:  ## NODES x GPUS GPUs under Slurm (cluster/slurm_train.sbatch)
 	sbatch --nodes=$(NODES) --ntasks-per-node=$(GPUS) --gpus-per-node=$(GPUS) \
-	  cluster/slurm_train.sbatch $(PRESET) --run-dir $(RUN_DIR) --mesh.fsdp -1 $(GPU_ARGS) $(ARGS)
+	  cluster/slurm_train.sbatch $(TRAINER) $(PRESET) --run-dir $(RUN_DIR) --mesh.fsdp -1 $(GPU_ARGS) $(ARGS)

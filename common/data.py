@@ -14,21 +14,28 @@ source, present on every machine, tokenized once and cached.
 
 Batch rows are windows of seq_len + 1 tokens at starts drawn from default_rng([seed, step]).
 Nothing else enters, so resuming at step k needs no iterator state, and every process computes
-the same starts and reads only the rows that its own devices hold. Fine-tuning (--data.format
+the same starts and reads only the rows that its own devices hold: pages of a memmap, or
+ranged requests to a bucket (`RemoteTokens`). Fine-tuning (--data.format
 sft) instead packs JSONL examples into rows, once, and picks rows by (seed, step) alike.
 """
 from __future__ import annotations
 
 import functools
+import glob
 import io
 import json
+import multiprocessing
 import os
 import shutil
+import socket
 import sys
 import sysconfig
+import tempfile
 import time
 import uuid
 from bisect import bisect_left, insort
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from collections.abc import Callable, Iterator
@@ -39,7 +46,7 @@ import numpy as np
 import sentencepiece as spm
 import tyro
 
-from common.observe import note, progress
+from common.observe import is_remote, note, progress
 
 DEFAULT_CACHE_DIR = "~/.cache/jax_trainers"
 CACHE_ENV = "JAX_TRAINERS_CACHE"
@@ -64,12 +71,14 @@ _CHUNK_CHARS = 2048
 PREPARED_FILES = ("tokenizer.model", "train.json", "train.bin", "eval.json", "eval.bin")
 TEXT_SUFFIXES = (".txt", ".md", ".py")
 JSONL_SUFFIXES = (".jsonl", ".json")
+PARQUET_SUFFIXES = (".parquet",)
 
 
 @dataclass(frozen=True)
 class DataConfig:
     path: str = ""
-    """A folder made by `python -m common.data prepare`; "" = the embedded stdlib corpus."""
+    """A folder made by `python -m common.data prepare`, local or gs://bucket/prefix (read by
+    ranges: each process fetches only its rows); "" = the embedded stdlib corpus."""
     cache_dir: str = DEFAULT_CACHE_DIR
     """Where the embedded corpus is cached; env JAX_TRAINERS_CACHE overrides the default."""
     vocab_size: int = 4096
@@ -97,8 +106,8 @@ class DataConfig:
 
 @dataclass
 class Dataset:
-    train: np.ndarray = field(repr=False)
-    eval: np.ndarray = field(repr=False)
+    train: np.ndarray | RemoteTokens = field(repr=False)
+    eval: np.ndarray | RemoteTokens = field(repr=False)
     vocab_size: int
     tokenizer_path: str
 
@@ -129,10 +138,12 @@ def batch_rows(tokens: np.ndarray, *, seed: int, step: int, batch_size: int, seq
             f"the token array has {len(tokens)} tokens, too few for windows of seq_len + 1 = "
             f"{window} tokens (at least seq_len + 2 = {window + 1} are needed); use a shorter "
             f"sequence length or more data (the eval split is eval_fraction of the documents)")
-    starts = np.random.default_rng([seed, step]).integers(0, len(tokens) - window + 1,
-                                                          size=batch_size)[rows]
+    starts = lambda step: np.random.default_rng([seed, step]).integers(
+        0, len(tokens) - window + 1, size=batch_size)[rows]
+    if isinstance(tokens, RemoteTokens):  # this step's rows, and the next step's read ahead
+        return tokens.rows(starts(step), window, ahead=starts(step + 1)).astype(np.int32)
     # Contiguous slices: a memmap reads only these pages.
-    return np.array([tokens[s:s + window] for s in starts], np.int32).reshape(-1, window)
+    return np.array([tokens[s:s + window] for s in starts(step)], np.int32).reshape(-1, window)
 
 
 def get_batch(tokens: np.ndarray | Packed, *, seed: int, step: int, batch_size: int,
@@ -262,8 +273,8 @@ def load_dataset(cfg: DataConfig, seq_len: int | None = None) -> Dataset:
             raise DataError("--data.format sft: this trainer does not read SFT data; "
                             "fine-tune with train_dense.py")
         return load_sft(cfg, seq_len)
-    return _load_prepared(cfg.path or _stdlib_corpus(_cache_root(cfg.cache_dir),
-                                                     vocab_size=cfg.vocab_size))
+    root = _cache_root(cfg.cache_dir)
+    return _load_prepared(cfg.path or _stdlib_corpus(root, vocab_size=cfg.vocab_size), root)
 
 
 def _cache_root(cache_dir: str) -> str:
@@ -272,31 +283,52 @@ def _cache_root(cache_dir: str) -> str:
     return os.path.expanduser(env or cache_dir)
 
 
-def _load_prepared(path: str) -> Dataset:
+def _load_prepared(path: str, cache_root: str = "") -> Dataset:
+    remote = is_remote(path)
+    if remote:  # a bucket: sidecars and the tokenizer read whole, the token files by ranges
+        fs, root = _filesystem(path)
+        size, read = (lambda n: fs.size(f"{root}/{n}")), (lambda n: fs.cat_file(f"{root}/{n}"))
+        exists = lambda n: fs.isfile(f"{root}/{n}")
+    else:
+        size, read = (lambda n: os.path.getsize(os.path.join(path, n))), (
+            lambda n: Path(path, n).read_bytes())
+        exists = lambda n: os.path.isfile(os.path.join(path, n))
     tokenizer = PREPARED_FILES[0]  # or the tokenizer.json that the sidecar names
-    if os.path.isfile(os.path.join(path, "train.json")):
-        tokenizer = json.loads(Path(path, "train.json").read_text()).get("tokenizer", tokenizer)
+    if exists("train.json"):
+        tokenizer = json.loads(read("train.json")).get("tokenizer", tokenizer)
     for name in (tokenizer,) + PREPARED_FILES[1:]:
-        if not os.path.isfile(os.path.join(path, name)):
+        if not exists(name):
             what = (f"{name} is missing, so this is not a prepared data folder"
-                    if os.path.isdir(path) else "no such folder")
+                    if remote or os.path.isdir(path) else "no such folder")
             raise FileNotFoundError(
                 f"--data.path {path!r}: {what}. A data folder is made from your text files with\n"
                 f"    python -m common.data prepare --input <files or folders> --out {path}\n"
                 f"or leave --data.path empty to train on the embedded corpus (the Python stdlib).")
     tokenizer_path = os.path.join(path, tokenizer)
+    if remote:  # sentencepiece reads local files: a copy per bucket folder, in the cache
+        local = os.path.join(cache_root or _cache_root(DEFAULT_CACHE_DIR), "remote",
+                             path.replace("://", "/").strip("/"))
+        os.makedirs(local, exist_ok=True)
+        for name in (tokenizer, "tokenizer_config.json"):
+            if name == tokenizer or exists(name):
+                tmp = os.path.join(local, f".{name}.{uuid.uuid4().hex}")
+                Path(tmp).write_bytes(read(name))
+                os.replace(tmp, os.path.join(local, name))  # hosts sharing a cache: atomic
+        tokenizer_path = os.path.join(local, tokenizer)
     vocab_size = open_tokenizer(tokenizer_path).get_piece_size()
     splits = {}
     for split in ("train", "eval"):
-        meta = json.loads(Path(path, f"{split}.json").read_text())
+        meta = json.loads(read(f"{split}.json"))
         bin_path, n = os.path.join(path, f"{split}.bin"), meta["num_tokens"]
         dtype = np.dtype({"uint16": "<u2", "uint32": "<u4"}[meta["dtype"]])
-        if (size := os.path.getsize(bin_path)) != n * dtype.itemsize:
-            raise ValueError(f"{bin_path} holds {size} bytes but its sidecar promises {n} "
+        if (got := size(f"{split}.bin")) != n * dtype.itemsize:
+            raise ValueError(f"{bin_path} holds {got} bytes but its sidecar promises {n} "
                              f"{meta['dtype']} tokens ({n * dtype.itemsize} bytes): the file is "
                              f"truncated or stale; prepare the folder again")
-        # A memmap: only the pages that batches touch are ever read (mmap cannot map an empty file).
-        splits[split] = (np.memmap(bin_path, dtype=dtype, mode="r", shape=(n,)) if n
+        # Only the rows that batches touch are ever read: by a memmap's pages, or by ranged
+        # requests to the bucket (mmap cannot map an empty file).
+        splits[split] = (RemoteTokens(f"{path.rstrip('/')}/{split}.bin", n, dtype) if remote
+                         else np.memmap(bin_path, dtype=dtype, mode="r", shape=(n,)) if n
                          else np.zeros(0, dtype))
         # Tokens read with another tokenizer would train without complaint, on garbage.
         if meta["vocab_size"] != vocab_size:
@@ -304,6 +336,54 @@ def _load_prepared(path: str) -> Dataset:
                              f"{meta['vocab_size']}-piece tokenizer but {tokenizer_path} has "
                              f"{vocab_size} pieces; prepare the folder again")
     return Dataset(**splits, vocab_size=vocab_size, tokenizer_path=tokenizer_path)
+
+
+def _filesystem(url: str):
+    """(fsspec file system, path within it) of a bucket URL; gs:// needs the gcs extra."""
+    try:
+        import fsspec
+        return fsspec.core.url_to_fs(url)
+    except ImportError as e:
+        raise ValueError(f"{url}: reading a bucket needs {e.name or 'gcsfs'}: "
+                         f"pip install -e '.[gcs]'") from None
+
+
+class RemoteTokens:
+    """A token file in a bucket, standing in for the np.memmap of a local one: len() and
+    `rows(starts, window)`, the only reads batches make. A step's rows are fetched at once,
+    one ranged request each (fsspec's cat_ranges runs them concurrently), and when a step
+    asks for its rows the next step's are fetched in the background, so that a step need not
+    wait on the network. Batches stay a pure function of (seed, step): the same bytes as a
+    local copy of the file, and nothing to save for a resume."""
+
+    def __init__(self, url: str, n: int, dtype: np.dtype):
+        self.url, self.n, self.dtype = url, n, np.dtype(dtype)
+        self._fs, self._path = _filesystem(url)
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="read-ahead")
+        self._reads: dict[tuple, Future] = {}  # the few newest (starts, window) read or asked for
+
+    def __len__(self) -> int:
+        return self.n
+
+    def _read(self, starts: tuple, window: int) -> np.ndarray:
+        size = self.dtype.itemsize
+        blobs = self._fs.cat_ranges([self._path] * len(starts), [s * size for s in starts],
+                                    [(s + window) * size for s in starts])
+        return np.frombuffer(b"".join(blobs), self.dtype).reshape(len(starts), window)
+
+    def _future(self, starts: np.ndarray, window: int) -> Future:
+        key = (tuple(int(s) for s in starts), window)
+        if key not in self._reads:
+            self._reads[key] = self._pool.submit(self._read, key[0], window)
+            while len(self._reads) > 64:  # a step's blocks (one per device) and the next's
+                del self._reads[next(iter(self._reads))]
+        return self._reads[key]
+
+    def rows(self, starts: np.ndarray, window: int, ahead: np.ndarray | None = None):
+        out = self._future(starts, window)
+        if ahead is not None:
+            self._future(ahead, window)
+        return out.result()
 
 
 # --- The embedded corpus ----------------------------------------------------------------------
@@ -342,13 +422,28 @@ def _build(final: str, write: Callable[[str], None]) -> bool:
     """`write` a new hidden folder beside `final`, then move it there; False if `final` is taken."""
     parent, name = os.path.split(final)
     os.makedirs(parent, exist_ok=True)
-    tmp = os.path.join(parent, f".{name}.tmp-{os.getpid()}-{uuid.uuid4().hex}")
+    host = socket.gethostname()
+    for stale in glob.glob(os.path.join(parent, glob.escape(f".{name}.tmp-{host}-") + "*")):
+        pid = stale.rsplit("-", 2)[-2]  # a build on this host that was killed: never used
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(stale, ignore_errors=True)
+    tmp = os.path.join(parent, f".{name}.tmp-{host}-{os.getpid()}-{uuid.uuid4().hex}")
     os.mkdir(tmp)  # unlike tempfile.mkdtemp's 0700, honours the umask: others may read it
     try:
         write(tmp)
         return _publish(tmp, final)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        pass
+    return True
 
 
 def _publish(tmp: str, final: str) -> bool:
@@ -365,16 +460,19 @@ def _publish(tmp: str, final: str) -> bool:
 # --- Preparing a data folder from the user's text ---------------------------------------------
 def prepare(inputs: Annotated[list[str], tyro.conf.arg(name="input")], out: str, *,
             tokenizer: str = "", vocab_size: int = 4096, eval_fraction: float = 0.01,
-            jsonl_field: str = "text", seed: int = 0) -> str:
-    """Tokenize text files, folders and JSONL into the data folder `out`, for --data.path.
+            field: str = "text", workers: int = 1, seed: int = 0) -> str:
+    """Tokenize text files, folders, JSONL and Parquet into the data folder `out`, for --data.path.
 
     Args:
-        inputs: Files and folders. A text file (.txt .md .py) is a document; so is a JSONL line.
-        out: The data folder to create; it must not exist or be empty.
+        inputs: Files, folders and quoted globs ('shards/*.parquet'). A text file (.txt .md .py)
+            is a document; so is a JSONL line or a Parquet row.
+        out: The data folder to create: a local path or gs://bucket/prefix. It must not hold
+            a prepared folder already.
         tokenizer: A sentencepiece .model or tokenizer.json to reuse; by default one is trained.
         vocab_size: Vocabulary of the tokenizer trained on the inputs.
         eval_fraction: Fraction of the documents held out for evaluation (of a lone one: its end).
-        jsonl_field: The JSONL field that holds the text.
+        field: The JSONL field or Parquet column that holds the text.
+        workers: Processes that tokenize (1: this one, with a thread per core).
         seed: Seed of the train/eval split and of the tokenizer's training sample.
     """
     if not 0.0 < eval_fraction < 1.0:
@@ -383,46 +481,77 @@ def prepare(inputs: Annotated[list[str], tyro.conf.arg(name="input")], out: str,
         raise ValueError(f"--vocab-size {vocab_size}: must be a positive number of tokens")
     if not 0 <= seed < 2**32:
         raise ValueError(f"--seed {seed}: must be >= 0 (numpy's seeds are non-negative)")
+    if not 1 <= workers <= 1024:
+        raise ValueError(f"--workers {workers}: must be between 1 and 1024 processes")
     if tokenizer and not os.path.isfile(tokenizer):
         raise FileNotFoundError(f"--tokenizer {tokenizer!r}: no such file; give a "
                                 f"sentencepiece .model file or a HuggingFace tokenizer.json, "
                                 f"or leave it out to train one")
     _check_out_is_free(out)
     files = _expand_inputs(inputs)
-    if not _build(os.path.abspath(out), lambda tmp: _write_prepared(
-            tmp, lambda: _documents(files, jsonl_field), label="input text",
-            tokenizer=tokenizer, vocab_size=vocab_size, eval_fraction=eval_fraction, seed=seed)):
+    write = lambda tmp: _write_prepared(
+        tmp, lambda: _documents(files, field), label="input text", tokenizer=tokenizer,
+        vocab_size=vocab_size, eval_fraction=eval_fraction, seed=seed, workers=workers)
+    if is_remote(out):  # written here, then uploaded with the sidecars last (see _upload)
+        with tempfile.TemporaryDirectory(prefix="prepare-") as tmp:
+            write(tmp)
+            _upload(tmp, out)
+    elif not _build(os.path.abspath(out), write):
         _check_out_is_free(out)  # someone filled `out` while we worked: say so
     return out
 
 
 def _check_out_is_free(out: str) -> None:
-    if os.path.exists(out) and not (os.path.isdir(out) and not os.listdir(out)):
+    if is_remote(out):  # train.json is uploaded last: without it, an interrupted upload
+        fs, root = _filesystem(out)
+        if fs.isfile(f"{root}/train.json"):
+            raise ValueError(f"--out {out!r} already holds a prepared folder; prepare never "
+                             f"overwrites data: pick another --out, or delete it first")
+    elif os.path.exists(out) and not (os.path.isdir(out) and not os.listdir(out)):
         raise ValueError(f"--out {out!r} already exists and is not an empty folder; prepare "
                          f"never overwrites data: pick another --out, or delete {out} first")
 
 
+def _upload(folder: str, out: str) -> None:
+    """Copy the finished `folder` to the bucket prefix `out`. The sidecars go last, train.json
+    the very last: a trainer refuses a folder without it, so an upload cut short is never
+    trained on, and a rerun (which checks only for train.json) replaces its pieces."""
+    fs, root = _filesystem(out)
+    last = ("eval.json", "train.json")
+    names = sorted(os.listdir(folder), key=lambda n: (last.index(n) if n in last else -1, n))
+    with progress(f"data: uploading to {out}", total=len(names), unit="files") as p:
+        for name in names:
+            fs.put_file(os.path.join(folder, name), f"{root}/{name}")
+            p.update()
+
+
 def _expand_inputs(inputs: list[str]) -> list[str]:
     if not inputs:
-        raise ValueError("no --input given: name text files, JSONL files or folders")
+        raise ValueError("no --input given: name text, JSONL or Parquet files, folders or globs")
     files: dict[str, str] = {}  # real path -> path as given: a file reached twice is read once
     for path in inputs:
-        if not (os.path.isfile(path) or os.path.isdir(path)):
-            raise FileNotFoundError(f"--input {path!r}: no such file or folder")
-        found = [path] if os.path.isfile(path) else []  # named directly: whatever its suffix
-        for folder, subdirs, names in os.walk(path):  # of a file: nothing
-            subdirs[:] = [d for d in subdirs if not d.startswith(".")]
-            found += [os.path.join(folder, n) for n in names if not n.startswith(".")
-                      and n.endswith(TEXT_SUFFIXES + JSONL_SUFFIXES)]
-        for f in sorted(found):
-            files.setdefault(os.path.realpath(f), f)
+        matches = [path] if os.path.exists(path) else sorted(glob.glob(path, recursive=True))
+        if not matches:
+            raise FileNotFoundError(f"--input {path!r}: no such file or folder" + (
+                ", and the pattern matches nothing" if glob.has_magic(path) else ""))
+        for match in matches:
+            found = [match] if os.path.isfile(match) else []  # named: whatever its suffix
+            for folder, subdirs, names in os.walk(match):  # of a file: nothing
+                subdirs[:] = [d for d in subdirs if not d.startswith(".")]
+                found += [os.path.join(folder, n) for n in names if not n.startswith(".")
+                          and n.endswith(TEXT_SUFFIXES + JSONL_SUFFIXES + PARQUET_SUFFIXES)]
+            for f in sorted(found):
+                files.setdefault(os.path.realpath(f), f)
     return list(files.values())
 
 
-def _documents(files: list[str], jsonl_field: str, errors: str = "strict") -> Iterator[str]:
+def _documents(files: list[str], field: str, errors: str = "strict") -> Iterator[str]:
     """Every non-empty document of `files`, in order. Text is kept byte for byte (newline=""
     keeps "\r\n"): the model sees what the user gave."""
     for path in files:
+        if path.endswith(PARQUET_SUFFIXES):
+            yield from filter(None, _parquet_texts(path, field))
+            continue
         if not path.endswith(JSONL_SUFFIXES):
             try:
                 with open(path, encoding="utf-8", errors=errors, newline="") as f:
@@ -434,15 +563,32 @@ def _documents(files: list[str], jsonl_field: str, errors: str = "strict") -> It
                 yield text
             continue
         for where, obj in jsonl_objects(path):
-            text = obj.get(jsonl_field) if isinstance(obj, dict) else None
+            text = obj.get(field) if isinstance(obj, dict) else None
             if not isinstance(text, str):
-                what = (f"field {jsonl_field!r} holds {type(text).__name__}, not a string"
-                        if isinstance(obj, dict) and jsonl_field in obj
-                        else f"no field {jsonl_field!r} in this line's object")
+                what = (f"field {field!r} holds {type(text).__name__}, not a string"
+                        if isinstance(obj, dict) and field in obj
+                        else f"no field {field!r} in this line's object")
                 raise ValueError(f"{where}: {what}; name the field that holds the text with "
-                                 f"--jsonl-field")
+                                 f"--field")
             if text:
                 yield text
+
+
+def _parquet_texts(path: str, field: str) -> Iterator[str]:
+    """The column `field` of a Parquet file, a row group's batch at a time (bounded memory)."""
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise ValueError(f"--input {path!r}: reading Parquet needs pyarrow: pip install -e "
+                         f"'.[parquet]'") from None
+    f = pq.ParquetFile(path)
+    column = f.schema_arrow.field(field) if field in f.schema_arrow.names else None
+    if column is None or str(column.type) not in ("string", "large_string"):
+        what = f"is {column.type}, not text" if column is not None else "is missing"
+        raise ValueError(f"--input {path!r}: column {field!r} {what} (columns: "
+                         f"{', '.join(f.schema_arrow.names)}); name the text column with --field")
+    for batch in f.iter_batches(batch_size=1024, columns=[field]):
+        yield from (t or "" for t in batch.column(0).to_pylist())
 
 
 def jsonl_objects(path: str) -> Iterator[tuple[str, object]]:
@@ -466,7 +612,8 @@ def jsonl_objects(path: str) -> Iterator[tuple[str, object]]:
 
 
 def _write_prepared(folder: str, documents: Callable[[], Iterator[str]], *, label: str,
-                    tokenizer: str, vocab_size: int, eval_fraction: float, seed: int) -> None:
+                    tokenizer: str, vocab_size: int, eval_fraction: float, seed: int,
+                    workers: int = 1) -> None:
     """Fill the empty `folder`. `documents()` is read twice, so memory stays bounded: to count
     the documents and sample the tokenizer's training text (reservoir sampling of whole-line
     chunks, seeded: the same input gives the same sample), then to tokenize."""
@@ -486,8 +633,8 @@ def _write_prepared(folder: str, documents: Callable[[], Iterator[str]], *, labe
         p.note = f"({num_chars / 1e6:.1f} MB)"
     if num_docs == 0:
         raise ValueError(f"no text found in the {label}: files must be UTF-8 "
-                         f"{'/'.join(TEXT_SUFFIXES)} or JSON Lines "
-                         f"{'/'.join(JSONL_SUFFIXES)} with the text in --jsonl-field")
+                         f"{'/'.join(TEXT_SUFFIXES)}, JSON Lines {'/'.join(JSONL_SUFFIXES)} or "
+                         f"Parquet with the text in --field")
     name = "tokenizer.json" if tokenizer.endswith(".json") else "tokenizer.model"
     model_path = os.path.join(folder, name)
     if tokenizer:
@@ -517,11 +664,13 @@ def _write_prepared(folder: str, documents: Callable[[], Iterator[str]], *, labe
     is_eval = _held_out(num_docs, eval_fraction, seed)  # train keeps the input order
     counts = {"train": [0, 0], "eval": [0, 0]}  # tokens, documents
     out = {split: open(os.path.join(folder, f"{split}.bin"), "wb") for split in counts}
+    done_chars, t0 = 0, time.perf_counter()
     with progress(f"data: tokenizing {num_chars / 1e6:.1f} MB", total=num_docs,
                   unit="documents") as p, out["train"], out["eval"]:
-        for first, texts in _batches(documents(), max_docs=256, max_chars=1_000_000):
-            for i, ids in enumerate(sp.encode(texts, num_threads=os.cpu_count() or 1), first):
-                tokens = np.asarray(ids + [sp.eos_id()], dtype)
+        batches = _batches(documents(), max_docs=256, max_chars=1_000_000)
+        for first, chars, encoded in _encode(batches, model_path, workers):
+            for i, ids in enumerate(encoded, first):
+                tokens = np.append(ids, sp.eos_id()).astype(dtype)
                 if num_docs == 1:  # nothing to shuffle: the document's tail is the eval set
                     cut = max(1, len(tokens) - max(1, round(eval_fraction * len(tokens))))
                     parts = {"train": tokens[:cut], "eval": tokens[cut:]}
@@ -531,7 +680,11 @@ def _write_prepared(folder: str, documents: Callable[[], Iterator[str]], *, labe
                     part.tofile(out[split])
                     counts[split][0] += len(part)
                     counts[split][1] += 1
-            p.update(len(texts))
+            p.update(len(encoded))
+            done_chars, seconds = done_chars + chars, time.perf_counter() - t0
+            p.note = (f"| {done_chars / 1e6:,.1f} MB, {counts['train'][0] + counts['eval'][0]:,}"
+                      f" tokens, {done_chars / 1e6 / seconds:.1f} MB/s, ETA "
+                      f"{(num_chars - done_chars) * seconds / max(done_chars, 1):.0f} s")
     for split, (n_tokens, n_docs) in counts.items():
         meta = dict(tokenizer=name, vocab_size=vocab, dtype=dtype.name, num_tokens=n_tokens,
                     num_documents=n_docs, eos_id=sp.eos_id(), bos_id=sp.bos_id())
@@ -563,6 +716,42 @@ def _batches(docs: Iterator[str], *, max_docs: int, max_chars: int):
             first, texts, chars = first + len(texts), [], 0
     if texts:
         yield first, texts
+
+
+def _encode(batches, model_path: str, workers: int):
+    """(first, characters, token id arrays) of each batch, in order. With workers > 1, encoded
+    in that many processes, at most two batches each in flight: memory stays bounded by the
+    buffer, not by the corpus, and the output is the same as one process's."""
+    if workers == 1:
+        sp = open_tokenizer(model_path)
+        for first, texts in batches:
+            yield first, sum(map(len, texts)), sp.encode(texts, num_threads=os.cpu_count() or 1)
+        return
+    # spawn, not fork: this process has JAX's threads, which a fork would copy half-alive.
+    with multiprocessing.get_context("spawn").Pool(
+            workers, initializer=_worker_start, initargs=(model_path,)) as pool:
+        pending = deque()
+        for first, texts in batches:
+            job = pool.apply_async(_worker_encode, (texts,))
+            pending.append((first, sum(map(len, texts)), job))
+            if len(pending) >= 2 * workers:
+                first, chars, result = pending.popleft()
+                yield first, chars, result.get()
+        for first, chars, result in pending:
+            yield first, chars, result.get()
+
+
+_WORKER_TOKENIZER = None
+
+
+def _worker_start(model_path: str) -> None:
+    global _WORKER_TOKENIZER
+    _WORKER_TOKENIZER = open_tokenizer(model_path)
+
+
+def _worker_encode(texts: list[str]) -> list[np.ndarray]:
+    # Arrays, not lists of ints: they cross the process boundary as one buffer each.
+    return [np.asarray(ids, np.int32) for ids in _WORKER_TOKENIZER.encode(texts, num_threads=1)]
 
 
 def _chunks(text: str) -> Iterator[str]:

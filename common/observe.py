@@ -113,10 +113,10 @@ class progress:
                 p.update()
 
     prints `data: tokenizing ... 563 documents, 2.1 s`, then `p.note` if set. On a terminal the
-    line is redrawn twice a second with the count so far and the elapsed time, so a long wait (a
-    compile, a tokenizer in C++) is visibly alive; into a file or a pipe it is one line, begun
-    when the wait begins and ended when it ends, so a log has no carriage returns. `min_s`: say
-    nothing at all for waits shorter than this (a save that is usually done)."""
+    line is redrawn twice a second with the count so far, the elapsed time and `p.note`, so a
+    long wait (a compile, a tokenizer in C++) is visibly alive; into a file or a pipe it is one
+    line, begun when the wait begins and ended when it ends, so a log has no carriage returns.
+    `min_s`: say nothing at all for waits shorter than this (a save that is usually done)."""
 
     def __init__(self, what: str, *, total: int | None = None, unit: str = "", min_s: float = 0.0):
         self.what, self.total, self.unit, self.min_s = what, total, unit, min_s
@@ -139,8 +139,8 @@ class progress:
         while not self._stop.wait(0.5):
             if (elapsed := time.perf_counter() - self.t0) >= self.min_s:
                 with self._lock:  # \x1b[K clears what a longer previous draw left on the line
-                    print(f"\r{self.what} ... {self._counts()}{elapsed:.0f} s\x1b[K", end="",
-                          flush=True)
+                    print(f"\r{self.what} ... {self._counts()}{elapsed:.0f} s {self.note}\x1b[K",
+                          end="", flush=True)
 
     def __enter__(self) -> progress:
         self.t0 = time.perf_counter()

@@ -16,9 +16,9 @@ if ROOT not in sys.path:
 
 
 @pytest.fixture(scope="session")
-def gcs():
+def gcs_server():
     """A fake GCS bucket served from this process (tests/fake_gcs.py), and this process and
-    its children pointed at it; yields the bucket's URL. Skips where gcsfs is missing.
+    its children pointed at it; yields the server. Skips where gcsfs is missing.
 
     One per test process: gcsfs keeps its client (and the server's address) for the life of
     the process, so tests share the bucket and use folders of their own.
@@ -35,7 +35,7 @@ def gcs():
     os.environ.update(STORAGE_EMULATOR_HOST=server.url, TENSORSTORE_GCS_HTTP_URL=server.url,
                       GOOGLE_AUTH_TOKEN_FOR_TESTING="fake")
     try:
-        yield "gs://runs-bucket"
+        yield server
     finally:
         for k, v in saved.items():
             if v is None:
@@ -43,3 +43,9 @@ def gcs():
             else:
                 os.environ[k] = v
         server.stop()
+
+
+@pytest.fixture(scope="session")
+def gcs(gcs_server):
+    """The fake bucket's URL (see gcs_server)."""
+    return "gs://runs-bucket"

@@ -64,6 +64,7 @@ class FakeGCS:
         self.generation = 1000
         self.uploads: dict[str, dict] = {}
         self.requests = 0
+        self.served: dict[str, int] = {}  # object name -> bytes of its data sent in replies
         fake = self
 
         class Handler(_Handler):
@@ -189,6 +190,9 @@ class _Handler(BaseHTTPRequestHandler):
                     return self._send(416, _error(416, "Requested range not satisfiable"))
                 data, code = obj.data[start:end + 1], 206
                 headers["Content-Range"] = f"bytes {start}-{end}/{size}"
+        if self.command == "GET":
+            with self.gcs.lock:
+                self.gcs.served[obj.name] = self.gcs.served.get(obj.name, 0) + len(data)
         self._send(code, data, headers)
 
     def _list(self, bucket: str, q: dict) -> None:

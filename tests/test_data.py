@@ -145,7 +145,7 @@ def test_prepare_jsonl(tmp_path):
             if i == 5:
                 f.write("\n")  # blank lines are skipped
     out = prepare([str(tmp_path / "a.jsonl")], str(tmp_path / "out"), vocab_size=VOCAB,
-                  jsonl_field="content", eval_fraction=0.1, seed=3)
+                  field="content", eval_fraction=0.1, seed=3)
     ds = load_dataset(DataConfig(path=out))
     train_meta, eval_meta = read_sidecar(out, "train"), read_sidecar(out, "eval")
     assert (train_meta["num_tokens"], eval_meta["num_tokens"]) == (len(ds.train), len(ds.eval))
@@ -157,11 +157,11 @@ def test_prepare_jsonl(tmp_path):
 
     # Deterministic: the same inputs and seed give the same bytes; another seed another split.
     again = prepare([str(tmp_path / "a.jsonl")], str(tmp_path / "again"), vocab_size=VOCAB,
-                    jsonl_field="content", eval_fraction=0.1, seed=3)
+                    field="content", eval_fraction=0.1, seed=3)
     for name in ("train.bin", "eval.bin"):
         assert (tmp_path / "out" / name).read_bytes() == (tmp_path / "again" / name).read_bytes()
     other = prepare([str(tmp_path / "a.jsonl")], str(tmp_path / "other"), vocab_size=VOCAB,
-                    jsonl_field="content", eval_fraction=0.1, seed=4,
+                    field="content", eval_fraction=0.1, seed=4,
                     tokenizer=str(tmp_path / "out" / "tokenizer.model"))
     ods = load_dataset(DataConfig(path=other))
     assert ods.vocab_size == ds.vocab_size
@@ -304,10 +304,10 @@ def test_jsonl_without_the_field(tmp_path):
     with pytest.raises(ValueError) as e:
         prepare([str(path)], str(tmp_path / "out"), vocab_size=VOCAB)
     msg = str(e.value)
-    assert str(path) in msg and "line 2" in msg and "'text'" in msg and "--jsonl-field" in msg
+    assert str(path) in msg and "line 2" in msg and "'text'" in msg and "--field" in msg
     with pytest.raises(ValueError, match="line 1: field 'n' holds int"):
         path.write_text('{"n": 3}\n')
-        prepare([str(path)], str(tmp_path / "out"), jsonl_field="n")
+        prepare([str(path)], str(tmp_path / "out"), field="n")
 
 
 def test_prepare_never_overwrites(tmp_path):

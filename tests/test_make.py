@@ -2,6 +2,8 @@
 import os
 import subprocess
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VARS = ["PROJECT=proj", "ZONE=zone-a", "TPU_NAME=pod", "TPU_TYPE=v5p-64", "NUM_SLICES=3",
         "RUN_DIR=/mnt/shared/run", "PRESET=llama3.1-8b", "GPUS=4", "NODES=2",
@@ -46,7 +48,7 @@ def test_gpu_node_uses_the_launcher():
 def test_gpu_slurm_and_its_script():
     out = dry("gpu-slurm")
     assert ("sbatch --nodes=2 --ntasks-per-node=4 --gpus-per-node=4 cluster/slurm_train.sbatch "
-            "llama3.1-8b --run-dir /mnt/shared/run") in out
+            "train_dense.py llama3.1-8b --run-dir /mnt/shared/run") in out
     script = os.path.join(ROOT, "cluster", "slurm_train.sbatch")
     assert subprocess.run(["bash", "-n", script]).returncode == 0
     text = open(script).read()
@@ -59,3 +61,12 @@ def test_help_lists_every_target():
     r = subprocess.run(["make", "help"], cwd=ROOT, capture_output=True, text=True, timeout=60)
     for t in ("train", "test", "bench", "tpu-vm", "tpu-multislice", "gpu-node", "gpu-slurm"):
         assert f"make {t} " in r.stdout
+
+
+@pytest.mark.parametrize("target", ["tpu-vm", "tpu-multislice", "gpu-node", "gpu-slurm"])
+@pytest.mark.parametrize("trainer", ["train_dense.py", "train_moe.py", "train_grpo.py"])
+def test_cluster_targets_launch_the_named_trainer(target, trainer):
+    out = dry(target, f"TRAINER={trainer}", "PRESET=some-preset")
+    others = {"train_dense.py", "train_moe.py", "train_grpo.py"} - {trainer}
+    assert f"{trainer} some-preset" in out, out
+    assert not any(o in out for o in others), out
