@@ -83,6 +83,8 @@ class TrainConfig:
     b1: float = 0.9
     b2: float = 0.95
     clip_norm: float = 1.0
+    optimizer: Literal["adamw", "muon"] = "adamw"  # muon: the hidden matrices (common/train.py)
+    muon_dtype: Literal["float32", "bfloat16"] = "float32"  # Muon's momentum and Newton-Schulz
     z_loss: float = 0.0           # weight of mean(logsumexp^2) (PaLM); 0 = off
     seed: int = 0
     log_every: int = 10
@@ -503,10 +505,17 @@ def make_schedule(t: TrainConfig):
                              t.decay_fraction)
 
 
+# Muon's matrices in the [L, ...] stacks: name -> (input axes, output axes); the rest: AdamW.
+MUON_DIMS = {"wq": ((1,), (2, 3)), "wk": ((1,), (2, 3)), "wv": ((1,), (2, 3)),
+             "wo": ((1, 2), (3,)), "w_gate": ((1,), (2,)), "w_up": ((1,), (2,)),
+             "w_down": ((1,), (2,))}
+
+
 def make_optimizer(t: TrainConfig):
-    return train.adamw(make_schedule(t), b1=t.b1, b2=t.b2, weight_decay=t.weight_decay,
-                       clip_norm=t.clip_norm, decayed={"embed", "unembed", "wq", "wk", "wv",
-                                                       "wo", "w_gate", "w_up", "w_down"})
+    return train.optimizer(t.optimizer, make_schedule(t), b1=t.b1, b2=t.b2,
+                           weight_decay=t.weight_decay, clip_norm=t.clip_norm,
+                           decayed={"embed", "unembed", "wq", "wk", "wv", "wo", "w_gate", "w_up",
+                                    "w_down"}, muon_dims=MUON_DIMS, muon_dtype=t.muon_dtype)
 
 
 def _chunked(chunk: int, *xs_BT):

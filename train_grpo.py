@@ -96,7 +96,7 @@ class TaskConfig:
 
 @dataclass(frozen=True)
 class GRPOConfig:
-    steps: int = 600              # rollout batches (each followed by `mu` optimiser steps)
+    steps: int = 2000             # rollout batches (each followed by `mu` optimiser steps)
     prompts_per_step: int = 32    # on the demo, 32 prompts x 4 beat 16 x 8 and 8 x 16 for the
     group_size: int = 4           # same 128 rollouts: G completions per prompt
     max_new_tokens: int = 6       # the completion budget (and Dr. GRPO's constant)
@@ -116,6 +116,8 @@ class GRPOConfig:
     b1: float = 0.9
     b2: float = 0.99
     clip_norm: float = 1.0
+    optimizer: Literal["adamw", "muon"] = "adamw"  # muon: the hidden matrices (common/train.py)
+    muon_dtype: Literal["float32", "bfloat16"] = "float32"  # Muon's momentum and Newton-Schulz
     format_weight: float = 0.1    # reward weight of the format check (correctness weighs 1)
     seed: int = 0
     log_every: int = 10
@@ -131,9 +133,9 @@ class WarmStartConfig:
     reward is zero for every completion, every group's advantages are zero and GRPO has no
     gradient; it needs a policy that is sometimes right."""
     max_steps: int = 1500         # 0 = no warm start
-    target_reward: float = 0.3    # stop once the sampled (not greedy) reward reaches this
-    check_every: int = 20         # sample one completion of as many prompts as a rollout batch
-    batch_size: int = 64
+    target_reward: float = 0.2    # stop once the sampled (not greedy) reward reaches this: low,
+    check_every: int = 20         # so that GRPO has room (0.3 left some seeds no gain to find)
+    batch_size: int = 256         # 64 made the warm start of 1 seed in 3 slow, and GRPO stall
     lr: float = 3e-3
     warmup_steps: int = 20
 
@@ -752,13 +754,17 @@ def sft_step(state: dict, batch: dict, *, cfg: Config, n_valid: int):
     return new, {"loss": loss} | checks
 
 
+MUON_DIMS = {"wq": ((1,), (2, 3)), "wk": ((1,), (2, 3)), "wv": ((1,), (2, 3)),  # as dense's
+             "wo": ((1, 2), (3,)), "w_gate": ((1,), (2,)), "w_up": ((1,), (2,)),
+             "w_down": ((1,), (2,))}
+
+
 def make_optimizer(lr: float, warmup: int, g: GRPOConfig):
-    """AdamW with global-norm clipping, built as train_dense.py builds it (so that a dense
-    checkpoint's optimiser state has this tree), flat after a linear warmup."""
-    return train.adamw(train.lr_schedule("constant", lr, warmup), b1=g.b1, b2=g.b2,
-                       weight_decay=g.weight_decay, clip_norm=g.clip_norm,
-                       decayed={"embed", "unembed", "wq", "wk", "wv", "wo", "w_gate", "w_up",
-                                "w_down"})
+    """train_dense.py's optimiser (a dense run's state fits it), flat after a linear warmup."""
+    return train.optimizer(g.optimizer, train.lr_schedule("constant", lr, warmup), b1=g.b1,
+                           b2=g.b2, weight_decay=g.weight_decay, clip_norm=g.clip_norm,
+                           decayed={"embed", "unembed", "wq", "wk", "wv", "wo", "w_gate", "w_up",
+                                    "w_down"}, muon_dims=MUON_DIMS, muon_dtype=g.muon_dtype)
 
 
 def grpo_optimizer(cfg: Config):
@@ -997,8 +1003,8 @@ def synthetic_batch(cfg: Config, tok) -> dict[str, np.ndarray]:
 
 
 def make_tokenizer(cfg: Config):
-    if cfg.init_from_hf:
-        return hf_tokenizer(cfg.init_from_hf)
+    if cfg.init_from_hf:  # its own: completions are decoded to be scored, in its words
+        return PretrainedTokenizer(*hf.tokenizer(cfg.init_from_hf))
     if not cfg.init_from:
         return CharTokenizer()
     # Pre-training or SFT: the file the dense run (or the run it fine-tuned) tokenized with.
@@ -1134,12 +1140,6 @@ def load_hf(path: str, mesh=None) -> tuple[ModelConfig, dict]:
     as our ModelConfig and float32 parameters placed with their `param_specs` on `mesh`."""
     return train.load_hf(path, mesh, config_from_hf, _param_table, lambda c, _: hf_mapping(c),
                          _hf_sizes)
-
-
-def hf_tokenizer(path: str) -> PretrainedTokenizer:
-    """The folder's own tokenizer: GRPO decodes every completion to score it, so the words
-    must be the ones the weights were trained on."""
-    return PretrainedTokenizer(*hf.tokenizer(path))
 
 
 def cli(args=None) -> Config:

@@ -106,6 +106,8 @@ class TrainConfig:
     b1: float = 0.9
     b2: float = 0.95
     clip_norm: float = 1.0
+    optimizer: Literal["adamw", "muon"] = "adamw"  # muon: the hidden matrices (common/train.py)
+    muon_dtype: Literal["float32", "bfloat16"] = "float32"  # Muon's momentum and Newton-Schulz
     z_loss: float = 0.0           # weight of the output mean(logsumexp^2) (PaLM); 0 = off
     load_balance_loss: float = 0.01  # weight of the Switch load-balancing loss (mean over layers)
     router_z_loss: float = 0.001  # weight of the router's mean(logsumexp^2) (ST-MoE)
@@ -695,11 +697,19 @@ def make_schedule(t: TrainConfig):
                              t.decay_fraction)
 
 
+# Muon's matrices: name -> (input axes, output axes); [L] and [L, E] axes are batches of
+# separate matrices (one per layer and expert). The router keeps AdamW, as in Kimi K2.
+MUON_DIMS = {"wq": ((1,), (2, 3)), "wk": ((1,), (2, 3)), "wv": ((1,), (2, 3)),
+             "wo": ((1, 2), (3,)), "w_gate": ((2,), (3,)), "w_up": ((2,), (3,)),
+             "w_down": ((2,), (3,))}
+
+
 def make_optimizer(t: TrainConfig):
-    return train.adamw(make_schedule(t), b1=t.b1, b2=t.b2, weight_decay=t.weight_decay,
-                       clip_norm=t.clip_norm, decayed={"embed", "unembed", "wq", "wk", "wv",
-                                                       "wo", "w_router", "w_gate", "w_up",
-                                                       "w_down"})
+    return train.optimizer(t.optimizer, make_schedule(t), b1=t.b1, b2=t.b2,
+                           weight_decay=t.weight_decay, clip_norm=t.clip_norm,
+                           decayed={"embed", "unembed", "wq", "wk", "wv", "wo", "w_router",
+                                    "w_gate", "w_up", "w_down"}, muon_dims=MUON_DIMS,
+                           muon_dtype=t.muon_dtype)
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:

@@ -466,9 +466,12 @@ def check_run_config(run_dir: str, config: dict, may_change: frozenset[str] = fr
     if conflicts:
         lines = [f"{k}: {json.dumps(old[k]) if k in old else missing} (saved) -> "
                  f"{json.dumps(new[k]) if k in new else missing} (now)" for k in conflicts]
+        why = ("\nThe optimizer's state is part of each checkpoint; to keep the weights with "
+               f"another optimizer, start a new --run-dir with --init-from {run_dir}."
+               if any(k.endswith(".optimizer") for k in conflicts) else "")
         raise ConfigConflictError(
             f"{run_dir} belongs to a run with a different config:\n  "
-            + "\n  ".join(lines)
+            + "\n  ".join(lines) + why
             + "\nFix: pass the same flags to resume this run, or choose a new --run-dir.")
     if changed:
         # Keep the old file: the run's history (which steps ran with which budget) lives there.

@@ -206,14 +206,46 @@ def lr_schedule(kind: str, lr: float, warmup_steps: int, steps: int = 0,
     return lambda s: base(s + 1)
 
 
-def adamw(schedule, *, b1: float, b2: float, weight_decay: float, clip_norm: float,
-          decayed: set[str]):
-    """Clip by global norm, then AdamW. Weight decay only on the parameters whose name is in
-    `decayed` (the matrices): decaying norm gains and biases only hurts."""
+def optimizer(kind: str, schedule, *, b1: float, b2: float, weight_decay: float,
+              clip_norm: float, decayed: set[str], muon_dims: dict, muon_dtype: str = "float32"):
+    """Clip by global norm, then AdamW, or Muon on the hidden matrices and AdamW on the rest.
+
+    AdamW decays only the parameters whose name is in `decayed` (the matrices): decaying norm
+    gains and biases only hurts. Muon (Jordan et al. 2024; Liu et al. 2025, "Muon is Scalable",
+    the Moonlight recipe Kimi K2 uses): Nesterov momentum 0.95, then 5 quintic Newton-Schulz
+    steps that orthogonalise each matrix (optax.contrib.scale_by_muon; its momentum and the
+    iteration in `muon_dtype`), scaled by 0.2 sqrt(max(fan_in, fan_out)) so that the update's
+    RMS matches AdamW's and the same learning rate and weight decay serve both. `muon_dims`:
+    name -> (input axes, output axes) of the hidden matrices; every other axis (the scanned
+    layers, the experts) is a batch of separate matrices. Embeddings, unembedding, norms,
+    biases and the router are not in it and keep AdamW. Under jit each sharded matrix is
+    orthogonalised whole (XLA gathers what the matmuls need) and its update keeps the
+    parameter's sharding."""
     mask = lambda params: jax.tree_util.tree_map_with_path(
         lambda path, _: path[-1].key in decayed, params)
+    adam = optax.adamw(schedule, b1, b2, weight_decay=weight_decay, mask=mask)
+    if kind == "adamw":
+        return optax.chain(optax.clip_by_global_norm(clip_norm), adam)
+    # Called on the tree that optax.partition masks: the others are MaskedNodes (no leaves).
+    dims = lambda tree: jax.tree_util.tree_map_with_path(
+        lambda path, _: optax.contrib.MuonDimensionNumbers(*muon_dims[path[-1].key]), tree)
+
+    def rms_match(updates, state, params=None):
+        def scale(path, u):
+            fan_in, fan_out = (math.prod(u.shape[a] for a in axes)
+                               for axes in muon_dims[path[-1].key])
+            return u * (0.2 * math.sqrt(max(fan_in, fan_out)))
+        return jax.tree_util.tree_map_with_path(scale, updates), state
+
+    muon = optax.chain(
+        optax.contrib.scale_by_muon(beta=0.95, ns_steps=5, weight_dimension_numbers=dims,
+                                    mu_dtype=jnp.dtype(muon_dtype)),
+        optax.GradientTransformation(lambda _: optax.EmptyState(), rms_match),
+        optax.add_decayed_weights(weight_decay), optax.scale_by_learning_rate(schedule))
+    labels = lambda params: jax.tree_util.tree_map_with_path(
+        lambda path, _: "muon" if path[-1].key in muon_dims else "adamw", params)
     return optax.chain(optax.clip_by_global_norm(clip_norm),
-                       optax.adamw(schedule, b1, b2, weight_decay=weight_decay, mask=mask))
+                       optax.partition({"muon": muon, "adamw": adam}, labels))
 
 
 # --- Training state ---------------------------------------------------------------------------
@@ -230,8 +262,12 @@ class TrainState:
         # No concrete key: with --compile-topology the mesh's devices do not exist here.
         abstract = jax.eval_shape(lambda: init(jax.random.key(0)))
         replicated = NamedSharding(mesh, P())
-        opt_sh = optax.tree_map_params(tx, lambda _, s: s, jax.eval_shape(tx.init, abstract),
-                                       p_sh, transform_non_params=lambda _: replicated)
+        # Moments take their parameter's sharding; Muon's partition leaves MaskedNodes (no
+        # state) where the other optimiser's parameters are.
+        masked = lambda x: isinstance(x, optax.MaskedNode)
+        opt_sh = optax.tree_map_params(tx, lambda v, s: v if masked(v) else s,
+                                       jax.eval_shape(tx.init, abstract), p_sh, is_leaf=masked,
+                                       transform_non_params=lambda _: replicated)
         self.shardings = {"params": p_sh, "opt_state": opt_sh, "step": replicated}
         if ref:
             self.shardings["ref"] = p_sh

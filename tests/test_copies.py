@@ -23,7 +23,7 @@ SAME_SOURCE = {
     "rope_inv_freq": (td, tg), "_param_table": (td, tg), "hf_mapping": (td, tg),
     "_hf_sizes": (td, tg), "config_from_hf": (td, tg), "load_hf": (td, tg),
 }
-SAME_VALUE = {"HF_ARCHITECTURES": (td, tg), "_HF_DEFAULTS": (td, tg)}
+SAME_VALUE = {"HF_ARCHITECTURES": (td, tg), "_HF_DEFAULTS": (td, tg), "MUON_DIMS": (td, tg)}
 
 
 @pytest.mark.parametrize("name", sorted(SAME_SOURCE))

@@ -30,6 +30,10 @@ FAMILIES = ["llama2", "llama3.1", "llama3.2", "mistral", "qwen2", "qwen3"]
 TOL = 1e-4  # float32, as tests/test_hf.py
 
 
+def hf_tokenizer(path):
+    return tg.make_tokenizer(tg.Config(init_from_hf=path))
+
+
 def with_source(cfg):
     return train.with_source_model(cfg, tg.config_from_hf, tg.COMPUTE_FIELDS)
 
@@ -104,19 +108,19 @@ def with_tokenizer_json(src, dst):
 
 
 def test_the_folders_tokenizer(tmp_path):
-    sp = tg.hf_tokenizer(with_sentencepiece(fixture("llama3.1"), tmp_path / "a"))
+    sp = hf_tokenizer(with_sentencepiece(fixture("llama3.1"), tmp_path / "a"))
     assert (sp.eos_id, sp.start_id) == (2, 1)  # Llama: a document begins after BOS
     assert sp.decode(sp.encode("12+345=")) == "12+345=" and sp.prompt("1+2=")[0] == 1
-    js = tg.hf_tokenizer(with_tokenizer_json(fixture("qwen3"), tmp_path / "b"))
+    js = hf_tokenizer(with_tokenizer_json(fixture("qwen3"), tmp_path / "b"))
     assert (js.eos_id, js.start_id, js.vocab_size) == (2, 2, 16)  # Qwen: no BOS, after EOS
     assert js.encode("12+3=") == [4, 5, 13, 6, 14] and js.decode([4, 5, 13]) == "12+"
     # Without tokenizer_config.json the EOS comes from config.json, or there is none at all.
     os.remove(tmp_path / "b" / "tokenizer_config.json")
     with pytest.raises(hf.HFError, match="no end-of-sequence token"):
-        tg.hf_tokenizer(str(tmp_path / "b"))
+        hf_tokenizer(str(tmp_path / "b"))
     c = hf.read_config(str(tmp_path / "b")) | {"eos_token_id": [7, 2]}
     hf.write_json(str(tmp_path / "b" / "config.json"), c)
-    assert tg.hf_tokenizer(str(tmp_path / "b")).eos_id == 7
+    assert hf_tokenizer(str(tmp_path / "b")).eos_id == 7
 
 
 def grpo_config(run_dir, src, steps):
