@@ -84,7 +84,7 @@ class TrainConfig:
     b2: float = 0.95
     clip_norm: float = 1.0
     optimizer: Literal["adamw", "muon"] = "adamw"  # muon: the hidden matrices (common/train.py)
-    muon_dtype: Literal["float32", "bfloat16"] = "float32"  # Muon's momentum and Newton-Schulz
+    muon_dtype: Literal["float32", "bfloat16"] = "float32"  # Muon's momentum buffer
     z_loss: float = 0.0           # weight of mean(logsumexp^2) (PaLM); 0 = off
     seed: int = 0
     log_every: int = 10

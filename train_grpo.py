@@ -117,7 +117,7 @@ class GRPOConfig:
     b2: float = 0.99
     clip_norm: float = 1.0
     optimizer: Literal["adamw", "muon"] = "adamw"  # muon: the hidden matrices (common/train.py)
-    muon_dtype: Literal["float32", "bfloat16"] = "float32"  # Muon's momentum and Newton-Schulz
+    muon_dtype: Literal["float32", "bfloat16"] = "float32"  # Muon's momentum buffer
     format_weight: float = 0.1    # reward weight of the format check (correctness weighs 1)
     seed: int = 0
     log_every: int = 10

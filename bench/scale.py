@@ -99,8 +99,9 @@ def main() -> None:
               f"on an 8 MB sample):")
         for r in runs:
             print(f"  {r['mb']:6.0f} MB, {r['workers']} worker(s): {r['s']:6.1f} s | "
-                  f"{r['mb_s']:5.2f} MB/s | {r['tok_s'] / 1e6:5.2f} M tok/s | peak RSS "
-                  f"{r['rss_mb']:5.0f} MB")
+                  f"{r['mb_s']:5.2f} MB/s | {r['tok_s'] / 1e6:5.2f} M tok/s | peak RSS " + (
+                      "not above the runs before" if r['rss_mb'] != r['rss_mb'] else
+                      f"{r['rss_mb']:5.0f} MB"))
         print(f"  2 workers vs 1: {runs[1]['s'] / runs[2]['s']:.2f}x; peak RSS at "
               f"{runs[1]['mb'] / runs[0]['mb']:.0f}x the corpus: "
               f"{runs[1]['rss_mb'] / runs[0]['rss_mb']:.2f}x")

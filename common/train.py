@@ -213,8 +213,8 @@ def optimizer(kind: str, schedule, *, b1: float, b2: float, weight_decay: float,
     AdamW decays only the parameters whose name is in `decayed` (the matrices): decaying norm
     gains and biases only hurts. Muon (Jordan et al. 2024; Liu et al. 2025, "Muon is Scalable",
     the Moonlight recipe Kimi K2 uses): Nesterov momentum 0.95, then 5 quintic Newton-Schulz
-    steps that orthogonalise each matrix (optax.contrib.scale_by_muon; its momentum and the
-    iteration in `muon_dtype`), scaled by 0.2 sqrt(max(fan_in, fan_out)) so that the update's
+    steps that orthogonalise each matrix (optax.contrib.scale_by_muon; its momentum stored
+    in `muon_dtype`), scaled by 0.2 sqrt(max(fan_in, fan_out)) so that the update's
     RMS matches AdamW's and the same learning rate and weight decay serve both. `muon_dims`:
     name -> (input axes, output axes) of the hidden matrices; every other axis (the scanned
     layers, the experts) is a batch of separate matrices. Embeddings, unembedding, norms,
