@@ -116,10 +116,12 @@ def test_an_upload_cut_short_is_refused_then_replaced(gcs, bucket_data, tmp_path
         DataConfig(path=local)).vocab_size
 
 
-def test_two_processes_read_only_their_rows_of_a_bucket(gcs_server, bucket_data):
-    local, remote = bucket_data
+def test_two_processes_read_only_their_rows_of_a_bucket(gcs, gcs_server, bucket_data):
+    local, _ = bucket_data
+    remote = f"{gcs}/data/two"  # a folder of its own: no other test's read-ahead lands here
+    for name, data in files(local).items():
+        epath.Path(remote, name).write_bytes(data)
     served = gcs_server.served
-    before = served.get("data/a/train.bin", 0)
     steps, batch, seq = 5, 16, 32
     r = subprocess.run([sys.executable, "-m", "common.launch", "--nproc", "2", "--cpu-devices",
                         "4", "--max-restarts", "0", "--", sys.executable, "tests/read_batches.py",
@@ -129,7 +131,7 @@ def test_two_processes_read_only_their_rows_of_a_bucket(gcs_server, bucket_data)
     assert r.stdout.count("batches equal") == 2, r.stdout + r.stderr
     # Each process its 8 rows of each step, and of the step after the last (read ahead):
     # had each read every row, twice this.
-    assert served["data/a/train.bin"] - before == (steps + 1) * batch * (seq + 1) * 2
+    assert served["data/two/train.bin"] == (steps + 1) * batch * (seq + 1) * 2
 
 
 def test_training_from_a_bucket_equals_training_from_disk(gcs, bucket_data, tmp_path):
