@@ -514,8 +514,8 @@ MUON_DIMS = {"wq": ((1,), (2, 3)), "wk": ((1,), (2, 3)), "wv": ((1,), (2, 3)),
 def make_optimizer(t: TrainConfig):
     return train.optimizer(t.optimizer, make_schedule(t), b1=t.b1, b2=t.b2,
                            weight_decay=t.weight_decay, clip_norm=t.clip_norm,
-                           decayed={"embed", "unembed", "wq", "wk", "wv", "wo", "w_gate", "w_up",
-                                    "w_down"}, muon_dims=MUON_DIMS, muon_dtype=t.muon_dtype)
+                           decayed={"embed", "unembed", *MUON_DIMS}, muon_dims=MUON_DIMS,
+                           muon_dtype=t.muon_dtype)
 
 
 def _chunked(chunk: int, *xs_BT):
@@ -686,7 +686,9 @@ def train_loop(cfg: Config, mesh, st: train.TrainState, step_fn) -> dict:
         log(f"eval step {loop.step} | {line}")
         return out
 
-    with train.Run(cfg, MAY_CHANGE, tc.profile_steps, defaults=Config()) as run:
+    with train.Run(cfg, MAY_CHANGE, tc.profile_steps, defaults=Config(), keep_weights=(
+            f"To keep its weights under new settings: a new --run-dir with --init-from "
+            f"{cfg.run_dir}.")) as run:
         state, start = run.resume(st.abstract())
         if state is None and cfg.init_from_hf:
             state = st.from_params(load_hf(cfg.init_from_hf, mesh)[1])

@@ -763,8 +763,8 @@ def make_optimizer(lr: float, warmup: int, g: GRPOConfig):
     """train_dense.py's optimiser (a dense run's state fits it), flat after a linear warmup."""
     return train.optimizer(g.optimizer, train.lr_schedule("constant", lr, warmup), b1=g.b1,
                            b2=g.b2, weight_decay=g.weight_decay, clip_norm=g.clip_norm,
-                           decayed={"embed", "unembed", "wq", "wk", "wv", "wo", "w_gate", "w_up",
-                                    "w_down"}, muon_dims=MUON_DIMS, muon_dtype=g.muon_dtype)
+                           decayed={"embed", "unembed", *MUON_DIMS}, muon_dims=MUON_DIMS,
+                           muon_dtype=g.muon_dtype)
 
 
 def grpo_optimizer(cfg: Config):

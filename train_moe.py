@@ -707,9 +707,8 @@ MUON_DIMS = {"wq": ((1,), (2, 3)), "wk": ((1,), (2, 3)), "wv": ((1,), (2, 3)),
 def make_optimizer(t: TrainConfig):
     return train.optimizer(t.optimizer, make_schedule(t), b1=t.b1, b2=t.b2,
                            weight_decay=t.weight_decay, clip_norm=t.clip_norm,
-                           decayed={"embed", "unembed", "wq", "wk", "wv", "wo", "w_router",
-                                    "w_gate", "w_up", "w_down"}, muon_dims=MUON_DIMS,
-                           muon_dtype=t.muon_dtype)
+                           decayed={"embed", "unembed", "w_router", *MUON_DIMS},
+                           muon_dims=MUON_DIMS, muon_dtype=t.muon_dtype)
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:

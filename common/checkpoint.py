@@ -429,7 +429,7 @@ def _write_json_atomically(path: epath.Path, obj: Any) -> None:
 
 
 def check_run_config(run_dir: str, config: dict, may_change: frozenset[str] = frozenset(),
-                     defaults: dict | None = None) -> None:
+                     defaults: dict | None = None, keep_weights: str = "") -> None:
     """Records the run's config on the first start and refuses a resume that changes it.
 
     `may_change` names dotted keys or prefixes ("train.steps", "mesh") that a resume may
@@ -437,7 +437,8 @@ def check_run_config(run_dir: str, config: dict, may_change: frozenset[str] = fr
     as the model's shape or the data, would silently make the resumed run a different
     experiment. `defaults` (the config's field defaults, nested alike) lets a run saved
     before a field existed resume: a key absent from the saved file that is at its default
-    now is no change.
+    now is no change. `keep_weights`: how to start a new run from this one's weights (said
+    when no model key conflicts, e.g. for another optimizer, whose state a checkpoint holds).
     """
     # Round-trip through JSON so that the live config compares as it will read back
     # (tuples become lists; values JSON cannot hold are recorded by their str()).
@@ -466,13 +467,13 @@ def check_run_config(run_dir: str, config: dict, may_change: frozenset[str] = fr
     if conflicts:
         lines = [f"{k}: {json.dumps(old[k]) if k in old else missing} (saved) -> "
                  f"{json.dumps(new[k]) if k in new else missing} (now)" for k in conflicts]
-        why = ("\nThe optimizer's state is part of each checkpoint; to keep the weights with "
-               f"another optimizer, start a new --run-dir with --init-from {run_dir}."
-               if any(k.endswith(".optimizer") for k in conflicts) else "")
+        # A new run can start from these weights only if the model's shape is the same.
+        keep = "" if any(k.startswith("model.") for k in conflicts) else keep_weights
         raise ConfigConflictError(
             f"{run_dir} belongs to a run with a different config:\n  "
-            + "\n  ".join(lines) + why
-            + "\nFix: pass the same flags to resume this run, or choose a new --run-dir.")
+            + "\n  ".join(lines)
+            + "\nFix: pass the same flags to resume this run, or choose a new --run-dir."
+            + (f"\n{keep}" if keep else ""))
     if changed:
         # Keep the old file: the run's history (which steps ran with which budget) lives there.
         stamp = time.strftime("%Y%m%d-%H%M%S")

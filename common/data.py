@@ -706,16 +706,17 @@ def _count(n: int, noun: str) -> str:
 
 
 def _batches(docs: Iterator[str], *, max_docs: int, max_chars: int):
-    """(index of the first document, list of texts), bounded in count and size."""
+    """(index of the first document, list of texts, their characters), bounded in count and
+    size."""
     first, texts, chars = 0, [], 0
     for text in docs:
         texts.append(text)
         chars += len(text)
         if len(texts) >= max_docs or chars >= max_chars:
-            yield first, texts
+            yield first, texts, chars
             first, texts, chars = first + len(texts), [], 0
     if texts:
-        yield first, texts
+        yield first, texts, chars
 
 
 def _encode(batches, model_path: str, workers: int):
@@ -724,16 +725,15 @@ def _encode(batches, model_path: str, workers: int):
     buffer, not by the corpus, and the output is the same as one process's."""
     if workers == 1:
         sp = open_tokenizer(model_path)
-        for first, texts in batches:
-            yield first, sum(map(len, texts)), sp.encode(texts, num_threads=os.cpu_count() or 1)
+        for first, texts, chars in batches:
+            yield first, chars, sp.encode(texts, num_threads=os.cpu_count() or 1)
         return
     # spawn, not fork: this process has JAX's threads, which a fork would copy half-alive.
     with multiprocessing.get_context("spawn").Pool(
             workers, initializer=_worker_start, initargs=(model_path,)) as pool:
         pending = deque()
-        for first, texts in batches:
-            job = pool.apply_async(_worker_encode, (texts,))
-            pending.append((first, sum(map(len, texts)), job))
+        for first, texts, chars in batches:
+            pending.append((first, chars, pool.apply_async(_worker_encode, (texts,))))
             if len(pending) >= 2 * workers:
                 first, chars, result = pending.popleft()
                 yield first, chars, result.get()

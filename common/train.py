@@ -579,7 +579,7 @@ class Run:
     Closed in reverse order: the last save is waited for (and raises if it failed) first."""
 
     def __init__(self, cfg, may_change: frozenset[str], profile_steps: tuple[int, ...] = (),
-                 defaults=None):
+                 defaults=None, keep_weights: str = ""):
         self.cfg, self.dir = cfg, cfg.run_dir
         self.t_start = time.perf_counter()
         try:  # refused now, not at the first save 100 steps in
@@ -593,7 +593,7 @@ class Run:
                                   "directory this user can write to.") from None
         config = dataclasses.asdict(cfg)
         if multislice.is_main_process():
-            check_run_config(self.dir, config, may_change,
+            check_run_config(self.dir, config, may_change, keep_weights=keep_weights,
                              defaults=None if defaults is None else dataclasses.asdict(defaults))
         with contextlib.ExitStack() as stack:
             self.metrics_log = stack.enter_context(observe.MetricsLog(self.dir, config))
