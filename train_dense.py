@@ -84,7 +84,8 @@ class TrainConfig:
     b2: float = 0.95
     clip_norm: float = 1.0
     optimizer: Literal["adamw", "muon"] = "adamw"  # muon: the hidden matrices (common/train.py)
-    muon_dtype: Literal["float32", "bfloat16"] = "float32"  # Muon's momentum buffer
+    muon_dtype: Literal["float32", "bfloat16"] = "float32"  # Muon's momentum and iteration
+    qk_clip_threshold: float = 0.0  # MuonClip: keep heads' q.k logits <= this; 0 = off
     z_loss: float = 0.0           # weight of mean(logsumexp^2) (PaLM); 0 = off
     seed: int = 0
     log_every: int = 10
@@ -168,7 +169,7 @@ MAY_CHANGE = frozenset({
     "train.steps", "train.lr", "train.log_every", "train.eval_every", "train.eval_batches",
     "train.sample_tokens", "train.temperature", "train.sample_prompt", "train.peak_tflops",
     "train.microbatches", "train.profile_steps", "train.max_bad_steps", "quiet",
-    "train.eval_samples",
+    "train.eval_samples", "train.qk_clip_threshold",
     "mesh", "checkpoint", "dry_run", "compile_topology", "compile_slices", "bench",
     "data.cache_dir", "run_dir",
     "model.dtype", "model.attention", "model.remat", "model.scan_layers", "model.loss_chunk",
@@ -182,7 +183,7 @@ COMPUTE_FIELDS = tuple(sorted(k.split(".", 1)[1] for k in MAY_CHANGE if k.starts
 RULES = {"train.temperature": ">= 0", "train.min_lr_ratio": "[0, 1]", "train.b1": "[0, 1)",
          "train.b2": "[0, 1)", "train.decay_fraction": "(0, 1]", "train.weight_decay": ">= 0",
          "train.warmup_steps": ">= 0", "train.sample_tokens": ">= 0",
-         "train.eval_samples": ">= 0"}
+         "train.eval_samples": ">= 0", "train.qk_clip_threshold": ">= 0"}
 
 
 def validate(cfg: Config, n_devices: int) -> None:
@@ -210,6 +211,7 @@ def validate(cfg: Config, n_devices: int) -> None:
         raise ConfigError(f"--train.seq-len {t.seq_len} is not a multiple of --model.loss-chunk "
                           f"{m.loss_chunk}.")
     train.check_profile(t.profile_steps, t.steps)
+    train.check_qk_clip("--train.qk-clip-threshold", t.qk_clip_threshold, m.qk_norm)
     d = cfg.data
     if d.format == "sft" and d.pack and m.attention == "cudnn":  # SFT
         raise ConfigError("--model.attention cudnn cannot mask packed SFT rows (JAX's cuDNN "
@@ -356,7 +358,9 @@ def attention(q_BTNH, k_BSKH, v_BSKH, cfg: ModelConfig, mask_BTS=None):
     return jnp.einsum("bkgts,bskh->btkgh", p_BKGTS, v_BSKH).reshape(B, T, N, H)
 
 
-def block(x_BTD, lp: dict, pos_BT, inv_freq, cfg: ModelConfig, mask_BTS=None):
+def block(x_BTD, lp: dict, pos_BT, inv_freq, cfg: ModelConfig, mask_BTS=None,
+          max_logits: bool = False):
+    """One transformer block; returns (x, stats: with max_logits the heads' largest logit)."""
     dt = x_BTD.dtype
     w = lambda name: lp[name].astype(dt)   # f32 master weights, compute-dtype matmuls
     h = rms_norm(x_BTD, lp["attn_norm"], cfg.norm_eps)
@@ -368,21 +372,24 @@ def block(x_BTD, lp: dict, pos_BT, inv_freq, cfg: ModelConfig, mask_BTS=None):
     if cfg.qk_norm:
         q, k = rms_norm(q, lp["q_norm"], cfg.norm_eps), rms_norm(k, lp["k_norm"], cfg.norm_eps)
     q, k = apply_rope(q, pos_BT, inv_freq), apply_rope(k, pos_BT, inv_freq)
+    stats = {"max_logit": train.max_logits(q, k, mask_BTS)} if max_logits else {}
     o = attention(q, k, v, cfg, mask_BTS)
     x_BTD = x_BTD + jnp.einsum("btnh,nhd->btd", o, w("wo"))
     h = rms_norm(x_BTD, lp["mlp_norm"], cfg.norm_eps)
     g = jnp.einsum("btd,df->btf", h, w("w_gate"))
     u = jnp.einsum("btd,df->btf", h, w("w_up"))
     x_BTD = x_BTD + jnp.einsum("btf,fd->btd", jax.nn.silu(g) * u, w("w_down"))
-    return constrain(x_BTD, ACT_BTD)
+    return constrain(x_BTD, ACT_BTD), stats
 
 
 REMAT_POLICIES = {"full": jax.checkpoint_policies.nothing_saveable,
                   "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
 
 
-def hidden(params: dict, tokens_BT, cfg: ModelConfig, segment_ids=None, positions=None):
-    """Token ids -> final-normed hidden states [B, T, D] in the compute dtype.
+def hidden(params: dict, tokens_BT, cfg: ModelConfig, segment_ids=None, positions=None,
+           max_logits: bool = False):
+    """Token ids -> (final-normed hidden states [B, T, D] in the compute dtype, per-layer
+    stats: with max_logits, "max_logit" [L, N], each head's largest attention logit).
 
     Packed rows (several examples in one row) pass `segment_ids` [B, T], equal within an
     example, so that attention stays inside each example (a block-diagonal causal mask),
@@ -405,17 +412,14 @@ def hidden(params: dict, tokens_BT, cfg: ModelConfig, segment_ids=None, position
     inv_freq = rope_inv_freq(cfg)
 
     def layer(x, lp):
-        return block(x, lp, pos_BT, inv_freq, cfg, mask_BTS), None
+        return block(x, lp, pos_BT, inv_freq, cfg, mask_BTS, max_logits)
 
     if cfg.remat != "none":
         # prevent_cse=False: inside scan the recomputation cannot be merged away anyway.
         layer = jax.checkpoint(layer, policy=REMAT_POLICIES[cfg.remat], prevent_cse=False)
-    if cfg.scan_layers:
-        x, _ = jax.lax.scan(layer, x, params["layers"])
-    else:
-        for i in range(cfg.n_layers):
-            x, _ = layer(x, jax.tree.map(lambda a: a[i], params["layers"]))
-    return rms_norm(x, params["final_norm"], cfg.norm_eps)
+    # Unrolled (--model.no-scan-layers), each layer is compiled on its own.
+    x, stats = jax.lax.scan(layer, x, params["layers"], unroll=not cfg.scan_layers)
+    return rms_norm(x, params["final_norm"], cfg.norm_eps), stats
 
 
 def unembedding(params: dict, cfg: ModelConfig):
@@ -425,7 +429,7 @@ def unembedding(params: dict, cfg: ModelConfig):
 def forward(params: dict, tokens_BT, cfg: ModelConfig, segment_ids=None, positions=None):
     """Logits [B, T, V] in float32. Training never builds these whole: see `loss_sums`.
     Packed rows pass segment ids and positions (see `hidden`)."""
-    h = hidden(params, tokens_BT, cfg, segment_ids, positions)
+    h = hidden(params, tokens_BT, cfg, segment_ids, positions)[0]
     return jnp.einsum("btd,dv->btv", h, unembedding(params, cfg).astype(h.dtype),
                       preferred_element_type=jnp.float32)
 
@@ -436,8 +440,10 @@ def forward(params: dict, tokens_BT, cfg: ModelConfig, segment_ids=None, positio
 # ----------------------------------------------------------------------------------------------
 
 
-def loss_sums(params: dict, batch, cfg: ModelConfig, z_loss: float = 0.0):
-    """(objective, cross-entropy), each summed over the batch's targets times their weights:
+def loss_sums(params: dict, batch, cfg: ModelConfig, z_loss: float = 0.0,
+              max_logits: bool = False):
+    """(objective, cross-entropy, `hidden`'s stats), the first two summed over the batch's
+    targets times their weights:
 
         ce = sum_t w_t (logsumexp(l_t) - l_t[y_t]),   objective = ce + z_loss sum_t w_t lse_t^2
 
@@ -447,29 +453,38 @@ def loss_sums(params: dict, batch, cfg: ModelConfig, z_loss: float = 0.0):
     loss_impl "fused" each chunk's gradient is made with its loss (`_ce_fused`).
     """
     inputs, targets, weights, segment_ids, positions = split_batch(batch)
-    h_BTD = hidden(params, inputs, cfg, segment_ids, positions)
+    h_BTD, stats = hidden(params, inputs, cfg, segment_ids, positions, max_logits)
     w_DV = unembedding(params, cfg).astype(h_BTD.dtype)
     ce_impl = _ce_fused if cfg.loss_impl == "fused" else _ce_remat
-    return ce_impl(h_BTD, w_DV, targets, weights, cfg.loss_chunk, z_loss)
+    return *ce_impl(h_BTD, w_DV, targets, weights, cfg.loss_chunk, z_loss), stats
 
 
 def train_step(state: dict, batch, *, cfg: Config, tx):
     """One optimiser step on a global batch (tokens [B, T+1], or packed SFT rows); returns
     the new state and metrics. Every microbatch divides its sums by the whole batch's
     weight, so their gradients add up to the gradient of the batch mean even when they hold
-    different numbers of trained tokens (SFT)."""
-    n = loss_weight(batch)
-    mean_loss = lambda p, mb: tuple(x / n for x in loss_sums(p, mb, cfg.model, cfg.train.z_loss))
-    grads, ce = train.accumulate(jax.grad(mean_loss, has_aux=True), state["params"], batch,
-                                 cfg.train.microbatches, BATCH_AXES)
-    new, metrics = train.update(tx, grads, state, ce)  # kept as it was if not finite
-    return new, metrics | {"loss": ce, "lr": make_schedule(cfg.train)(state["step"])}
+    different numbers of trained tokens (SFT). With --train.qk-clip-threshold tau, heads
+    whose logits exceeded tau have their query and key projections scaled down after the
+    update (MuonClip, see common/train.py `qk_clip`)."""
+    n, tau = loss_weight(batch), cfg.train.qk_clip_threshold
+
+    def mean_loss(p, mb):
+        obj, ce, stats = loss_sums(p, mb, cfg.model, cfg.train.z_loss, max_logits=tau > 0)
+        return obj / n, stats | {"ce": ce / n}
+
+    grads, aux = train.accumulate(jax.grad(mean_loss, has_aux=True), state["params"], batch,
+                                  cfg.train.microbatches, BATCH_AXES)
+    clip = partial(train.qk_clip, max_LN=aux.get("max_logit"), tau=tau) if tau > 0 else None
+    new, metrics = train.update(tx, grads, state, aux["ce"], after=clip)
+    clipped = {"max_attn_logit": jnp.max(aux["max_logit"])} if tau > 0 else {}
+    return new, metrics | clipped | {"loss": aux["ce"],
+                                     "lr": make_schedule(cfg.train)(state["step"])}
 
 
 def loss_fn(params, batch, cfg: ModelConfig, z_loss: float = 0.0):
     """Mean next-token cross-entropy (+ z_loss * mean logsumexp^2) over the batch's trained
     targets (all of them in pre-training). Returns (objective, ce)."""
-    obj, ce = loss_sums(params, batch, cfg, z_loss)
+    obj, ce, _ = loss_sums(params, batch, cfg, z_loss)
     n = loss_weight(batch)
     return obj / n, ce / n
 
@@ -701,7 +716,8 @@ def train_loop(cfg: Config, mesh, st: train.TrainState, step_fn) -> dict:
                           max_bad_steps=tc.max_bad_steps, peak_tflops=tc.peak_tflops,
                           flops_per_token=flops_per_token(mc, tc.seq_len), show=lambda r: (
                               f"loss {r['loss']:.3f} | lr {r['lr']:.1e} | grad_norm "
-                              f"{r['grad_norm']:.2f}"))
+                              f"{r['grad_norm']:.2f}" + (f" | max_logit {r['max_attn_logit']:.1f}"
+                                                         if tc.qk_clip_threshold else "")))
         if start == 0 and cfg.init_from and tc.steps > 0:  # the starting point, to compare
             loop.eval(evaluate(state["params"]))
         next_batch = partial(batch, ds.train, seed=cfg.data.seed)

@@ -117,7 +117,8 @@ class GRPOConfig:
     b2: float = 0.99
     clip_norm: float = 1.0
     optimizer: Literal["adamw", "muon"] = "adamw"  # muon: the hidden matrices (common/train.py)
-    muon_dtype: Literal["float32", "bfloat16"] = "float32"  # Muon's momentum buffer
+    muon_dtype: Literal["float32", "bfloat16"] = "float32"  # Muon's momentum and iteration
+    qk_clip_threshold: float = 0.0  # MuonClip: keep heads' q.k logits <= this; 0 = off
     format_weight: float = 0.1    # reward weight of the format check (correctness weighs 1)
     seed: int = 0
     log_every: int = 10
@@ -178,6 +179,7 @@ PRESETS: dict[str, tuple[str, Config]] = {
 # mesh and how it computes. The warm start is over once a checkpoint exists.
 MAY_CHANGE = frozenset({
     "grpo.steps", "grpo.lr", "grpo.log_every", "grpo.eval_every", "grpo.microbatches", "warm",
+    "grpo.qk_clip_threshold",
     "mesh", "grpo.profile_steps", "grpo.peak_tflops", "grpo.max_bad_steps", "quiet", "dry_run",
     "bench", "checkpoint", "run_dir", "model.dtype", "model.attention", "model.remat",
     "model.scan_layers", "model.loss_chunk", "model.loss_impl"})
@@ -199,7 +201,8 @@ def clip_range(g: GRPOConfig) -> tuple[float, float]:
 RULES = {"grpo.steps": ">= 0", "grpo.top_p": "(0, 1]", "grpo.eps_low": "-1 or (0, 1)",
          "grpo.eps_high": "-1 or > 0", "grpo.b1": "[0, 1)", "grpo.b2": "[0, 1)",
          "grpo.warmup_steps": ">= 0", "grpo.format_weight": ">= 0", "warm.max_steps": ">= 0",
-         "warm.target_reward": ">= 0", "warm.warmup_steps": ">= 0"}
+         "warm.target_reward": ">= 0", "warm.warmup_steps": ">= 0",
+         "grpo.qk_clip_threshold": ">= 0"}
 
 
 def validate(cfg: Config, n_devices: int, tok) -> None:
@@ -241,6 +244,7 @@ def validate(cfg: Config, n_devices: int, tok) -> None:
         raise ConfigError(f"prompt ({prompt_width(t)}) + --grpo.max-new-tokens "
                           f"({g.max_new_tokens}) exceed --model.max-seq-len {m.max_seq_len}.")
     train.check_profile(g.profile_steps, g.steps, "--grpo")
+    train.check_qk_clip("--grpo.qk-clip-threshold", g.qk_clip_threshold, m.qk_norm)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -383,10 +387,10 @@ def attention(q_BTNH, k_BSKH, v_BSKH, cfg: ModelConfig, mask_BTS=None):
 
 
 def block(x_BTD, lp: dict, pos_BT, inv_freq, cfg: ModelConfig, mask_BTS=None, kv=None,
-          index=None):
+          index=None, max_logits: bool = False):
     """One transformer block. With `kv` (this layer's cache, k and v [B, S, K, H]) the new
     keys and values are written at column `index` and the queries attend over the whole
-    cache; returns (x, kv)."""
+    cache; returns (x, (kv, stats: with max_logits the heads' largest logit))."""
     dt = x_BTD.dtype
     w = lambda name: lp[name].astype(dt)   # f32 master weights, compute-dtype matmuls
     h = rms_norm(x_BTD, lp["attn_norm"], cfg.norm_eps)
@@ -403,13 +407,14 @@ def block(x_BTD, lp: dict, pos_BT, inv_freq, cfg: ModelConfig, mask_BTS=None, kv
         k = jax.lax.dynamic_update_slice_in_dim(kv[0], k.astype(kv[0].dtype), index, axis=1)
         v = jax.lax.dynamic_update_slice_in_dim(kv[1], v.astype(kv[1].dtype), index, axis=1)
         kv = (k, v)
+    stats = {"max_logit": train.max_logits(q, k, mask_BTS)} if max_logits else {}
     o = attention(q, k, v, cfg, mask_BTS)
     x_BTD = x_BTD + jnp.einsum("btnh,nhd->btd", o, w("wo"))
     h = rms_norm(x_BTD, lp["mlp_norm"], cfg.norm_eps)
     g = jnp.einsum("btd,df->btf", h, w("w_gate"))
     u = jnp.einsum("btd,df->btf", h, w("w_up"))
     x_BTD = x_BTD + jnp.einsum("btf,fd->btd", jax.nn.silu(g) * u, w("w_down"))
-    return constrain(x_BTD, ACT_BTD), kv
+    return constrain(x_BTD, ACT_BTD), (kv, stats)
 
 
 REMAT_POLICIES = {"full": jax.checkpoint_policies.nothing_saveable,
@@ -417,8 +422,8 @@ REMAT_POLICIES = {"full": jax.checkpoint_policies.nothing_saveable,
 
 
 def hidden(params: dict, tokens_BT, cfg: ModelConfig, pos_BT=None, mask_BTS=None, cache=None,
-           index=0):
-    """Token ids -> (final-normed hidden states [B, T, D] in the compute dtype, KV cache):
+           index=0, max_logits: bool = False):
+    """Token ids -> (final-normed hidden states [B, T, D] in the compute dtype, KV cache, stats):
     train_dense.py's `hidden` with the defaults. Left-padded rows pass positions counted from
     their first real token and a mask that hides the padding. With `cache` (keys and values
     [L, B, S, K, H]) the tokens sit at columns index..index+T-1 and are written in."""
@@ -431,23 +436,17 @@ def hidden(params: dict, tokens_BT, cfg: ModelConfig, pos_BT=None, mask_BTS=None
     inv_freq = rope_inv_freq(cfg)
 
     def layer(x, xs):
-        return block(x, xs[0], pos_BT, inv_freq, cfg, mask_BTS, xs[1], index)
+        return block(x, xs[0], pos_BT, inv_freq, cfg, mask_BTS, xs[1], index, max_logits)
 
     if cfg.remat != "none" and cache is None:  # decoding keeps no activations for a backward
         # prevent_cse=False: inside scan the recomputation cannot be merged away anyway.
         layer = jax.checkpoint(layer, policy=REMAT_POLICIES[cfg.remat], prevent_cse=False)
     xs = (params["layers"], None if cache is None else (cache["k"], cache["v"]))
-    if cfg.scan_layers:
-        x, kv = jax.lax.scan(layer, x, xs)
-    else:
-        kvs = []
-        for i in range(cfg.n_layers):
-            x, kv = layer(x, jax.tree.map(lambda a: a[i], xs))
-            kvs.append(kv)
-        kv = jax.tree.map(lambda *a: jnp.stack(a), *kvs)
+    # Unrolled (--model.no-scan-layers), each layer is compiled on its own.
+    x, (kv, stats) = jax.lax.scan(layer, x, xs, unroll=not cfg.scan_layers)
     if cache is not None:
         cache = {"k": constrain(kv[0], CACHE_LBSKH), "v": constrain(kv[1], CACHE_LBSKH)}
-    return rms_norm(x, params["final_norm"], cfg.norm_eps), cache
+    return rms_norm(x, params["final_norm"], cfg.norm_eps), cache, stats
 
 
 def unembedding(params: dict, cfg: ModelConfig):
@@ -487,7 +486,7 @@ def forward_cached(params: dict, tokens_BT, cache: dict, index, pos_BT, mask_BTS
     """Logits of T new tokens at columns index..index+T-1 of a preallocated KV cache, and the
     cache with their keys and values written in. Prefill is T = the prompt width at index 0;
     each decode step is T = 1."""
-    h_BTD, cache = hidden(params, tokens_BT, cfg, pos_BT, mask_BTS, cache, index)
+    h_BTD, cache, _ = hidden(params, tokens_BT, cfg, pos_BT, mask_BTS, cache, index)
     return logits_of(params, h_BTD, cfg), cache
 
 
@@ -550,20 +549,20 @@ def rollout(params, prompt_BP, valid_BP, key, temperature, *, cfg: ModelConfig, 
 
 
 def completion_logps(params, prompt_BP, valid_BP, completion_BN, cfg: ModelConfig,
-                     temperature: float, n_valid: int):
-    """Log-probs [B, N] of the completion tokens and the policy's entropy at each, from one
-    forward over prompt + completion. Only the N completion positions are unembedded: the
-    [B, T, V] logits of the prompt are never made."""
+                     temperature: float, n_valid: int, max_logits: bool = False):
+    """Log-probs [B, N] of the completion tokens, the policy's entropy at each and `hidden`'s
+    stats, from one forward over prompt + completion. Only the N completion positions are
+    unembedded: the [B, T, V] logits of the prompt are never made."""
     Pw = prompt_BP.shape[1]
     tokens_BT = jnp.concatenate([prompt_BP, completion_BN], axis=1)[:, :-1]
     valid_BT = jnp.concatenate([valid_BP, jnp.ones_like(completion_BN, bool)], axis=1)[:, :-1]
-    h_BTD = hidden(params, tokens_BT, cfg, padded_positions(valid_BT),
-                   padded_mask(valid_BT, 0, tokens_BT.shape[1]))[0]
+    h_BTD, _, stats = hidden(params, tokens_BT, cfg, padded_positions(valid_BT),
+                             padded_mask(valid_BT, 0, tokens_BT.shape[1]), max_logits=max_logits)
     z_BNV = policy_logits(logits_of(params, h_BTD[:, Pw - 1:], cfg), temperature, n_valid)
     logp_BNV = jax.nn.log_softmax(z_BNV, axis=-1)
     logp_BN = jnp.take_along_axis(logp_BNV, completion_BN[..., None], axis=-1)[..., 0]
     entropy_BN = -jnp.sum(jnp.exp(logp_BNV) * logp_BNV, axis=-1)
-    return logp_BN, entropy_BN
+    return logp_BN, entropy_BN, stats
 
 
 # ----------------------------------------------------------------------------------------------
@@ -715,34 +714,37 @@ def policy_loss(logp_BN, old_BN, adv_B, mask_BN, g: GRPOConfig, *, ref_BN=None,
 
 
 def train_step(state: dict, batch: dict, *, cfg: Config, n_valid: int):
-    """One optimiser step on a rollout batch, accumulated over --grpo.microbatches; returns
-    the new state and metrics (the diagnostics' means over the completion tokens)."""
-    g, tx = cfg.grpo, grpo_optimizer(cfg)
-    M = g.microbatches
+    """One optimiser step (then QK-clip) on a rollout batch, accumulated over --grpo.microbatches;
+    returns the new state and metrics (the diagnostics' means over the completion tokens)."""
+    g, tx = cfg.grpo, make_optimizer(cfg.grpo)
+    M, tau = g.microbatches, g.qk_clip_threshold
     # DAPO divides by the whole batch's tokens; the mean over M microbatches below divides
     # by M again, so each microbatch is handed n_tokens / M.
     rows = {k: v for k, v in batch.items() if k != "n_tokens"}
 
     def loss(params, mb):
-        logp_BN, entropy_BN = completion_logps(params, mb["prompt"], mb["prompt_valid"],
-                                               mb["completion"], cfg.model, g.temperature, n_valid)
+        logp_BN, entropy_BN, stats = completion_logps(
+            params, mb["prompt"], mb["prompt_valid"], mb["completion"], cfg.model,
+            g.temperature, n_valid, max_logits=tau > 0)
         loss, sums = policy_loss(logp_BN, mb["old_logp"], mb["adv"], mb["mask"], g,
                                  ref_BN=mb.get("ref_logp"), n_tokens=batch["n_tokens"] / M)
-        return loss, sums | {"entropy": jnp.sum(entropy_BN * mb["mask"])}
+        return loss, sums | stats | {"entropy": jnp.sum(entropy_BN * mb["mask"])}
 
     grads, sums = train.accumulate(jax.grad(loss, has_aux=True), state["params"], rows, M,
                                    BATCH_AXES)
-    grads = jax.tree.map(lambda x: x / M, grads)
+    grads, max_LN = jax.tree.map(lambda x: x / M, grads), sums.pop("max_logit", None)
     n = jnp.maximum(sums.pop("tokens"), 1.0)
     metrics = {k: v / n for k, v in sums.items()}  # the KL among them: checked with the update
-    new, checks = train.update(tx, grads, state, *metrics.values())
+    clip = partial(train.qk_clip, max_LN=max_LN, tau=tau) if tau else None
+    new, checks = train.update(tx, grads, state, *metrics.values(), after=clip)
+    metrics |= {"max_attn_logit": jnp.max(max_LN)} if tau else {}
     return new, metrics | checks | {"learning_rate": train.lr_schedule(
         "constant", g.lr, g.warmup_steps)(state["step"])}
 
 
 def sft_step(state: dict, batch: dict, *, cfg: Config, n_valid: int):
     """Warm start: cross-entropy on the answer tokens (and EOS) of correct examples."""
-    tx = make_optimizer(cfg.warm.lr, cfg.warm.warmup_steps, cfg.grpo)
+    tx = make_optimizer(cfg.grpo, cfg.warm)
 
     def loss_fn(params):
         logp_BN = completion_logps(params, batch["prompt"], batch["prompt_valid"],
@@ -759,16 +761,14 @@ MUON_DIMS = {"wq": ((1,), (2, 3)), "wk": ((1,), (2, 3)), "wv": ((1,), (2, 3)),  
              "w_down": ((1,), (2,))}
 
 
-def make_optimizer(lr: float, warmup: int, g: GRPOConfig):
-    """train_dense.py's optimiser (a dense run's state fits it), flat after a linear warmup."""
+def make_optimizer(g: GRPOConfig, warm: WarmStartConfig | None = None):
+    """train_dense.py's optimiser (a dense run's state fits it), flat after a linear warmup:
+    GRPO's, or with `warm` the warm start's."""
+    lr, warmup = (warm.lr, warm.warmup_steps) if warm else (g.lr, g.warmup_steps)
     return train.optimizer(g.optimizer, train.lr_schedule("constant", lr, warmup), b1=g.b1,
                            b2=g.b2, weight_decay=g.weight_decay, clip_norm=g.clip_norm,
                            decayed={"embed", "unembed", *MUON_DIMS}, muon_dims=MUON_DIMS,
                            muon_dtype=g.muon_dtype)
-
-
-def grpo_optimizer(cfg: Config):
-    return make_optimizer(cfg.grpo.lr, cfg.grpo.warmup_steps, cfg.grpo)
 
 
 def flops_per_step(cfg: Config) -> tuple[int, float]:
@@ -800,7 +800,7 @@ def main(cfg: Config) -> dict:
     tok = make_tokenizer(cfg)
     validate(cfg, jax.device_count(), tok)
     mesh = make_mesh(cfg.mesh)
-    st = train_state(cfg, mesh, grpo_optimizer(cfg), ref=cfg.grpo.beta > 0)
+    st = train_state(cfg, mesh, make_optimizer(cfg.grpo), ref=cfg.grpo.beta > 0)
     step_fn = st.jit(partial(train_step, cfg=cfg, n_valid=tok.vocab_size))
     lo, hi = clip_range(cfg.grpo)
     log(f"model {count_params(cfg.model) / 1e6:.2f}M parameters | mesh {describe(mesh)} | "
@@ -959,7 +959,7 @@ def warm_start(cfg: Config, mesh, tok, params, generate, prompts_at, run: train.
     from random weights every completion scores 0, every group's advantages are 0 and GRPO
     has no gradient; it needs a policy that is sometimes right."""
     w, g = cfg.warm, cfg.grpo
-    st = train_state(cfg, mesh, make_optimizer(w.lr, w.warmup_steps, g))
+    st = train_state(cfg, mesh, make_optimizer(g, w))
     state = st.from_params(params)
     step_fn = st.jit(partial(sft_step, cfg=cfg, n_valid=tok.vocab_size))
     width, t0, losses = prompt_width(cfg.task), time.perf_counter(), []
@@ -1020,7 +1020,7 @@ def initial_params(cfg: Config, mesh, tok) -> dict:
         log(f"initialised from {cfg.init_from_hf} (HuggingFace)")
         return load_hf(cfg.init_from_hf, mesh)[1]
     if cfg.init_from:
-        abstract = train_state(cfg, mesh, grpo_optimizer(cfg)).abstract()["params"]
+        abstract = train_state(cfg, mesh, make_optimizer(cfg.grpo)).abstract()["params"]
         return train.restore_params(cfg.init_from, abstract)
     return init_params(cfg.model, jax.random.key(cfg.grpo.seed), mesh)
 

@@ -107,7 +107,8 @@ class TrainConfig:
     b2: float = 0.95
     clip_norm: float = 1.0
     optimizer: Literal["adamw", "muon"] = "adamw"  # muon: the hidden matrices (common/train.py)
-    muon_dtype: Literal["float32", "bfloat16"] = "float32"  # Muon's momentum buffer
+    muon_dtype: Literal["float32", "bfloat16"] = "float32"  # Muon's momentum and iteration
+    qk_clip_threshold: float = 0.0  # MuonClip: keep heads' q.k logits <= this; 0 = off
     z_loss: float = 0.0           # weight of the output mean(logsumexp^2) (PaLM); 0 = off
     load_balance_loss: float = 0.01  # weight of the Switch load-balancing loss (mean over layers)
     router_z_loss: float = 0.001  # weight of the router's mean(logsumexp^2) (ST-MoE)
@@ -170,7 +171,8 @@ MAY_CHANGE = frozenset({
     "train.steps", "train.lr", "train.log_every", "train.eval_every", "train.eval_batches",
     "train.sample_tokens", "train.temperature", "train.sample_prompt", "train.peak_tflops",
     "train.microbatches", "train.profile_steps", "train.max_bad_steps", "quiet",
-    "mesh", "checkpoint", "dry_run", "bench", "bench_twin", "data.cache_dir", "run_dir",
+    "train.qk_clip_threshold", "mesh", "checkpoint", "dry_run", "bench", "bench_twin",
+    "data.cache_dir", "run_dir",
     "model.dtype", "model.attention", "model.remat", "model.scan_layers", "model.loss_chunk",
     "model.grouped_matmul", "model.gmm_tile"})
 
@@ -183,7 +185,8 @@ COMPUTE_FIELDS = tuple(sorted(k.split(".", 1)[1] for k in MAY_CHANGE if k.starts
 RULES = {"train.temperature": ">= 0", "train.min_lr_ratio": "[0, 1]", "train.b1": "[0, 1)",
          "train.b2": "[0, 1)", "train.decay_fraction": "(0, 1]", "train.weight_decay": ">= 0",
          "train.warmup_steps": ">= 0", "train.sample_tokens": ">= 0",
-         "train.load_balance_loss": ">= 0", "train.router_z_loss": ">= 0"}
+         "train.load_balance_loss": ">= 0", "train.router_z_loss": ">= 0",
+         "train.qk_clip_threshold": ">= 0"}
 
 
 def validate(cfg: Config, n_devices: int) -> None:
@@ -221,6 +224,7 @@ def validate(cfg: Config, n_devices: int) -> None:
         raise ConfigError(f"--train.seq-len {t.seq_len} is not a multiple of --model.loss-chunk "
                           f"{m.loss_chunk}.")
     train.check_profile(t.profile_steps, t.steps)
+    train.check_qk_clip("--train.qk-clip-threshold", t.qk_clip_threshold, m.qk_norm)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -577,7 +581,7 @@ def moe(h_BTD, lp: dict, cfg: ModelConfig):
     return y, stats | {"dropped": jnp.sum(dropped) / n_assign}
 
 
-def block(x_BTD, lp: dict, pos_BT, inv_freq, cfg: ModelConfig):
+def block(x_BTD, lp: dict, pos_BT, inv_freq, cfg: ModelConfig, max_logits: bool = False):
     dt = x_BTD.dtype
     w = lambda name: lp[name].astype(dt)   # f32 master weights, compute-dtype matmuls
     h = rms_norm(x_BTD, lp["attn_norm"], cfg.norm_eps)
@@ -590,6 +594,8 @@ def block(x_BTD, lp: dict, pos_BT, inv_freq, cfg: ModelConfig):
     o = attention(q, k, v, cfg)
     x_BTD = constrain(x_BTD + jnp.einsum("btnh,nhd->btd", o, w("wo")), ACT_BTD)
     y_BTD, stats = moe(rms_norm(x_BTD, lp["mlp_norm"], cfg.norm_eps), lp, cfg)
+    if max_logits:  # for QK-clip: each head's largest attention logit
+        stats["max_logit"] = train.max_logits(q, k)
     return constrain(x_BTD + y_BTD, ACT_BTD), stats
 
 
@@ -597,8 +603,9 @@ REMAT_POLICIES = {"full": jax.checkpoint_policies.nothing_saveable,
                   "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
 
 
-def hidden(params: dict, tokens_BT, cfg: ModelConfig):
-    """Token ids -> (final-normed hidden states [B, T, D], per-layer routing stats [L])."""
+def hidden(params: dict, tokens_BT, cfg: ModelConfig, max_logits: bool = False):
+    """Token ids -> (final-normed hidden states [B, T, D], per-layer routing stats [L], and
+    with max_logits each head's largest attention logit, "max_logit" [L, N])."""
     dt = jnp.dtype(cfg.dtype)
     # Gather the table's fsdp shards first (as FSDP does for every weight): a lookup into a
     # table split on d makes XLA replicate the whole result and re-split it.
@@ -608,19 +615,13 @@ def hidden(params: dict, tokens_BT, cfg: ModelConfig):
     inv_freq = rope_inv_freq(cfg)
 
     def layer(x, lp):
-        return block(x, lp, pos_BT, inv_freq, cfg)
+        return block(x, lp, pos_BT, inv_freq, cfg, max_logits)
 
     if cfg.remat != "none":
         # prevent_cse=False: inside scan the recomputation cannot be merged away anyway.
         layer = jax.checkpoint(layer, policy=REMAT_POLICIES[cfg.remat], prevent_cse=False)
-    if cfg.scan_layers:
-        x, stats = jax.lax.scan(layer, x, params["layers"])
-    else:
-        per_layer = []
-        for i in range(cfg.n_layers):
-            x, s = layer(x, jax.tree.map(lambda a: a[i], params["layers"]))
-            per_layer.append(s)
-        stats = jax.tree.map(lambda *a: jnp.stack(a), *per_layer)
+    # Unrolled (--model.no-scan-layers), each layer is compiled on its own.
+    x, stats = jax.lax.scan(layer, x, params["layers"], unroll=not cfg.scan_layers)
     return rms_norm(x, params["final_norm"], cfg.norm_eps), stats
 
 
@@ -654,7 +655,7 @@ def loss_fn(params, batch_BT1, cfg: ModelConfig, t: TrainConfig = TrainConfig())
     recomputes them in the backward pass.
     """
     inputs, targets = batch_BT1[:, :-1], batch_BT1[:, 1:]
-    h_BTD, stats = hidden(params, inputs, cfg)
+    h_BTD, stats = hidden(params, inputs, cfg, max_logits=t.qk_clip_threshold > 0)
     w_DV = unembedding(params, cfg).astype(h_BTD.dtype)
     B, T, D = h_BTD.shape
     C = min(cfg.loss_chunk, T)
@@ -680,12 +681,17 @@ def loss_fn(params, batch_BT1, cfg: ModelConfig, t: TrainConfig = TrainConfig())
 def train_step(state: dict, batch_BT1, *, cfg: Config, tx):
     """One optimiser step on a global batch [B, T+1]; returns the new state and metrics. The
     gradient of the loss, and its aux (cross-entropy, routing stats), are the microbatches'
-    mean."""
-    M = cfg.train.microbatches
+    mean; with --train.qk-clip-threshold, heads whose logits exceeded it are clipped after the
+    update (MuonClip, common/train.py `qk_clip`)."""
+    M, tau = cfg.train.microbatches, cfg.train.qk_clip_threshold
     grad_fn = jax.grad(partial(loss_fn, cfg=cfg.model, t=cfg.train), has_aux=True)
-    total = train.accumulate(grad_fn, state["params"], batch_BT1, M, MOE_BATCH)
-    grads, aux = jax.tree.map(lambda x: x / M, total)
-    new, metrics = train.update(tx, grads, state, aux["ce"])  # kept as it was if not finite
+    grads, aux = train.accumulate(grad_fn, state["params"], batch_BT1, M, MOE_BATCH)
+    max_LN = aux.pop("max_logit", None)  # the microbatches' largest, not their mean
+    grads, aux = jax.tree.map(lambda x: x / M, (grads, aux))
+    clip = partial(train.qk_clip, max_LN=max_LN, tau=tau) if tau > 0 else None
+    new, metrics = train.update(tx, grads, state, aux["ce"], after=clip)
+    if tau > 0:
+        metrics["max_attn_logit"] = jnp.max(max_LN)
     return new, metrics | {"loss": aux["ce"], "lr": make_schedule(cfg.train)(state["step"]),
                            "aux_loss": jnp.mean(aux["aux_loss"]),
                            "router_z": jnp.mean(aux["router_z"]), "load_min": aux["load_min"],
@@ -781,7 +787,8 @@ def train_loop(cfg: Config, mesh, st: train.TrainState, step_fn) -> dict:
         drop = f" | dropped {100 * r['dropped']:.1f}%" if mc.capacity_factor > 0 else ""
         return (f"loss {r['loss']:.3f} | aux {r['aux_loss']:.3f} | router_z "
                 f"{r['router_z']:.2f} | load {min(r['load_min']):.3f}-{max(r['load_max']):.3f}"
-                f"{drop} | lr {r['lr']:.1e} | grad_norm {r['grad_norm']:.2f}")
+                f"{drop} | lr {r['lr']:.1e} | grad_norm {r['grad_norm']:.2f}" + (
+                    f" | max_logit {r['max_attn_logit']:.1f}" if tc.qk_clip_threshold else ""))
 
     with train.Run(cfg, MAY_CHANGE, tc.profile_steps, defaults=Config()) as run:
         state, start = run.resume(st.abstract())

@@ -213,8 +213,8 @@ def optimizer(kind: str, schedule, *, b1: float, b2: float, weight_decay: float,
     AdamW decays only the parameters whose name is in `decayed` (the matrices): decaying norm
     gains and biases only hurts. Muon (Jordan et al. 2024; Liu et al. 2025, "Muon is Scalable",
     the Moonlight recipe Kimi K2 uses): Nesterov momentum 0.95, then 5 quintic Newton-Schulz
-    steps that orthogonalise each matrix (optax.contrib.scale_by_muon; its momentum stored
-    in `muon_dtype`), scaled by 0.2 sqrt(max(fan_in, fan_out)) so that the update's
+    steps that orthogonalise each matrix (optax.contrib.scale_by_muon; its momentum and the
+    iteration in `muon_dtype`), scaled by 0.2 sqrt(max(fan_in, fan_out)) so that the update's
     RMS matches AdamW's and the same learning rate and weight decay serve both. `muon_dims`:
     name -> (input axes, output axes) of the hidden matrices; every other axis (the scanned
     layers, the experts) is a batch of separate matrices. Embeddings, unembedding, norms,
@@ -237,15 +237,67 @@ def optimizer(kind: str, schedule, *, b1: float, b2: float, weight_decay: float,
             return u * (0.2 * math.sqrt(max(fan_in, fan_out)))
         return jax.tree_util.tree_map_with_path(scale, updates), state
 
+    def cast(dtype):  # the momentum's dtype is the iteration's: optax runs it in mu's dtype
+        return optax.GradientTransformation(lambda _: optax.EmptyState(), lambda u, s, p=None: (
+            jax.tree.map(lambda x: x.astype(dtype), u), s))
+
     muon = optax.chain(
+        cast(jnp.dtype(muon_dtype)),
         optax.contrib.scale_by_muon(beta=0.95, ns_steps=5, weight_dimension_numbers=dims,
                                     mu_dtype=jnp.dtype(muon_dtype)),
-        optax.GradientTransformation(lambda _: optax.EmptyState(), rms_match),
+        cast(jnp.float32), optax.GradientTransformation(lambda _: optax.EmptyState(), rms_match),
         optax.add_decayed_weights(weight_decay), optax.scale_by_learning_rate(schedule))
     labels = lambda params: jax.tree_util.tree_map_with_path(
         lambda path, _: "muon" if path[-1].key in muon_dims else "adamw", params)
     return optax.chain(optax.clip_by_global_norm(clip_norm),
                        optax.partition({"muon": muon, "adamw": adam}, labels))
+
+
+def max_logits(q_BTNH, k_BSKH, mask_BTS=None, chunk: int = 512):
+    """[N] float32: per query head, the largest pre-softmax logit q.k / sqrt(H) over the pairs
+    attention allows (causal, or mask_BTS), for QK-clip. Fused attention kernels never show
+    their scores, so they are made again here: q.k's FLOPs once more, without gradient, by
+    chunks of queries, so that at most [B, N, chunk, S] float32 scores exist at a time."""
+    q, k = jax.lax.stop_gradient(q_BTNH), jax.lax.stop_gradient(k_BSKH)
+    B, T, N, H = q.shape
+    S, K = k.shape[1], k.shape[2]
+    C = chunk if T % chunk == 0 else T
+    allowed = jnp.tril(jnp.ones((1, T, S), bool)) if mask_BTS is None else mask_BTS
+
+    def one(i):
+        q_BCKGH = jax.lax.dynamic_slice_in_dim(q, i * C, C, axis=1).reshape(B, C, K, N // K, H)
+        s = jnp.einsum("bckgh,bskh->bkgcs", q_BCKGH, k, preferred_element_type=jnp.float32)
+        a = jax.lax.dynamic_slice_in_dim(allowed, i * C, C, axis=1)[:, None, None]
+        return jnp.max(jnp.where(a, s, -jnp.inf), axis=(0, 3, 4)).reshape(N)
+
+    return jnp.max(jax.lax.map(one, jnp.arange(T // C)), axis=0) / math.sqrt(H)
+
+
+def qk_clip(params: dict, max_LN, tau: float, q=("wq", "bq"), k=("wk", "bk")) -> dict:
+    """MuonClip's QK-clip (Kimi K2 report, sec. 2.1), after an update: every head whose largest
+    logit this step, max_LN [L, N], exceeded tau has its query and key projections (weights
+    and biases in params["layers"], [L, ..., heads, H]) scaled by sqrt(tau / max) each, so
+    that logit becomes tau; every other head is left exactly as it was. A key head that serves
+    several query heads (grouped-query attention) is left alone and its queries take the whole
+    factor, as K2 does with MLA's shared rotary key: scaling it would move its other heads'
+    logits too."""
+    layers = params["layers"]
+    ok = jnp.isfinite(max_LN) & (max_LN > tau)   # a non-finite max: the step is skipped anyway
+    gamma_LN = jnp.where(ok, tau / jnp.where(ok, max_LN, 1.0), 1.0)
+    shared = layers[k[0]].shape[-2] != layers[q[0]].shape[-2]
+    scales = {name: gamma_LN if shared else jnp.sqrt(gamma_LN) for name in q}
+    scales |= {} if shared else {name: jnp.sqrt(gamma_LN) for name in k}
+    scale = lambda a, s: a * s.reshape(s.shape[0], *[1] * (a.ndim - 3), s.shape[1], 1)
+    return params | {"layers": layers | {n: scale(layers[n], s) for n, s in scales.items()
+                                         if n in layers}}
+
+
+def check_qk_clip(flag: str, tau: float, qk_norm: bool) -> None:
+    if tau > 0 and qk_norm:
+        raise ConfigError(f"{flag} {tau} with --model.qk-norm: the queries and keys are "
+                          "normalised after their projections, so scaling the projections "
+                          "would change nothing (the norms' gains bound the logits instead). "
+                          f"Set {flag} 0.")
 
 
 # --- Training state ---------------------------------------------------------------------------
@@ -297,18 +349,21 @@ class TrainState:
         return jax.jit(step_fn, donate_argnums=0, out_shardings=(self.shardings, None))
 
 
-def update(tx, grads, state: dict, *checked) -> tuple[dict, dict]:
+def update(tx, grads, state: dict, *checked, after: Callable | None = None
+           ) -> tuple[dict, dict]:
     """The optimiser step on `grads`, unless the gradient norm or a `checked` value (the loss)
     is not finite: then the parameters and optimiser state stay as they were. Decided on the
     device by a select, so no step waits for the host; the loop reads `nonfinite` with the
     metrics it fetches anyway and stops (or, with --*.max-bad-steps, skips). The step counter
-    advances either way: the schedule stays with the data."""
+    advances either way: the schedule stays with the data. `after(params)` edits the updated
+    parameters (QK-clip) before that select, so a skipped step skips it too."""
     norm = optax.tree.norm(grads)
     ok = jnp.isfinite(norm)
     for x in checked:
         ok &= jnp.all(jnp.isfinite(x))
     updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
     params = optax.apply_updates(state["params"], updates)
+    params = after(params) if after else params
     keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)
     return state | {"params": keep(params, state["params"]),
                     "opt_state": keep(opt_state, state["opt_state"]),
@@ -317,7 +372,8 @@ def update(tx, grads, state: dict, *checked) -> tuple[dict, dict]:
 
 def accumulate(grad_fn, params, batch, microbatches: int, batch_axes):
     """The sum of grad_fn(params, mb) over `microbatches` slices of the batch's rows, under
-    lax.scan (gradient accumulation). Microbatch m takes rows m, m+M, m+2M, ...: each device
+    lax.scan (gradient accumulation), except outputs under a "max_" key (a per-head largest
+    logit), which take the largest. Microbatch m takes rows m, m+M, m+2M, ...: each device
     keeps its own rows of every microbatch, so the split moves no data between devices."""
     M = microbatches
     if M == 1:
@@ -329,12 +385,17 @@ def accumulate(grad_fn, params, batch, microbatches: int, batch_axes):
             return y
         return jax.lax.with_sharding_constraint(y, P(None, batch_axes, *[None] * (x.ndim - 1)))
 
+    is_max = lambda path: any(str(getattr(k, "key", "")).startswith("max_") for k in path)
+
     def acc(carry, mb):
-        return jax.tree.map(jnp.add, carry, grad_fn(params, mb)), None
+        return jax.tree_util.tree_map_with_path(
+            lambda path, a, b: jnp.maximum(a, b) if is_max(path) else a + b,
+            carry, grad_fn(params, mb)), None
 
     mbs = jax.tree.map(split, batch)
     shapes = jax.eval_shape(grad_fn, params, jax.tree.map(lambda x: x[0], mbs))
-    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+    zeros = jax.tree_util.tree_map_with_path(
+        lambda path, s: jnp.full(s.shape, -jnp.inf if is_max(path) else 0, s.dtype), shapes)
     return jax.lax.scan(acc, zeros, mbs)[0]
 
 

@@ -136,7 +136,7 @@ def test_rollout_masks_after_eos_and_its_logps_equal_the_training_forward():
         assert np.all(tokens[r, end:] == 0) and np.all(logp[r, end:] == 0)
         stopped += end < tokens.shape[1]
     assert 0 < stopped < len(tokens)              # both kinds of row are exercised
-    ref, _ = jax.jit(partial(tg.completion_logps, cfg=m, temperature=1.0, n_valid=14))(
+    ref, _, _ = jax.jit(partial(tg.completion_logps, cfg=m, temperature=1.0, n_valid=14))(
         params, prompt, valid, tokens)
     np.testing.assert_allclose(logp[mask], np.asarray(ref)[mask], rtol=1e-5, atol=1e-5)
     # A row finishes early only when every row is done: run with EOS impossible to draw.
@@ -361,7 +361,7 @@ def rollout_batch(cfg, seed=0):
 
 def step_once(cfg, params, batch, mesh):
     with jax.set_mesh(mesh):
-        st = tg.train_state(cfg, mesh, tg.grpo_optimizer(cfg))
+        st = tg.train_state(cfg, mesh, tg.make_optimizer(cfg.grpo))
         state = st.from_params(jax.device_put(params, st.shardings["params"]))
         b = {k: (put(v, mesh) if np.ndim(v) else v) for k, v in batch.items()}
         fn = st.jit(partial(tg.train_step, cfg=cfg, n_valid=16))

@@ -50,6 +50,26 @@ def test_newton_schulz_orthogonalises_like_the_reference(shape):
     assert 0.6 < s.min() and s.max() < 1.25  # the quintic's band around 1, not exactly 1
 
 
+def test_bfloat16_runs_the_iteration_in_bfloat16():
+    """--train.muon-dtype bfloat16: the momentum and the five steps in bfloat16, so the update
+    is the float32 one to bfloat16's precision, not to float32's, and comes back float32."""
+    g = np.random.default_rng(1).standard_normal((32, 48)).astype(np.float32)
+    params = {"w": jnp.zeros(g.shape)}
+    out = {}
+    for dtype in ("float32", "bfloat16"):
+        tx = train.optimizer("muon", optax.constant_schedule(1.0), b1=0.9, b2=0.95,
+                             weight_decay=0.0, clip_norm=1e9, decayed={"w"},
+                             muon_dims={"w": ((0,), (1,))}, muon_dtype=dtype)
+        state = tx.init(params)
+        u, state = tx.update({"w": jnp.asarray(g)}, state, params)
+        assert u["w"].dtype == jnp.float32
+        out[dtype] = np.asarray(u["w"])
+    diff = np.abs(out["bfloat16"] - out["float32"]).max() / np.abs(out["float32"]).max()
+    assert 1e-3 < diff < 0.15   # bfloat16 keeps 8 bits of mantissa; five steps compound it
+    s = np.linalg.svd(out["bfloat16"] / (0.2 * np.sqrt(48)), compute_uv=False)
+    assert 0.6 < s.min() and s.max() < 1.25  # still orthogonalised
+
+
 def test_one_update_equals_the_formula_and_only_hidden_matrices_get_muon():
     """First step from zero momentum: -lr (0.2 sqrt(max(fan_in, fan_out)) NS(g) + wd p) on
     each matrix of each layer (Nesterov's (1 + beta) g is undone by NS's normalisation); every
@@ -139,6 +159,6 @@ def test_every_trainer_takes_the_flag():
         t = cfg.grpo if mod is tg else cfg.train
         assert (t.optimizer, t.muon_dtype) == ("muon", "bfloat16")
         st = mod.train_state(cfg, make_mesh(MeshConfig(fsdp=-1)), *(
-            [tg.grpo_optimizer(cfg)] if mod is tg else []))
+            [tg.make_optimizer(cfg.grpo)] if mod is tg else []))
         mu = [x for x in jax.tree.leaves(st.abstract()["opt_state"]) if x.dtype == jnp.bfloat16]
         assert mu  # Muon's momentum, in the dtype asked for

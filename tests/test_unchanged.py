@@ -53,7 +53,7 @@ def test_first_losses_of_the_default_run_are_unchanged(name, mod, preset, axes):
 def test_first_losses_of_the_grpo_warm_start_are_unchanged():
     cfg = tg.PRESETS["tiny"][1]
     mesh, tok, w = make_mesh(cfg.mesh), tg.CharTokenizer(), cfg.warm
-    st = tg.train_state(cfg, mesh, tg.make_optimizer(w.lr, w.warmup_steps, cfg.grpo))
+    st = tg.train_state(cfg, mesh, tg.make_optimizer(cfg.grpo, w))
     width = tg.prompt_width(cfg.task)
     with jax.set_mesh(mesh):
         state = st.from_params(tg.init_params(cfg.model, jax.random.key(cfg.grpo.seed), mesh))
