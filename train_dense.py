@@ -59,6 +59,19 @@ class ModelConfig:
     tie_embeddings: bool = False
     qkv_bias: bool = False        # Qwen2
     qk_norm: bool = False         # Qwen3: RMSNorm on each head of q and k before RoPE
+    # Gemma 2 / 3. Each knob's off value is falsy and leaves the Llama block bit for bit (a
+    # trainer without these knobs, train_grpo.py, accepts a run whose knobs are all off).
+    sliding_window: int = 0       # local layers see the last W tokens, themselves included
+    global_every: int = 0         # with a window: layers n-1, 2n-1, ... are global; 0 = none
+    rope_local_theta: float = 0.0  # the local layers' RoPE base (Gemma 3: 10k); 0 = rope_theta
+    rope_linear: float = 0.0      # global layers' positions divided by this (Gemma 3 4B+: 8)
+    attn_softcap: float = 0.0     # Gemma 2: logits -> c tanh(logits / c) (attention, final)
+    final_softcap: float = 0.0
+    query_scale: float = 0.0      # logits scaled by query_scale^-1/2 (query_pre_attn_scalar); 0 = H
+    norm_plus_one: bool = False   # RMSNorm gains stored as w, applied as (1 + w)
+    sandwich_norm: bool = False   # norms after attention and MLP too, before the residual adds
+    embed_scale: bool = False     # embeddings times sqrt(d_model), rounded to the compute dtype
+    gelu: bool = False            # GeGLU with tanh-approximated GELU instead of SwiGLU
     # How to compute, not what: these may change when a run is resumed.
     dtype: Literal["float32", "bfloat16"] = "float32"  # activations and matmuls; weights stay f32
     attention: Literal["auto", "xla", "cudnn", "einsum"] = "auto"
@@ -132,6 +145,20 @@ _LLAMA31_8B = ModelConfig(vocab_size=128256, d_model=4096, n_layers=32, n_heads=
                           rope_scaling=8.0, norm_eps=1e-5)
 _QWEN3 = dict(vocab_size=151936, head_dim=128, n_kv_heads=8, max_seq_len=40960,
               rope_theta=1_000_000.0, norm_eps=1e-6, qk_norm=True)
+# Gemma: (1 + w) norms before and after attention and MLP, GeGLU, tied embeddings scaled by
+# sqrt(d); local layers (a sliding window) between the global ones.
+_GEMMA = dict(head_dim=256, norm_eps=1e-6, tie_embeddings=True, norm_plus_one=True,
+              sandwich_norm=True, embed_scale=True, gelu=True, query_scale=256.0)
+_GEMMA2 = dict(vocab_size=256000, max_seq_len=8192, sliding_window=4096, global_every=2,
+               attn_softcap=50.0, final_softcap=30.0, **_GEMMA)
+_GEMMA3 = dict(vocab_size=262208, max_seq_len=131072, sliding_window=1024, global_every=6,
+               rope_theta=1_000_000.0, rope_local_theta=10_000.0, rope_linear=8.0, qk_norm=True,
+               **_GEMMA)
+
+
+def _gemma(run: str, family: dict, seq_len: int, **shape) -> Config:
+    return _big(ModelConfig(**family | shape), run, seq_len)
+
 
 PRESETS: dict[str, tuple[str, Config]] = {
     "tiny": ("~5M parameters on the embedded corpus: the `make train` default", Config()),
@@ -153,6 +180,31 @@ PRESETS: dict[str, tuple[str, Config]] = {
         "qwen3-0.6b")),
     "qwen3-8b": ("Qwen3 8B (q/k norm)", _big(ModelConfig(
         d_model=4096, n_layers=36, n_heads=32, d_ff=12288, **_QWEN3), "qwen3-8b")),
+    "gemma2-2b": ("Gemma 2 2B", _gemma("gemma2-2b", _GEMMA2, 8192, d_model=2304, n_layers=26,
+                                       n_heads=8, n_kv_heads=4, d_ff=9216)),
+    "gemma2-9b": ("Gemma 2 9B", _gemma("gemma2-9b", _GEMMA2, 8192, d_model=3584, n_layers=42,
+                                       n_heads=16, n_kv_heads=8, d_ff=14336)),
+    "gemma2-27b": ("Gemma 2 27B", _gemma("gemma2-27b", _GEMMA2, 8192, d_model=4608,
+                                         n_layers=46, n_heads=32, n_kv_heads=16, head_dim=128,
+                                         d_ff=36864, query_scale=144.0)),
+    "gemma3-1b": ("Gemma 3 1B (text)", _gemma("gemma3-1b", _GEMMA3, 4096, vocab_size=262144,
+                                              d_model=1152, n_layers=26, n_heads=4,
+                                              n_kv_heads=1, d_ff=6912, max_seq_len=32768,
+                                              sliding_window=512, rope_linear=0.0)),
+    "gemma3-4b": ("Gemma 3 4B, its text model", _gemma(
+        "gemma3-4b", _GEMMA3, 4096, d_model=2560, n_layers=34, n_heads=8, n_kv_heads=4,
+        d_ff=10240)),
+    "gemma3-12b": ("Gemma 3 12B, its text model", _gemma(
+        "gemma3-12b", _GEMMA3, 4096, d_model=3840, n_layers=48, n_heads=16, n_kv_heads=8,
+        d_ff=15360)),
+    "gemma3-27b": ("Gemma 3 27B, its text model", _gemma(
+        "gemma3-27b", _GEMMA3, 4096, d_model=5376, n_layers=62, n_heads=32, n_kv_heads=16,
+        head_dim=128, d_ff=21504, query_scale=168.0)),
+    # `tiny` with Gemma 2's knobs; its window (128) is half the training sequence.
+    "tiny-gemma": ("`tiny` as Gemma 2: local/global layers, soft-caps, sandwich norms, GeGLU",
+                   Config(model=ModelConfig(**_GEMMA2 | dict(
+                       vocab_size=4096, head_dim=64, query_scale=0.0, max_seq_len=2048,
+                       sliding_window=128)), run_dir="runs/tiny-gemma")),
     # `make sft`: tools/sft_demo.py writes the data; the model is the `make train` run's.
     "tiny-sft": ("fine-tune runs/tiny on the generated instruction set: the `make sft` demo",
                  Config(train=TrainConfig(steps=150, batch_size=16, seq_len=128, lr=2e-3,
@@ -212,6 +264,14 @@ def validate(cfg: Config, n_devices: int) -> None:
                           f"{m.loss_chunk}.")
     train.check_profile(t.profile_steps, t.steps)
     train.check_qk_clip("--train.qk-clip-threshold", t.qk_clip_threshold, m.qk_norm)
+    if t.qk_clip_threshold and (m.attn_softcap or m.query_scale):
+        raise ConfigError(f"--train.qk-clip-threshold {t.qk_clip_threshold} with Gemma's "
+                          "attention (--model.attn-softcap, --model.query-scale): the soft-cap "
+                          "already bounds the logits. Set --train.qk-clip-threshold 0.")
+    if m.global_every and not m.sliding_window:
+        raise ConfigError(f"--model.global-every {m.global_every} without "
+                          "--model.sliding-window: the layers between the global ones are the "
+                          "windowed ones. Give the window, or --model.global-every 0.")
     d = cfg.data
     if d.format == "sft" and d.pack and m.attention == "cudnn":  # SFT
         raise ConfigError("--model.attention cudnn cannot mask packed SFT rows (JAX's cuDNN "
@@ -235,13 +295,14 @@ def _param_table(cfg: ModelConfig) -> dict:
     L, D, N, K, H, F, V = (cfg.n_layers, cfg.d_model, cfg.n_heads, cfg.n_kv_heads,
                            cfg.head_dim, cfg.d_ff, cfg.vocab_size)
     std, out_std = 0.02, 0.02 / math.sqrt(2 * L)
+    one = 0.0 if cfg.norm_plus_one else None   # a (1 + w) gain starts at w = 0
     layers = {
-        "attn_norm": ((L, D), P(None, None), None),
+        "attn_norm": ((L, D), P(None, None), one),
         "wq": ((L, D, N, H), P(None, "fsdp", "tensor", None), std),
         "wk": ((L, D, K, H), P(None, "fsdp", "tensor", None), std),
         "wv": ((L, D, K, H), P(None, "fsdp", "tensor", None), std),
         "wo": ((L, N, H, D), P(None, "tensor", None, "fsdp"), out_std),
-        "mlp_norm": ((L, D), P(None, None), None),
+        "mlp_norm": ((L, D), P(None, None), one),
         "w_gate": ((L, D, F), P(None, "fsdp", "tensor"), std),
         "w_up": ((L, D, F), P(None, "fsdp", "tensor"), std),
         "w_down": ((L, F, D), P(None, "tensor", "fsdp"), out_std),
@@ -251,9 +312,12 @@ def _param_table(cfg: ModelConfig) -> dict:
                    "bk": ((L, K, H), P(None, "tensor", None), 0.0),
                    "bv": ((L, K, H), P(None, "tensor", None), 0.0)}
     if cfg.qk_norm:
-        layers |= {"q_norm": ((L, H), P(None, None), None), "k_norm": ((L, H), P(None, None), None)}
+        layers |= {"q_norm": ((L, H), P(None, None), one), "k_norm": ((L, H), P(None, None), one)}
+    if cfg.sandwich_norm:
+        layers |= {"attn_post_norm": ((L, D), P(None, None), one),
+                   "mlp_post_norm": ((L, D), P(None, None), one)}
     table = {"embed": ((V, D), P("tensor", "fsdp"), std), "layers": layers,
-             "final_norm": ((D,), P(None), None)}
+             "final_norm": ((D,), P(None), one)}
     if not cfg.tie_embeddings:
         table["unembed"] = ((D, V), P("fsdp", "tensor"), std)
     return table
@@ -358,27 +422,86 @@ def attention(q_BTNH, k_BSKH, v_BSKH, cfg: ModelConfig, mask_BTS=None):
     return jnp.einsum("bkgts,bskh->btkgh", p_BKGTS, v_BSKH).reshape(B, T, N, H)
 
 
+def capped_attention(q_BTNH, k_BSKH, v_BSKH, cfg: ModelConfig, mask_BTS=None, window=0):
+    """`attention` with Gemma's extras: logits scaled by query_scale^-1/2 and soft-capped,
+    c tanh(s / c), and with `window` > 0 a sliding window (t - W < s <= t). The window is
+    computed in blocks of C = W queries (T padded up to n C), each reading its own block's
+    keys and the block before: 2W scores per query instead of T, so a local layer costs
+    O(T W), not O(T^2)."""
+    B, T, N, H = q_BTNH.shape
+    S, K = k_BSKH.shape[1], k_BSKH.shape[2]
+    if 0 < window < T and S == T:
+        C = window
+        n = -(-T // C)
+        pad = n * C - T
+        q = jnp.pad(q_BTNH, ((0, 0), (0, pad), (0, 0), (0, 0))).reshape(B, n, C, K, N // K, H)
+        # Keys with one block of front padding, as n + 1 blocks: block i reads blocks i, i + 1.
+        two = lambda x: jnp.pad(x, ((0, 0), (C, pad), (0, 0), (0, 0))).reshape(B, n + 1, C, K, H)
+        k, v = [jnp.concatenate([x[:, :-1], x[:, 1:]], axis=2) for x in
+                (two(k_BSKH), two(v_BSKH))]   # [B, n, 2C, K, H]
+        t_nC = jnp.arange(n * C).reshape(n, C)
+        s_nS = (jnp.arange(n)[:, None] - 1) * C + jnp.arange(2 * C)   # < 0: the front padding
+        mask = None
+        if mask_BTS is not None:
+            m = jnp.pad(mask_BTS, ((0, 0), (0, pad), (C, pad))).reshape(B, n, C, (n + 1) * C)
+            mask = jnp.take_along_axis(m, s_nS[None, :, None] + C, axis=3)
+    else:
+        q = q_BTNH.reshape(B, 1, T, K, N // K, H)
+        k, v = k_BSKH[:, None], v_BSKH[:, None]
+        t_nC, s_nS = jnp.arange(T)[None], jnp.arange(S)[None]
+        mask = None if mask_BTS is None else mask_BTS[:, None]
+    dist_nCS = t_nC[..., None] - s_nS[:, None]
+    ok = (s_nS[:, None] >= 0) & (dist_nCS < (window or S))
+    # An explicit mask replaces the causal one, as in `attention`. Padded keys come after
+    # every real query: causality hides them, and the padded mask is False there.
+    ok = ok & (dist_nCS >= 0) if mask is None else ok & mask
+    s_BnKGCS = jnp.einsum("bnckgh,bnskh->bnkgcs", q, k,
+                          preferred_element_type=jnp.float32) * (cfg.query_scale or H) ** -0.5
+    if cfg.attn_softcap:
+        s_BnKGCS = cfg.attn_softcap * jnp.tanh(s_BnKGCS / cfg.attn_softcap)
+    ok = jnp.broadcast_to(ok, (B, *ok.shape[-3:]))[:, :, None, None]
+    p = jax.nn.softmax(jnp.where(ok, s_BnKGCS, -1e30), axis=-1).astype(v.dtype)
+    o = jnp.einsum("bnkgcs,bnskh->bnckgh", p, v)
+    return o.reshape(B, -1, N, H)[:, :T]
+
+
 def block(x_BTD, lp: dict, pos_BT, inv_freq, cfg: ModelConfig, mask_BTS=None,
-          max_logits: bool = False):
-    """One transformer block; returns (x, stats: with max_logits the heads' largest logit)."""
+          max_logits: bool = False, is_global=True):
+    """One transformer block; returns (x, stats: with max_logits the heads' largest logit).
+    With a sliding window, `is_global` (traced: the layers are scanned) picks the layer's
+    kind; inv_freq is then [2, H/2], the local and the global frequencies."""
     dt = x_BTD.dtype
     w = lambda name: lp[name].astype(dt)   # f32 master weights, compute-dtype matmuls
-    h = rms_norm(x_BTD, lp["attn_norm"], cfg.norm_eps)
+    norm = lambda x, name: rms_norm(x, 1.0 + lp[name] if cfg.norm_plus_one else lp[name],
+                                    cfg.norm_eps)
+    h = norm(x_BTD, "attn_norm")
     q = jnp.einsum("btd,dnh->btnh", h, w("wq"))
     k = jnp.einsum("btd,dkh->btkh", h, w("wk"))
     v = jnp.einsum("btd,dkh->btkh", h, w("wv"))
     if cfg.qkv_bias:
         q, k, v = q + w("bq"), k + w("bk"), v + w("bv")
     if cfg.qk_norm:
-        q, k = rms_norm(q, lp["q_norm"], cfg.norm_eps), rms_norm(k, lp["k_norm"], cfg.norm_eps)
+        q, k = norm(q, "q_norm"), norm(k, "k_norm")
+    if cfg.sliding_window:
+        inv_freq = jnp.where(is_global, inv_freq[1], inv_freq[0])
     q, k = apply_rope(q, pos_BT, inv_freq), apply_rope(k, pos_BT, inv_freq)
     stats = {"max_logit": train.max_logits(q, k, mask_BTS)} if max_logits else {}
-    o = attention(q, k, v, cfg, mask_BTS)
-    x_BTD = x_BTD + jnp.einsum("btnh,nhd->btd", o, w("wo"))
-    h = rms_norm(x_BTD, lp["mlp_norm"], cfg.norm_eps)
+    if cfg.attn_softcap:
+        full = partial(capped_attention, q, k, v, cfg, mask_BTS)
+    else:  # the fused kernels, Gemma's query scale folded into q
+        qs = q * math.sqrt(cfg.head_dim / cfg.query_scale) if cfg.query_scale else q
+        full = partial(attention, qs, k, v, cfg, mask_BTS)
+    W = cfg.sliding_window if cfg.sliding_window < q.shape[1] else 0  # else: all within reach
+    o = jax.lax.cond(is_global, full, partial(capped_attention, q, k, v, cfg, mask_BTS, W)
+                     ) if W else full()
+    o = jnp.einsum("btnh,nhd->btd", o, w("wo"))
+    x_BTD = x_BTD + (norm(o, "attn_post_norm") if cfg.sandwich_norm else o)
+    h = norm(x_BTD, "mlp_norm")
     g = jnp.einsum("btd,df->btf", h, w("w_gate"))
     u = jnp.einsum("btd,df->btf", h, w("w_up"))
-    x_BTD = x_BTD + jnp.einsum("btf,fd->btd", jax.nn.silu(g) * u, w("w_down"))
+    act = jax.nn.gelu(g, approximate=True) if cfg.gelu else jax.nn.silu(g)
+    y = jnp.einsum("btf,fd->btd", act * u, w("w_down"))
+    x_BTD = x_BTD + (norm(y, "mlp_post_norm") if cfg.sandwich_norm else y)
     return constrain(x_BTD, ACT_BTD), stats
 
 
@@ -401,6 +524,7 @@ def hidden(params: dict, tokens_BT, cfg: ModelConfig, segment_ids=None, position
     # table split on d makes XLA replicate the whole result and re-split it.
     embed = constrain(params["embed"], P("tensor", None))
     x = constrain(jnp.take(embed, tokens_BT, axis=0).astype(dt), ACT_BTD)
+    x = x * jnp.asarray(math.sqrt(cfg.d_model), dt) if cfg.embed_scale else x
     pos_BT = (jnp.broadcast_to(jnp.arange(tokens_BT.shape[1]), tokens_BT.shape)
               if positions is None else positions)
     mask_BTS = None
@@ -409,17 +533,25 @@ def hidden(params: dict, tokens_BT, cfg: ModelConfig, segment_ids=None, position
         same_BTS = segment_ids[:, :, None] == segment_ids[:, None, :]
         mask_BTS = constrain(same_BTS & jnp.tril(jnp.ones((T, T), bool)),
                              P(BATCH_AXES, None, None))
-    inv_freq = rope_inv_freq(cfg)
+    inv_freq = rope_inv_freq(cfg) / (cfg.rope_linear or 1.0)
+    L, W, n = cfg.n_layers, cfg.sliding_window, cfg.global_every
+    is_global_L = (np.arange(L) + 1) % n == 0 if W and n else np.full(L, not W)
+    if W:  # [local, global] frequencies: Gemma 3's local layers have their own base, unscaled
+        local = dataclasses.replace(cfg, rope_theta=cfg.rope_local_theta or cfg.rope_theta,
+                                    rope_scaling=0.0)
+        inv_freq = np.stack([rope_inv_freq(local), inv_freq])
 
-    def layer(x, lp):
-        return block(x, lp, pos_BT, inv_freq, cfg, mask_BTS, max_logits)
+    def layer(x, xs):
+        return block(x, xs[0], pos_BT, inv_freq, cfg, mask_BTS, max_logits, xs[1])
 
     if cfg.remat != "none":
         # prevent_cse=False: inside scan the recomputation cannot be merged away anyway.
         layer = jax.checkpoint(layer, policy=REMAT_POLICIES[cfg.remat], prevent_cse=False)
     # Unrolled (--model.no-scan-layers), each layer is compiled on its own.
-    x, stats = jax.lax.scan(layer, x, params["layers"], unroll=not cfg.scan_layers)
-    return rms_norm(x, params["final_norm"], cfg.norm_eps), stats
+    x, stats = jax.lax.scan(layer, x, (params["layers"], jnp.asarray(is_global_L)),
+                            unroll=not cfg.scan_layers)
+    gain = 1.0 + params["final_norm"] if cfg.norm_plus_one else params["final_norm"]
+    return rms_norm(x, gain, cfg.norm_eps), stats
 
 
 def unembedding(params: dict, cfg: ModelConfig):
@@ -430,8 +562,8 @@ def forward(params: dict, tokens_BT, cfg: ModelConfig, segment_ids=None, positio
     """Logits [B, T, V] in float32. Training never builds these whole: see `loss_sums`.
     Packed rows pass segment ids and positions (see `hidden`)."""
     h = hidden(params, tokens_BT, cfg, segment_ids, positions)[0]
-    return jnp.einsum("btd,dv->btv", h, unembedding(params, cfg).astype(h.dtype),
-                      preferred_element_type=jnp.float32)
+    return _softcap(jnp.einsum("btd,dv->btv", h, unembedding(params, cfg).astype(h.dtype),
+                               preferred_element_type=jnp.float32), cfg.final_softcap)
 
 
 
@@ -456,7 +588,8 @@ def loss_sums(params: dict, batch, cfg: ModelConfig, z_loss: float = 0.0,
     h_BTD, stats = hidden(params, inputs, cfg, segment_ids, positions, max_logits)
     w_DV = unembedding(params, cfg).astype(h_BTD.dtype)
     ce_impl = _ce_fused if cfg.loss_impl == "fused" else _ce_remat
-    return *ce_impl(h_BTD, w_DV, targets, weights, cfg.loss_chunk, z_loss), stats
+    return *ce_impl(h_BTD, w_DV, targets, weights, cfg.loss_chunk, z_loss,
+                    cfg.final_softcap), stats
 
 
 def train_step(state: dict, batch, *, cfg: Config, tx):
@@ -543,14 +676,19 @@ def _chunked(chunk: int, *xs_BT):
     return [cut(x) for x in xs_BT]
 
 
-def _ce_remat(h_BTD, w_DV, t_BT, wt_BT, chunk: int, z_loss: float):
+def _softcap(logits, cap: float):
+    return cap * jnp.tanh(logits / cap) if cap else logits   # Gemma 2's final soft-cap
+
+
+def _ce_remat(h_BTD, w_DV, t_BT, wt_BT, chunk: int, z_loss: float, cap: float = 0.0):
     """Cross-entropy over sequence chunks, each chunk's logits rebuilt in the backward pass."""
     h_nBCD, t_nBC, wt_nBC = _chunked(chunk, h_BTD, t_BT, wt_BT)
 
     @partial(jax.checkpoint, prevent_cse=False)
     def one(carry, xs):
         h_BCD, t_BC, wt_BC = xs
-        logits = jnp.einsum("bcd,dv->bcv", h_BCD, w_DV, preferred_element_type=jnp.float32)
+        logits = _softcap(jnp.einsum("bcd,dv->bcv", h_BCD, w_DV,
+                                     preferred_element_type=jnp.float32), cap)
         lse = jax.nn.logsumexp(logits, axis=-1)
         ce = lse - jnp.take_along_axis(logits, t_BC[..., None], axis=-1)[..., 0]
         z = lse * lse
@@ -563,8 +701,8 @@ def _ce_remat(h_BTD, w_DV, t_BT, wt_BT, chunk: int, z_loss: float):
     return ce + z_loss * z, ce
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _ce_fused(h_BTD, w_DV, t_BT, wt_BT, chunk: int, z_loss: float):
+@partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _ce_fused(h_BTD, w_DV, t_BT, wt_BT, chunk: int, z_loss: float, cap: float = 0.0):
     """Cross-entropy whose gradient is made in the same pass as the loss, chunk by chunk.
 
     For logits l, p = softmax(l) and target t, d(ce)/dl = p - onehot(t) and
@@ -575,17 +713,18 @@ def _ce_fused(h_BTD, w_DV, t_BT, wt_BT, chunk: int, z_loss: float):
     cross-entropy is a report. Per-token weights wt_BT (None = all 1) scale each target's
     terms and their gradient alike; they are data, never differentiated.
     """
-    return _ce_fused_fwd(h_BTD, w_DV, t_BT, wt_BT, chunk, z_loss)[0]
+    return _ce_fused_fwd(h_BTD, w_DV, t_BT, wt_BT, chunk, z_loss, cap)[0]
 
 
-def _ce_fused_fwd(h_BTD, w_DV, t_BT, wt_BT, chunk, z_loss):
+def _ce_fused_fwd(h_BTD, w_DV, t_BT, wt_BT, chunk, z_loss, cap=0.0):
     h_nBCD, t_nBC, wt_nBC = _chunked(chunk, h_BTD, t_BT, wt_BT)
     V = w_DV.shape[1]
 
     def one(carry, xs):
         obj, ce, dw_DV = carry
         h_BCD, t_BC, wt_BC = xs
-        logits = jnp.einsum("bcd,dv->bcv", h_BCD, w_DV, preferred_element_type=jnp.float32)
+        logits = _softcap(jnp.einsum("bcd,dv->bcv", h_BCD, w_DV,
+                                     preferred_element_type=jnp.float32), cap)
         lse = jax.nn.logsumexp(logits, axis=-1)
         tgt = jnp.take_along_axis(logits, t_BC[..., None], axis=-1)[..., 0]
         p = jnp.exp(logits - lse[..., None])
@@ -593,6 +732,7 @@ def _ce_fused_fwd(h_BTD, w_DV, t_BT, wt_BT, chunk, z_loss):
         ce_BC, z_BC = lse - tgt, lse * lse
         if wt_BC is not None:
             dl, ce_BC, z_BC = dl * wt_BC[..., None], ce_BC * wt_BC, z_BC * wt_BC
+        dl = dl * (1.0 - jnp.square(logits / cap)) if cap else dl   # d(c tanh(z/c))/dz
         dh_BCD = jnp.einsum("bcv,dv->bcd", dl.astype(w_DV.dtype), w_DV,
                             preferred_element_type=jnp.float32).astype(h_BCD.dtype)
         dw_DV = dw_DV + jnp.einsum("bcd,bcv->dv", h_BCD, dl.astype(h_BCD.dtype),
@@ -607,7 +747,7 @@ def _ce_fused_fwd(h_BTD, w_DV, t_BT, wt_BT, chunk, z_loss):
     return (obj, ce), (dh_BTD, dw_DV.astype(w_DV.dtype))
 
 
-def _ce_fused_bwd(chunk, z_loss, res, g):
+def _ce_fused_bwd(chunk, z_loss, cap, res, g):
     dh_BTD, dw_DV = res
     g_obj = g[0]
     return ((g_obj * dh_BTD).astype(dh_BTD.dtype), (g_obj * dw_DV).astype(dw_DV.dtype), None,
@@ -625,13 +765,18 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     layer, and the unembedding; the embedding lookup is no matmul), plus attention's two
     [T, T] products, q.k and p.v, 2 * 2 * T * N * H per layer. T is the full sequence, as in
     PaLM's appendix B: the causal mask's skipped half is not subtracted (XLA computes it).
-    Remat's recomputation is not counted: MFU measures useful work.
+    A sliding-window layer reads min(T, W) keys per query instead (its blocks compute 2W, of
+    which half are masked: the same convention). Remat's recomputation is not counted: MFU
+    measures useful work.
     """
     D, N, K, H, F, L = (cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ff,
                         cfg.n_layers)
     per_layer = D * N * H + 2 * D * K * H + N * H * D + 3 * D * F
     matmul_weights = L * per_layer + D * cfg.vocab_size
-    attn = L * 2 * 2 * seq_len * N * H
+    W, n = cfg.sliding_window, cfg.global_every
+    n_global = (L // n if n else 0) if W else L
+    keys = n_global * seq_len + (L - n_global) * min(seq_len, W or seq_len)
+    attn = 2 * 2 * keys * N * H
     return 3.0 * (2 * matmul_weights + attn)
 
 
@@ -783,7 +928,9 @@ def init_data_config(cfg: Config) -> DataConfig:
 # the rows of those weights once, at conversion, so every HF checkpoint is in the halves
 # layout. A checkpoint in Meta's own format would need that permutation; we read HF only.)
 HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                    "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+                    "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                    "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
+GEMMA = ("gemma2", "gemma3_text")
 # What transformers assumes for a key that config.json leaves out (its config classes).
 _HF_DEFAULTS = {
     "llama": dict(rms_norm_eps=1e-6, max_position_embeddings=2048),
@@ -792,6 +939,14 @@ _HF_DEFAULTS = {
     "qwen2": dict(rms_norm_eps=1e-6, max_position_embeddings=32768, num_key_value_heads=32),
     "qwen3": dict(rms_norm_eps=1e-6, max_position_embeddings=32768, num_key_value_heads=32,
                   head_dim=128),
+    "gemma2": dict(rms_norm_eps=1e-6, max_position_embeddings=8192, num_key_value_heads=4,
+                   head_dim=256, query_pre_attn_scalar=256, sliding_window=4096,
+                   attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
+                   tie_word_embeddings=True),
+    "gemma3_text": dict(rms_norm_eps=1e-6, max_position_embeddings=131072, num_key_value_heads=4,
+                        head_dim=256, query_pre_attn_scalar=256, sliding_window=4096,
+                        sliding_window_pattern=6, rope_theta=1_000_000.0,
+                        rope_local_base_freq=10_000.0, tie_word_embeddings=True),
 }
 
 
@@ -821,6 +976,10 @@ def hf_mapping(cfg: ModelConfig) -> dict:
     if cfg.qk_norm:
         layers |= {"q_norm": (lay + "self_attn.q_norm.weight", "h -> l h"),
                    "k_norm": (lay + "self_attn.k_norm.weight", "h -> l h")}
+    if cfg.sandwich_norm:  # Gemma: its post_attention_layernorm is the attention's output norm
+        layers |= {"attn_post_norm": (lay + "post_attention_layernorm.weight", "d -> l d"),
+                   "mlp_norm": (lay + "pre_feedforward_layernorm.weight", "d -> l d"),
+                   "mlp_post_norm": (lay + "post_feedforward_layernorm.weight", "d -> l d")}
     tree = {"embed": ("model.embed_tokens.weight", "v d -> v d"), "layers": layers,
             "final_norm": ("model.norm.weight", "d -> d")}
     if not cfg.tie_embeddings:
@@ -851,12 +1010,25 @@ def config_from_hf(c: dict, where: str = "config.json") -> ModelConfig:
                 "num_attention_heads"):
         if key not in c:
             raise hf.HFError(f"{where} has no {key!r}; it is not a complete {mt} config.")
-    if c.get("hidden_act", "silu") != "silu":
-        raise unsupported(f"hidden_act {c['hidden_act']!r} (only silu)")
+    gemma = mt in GEMMA
+    act = c.get("hidden_activation") or c.get("hidden_act") if gemma else c.get("hidden_act")
+    if (act or "silu") != ("gelu_pytorch_tanh" if gemma else "silu"):
+        raise unsupported(f"hidden activation {act!r} (only {'gelu_pytorch_tanh' if gemma else 'silu'})")
     if c.get("attention_bias") or c.get("mlp_bias"):
         raise unsupported("attention_bias / mlp_bias (biases on every projection)")
     if c.get("partial_rotary_factor", 1.0) != 1.0:
         raise unsupported(f"partial_rotary_factor {c['partial_rotary_factor']}")
+    if c.get("use_bidirectional_attention"):
+        raise unsupported("use_bidirectional_attention (an encoder, not a causal decoder)")
+    rope, g = c.get("rope_parameters") or {}, {}
+    if mt == "gemma3_text":  # global and local RoPE: per layer type (transformers 5), or 4.x keys
+        per_type = "full_attention" in rope
+        local = hf.rope_parameters({"rope_parameters": rope.get("sliding_attention", {})}
+                                   if per_type else {}, c["rope_local_base_freq"], where)
+        if local[1] != "default":
+            raise unsupported(f"rope type {local[1]!r} on the sliding-window layers")
+        g["rope_local_theta"] = local[0]
+        c = c | {"rope_parameters": rope["full_attention"]} if per_type else c
     theta, kind, rope = hf.rope_parameters(c, 10_000.0, where)
     scaling = {}
     if kind == "llama3":
@@ -868,14 +1040,31 @@ def config_from_hf(c: dict, where: str = "config.json") -> ModelConfig:
                        rope_high_freq_factor=float(rope["high_freq_factor"]),
                        rope_original_max_len=int(rope.get("original_max_position_embeddings",
                                                           c["max_position_embeddings"])))
+    elif kind == "linear" and "factor" in rope and mt != "gemma2":  # Gemma 2's would go local too
+        scaling = dict(rope_linear=float(rope["factor"]))
     elif kind != "default":
-        raise unsupported(f"rope type {kind!r} (only the default and 'llama3')")
+        raise unsupported(f"rope type {kind!r} (only the default, 'linear' and 'llama3')")
     # A sliding window of W tokens changes nothing on sequences of at most W tokens, and we
     # train no longer ones: the window becomes the model's maximum length.
     window = (c.get("sliding_window") if mt == "mistral" or c.get("use_sliding_window")
               else None)
     max_len = c["max_position_embeddings"] if window is None else min(
         c["max_position_embeddings"], window)
+    if gemma:
+        max_len, L = c["max_position_embeddings"], c["num_hidden_layers"]
+        every = 2 if mt == "gemma2" else c.get("_sliding_window_pattern",
+                                                   c["sliding_window_pattern"])
+        kinds = c.get("layer_types") or ["sliding_attention" if (i + 1) % every else
+                                         "full_attention" for i in range(L)]
+        n = kinds.index("full_attention") + 1 if "full_attention" in kinds else 0
+        if kinds != ["full_attention" if n and (i + 1) % n == 0 else "sliding_attention"
+                     for i in range(L)]:
+            raise unsupported(f"layer_types {kinds} (only every n-th layer global)")
+        g |= dict(sliding_window=c.get("sliding_window") or 0, global_every=n,
+                  attn_softcap=c.get("attn_logit_softcapping") or 0.0,
+                  final_softcap=c.get("final_logit_softcapping") or 0.0,
+                  query_scale=float(c["query_pre_attn_scalar"]), norm_plus_one=True,
+                  sandwich_norm=True, embed_scale=True, gelu=True)
     n_heads = c["num_attention_heads"]
     return ModelConfig(
         vocab_size=c["vocab_size"], d_model=c["hidden_size"], n_layers=c["num_hidden_layers"],
@@ -883,20 +1072,34 @@ def config_from_hf(c: dict, where: str = "config.json") -> ModelConfig:
         head_dim=c.get("head_dim") or c["hidden_size"] // n_heads, d_ff=c["intermediate_size"],
         max_seq_len=max_len, rope_theta=theta, norm_eps=float(c["rms_norm_eps"]),
         tie_embeddings=bool(c.get("tie_word_embeddings", False)), qkv_bias=mt == "qwen2",
-        qk_norm=mt == "qwen3", **scaling)
+        qk_norm=mt in ("qwen3", "gemma3_text"), **scaling, **g)
 
 
 def config_to_hf(cfg: ModelConfig, model_type: str = "", dtype: str = "float32") -> dict:
     """A config.json for `cfg` that transformers 4.4x and 5.x both read (each finds its own
     spelling of the rope settings). model_type "" picks the family from the knobs."""
-    mt = model_type or ("qwen3" if cfg.qk_norm else "qwen2" if cfg.qkv_bias else "llama")
+    gemma = cfg.sandwich_norm
+    mt = model_type or ("gemma3_text" if gemma and cfg.qk_norm else "gemma2" if gemma else
+                        "qwen3" if cfg.qk_norm else "qwen2" if cfg.qkv_bias else "llama")
     if mt not in HF_ARCHITECTURES:
         raise hf.HFError(f"model_type {mt!r}: choose one of {', '.join(HF_ARCHITECTURES)}.")
-    if cfg.qkv_bias != (mt == "qwen2") or cfg.qk_norm != (mt == "qwen3"):
-        raise hf.HFError(f"model_type {mt!r} does not fit this model (qkv_bias={cfg.qkv_bias}, "
-                         f"qk_norm={cfg.qk_norm}): q/k/v biases are qwen2's, q/k norms "
-                         "qwen3's, and neither is llama's or mistral's.")
+    want = dict(qkv_bias=mt == "qwen2", qk_norm=mt in ("qwen3", "gemma3_text"),
+                **{k: mt in GEMMA for k in ("norm_plus_one", "sandwich_norm", "embed_scale",
+                                            "gelu")})
+    bad = {k: getattr(cfg, k) for k, v in want.items() if getattr(cfg, k) != v}
+    may = dict(sliding_window=GEMMA, attn_softcap=GEMMA, final_softcap=GEMMA,
+               query_scale=GEMMA, rope_local_theta=("gemma3_text",),
+               rope_linear=[m for m in HF_ARCHITECTURES if m != "gemma2"])  # Gemma 2: one RoPE
+    bad |= {k: getattr(cfg, k) for k, ok in may.items() if getattr(cfg, k) and mt not in ok
+            or k == "query_scale" and getattr(cfg, k) % 1}   # HF's query_pre_attn_scalar: an int
+    if bad:
+        raise hf.HFError(f"model_type {mt!r} does not fit this model ({bad}): q/k/v biases "
+                         "are qwen2's, q/k norms qwen3's and gemma3_text's, (1 + w) and "
+                         "sandwich norms, GeGLU, the embedding scale, windows and soft-caps "
+                         "Gemma's, a local or linear RoPE gemma3_text's.")
     rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    if cfg.rope_linear:
+        rope |= {"rope_type": "linear", "factor": cfg.rope_linear}
     if cfg.rope_scaling > 0:
         rope = {"rope_type": "llama3", "rope_theta": cfg.rope_theta, "factor": cfg.rope_scaling,
                 "low_freq_factor": cfg.rope_low_freq_factor,
@@ -910,7 +1113,7 @@ def config_to_hf(cfg: ModelConfig, model_type: str = "", dtype: str = "float32")
              rms_norm_eps=cfg.norm_eps, tie_word_embeddings=cfg.tie_embeddings,
              rope_parameters=rope, rope_theta=cfg.rope_theta,
              rope_scaling={k: v for k, v in rope.items() if k != "rope_theta"}
-             if cfg.rope_scaling > 0 else None,
+             if cfg.rope_scaling > 0 or cfg.rope_linear else None,
              attention_dropout=0.0, initializer_range=0.02, use_cache=True, dtype=dtype,
              torch_dtype=dtype)
     if mt == "llama":
@@ -922,6 +1125,20 @@ def config_to_hf(cfg: ModelConfig, model_type: str = "", dtype: str = "float32")
                   layer_types=["full_attention"] * L)
     if mt == "qwen3":
         c |= dict(attention_bias=False)
+    if mt in GEMMA:
+        n = cfg.global_every
+        c |= dict(hidden_act="gelu_pytorch_tanh", hidden_activation="gelu_pytorch_tanh",
+                  query_pre_attn_scalar=int(cfg.query_scale or cfg.head_dim),
+                  sliding_window=cfg.sliding_window or None, sliding_window_pattern=n or L + 1,
+                  layer_types=["full_attention" if not cfg.sliding_window or n and (i + 1) % n == 0
+                               else "sliding_attention" for i in range(L)],
+                  attn_logit_softcapping=cfg.attn_softcap or None,
+                  final_logit_softcapping=cfg.final_softcap or None, attention_bias=False)
+    if mt == "gemma3_text":  # transformers 5 reads rope_parameters per layer type, 4.x the rest
+        local = cfg.rope_local_theta or cfg.rope_theta
+        c |= dict(rope_local_base_freq=local, rope_parameters={
+            "full_attention": rope, "sliding_attention": {"rope_type": "default",
+                                                          "rope_theta": local}})
     return c
 
 
@@ -954,7 +1171,8 @@ def save_hf(params: dict, cfg: ModelConfig, path: str, *, model_type: str = "",
 
 def export_hf(run_dir: str, out: str, step: int = -1,
               dtype: Literal["float32", "bfloat16"] = "float32",
-              model_type: Literal["", "llama", "mistral", "qwen2", "qwen3"] = "",
+              model_type: Literal["", "llama", "mistral", "qwen2", "qwen3", "gemma2",
+                                  "gemma3_text"] = "",
               max_shard_gb: float = 5.0) -> list[str]:
     """Write a run's checkpoint as a HuggingFace folder (config.json, safetensors, tokenizer).
 
@@ -963,7 +1181,8 @@ def export_hf(run_dir: str, out: str, step: int = -1,
         out: The folder to create (new or empty).
         step: The checkpoint to export; -1 = the latest.
         dtype: Of the weights written (checkpoints hold float32).
-        model_type: The family; "" = the source's, else by knob: qwen3, qwen2 or llama.
+        model_type: The family; "" = the source's, else by knob: gemma3_text, gemma2, qwen3,
+            qwen2 or llama.
         max_shard_gb: The largest safetensors file.
     """
     def read(saved: dict) -> Config:

@@ -426,11 +426,16 @@ def with_source_model(cfg, config_from_hf: Callable, keep: tuple[str, ...],
         shape = config_from_hf(hf.read_config(folder), os.path.join(folder, hf.CONFIG))
     elif run:
         saved = read_run_config(run, "--init-from", trained=True).get("model", {})
-        unknown = set(saved) - {f.name for f in dataclasses.fields(cfg.model)}
-        if unknown:
-            raise ConfigError(f"--init-from {run}: its model has fields this file does not "
-                              f"know ({sorted(unknown)}); was it written by {prog}?")
-        shape = dataclasses.replace(cfg.model, **saved)
+        # A knob this file lacks is fine while it is off (falsy): train_grpo.py's policy is
+        # train_dense.py's model without the Gemma knobs.
+        unknown = {k: v for k, v in saved.items()
+                   if k not in {f.name for f in dataclasses.fields(cfg.model)}}
+        if any(unknown.values()):
+            raise ConfigError(f"--init-from {run}: its model sets fields this file does not "
+                              f"have ({ {k: v for k, v in unknown.items() if v} }); was it "
+                              f"written by {prog}?")
+        shape = dataclasses.replace(cfg.model, **{k: v for k, v in saved.items()
+                                                  if k not in unknown})
     else:
         return cfg
     return dataclasses.replace(cfg, model=dataclasses.replace(

@@ -3,6 +3,8 @@ our loaders against.
 
     pip install torch transformers          # the `parity` extra; only this script needs them
     python tests/make_hf_fixtures.py        # rewrites tests/fixtures/hf/
+    python tests/make_hf_fixtures.py gemma2 # remakes only the named families, merging
+                                            # their entries into MANIFEST.json
 
 For each family a tiny random model is built with `transformers`, given weights far from
 its default initialisation (norm gains and biases away from 1 and 0, matrices large enough
@@ -15,7 +17,11 @@ MQA, head counts that are not powers of two, a head width that is not d_model / 
 Llama 3.1 rope scaling with every frequency band in play (a low rope_theta makes the
 rescaled bands matter within 16 positions), tied embeddings, Qwen2's q/k/v biases, Qwen3's
 q/k norms, Mistral's sliding window, top-k weights renormalised or not (Mixtral, Qwen3-MoE),
-and checkpoints split into several shards with an index.
+and checkpoints split into several shards with an index. Gemma 2 and Gemma 3 add RMSNorm gains
+stored as w in (1 + w), a sqrt(d_model) embedding scale, four norms per layer, GELU (tanh),
+query_pre_attn_scalar that is not head_dim, windows shorter than the sequence on every second
+(Gemma 2) or third (Gemma 3) layer, tanh soft-capping of scores and logits small enough to bend
+them (Gemma 2), and q/k norms with a local RoPE base and a linearly scaled global one (Gemma 3).
 """
 from __future__ import annotations
 
@@ -73,22 +79,41 @@ FAMILIES = {
         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=12,
         num_experts=4, num_experts_per_tok=3, norm_topk_prob=False, rms_norm_eps=1e-6,
         rope_theta=1000.0, max_position_embeddings=64), "16KB"),
+    # Gemma: layers 0 and 2 slide (window 5 of 16 tokens), 1 and 3 are global.
+    "gemma2": ("gemma2", dict(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=12, query_pre_attn_scalar=16,
+        sliding_window=5, attn_logit_softcapping=3.0, final_logit_softcapping=2.5,
+        rope_theta=100.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
+        hidden_activation="gelu_pytorch_tanh", max_position_embeddings=64), None),
+    # Layer i is global iff (i + 1) % 3 == 0: layer 2 only. No attention soft-cap, as published.
+    "gemma3_text": ("gemma3_text", dict(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=1, head_dim=12, query_pre_attn_scalar=16,
+        sliding_window=5, sliding_window_pattern=3, rope_theta=1000.0, rope_local_base_freq=100.0,
+        rope_scaling=dict(rope_type="linear", factor=2.0), final_logit_softcapping=None,
+        attn_logit_softcapping=None, rms_norm_eps=1e-6, tie_word_embeddings=True,
+        hidden_activation="gelu_pytorch_tanh", max_position_embeddings=64), "16KB"),
 }
 
 
-def randomize(model: torch.nn.Module, seed: int) -> None:
+def randomize(model: torch.nn.Module, seed: int, model_type: str = "") -> None:
     """Weights whose every entry matters to the logits: unit-scale activations, gains near
-    but not at 1, biases away from 0."""
+    but not at 1, biases away from 0. Gemma's RMSNorm multiplies by (1 + w), so there w is
+    the noise itself; and Gemma multiplies embeddings by sqrt(d_model), so its table is drawn
+    that much smaller (unit-scale rows after the scale, tied logits that a soft-cap bends
+    without flattening)."""
+    gemma = "gemma" in model_type
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in sorted(model.named_parameters()):
             noise = torch.randn(p.shape, generator=g, dtype=torch.float32)
             if name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.3 * noise)
+                p.copy_(0.3 * noise if gemma else 1.0 + 0.3 * noise)
             elif name.endswith(".bias"):
                 p.copy_(0.5 * noise)
             elif name.endswith("embed_tokens.weight"):
-                p.copy_(noise)
+                p.copy_(noise / p.shape[-1] ** 0.5 if gemma else noise)
             else:  # [..., out, in] (a Linear, or stacked experts): unit-variance outputs
                 p.copy_(noise / p.shape[-1] ** 0.5)
 
@@ -100,7 +125,7 @@ def make(name: str, model_type: str, kwargs: dict, shard: str | None, seed: int)
     cfg._attn_implementation = "eager"
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    randomize(model, seed)
+    randomize(model, seed, model_type)
     model.to(torch.bfloat16).save_pretrained(folder, max_shard_size=shard or "50GB")
     # The reference is the saved bfloat16 weights, read back and run in float32.
     ref = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32,
@@ -115,14 +140,28 @@ def make(name: str, model_type: str, kwargs: dict, shard: str | None, seed: int)
     return {"files": files, "bytes": size, "logit_absmax": float(np.abs(logits).max())}
 
 
-def main() -> None:
+def main(names: list[str]) -> None:
+    """All families, rewriting MANIFEST.json; or only `names`, merging their entries into it
+    and leaving the other families' folders alone."""
+    unknown = [n for n in names if n not in FAMILIES]
+    if unknown:
+        sys.exit(f"unknown families {unknown}; known: {list(FAMILIES)}")
     os.makedirs(OUT, exist_ok=True)
-    report = {"transformers": transformers.__version__, "torch": torch.__version__,
-              "families": {}}
+    manifest = os.path.join(OUT, "MANIFEST.json")
+    versions = {"transformers": transformers.__version__, "torch": torch.__version__}
+    report = {**versions, "families": {}}
+    if names:
+        with open(manifest) as f:
+            report = json.load(f)
     for i, (name, (model_type, kwargs, shard)) in enumerate(FAMILIES.items()):
-        report["families"][name] = make(name, model_type, kwargs, shard, seed=i)
-        print(f"{name:10s} {report['families'][name]}")
-    with open(os.path.join(OUT, "MANIFEST.json"), "w") as f:
+        if names and name not in names:
+            continue
+        entry = make(name, model_type, kwargs, shard, seed=i)  # seed: the place in FAMILIES
+        # A merged entry made by other versions than the manifest's says which.
+        entry.update({k: v for k, v in versions.items() if report[k] != v})
+        report["families"][name] = entry
+        print(f"{name:10s} {entry}")
+    with open(manifest, "w") as f:
         json.dump(report, f, indent=1, sort_keys=True)
         f.write("\n")
     total = sum(r["bytes"] for r in report["families"].values())
@@ -130,4 +169,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])

@@ -19,11 +19,16 @@ SAME_SOURCE = {
     "attention": (td, tm, tg), "param_specs": (td, tm, tg), "_init": (td, tm, tg),
     "init_params": (td, tm, tg), "count_params": (td, tm, tg), "unembedding": (td, tm, tg),
     "cli": (td, tm, tg), "make_schedule": (td, tm), "train_state": (td, tm),
-    # train_grpo.py's policy is train_dense.py's model, and its HF loading half is dense's.
-    "rope_inv_freq": (td, tg), "_param_table": (td, tg), "hf_mapping": (td, tg),
-    "_hf_sizes": (td, tg), "config_from_hf": (td, tg), "load_hf": (td, tg),
+    # train_grpo.py's policy is train_dense.py's model, and its HF loading half is dense's;
+    # dense's parameter table, HF names and config reading also carry the Gemma knobs, which
+    # the policy lacks: those are held equal on every other model below.
+    "rope_inv_freq": (td, tg), "_hf_sizes": (td, tg), "load_hf": (td, tg),
 }
-SAME_VALUE = {"HF_ARCHITECTURES": (td, tg), "_HF_DEFAULTS": (td, tg), "MUON_DIMS": (td, tg)}
+SAME_VALUE = {"MUON_DIMS": (td, tg)}
+# train_dense.py's model fields that train_grpo.py's policy does not have (Gemma's knobs).
+DENSE_ONLY = {"sliding_window", "global_every", "rope_local_theta", "rope_linear",
+              "attn_softcap", "final_softcap", "query_scale", "norm_plus_one", "sandwich_norm",
+              "embed_scale", "gelu"}
 
 
 @pytest.mark.parametrize("name", sorted(SAME_SOURCE))
@@ -41,13 +46,39 @@ def test_copied_constants_are_equal(name):
         assert getattr(mod, name) == getattr(first, name), name
 
 
+@pytest.mark.parametrize("name", ["HF_ARCHITECTURES", "_HF_DEFAULTS"])
+def test_policy_hf_tables_are_dense_minus_gemma(name):
+    dense, grpo = getattr(td, name), getattr(tg, name)
+    assert set(dense) - set(grpo) == set(td.GEMMA) and grpo == {k: dense[k] for k in grpo}
+
+
+def policy_config(cfg):
+    return tg.ModelConfig(**{k: v for k, v in dataclasses.asdict(cfg).items()
+                             if k not in DENSE_ONLY})
+
+
+@pytest.mark.parametrize("knobs", [{}, dict(qk_norm=False), dict(qk_norm=False, qkv_bias=True),
+                                   dict(qk_norm=False, tie_embeddings=True, rope_scaling=8.0)])
+def test_policy_table_and_hf_names_are_dense_without_gemma(knobs):
+    """What train_grpo.py copies of the dense model, equal wherever the Gemma knobs are off."""
+    d = td.ModelConfig(**FIELDS | knobs)
+    assert tg._param_table(policy_config(d)) == td._param_table(d)
+    assert tg.hf_mapping(policy_config(d)) == td.hf_mapping(d)
+    c = td.config_to_hf(d)
+    assert dataclasses.asdict(tg.config_from_hf(c)) == dataclasses.asdict(
+        policy_config(td.config_from_hf(c)))
+
+
 def fields(cls):
     return {f.name: (f.type, f.default) for f in dataclasses.fields(cls)}
 
 
 def test_config_fields_agree():
-    # GRPO's policy config is the dense one field for field: a dense run's config.json loads.
-    assert fields(tg.ModelConfig) == fields(td.ModelConfig)
+    # GRPO's policy config is the dense one less the Gemma knobs, each off when falsy (0,
+    # False), so that a dense run's config.json whose knobs are off loads (common/train.py).
+    dense = fields(td.ModelConfig)
+    assert fields(tg.ModelConfig) == {k: v for k, v in dense.items() if k not in DENSE_ONLY}
+    assert DENSE_ONLY <= dense.keys() and not any(dense[k][1] for k in DENSE_ONLY)
     # The MoE trainer's optimiser and loop settings are the dense ones plus its router losses.
     shared = fields(td.TrainConfig).keys() & fields(tm.TrainConfig).keys()
     assert shared >= {"steps", "lr", "schedule", "b1", "b2", "clip_norm", "log_every"}
@@ -74,7 +105,7 @@ def test_moe_parameter_table_shares_the_dense_entries():
 
 def test_flops_per_token_is_the_dense_count():
     for cfg in (td.ModelConfig(**FIELDS), td.ModelConfig(tie_embeddings=True)):
-        grpo = tg.ModelConfig(**dataclasses.asdict(cfg))
+        grpo = policy_config(cfg)
         assert tg.flops_per_token(grpo, 128) == td.flops_per_token(cfg, 128)
 
 

@@ -18,6 +18,13 @@ SMALL = td.ModelConfig(vocab_size=256, d_model=32, n_layers=2, n_heads=4, n_kv_h
 # Every knob on at once: Qwen2 biases, Qwen3 q/k norm, tied embeddings, Llama 3.1 rope scaling.
 KNOBS = dataclasses.replace(SMALL, qkv_bias=True, qk_norm=True, tie_embeddings=True,
                             rope_scaling=8.0, rope_original_max_len=32)
+# Gemma 2's knobs (window 5 of the 16-token test sequence, padded to whole blocks) and Gemma 3's.
+GEMMA2 = dataclasses.replace(SMALL, n_layers=4, sliding_window=5, global_every=2, attn_softcap=3.0,
+                             final_softcap=2.5, query_scale=10.0, norm_plus_one=True,
+                             sandwich_norm=True, embed_scale=True, gelu=True, tie_embeddings=True)
+GEMMA3 = dataclasses.replace(GEMMA2, n_layers=3, global_every=3, attn_softcap=0.0,
+                             final_softcap=0.0, qk_norm=True, rope_local_theta=100.0,
+                             rope_linear=2.0)
 
 
 def small_cfg(model=SMALL, mesh=MeshConfig(fsdp=1), **train):
@@ -69,7 +76,8 @@ def grads_and_loss(cfg, params, batch, mesh):
         return float(loss), jax.device_get(g)
 
 
-@pytest.mark.parametrize("model", [SMALL, KNOBS], ids=["llama", "all-knobs"])
+@pytest.mark.parametrize("model", [SMALL, KNOBS, GEMMA2, GEMMA3],
+                         ids=["llama", "all-knobs", "gemma2", "gemma3"])
 def test_sharded_equals_unsharded(model):
     cfg = small_cfg(model)
     params, batch = perturbed_params(cfg), tokens(cfg)

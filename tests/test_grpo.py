@@ -59,9 +59,11 @@ def left_padded(lengths, width, vocab, seed=0):
 
 
 def test_model_config_and_parameter_tree_equal_train_dense():
-    """Same fields with the same defaults, so a dense config.json loads as a tg.ModelConfig."""
+    """Same fields with the same defaults, less dense's Gemma knobs (off when falsy), so a
+    dense config.json with them off loads as a tg.ModelConfig."""
     f = lambda cls: [(x.name, x.default) for x in dataclasses.fields(cls)]
-    assert f(tg.ModelConfig) == f(td.ModelConfig)
+    assert f(tg.ModelConfig) == [(k, v) for k, v in f(td.ModelConfig) if k in {
+        x.name for x in dataclasses.fields(tg.ModelConfig)}]
     for m in (SMALL, KNOBS):
         assert tg.param_specs(m) == td.param_specs(dense(m))
         a = jax.eval_shape(partial(tg._init, m), jax.random.key(3))
@@ -461,6 +463,20 @@ def test_init_from_a_train_dense_checkpoint(dense_run, tmp_path):
     assert saved["model"]["vocab_size"] == 512 and saved["init_from"] == dcfg.run_dir
     with pytest.raises(FileNotFoundError, match="--init-from"):
         tg.main(grpo_config(tmp_path / "h", 0, init_from=str(tmp_path / "nowhere")))
+
+
+def test_init_from_a_gemma_run_is_refused(dense_run, tmp_path):
+    """The policy has no Gemma knobs: a dense run with them off loads (above), one with a
+    window on is refused by name, not trained as a different model."""
+    saved = json.load(open(os.path.join(dense_run[0].run_dir, "config.json")))
+    assert saved["model"]["sliding_window"] == 0
+    saved["model"] |= dict(sliding_window=128, global_every=2)
+    os.makedirs(tmp_path / "gemma" / "checkpoints")
+    json.dump(saved, open(tmp_path / "gemma" / "config.json", "w"))
+    cfg = grpo_config(tmp_path / "g", 0, init_from=str(tmp_path / "gemma"))
+    with pytest.raises(train.ConfigError, match=r"sets fields this file does not have \(.*"
+                                                r"'sliding_window': 128\}\); was it written"):
+        train.with_source_model(cfg, tg.config_from_hf, tg.COMPUTE_FIELDS)
 
 
 @pytest.mark.parametrize("change,flag", [

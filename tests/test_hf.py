@@ -25,12 +25,15 @@ from common.mesh import MeshConfig, make_mesh
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIXTURES = os.path.join(ROOT, "tests", "fixtures", "hf")
-FAMILIES = ["llama2", "llama3.1", "llama3.2", "mistral", "qwen2", "qwen3"]
+FAMILIES = ["llama2", "llama3.1", "llama3.2", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text"]
 TOL = 1e-4  # float32, on logits that reach 3 to 50 in these fixtures
 # Bookkeeping in a config.json, not the model: left out of the key-by-key comparison.
 BOOKKEEPING = {"transformers_version", "dtype", "torch_dtype", "bos_token_id", "eos_token_id",
                "pad_token_id", "use_cache", "initializer_range", "attention_dropout",
-               "max_window_layers"}
+               "max_window_layers",
+               # transformers 5's Gemma copies: a private pattern (layer_types says it), and
+               # an encoder switch whose absence means causal, as it does in 4.x.
+               "_sliding_window_pattern", "use_bidirectional_attention"}
 
 
 def fixture(name):
@@ -86,6 +89,35 @@ def test_config_mapping(loaded):
     assert c["qwen2"].qkv_bias and c["qwen2"].tie_embeddings and c["qwen2"].norm_eps == 1e-6
     assert c["qwen3"].qk_norm and not c["qwen3"].qkv_bias
     assert c["llama2"].n_kv_heads == c["llama2"].n_heads == 4
+    g2, g3 = c["gemma2"], c["gemma3_text"]
+    assert (g2.sliding_window, g2.global_every, g2.attn_softcap, g2.final_softcap,
+            g2.query_scale) == (5, 2, 3.0, 2.5, 16.0) and not g2.qk_norm
+    assert g2.norm_plus_one and g2.sandwich_norm and g2.embed_scale and g2.gelu
+    assert (g3.global_every, g3.rope_theta, g3.rope_local_theta, g3.rope_linear) == (
+        3, 1000.0, 100.0, 2.0) and g3.qk_norm and not g3.attn_softcap
+
+
+@pytest.mark.parametrize("name, mistake", [
+    ("gemma2", dict(sliding_window=0)), ("gemma2", dict(attn_softcap=0.0)),
+    ("gemma2", dict(final_softcap=0.0)), ("gemma2", dict(query_scale=0.0)),
+    ("gemma2", dict(global_every=4)), ("gemma3_text", dict(rope_local_theta=0.0)),
+    ("gemma3_text", dict(rope_linear=0.0)), ("gemma3_text", dict(global_every=2))])
+def test_parity_catches_gemma_mistakes(loaded, name, mistake):
+    """Each Gemma knob moves the fixtures' logits far past the tolerance: a window that does
+    not bite, a dropped soft-cap, a head-width query scale, the wrong layer pattern or RoPE."""
+    cfg, params = loaded[name]
+    tokens, want = expected(name)
+    assert max_diff(logits(params, dataclasses.replace(cfg, **mistake), tokens), want) > 1e-2
+
+
+def test_parity_catches_swapped_gemma_norms(loaded):
+    """Gemma's post_attention_layernorm is the attention's output norm, not the MLP's input
+    norm as in Llama: the mapping that confuses the two fails parity."""
+    cfg, params = loaded["gemma2"]
+    tokens, want = expected("gemma2")
+    lay = dict(params["layers"])
+    lay["mlp_norm"], lay["attn_post_norm"] = lay["attn_post_norm"], lay["mlp_norm"]
+    assert max_diff(logits(params | {"layers": lay}, cfg, tokens), want) > 1e-2
 
 
 def test_parity_catches_rope_mistakes(loaded):
@@ -273,7 +305,7 @@ def test_unknown_model_type(tmp_path):
 
 @pytest.mark.parametrize("edit,match", [
     (lambda c: c["rope_parameters"].update(rope_type="yarn", factor=4.0), r"rope type 'yarn'"),
-    (lambda c: c.update(hidden_act="gelu"), r"hidden_act 'gelu'"),
+    (lambda c: c.update(hidden_act="gelu"), r"hidden activation 'gelu' \(only silu\)"),
     (lambda c: c.update(rope_parameters={"full_attention": c["rope_parameters"]}),
      r"rope parameters per layer type \(full_attention\)"),
     (lambda c: c.update(rope_parameters={"rope_type": "llama3", "factor": 8.0}),
@@ -283,6 +315,36 @@ def test_unknown_model_type(tmp_path):
 def test_unsupported_options(tmp_path, edit, match):
     with pytest.raises(hf.HFError, match=match):
         td.load_hf(copy("llama2", tmp_path, edit))
+
+
+@pytest.mark.parametrize("name, edit, match", [
+    ("gemma2", lambda c: c.update(layer_types=["full_attention", "sliding_attention"] * 2),
+     r"layer_types .* \(only every n-th layer global\)"),
+    ("gemma2", lambda c: c.update(rope_parameters={"rope_type": "linear", "rope_theta": 1e4,
+                                                   "factor": 2.0}), r"rope type 'linear'"),
+    ("gemma3_text", lambda c: c.update(use_bidirectional_attention=True),
+     r"use_bidirectional_attention"),
+    ("gemma3_text", lambda c: c["rope_parameters"]["sliding_attention"].update(
+        rope_type="linear", factor=2.0), r"rope type 'linear' on the sliding-window layers"),
+    ("gemma3_text", lambda c: c.update(hidden_activation="gelu"),
+     r"hidden activation 'gelu' \(only gelu_pytorch_tanh\)"),
+])
+def test_unsupported_gemma_options(tmp_path, name, edit, match):
+    with pytest.raises(hf.HFError, match=match):
+        td.load_hf(copy(name, tmp_path, edit))
+
+
+def test_gemma3_from_a_transformers_4_config(tmp_path):
+    """The 4.x spelling (rope_theta, rope_scaling, rope_local_base_freq, sliding_window_pattern,
+    no layer_types) reads as the same model as transformers 5's per-layer-type one."""
+    def legacy(c):
+        rope = c.pop("rope_parameters")
+        del c["layer_types"], c["_sliding_window_pattern"]
+        c.update(rope_theta=rope["full_attention"]["rope_theta"], rope_scaling={
+            "rope_type": "linear", "factor": rope["full_attention"]["factor"]},
+            rope_local_base_freq=rope["sliding_attention"]["rope_theta"])
+    assert td.load_hf(copy("gemma3_text", tmp_path, legacy))[0] == td.load_hf(
+        fixture("gemma3_text"))[0]
 
 
 def test_weights_we_would_drop(tmp_path):
@@ -322,11 +384,18 @@ def data_path(tmp_path_factory):
     return prepare(files, str(tmp_path_factory.mktemp("d") / "prepared"), vocab_size=400)
 
 
-def test_init_from_hf_train_and_export(data_path, tmp_path):
+GEMMA2_KNOBS = dict(qk_norm=False, sliding_window=8, global_every=2, attn_softcap=5.0,
+                    final_softcap=10.0, query_scale=16.0, norm_plus_one=True,
+                    sandwich_norm=True, embed_scale=True, gelu=True, tie_embeddings=True)
+
+
+@pytest.mark.parametrize("knobs", [{}, GEMMA2_KNOBS], ids=["qwen3", "gemma2"])
+def test_init_from_hf_train_and_export(data_path, tmp_path, knobs):
     # A "published" model: random weights far from our init, the data's tokenizer, a token id
-    # in its config that export must keep.
-    model = td.ModelConfig(vocab_size=512, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
-                           head_dim=8, d_ff=64, max_seq_len=64, qk_norm=True, loss_chunk=16)
+    # in its config that export must keep. Gemma 2's window (8) is a quarter of the sequence.
+    model = td.ModelConfig(**dict(vocab_size=512, d_model=32, n_layers=2, n_heads=4,
+                                  n_kv_heads=2, head_dim=8, d_ff=64, max_seq_len=64,
+                                  qk_norm=True, loss_chunk=16) | knobs)
     rng = np.random.default_rng(5)  # in numpy: nothing to compile
     published = jax.tree.map(
         lambda e: (1.0 if e[2] is None else 0.0) + 0.3 * rng.standard_normal(e[0], np.float32),

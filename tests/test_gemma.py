@@ -1,0 +1,265 @@
+"""Gemma 2 and 3 in train_dense.py: the windowed attention against full attention with a band
+mask, the whole model against a plain per-layer reference written here, the presets' sizes,
+and the Llama/Mistral/Qwen presets unchanged by the new knobs. (HF parity: tests/test_hf.py;
+sharded == unsharded: tests/test_dense.py.)"""
+import dataclasses
+import hashlib
+import math
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import train_dense as td
+from common.train import ConfigError
+
+GEMMA2 = td.ModelConfig(vocab_size=64, d_model=32, n_layers=4, n_heads=4, n_kv_heads=2,
+                        head_dim=12, d_ff=48, max_seq_len=64, norm_eps=1e-6, rope_theta=100.0,
+                        sliding_window=5, global_every=2, attn_softcap=3.0, final_softcap=2.5,
+                        query_scale=16.0, norm_plus_one=True, sandwich_norm=True,
+                        embed_scale=True, gelu=True, tie_embeddings=True)
+GEMMA3 = dataclasses.replace(GEMMA2, n_layers=6, n_kv_heads=1, global_every=3, attn_softcap=0.0,
+                             final_softcap=0.0, qk_norm=True, rope_theta=1000.0,
+                             rope_local_theta=100.0, rope_linear=2.0)
+
+
+def random_qkv(B, T, N, K, H, seed=0):
+    rng = np.random.default_rng(seed)
+    return (jnp.asarray(rng.standard_normal((B, T, n, H)), jnp.float32) for n in (N, K, K))
+
+
+@pytest.mark.parametrize("T, W, packed", [(16, 4, False), (16, 5, False), (17, 4, True),
+                                          (12, 5, True), (64, 8, False)])
+@pytest.mark.parametrize("cap", [0.0, 3.0])
+def test_windowed_attention_equals_band_masked_full_attention(T, W, packed, cap):
+    """The blocked window (2W keys per query, T padded to whole blocks) against every key with
+    a band mask, forward and gradients, with packed rows' masks too."""
+    cfg = dataclasses.replace(GEMMA2, attn_softcap=cap, query_scale=10.0)
+    q, k, v = random_qkv(2, T, 4, 2, 12)
+    t = np.arange(T)
+    mask = np.broadcast_to(np.tril(np.ones((T, T), bool)), (2, T, T))
+    if packed:
+        seg = np.sort(np.random.default_rng(1).integers(0, 3, (2, T)), axis=1)
+        mask = mask & (seg[:, :, None] == seg[:, None, :])
+    band = jnp.asarray(mask & (t[:, None] - t[None] < W))
+    given = jnp.asarray(mask) if packed else None
+    r = jnp.asarray(np.random.default_rng(2).standard_normal((2, T, 4, 12)), jnp.float32)
+
+    def f(window, m, q, k, v):
+        return jnp.sum(td.capped_attention(q, k, v, cfg, m, window) * r)
+
+    want, want_g = jax.value_and_grad(partial(f, 0, band), argnums=(0, 1, 2))(q, k, v)
+    got, got_g = jax.value_and_grad(partial(f, W, given), argnums=(0, 1, 2))(q, k, v)
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    for a, b in zip(got_g, want_g):
+        np.testing.assert_allclose(a, b, atol=1e-5)
+    # A mask that does not reach back W tokens would differ: the window matters here.
+    narrower = jnp.asarray(mask & (t[:, None] - t[None] < W - 1))
+    assert abs(f(0, narrower, q, k, v) - want) > 1e-3
+
+
+def test_uncapped_attention_is_the_fused_path():
+    """With no cap and no window, capped_attention is `attention` on pre-scaled queries: what
+    block() hands the fused kernels for Gemma 3's global layers."""
+    cfg = dataclasses.replace(GEMMA3, attention="xla")
+    q, k, v = random_qkv(2, 16, 4, 1, 12)
+    want = td.capped_attention(q, k, v, cfg)
+    got = td.attention(q * math.sqrt(12 / cfg.query_scale), k, v, cfg)
+    np.testing.assert_allclose(got, want, atol=2e-6)
+
+
+# ----------------------------------------------------------------------------------------------
+# The whole model against a plain reference
+
+
+def reference_forward(params, tokens, cfg):
+    """Gemma 2/3 written out plainly in float64 numpy, one sequence, layer and head at a time,
+    from the published description: x = E[t] sqrt(d); per layer pre-norm, q/k norm (Gemma 3),
+    RoPE with the layer kind's base, logits q.k / sqrt(query_pre_attn_scalar), soft-capped
+    c tanh(s/c) (Gemma 2), causal with a window on local layers (every layer but the n-th),
+    post-norm, residual; GeGLU with tanh GELU likewise; final norm, tied logits, final cap.
+    Every RMSNorm multiplies by (1 + w)."""
+    p = jax.tree.map(lambda a: np.asarray(a, np.float64), params)
+    lay, eps = p["layers"], cfg.norm_eps
+    norm = lambda x, w: x / np.sqrt(np.mean(x * x, -1, keepdims=True) + eps) * (1.0 + w)
+    cap = lambda s, c: c * np.tanh(s / c) if c else s
+    gelu = lambda x: 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x ** 3)))
+    T, H, N, K = tokens.shape[1], cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
+    pos = np.arange(T)
+
+    def rope(x, theta, scale):
+        inv = theta ** (-np.arange(0, H, 2) / H) / scale
+        c, s = np.cos(pos[:, None] * inv)[:, None], np.sin(pos[:, None] * inv)[:, None]
+        x1, x2 = x[..., :H // 2], x[..., H // 2:]
+        return np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], -1)
+
+    out = []
+    for row in tokens:
+        x = p["embed"][row] * np.sqrt(cfg.d_model)
+        for i in range(cfg.n_layers):
+            l = {k: v[i] for k, v in lay.items()}
+            is_global = (i + 1) % cfg.global_every == 0
+            h = norm(x, l["attn_norm"])
+            q, k, v = (np.einsum("td,dnh->tnh", h, l[w]) for w in ("wq", "wk", "wv"))
+            if cfg.qk_norm:
+                q, k = norm(q, l["q_norm"]), norm(k, l["k_norm"])
+            theta = cfg.rope_theta if is_global else cfg.rope_local_theta or cfg.rope_theta
+            scale = (cfg.rope_linear or 1.0) if is_global else 1.0
+            q, k = rope(q, theta, scale), rope(k, theta, scale)
+            allowed = pos[None] <= pos[:, None]
+            if not is_global:
+                allowed &= pos[:, None] - pos[None] < cfg.sliding_window
+            o = np.zeros((T, N, H))
+            for n in range(N):
+                kv = n // (N // K)
+                s = cap(q[:, n] @ k[:, kv].T / np.sqrt(cfg.query_scale), cfg.attn_softcap)
+                s = np.where(allowed, s, -np.inf)
+                w = np.exp(s - s.max(-1, keepdims=True))
+                o[:, n] = (w / w.sum(-1, keepdims=True)) @ v[:, kv]
+            x = x + norm(np.einsum("tnh,nhd->td", o, l["wo"]), l["attn_post_norm"])
+            h = norm(x, l["mlp_norm"])
+            y = (gelu(h @ l["w_gate"]) * (h @ l["w_up"])) @ l["w_down"]
+            x = x + norm(y, l["mlp_post_norm"])
+        out.append(cap(norm(x, p["final_norm"]) @ p["embed"].T, cfg.final_softcap))
+    return np.stack(out)
+
+
+def unit_params(cfg, seed=0):
+    """Weights whose every entry matters: unit-scale activations, (1 + w) gains away from 1."""
+    p = td.init_params(cfg, jax.random.key(seed))
+    fan_in = dict(wo=cfg.n_heads * cfg.head_dim, w_down=cfg.d_ff)
+    leaves, tree = jax.tree_util.tree_flatten_with_path(p)
+    keys = jax.random.split(jax.random.key(seed + 1), len(leaves))
+    out = []
+    for (path, x), k in zip(leaves, keys):
+        name = path[-1].key
+        scale = 0.3 if "norm" in name else fan_in.get(name, cfg.d_model) ** -0.5
+        out.append(scale * jax.random.normal(k, x.shape))
+    return jax.tree_util.tree_unflatten(tree, out)
+
+
+@pytest.mark.parametrize("cfg", [GEMMA2, GEMMA3], ids=["gemma2", "gemma3"])
+@pytest.mark.parametrize("scan", [True, False])
+def test_forward_equals_plain_reference(cfg, scan):
+    cfg = dataclasses.replace(cfg, scan_layers=scan)
+    params = unit_params(cfg)
+    tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 16), np.int32)
+    want = reference_forward(params, tokens, cfg)
+    got = np.asarray(jax.jit(td.forward, static_argnums=2)(params, tokens, cfg))
+    np.testing.assert_allclose(got, want, atol=2e-5)
+    # Each knob changes these logits, so the equality above holds each one to the reference.
+    for knob in dict(gemma2=["sliding_window", "attn_softcap", "final_softcap", "norm_plus_one",
+                             "sandwich_norm", "embed_scale", "gelu", "query_scale"],
+                     gemma3=["rope_local_theta", "rope_linear", "qk_norm"])[
+                         "gemma3" if cfg.qk_norm else "gemma2"]:
+        off = dataclasses.replace(cfg, **{knob: type(getattr(cfg, knob))()})
+        off_params = td.init_params(off, jax.random.key(0))
+        off_params = jax.tree.map(lambda a, b: b, off_params, {
+            k: v if k != "layers" else {n: w for n, w in v.items() if n in off_params["layers"]}
+            for k, v in params.items()})
+        assert max_diff(jax.jit(td.forward, static_argnums=2)(off_params, tokens, off),
+                        got) > 1e-3, knob
+
+
+def max_diff(a, b):
+    return float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
+
+
+def test_training_loss_applies_the_final_soft_cap():
+    """The fused and the rematerialised cross-entropy both see capped logits, with the cap's
+    derivative in the gradient: each equals the plain loss over forward()'s logits."""
+    params = unit_params(GEMMA2)
+    batch = np.random.default_rng(0).integers(0, 64, (2, 17), np.int32)
+
+    def plain(p):
+        lg = td.forward(p, batch[:, :-1], GEMMA2)
+        return jnp.mean(jax.nn.logsumexp(lg, -1) - jnp.take_along_axis(
+            lg, batch[:, 1:, None], -1)[..., 0])
+
+    want, want_g = jax.value_and_grad(plain)(params)
+    for impl in ("fused", "remat"):
+        cfg = dataclasses.replace(GEMMA2, loss_impl=impl, loss_chunk=8)
+        got, got_g = jax.value_and_grad(lambda p: td.loss_fn(p, batch, cfg)[0])(params)
+        np.testing.assert_allclose(got, want, rtol=1e-5)
+        for a, b in zip(jax.tree.leaves(got_g), jax.tree.leaves(want_g)):
+            np.testing.assert_allclose(a, b, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------------------------
+# Presets
+
+COUNTS = {"gemma2-2b": 2_614_341_888, "gemma2-9b": 9_241_705_984, "gemma2-27b": 27_227_128_320,
+          "gemma3-1b": 999_885_952,
+          # The text models of the released 4B/12B/27B configs (vocabulary 262,208); Google's
+          # report gives their non-embedding parameters as 3,209M, 10,759M and 25,600M.
+          "gemma3-4b": 3_880_263_168, "gemma3-12b": 11_766_034_176,
+          "gemma3-27b": 27_009_346_304}
+
+
+@pytest.mark.parametrize("name", sorted(COUNTS))
+def test_preset_parameter_counts(name):
+    cfg = td.PRESETS[name][1].model
+    shapes = jax.eval_shape(partial(td._init, cfg), jax.random.key(0))
+    assert sum(math.prod(x.shape) for x in jax.tree.leaves(shapes)) == COUNTS[name]
+    non_embed = COUNTS[name] - cfg.vocab_size * cfg.d_model
+    report = {"gemma3-4b": 3209, "gemma3-12b": 10759, "gemma3-27b": 25600}.get(name)
+    assert report is None or round(non_embed / 1e6) == report
+
+
+def test_tiny_gemma_windows_its_training_sequence():
+    cfg = td.PRESETS["tiny-gemma"][1]
+    assert 0 < cfg.model.sliding_window < cfg.train.seq_len and cfg.model.global_every == 2
+
+
+def test_flops_count_a_window_as_its_keys():
+    full = dataclasses.replace(GEMMA2, sliding_window=0, global_every=0)
+    per_key = 3 * 2 * 2 * GEMMA2.n_heads * GEMMA2.head_dim
+    # 2 of 4 layers slide over 5 keys instead of 64.
+    assert td.flops_per_token(full, 64) - td.flops_per_token(GEMMA2, 64) == 2 * (64 - 5) * per_key
+
+
+@pytest.mark.parametrize("flags, match", [
+    (["--model.global-every", "2"], "without --model.sliding-window"),
+    (["--model.sliding-window", "-1"], "--model.sliding-window -1: must be >= 0"),
+])
+def test_bad_gemma_flags(flags, match):
+    with pytest.raises(ConfigError, match=match):
+        td.validate(td.cli(["tiny", *flags]), 1)
+
+
+def test_qk_clip_is_refused_with_soft_capped_attention():
+    cfg = td.cli(["tiny-gemma", "--train.optimizer", "muon", "--train.qk-clip-threshold", "100"])
+    with pytest.raises(ConfigError, match="soft-cap already bounds the logits"):
+        td.validate(cfg, 1)
+
+
+# The logits of each Llama/Mistral/Qwen preset's model (shrunk: its knobs, small shapes) on a
+# fixed seed, recorded from main at c3929ff, before the Gemma knobs: sha256 of the float32 bytes
+# per JAX version (bitwise), and |logits| summed, for versions not recorded.
+UNCHANGED = {
+    "tiny": ("5f360a9f611430ef", "fb807b2174df65da", 132952.15625),
+    "llama2-7b": ("fcbcb72244de5696", "d190f316a5a9e7f2", 4178.384765625),
+    "llama3.1-8b": ("be6b722758774036", "50567ce47c878acb", 4178.400390625),
+    "mistral-7b": ("7dea62e788716528", "8ca46bd57a840fa7", 4178.3857421875),
+    "qwen3-0.6b": ("f74ff08872a4b8b7", "955fdd86d146ab1d", 4335.0146484375),
+    "qwen3-8b": ("eab00b7947d658c0", "8110fdf11f72212d", 4222.6103515625),
+}
+RECORDED = ("0.10.2", "0.12.0.1")
+
+
+@pytest.mark.parametrize("name", sorted(UNCHANGED))
+def test_llama_mistral_qwen_logits_are_unchanged(name):
+    cfg = td.PRESETS[name][1].model
+    if name != "tiny":
+        cfg = dataclasses.replace(cfg, vocab_size=256, d_model=64, n_layers=2, n_heads=4,
+                                  head_dim=16, d_ff=128, dtype="float32",
+                                  n_kv_heads=min(cfg.n_kv_heads, 2))
+    params = td.init_params(cfg, jax.random.key(0))
+    tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 64), np.int32)
+    logits = np.asarray(jax.jit(td.forward, static_argnums=2)(params, tokens, cfg))
+    if jax.__version__ in RECORDED:
+        want = UNCHANGED[name][RECORDED.index(jax.__version__)]
+        assert hashlib.sha256(logits.tobytes()).hexdigest()[:16] == want
+    np.testing.assert_allclose(np.abs(logits).sum(), UNCHANGED[name][2], rtol=1e-5)
