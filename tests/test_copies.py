@@ -19,6 +19,8 @@ SAME_SOURCE = {
     "attention": (td, tm, tg), "param_specs": (td, tm, tg), "_init": (td, tm, tg),
     "init_params": (td, tm, tg), "count_params": (td, tm, tg), "unembedding": (td, tm, tg),
     "cli": (td, tm, tg), "make_schedule": (td, tm), "train_state": (td, tm),
+    # The MoE trainer's loss is dense's fused chunked cross-entropy.
+    "_chunked": (td, tm),
     # train_grpo.py's policy is train_dense.py's model, and its HF loading half is dense's.
     "rope_inv_freq": (td, tg), "_param_table": (td, tg), "hf_mapping": (td, tg),
     "_hf_sizes": (td, tg), "config_from_hf": (td, tg), "load_hf": (td, tg),
