@@ -6,7 +6,7 @@ use into its own Python 3.12 venv) for several rounds in one invocation, so both
 machine, and prints each side's median and the ratio. Both sides are measured alike
 (bench/stats.py): each step's wall time from its log, steps WARMUP..WARMUP+steps-1 kept,
 their median, tokens/s = batch x seq / median. The MoE bench also checks that MaxText's
-printed parameter count is ours. Not part of CI: the peer needs a few GB and minutes.
+printed parameter count is ours (the dense bench too). Not part of CI: the peer needs a few GB and minutes.
 """
 import argparse
 import os
@@ -42,15 +42,20 @@ def peer_log(model: str, last: int, path: str) -> str:
 
 
 def maxtext_params(log: str) -> int:
-    """The parameter count MaxText prints at start-up (in billions, 3 decimals)."""
-    m = re.search(r"number parameters: ([0-9.]+) billion", log)
-    if not m:
-        raise ValueError("no 'number parameters' line in MaxText's log")
-    return round(float(m.group(1)) * 1e9)
+    """MaxText's exact parameter count: the line bench/peers/maxtext.sh appends (from its
+    TensorBoard summary), which must agree with the billions its log prints at start-up."""
+    exact = int(re.search(r"maxtext num_model_parameters: (\d+)", log).group(1))
+    billions = re.search(r"number parameters: ([0-9.]+) billion", log).group(1)
+    if f"{exact / 1e9:.3f}" != billions:
+        raise ValueError(f"MaxText printed {billions} billion parameters but counted {exact}")
+    return exact
 
 
-def our_params(log: str) -> int:
-    return int(re.search(r"model ([0-9,]+) parameters", log).group(1).replace(",", ""))
+def our_params(model: str) -> int:
+    import train_dense
+    import train_moe
+    mod = train_moe if model == "moe" else train_dense
+    return mod.count_params(mod.PRESETS[SIDES[model][1]][1].model)
 
 
 def ours(model: str, steps: int, flags: list[str]) -> float:
@@ -115,12 +120,10 @@ def main() -> None:
         theirs.append(stats.tokens_per_s(stats.maxtext_step_seconds(peer), first, last,
                                          TOKENS_PER_STEP))
         if r == 0:
-            n_ours, n_peer = our_params(log), maxtext_params(peer)
-            # MaxText prints billions to 3 decimals: equal to within its rounding.
-            same = abs(n_ours - n_peer) <= 5e5
-            print(f"parameters: ours {n_ours:,} | maxtext {n_peer / 1e9:.3f} billion"
-                  f"{'' if same else '  MISMATCH: not the same model'}", flush=True)
-            if not same:
+            n_ours, n_peer = our_params(a.model), maxtext_params(peer)
+            print(f"parameters: ours {n_ours:,} | maxtext {n_peer:,}"
+                  f"{'' if n_ours == n_peer else '  MISMATCH: not the same model'}", flush=True)
+            if n_ours != n_peer:
                 sys.exit(1)
         print(f"round {r + 1}: ours {mine[-1]:.0f} tok/s | maxtext {theirs[-1]:.0f} tok/s "
               f"(median step of steps {first}-{last})", flush=True)
