@@ -15,7 +15,7 @@ PORT   ?= 6006
 comma  := ,
 
 .DEFAULT_GOAL := help
-.PHONY: help train test bench bench-parity bench-recovery bench-scale dry-run prepare clean train-moe bench-moe train-grpo \
+.PHONY: help train test bench bench-parity bench-parity-moe bench-grpo bench-recovery bench-scale dry-run prepare clean train-moe bench-moe train-grpo \
         plot tensorboard need-run sft export-hf hf-fixtures
 
 help:  ## list the targets
@@ -50,8 +50,16 @@ bench: $(VENV)/.installed  ## tokens/s, ms/step, MFU and compile time of PRESET 
 bench-moe: $(VENV)/.installed  ## tok/s and MFU of MOE_PRESET and of its dense twin (same active params), and their ratio
 	$(PY) train_moe.py $(MOE_PRESET) --bench 10 $(ARGS)
 
-bench-parity: $(VENV)/.installed  ## ours vs MaxText 0.2.5 on the same model, alternating, medians + ratio
+# The peers (bench/peers/) install themselves on first use, each into its own venv under
+# ~/.cache/jax-trainers (PEER_DIR overrides): MaxText needs Python 3.12, TRL brings torch.
+bench-parity: $(VENV)/.installed  ## dense step vs MaxText 0.2.5 on the same model, alternating, medians + ratio
 	$(PY) bench/parity.py $(ARGS)
+
+bench-parity-moe: $(VENV)/.installed  ## MoE step vs MaxText 0.2.5's Mixtral block on the same model, medians + ratio
+	$(PY) bench/parity.py --model moe $(ARGS)
+
+bench-grpo: $(VENV)/.installed  ## one GRPO step (rollouts + update) vs TRL's GRPOTrainer, same model, medians + ratios
+	$(PY) bench/grpo.py $(ARGS)
 
 bench-recovery: $(VENV)/.installed  ## seconds from a kill -9 to the first step of the restarted group; checkpoint overhead
 	$(PY) bench/recovery.py --preset $(PRESET) $(ARGS)

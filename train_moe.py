@@ -155,6 +155,11 @@ PRESETS: dict[str, tuple[str, Config]] = {
     # third of every step on a laptop CPU.
     "tiny-moe": ("~9M parameters (4.5M active), 8 experts top-2, on the embedded corpus: the "
                  "`make train-moe` default", Config(model=ModelConfig(remat="none"))),
+    # The model bench/peers/maxtext.sh runs in MaxText (Mixtral block), for side-by-side speed.
+    "bench-parity-moe": ("MaxText comparison: d 256, 4 layers, 8 experts top-2, expert MLP 512, "
+                         "vocab 32000, seq 256, batch 8", Config(ModelConfig(
+                             vocab_size=32000, n_kv_heads=4, d_ff=512), TrainConfig(
+                             batch_size=8, seq_len=256), bench_twin=False)),
     "mixtral-8x7b": ("Mixtral 8x7B (8 experts, top-2)", _big(ModelConfig(
         vocab_size=32000, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8, head_dim=128,
         n_experts=8, top_k=2, d_ff=14336, max_seq_len=32768, rope_theta=1_000_000.0,
@@ -394,19 +399,15 @@ def swiglu(x, w_gate, w_up, w_down):
 def _grouped_impl(cfg: ModelConfig) -> str:
     if cfg.grouped_matmul != "auto":
         return cfg.grouped_matmul
-    # XLA:CPU has no grouped matmul: it rewrites ragged_dot into a dense matmul of every row
-    # with every group's weights, zero-masked (E times the FLOPs and memory; 2-6x slower than
-    # the tiled form, forward and backward, at E=8 on a laptop CPU). TPUs, and GPUs where
-    # XLA has a grouped GEMM for the shapes and dtype, run it as one; elsewhere, pick tiled.
+    # XLA:CPU rewrites ragged_dot into a dense matmul of every row with every group's weights,
+    # zero-masked (E times the FLOPs and memory; 2-6x slower than tiled at E=8 on a laptop
+    # CPU). TPUs, and GPUs with a grouped GEMM for the shapes and dtype, run it as one.
     return "tiled" if jax.default_backend() == "cpu" else "ragged_dot"
 
 
 def _tile_layout(sizes_G, M: int, tile: int):
     """Each group padded to whole tiles: (destination row of each input row, group of each
-    tile, number of tiles). Rows past sum(sizes) belong to no group and are sent out of range.
-
-    The number of tiles is static, M / tile + G: every group wastes less than one tile.
-    """
+    tile, number of tiles: static, M / tile + G). Rows past sum(sizes) go out of range."""
     G = sizes_G.shape[0]
     n_tiles = -(-M // tile) + G
     end_G = jnp.cumsum(sizes_G)
@@ -424,12 +425,10 @@ def _tile_layout(sizes_G, M: int, tile: int):
 
 def grouped_mlp(x_MD, sizes_G, w_gate_GDF, w_up_GDF, w_down_GFD, cfg: ModelConfig):
     """SwiGLU of expert g on its rows: x is sorted by group, sizes_G[g] rows each. Rows past
-    sum(sizes_G) (buffer padding) give zeros.
-
-    "ragged_dot": a grouped GEMM, each row against its own group's weights only.
-    "tiled" (megablocks-style, for the CPU): every group is padded to whole tiles of
-    `gmm_tile` rows and each tile is multiplied with its group's weights, one batched matmul
-    over tiles; the cost is at most G tiles of padding and one weight copy per tile.
+    sum(sizes_G) (buffer padding) give zeros. "ragged_dot": a grouped GEMM, each row against
+    its group's weights only. "tiled" (megablocks-style, for the CPU): every group padded to
+    whole tiles of `gmm_tile` rows, each tile multiplied with its group's weights, one batched
+    matmul over tiles; the cost is at most G tiles of padding and one weight copy per tile.
     """
     if _grouped_impl(cfg) == "ragged_dot":
         h_MF = (jax.nn.silu(jax.lax.ragged_dot(x_MD, w_gate_GDF, sizes_G))
@@ -457,16 +456,10 @@ def capacity(n_tokens: int, cfg: ModelConfig) -> int:
 
 def _dropless_exchange(x_AD, e_A, sizes_E, w, cfg: ModelConfig, peers: int, S: int):
     """Rows sorted by expert -> their experts on the peers of the expert axis -> back.
-
     Peer p holds experts p*X .. p*X+X-1, so the sorted rows are already grouped by peer.
-    ragged_all_to_all would send exactly those rows, but XLA:CPU cannot run it (JAX 0.10
-    and 0.12: "HLO opcode ragged-all-to-all is not supported"), so this sends fixed-size
-    buffers of S rows per peer, the most any peer can be owed: every token may send all its
-    min(X, k) choices among one peer's experts there (MaxText sizes its buffers the same
-    way). That stays dropless at up to P times the traffic and buffer memory of the exact
-    exchange (and, with the CPU's tiled matmul, whose tile count is static, the expert
-    FLOPs).
-    """
+    XLA:CPU cannot run ragged_all_to_all (JAX 0.10, 0.12), so this sends buffers of S rows
+    per peer, the most one can be owed (each token's min(X, k) choices there; MaxText sizes
+    them alike): dropless at up to P times the exact exchange's traffic and memory."""
     A, D = x_AD.shape
     X = cfg.n_experts // peers
     sizes_PX = sizes_E.reshape(peers, X)
@@ -517,12 +510,9 @@ def _capacity_exchange(x_AD, e_A, sizes_E, w, cfg: ModelConfig, peers: int, C: i
 
 def experts(x_BTD, expert_BTR, gate_BTR, w_gate, w_up, w_down, *, cfg: ModelConfig,
             peers: int = 1, sharded: bool = False):
-    """The experts' output for this device's tokens, and how many assignments were dropped.
-
-    Runs per device inside `shard_map` when sharded (x and the routing are this device's
-    batch shard; the weights are its X = E/P experts, d split over fsdp, F over tensor), or
-    on everything at once without a mesh.
-    """
+    """The experts' output for this device's tokens, and how many assignments were dropped:
+    per device in `shard_map` when sharded (this device's batch shard, its X = E/P experts,
+    d split over fsdp, F over tensor), or on everything at once without a mesh."""
     dt = x_BTD.dtype
     B, T, D = x_BTD.shape
     R, n = cfg.top_k, B * T
@@ -650,39 +640,91 @@ def loss_fn(params, batch_BT1, cfg: ModelConfig, t: TrainConfig = TrainConfig())
 
     for logits l_t = h_t W_unembed, lse_t = logsumexp(l_t), over all B*T targets, and each
     layer l's router losses (see `router`). Returns (loss, {"ce": ce, routing stats [L]}).
-    The [B, T, V] logits never exist at once: the sequence is cut into chunks of
-    `loss_chunk` positions, each chunk's logits are made, reduced and dropped, and remat
-    recomputes them in the backward pass.
-    """
+    No [B, T, V] logits: train_dense.py's `_ce_fused` makes each `loss_chunk` positions'
+    gradient with their loss, so no logits are kept or rebuilt for the backward pass."""
     inputs, targets = batch_BT1[:, :-1], batch_BT1[:, 1:]
     h_BTD, stats = hidden(params, inputs, cfg, max_logits=t.qk_clip_threshold > 0)
     w_DV = unembedding(params, cfg).astype(h_BTD.dtype)
-    B, T, D = h_BTD.shape
-    C = min(cfg.loss_chunk, T)
-    h_nBCD = h_BTD.reshape(B, T // C, C, D).swapaxes(0, 1)
-    t_nBC = targets.reshape(B, T // C, C).swapaxes(0, 1)
+    obj, ce = _ce_fused(h_BTD, w_DV, targets, None, cfg.loss_chunk, t.z_loss, 0.0)
+    n = targets.size
+    return (obj / n + t.load_balance_loss * jnp.mean(stats["aux_loss"]) + t.router_z_loss
+            * jnp.mean(stats["router_z"])), {"ce": ce / n, **stats}
 
-    @partial(jax.checkpoint, prevent_cse=False)
-    def chunk(carry, xs):
-        h_BCD, t_BC = xs
-        logits = jnp.einsum("bcd,dv->bcv", h_BCD, w_DV, preferred_element_type=jnp.float32)
+
+def _chunked(chunk: int, *xs_BT):
+    def cut(x):
+        if x is None:
+            return None
+        B, T = x.shape[:2]
+        C = min(chunk, T)
+        return x.reshape(B, T // C, C, *x.shape[2:]).swapaxes(0, 1)
+    return [cut(x) for x in xs_BT]
+
+
+def _softcap(logits, cap: float):
+    return cap * jnp.tanh(logits / cap) if cap else logits   # Gemma 2's final soft-cap
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _ce_fused(h_BTD, w_DV, t_BT, wt_BT, chunk: int, z_loss: float, cap: float = 0.0):
+    """Cross-entropy whose gradient is made in the same pass as the loss, chunk by chunk.
+
+    For logits l, p = softmax(l) and target t, d(ce)/dl = p - onehot(t) and
+    d(lse^2)/dl = 2 lse p: both are known the moment a chunk's logits are, so each chunk
+    leaves only its dh = dl W^T and adds h^T dl to dW, and no logits are kept or rebuilt.
+    Against `_ce_remat` this saves the second unembedding matmul, which dominates the
+    step when the vocabulary is large. Only the objective is differentiated; the returned
+    cross-entropy is a report. Per-token weights wt_BT (None = all 1) scale each target's
+    terms and their gradient alike; they are data, never differentiated.
+    """
+    return _ce_fused_fwd(h_BTD, w_DV, t_BT, wt_BT, chunk, z_loss, cap)[0]
+
+
+def _ce_fused_fwd(h_BTD, w_DV, t_BT, wt_BT, chunk, z_loss, cap=0.0):
+    h_nBCD, t_nBC, wt_nBC = _chunked(chunk, h_BTD, t_BT, wt_BT)
+    V = w_DV.shape[1]
+
+    def one(carry, xs):
+        obj, ce, dw_DV = carry
+        h_BCD, t_BC, wt_BC = xs
+        logits = _softcap(jnp.einsum("bcd,dv->bcv", h_BCD, w_DV,
+                                     preferred_element_type=jnp.float32), cap)
         lse = jax.nn.logsumexp(logits, axis=-1)
         tgt = jnp.take_along_axis(logits, t_BC[..., None], axis=-1)[..., 0]
-        return (carry[0] + jnp.sum(lse - tgt), carry[1] + jnp.sum(lse * lse)), None
+        p = jnp.exp(logits - lse[..., None])
+        dl = p * (1.0 + 2.0 * z_loss * lse)[..., None] - jax.nn.one_hot(t_BC, V, dtype=p.dtype)
+        ce_BC, z_BC = lse - tgt, lse * lse
+        if wt_BC is not None:
+            dl, ce_BC, z_BC = dl * wt_BC[..., None], ce_BC * wt_BC, z_BC * wt_BC
+        dl = dl * (1.0 - jnp.square(logits / cap)) if cap else dl   # d(c tanh(z/c))/dz
+        dh_BCD = jnp.einsum("bcv,dv->bcd", dl.astype(w_DV.dtype), w_DV,
+                            preferred_element_type=jnp.float32).astype(h_BCD.dtype)
+        dw_DV = dw_DV + jnp.einsum("bcd,bcv->dv", h_BCD, dl.astype(h_BCD.dtype),
+                                   preferred_element_type=jnp.float32)
+        ce_i = jnp.sum(ce_BC)
+        return (obj + ce_i + z_loss * jnp.sum(z_BC), ce + ce_i, dw_DV), dh_BCD
 
     zero = jnp.zeros((), jnp.float32)
-    (ce, z), _ = jax.lax.scan(chunk, (zero, zero), (h_nBCD, t_nBC))
-    n = B * T
-    obj = ((ce + t.z_loss * z) / n + t.load_balance_loss * jnp.mean(stats["aux_loss"])
-           + t.router_z_loss * jnp.mean(stats["router_z"]))
-    return obj, {"ce": ce / n, **stats}
+    (obj, ce, dw_DV), dh_nBCD = jax.lax.scan(
+        one, (zero, zero, jnp.zeros(w_DV.shape, jnp.float32)), (h_nBCD, t_nBC, wt_nBC))
+    dh_BTD = dh_nBCD.swapaxes(0, 1).reshape(h_BTD.shape)
+    return (obj, ce), (dh_BTD, dw_DV.astype(w_DV.dtype))
+
+
+def _ce_fused_bwd(chunk, z_loss, cap, res, g):
+    dh_BTD, dw_DV = res
+    g_obj = g[0]
+    return ((g_obj * dh_BTD).astype(dh_BTD.dtype), (g_obj * dw_DV).astype(dw_DV.dtype), None,
+            None)
+
+
+_ce_fused.defvjp(_ce_fused_fwd, _ce_fused_bwd)
 
 
 def train_step(state: dict, batch_BT1, *, cfg: Config, tx):
-    """One optimiser step on a global batch [B, T+1]; returns the new state and metrics. The
-    gradient of the loss, and its aux (cross-entropy, routing stats), are the microbatches'
-    mean; with --train.qk-clip-threshold, heads whose logits exceeded it are clipped after the
-    update (MuonClip, common/train.py `qk_clip`)."""
+    """One optimiser step on a global batch [B, T+1] -> (new state, metrics). The gradient and
+    its aux (ce, routing stats) are the microbatches' mean; with --train.qk-clip-threshold,
+    heads whose logits exceeded it are clipped after the update (common/train.py `qk_clip`)."""
     M, tau = cfg.train.microbatches, cfg.train.qk_clip_threshold
     grad_fn = jax.grad(partial(loss_fn, cfg=cfg.model, t=cfg.train), has_aux=True)
     grads, aux = train.accumulate(grad_fn, state["params"], batch_BT1, M, MOE_BATCH)
@@ -718,20 +760,15 @@ def make_optimizer(t: TrainConfig):
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
-    """Training FLOPs per token on the *active* parameters: 3x the forward.
-
-    Forward, per token: 2 FLOPs per weight of every matmul it goes through (q, k, v, o, the
-    router, and top_k experts' gate, up and down in each layer, and the unembedding), plus
-    attention's two [T, T] products, 2 * 2 * T * N * H per layer (PaLM appendix B). Sorting,
-    gathers, the all-to-alls and capacity padding are overhead, not counted: MFU measures
-    useful work.
-    """
+    """Training FLOPs per token on the *active* parameters: 3x the forward, which is 2 per
+    weight of every matmul a token goes through (q, k, v, o, the router, top_k experts' gate,
+    up and down, the unembedding) plus attention's 2 * 2 * T * N * H per layer (PaLM app. B).
+    Sorting, gathers, all-to-alls and capacity padding are overhead: MFU counts useful work."""
     D, N, K, H, L = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.n_layers
     per_layer = D * N * H + 2 * D * K * H + N * H * D + D * cfg.n_experts + \
         cfg.top_k * 3 * D * cfg.d_ff
     matmul_weights = L * per_layer + D * cfg.vocab_size
-    attn = L * 2 * 2 * seq_len * N * H
-    return 3.0 * (2 * matmul_weights + attn)
+    return 3.0 * (2 * matmul_weights + L * 2 * 2 * seq_len * N * H)   # + attention's
 
 
 # ----------------------------------------------------------------------------------------------
@@ -844,9 +881,8 @@ def dense_twin(cfg: Config) -> Config:
 
 
 def bench(cfg: Config, mesh, batch) -> dict:
-    """Median step time over --bench steps on `batch` (random tokens), of the MoE model and
-    (--bench-twin) of its dense twin, and the MoE step's cost per active FLOP over the
-    twin's: the price of routing, sorting and dispatch."""
+    """Median step time over --bench steps on random tokens, of the MoE model and (--bench-twin)
+    its dense twin, and their cost ratio per active FLOP: the price of routing and dispatch."""
     tc = cfg.train
     peak = train.peak_flops_per_device(tc.peak_tflops)
     report = {}

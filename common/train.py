@@ -555,7 +555,10 @@ def bench(step_fn, state, batch, n_steps: int, *, tokens_per_step: int,
     log(f"bench{what} | {tok_s:.0f} tok/s | {1e3 * dt:.1f} ms/step (median of {n_steps}, "
         f"min {1e3 * min(times):.1f}) | {mfu_text(util)} of {peak[0] / 1e12:.3g} TFLOP/s per "
         f"device ({peak[1]}) | compile {compile_s:.1f} s")
-    return {"tokens_per_s": tok_s, "ms_per_step": 1e3 * dt, "mfu": util, "compile_s": compile_s}
+    # Each step's wall time, the warm-up being step 0: what bench/stats.py reads.
+    log(f"bench{what} | step seconds 1-{n_steps}: " + " ".join(f"{t:.4f}" for t in times))
+    return {"tokens_per_s": tok_s, "ms_per_step": 1e3 * dt, "mfu": util, "compile_s": compile_s,
+            "step_seconds": times}
 
 
 def put(tree, mesh, batch_axes, abstract: bool = False):

@@ -253,6 +253,36 @@ def test_capacity_mode_drops_second_choices_first():
     assert 0 < float(stats["dropped"]) <= 1
 
 
+# ------------------------------------------------------------------ the fused cross-entropy
+
+
+def test_fused_loss_and_gradient_equal_autodiff_through_whole_logits():
+    """train_dense.py's fused chunked cross-entropy, copied here: the objective (with the
+    z-loss and both router losses), the reported ce and every gradient equal autodiff
+    through the whole [B, T, V] logits, for one chunk per sequence and for several."""
+    cfg = small_cfg(dataclasses.replace(SMALL, remat="none"), z_loss=1e-2, load_balance_loss=0.1,
+                    router_z_loss=1e-2)
+    params, batch, t = perturbed_params(cfg.model), tokens(cfg), cfg.train
+
+    def plain(p):
+        h, stats = tm.hidden(p, batch[:, :-1], cfg.model)
+        lg = jnp.einsum("btd,dv->btv", h, tm.unembedding(p, cfg.model))
+        lse = jax.nn.logsumexp(lg, -1)
+        ce = lse - jnp.take_along_axis(lg, batch[:, 1:, None], -1)[..., 0]
+        obj = (jnp.mean(ce + t.z_loss * lse ** 2) + t.load_balance_loss
+               * jnp.mean(stats["aux_loss"]) + t.router_z_loss * jnp.mean(stats["router_z"]))
+        return obj, jnp.mean(ce)
+
+    (ref_obj, ref_ce), ref_g = jax.jit(jax.value_and_grad(plain, has_aux=True))(params)
+    for chunk in (4, 16):
+        m = dataclasses.replace(cfg.model, loss_chunk=chunk)
+        (obj, aux), g = jax.jit(jax.value_and_grad(
+            lambda p: tm.loss_fn(p, batch, m, t), has_aux=True))(params)
+        assert float(obj) == pytest.approx(float(ref_obj), rel=1e-5)
+        assert float(aux["ce"]) == pytest.approx(float(ref_ce), rel=1e-5)
+        assert_trees_close(ref_g, g, rtol=1e-4, atol=1e-6)
+
+
 # ------------------------------------------------------------------ router losses by hand
 
 
