@@ -15,7 +15,7 @@ PORT   ?= 6006
 comma  := ,
 
 .DEFAULT_GOAL := help
-.PHONY: help train test bench bench-parity bench-parity-moe bench-grpo bench-recovery bench-scale dry-run prepare clean train-moe bench-moe train-grpo \
+.PHONY: help train test bench bench-window bench-parity bench-parity-moe bench-grpo bench-recovery bench-scale dry-run prepare clean train-moe bench-moe train-grpo \
         plot tensorboard need-run sft export-hf hf-fixtures
 
 help:  ## list the targets
@@ -46,6 +46,9 @@ test: $(VENV)/.installed  ## run the test suite on 8 simulated CPU devices
 
 bench: $(VENV)/.installed  ## tokens/s, ms/step, MFU and compile time of PRESET on synthetic tokens
 	$(PY) train_dense.py $(PRESET) --bench 10 $(ARGS)
+
+bench-window: $(VENV)/.installed  ## Gemma's sliding window (256) vs every key: one attention layer at seq 2048
+	$(PY) bench/window.py $(ARGS)
 
 bench-moe: $(VENV)/.installed  ## tok/s and MFU of MOE_PRESET and of its dense twin (same active params), and their ratio
 	$(PY) train_moe.py $(MOE_PRESET) --bench 10 $(ARGS)

@@ -5,6 +5,10 @@ sharded == unsharded: tests/test_dense.py.)"""
 import dataclasses
 import hashlib
 import math
+import os
+import re
+import subprocess
+import sys
 from functools import partial
 
 import jax
@@ -58,6 +62,17 @@ def test_windowed_attention_equals_band_masked_full_attention(T, W, packed, cap)
     # A mask that does not reach back W tokens would differ: the window matters here.
     narrower = jnp.asarray(mask & (t[:, None] - t[None] < W - 1))
     assert abs(f(0, narrower, q, k, v) - want) > 1e-3
+
+
+def test_bench_window_runs_and_reports_both_paths():
+    """`make bench-window` on a toy size: both paths timed, their ratio printed."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, os.path.join(root, "bench", "window.py"), "--seq-len",
+                        "64", "--window", "8", "--batch", "1", "--repeats", "1"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert re.search(r"window 8 .* ms", r.stdout) and re.search(r"every key .* ms", r.stdout)
+    assert re.search(r"every key / window: [0-9.]+x \(B 1, T 64", r.stdout)
 
 
 def test_uncapped_attention_is_the_fused_path():
