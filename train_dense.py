@@ -913,10 +913,13 @@ def run_tokenizer(run_dir: str) -> str:
 
 def init_data_config(cfg: Config) -> DataConfig:
     """SFT: without --data.tokenizer, tokenize as --init-from's run did (a path resolved here,
-    not stored: the embedded corpus's cache path differs between machines and Pythons)."""
-    if cfg.data.format != "sft" or cfg.data.tokenizer or not cfg.init_from:
+    not stored: the embedded corpus's cache path differs between machines and Pythons), or
+    with --init-from-hf's tokenizer.json (as transformers does; its chat template with it)."""
+    if cfg.data.format != "sft" or cfg.data.tokenizer or not (cfg.init_from or cfg.init_from_hf):
         return cfg.data
-    return dataclasses.replace(cfg.data, tokenizer=run_tokenizer(cfg.init_from))
+    tok = (hf.tokenizer(cfg.init_from_hf, prefer_json=True)[0] if cfg.init_from_hf
+           else run_tokenizer(cfg.init_from))
+    return dataclasses.replace(cfg.data, tokenizer=tok)
 
 
 # ----------------------------------------------------------------------------------------------

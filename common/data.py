@@ -208,6 +208,104 @@ class HFTokenizer:
     def decode(self, ids) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=False)
 
+    def encode_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """The ids of `text` encoded whole, and each one's (start, end) characters in it."""
+        e = self._tok.encode(text, add_special_tokens=False)
+        return e.ids, e.offsets
+
+
+class ChatTemplate:
+    """A HuggingFace folder's chat template (chat_template.jinja, else tokenizer_config.json's
+    "chat_template"), rendered as transformers' apply_chat_template renders it: a sandboxed
+    jinja2 environment with trim_blocks and lstrip_blocks, its globals and filters, and the
+    folder's special tokens as variables. `None` from `find` when the folder has none."""
+
+    def __init__(self, source: str, folder: str, specials: dict[str, str]):
+        try:
+            import jinja2
+            from jinja2.ext import Extension
+            from jinja2.sandbox import ImmutableSandboxedEnvironment
+        except ImportError:
+            raise DataError("a HuggingFace chat template needs jinja2: pip install -e "
+                            "'.[hf]'") from None
+
+        class Generation(Extension):  # {% generation %}...{% endgeneration %}: TRL's marker
+            tags = {"generation"}
+
+            def parse(self, parser):
+                lineno = next(parser.stream).lineno
+                body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+                return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body
+                                              ).set_lineno(lineno)
+
+            def _body(self, caller):
+                return caller()
+
+        def raise_exception(message):
+            raise jinja2.exceptions.TemplateError(message)
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                            extensions=[Generation, "jinja2.ext.loopcontrols"])
+        env.filters["tojson"] = lambda x, ensure_ascii=False, indent=None, separators=None, \
+            sort_keys=False: json.dumps(x, ensure_ascii=ensure_ascii, indent=indent,
+                                        separators=separators, sort_keys=sort_keys)
+        env.globals |= {"raise_exception": raise_exception,
+                        "strftime_now": lambda f: time.strftime(f)}
+        try:
+            self._template = env.from_string(source)
+        except jinja2.exceptions.TemplateError as e:
+            raise DataError(f"{folder}: its chat template does not parse ({e})") from None
+        self.folder, self.specials, self._error = folder, specials, jinja2.exceptions.TemplateError
+
+    @staticmethod
+    def find(folder: str) -> ChatTemplate | None:
+        config = Path(folder) / "tokenizer_config.json"
+        c = json.loads(config.read_text()) if config.is_file() else {}
+        source = c.get("chat_template")
+        if isinstance(source, list):  # several named templates: the default one
+            source = next((t["template"] for t in source if t.get("name") == "default"), None)
+        if (Path(folder) / "chat_template.jinja").is_file():
+            source = (Path(folder) / "chat_template.jinja").read_text()
+        if not source:
+            return None
+        specials = {k: v.get("content") if isinstance(v, dict) else v for k, v in c.items()
+                    if k.endswith("_token") and isinstance(v, (str, dict))}
+        return ChatTemplate(source, folder, specials)
+
+    def render(self, messages: list[dict], add_generation_prompt: bool = False,
+               where: str = "") -> str:
+        try:
+            return self._template.render(messages=messages, tools=None, documents=None,
+                                         add_generation_prompt=add_generation_prompt,
+                                         **self.specials)
+        except self._error as e:
+            raise DataError(f"{where or self.folder}: the chat template of {self.folder} "
+                            f"refuses this conversation ({e})") from None
+
+    def spans(self, messages: list[dict], where: str) -> Spans:
+        """The conversation as (text, trained) spans, only the assistant turns trained. A turn
+        is what rendering it adds after the generation prompt of the turns before it, so the
+        rendering of every prefix must begin the rendering of the whole, and must hold the
+        turn's content; a template for which that fails is refused, never trained whole."""
+        full, spans, done = self.render(messages, where=where), [], 0
+        for i, m in enumerate(messages):
+            if m["role"] != "assistant":
+                continue
+            before = self.render(messages[:i], add_generation_prompt=True, where=where)
+            upto = self.render(messages[:i + 1], where=where)
+            turn = upto[len(before):]
+            if not (upto.startswith(before) and full.startswith(upto) and len(before) >= done
+                    and m["content"].strip() in turn):
+                raise DataError(
+                    f"{where}: the chat template of {self.folder} gives no way to find "
+                    f"assistant turn {i} (rendering the turns before it with the generation "
+                    "prompt does not begin the rendering with it, or that turn's text is not "
+                    "its content), so its loss mask is unknown. Give the data as "
+                    '{"prompt": ..., "completion": ...} lines instead.')
+            spans += [(full[done:len(before)], False), (turn, True)]
+            done = len(upto)
+        return [s for s in spans + [(full[done:], False)] if s[0]]
+
 
 def open_tokenizer(path: str):
     """The tokenizer at `path`: sentencepiece, or a HuggingFace tokenizer.json."""
@@ -831,10 +929,11 @@ def chat_spans(messages: list[dict]) -> Spans:
     return spans
 
 
-def sft_spans(obj, where: str) -> Spans:
+def sft_spans(obj, where: str, template: ChatTemplate | None = None) -> Spans:
     """The (text, trained) spans of one JSONL object of either shape; `where` names its line.
-    A prompt/completion pair gets no template: the completion continues the prompt's text as
-    written (as TRL does), followed by EOS."""
+    Chat is rendered by `template` (a HuggingFace tokenizer's), else by ours. A prompt/completion
+    pair gets no template: the completion continues the prompt's text as written (as TRL
+    does), followed by EOS."""
     if not isinstance(obj, dict):
         raise DataError(f"{where}: a JSON {type(obj).__name__}, not an object; each line is "
                         f"{SFT_SHAPES}")
@@ -854,7 +953,7 @@ def sft_spans(obj, where: str) -> Spans:
                 raise DataError(f'{at}["content"] is a {type(m["content"]).__name__}, not a string')
         if not any(m["role"] == "assistant" for m in msgs):
             raise DataError(f"{where}: no assistant turn, so nothing to train on")
-        return chat_spans(msgs)
+        return template.spans(msgs, where) if template else chat_spans(msgs)
     for key in ("prompt", "completion"):
         if key not in obj:
             raise DataError(f"{where}: missing field {key!r}; each line is {SFT_SHAPES}")
@@ -863,12 +962,13 @@ def sft_spans(obj, where: str) -> Spans:
     return [(obj["prompt"], False), (obj["completion"], True), (EOS, True)]
 
 
-def read_sft_jsonl(path: str, flag: str = "--data.path") -> list[Spans]:
+def read_sft_jsonl(path: str, flag: str = "--data.path",
+                   template: ChatTemplate | None = None) -> list[Spans]:
     """Every example of a JSONL file as spans; a bad line is an error naming file and line."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{flag} {path!r}: no such file; SFT data is a JSONL file with "
                                 f"one example per line, {SFT_SHAPES}")
-    examples = [sft_spans(obj, where) for where, obj in jsonl_objects(path)]
+    examples = [sft_spans(obj, where, template) for where, obj in jsonl_objects(path)]
     if not examples:
         raise DataError(f"{flag} {path!r} holds no examples")
     return examples
@@ -893,7 +993,12 @@ class Example:
 
 def tokenize_examples(examples: list[Spans], sp: spm.SentencePieceProcessor) -> list[Example]:
     """Spans -> tokens. Neighbouring spans with the same flag are encoded as one text, so the
-    template's pieces merge as in running text, and a mask edge is always a token edge."""
+    template's pieces merge as in running text, and a mask edge is always a token edge. A
+    HuggingFace chat rendering (no EOS span) is encoded whole, as transformers encodes it, and a
+    token is trained where its first character is."""
+    if hasattr(sp, "encode_offsets") and examples and all(
+            t is not EOS for spans in examples for t, _ in spans):
+        return [_encode_whole(spans, sp) for spans in examples]
     merged = []
     for spans in examples:
         runs: Spans = []
@@ -910,6 +1015,13 @@ def tokenize_examples(examples: list[Spans], sp: spm.SentencePieceProcessor) -> 
         out.append(Example(np.asarray([i for ids, _ in pieces for i in ids], np.int32),
                            np.asarray([t for ids, t in pieces for _ in ids], bool)))
     return out
+
+
+def _encode_whole(spans: Spans, tok) -> Example:
+    ids, offsets = tok.encode_offsets("".join(t for t, _ in spans))
+    trained_c = np.concatenate([np.full(len(t), f, bool) for t, f in spans])
+    return Example(np.asarray(ids, np.int32),
+                   np.asarray([trained_c[min(a, len(trained_c) - 1)] for a, _ in offsets], bool))
 
 
 @dataclass
@@ -1074,10 +1186,15 @@ def load_sft(cfg: DataConfig, seq_len: int) -> SFTDataset:
     try:
         sp = open_tokenizer(tok)
     except (OSError, RuntimeError, ValueError) as e:
-        raise DataError(f"--data.tokenizer {tok!r} is not a sentencepiece model ({e})") from None
-    train = read_sft_jsonl(cfg.path)
+        raise DataError(f"--data.tokenizer {tok!r} is neither a sentencepiece model nor a "
+                        f"HuggingFace tokenizer.json ({e})") from None
+    # A HuggingFace tokenizer's folder brings its chat template: the model answers in it.
+    template = ChatTemplate.find(os.path.dirname(tok)) if tok.endswith(".json") else None
+    if template:
+        print(f"data: sft chat rendered with the chat template of {os.path.dirname(tok)}")
+    train = read_sft_jsonl(cfg.path, template=template)
     if cfg.eval_path:
-        held = read_sft_jsonl(cfg.eval_path, "--data.eval-path")
+        held = read_sft_jsonl(cfg.eval_path, "--data.eval-path", template)
     elif len(train) < 2:
         raise DataError(f"--data.path {cfg.path!r} holds one example: too few to hold one out; "
                         f"add examples or give --data.eval-path")

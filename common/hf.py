@@ -382,13 +382,15 @@ def shape_flag_problem(args: list[str], allowed: tuple[str, ...]) -> str | None:
     return None
 
 
-def tokenizer(path: str) -> tuple[str, int, int]:
-    """The folder's own tokenizer file (tokenizer.model, else tokenizer.json), its end-of-
-    sequence id and the id after which a document begins (BOS for Llama; Qwen has none and
-    separates documents with EOS). Generation stops at EOS, so a folder without one is refused."""
+def tokenizer(path: str, prefer_json: bool = False) -> tuple[str, int, int]:
+    """The folder's own tokenizer file (tokenizer.model, else tokenizer.json; the other way
+    round with `prefer_json`, as transformers picks), its end-of-sequence id and the id after
+    which a document begins (BOS for Llama; Qwen has none and separates documents with EOS).
+    Generation stops at EOS, so a folder without one is refused."""
     from common.data import open_tokenizer
-    files = [os.path.join(path, n) for n in ("tokenizer.model", "tokenizer.json")
-             if os.path.isfile(os.path.join(path, n))]
+    names = ("tokenizer.json", "tokenizer.model") if prefer_json else (
+        "tokenizer.model", "tokenizer.json")
+    files = [os.path.join(path, n) for n in names if os.path.isfile(os.path.join(path, n))]
     if not files:
         raise FileNotFoundError(
             f"--init-from-hf {path} has no tokenizer.model or tokenizer.json; completions are "
