@@ -16,7 +16,7 @@ comma  := ,
 
 .DEFAULT_GOAL := help
 .PHONY: help train test bench bench-window bench-parity bench-parity-moe bench-grpo bench-recovery bench-scale dry-run prepare clean train-moe bench-moe train-grpo \
-        plot tensorboard need-run sft export-hf hf-fixtures
+        plot tensorboard need-run sft export-hf finetune-hf hf-fixtures
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-16s %s\n", $$1, $$2}'
@@ -97,6 +97,19 @@ tensorboard: need-run $(VENV)/.installed  ## TensorBoard (scalars, config, profi
 
 export-hf: $(VENV)/.installed  ## a run's checkpoint as a HuggingFace folder: make export-hf ARGS="--run-dir runs/tiny --out hf/tiny"
 	$(PY) train_dense.py export-hf $(ARGS)
+
+# HF: a HuggingFace folder (default: a tiny one made here); DATA: chat JSONL ({"messages": ...}).
+HF      ?= hf/tiny-chat
+DATA    ?= data/chat-demo.jsonl
+FT_RUN  ?= runs/finetune-hf
+FT_OUT  ?= $(FT_RUN)/hf
+# The tiny random model learns from scratch: a pretrained one's 2e-5 would teach it nothing.
+FT_DEMO := $(if $(filter hf/tiny-chat,$(HF)),--train.lr 3e-3 --train.seq-len 128 --train.steps 150)
+finetune-hf: $(VENV)/.installed  ## SFT of HF on DATA with its chat template, then export-hf to FT_OUT
+	@test "$(HF)" != hf/tiny-chat -o -d hf/tiny-chat || $(PY) tools/tiny_hf.py --out hf/tiny-chat --data data/chat-demo.jsonl
+	$(PY) train_dense.py hf-sft --init-from-hf $(HF) --data.path $(DATA) --run-dir $(FT_RUN) $(FT_DEMO) $(ARGS)
+	@if [ -e $(FT_OUT)/config.json ]; then echo "$(FT_OUT) exists: kept (FT_OUT=... exports again)"; \
+	else $(PY) train_dense.py export-hf --run-dir $(FT_RUN) --out $(FT_OUT) --dtype bfloat16; fi
 
 hf-fixtures: $(VENV)/.installed  ## remake tests/fixtures/hf with torch + transformers (installs the parity extra)
 	$(PY) -m pip install -q -e '.[parity]'

@@ -213,6 +213,14 @@ PRESETS: dict[str, tuple[str, Config]] = {
                         data=DataConfig(format="sft", path="data/sft-demo/train.jsonl"),
                         checkpoint=CheckpointConfig(every=50), run_dir="runs/tiny-sft",
                         init_from="runs/tiny")),
+    # The HuggingFace flow (`make finetune-hf`): the model, tokenizer and chat template come
+    # from --init-from-hf; the learning rate suits a pretrained 0.5-8B model, not the demo.
+    "hf-sft": ("fine-tune --init-from-hf on your chat JSONL (--data.path): `make finetune-hf`",
+               Config(train=TrainConfig(steps=200, batch_size=16, seq_len=1024, lr=2e-5,
+                                        warmup_steps=10, eval_every=50, sample_tokens=64,
+                                        temperature=0.0, log_every=10),
+                      data=DataConfig(format="sft", path="data/chat.jsonl"),
+                      checkpoint=CheckpointConfig(every=100), run_dir="runs/finetune-hf")),
 }
 
 # Keys of the saved run config that a resumed run may change: how long, how often, on what
@@ -1159,12 +1167,8 @@ def save_hf(params: dict, cfg: ModelConfig, path: str, *, model_type: str = "",
     and safetensors shards of at most `max_shard_bytes` with their index. `base_config` (the
     config.json the run started from) keeps its other keys: token ids, chat settings.
     Returns the files written."""
-    base = dict(base_config or {})
-    c = config_to_hf(cfg, model_type or base.get("model_type", ""), dtype)
-    # Keys that would contradict ours: per-layer attention kinds, a quantisation recipe.
-    for key in ("layer_types", "quantization_config", "transformers_version", "rope_scaling",
-                "rope_parameters"):
-        base.pop(key, None)
+    base = {k: v for k, v in (base_config or {}).items() if k not in hf.CONTRADICTING}
+    c = config_to_hf(cfg, model_type or (base_config or {}).get("model_type", ""), dtype)
     return hf.save(path, params, hf_mapping(cfg), _hf_sizes(cfg), base | c, dtype=dtype,
                    max_shard_bytes=max_shard_bytes)
 

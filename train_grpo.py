@@ -1026,7 +1026,7 @@ def initial_params(cfg: Config, mesh, tok) -> dict:
 
 
 # ----------------------------------------------------------------------------------------------
-# 8. HuggingFace in (--init-from-hf): train_dense.py's section 6, the loading half
+# 8. HuggingFace in and out (--init-from-hf, export-hf): train_dense.py's section 6
 # ----------------------------------------------------------------------------------------------
 
 # The parameter tree is train_dense.py's, so its name mapping and config translation are too
@@ -1142,9 +1142,75 @@ def load_hf(path: str, mesh=None) -> tuple[ModelConfig, dict]:
                          _hf_sizes)
 
 
+def config_to_hf(cfg: ModelConfig, model_type: str = "", dtype: str = "float32") -> dict:
+    """train_dense.py's config.json for the policy's families (tests/test_grpo_hf.py holds the
+    two equal): transformers 4.4x and 5.x each find their spelling of the rope settings."""
+    mt = model_type or ("qwen3" if cfg.qk_norm else "qwen2" if cfg.qkv_bias else "llama")
+    if mt not in HF_ARCHITECTURES or cfg.qkv_bias != (mt == "qwen2") or cfg.qk_norm != (
+            mt == "qwen3"):
+        raise hf.HFError(f"model_type {mt!r} does not fit this model (q/k/v biases are qwen2's, "
+                         f"q/k norms qwen3's): choose one of {', '.join(HF_ARCHITECTURES)}.")
+    rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    if cfg.rope_scaling > 0:
+        rope |= {"rope_type": "llama3", "factor": cfg.rope_scaling,
+                 "low_freq_factor": cfg.rope_low_freq_factor,
+                 "high_freq_factor": cfg.rope_high_freq_factor,
+                 "original_max_position_embeddings": cfg.rope_original_max_len}
+    L = cfg.n_layers
+    c = dict(architectures=[HF_ARCHITECTURES[mt]], model_type=mt, vocab_size=cfg.vocab_size,
+             hidden_size=cfg.d_model, intermediate_size=cfg.d_ff, num_hidden_layers=L,
+             num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_kv_heads,
+             head_dim=cfg.head_dim, hidden_act="silu", max_position_embeddings=cfg.max_seq_len,
+             rms_norm_eps=cfg.norm_eps, tie_word_embeddings=cfg.tie_embeddings,
+             rope_parameters=rope, rope_theta=cfg.rope_theta,
+             rope_scaling={k: v for k, v in rope.items() if k != "rope_theta"}
+             if cfg.rope_scaling > 0 else None,
+             attention_dropout=0.0, initializer_range=0.02, use_cache=True, dtype=dtype,
+             torch_dtype=dtype)
+    return c | {"llama": dict(attention_bias=False, mlp_bias=False, pretraining_tp=1),
+                "mistral": dict(sliding_window=None),
+                "qwen2": dict(use_sliding_window=False, sliding_window=None, max_window_layers=L,
+                              layer_types=["full_attention"] * L),
+                "qwen3": dict(use_sliding_window=False, sliding_window=None, max_window_layers=L,
+                              layer_types=["full_attention"] * L, attention_bias=False)}[mt]
+
+
+def export_hf(run_dir: str, out: str, step: int = -1,
+              dtype: Literal["float32", "bfloat16"] = "float32",
+              model_type: Literal["", "llama", "mistral", "qwen2", "qwen3"] = "",
+              max_shard_gb: float = 5.0) -> list[str]:
+    """Write a GRPO run's policy as a HuggingFace folder (config.json, safetensors, and the
+    tokenizer of the model it started from; the addition demo's characters have none).
+
+    Args:
+        run_dir: The run directory: its config.json and checkpoints/.
+        out: The folder to create (new or empty).
+        step: The checkpoint to export; -1 = the latest.
+        dtype: Of the weights written (checkpoints hold float32).
+        model_type: The family; "" = the source's, else qwen3 for q/k norms, qwen2 for
+            biases, else llama.
+        max_shard_gb: The largest safetensors file.
+    """
+    def save(params, c: Config, out: str, base: dict) -> list[str]:
+        hf_config = config_to_hf(c.model, model_type or base.get("model_type", ""), dtype)
+        base = {k: v for k, v in base.items() if k not in hf.CONTRADICTING}
+        return hf.save(out, params, hf_mapping(c.model), _hf_sizes(c.model), base | hf_config,
+                       dtype=dtype, max_shard_bytes=int(max_shard_gb * 2**30))
+
+    def tokenizer(c: Config) -> str | None:
+        return run_tokenizer(c.init_from, lambda d: read_run_config(d, "--init-from", True)) \
+            if c.init_from else None
+
+    return train.export_run(
+        run_dir, out, step, dtype, read=lambda saved: Config(
+            model=ModelConfig(**saved["model"]), init_from=saved.get("init_from", ""),
+            init_from_hf=saved.get("init_from_hf", ""), run_dir=run_dir),
+        table=lambda c: _param_table(c.model), save=save, tokenizer=tokenizer)
+
+
 def cli(args=None) -> Config:
     return train.cli(PRESETS, COMPUTE_FIELDS, args)
 
 
 if __name__ == "__main__":
-    train.run_cli(main, cli)
+    train.run_cli(main, cli, export_hf)

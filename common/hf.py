@@ -41,6 +41,10 @@ INDEX, SINGLE, CONFIG = "model.safetensors.index.json", "model.safetensors", "co
 TOKENIZER_FILES = ("tokenizer.model", "tokenizer.json", "tokenizer_config.json",
                    "special_tokens_map.json", "added_tokens.json", "vocab.json", "merges.txt",
                    "generation_config.json", "chat_template.jinja")
+# Keys of a source config.json that an export drops, as they would contradict the config it
+# writes: per-layer attention kinds, a quantisation recipe, the rope settings.
+CONTRADICTING = ("layer_types", "quantization_config", "transformers_version", "rope_scaling",
+                 "rope_parameters")
 
 DTYPES = {"F64": np.dtype(np.float64), "F32": np.dtype(np.float32),
           "F16": np.dtype(np.float16), "BF16": np.dtype(ml_dtypes.bfloat16)}

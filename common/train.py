@@ -890,7 +890,7 @@ def export_run(run_dir: str, out: str, step: int, dtype: str, *, read: Callable[
         if at is None:
             raise CheckpointError(f"--run-dir {run_dir} has no checkpoint to export.")
         params = ckpt.restore(at, {"params": abstract}, partial=True)["params"]
-    src = saved.get("init_from_hf") or ""
+    src = hf_origin(saved)
     try:  # the data may be gone: then the export ships no tokenizer
         tok = None if src else tokenizer(cfg)
     except (FileNotFoundError, ValueError, OSError):
@@ -903,6 +903,19 @@ def export_run(run_dir: str, out: str, step: int, dtype: str, *, read: Callable[
     print(f"export-hf: step {at} of {run_dir} -> {out} ({len(files)} files, {size / 1e9:.2f} "
           f"GB, {dtype}): {', '.join(files)}", flush=True)
     return files
+
+
+def hf_origin(saved: dict) -> str:
+    """The HuggingFace folder a run descends from, through its --init-from runs (an SFT or GRPO
+    run of a fine-tune of it), or "": its export keeps that folder's config and tokenizer."""
+    seen = set()
+    while not saved.get("init_from_hf") and saved.get("init_from") not in (None, "", *seen):
+        seen.add(saved["init_from"])
+        try:
+            saved = read_run_config(saved["init_from"], "--init-from")
+        except (FileNotFoundError, ValueError, OSError):  # moved or deleted since
+            return ""
+    return saved.get("init_from_hf") or ""
 
 
 def load_hf(path: str, mesh, config_from_hf: Callable, table: Callable, mapping: Callable,

@@ -59,6 +59,9 @@ def test_mapping_and_config_translation_equal_train_dense():
         assert m == {k: d[k] for k in m} and not any(d[k] for k in d.keys() - m.keys()), name
         m = tg.config_from_hf(c)
         assert tg.hf_mapping(m) == td.hf_mapping(td.ModelConfig(**dataclasses.asdict(m)))
+        for mt in ("", c["model_type"]):  # the export's config.json too
+            assert tg.config_to_hf(m, mt, "bfloat16") == td.config_to_hf(
+                td.ModelConfig(**dataclasses.asdict(m)), mt, "bfloat16"), name
 
 
 @pytest.mark.parametrize("name", FAMILIES)
@@ -151,6 +154,16 @@ def test_short_grpo_run_starts_from_the_hf_weights(name, add_tokenizer, tmp_path
     saved = json.load(open(tmp_path / "run" / "config.json"))
     assert saved["init_from_hf"] == src and saved["model"]["vocab_size"] == 64
     assert saved["model"]["qk_norm"] == (name == "qwen3")
+    # export-hf hands the policy back: the same weights bit for bit, the source's family,
+    # config keys and tokenizer files.
+    files = tg.export_hf(str(tmp_path / "run"), str(tmp_path / "export"))
+    _, exported = tg.load_hf(str(tmp_path / "export"))
+    for a, b in zip(jax.tree.leaves(host(exported)), jax.tree.leaves(state["params"])):
+        np.testing.assert_array_equal(a, b)
+    source, ours = hf.read_config(src), hf.read_config(str(tmp_path / "export"))
+    assert ours["model_type"] == source["model_type"] and "config.json" in files
+    assert ours["eos_token_id"] == source["eos_token_id"]
+    assert {f for f in os.listdir(src) if f.startswith("tokenizer")} <= set(files)
 
 
 # ------------------------------------------------------------------------------ bad input
