@@ -32,7 +32,7 @@ from typing import Callable, NamedTuple
 import numpy as np
 
 from common.data import CHAT_ROLES, ChatTemplate, DataError, jsonl_objects
-from common.train import ConfigError
+from common.train import ConfigError, log
 
 PASSED = ("completions", "finished")  # what every reward receives besides the lines' fields
 
@@ -171,7 +171,7 @@ def prompt_row(obj: dict, where: str, tok, template: ChatTemplate | None) -> Row
     return Row(list(ids), obj, msgs[-1]["content"], None if answer is None else str(answer))
 
 
-def load_task(t, tok, template: ChatTemplate | None, seed: int, rewards=None) -> Task:
+def load_task(t, tok, template: ChatTemplate | None, seed: int) -> Task:
     """--task.path's prompts (`t`: train_grpo.TaskConfig), less the held-out ones (drawn with
     --task.eval-seed, or --task.eval-path's first --task.eval-prompts), and --task.rewards."""
     lines = read_prompts(t.path, "--task.path")
@@ -194,14 +194,25 @@ def load_task(t, tok, template: ChatTemplate | None, seed: int, rewards=None) ->
         is_eval[np.random.default_rng([t.eval_seed]).permutation(len(rows))[:t.eval_prompts]] = 1
         eval_rows = [r for r, e in zip(rows, is_eval) if e]
         rows = [r for r, e in zip(rows, is_eval) if not e]
-    rewards = rewards or load_rewards(t.rewards, t.reward_weights, t.format_regex,
-                                      set(lines[0][1]))
+    rewards = load_rewards(t.rewards, t.reward_weights, t.format_regex, set(lines[0][1]))
+    # Once before anything compiles, on empty completions of two held-out prompts: a reward
+    # that cannot score whatever the model writes fails in a second, not after the compile.
+    try:
+        score(rewards, [""] * 2, columns(eval_rows[:1] * 2), [False] * 2)
+    except RewardError as e:
+        raise RewardError(f"before training, on empty completions of a held-out prompt: {e}"
+                          ) from e.__cause__
     answers = [r.answer for r in rows + eval_rows if r.answer is not None]
+    width = max(len(r.ids) for r in rows + eval_rows)
+    log(f"task: {t.path}: {len(rows)} prompts (+{len(eval_rows)} held out"
+        f"{' from ' + t.eval_path if t.eval_path else ''}), up to {width} tokens"
+        f"{', rendered by the chat template of ' + template.folder if template else ''} | "
+        f"rewards {', '.join(f'{n} x{w:g}' for n, (_, w) in rewards.items())}")
     return Task(
         rows_at=lambda step, n, salt: [rows[i] for i in draw(len(rows), n, seed=seed, step=step,
                                                                 salt=salt)],
         eval_rows=eval_rows, rewards=rewards,
-        width=max(len(r.ids) for r in rows + eval_rows),
+        width=width,
         answer_tokens=max((len(tok.encode(a)) + 1 for a in answers), default=0))
 
 
