@@ -213,8 +213,8 @@ RULES = {"grpo.steps": ">= 0", "grpo.top_p": "(0, 1]", "grpo.eps_low": "-1 or (0
          "grpo.qk_clip_threshold": ">= 0"}
 
 
-def validate(cfg: Config, n_devices: int, tok, task: Task | None = None) -> None:
-    """Every check that needs no compilation, so a bad launch fails in a second."""
+def validate(cfg: Config, n_devices: int, tok) -> Task:
+    """Every check that needs no compilation, so a bad launch fails in a second; the task."""
     m, g, w, t = cfg.model, cfg.grpo, cfg.warm, cfg.task
     train.check_ranges(cfg, RULES)
     mesh = resolve(cfg.mesh, n_devices, max(1, math.prod(cfg.mesh.dcn())))
@@ -244,12 +244,12 @@ def validate(cfg: Config, n_devices: int, tok, task: Task | None = None) -> None
     if not t.path and not 1 <= t.min_digits <= t.max_digits:
         raise ConfigError(f"--task.min-digits {t.min_digits} / --task.max-digits {t.max_digits}: "
                           "need 1 <= min <= max.")
-    task = task or make_task(cfg, tok)  # a bad prompts or rewards file stops here
+    task = make_task(cfg, tok)  # a bad prompts or rewards file stops here
     if w.max_steps > 0 and not task.answer_tokens:
         raise ConfigError(f"--warm.max-steps {w.max_steps}: the warm start fine-tunes on each "
                           f"prompt's 'answer', and --task.path {t.path} has none; pass "
                           "--warm.max-steps 0 (a pretrained policy needs no warm start).")
-    need = task.answer_tokens  # the warm start's targets (the demo's: its rewards' too)
+    need = task.answer_tokens  # the longest answer + EOS: the warm start's target
     if (w.max_steps > 0 or not t.path) and g.max_new_tokens < need:
         raise ConfigError(f"--grpo.max-new-tokens {g.max_new_tokens} cannot hold the longest "
                           f"answer and its end-of-sequence token ({need} tokens); raise it.")
@@ -258,6 +258,7 @@ def validate(cfg: Config, n_devices: int, tok, task: Task | None = None) -> None
                           f"({g.max_new_tokens}) exceed --model.max-seq-len {m.max_seq_len}.")
     train.check_profile(g.profile_steps, g.steps, "--grpo")
     train.check_qk_clip("--grpo.qk-clip-threshold", g.qk_clip_threshold, m.qk_norm)
+    return task
 
 
 # ----------------------------------------------------------------------------------------------
@@ -663,7 +664,7 @@ def make_task(cfg: Config, tok) -> Task:
         raise ConfigError(f"--task.{mine[0].replace('_', '-')} goes with --task.path (your "
                           "prompts); the addition demo has its own rewards.")
 
-    def rows(rng, n):
+    def rows(rng, n):  # the demo's rewards read the answers as `answers`
         return [Row(tok.prompt(p), {"answers": a}, p, a) for p, a in problems(rng, n, t)]
     return Task(rows_at=lambda step, n, salt: rows(np.random.default_rng([g.seed, salt, step]), n),
                 eval_rows=rows(np.random.default_rng([t.eval_seed]), t.eval_prompts),
@@ -830,8 +831,7 @@ def main(cfg: Config) -> dict:
     train.start(cfg.quiet)
     cfg = train.with_source_model(cfg, config_from_hf, COMPUTE_FIELDS)
     tok = make_tokenizer(cfg)
-    task = make_task(cfg, tok)
-    validate(cfg, jax.device_count(), tok, task)
+    task = validate(cfg, jax.device_count(), tok)
     mesh = make_mesh(cfg.mesh)
     st = train_state(cfg, mesh, make_optimizer(cfg.grpo), ref=cfg.grpo.beta > 0)
     step_fn = st.jit(partial(train_step, cfg=cfg, n_valid=tok.vocab_size))

@@ -246,6 +246,14 @@ def load_rewards(specs: tuple[str, ...], weights: tuple[float, ...], format_rege
         raise ConfigError(f"--task.path needs {flag}: built in, {', '.join(BUILT_IN)} (e.g. "
                           f"{flag} exact format), or your own as FILE.py:FUNCTION[,FUNCTION...], "
                           "each fn(completions, **fields) -> list[float]")
+    try:
+        re.compile(format_regex)
+    except re.error as e:
+        raise ConfigError(f"--task.format-regex {format_regex!r}: not a regular expression "
+                          f"({e})") from None
+    if format_regex and not any("format" in s.split(",") for s in specs if ".py:" not in s):
+        raise ConfigError(f"--task.format-regex is the built-in format reward's; add format to "
+                          f"{flag}")
     funcs: dict[str, Callable] = {}
     for spec in specs:
         m = re.fullmatch(r"(.+\.py):([\w,]+)", spec)

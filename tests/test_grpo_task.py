@@ -18,6 +18,7 @@ import pytest
 import train_dense as td
 import train_grpo as tg
 from common import task as T
+from common import train
 from common.checkpoint import CheckpointConfig
 from common.data import ChatTemplate, DataError
 from common.mesh import MeshConfig
@@ -56,6 +57,9 @@ def bad_length(completions, **_):
 
 def raises(completions, want, **_):
 {RAISES}
+
+def raises_later(completions, **_):  # passes the check on empty completions, not the run's
+    return [{{}}["x"] if c else 0.0 for c in completions]
 """
 RAISES = "    return [1.0 / len(c) for c in completions]  # ZeroDivisionError on an empty one"
 REWARDS = REWARDS.replace("{RAISES}", RAISES)
@@ -200,6 +204,10 @@ def test_built_in_rewards_and_weights(tmp_path):
         T.load_rewards(("format",), (1.0, 2.0), "", {"prompt"})
     with pytest.raises(tg.ConfigError, match="neither FILE.py"):
         T.load_rewards(("exactly",), (), "", {"prompt"})
+    with pytest.raises(tg.ConfigError, match="--task.format-regex '\\[': not a regular"):
+        T.load_rewards(("format",), (), "[", {"prompt"})
+    with pytest.raises(tg.ConfigError, match="--task.format-regex is the built-in format"):
+        T.load_rewards(("exact",), (), "a+", {"prompt", "answer"})
     with pytest.raises(tg.ConfigError, match="defines no function 'nope' \\(it defines bad_length"):
         T.load_rewards((f"{rewards_file(tmp_path)}:nope",), (), "", {"prompt"})
 
@@ -218,11 +226,19 @@ def test_a_failing_reward_is_named_with_its_file(tmp_path):
                       ("11", "returned a str"), ([1, "1"], "'1' for completion 1")]:
         with pytest.raises(T.RewardError, match=what):
             T.score({"f": (lambda c, **_: out, 1.0)}, ["a", "b"], {}, [True, True])
-    # In a run: refused on empty completions before anything compiles or is written.
+    # In a run: refused on empty completions before anything compiles or is written ...
     cfg = config(tmp_path, 1, path=sums(tmp_path), rewards=(f"{rf}:has_want,raises",))
     with pytest.raises(T.RewardError, match="before training.*'raises'.*ZeroDivisionError"):
         tg.main(cfg)
     assert not os.path.exists(tmp_path / "run")
+    # ... or on the first completions (the held-out ones at step 0), which the command line
+    # prints as one line and exits 2 with, like any bad input.
+    cfg = config(tmp_path, 1, path=sums(tmp_path), rewards=(f"{rf}:raises_later",))
+    with pytest.raises(T.RewardError, match=r"reward 'raises_later' \(.*my_rewards.py\) raised "
+                                            r"KeyError: 'x' \(at .*my_rewards.py, line \d+\), on "
+                                            r"a batch of 16 completions"):
+        tg.main(cfg)
+    assert issubclass(T.RewardError, train.INPUT_ERRORS)
 
 
 @pytest.mark.parametrize("lines,match", [
