@@ -195,7 +195,7 @@ def load_task(t, tok, template: ChatTemplate | None, seed: int) -> Task:
         eval_rows = [r for r, e in zip(rows, is_eval) if e]
         rows = [r for r, e in zip(rows, is_eval) if not e]
     rewards = load_rewards(t.rewards, t.reward_weights, t.format_regex, set(lines[0][1]))
-    # Once before anything compiles, on empty completions of two held-out prompts: a reward
+    # Once before anything compiles, on two empty completions of a held-out prompt: a reward
     # that cannot score whatever the model writes fails in a second, not after the compile.
     try:
         score(rewards, [""] * 2, columns(eval_rows[:1] * 2), [False] * 2)
