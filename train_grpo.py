@@ -35,9 +35,11 @@ from jax.sharding import PartitionSpec as P
 
 from common import hf, observe, train
 from common.checkpoint import CheckpointConfig, read_run_config
-from common.data import (PretrainedTokenizer, decode_completions, encode_completions,
-                         encode_prompts, open_tokenizer, run_tokenizer)
+from common.data import (ChatTemplate, PretrainedTokenizer, decode_completions,
+                         encode_completions, encode_prompts, open_tokenizer, run_tokenizer)
 from common.mesh import BATCH_AXES, MeshConfig, describe, make_mesh, resolve
+from common.task import Row, Task, columns, left_pad, load_task
+from common.task import score as score_rows
 from common.train import ConfigError, fetch, log, named
 
 # ----------------------------------------------------------------------------------------------
@@ -81,7 +83,8 @@ COMPUTE_FIELDS = ("attention", "dtype", "loss_chunk", "loss_impl", "remat", "sca
 
 @dataclass(frozen=True)
 class TaskConfig:
-    """Addition with the sum written backwards: 12+345= -> 753 (357 reversed).
+    """Your prompts and rewards (--task.path, common/task.py), or by default the demo: addition
+    with the sum written backwards, 12+345= -> 753 (357 reversed).
 
     Reversed, the answer comes least significant digit first, so each digit depends only on
     the two operand digits of its column and the carry from the digit just written: a causal
@@ -91,7 +94,12 @@ class TaskConfig:
     min_digits: int = 1           # each operand has min_digits..max_digits digits
     max_digits: int = 3
     eval_prompts: int = 256       # fixed held-out prompts, greedy-decoded every --grpo.eval-every
-    eval_seed: int = 12345
+    eval_seed: int = 12345        # which of --task.path's prompts are held out (without eval-path)
+    path: str = ""                # a JSONL of prompts (+ fields); "" = the addition demo
+    eval_path: str = ""           # held-out prompts (its first --task.eval-prompts); "" = from path
+    rewards: tuple[str, ...] = () # FILE.py:fn,fn (TRL's fn(completions, **fields)) or exact, format
+    reward_weights: tuple[float, ...] = ()  # one per reward function, in order; () = 1 each
+    format_regex: str = ""        # the built-in format reward: the completion must match it too
 
 
 @dataclass(frozen=True)
@@ -205,8 +213,8 @@ RULES = {"grpo.steps": ">= 0", "grpo.top_p": "(0, 1]", "grpo.eps_low": "-1 or (0
          "grpo.qk_clip_threshold": ">= 0"}
 
 
-def validate(cfg: Config, n_devices: int, tok) -> None:
-    """Every check that needs no compilation, so a bad launch fails in a second."""
+def validate(cfg: Config, n_devices: int, tok) -> Task:
+    """Every check that needs no compilation, so a bad launch fails in a second; the task."""
     m, g, w, t = cfg.model, cfg.grpo, cfg.warm, cfg.task
     train.check_ranges(cfg, RULES)
     mesh = resolve(cfg.mesh, n_devices, max(1, math.prod(cfg.mesh.dcn())))
@@ -233,18 +241,24 @@ def validate(cfg: Config, n_devices: int, tok) -> None:
         if v % shards:
             raise ConfigError(f"{flag} {v} is not divisible by the {shards} batch shards "
                               f"(data x fsdp); use a multiple of {shards}.")
-    if not 1 <= t.min_digits <= t.max_digits:
+    if not t.path and not 1 <= t.min_digits <= t.max_digits:
         raise ConfigError(f"--task.min-digits {t.min_digits} / --task.max-digits {t.max_digits}: "
                           "need 1 <= min <= max.")
-    need = max(len(tok.encode(a)) for a in longest_answers(t)) + 1
-    if g.max_new_tokens < need:
+    task = make_task(cfg, tok)  # a bad prompts or rewards file stops here
+    if w.max_steps > 0 and not task.answer_tokens:
+        raise ConfigError(f"--warm.max-steps {w.max_steps}: the warm start fine-tunes on each "
+                          f"prompt's 'answer', and --task.path {t.path} has none; pass "
+                          "--warm.max-steps 0 (a pretrained policy needs no warm start).")
+    need = task.answer_tokens  # the longest answer + EOS: the warm start's target
+    if (w.max_steps > 0 or not t.path) and g.max_new_tokens < need:
         raise ConfigError(f"--grpo.max-new-tokens {g.max_new_tokens} cannot hold the longest "
                           f"answer and its end-of-sequence token ({need} tokens); raise it.")
-    if prompt_width(t) + g.max_new_tokens > m.max_seq_len:
-        raise ConfigError(f"prompt ({prompt_width(t)}) + --grpo.max-new-tokens "
+    if task.width + g.max_new_tokens > m.max_seq_len:
+        raise ConfigError(f"prompt ({task.width}) + --grpo.max-new-tokens "
                           f"({g.max_new_tokens}) exceed --model.max-seq-len {m.max_seq_len}.")
     train.check_profile(g.profile_steps, g.steps, "--grpo")
     train.check_qk_clip("--grpo.qk-clip-threshold", g.qk_clip_threshold, m.qk_norm)
+    return task
 
 
 # ----------------------------------------------------------------------------------------------
@@ -634,10 +648,29 @@ def reward_funcs(g: GRPOConfig) -> dict[str, tuple[Callable, float]]:
 
 
 def score(funcs, completions, answers, finished) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-    """Total reward sum_f w_f r_f per completion, and each function's unweighted rewards."""
-    each = {n: f(completions, answers=answers, finished=finished) for n, (f, _) in funcs.items()}
-    total = sum(w * each[n] for n, (_, w) in funcs.items())
-    return total.astype(np.float32), each
+    """Total reward sum_f w_f r_f per completion, and each function's unweighted rewards: the
+    demo's functions receive the answers as `answers` (common/task.py's score checks them)."""
+    return score_rows(funcs, completions, {"answers": answers}, finished)
+
+
+def make_task(cfg: Config, tok) -> Task:
+    """--task.path's prompts and --task.rewards (common/task.py), or the addition demo."""
+    t, g = cfg.task, cfg.grpo
+    if t.path:  # a HuggingFace folder's chat template renders them, as its model saw chat
+        template = ChatTemplate.find(cfg.init_from_hf) if cfg.init_from_hf else None
+        return load_task(t, tok, template, g.seed)
+    mine = [f for f in ("eval_path", "rewards", "reward_weights", "format_regex") if getattr(t, f)]
+    if mine:
+        raise ConfigError(f"--task.{mine[0].replace('_', '-')} goes with --task.path (your "
+                          "prompts); the addition demo has its own rewards.")
+
+    def rows(rng, n):  # the demo's rewards read the answers as `answers`
+        return [Row(tok.prompt(p), {"answers": a}, p, a) for p, a in problems(rng, n, t)]
+    return Task(rows_at=lambda step, n, salt: rows(np.random.default_rng([g.seed, salt, step]), n),
+                eval_rows=rows(np.random.default_rng([t.eval_seed]), t.eval_prompts),
+                rewards=reward_funcs(g), width=prompt_width(t),
+                answer_tokens=max(len(tok.encode(a)) for a in longest_answers(t)) + 1,
+                show=lambda r, c: f"  {r.text}{c:<6} (expected {r.answer})")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -771,10 +804,10 @@ def make_optimizer(g: GRPOConfig, warm: WarmStartConfig | None = None):
                            muon_dtype=g.muon_dtype)
 
 
-def flops_per_step(cfg: Config) -> tuple[int, float]:
-    """(tokens, model FLOPs) of a GRPO step over its padded rows of prompt + budget: mu
-    training passes, one forward for the rollout, one for the reference when beta > 0."""
-    g, T = cfg.grpo, prompt_width(cfg.task) + cfg.grpo.max_new_tokens
+def flops_per_step(cfg: Config, width: int) -> tuple[int, float]:
+    """(tokens, model FLOPs) of a GRPO step over its padded rows of `width` prompt columns +
+    budget: mu training passes, one forward for the rollout, one for the reference (beta > 0)."""
+    g, T = cfg.grpo, width + cfg.grpo.max_new_tokens
     tokens = g.prompts_per_step * g.group_size * T
     return tokens, tokens * flops_per_token(cfg.model, T) * (g.mu + (1 + (g.beta > 0)) / 3)
 
@@ -798,7 +831,7 @@ def main(cfg: Config) -> dict:
     train.start(cfg.quiet)
     cfg = train.with_source_model(cfg, config_from_hf, COMPUTE_FIELDS)
     tok = make_tokenizer(cfg)
-    validate(cfg, jax.device_count(), tok)
+    task = validate(cfg, jax.device_count(), tok)
     mesh = make_mesh(cfg.mesh)
     st = train_state(cfg, mesh, make_optimizer(cfg.grpo), ref=cfg.grpo.beta > 0)
     step_fn = st.jit(partial(train_step, cfg=cfg, n_valid=tok.vocab_size))
@@ -807,7 +840,7 @@ def main(cfg: Config) -> dict:
         f"{jax.device_count()} {jax.devices()[0].platform} devices | loss {cfg.grpo.loss} "
         f"(clip {1 - lo:g}..{1 + hi:g}, beta {cfg.grpo.beta:g}, mu {cfg.grpo.mu}, "
         f"{'std-scaled' if cfg.grpo.scale_rewards else 'mean-centred'} advantages)")
-    batch = synthetic_batch(cfg, tok)  # --dry-run and --bench: one policy update on it
+    batch = synthetic_batch(cfg, tok, task.width)  # --dry-run and --bench: one policy update on it
     if cfg.dry_run:
         return train.dry_run(step_fn, st.abstract(), train.put(batch, mesh, BATCH_AXES, True),
                              mesh, count_params(cfg.model))
@@ -821,64 +854,59 @@ def main(cfg: Config) -> dict:
                                peak=train.peak_flops_per_device(cfg.grpo.peak_tflops))
     with jax.set_mesh(mesh), train.Run(cfg, MAY_CHANGE, cfg.grpo.profile_steps,
                                        defaults=Config()) as run:
-        return train_loop(cfg, mesh, tok, st, step_fn, run)
+        return train_loop(cfg, mesh, tok, task, st, step_fn, run)
 
 
-def train_loop(cfg: Config, mesh, tok, st: train.TrainState, step_fn, run: train.Run) -> dict:
-    g, n_valid, width = cfg.grpo, tok.vocab_size, prompt_width(cfg.task)
-    funcs = reward_funcs(g)
+def train_loop(cfg: Config, mesh, tok, task: Task, st: train.TrainState, step_fn,
+               run: train.Run) -> dict:
+    g, n_valid, width = cfg.grpo, tok.vocab_size, task.width
     rollout_fn = jax.jit(partial(rollout, cfg=cfg.model, max_new=g.max_new_tokens,
                                  eos_id=tok.eos_id, pad_id=tok.pad_id, n_valid=n_valid,
                                  top_k=g.top_k, top_p=g.top_p))
     logp_fn = jax.jit(lambda p, b: completion_logps(p, b["prompt"], b["prompt_valid"],
                       b["completion"], cfg.model, g.temperature, n_valid)[0])
-    eval_problems = problems(np.random.default_rng([cfg.task.eval_seed]), cfg.task.eval_prompts,
-                             cfg.task)
     held_out = {}
 
-    def generate(params, items: list[tuple[str, str]], key, temperature: float) -> dict:
-        """One completion per (prompt, answer), decoded and scored on the host."""
-        ids, valid = encode_prompts(tok, [p for p, _ in items], width)
+    def generate(params, items: list[Row], key, temperature: float) -> dict:
+        """One completion per prompt, decoded and scored on the host."""
+        ids, valid = left_pad([r.ids for r in items], width, tok.pad_id)
         t0 = time.perf_counter()
         out = rollout_fn(params, train.put(ids, mesh, BATCH_AXES),
                          train.put(valid, mesh, BATCH_AXES), key, jnp.float32(temperature))
         tokens, mask = fetch(out["tokens_BN"]), fetch(out["mask_BN"])
         seconds = time.perf_counter() - t0
         texts, finished = decode_completions(tok, tokens, mask)
-        total, each = score(funcs, texts, [a for _, a in items], finished)
+        total, each = score_rows(task.rewards, texts, columns(items), finished)
         return {"out": out, "prompt": ids, "valid": valid, "texts": texts, "mask": mask,
                 "finished": finished, "reward": total, "rewards": each, "seconds": seconds}
 
     def evaluate(params) -> dict:
         """Greedy completions of the fixed held-out prompts."""
-        r = generate(params, eval_problems, jax.random.key(0), 0.0)
+        r = generate(params, task.eval_rows, jax.random.key(0), 0.0)
         held_out["texts"] = r["texts"]
         return {"eval_reward": float(r["reward"].mean())} | {
             f"eval_rewards/{n}/mean": float(v.mean()) for n, v in r["rewards"].items()}
-
-    def prompts_at(step: int, n: int, salt: int = 0) -> list[tuple[str, str]]:
-        return problems(np.random.default_rng([g.seed, salt, step]), n, cfg.task)
 
     state, start = run.resume(st.abstract())
     warm = {}
     if state is None:
         params = initial_params(cfg, mesh, tok)
         if cfg.warm.max_steps > 0:
-            params, warm = warm_start(cfg, mesh, tok, params, generate, prompts_at, run)
+            params, warm = warm_start(cfg, mesh, tok, params, generate, task, run)
         state = st.from_params(params)
         run.ckpt.save(0, state, force=True)  # a resume never repeats the warm start
-    tokens, flops = flops_per_step(cfg)
+    tokens, flops = flops_per_step(cfg, width)
     loop = train.Loop(run, start, g.steps, log_every=1, eval_every=g.eval_every,
                       tokens_per_step=tokens, flops_per_token=flops / tokens, show=None,
                       flag="--grpo", max_bad_steps=g.max_bad_steps, peak_tflops=g.peak_tflops)
     ev = loop.eval(evaluate(state["params"]))
     log(f"eval step {start} | held-out reward {ev['eval_reward']:.3f} (greedy, "
-        f"{len(eval_problems)} prompts)")
+        f"{len(task.eval_rows)} prompts)")
     rollout_tokens, rollout_s = 0, 0.0
 
     for step in loop:
         t0 = time.perf_counter()
-        items = [p for p in prompts_at(step, g.prompts_per_step) for _ in range(g.group_size)]
+        items = [p for p in task.rows_at(step, g.prompts_per_step, 0) for _ in range(g.group_size)]
         r = generate(state["params"], items, jax.random.fold_in(jax.random.key(g.seed), step),
                      g.temperature)
         lengths = r["mask"].sum(axis=1)
@@ -913,8 +941,8 @@ def train_loop(cfg: Config, mesh, tok, st: train.TrainState, step_fn, run: train
         loop.checkpoint(state)
 
     run.ckpt.wait()
-    for (p, a), c in zip(eval_problems[:4], held_out["texts"]):
-        log(f"  {p}{c:<6} (expected {a})")
+    for row, c in zip(task.eval_rows[:4], held_out["texts"]):
+        log(task.show(row, c))
     evals = [(s, e["eval_reward"]) for s, e in loop.evals]
     best = max(evals, key=lambda e: e[1])
     end = int(jax.device_get(state["step"])) // g.mu
@@ -944,17 +972,21 @@ def rollout_record(r: dict, lengths: np.ndarray, group_size: int) -> dict:
                   "rollout_tokens_per_s": float(lengths.sum() / r["seconds"])}
 
 
+LABELS = {"correctness": "correct"}  # the demo's reward, as its log lines read in docs/grpo.md
+
+
 def log_step(r: dict) -> None:
     kl = f" | kl {r['kl']:.4f}" if "kl" in r else ""
     held = f" | held-out {r['eval_reward']:.3f}" if "eval_reward" in r else ""
-    log(f"step {r['step']} | reward {r['reward']:.3f} ± {r['reward_std']:.3f} | correct "
-        f"{r['rewards/correctness/mean']:.3f} | format {r['rewards/format/mean']:.3f}{kl} | "
+    each = "".join(f" | {LABELS.get(k[8:-5], k[8:-5])} {v:.3f}" for k, v in r.items()
+                   if k.startswith("rewards/") and k.endswith("/mean"))
+    log(f"step {r['step']} | reward {r['reward']:.3f} ± {r['reward_std']:.3f}{each}{kl} | "
         f"clip {r['clip_ratio/region_mean']:.3f} | len {r['completions/mean_length']:.1f}/"
         f"{r['completions/max_length']} | entropy {r['entropy']:.3f}{held} | "
         f"{r['rollout_tokens_per_s'] / 1e3:.1f}k rollout tok/s | {r['ms_per_step']:.0f} ms/step")
 
 
-def warm_start(cfg: Config, mesh, tok, params, generate, prompts_at, run: train.Run):
+def warm_start(cfg: Config, mesh, tok, params, generate, task: Task, run: train.Run):
     """SFT on correct examples until the sampled (not greedy) reward reaches the target:
     from random weights every completion scores 0, every group's advantages are 0 and GRPO
     has no gradient; it needs a policy that is sometimes right."""
@@ -962,11 +994,11 @@ def warm_start(cfg: Config, mesh, tok, params, generate, prompts_at, run: train.
     st = train_state(cfg, mesh, make_optimizer(g, w))
     state = st.from_params(params)
     step_fn = st.jit(partial(sft_step, cfg=cfg, n_valid=tok.vocab_size))
-    width, t0, losses = prompt_width(cfg.task), time.perf_counter(), []
+    t0, losses = time.perf_counter(), []
     for i in range(w.max_steps):  # a step's prompts: a pure function of (seed, step)
-        items = prompts_at(i, w.batch_size, salt=1)
-        arrays = (encode_prompts(tok, [p for p, _ in items], width)
-                  + encode_completions(tok, [a for _, a in items], g.max_new_tokens))
+        items = task.rows_at(i, w.batch_size, 1)
+        arrays = (left_pad([r.ids for r in items], task.width, tok.pad_id)
+                  + encode_completions(tok, [r.answer for r in items], g.max_new_tokens))
         batch = dict(zip(("prompt", "prompt_valid", "completion", "mask"), arrays))
         state, m = step_fn(state, train.put(batch, mesh, BATCH_AXES))
         losses.append(m)
@@ -976,7 +1008,7 @@ def warm_start(cfg: Config, mesh, tok, params, generate, prompts_at, run: train.
                 raise train.NonFiniteError(f"warm start step {i + 1}: a non-finite loss or "
                                            f"gradient; lower --warm.lr {w.lr} and rerun.")
             # Distinct prompts, as many as a rollout batch has rows (the same compile).
-            r = generate(state["params"], prompts_at(i, g.prompts_per_step * g.group_size, 2),
+            r = generate(state["params"], task.rows_at(i, g.prompts_per_step * g.group_size, 2),
                          jax.random.fold_in(jax.random.key(g.seed + 1), i), g.temperature)
             reward = float(r["reward"].mean())
             sft_loss, losses = float(np.mean([m["loss"] for m in losses])), []
@@ -990,10 +1022,10 @@ def warm_start(cfg: Config, mesh, tok, params, generate, prompts_at, run: train.
     return state["params"], {"warm_start_steps": i + 1, "warm_start_s": time.perf_counter() - t0}
 
 
-def synthetic_batch(cfg: Config, tok) -> dict[str, np.ndarray]:
+def synthetic_batch(cfg: Config, tok, width: int) -> dict[str, np.ndarray]:
     """A rollout batch of random tokens, for --dry-run and --bench (no rollouts are run)."""
     g, rng = cfg.grpo, np.random.default_rng(0)
-    B, Pw, N = g.prompts_per_step * g.group_size, prompt_width(cfg.task), g.max_new_tokens
+    B, Pw, N = g.prompts_per_step * g.group_size, width, g.max_new_tokens
     logp = np.full((B, N), -math.log(tok.vocab_size), np.float32)
     return {"prompt": rng.integers(0, tok.vocab_size, (B, Pw), np.int32),
             "prompt_valid": np.ones((B, Pw), bool), "mask": np.ones((B, N), bool),
@@ -1004,7 +1036,8 @@ def synthetic_batch(cfg: Config, tok) -> dict[str, np.ndarray]:
 
 def make_tokenizer(cfg: Config):
     if cfg.init_from_hf:  # its own: completions are decoded to be scored, in its words
-        return PretrainedTokenizer(*hf.tokenizer(cfg.init_from_hf))
+        # Your prompts meet its chat template: encoded by tokenizer.json, as transformers does.
+        return PretrainedTokenizer(*hf.tokenizer(cfg.init_from_hf, prefer_json=bool(cfg.task.path)))
     if not cfg.init_from:
         return CharTokenizer()
     # Pre-training or SFT: the file the dense run (or the run it fine-tuned) tokenized with.
