@@ -162,11 +162,22 @@ def _big(model: ModelConfig, run: str, seq_len: int = 4096) -> Config:
 _QWEN3_MOE = dict(vocab_size=151936, head_dim=128, n_kv_heads=4, n_experts=128, top_k=8,
                   max_seq_len=40960, rope_theta=1_000_000.0, norm_eps=1e-6, qk_norm=True)
 
+# GPT-OSS (OpenAI 2025): windows of 128 on every second layer, sinks, biases, YaRN, clamped
+# SwiGLU experts; the released config.json's values.
+_GPT_OSS = dict(sliding_window=128, global_every=2, attn_sinks=True, attn_bias=True,
+                moe_bias=True, swiglu_limit=7.0, yarn_factor=32.0, yarn_truncate=False,
+                rope_theta=150_000.0)
+_GPT_OSS_BIG = dict(vocab_size=201088, d_model=2880, n_heads=64, n_kv_heads=8, head_dim=64,
+                    top_k=4, d_ff=2880, max_seq_len=131072, **_GPT_OSS)
+
 PRESETS: dict[str, tuple[str, Config]] = {
     # No remat: the tiny model's activations are a few MB, and recomputing them would cost a
     # third of every step on a laptop CPU.
     "tiny-moe": ("~9M parameters (4.5M active), 8 experts top-2, on the embedded corpus: the "
                  "`make train-moe` default", Config(model=ModelConfig(remat="none"))),
+    "tiny-gptoss": ("tiny-moe with GPT-OSS's knobs (window 128 of the 256 tokens on every "
+                    "second layer): `make train-moe MOE_PRESET=tiny-gptoss`", Config(
+                        model=ModelConfig(remat="none", **_GPT_OSS), run_dir="runs/tiny-gptoss")),
     # The model bench/peers/maxtext.sh runs in MaxText (Mixtral block), for side-by-side speed.
     "bench-parity-moe": ("MaxText comparison: d 256, 4 layers, 8 experts top-2, expert MLP 512, "
                          "vocab 32000, seq 256, batch 8", Config(ModelConfig(
@@ -180,6 +191,10 @@ PRESETS: dict[str, tuple[str, Config]] = {
         d_model=2048, n_layers=48, n_heads=32, d_ff=768, **_QWEN3_MOE), "qwen3-30b-a3b")),
     "qwen3-235b-a22b": ("Qwen3-235B-A22B (128 experts, top-8, q/k norm)", _big(ModelConfig(
         d_model=4096, n_layers=94, n_heads=64, d_ff=1536, **_QWEN3_MOE), "qwen3-235b-a22b")),
+    "gpt-oss-20b": ("GPT-OSS 20B (32 experts, top-4)", _big(ModelConfig(
+        n_layers=24, n_experts=32, **_GPT_OSS_BIG), "gpt-oss-20b")),
+    "gpt-oss-120b": ("GPT-OSS 120B (128 experts, top-4)", _big(ModelConfig(
+        n_layers=36, n_experts=128, **_GPT_OSS_BIG), "gpt-oss-120b")),
 }
 
 # Keys of the saved run config that a resumed run may change: how long, how often, on what
@@ -1063,7 +1078,8 @@ def bench(cfg: Config, mesh, batch) -> dict:
 
 # As in train_dense.py: HF rotates the two halves of each head, as `apply_rope` does, so no
 # weight is permuted. The experts are stored one tensor per expert and per layer.
-HF_ARCHITECTURES = {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+HF_ARCHITECTURES = {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+                    "gpt_oss": "GptOssForCausalLM"}
 # What transformers assumes for a key that config.json leaves out (its config classes).
 _HF_DEFAULTS = {
     "mixtral": dict(rms_norm_eps=1e-5, max_position_embeddings=131072, num_key_value_heads=8,
@@ -1071,13 +1087,47 @@ _HF_DEFAULTS = {
     "qwen3_moe": dict(rms_norm_eps=1e-6, max_position_embeddings=32768, num_key_value_heads=4,
                       rope_theta=10_000.0, num_experts=128, num_experts_per_tok=8,
                       moe_intermediate_size=768, norm_topk_prob=False),
+    "gpt_oss": dict(rms_norm_eps=1e-5, max_position_embeddings=131072, num_key_value_heads=8,
+                    rope_theta=150_000.0, num_local_experts=128, num_experts_per_tok=4,
+                    head_dim=64, sliding_window=128, attention_bias=True, swiglu_limit=7.0,
+                    swiglu_alpha=SWIGLU_ALPHA, rope_scaling=dict(
+                        rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0,
+                        truncate=False, original_max_position_embeddings=4096)),
 }
 
 
 def hf_mapping(cfg: ModelConfig, model_type: str) -> dict:
     """Our parameter tree, each leaf as (HuggingFace tensor name, layout): see common/hf.py.
     Atoms: l layers, e experts, d model, n query heads, k key/value heads, h head width,
-    f expert MLP width, v vocabulary. Mixtral calls the gate/up/down projections w1/w3/w2."""
+    f expert MLP width, v vocabulary. Mixtral calls the gate/up/down projections w1/w3/w2.
+    GPT-OSS stores each layer's experts as one tensor, [in, out], gate and up interleaved
+    (gate_up_proj[..., 0::2] is the gate); MXFP4 checkpoints read as that too (common/hf.py)."""
+    lay = "model.layers.{l}."
+    if model_type == "gpt_oss":
+        return _gpt_oss_mapping(cfg, lay, mixtral_mapping(cfg, "mixtral"))
+    return mixtral_mapping(cfg, model_type)
+
+
+def _gpt_oss_mapping(cfg: ModelConfig, lay: str, tree: dict) -> dict:
+    ex, at = lay + "mlp.experts.", lay + "self_attn."
+    tree["layers"] |= {
+        "w_router": (lay + "mlp.router.weight", "e d -> l d e"),
+        "b_router": (lay + "mlp.router.bias", "e -> l e"),
+        "w_gate": (ex + "gate_up_proj", "e d (f 2:0) -> l e d f"),
+        "w_up": (ex + "gate_up_proj", "e d (f 2:1) -> l e d f"),
+        "w_down": (ex + "down_proj", "e f d -> l e f d"),
+        "b_gate": (ex + "gate_up_proj_bias", "e (f 2:0) -> l e f"),
+        "b_up": (ex + "gate_up_proj_bias", "e (f 2:1) -> l e f"),
+        "b_down": (ex + "down_proj_bias", "e d -> l e d"), "sinks": (at + "sinks", "n -> l n")}
+    if cfg.attn_bias:
+        tree["layers"] |= {"bq": (at + "q_proj.bias", "(n h) -> l n h"),
+                           "bk": (at + "k_proj.bias", "(k h) -> l k h"),
+                           "bv": (at + "v_proj.bias", "(k h) -> l k h"),
+                           "bo": (at + "o_proj.bias", "d -> l d")}
+    return tree
+
+
+def mixtral_mapping(cfg: ModelConfig, model_type: str) -> dict:
     lay = "model.layers.{l}."
     if model_type == "mixtral":
         moe, gate, up, down = lay + "block_sparse_moe.", "w1", "w3", "w2"
@@ -1129,24 +1179,27 @@ def config_from_hf(c: dict, where: str = "config.json") -> ModelConfig:
                           "model cannot be loaded faithfully.")
 
     for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-                "intermediate_size" if mt == "mixtral" else "moe_intermediate_size"):
+                "moe_intermediate_size" if mt == "qwen3_moe" else "intermediate_size"):
         if key not in c:
             raise hf.HFError(f"{where} has no {key!r}; it is not a complete {mt} config.")
     if c.get("hidden_act", "silu") != "silu":
         raise unsupported(f"hidden_act {c['hidden_act']!r} (only silu)")
-    if c.get("attention_bias"):
+    if c.get("attention_bias") and mt != "gpt_oss":
         raise unsupported("attention_bias (biases on the attention projections)")
     if c.get("mlp_only_layers") or c.get("decoder_sparse_step", 1) != 1:
         raise unsupported("dense MLP layers between the MoE layers (mlp_only_layers, "
                           "decoder_sparse_step)")
     if c.get("partial_rotary_factor", 1.0) != 1.0:
         raise unsupported(f"partial_rotary_factor {c['partial_rotary_factor']}")
-    theta, kind, _ = hf.rope_parameters(c, c["rope_theta"], where)
-    if kind != "default":
-        raise unsupported(f"rope type {kind!r} (only the default)")
+    theta, kind, rope = hf.rope_parameters(c, c["rope_theta"], where)
+    if kind not in ("default", "yarn") or kind == "yarn" and mt != "gpt_oss":
+        raise unsupported(f"rope type {kind!r} (only the default, and GPT-OSS's yarn)")
     # A sliding window of W tokens changes nothing on sequences of at most W tokens.
     window = (c.get("sliding_window") if mt == "mixtral" or c.get("use_sliding_window")
               else None)
+    gpt = {}
+    if mt == "gpt_oss":
+        gpt, window = _gpt_oss_config(c, kind, rope, unsupported), None
     max_len = c["max_position_embeddings"] if window is None else min(
         c["max_position_embeddings"], window)
     n_heads = c["num_attention_heads"]
@@ -1156,20 +1209,48 @@ def config_from_hf(c: dict, where: str = "config.json") -> ModelConfig:
         head_dim=c.get("head_dim") or c["hidden_size"] // n_heads,
         n_experts=n_experts or c.get("num_experts") or c["num_local_experts"],
         top_k=c["num_experts_per_tok"],
-        d_ff=c["intermediate_size"] if mt == "mixtral" else c["moe_intermediate_size"],
-        norm_topk=True if mt == "mixtral" else bool(c["norm_topk_prob"]),
+        d_ff=c["moe_intermediate_size"] if mt == "qwen3_moe" else c["intermediate_size"],
+        norm_topk=bool(c["norm_topk_prob"]) if mt == "qwen3_moe" else True,
         max_seq_len=max_len, rope_theta=theta, norm_eps=float(c["rms_norm_eps"]),
-        tie_embeddings=bool(c.get("tie_word_embeddings", False)), qk_norm=mt == "qwen3_moe")
+        tie_embeddings=bool(c.get("tie_word_embeddings", False)), qk_norm=mt == "qwen3_moe",
+        **gpt)
+
+
+def _gpt_oss_config(c: dict, kind: str, rope: dict, unsupported) -> dict:
+    """GPT-OSS's knobs from its config.json: every second layer windowed, or none."""
+    L, W = c["num_hidden_layers"], c.get("sliding_window") or 0
+    kinds = c.get("layer_types") or [
+        "full_attention" if (i + 1) % 2 == 0 else "sliding_attention" for i in range(L)]
+    if kinds not in ([("full_attention" if (i + 1) % 2 == 0 else "sliding_attention")
+                      for i in range(L)], ["full_attention"] * L):
+        raise unsupported(f"layer_types {kinds} (windows on every second layer, or none)")
+    if c["swiglu_alpha"] != SWIGLU_ALPHA:
+        raise unsupported(f"swiglu_alpha {c['swiglu_alpha']} (only {SWIGLU_ALPHA})")
+    if (c.get("quantization_config") or {}).get("quant_method", "mxfp4") != "mxfp4":
+        raise unsupported(f"quantization {c['quantization_config']['quant_method']!r}")
+    windowed = W > 0 and "sliding_attention" in kinds
+    yarn = {} if kind == "default" else dict(
+        yarn_factor=float(rope["factor"]), yarn_beta_fast=float(rope.get("beta_fast") or 32),
+        yarn_beta_slow=float(rope.get("beta_slow") or 1), yarn_truncate=bool(rope.get(
+            "truncate", True)), yarn_original_max_len=rope["original_max_position_embeddings"])
+    return dict(sliding_window=W if windowed else 0, global_every=2 if windowed else 0,
+                attn_sinks=True, attn_bias=bool(c["attention_bias"]), moe_bias=True,
+                swiglu_limit=float(c["swiglu_limit"]), **yarn)
 
 
 def _model_type(cfg: ModelConfig, model_type: str) -> str:
-    mt = model_type or ("qwen3_moe" if cfg.qk_norm else "mixtral")
+    mt = model_type or ("qwen3_moe" if cfg.qk_norm else "gpt_oss" if cfg.attn_sinks else
+                        "mixtral")
     if mt not in HF_ARCHITECTURES:
         raise hf.HFError(f"model_type {mt!r}: choose one of {', '.join(HF_ARCHITECTURES)}.")
-    if cfg.qk_norm != (mt == "qwen3_moe") or (mt == "mixtral" and not cfg.norm_topk):
+    gpt = (cfg.attn_sinks, cfg.moe_bias, bool(cfg.swiglu_limit))
+    others = (cfg.attn_bias, cfg.sliding_window, cfg.yarn_factor)
+    if (cfg.qk_norm != (mt == "qwen3_moe") or (mt != "qwen3_moe" and not cfg.norm_topk) or
+            gpt != ((mt == "gpt_oss"),) * 3 or mt != "gpt_oss" and any(others)):
         raise hf.HFError(f"model_type {mt!r} does not fit this model (qk_norm={cfg.qk_norm}, "
-                         f"norm_topk={cfg.norm_topk}): q/k norms are qwen3_moe's, and "
-                         "mixtral always renormalises its top-k weights.")
+                         f"norm_topk={cfg.norm_topk}, sinks/biases/clamp={gpt}): q/k norms are "
+                         "qwen3_moe's, mixtral and gpt_oss always renormalise their top-k "
+                         "weights, and sinks, biases, windows, YaRN and the clamp are gpt_oss's.")
     return mt
 
 
@@ -1188,6 +1269,18 @@ def config_to_hf(cfg: ModelConfig, model_type: str = "", dtype: str = "float32")
              torch_dtype=dtype)
     if mt == "mixtral":
         c |= dict(intermediate_size=cfg.d_ff, router_jitter_noise=0.0)
+    elif mt == "gpt_oss":
+        L, W = cfg.n_layers, cfg.sliding_window
+        rope = {"rope_type": "default", "rope_theta": cfg.rope_theta} if not cfg.yarn_factor else {
+            "rope_type": "yarn", "rope_theta": cfg.rope_theta, "factor": cfg.yarn_factor,
+            "beta_fast": cfg.yarn_beta_fast, "beta_slow": cfg.yarn_beta_slow,
+            "truncate": cfg.yarn_truncate,
+            "original_max_position_embeddings": cfg.yarn_original_max_len}
+        c |= dict(intermediate_size=cfg.d_ff, attention_bias=cfg.attn_bias, sliding_window=W or
+                  None, swiglu_limit=cfg.swiglu_limit, swiglu_alpha=SWIGLU_ALPHA,
+                  rope_parameters=rope, rope_scaling=rope, layer_types=[
+                      "sliding_attention" if W and (i + 1) % cfg.global_every else
+                      "full_attention" for i in range(L)])
     else:  # intermediate_size is the width of dense layers, which this model has none of
         c |= dict(num_experts=cfg.n_experts, moe_intermediate_size=cfg.d_ff,
                   intermediate_size=cfg.d_ff, norm_topk_prob=cfg.norm_topk,
@@ -1224,7 +1317,7 @@ def save_hf(params: dict, cfg: ModelConfig, path: str, *, model_type: str = "",
 
 def export_hf(run_dir: str, out: str, step: int = -1,
               dtype: Literal["float32", "bfloat16"] = "float32",
-              model_type: Literal["", "mixtral", "qwen3_moe"] = "",
+              model_type: Literal["", "mixtral", "qwen3_moe", "gpt_oss"] = "",
               max_shard_gb: float = 5.0) -> list[str]:
     """Write a run's checkpoint as a HuggingFace folder (config.json, safetensors, tokenizer).
 
@@ -1233,7 +1326,8 @@ def export_hf(run_dir: str, out: str, step: int = -1,
         out: The folder to create (new or empty).
         step: The checkpoint to export; -1 = the latest.
         dtype: Of the weights written (checkpoints hold float32).
-        model_type: The family; "" = the source's, else qwen3_moe for q/k norm, or mixtral.
+        model_type: The family; "" = the source's, else qwen3_moe for q/k norm, gpt_oss for
+            sinks, or mixtral.
         max_shard_gb: The largest safetensors file.
     """
     def read(saved: dict) -> Config:
