@@ -267,14 +267,14 @@ FP4_VALUES = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4
 def mxfp4_pairs(tensors: dict, path: str) -> dict[str, tuple[str, str]]:
     """name -> (name_blocks, name_scales) of each MXFP4 tensor; any other uint8 tensor is a
     quantization we do not read, which must fail here rather than load as garbage."""
-    u8 = {n for n, t in tensors.items() if t[0] == PACKED["U8"]}
+    u8 = {n for n, t in tensors.items() if t[1] == PACKED["U8"]}   # t: (file, dtype, shape, at)
     pairs = {n[:-7]: (n, n[:-7] + "_scales") for n in u8
              if n.endswith("_blocks") and n[:-7] + "_scales" in u8}
     if lone := sorted(u8 - {n for pair in pairs.values() for n in pair}):
         raise HFError(f"{path}: tensor {lone[0]} is uint8 but not half of an MXFP4 pair "
                       "(*_blocks and *_scales); only MXFP4 quantization is read.")
     for blocks, scales in pairs.values():
-        b, s = tensors[blocks][1], tensors[scales][1]
+        b, s = tensors[blocks][2], tensors[scales][2]
         if len(b) < 3 or b[:-1] != s or b[-1] != 16:
             raise HFError(f"{path}: {blocks} {list(b)} and {scales} {list(s)} are not MXFP4 "
                           "(blocks [..., rows, groups, 16] bytes, scales [..., rows, groups]).")
