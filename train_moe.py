@@ -1,4 +1,4 @@
-"""Mixture-of-experts decoder (Mixtral, Qwen3-MoE): dropless routing and expert parallelism.
+"""Mixture-of-experts decoder (Mixtral, Qwen3-MoE, GPT-OSS): dropless routing, expert parallelism.
 
     python train_moe.py tiny-moe                                  # the `make train-moe` run
     python train_moe.py mixtral-8x7b --mesh.expert 8 --mesh.fsdp -1
@@ -7,7 +7,7 @@
 
 Sections, in reading order: 1 config and presets, 2 parameters and their shardings, 3 model
 (attention, router, dispatch to the experts, grouped matmul), 4 loss and train step, 5 main
-and the training loop, 6 HuggingFace in and out (Mixtral, Qwen3-MoE); what no model changes
+and the training loop, 6 HuggingFace in and out (Mixtral, Qwen3-MoE, GPT-OSS); what no model changes
 (state, optimiser, MFU, dry run, bench, the loop's mechanics, the command line) is written
 once in common/train.py. Shapes are suffixed on tensor names: B batch, T sequence, D model
 width, N query heads, K key/value heads, H head width, V vocabulary, L layers, E experts,
@@ -252,9 +252,6 @@ def validate(cfg: Config, n_devices: int) -> None:
         raise ConfigError(f"--model.global-every {m.global_every} without "
                           "--model.sliding-window: the layers between the global ones are the "
                           "windowed ones. Give the window, or --model.global-every 0.")
-    if m.yarn_factor and m.yarn_factor <= 1:
-        raise ConfigError(f"--model.yarn-factor {m.yarn_factor}: YaRN stretches the context, so "
-                          "the factor must exceed 1 (GPT-OSS: 32); 0 turns it off.")
     train.check_batch(t.batch_size, t.microbatches, mesh, MOE_BATCH)
     if t.seq_len > m.max_seq_len:
         raise ConfigError(f"--train.seq-len {t.seq_len} exceeds the model's maximum "
@@ -704,13 +701,11 @@ def experts(x_BTD, expert_BTR, gate_BTR, *ws, cfg: ModelConfig, peers: int = 1,
     return y_nD.astype(dt).reshape(B, T, D), dropped.reshape(1)
 
 
-EXPERT_WEIGHTS = ("w_gate", "w_up", "w_down", "b_gate", "b_up", "b_down")
-
-
 def moe(h_BTD, lp: dict, cfg: ModelConfig):
     """The MoE block on normed activations: (output [B,T,D], routing stats)."""
     gate_BTR, expert_BTR, stats = router(h_BTD, lp["w_router"], cfg, lp.get("b_router"))
-    ws = tuple(lp[k] for k in EXPERT_WEIGHTS[:6 if cfg.moe_bias else 3])
+    ws = tuple(lp[k] for k in ("w_gate", "w_up", "w_down", "b_gate", "b_up", "b_down")[
+        :6 if cfg.moe_bias else 3])
     if cfg.n_experts == 1:
         # The dense twin of `bench`: one expert, weight exactly 1, routing is the identity.
         dt = h_BTD.dtype
@@ -1088,11 +1083,10 @@ _HF_DEFAULTS = {
                       rope_theta=10_000.0, num_experts=128, num_experts_per_tok=8,
                       moe_intermediate_size=768, norm_topk_prob=False),
     "gpt_oss": dict(rms_norm_eps=1e-5, max_position_embeddings=131072, num_key_value_heads=8,
-                    rope_theta=150_000.0, num_local_experts=128, num_experts_per_tok=4,
-                    head_dim=64, sliding_window=128, attention_bias=True, swiglu_limit=7.0,
-                    swiglu_alpha=SWIGLU_ALPHA, rope_scaling=dict(
-                        rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0,
-                        truncate=False, original_max_position_embeddings=4096)),
+                    num_local_experts=128, num_experts_per_tok=4, head_dim=64, sliding_window=128,
+                    attention_bias=True, swiglu_limit=7.0, swiglu_alpha=SWIGLU_ALPHA,
+                    rope_theta=150_000.0, rope_scaling=dict(rope_type="yarn", factor=32.0,
+                    truncate=False, original_max_position_embeddings=4096)),
 }
 
 
@@ -1102,32 +1096,6 @@ def hf_mapping(cfg: ModelConfig, model_type: str) -> dict:
     f expert MLP width, v vocabulary. Mixtral calls the gate/up/down projections w1/w3/w2.
     GPT-OSS stores each layer's experts as one tensor, [in, out], gate and up interleaved
     (gate_up_proj[..., 0::2] is the gate); MXFP4 checkpoints read as that too (common/hf.py)."""
-    lay = "model.layers.{l}."
-    if model_type == "gpt_oss":
-        return _gpt_oss_mapping(cfg, lay, mixtral_mapping(cfg, "mixtral"))
-    return mixtral_mapping(cfg, model_type)
-
-
-def _gpt_oss_mapping(cfg: ModelConfig, lay: str, tree: dict) -> dict:
-    ex, at = lay + "mlp.experts.", lay + "self_attn."
-    tree["layers"] |= {
-        "w_router": (lay + "mlp.router.weight", "e d -> l d e"),
-        "b_router": (lay + "mlp.router.bias", "e -> l e"),
-        "w_gate": (ex + "gate_up_proj", "e d (f 2:0) -> l e d f"),
-        "w_up": (ex + "gate_up_proj", "e d (f 2:1) -> l e d f"),
-        "w_down": (ex + "down_proj", "e f d -> l e f d"),
-        "b_gate": (ex + "gate_up_proj_bias", "e (f 2:0) -> l e f"),
-        "b_up": (ex + "gate_up_proj_bias", "e (f 2:1) -> l e f"),
-        "b_down": (ex + "down_proj_bias", "e d -> l e d"), "sinks": (at + "sinks", "n -> l n")}
-    if cfg.attn_bias:
-        tree["layers"] |= {"bq": (at + "q_proj.bias", "(n h) -> l n h"),
-                           "bk": (at + "k_proj.bias", "(k h) -> l k h"),
-                           "bv": (at + "v_proj.bias", "(k h) -> l k h"),
-                           "bo": (at + "o_proj.bias", "d -> l d")}
-    return tree
-
-
-def mixtral_mapping(cfg: ModelConfig, model_type: str) -> dict:
     lay = "model.layers.{l}."
     if model_type == "mixtral":
         moe, gate, up, down = lay + "block_sparse_moe.", "w1", "w3", "w2"
@@ -1149,6 +1117,22 @@ def mixtral_mapping(cfg: ModelConfig, model_type: str) -> dict:
     if cfg.qk_norm:
         layers |= {"q_norm": (lay + "self_attn.q_norm.weight", "h -> l h"),
                    "k_norm": (lay + "self_attn.k_norm.weight", "h -> l h")}
+    if model_type == "gpt_oss":
+        ex, at = moe + "experts.", lay + "self_attn."
+        layers |= {"w_router": (moe + "router.weight", "e d -> l d e"),
+                   "b_router": (moe + "router.bias", "e -> l e"),
+                   "w_gate": (ex + "gate_up_proj", "e d (f 2:0) -> l e d f"),
+                   "w_up": (ex + "gate_up_proj", "e d (f 2:1) -> l e d f"),
+                   "w_down": (ex + "down_proj", "e f d -> l e f d"),
+                   "b_gate": (ex + "gate_up_proj_bias", "e (f 2:0) -> l e f"),
+                   "b_up": (ex + "gate_up_proj_bias", "e (f 2:1) -> l e f"),
+                   "b_down": (ex + "down_proj_bias", "e d -> l e d"),
+                   "sinks": (at + "sinks", "n -> l n")}
+    if cfg.attn_bias:
+        layers |= {"bq": (at + "q_proj.bias", "(n h) -> l n h"),
+                   "bk": (at + "k_proj.bias", "(k h) -> l k h"),
+                   "bv": (at + "v_proj.bias", "(k h) -> l k h"),
+                   "bo": (at + "o_proj.bias", "d -> l d")}
     tree = {"embed": ("model.embed_tokens.weight", "v d -> v d"), "layers": layers,
             "final_norm": ("model.norm.weight", "d -> d")}
     if not cfg.tie_embeddings:
@@ -1219,15 +1203,12 @@ def config_from_hf(c: dict, where: str = "config.json") -> ModelConfig:
 def _gpt_oss_config(c: dict, kind: str, rope: dict, unsupported) -> dict:
     """GPT-OSS's knobs from its config.json: every second layer windowed, or none."""
     L, W = c["num_hidden_layers"], c.get("sliding_window") or 0
-    kinds = c.get("layer_types") or [
-        "full_attention" if (i + 1) % 2 == 0 else "sliding_attention" for i in range(L)]
-    if kinds not in ([("full_attention" if (i + 1) % 2 == 0 else "sliding_attention")
-                      for i in range(L)], ["full_attention"] * L):
+    alternate = ["full_attention" if (i + 1) % 2 == 0 else "sliding_attention" for i in range(L)]
+    kinds = c.get("layer_types") or alternate
+    if kinds not in (alternate, ["full_attention"] * L):
         raise unsupported(f"layer_types {kinds} (windows on every second layer, or none)")
     if c["swiglu_alpha"] != SWIGLU_ALPHA:
         raise unsupported(f"swiglu_alpha {c['swiglu_alpha']} (only {SWIGLU_ALPHA})")
-    if (c.get("quantization_config") or {}).get("quant_method", "mxfp4") != "mxfp4":
-        raise unsupported(f"quantization {c['quantization_config']['quant_method']!r}")
     windowed = W > 0 and "sliding_attention" in kinds
     yarn = {} if kind == "default" else dict(
         yarn_factor=float(rope["factor"]), yarn_beta_fast=float(rope.get("beta_fast") or 32),
@@ -1247,10 +1228,9 @@ def _model_type(cfg: ModelConfig, model_type: str) -> str:
     others = (cfg.attn_bias, cfg.sliding_window, cfg.yarn_factor)
     if (cfg.qk_norm != (mt == "qwen3_moe") or (mt != "qwen3_moe" and not cfg.norm_topk) or
             gpt != ((mt == "gpt_oss"),) * 3 or mt != "gpt_oss" and any(others)):
-        raise hf.HFError(f"model_type {mt!r} does not fit this model (qk_norm={cfg.qk_norm}, "
-                         f"norm_topk={cfg.norm_topk}, sinks/biases/clamp={gpt}): q/k norms are "
-                         "qwen3_moe's, mixtral and gpt_oss always renormalise their top-k "
-                         "weights, and sinks, biases, windows, YaRN and the clamp are gpt_oss's.")
+        raise hf.HFError(f"model_type {mt!r} does not fit this model: q/k norms are qwen3_moe's, "
+                         "mixtral and gpt_oss always renormalise the top-k weights, and sinks, "
+                         "biases, windows, YaRN and the clamp are gpt_oss's (and all of its).")
     return mt
 
 
@@ -1271,15 +1251,15 @@ def config_to_hf(cfg: ModelConfig, model_type: str = "", dtype: str = "float32")
         c |= dict(intermediate_size=cfg.d_ff, router_jitter_noise=0.0)
     elif mt == "gpt_oss":
         L, W = cfg.n_layers, cfg.sliding_window
-        rope = {"rope_type": "default", "rope_theta": cfg.rope_theta} if not cfg.yarn_factor else {
-            "rope_type": "yarn", "rope_theta": cfg.rope_theta, "factor": cfg.yarn_factor,
-            "beta_fast": cfg.yarn_beta_fast, "beta_slow": cfg.yarn_beta_slow,
-            "truncate": cfg.yarn_truncate,
-            "original_max_position_embeddings": cfg.yarn_original_max_len}
+        rope = dict(rope_type="yarn", rope_theta=cfg.rope_theta, factor=cfg.yarn_factor,
+                    beta_fast=cfg.yarn_beta_fast, beta_slow=cfg.yarn_beta_slow,
+                    truncate=cfg.yarn_truncate,
+                    original_max_position_embeddings=cfg.yarn_original_max_len)
+        rope = rope if cfg.yarn_factor else dict(rope_type="default", rope_theta=cfg.rope_theta)
         c |= dict(intermediate_size=cfg.d_ff, attention_bias=cfg.attn_bias, sliding_window=W or
                   None, swiglu_limit=cfg.swiglu_limit, swiglu_alpha=SWIGLU_ALPHA,
                   rope_parameters=rope, rope_scaling=rope, layer_types=[
-                      "sliding_attention" if W and (i + 1) % cfg.global_every else
+                      "sliding_attention" if W and (i + 1) % (cfg.global_every or L + 1) else
                       "full_attention" for i in range(L)])
     else:  # intermediate_size is the width of dense layers, which this model has none of
         c |= dict(num_experts=cfg.n_experts, moe_intermediate_size=cfg.d_ff,

@@ -9,7 +9,8 @@ The layout says how HuggingFace's tensor becomes ours, einops-style: the left si
 the file (a group "(n h)" is one axis of size n*h, split in two), the right side our axis order. An
 axis only the right side names ("l" above) stacks many file tensors, one per value, named by putting
 the value into "{l}". An atom "2:0" on the left is an axis of size 2 of which this leaf is index 0:
-two leaves interleaved in one file tensor, as GPT-OSS's "e d (f 2:0)" (gate) and "(f 2:1)" (up). Sizes come from a dict ({"l": 32, "n": 32, "h": 128, ...}) built from the
+two leaves interleaved in one file tensor, as GPT-OSS's "e d (f 2:0)" (gate) and "(f 2:1)" (up).
+Sizes come from a dict ({"l": 32, "n": 32, "h": 128, ...}) built from the
 model's config. Loading and saving read the same mapping, so they cannot drift apart.
 
 Reading is sliced: each device's block of a tensor is copied from the memory-mapped file, cast
