@@ -430,12 +430,14 @@ def attention(q_BTNH, k_BSKH, v_BSKH, cfg: ModelConfig, mask_BTS=None):
     return jnp.einsum("bkgts,bskh->btkgh", p_BKGTS, v_BSKH).reshape(B, T, N, H)
 
 
-def capped_attention(q_BTNH, k_BSKH, v_BSKH, cfg: ModelConfig, mask_BTS=None, window=0):
-    """`attention` with Gemma's extras: logits scaled by query_scale^-1/2 and soft-capped,
-    c tanh(s / c), and with `window` > 0 a sliding window (t - W < s <= t). The window is
-    computed in blocks of C = W queries (T padded up to n C), each reading its own block's
-    keys and the block before: 2W scores per query instead of T, so a local layer costs
-    O(T W), not O(T^2)."""
+def capped_attention(q_BTNH, k_BSKH, v_BSKH, mask_BTS=None, window=0, *, scale: float,
+                     cap: float = 0.0, sinks_N=None):
+    """`attention` with Gemma's and GPT-OSS's extras: logits times `scale` and soft-capped,
+    c tanh(s / c); per-head sinks (GPT-OSS: a learned logit per head that joins the softmax's
+    denominator and takes no value, so a head may attend to nothing); and with `window` > 0 a
+    sliding window (t - W < s <= t). The window is computed in blocks of C = W queries (T
+    padded up to n C), each reading its own block's keys and the block before: 2W scores per
+    query instead of T, so a local layer costs O(T W), not O(T^2)."""
     B, T, N, H = q_BTNH.shape
     S, K = k_BSKH.shape[1], k_BSKH.shape[2]
     if 0 < window < T and S == T:
@@ -464,11 +466,18 @@ def capped_attention(q_BTNH, k_BSKH, v_BSKH, cfg: ModelConfig, mask_BTS=None, wi
     # every real query: causality hides them, and the padded mask is False there.
     ok = ok & (dist_nCS >= 0) if mask is None else ok & mask
     s_BnKGCS = jnp.einsum("bnckgh,bnskh->bnkgcs", q, k,
-                          preferred_element_type=jnp.float32) * (cfg.query_scale or H) ** -0.5
-    if cfg.attn_softcap:
-        s_BnKGCS = cfg.attn_softcap * jnp.tanh(s_BnKGCS / cfg.attn_softcap)
+                          preferred_element_type=jnp.float32) * scale
+    if cap:
+        s_BnKGCS = cap * jnp.tanh(s_BnKGCS / cap)
     ok = jnp.broadcast_to(ok, (B, *ok.shape[-3:]))[:, :, None, None]
-    p = jax.nn.softmax(jnp.where(ok, s_BnKGCS, -1e30), axis=-1).astype(v.dtype)
+    s_BnKGCS = jnp.where(ok, s_BnKGCS, -1e30)
+    if sinks_N is None:
+        p = jax.nn.softmax(s_BnKGCS, axis=-1).astype(v.dtype)
+    else:  # the sink is one more logit in each row, dropped after the softmax
+        sink = jnp.broadcast_to(sinks_N.astype(jnp.float32).reshape(K, N // K, 1, 1),
+                                (*s_BnKGCS.shape[:-1], 1))
+        p = jax.nn.softmax(jnp.concatenate([s_BnKGCS, sink], axis=-1), axis=-1)[..., :-1]
+        p = p.astype(v.dtype)
     o = jnp.einsum("bnkgcs,bnskh->bnckgh", p, v)
     return o.reshape(B, -1, N, H)[:, :T]
 
@@ -494,14 +503,15 @@ def block(x_BTD, lp: dict, pos_BT, inv_freq, cfg: ModelConfig, mask_BTS=None,
         inv_freq = jnp.where(is_global, inv_freq[1], inv_freq[0])
     q, k = apply_rope(q, pos_BT, inv_freq), apply_rope(k, pos_BT, inv_freq)
     stats = {"max_logit": train.max_logits(q, k, mask_BTS)} if max_logits else {}
+    scale = (cfg.query_scale or cfg.head_dim) ** -0.5
+    capped = partial(capped_attention, q, k, v, mask_BTS, scale=scale, cap=cfg.attn_softcap)
     if cfg.attn_softcap:
-        full = partial(capped_attention, q, k, v, cfg, mask_BTS)
+        full = capped
     else:  # the fused kernels, Gemma's query scale folded into q
         qs = q * math.sqrt(cfg.head_dim / cfg.query_scale) if cfg.query_scale else q
         full = partial(attention, qs, k, v, cfg, mask_BTS)
     W = cfg.sliding_window if cfg.sliding_window < q.shape[1] else 0  # else: all within reach
-    o = jax.lax.cond(is_global, full, partial(capped_attention, q, k, v, cfg, mask_BTS, W)
-                     ) if W else full()
+    o = jax.lax.cond(is_global, full, partial(capped, window=W)) if W else full()
     o = jnp.einsum("btnh,nhd->btd", o, w("wo"))
     x_BTD = x_BTD + (norm(o, "attn_post_norm") if cfg.sandwich_norm else o)
     h = norm(x_BTD, "mlp_norm")

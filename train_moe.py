@@ -1,4 +1,4 @@
-"""Mixture-of-experts decoder (Mixtral, Qwen3-MoE): dropless routing and expert parallelism.
+"""Mixture-of-experts decoder (Mixtral, Qwen3-MoE, GPT-OSS): dropless routing, expert parallelism.
 
     python train_moe.py tiny-moe                                  # the `make train-moe` run
     python train_moe.py mixtral-8x7b --mesh.expert 8 --mesh.fsdp -1
@@ -7,7 +7,7 @@
 
 Sections, in reading order: 1 config and presets, 2 parameters and their shardings, 3 model
 (attention, router, dispatch to the experts, grouped matmul), 4 loss and train step, 5 main
-and the training loop, 6 HuggingFace in and out (Mixtral, Qwen3-MoE); what no model changes
+and the training loop, 6 HuggingFace in and out (Mixtral, Qwen3-MoE, GPT-OSS); what no model changes
 (state, optimiser, MFU, dry run, bench, the loop's mechanics, the command line) is written
 once in common/train.py. Shapes are suffixed on tensor names: B batch, T sequence, D model
 width, N query heads, K key/value heads, H head width, V vocabulary, L layers, E experts,
@@ -81,6 +81,18 @@ class ModelConfig:
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     qk_norm: bool = False         # Qwen3: RMSNorm on each head of q and k before RoPE
+    # GPT-OSS. Each knob's off value is falsy and leaves the Mixtral block bit for bit.
+    sliding_window: int = 0       # local layers see the last W tokens, themselves included
+    global_every: int = 0         # with a window: layers n-1, 2n-1, ... are global; 0 = none
+    attn_sinks: bool = False      # a learned logit per head joins every softmax's denominator
+    attn_bias: bool = False       # biases on q, k, v and o
+    moe_bias: bool = False        # biases on the router and on each expert's three projections
+    swiglu_limit: float = 0.0     # clamped SwiGLU (see `glu`) at this limit (7.0); 0 = plain
+    yarn_factor: float = 0.0      # YaRN RoPE: context stretched this many times (32); 0 = off
+    yarn_original_max_len: int = 4096  # the context the model was pre-trained on
+    yarn_beta_fast: float = 32.0  # dims turning more often than this over it are kept ...
+    yarn_beta_slow: float = 1.0   # ... less often than this interpolated, a ramp between
+    yarn_truncate: bool = True    # round the ramp's ends to whole dims (GPT-OSS: False)
     # How to compute, not what: these may change when a run is resumed.
     dtype: Literal["float32", "bfloat16"] = "float32"  # activations and matmuls; weights stay f32
     attention: Literal["auto", "xla", "cudnn", "einsum"] = "auto"
@@ -150,11 +162,22 @@ def _big(model: ModelConfig, run: str, seq_len: int = 4096) -> Config:
 _QWEN3_MOE = dict(vocab_size=151936, head_dim=128, n_kv_heads=4, n_experts=128, top_k=8,
                   max_seq_len=40960, rope_theta=1_000_000.0, norm_eps=1e-6, qk_norm=True)
 
+# GPT-OSS (OpenAI 2025): windows of 128 on every second layer, sinks, biases, YaRN, clamped
+# SwiGLU experts; the released config.json's values.
+_GPT_OSS = dict(sliding_window=128, global_every=2, attn_sinks=True, attn_bias=True,
+                moe_bias=True, swiglu_limit=7.0, yarn_factor=32.0, yarn_truncate=False,
+                rope_theta=150_000.0)
+_GPT_OSS_BIG = dict(vocab_size=201088, d_model=2880, n_heads=64, n_kv_heads=8, head_dim=64,
+                    top_k=4, d_ff=2880, max_seq_len=131072, **_GPT_OSS)
+
 PRESETS: dict[str, tuple[str, Config]] = {
     # No remat: the tiny model's activations are a few MB, and recomputing them would cost a
     # third of every step on a laptop CPU.
     "tiny-moe": ("~9M parameters (4.5M active), 8 experts top-2, on the embedded corpus: the "
                  "`make train-moe` default", Config(model=ModelConfig(remat="none"))),
+    "tiny-gptoss": ("tiny-moe with GPT-OSS's knobs (window 128 of the 256 tokens on every "
+                    "second layer): `make train-moe MOE_PRESET=tiny-gptoss`", Config(
+                        model=ModelConfig(remat="none", **_GPT_OSS), run_dir="runs/tiny-gptoss")),
     # The model bench/peers/maxtext.sh runs in MaxText (Mixtral block), for side-by-side speed.
     "bench-parity-moe": ("MaxText comparison: d 256, 4 layers, 8 experts top-2, expert MLP 512, "
                          "vocab 32000, seq 256, batch 8", Config(ModelConfig(
@@ -168,6 +191,10 @@ PRESETS: dict[str, tuple[str, Config]] = {
         d_model=2048, n_layers=48, n_heads=32, d_ff=768, **_QWEN3_MOE), "qwen3-30b-a3b")),
     "qwen3-235b-a22b": ("Qwen3-235B-A22B (128 experts, top-8, q/k norm)", _big(ModelConfig(
         d_model=4096, n_layers=94, n_heads=64, d_ff=1536, **_QWEN3_MOE), "qwen3-235b-a22b")),
+    "gpt-oss-20b": ("GPT-OSS 20B (32 experts, top-4)", _big(ModelConfig(
+        n_layers=24, n_experts=32, **_GPT_OSS_BIG), "gpt-oss-20b")),
+    "gpt-oss-120b": ("GPT-OSS 120B (128 experts, top-4)", _big(ModelConfig(
+        n_layers=36, n_experts=128, **_GPT_OSS_BIG), "gpt-oss-120b")),
 }
 
 # Keys of the saved run config that a resumed run may change: how long, how often, on what
@@ -221,6 +248,10 @@ def validate(cfg: Config, n_devices: int) -> None:
                           f"{m.n_kv_heads} (each key/value head serves a whole group).")
     if m.head_dim % 2:
         raise ConfigError(f"--model.head-dim {m.head_dim} must be even (RoPE rotates pairs).")
+    if m.global_every and not m.sliding_window:
+        raise ConfigError(f"--model.global-every {m.global_every} without "
+                          "--model.sliding-window: the layers between the global ones are the "
+                          "windowed ones. Give the window, or --model.global-every 0.")
     train.check_batch(t.batch_size, t.microbatches, mesh, MOE_BATCH)
     if t.seq_len > m.max_seq_len:
         raise ConfigError(f"--train.seq-len {t.seq_len} exceeds the model's maximum "
@@ -267,6 +298,18 @@ def _param_table(cfg: ModelConfig) -> dict:
     }
     if cfg.qk_norm:
         layers |= {"q_norm": ((L, H), P(None, None), None), "k_norm": ((L, H), P(None, None), None)}
+    if cfg.attn_bias:
+        layers |= {"bq": ((L, N, H), P(None, "tensor", None), 0.0),
+                   "bk": ((L, K, H), P(None, "tensor", None), 0.0),
+                   "bv": ((L, K, H), P(None, "tensor", None), 0.0),
+                   "bo": ((L, D), P(None, None), 0.0)}
+    if cfg.attn_sinks:
+        layers["sinks"] = ((L, N), P(None, "tensor"), 0.0)
+    if cfg.moe_bias:  # b_down is whole on every tensor shard: `experts` adds it on one
+        layers |= {"b_router": ((L, E), P(None, None), 0.0),
+                   "b_gate": ((L, E, F), P(None, ex, "tensor"), 0.0),
+                   "b_up": ((L, E, F), P(None, ex, "tensor"), 0.0),
+                   "b_down": ((L, E, D), P(None, ex, None), 0.0)}
     table = {"embed": ((V, D), P("tensor", "fsdp"), std), "layers": layers,
              "final_norm": ((D,), P(None), None)}
     if not cfg.tie_embeddings:
@@ -294,7 +337,8 @@ def count_params(cfg: ModelConfig) -> int:
 
 def count_active_params(cfg: ModelConfig) -> int:
     """Parameters one token uses: all of them but the n_experts - top_k experts it skips."""
-    unused = cfg.n_layers * (cfg.n_experts - cfg.top_k) * 3 * cfg.d_model * cfg.d_ff
+    per_expert = 3 * cfg.d_model * cfg.d_ff + (2 * cfg.d_ff + cfg.d_model) * cfg.moe_bias
+    unused = cfg.n_layers * (cfg.n_experts - cfg.top_k) * per_expert
     return count_params(cfg) - unused
 
 
@@ -327,8 +371,26 @@ def rms_norm(x, w, eps):
 
 
 def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
+    """theta^(-2i/H); with YaRN (Peng et al. 2023, as transformers computes it) the dims that
+    turn fewer than beta_slow times over the original context are slowed by `factor`, those
+    that turn more than beta_fast times kept, and a linear ramp in the dims between."""
     H = cfg.head_dim
-    return (1.0 / cfg.rope_theta ** (np.arange(0, H, 2, dtype=np.float64) / H)).astype(np.float32)
+    inv = 1.0 / cfg.rope_theta ** (np.arange(0, H, 2, dtype=np.float64) / H)
+    if cfg.yarn_factor:
+        dim = lambda turns: H * math.log(cfg.yarn_original_max_len / (turns * 2 * math.pi)) / (
+            2 * math.log(cfg.rope_theta))
+        lo, hi = dim(cfg.yarn_beta_fast), dim(cfg.yarn_beta_slow)
+        lo, hi = (math.floor(lo), math.ceil(hi)) if cfg.yarn_truncate else (lo, hi)
+        lo, hi = max(lo, 0), min(hi, H - 1)
+        ramp = np.clip((np.arange(H // 2) - lo) / ((hi - lo) or 0.001), 0, 1)
+        inv = inv / cfg.yarn_factor * ramp + inv * (1 - ramp)
+    return inv.astype(np.float32)
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature: q and k are both scaled by this (DeepSeek-V3 passes its
+    own mscale)."""
+    return 0.1 * mscale * math.log(factor) + 1.0 if factor > 1 else 1.0
 
 
 def apply_rope(x_BTNH, pos_BT, inv_freq):
@@ -365,7 +427,72 @@ def attention(q_BTNH, k_BSKH, v_BSKH, cfg: ModelConfig, mask_BTS=None):
     return jnp.einsum("bkgts,bskh->btkgh", p_BKGTS, v_BSKH).reshape(B, T, N, H)
 
 
-def router(h_BTD, w_DE, cfg: ModelConfig):
+def capped_attention(q_BTNH, k_BSKH, v_BSKH, mask_BTS=None, window=0, *, scale: float,
+                     cap: float = 0.0, sinks_N=None):
+    """`attention` with Gemma's and GPT-OSS's extras: logits times `scale` and soft-capped,
+    c tanh(s / c); per-head sinks (GPT-OSS: a learned logit per head that joins the softmax's
+    denominator and takes no value, so a head may attend to nothing); and with `window` > 0 a
+    sliding window (t - W < s <= t). The window is computed in blocks of C = W queries (T
+    padded up to n C), each reading its own block's keys and the block before: 2W scores per
+    query instead of T, so a local layer costs O(T W), not O(T^2)."""
+    B, T, N, H = q_BTNH.shape
+    S, K = k_BSKH.shape[1], k_BSKH.shape[2]
+    if 0 < window < T and S == T:
+        C = window
+        n = -(-T // C)
+        pad = n * C - T
+        q = jnp.pad(q_BTNH, ((0, 0), (0, pad), (0, 0), (0, 0))).reshape(B, n, C, K, N // K, H)
+        # Keys with one block of front padding, as n + 1 blocks: block i reads blocks i, i + 1.
+        two = lambda x: jnp.pad(x, ((0, 0), (C, pad), (0, 0), (0, 0))).reshape(B, n + 1, C, K, H)
+        k, v = [jnp.concatenate([x[:, :-1], x[:, 1:]], axis=2) for x in
+                (two(k_BSKH), two(v_BSKH))]   # [B, n, 2C, K, H]
+        t_nC = jnp.arange(n * C).reshape(n, C)
+        s_nS = (jnp.arange(n)[:, None] - 1) * C + jnp.arange(2 * C)   # < 0: the front padding
+        mask = None
+        if mask_BTS is not None:
+            m = jnp.pad(mask_BTS, ((0, 0), (0, pad), (C, pad))).reshape(B, n, C, (n + 1) * C)
+            mask = jnp.take_along_axis(m, s_nS[None, :, None] + C, axis=3)
+    else:
+        q = q_BTNH.reshape(B, 1, T, K, N // K, H)
+        k, v = k_BSKH[:, None], v_BSKH[:, None]
+        t_nC, s_nS = jnp.arange(T)[None], jnp.arange(S)[None]
+        mask = None if mask_BTS is None else mask_BTS[:, None]
+    dist_nCS = t_nC[..., None] - s_nS[:, None]
+    ok = (s_nS[:, None] >= 0) & (dist_nCS < (window or S))
+    # An explicit mask replaces the causal one, as in `attention`. Padded keys come after
+    # every real query: causality hides them, and the padded mask is False there.
+    ok = ok & (dist_nCS >= 0) if mask is None else ok & mask
+    s_BnKGCS = jnp.einsum("bnckgh,bnskh->bnkgcs", q, k,
+                          preferred_element_type=jnp.float32) * scale
+    if cap:
+        s_BnKGCS = cap * jnp.tanh(s_BnKGCS / cap)
+    ok = jnp.broadcast_to(ok, (B, *ok.shape[-3:]))[:, :, None, None]
+    s_BnKGCS = jnp.where(ok, s_BnKGCS, -1e30)
+    if sinks_N is None:
+        p = jax.nn.softmax(s_BnKGCS, axis=-1).astype(v.dtype)
+    else:  # the sink is one more logit in each row, dropped after the softmax
+        sink = jnp.broadcast_to(sinks_N.astype(jnp.float32).reshape(K, N // K, 1, 1),
+                                (*s_BnKGCS.shape[:-1], 1))
+        p = jax.nn.softmax(jnp.concatenate([s_BnKGCS, sink], axis=-1), axis=-1)[..., :-1]
+        p = p.astype(v.dtype)
+    o = jnp.einsum("bnkgcs,bnskh->bnckgh", p, v)
+    return o.reshape(B, -1, N, H)[:, :T]
+
+
+def attend(q_BTNH, k_BTKH, v_BTKH, lp: dict, cfg: ModelConfig, is_global):
+    """One layer's attention: the fused kernels, or with sinks or a window (GPT-OSS)
+    train_dense.py's `capped_attention`; `is_global` (traced) picks the layer's kind. YaRN's
+    temperature scales q and k alike: here their logits, by its square."""
+    temp = yarn_mscale(cfg.yarn_factor) ** 2
+    if not (cfg.attn_sinks or cfg.sliding_window):
+        return attention(q_BTNH * temp if cfg.yarn_factor else q_BTNH, k_BTKH, v_BTKH, cfg)
+    full = partial(capped_attention, q_BTNH, k_BTKH, v_BTKH, scale=temp / math.sqrt(cfg.head_dim),
+                   sinks_N=lp.get("sinks"))
+    W = cfg.sliding_window if cfg.sliding_window < q_BTNH.shape[1] else 0  # else: all in reach
+    return jax.lax.cond(is_global, full, partial(full, window=W)) if W else full()
+
+
+def router(h_BTD, w_DE, cfg: ModelConfig, b_E=None):
     """Top-k routing and its statistics: (weights [B,T,R] f32, experts [B,T,R] int32, stats).
 
     Switch load balancing (Fedus et al. 2021, eq. 4), with HuggingFace's and MaxText's top-k
@@ -374,10 +501,13 @@ def router(h_BTD, w_DE, cfg: ModelConfig):
     probability of e. Perfect balance gives k; a collapse onto k experts gives E. Its
     gradient reaches the router through P only. Router z-loss (ST-MoE, Zoph et al. 2022):
     mean logsumexp(logits)^2, which keeps the logits small enough for float32 softmax to stay
-    exact. `load` is each expert's share of the assignments (1/E when balanced).
+    exact. `load` is each expert's share of the assignments (1/E when balanced). GPT-OSS's
+    router has a bias b_E and takes the softmax of the k chosen logits: the renormalised top k
+    of the softmax over all of them (norm_topk), the same weights.
     """
     E, R = cfg.n_experts, cfg.top_k
     logits_BTE = jnp.einsum("btd,de->bte", h_BTD.astype(jnp.float32), w_DE)
+    logits_BTE = logits_BTE if b_E is None else logits_BTE + b_E
     probs_BTE = jax.nn.softmax(logits_BTE, axis=-1)
     gate_BTR, expert_BTR = jax.lax.top_k(probs_BTE, R)
     if cfg.norm_topk:
@@ -392,8 +522,23 @@ def router(h_BTD, w_DE, cfg: ModelConfig):
     return gate_BTR, expert_BTR.astype(jnp.int32), stats
 
 
-def swiglu(x, w_gate, w_up, w_down):
-    return (jax.nn.silu(x @ w_gate) * (x @ w_up)) @ w_down
+SWIGLU_ALPHA = 1.702  # GPT-OSS's sigmoid gain: g sigmoid(1.702 g) approximates GELU
+
+
+def glu(g, u, cfg: ModelConfig | None = None):
+    """silu(g) u; with swiglu_limit (GPT-OSS) g is clamped above and u on both sides at the
+    limit, and the gate is g sigmoid(alpha g) (u + 1)."""
+    c = cfg.swiglu_limit if cfg is not None else 0.0
+    if not c:
+        return jax.nn.silu(g) * u
+    g, u = jnp.minimum(g, c), jnp.clip(u, -c, c)
+    return g * jax.nn.sigmoid(SWIGLU_ALPHA * g) * (u + 1)
+
+
+def swiglu(x, w_gate, w_up, w_down, cfg: ModelConfig | None = None, b=()):
+    """One expert's MLP; b: its gate, up and down biases when moe_bias."""
+    add = lambda y, i: y + b[i] if b else y
+    return add(glu(add(x @ w_gate, 0), add(x @ w_up, 1), cfg) @ w_down, 2)
 
 
 def _grouped_impl(cfg: ModelConfig) -> str:
@@ -423,25 +568,30 @@ def _tile_layout(sizes_G, M: int, tile: int):
     return dest_M, group_n, n_tiles
 
 
-def grouped_mlp(x_MD, sizes_G, w_gate_GDF, w_up_GDF, w_down_GFD, cfg: ModelConfig):
+def grouped_mlp(x_MD, sizes_G, w, cfg: ModelConfig):
     """SwiGLU of expert g on its rows: x is sorted by group, sizes_G[g] rows each. Rows past
-    sum(sizes_G) (buffer padding) give zeros. "ragged_dot": a grouped GEMM, each row against
-    its group's weights only. "tiled" (megablocks-style, for the CPU): every group padded to
-    whole tiles of `gmm_tile` rows, each tile multiplied with its group's weights, one batched
-    matmul over tiles; the cost is at most G tiles of padding and one weight copy per tile.
+    sum(sizes_G) (buffer padding) give zeros, or with biases values no one reads. w: the
+    weights [G, D, F], [G, D, F], [G, F, D], then with moe_bias the biases [G, F], [G, F],
+    [G, D]. "ragged_dot": a grouped GEMM, each row against its group's weights only. "tiled"
+    (megablocks-style, for the CPU): every group padded to whole tiles of `gmm_tile` rows,
+    each tile multiplied with its group's weights, one batched matmul over tiles; the cost is
+    at most G tiles of padding and one weight copy per tile.
     """
-    if _grouped_impl(cfg) == "ragged_dot":
-        h_MF = (jax.nn.silu(jax.lax.ragged_dot(x_MD, w_gate_GDF, sizes_G))
-                * jax.lax.ragged_dot(x_MD, w_up_GDF, sizes_G))
-        return jax.lax.ragged_dot(h_MF, w_down_GFD, sizes_G)
+    (w_gate_GDF, w_up_GDF, w_down_GFD), b = w[:3], w[3:]
     M, D = x_MD.shape
+    if _grouped_impl(cfg) == "ragged_dot":
+        group_M = jnp.minimum(jnp.searchsorted(jnp.cumsum(sizes_G), jnp.arange(M), side="right"),
+                              sizes_G.shape[0] - 1)
+        mm = lambda x, w, i: (jax.lax.ragged_dot(x, w, sizes_G) + b[i][group_M] if b else
+                              jax.lax.ragged_dot(x, w, sizes_G))
+        return mm(glu(mm(x_MD, w_gate_GDF, 0), mm(x_MD, w_up_GDF, 1), cfg), w_down_GFD, 2)
     tile = min(cfg.gmm_tile, M)
     dest_M, group_n, n = _tile_layout(sizes_G, M, tile)
     x_ntD = jnp.zeros((n * tile, D), x_MD.dtype).at[dest_M].set(x_MD, mode="drop")
     x_ntD = x_ntD.reshape(n, tile, D)
-    h_ntF = (jax.nn.silu(jnp.einsum("ntd,ndf->ntf", x_ntD, w_gate_GDF[group_n]))
-             * jnp.einsum("ntd,ndf->ntf", x_ntD, w_up_GDF[group_n]))
-    y_ntD = jnp.einsum("ntf,nfd->ntd", h_ntF, w_down_GFD[group_n])
+    mm = lambda x, w, i: (jnp.einsum("ntd,ndf->ntf", x, w[group_n]) + b[i][group_n][:, None]
+                          if b else jnp.einsum("ntd,ndf->ntf", x, w[group_n]))
+    y_ntD = mm(glu(mm(x_ntD, w_gate_GDF, 0), mm(x_ntD, w_up_GDF, 1), cfg), w_down_GFD, 2)
     return y_ntD.reshape(n * tile, -1).at[dest_M].get(mode="fill", fill_value=0)
 
 
@@ -476,7 +626,7 @@ def _dropless_exchange(x_AD, e_A, sizes_E, w, cfg: ModelConfig, peers: int, S: i
         jnp.cumsum(rsizes_PX, axis=1))                             # X marks padding
     order_M = jnp.argsort(local_PS.reshape(-1), stable=True)
     y_MD = grouped_mlp(recv_PSD.reshape(peers * S, D)[order_M], jnp.sum(rsizes_PX, axis=0),
-                       *w, cfg)
+                       w, cfg)
     back_PSD = jax.lax.all_to_all(y_MD[_inverse(order_M)].reshape(peers, S, D), "expert", 0, 0)
     # Sorted row a went to peer p = expert // X, at row a - start_P[p] of that peer's buffer.
     peer_A = e_A // X
@@ -497,10 +647,10 @@ def _capacity_exchange(x_AD, e_A, sizes_E, w, cfg: ModelConfig, peers: int, C: i
     if peers > 1:
         buf_PXCD = jax.lax.all_to_all(buf_PXCD, "expert", 0, 0)  # now [source peer, X, C, d]
     x_XMD = buf_PXCD.transpose(1, 0, 2, 3).reshape(X, peers * C, D)
-    w_gate, w_up, w_down = w
-    h_XMF = (jax.nn.silu(jnp.einsum("xmd,xdf->xmf", x_XMD, w_gate))
-             * jnp.einsum("xmd,xdf->xmf", x_XMD, w_up))
-    y_XMD = jnp.einsum("xmf,xfd->xmd", h_XMF, w_down)
+    b = w[3:]
+    mm = lambda x, w_, i: (jnp.einsum("xmd,xdf->xmf", x, w_) + b[i][:, None] if b else
+                           jnp.einsum("xmd,xdf->xmf", x, w_))
+    y_XMD = mm(glu(mm(x_XMD, w[0], 0), mm(x_XMD, w[1], 1), cfg), w[2], 2)
     y_PXCD = y_XMD.reshape(X, peers, C, D).transpose(1, 0, 2, 3)
     if peers > 1:
         y_PXCD = jax.lax.all_to_all(y_PXCD, "expert", 0, 0)      # [expert's peer, X, C, d]
@@ -508,21 +658,24 @@ def _capacity_exchange(x_AD, e_A, sizes_E, w, cfg: ModelConfig, peers: int, C: i
     return y_AD, A - jnp.sum(keep_A)
 
 
-def experts(x_BTD, expert_BTR, gate_BTR, w_gate, w_up, w_down, *, cfg: ModelConfig,
-            peers: int = 1, sharded: bool = False):
+def experts(x_BTD, expert_BTR, gate_BTR, *ws, cfg: ModelConfig, peers: int = 1,
+            sharded: bool = False):
     """The experts' output for this device's tokens, and how many assignments were dropped:
     per device in `shard_map` when sharded (this device's batch shard, its X = E/P experts,
-    d split over fsdp, F over tensor), or on everything at once without a mesh."""
+    d split over fsdp, F over tensor), or on everything at once without a mesh. ws: w_gate,
+    w_up, w_down, and with moe_bias b_gate, b_up, b_down."""
     dt = x_BTD.dtype
     B, T, D = x_BTD.shape
     R, n = cfg.top_k, B * T
-    w = (w_gate.astype(dt), w_up.astype(dt), w_down.astype(dt))
+    w = tuple(x.astype(dt) for x in ws)
     if sharded:
         # FSDP: gather this layer's expert weights over fsdp in the compute dtype (half the
         # traffic in bfloat16); autodiff turns the gather into a reduce-scatter of gradients.
         w = (jax.lax.all_gather(w[0], "fsdp", axis=1, tiled=True),
              jax.lax.all_gather(w[1], "fsdp", axis=1, tiled=True),
-             jax.lax.all_gather(w[2], "fsdp", axis=2, tiled=True))
+             jax.lax.all_gather(w[2], "fsdp", axis=2, tiled=True), *w[3:])
+        if len(w) > 3:  # the tensor shards' outputs are summed: the down bias joins one of them
+            w = (*w[:5], jnp.where(jax.lax.axis_index("tensor") == 0, w[5], 0).astype(dt))
     x_nD = x_BTD.reshape(n, D)
     # Assignments choice-major (a = r * n + token): within an expert the sort keeps every
     # first choice ahead of every second choice, so capacity mode drops second choices
@@ -539,7 +692,7 @@ def experts(x_BTD, expert_BTR, gate_BTR, w_gate, w_up, w_down, *, cfg: ModelConf
                                   S=n * min(cfg.n_experts // peers, R))
         dropped = jnp.zeros((), jnp.int32)
     else:
-        y_AD, dropped = grouped_mlp(x_AD, sizes_E, *w, cfg), jnp.zeros((), jnp.int32)
+        y_AD, dropped = grouped_mlp(x_AD, sizes_E, w, cfg), jnp.zeros((), jnp.int32)
     y_RnD = y_AD[_inverse(order_A)].reshape(R, n, D)
     gate_nR = gate_BTR.reshape(n, R).astype(dt)
     y_nD = jnp.einsum("rnd,nr->nd", y_RnD, gate_nR, preferred_element_type=jnp.float32)
@@ -550,12 +703,14 @@ def experts(x_BTD, expert_BTR, gate_BTR, w_gate, w_up, w_down, *, cfg: ModelConf
 
 def moe(h_BTD, lp: dict, cfg: ModelConfig):
     """The MoE block on normed activations: (output [B,T,D], routing stats)."""
-    gate_BTR, expert_BTR, stats = router(h_BTD, lp["w_router"], cfg)
-    ws = (lp["w_gate"], lp["w_up"], lp["w_down"])
+    gate_BTR, expert_BTR, stats = router(h_BTD, lp["w_router"], cfg, lp.get("b_router"))
+    ws = tuple(lp[k] for k in ("w_gate", "w_up", "w_down", "b_gate", "b_up", "b_down")[
+        :6 if cfg.moe_bias else 3])
     if cfg.n_experts == 1:
         # The dense twin of `bench`: one expert, weight exactly 1, routing is the identity.
         dt = h_BTD.dtype
-        y = swiglu(h_BTD, *(w[0].astype(dt) for w in ws))
+        one = [w[0].astype(dt) for w in ws]
+        y = swiglu(h_BTD, *one[:3], cfg, one[3:])
         return constrain(y, ACT_BTD), stats | {"dropped": jnp.zeros((), jnp.float32)}
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
@@ -563,26 +718,31 @@ def moe(h_BTD, lp: dict, cfg: ModelConfig):
     else:
         act = P(MOE_BATCH, None, None)
         w_in, w_out = P("expert", "fsdp", "tensor"), P("expert", "tensor", "fsdp")
+        b = (P("expert", "tensor"), P("expert", "tensor"), P("expert", None))
         y, dropped = jax.shard_map(
             partial(experts, cfg=cfg, peers=mesh.shape["expert"], sharded=True),
-            in_specs=(act, act, act, w_in, w_in, w_out), out_specs=(act, P(MOE_BATCH)),
+            in_specs=(act, act, act, w_in, w_in, w_out, *b[:len(ws) - 3]),
+            out_specs=(act, P(MOE_BATCH)),
         )(h_BTD, expert_BTR, gate_BTR, *ws)
     n_assign = h_BTD.shape[0] * h_BTD.shape[1] * cfg.top_k
     return y, stats | {"dropped": jnp.sum(dropped) / n_assign}
 
 
-def block(x_BTD, lp: dict, pos_BT, inv_freq, cfg: ModelConfig, max_logits: bool = False):
+def block(x_BTD, lp: dict, pos_BT, inv_freq, cfg: ModelConfig, max_logits: bool = False,
+          is_global=True):
     dt = x_BTD.dtype
     w = lambda name: lp[name].astype(dt)   # f32 master weights, compute-dtype matmuls
     h = rms_norm(x_BTD, lp["attn_norm"], cfg.norm_eps)
     q = jnp.einsum("btd,dnh->btnh", h, w("wq"))
     k = jnp.einsum("btd,dkh->btkh", h, w("wk"))
     v = jnp.einsum("btd,dkh->btkh", h, w("wv"))
+    if cfg.attn_bias:
+        q, k, v = q + w("bq"), k + w("bk"), v + w("bv")
     if cfg.qk_norm:
         q, k = rms_norm(q, lp["q_norm"], cfg.norm_eps), rms_norm(k, lp["k_norm"], cfg.norm_eps)
     q, k = apply_rope(q, pos_BT, inv_freq), apply_rope(k, pos_BT, inv_freq)
-    o = attention(q, k, v, cfg)
-    x_BTD = constrain(x_BTD + jnp.einsum("btnh,nhd->btd", o, w("wo")), ACT_BTD)
+    o = jnp.einsum("btnh,nhd->btd", attend(q, k, v, lp, cfg, is_global), w("wo"))
+    x_BTD = constrain(x_BTD + (o + w("bo") if cfg.attn_bias else o), ACT_BTD)
     y_BTD, stats = moe(rms_norm(x_BTD, lp["mlp_norm"], cfg.norm_eps), lp, cfg)
     if max_logits:  # for QK-clip: each head's largest attention logit
         stats["max_logit"] = train.max_logits(q, k)
@@ -603,15 +763,18 @@ def hidden(params: dict, tokens_BT, cfg: ModelConfig, max_logits: bool = False):
     x = constrain(jnp.take(embed, tokens_BT, axis=0).astype(dt), ACT_BTD)
     pos_BT = jnp.broadcast_to(jnp.arange(tokens_BT.shape[1]), tokens_BT.shape)
     inv_freq = rope_inv_freq(cfg)
+    L, W, n = cfg.n_layers, cfg.sliding_window, cfg.global_every
+    is_global_L = (np.arange(L) + 1) % n == 0 if W and n else np.full(L, not W)
 
-    def layer(x, lp):
-        return block(x, lp, pos_BT, inv_freq, cfg, max_logits)
+    def layer(x, xs):
+        return block(x, xs[0], pos_BT, inv_freq, cfg, max_logits, xs[1])
 
     if cfg.remat != "none":
         # prevent_cse=False: inside scan the recomputation cannot be merged away anyway.
         layer = jax.checkpoint(layer, policy=REMAT_POLICIES[cfg.remat], prevent_cse=False)
     # Unrolled (--model.no-scan-layers), each layer is compiled on its own.
-    x, stats = jax.lax.scan(layer, x, params["layers"], unroll=not cfg.scan_layers)
+    x, stats = jax.lax.scan(layer, x, (params["layers"], jnp.asarray(is_global_L)),
+                            unroll=not cfg.scan_layers)
     return rms_norm(x, params["final_norm"], cfg.norm_eps), stats
 
 
@@ -768,7 +931,10 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     per_layer = D * N * H + 2 * D * K * H + N * H * D + D * cfg.n_experts + \
         cfg.top_k * 3 * D * cfg.d_ff
     matmul_weights = L * per_layer + D * cfg.vocab_size
-    return 3.0 * (2 * matmul_weights + L * 2 * 2 * seq_len * N * H)   # + attention's
+    W, n = cfg.sliding_window, cfg.global_every   # a window layer reads min(T, W) keys
+    n_global = (L // n if n else 0) if W else L
+    keys = n_global * seq_len + (L - n_global) * min(seq_len, W or seq_len)
+    return 3.0 * (2 * matmul_weights + 2 * 2 * keys * N * H)   # + attention's
 
 
 # ----------------------------------------------------------------------------------------------
@@ -907,7 +1073,8 @@ def bench(cfg: Config, mesh, batch) -> dict:
 
 # As in train_dense.py: HF rotates the two halves of each head, as `apply_rope` does, so no
 # weight is permuted. The experts are stored one tensor per expert and per layer.
-HF_ARCHITECTURES = {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+HF_ARCHITECTURES = {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+                    "gpt_oss": "GptOssForCausalLM"}
 # What transformers assumes for a key that config.json leaves out (its config classes).
 _HF_DEFAULTS = {
     "mixtral": dict(rms_norm_eps=1e-5, max_position_embeddings=131072, num_key_value_heads=8,
@@ -915,13 +1082,20 @@ _HF_DEFAULTS = {
     "qwen3_moe": dict(rms_norm_eps=1e-6, max_position_embeddings=32768, num_key_value_heads=4,
                       rope_theta=10_000.0, num_experts=128, num_experts_per_tok=8,
                       moe_intermediate_size=768, norm_topk_prob=False),
+    "gpt_oss": dict(rms_norm_eps=1e-5, max_position_embeddings=131072, num_key_value_heads=8,
+                    num_local_experts=128, num_experts_per_tok=4, head_dim=64, sliding_window=128,
+                    attention_bias=True, swiglu_limit=7.0, swiglu_alpha=SWIGLU_ALPHA,
+                    rope_theta=150_000.0, rope_scaling=dict(rope_type="yarn", factor=32.0,
+                    truncate=False, original_max_position_embeddings=4096)),
 }
 
 
 def hf_mapping(cfg: ModelConfig, model_type: str) -> dict:
     """Our parameter tree, each leaf as (HuggingFace tensor name, layout): see common/hf.py.
     Atoms: l layers, e experts, d model, n query heads, k key/value heads, h head width,
-    f expert MLP width, v vocabulary. Mixtral calls the gate/up/down projections w1/w3/w2."""
+    f expert MLP width, v vocabulary. Mixtral calls the gate/up/down projections w1/w3/w2.
+    GPT-OSS stores each layer's experts as one tensor, [in, out], gate and up interleaved
+    (gate_up_proj[..., 0::2] is the gate); MXFP4 checkpoints read as that too (common/hf.py)."""
     lay = "model.layers.{l}."
     if model_type == "mixtral":
         moe, gate, up, down = lay + "block_sparse_moe.", "w1", "w3", "w2"
@@ -943,6 +1117,22 @@ def hf_mapping(cfg: ModelConfig, model_type: str) -> dict:
     if cfg.qk_norm:
         layers |= {"q_norm": (lay + "self_attn.q_norm.weight", "h -> l h"),
                    "k_norm": (lay + "self_attn.k_norm.weight", "h -> l h")}
+    if model_type == "gpt_oss":
+        ex, at = moe + "experts.", lay + "self_attn."
+        layers |= {"w_router": (moe + "router.weight", "e d -> l d e"),
+                   "b_router": (moe + "router.bias", "e -> l e"),
+                   "w_gate": (ex + "gate_up_proj", "e d (f 2:0) -> l e d f"),
+                   "w_up": (ex + "gate_up_proj", "e d (f 2:1) -> l e d f"),
+                   "w_down": (ex + "down_proj", "e f d -> l e f d"),
+                   "b_gate": (ex + "gate_up_proj_bias", "e (f 2:0) -> l e f"),
+                   "b_up": (ex + "gate_up_proj_bias", "e (f 2:1) -> l e f"),
+                   "b_down": (ex + "down_proj_bias", "e d -> l e d"),
+                   "sinks": (at + "sinks", "n -> l n")}
+    if cfg.attn_bias:
+        layers |= {"bq": (at + "q_proj.bias", "(n h) -> l n h"),
+                   "bk": (at + "k_proj.bias", "(k h) -> l k h"),
+                   "bv": (at + "v_proj.bias", "(k h) -> l k h"),
+                   "bo": (at + "o_proj.bias", "d -> l d")}
     tree = {"embed": ("model.embed_tokens.weight", "v d -> v d"), "layers": layers,
             "final_norm": ("model.norm.weight", "d -> d")}
     if not cfg.tie_embeddings:
@@ -973,24 +1163,27 @@ def config_from_hf(c: dict, where: str = "config.json") -> ModelConfig:
                           "model cannot be loaded faithfully.")
 
     for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-                "intermediate_size" if mt == "mixtral" else "moe_intermediate_size"):
+                "moe_intermediate_size" if mt == "qwen3_moe" else "intermediate_size"):
         if key not in c:
             raise hf.HFError(f"{where} has no {key!r}; it is not a complete {mt} config.")
     if c.get("hidden_act", "silu") != "silu":
         raise unsupported(f"hidden_act {c['hidden_act']!r} (only silu)")
-    if c.get("attention_bias"):
+    if c.get("attention_bias") and mt != "gpt_oss":
         raise unsupported("attention_bias (biases on the attention projections)")
     if c.get("mlp_only_layers") or c.get("decoder_sparse_step", 1) != 1:
         raise unsupported("dense MLP layers between the MoE layers (mlp_only_layers, "
                           "decoder_sparse_step)")
     if c.get("partial_rotary_factor", 1.0) != 1.0:
         raise unsupported(f"partial_rotary_factor {c['partial_rotary_factor']}")
-    theta, kind, _ = hf.rope_parameters(c, c["rope_theta"], where)
-    if kind != "default":
-        raise unsupported(f"rope type {kind!r} (only the default)")
+    theta, kind, rope = hf.rope_parameters(c, c["rope_theta"], where)
+    if kind not in ("default", "yarn") or kind == "yarn" and mt != "gpt_oss":
+        raise unsupported(f"rope type {kind!r} (only the default, and GPT-OSS's yarn)")
     # A sliding window of W tokens changes nothing on sequences of at most W tokens.
     window = (c.get("sliding_window") if mt == "mixtral" or c.get("use_sliding_window")
               else None)
+    gpt = {}
+    if mt == "gpt_oss":
+        gpt, window = _gpt_oss_config(c, kind, rope, unsupported), None
     max_len = c["max_position_embeddings"] if window is None else min(
         c["max_position_embeddings"], window)
     n_heads = c["num_attention_heads"]
@@ -1000,20 +1193,44 @@ def config_from_hf(c: dict, where: str = "config.json") -> ModelConfig:
         head_dim=c.get("head_dim") or c["hidden_size"] // n_heads,
         n_experts=n_experts or c.get("num_experts") or c["num_local_experts"],
         top_k=c["num_experts_per_tok"],
-        d_ff=c["intermediate_size"] if mt == "mixtral" else c["moe_intermediate_size"],
-        norm_topk=True if mt == "mixtral" else bool(c["norm_topk_prob"]),
+        d_ff=c["moe_intermediate_size"] if mt == "qwen3_moe" else c["intermediate_size"],
+        norm_topk=bool(c["norm_topk_prob"]) if mt == "qwen3_moe" else True,
         max_seq_len=max_len, rope_theta=theta, norm_eps=float(c["rms_norm_eps"]),
-        tie_embeddings=bool(c.get("tie_word_embeddings", False)), qk_norm=mt == "qwen3_moe")
+        tie_embeddings=bool(c.get("tie_word_embeddings", False)), qk_norm=mt == "qwen3_moe",
+        **gpt)
+
+
+def _gpt_oss_config(c: dict, kind: str, rope: dict, unsupported) -> dict:
+    """GPT-OSS's knobs from its config.json: every second layer windowed, or none."""
+    L, W = c["num_hidden_layers"], c.get("sliding_window") or 0
+    alternate = ["full_attention" if (i + 1) % 2 == 0 else "sliding_attention" for i in range(L)]
+    kinds = c.get("layer_types") or alternate
+    if kinds not in (alternate, ["full_attention"] * L):
+        raise unsupported(f"layer_types {kinds} (windows on every second layer, or none)")
+    if c["swiglu_alpha"] != SWIGLU_ALPHA:
+        raise unsupported(f"swiglu_alpha {c['swiglu_alpha']} (only {SWIGLU_ALPHA})")
+    windowed = W > 0 and "sliding_attention" in kinds
+    yarn = {} if kind == "default" else dict(
+        yarn_factor=float(rope["factor"]), yarn_beta_fast=float(rope.get("beta_fast") or 32),
+        yarn_beta_slow=float(rope.get("beta_slow") or 1), yarn_truncate=bool(rope.get(
+            "truncate", True)), yarn_original_max_len=rope["original_max_position_embeddings"])
+    return dict(sliding_window=W if windowed else 0, global_every=2 if windowed else 0,
+                attn_sinks=True, attn_bias=bool(c["attention_bias"]), moe_bias=True,
+                swiglu_limit=float(c["swiglu_limit"]), **yarn)
 
 
 def _model_type(cfg: ModelConfig, model_type: str) -> str:
-    mt = model_type or ("qwen3_moe" if cfg.qk_norm else "mixtral")
+    mt = model_type or ("qwen3_moe" if cfg.qk_norm else "gpt_oss" if cfg.attn_sinks else
+                        "mixtral")
     if mt not in HF_ARCHITECTURES:
         raise hf.HFError(f"model_type {mt!r}: choose one of {', '.join(HF_ARCHITECTURES)}.")
-    if cfg.qk_norm != (mt == "qwen3_moe") or (mt == "mixtral" and not cfg.norm_topk):
-        raise hf.HFError(f"model_type {mt!r} does not fit this model (qk_norm={cfg.qk_norm}, "
-                         f"norm_topk={cfg.norm_topk}): q/k norms are qwen3_moe's, and "
-                         "mixtral always renormalises its top-k weights.")
+    gpt = (cfg.attn_sinks, cfg.moe_bias, bool(cfg.swiglu_limit))
+    others = (cfg.attn_bias, cfg.sliding_window, cfg.yarn_factor)
+    if (cfg.qk_norm != (mt == "qwen3_moe") or (mt != "qwen3_moe" and not cfg.norm_topk) or
+            gpt != ((mt == "gpt_oss"),) * 3 or mt != "gpt_oss" and any(others)):
+        raise hf.HFError(f"model_type {mt!r} does not fit this model: q/k norms are qwen3_moe's, "
+                         "mixtral and gpt_oss always renormalise the top-k weights, and sinks, "
+                         "biases, windows, YaRN and the clamp are gpt_oss's (and all of its).")
     return mt
 
 
@@ -1032,6 +1249,18 @@ def config_to_hf(cfg: ModelConfig, model_type: str = "", dtype: str = "float32")
              torch_dtype=dtype)
     if mt == "mixtral":
         c |= dict(intermediate_size=cfg.d_ff, router_jitter_noise=0.0)
+    elif mt == "gpt_oss":
+        L, W = cfg.n_layers, cfg.sliding_window
+        rope = dict(rope_type="yarn", rope_theta=cfg.rope_theta, factor=cfg.yarn_factor,
+                    beta_fast=cfg.yarn_beta_fast, beta_slow=cfg.yarn_beta_slow,
+                    truncate=cfg.yarn_truncate,
+                    original_max_position_embeddings=cfg.yarn_original_max_len)
+        rope = rope if cfg.yarn_factor else dict(rope_type="default", rope_theta=cfg.rope_theta)
+        c |= dict(intermediate_size=cfg.d_ff, attention_bias=cfg.attn_bias, sliding_window=W or
+                  None, swiglu_limit=cfg.swiglu_limit, swiglu_alpha=SWIGLU_ALPHA,
+                  rope_parameters=rope, rope_scaling=rope, layer_types=[
+                      "sliding_attention" if W and (i + 1) % (cfg.global_every or L + 1) else
+                      "full_attention" for i in range(L)])
     else:  # intermediate_size is the width of dense layers, which this model has none of
         c |= dict(num_experts=cfg.n_experts, moe_intermediate_size=cfg.d_ff,
                   intermediate_size=cfg.d_ff, norm_topk_prob=cfg.norm_topk,
@@ -1068,7 +1297,7 @@ def save_hf(params: dict, cfg: ModelConfig, path: str, *, model_type: str = "",
 
 def export_hf(run_dir: str, out: str, step: int = -1,
               dtype: Literal["float32", "bfloat16"] = "float32",
-              model_type: Literal["", "mixtral", "qwen3_moe"] = "",
+              model_type: Literal["", "mixtral", "qwen3_moe", "gpt_oss"] = "",
               max_shard_gb: float = 5.0) -> list[str]:
     """Write a run's checkpoint as a HuggingFace folder (config.json, safetensors, tokenizer).
 
@@ -1077,7 +1306,8 @@ def export_hf(run_dir: str, out: str, step: int = -1,
         out: The folder to create (new or empty).
         step: The checkpoint to export; -1 = the latest.
         dtype: Of the weights written (checkpoints hold float32).
-        model_type: The family; "" = the source's, else qwen3_moe for q/k norm, or mixtral.
+        model_type: The family; "" = the source's, else qwen3_moe for q/k norm, gpt_oss for
+            sinks, or mixtral.
         max_shard_gb: The largest safetensors file.
     """
     def read(saved: dict) -> Config:

@@ -31,7 +31,8 @@ def main() -> None:
     k, v = (jnp.asarray(rng.standard_normal((B, T, K, H)), jnp.float32) for _ in range(2))
 
     def grad_fn(window):
-        loss = lambda q, k, v: jnp.sum(td.capped_attention(q, k, v, cfg, None, window))
+        loss = lambda q, k, v: jnp.sum(td.capped_attention(
+            q, k, v, None, window, scale=cfg.head_dim ** -0.5))
         return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
 
     fns = {f"window {a.window}": grad_fn(a.window), "every key": grad_fn(0)}

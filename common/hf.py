@@ -8,7 +8,9 @@ end of its file) as a tree shaped like its parameters, every leaf a pair (HF ten
 The layout says how HuggingFace's tensor becomes ours, einops-style: the left side is the tensor in
 the file (a group "(n h)" is one axis of size n*h, split in two), the right side our axis order. An
 axis only the right side names ("l" above) stacks many file tensors, one per value, named by putting
-the value into "{l}". Sizes come from a dict ({"l": 32, "n": 32, "h": 128, ...}) built from the
+the value into "{l}". An atom "2:0" on the left is an axis of size 2 of which this leaf is index 0:
+two leaves interleaved in one file tensor, as GPT-OSS's "e d (f 2:0)" (gate) and "(f 2:1)" (up).
+Sizes come from a dict ({"l": 32, "n": 32, "h": 128, ...}) built from the
 model's config. Loading and saving read the same mapping, so they cannot drift apart.
 
 Reading is sliced: each device's block of a tensor is copied from the memory-mapped file, cast
@@ -62,23 +64,27 @@ class Layout:
     file_shape: tuple[int, ...]   # the tensor as stored
     split_shape: tuple[int, ...]  # the same bytes, every group split into its axes
     stack: tuple[str, ...]        # axes that index file tensors ("l", "e"), outermost first
-    perm: tuple[int, ...]         # ours[..., j] = split.transpose(perm): split axis of each of ours
+    perm: tuple[int, ...]         # ours = split[pick].transpose(perm): split axis of each of ours
     shape: tuple[int, ...]        # ours, stack axes first
+    pick: tuple[tuple[int, int], ...] = ()  # (split axis, index) of each "2:0" atom
 
 
 def parse_layout(pattern: str, sizes: dict[str, int]) -> Layout:
     left, arrow, right = pattern.partition("->")
     groups = [g.split() if g else [a] for g, a in re.findall(r"\(([^)]*)\)|(\w+)", left)]
     atoms_left, atoms_right = [a for g in groups for a in g], right.split()
+    size = lambda a: int(a.split(":")[0]) if ":" in a else sizes[a]
+    pick = tuple((i, int(a.split(":")[1])) for i, a in enumerate(atoms_left) if ":" in a)
+    kept = [a for a in atoms_left if ":" not in a]
     stack = tuple(a for a in atoms_right if a not in atoms_left)
     data = [a for a in atoms_right if a in atoms_left]
-    if (not arrow or sorted(data) != sorted(atoms_left) or
+    if (not arrow or sorted(data) != sorted(kept) or
             tuple(atoms_right[:len(stack)]) != stack):
         raise ValueError(f"bad layout {pattern!r}: the right side must list every axis of the "
                          "left once, after the stacking axes")
-    return Layout(tuple(math.prod(sizes[a] for a in g) for g in groups),
-                  tuple(sizes[a] for a in atoms_left), stack,
-                  tuple(atoms_left.index(a) for a in data), tuple(sizes[a] for a in atoms_right))
+    return Layout(tuple(math.prod(size(a) for a in g) for g in groups),
+                  tuple(size(a) for a in atoms_left), stack, tuple(kept.index(a) for a in data),
+                  tuple(sizes[a] for a in atoms_right), pick)
 
 
 def _is_entry(x) -> bool:
@@ -144,14 +150,16 @@ def _read_header(file: str) -> dict[str, tuple[np.dtype, tuple[int, ...], int]]:
     header.pop("__metadata__", None)
     start, tensors = 8 + n, {}
     for name, t in header.items():
-        if t.get("dtype") not in DTYPES:
+        if t.get("dtype") not in DTYPES | PACKED:
             raise HFError(f"{file}: tensor {name} has dtype {t.get('dtype')}; only "
-                          f"{', '.join(DTYPES)} load (quantized checkpoints do not).")
+                          f"{', '.join(DTYPES)} load, and MXFP4 (other quantized checkpoints "
+                          "do not).")
         shape, (begin, end) = tuple(t["shape"]), t["data_offsets"]
-        if end - begin != math.prod(shape) * DTYPES[t["dtype"]].itemsize or end > size - start:
+        dtype = (DTYPES | PACKED)[t["dtype"]]
+        if end - begin != math.prod(shape) * dtype.itemsize or end > size - start:
             raise HFError(f"{file}: tensor {name} {list(shape)} {t['dtype']} does not fit its "
                           f"offsets [{begin}, {end}] in a {size}-byte file: truncated?")
-        tensors[name] = (DTYPES[t["dtype"]], shape, start + begin)
+        tensors[name] = (dtype, shape, start + begin)
     return tensors
 
 
@@ -184,15 +192,22 @@ class Checkpoint:
         if lost:
             raise HFError(f"{path}: {INDEX} places {lost[0]} in {weight_map[lost[0]]}, "
                           f"which does not hold it ({len(lost)} such tensors).")
+        self._mxfp4 = mxfp4_pairs(self._tensors, path)   # name -> (its blocks, its scales)
 
     def names(self) -> set[str]:
-        return set(self._tensors)
+        packed = {n for pair in self._mxfp4.values() for n in pair}
+        return set(self._tensors) - packed | set(self._mxfp4)
 
     def shape(self, name: str) -> tuple[int, ...]:
+        if name in self._mxfp4:
+            return MXFP4.logical_shape(self._tensors[self._mxfp4[name][0]][2])
         return self._tensors[name][2]
 
-    def array(self, name: str) -> np.ndarray:
-        """The whole tensor as a read-only memory map: nothing is read until it is sliced."""
+    def array(self, name: str):
+        """The whole tensor as a read-only memory map: nothing is read until it is sliced (an
+        MXFP4 pair as an `MXFP4`, read by `MXFP4.read`)."""
+        if name in self._mxfp4:
+            return MXFP4(*(self.array(n) for n in self._mxfp4[name]))
         file, dtype, shape, offset = self._tensors[name]
         if file not in self._maps:
             self._maps[file] = np.memmap(os.path.join(self.path, file), np.uint8, mode="r")
@@ -223,10 +238,14 @@ class Checkpoint:
         k = len(layout.stack)
         out = np.empty([len(r) for r in ranges], np.float32)
         # Our data axis j is split axis perm[j]: slice the file tensor there, then transpose.
-        file_index = tuple(index[k + j] for j in np.argsort(layout.perm))
+        file_index = [index[k + j] for j in np.argsort(layout.perm)]
+        for axis, i in layout.pick:
+            file_index.insert(axis, i)
         for pos in np.ndindex(*out.shape[:k]):
             name = template.format(**{a: r[i] for a, r, i in zip(layout.stack, ranges, pos)})
-            x = self.array(name).reshape(layout.split_shape)[file_index]
+            x = self.array(name)
+            x = (x.reshape(layout.split_shape)[tuple(file_index)] if isinstance(x, np.ndarray)
+                 else x.read(layout.split_shape, file_index))
             out[pos] = x.transpose(layout.perm)
         return out
 
@@ -242,6 +261,72 @@ def load(ckpt: Checkpoint, mapping, sizes: dict, shardings, what: str,
         return jax.make_array_from_callback(layout.shape, sharding, read, dtype=np.float32)
 
     return jax.tree.map(one, mapping, shardings, is_leaf=_is_entry)
+
+
+# --- MXFP4: reading OpenAI's quantized experts (GPT-OSS) -------------------------------------
+PACKED = {"U8": np.dtype(np.uint8)}
+# E2M1, the OCP microscaling FP4: a sign bit, then 0, 0.5, 1, 1.5, 2, 3, 4, 6.
+FP4_VALUES = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6], np.float32)
+
+
+def mxfp4_pairs(tensors: dict, path: str) -> dict[str, tuple[str, str]]:
+    """name -> (name_blocks, name_scales) of each MXFP4 tensor; any other uint8 tensor is a
+    quantization we do not read, which must fail here rather than load as garbage."""
+    u8 = {n for n, t in tensors.items() if t[1] == PACKED["U8"]}   # t: (file, dtype, shape, at)
+    pairs = {n[:-7]: (n, n[:-7] + "_scales") for n in u8
+             if n.endswith("_blocks") and n[:-7] + "_scales" in u8}
+    if lone := sorted(u8 - {n for pair in pairs.values() for n in pair}):
+        raise HFError(f"{path}: tensor {lone[0]} is uint8 but not half of an MXFP4 pair "
+                      "(*_blocks and *_scales); only MXFP4 quantization is read.")
+    for blocks, scales in pairs.values():
+        b, s = tensors[blocks][2], tensors[scales][2]
+        if len(b) < 3 or b[:-1] != s or b[-1] != 16:
+            raise HFError(f"{path}: {blocks} {list(b)} and {scales} {list(s)} are not MXFP4 "
+                          "(blocks [..., rows, groups, 16] bytes, scales [..., rows, groups]).")
+    return pairs
+
+
+class MXFP4:
+    """A tensor stored as MXFP4: blocks [..., O, G, 16] uint8 hold 32 E2M1 values per group,
+    two per byte, the low nibble first; scales [..., O, G] uint8 one power of two per group,
+    2^(s - 127). As transformers dequantises them (integrations/mxfp4.py), the tensor is
+    [..., G * 32, O]: the last two axes swapped, so that it reads as the parameter it stands
+    for (GPT-OSS's gate_up_proj [E, D, 2F]) and one layout serves both kinds of checkpoint."""
+
+    def __init__(self, blocks: np.ndarray, scales: np.ndarray):
+        self.blocks, self.scales = blocks, scales
+        self.shape = self.logical_shape(blocks.shape)
+
+    @staticmethod
+    def logical_shape(blocks_shape) -> tuple[int, ...]:
+        *pre, rows, groups, nbytes = blocks_shape
+        return (*pre, groups * nbytes * 2, rows)
+
+    def take(self, coords: list[np.ndarray]) -> np.ndarray:
+        """x[np.ix_(*coords)] in float32, reading only the groups that hold those values."""
+        *pre, i_in, i_out = coords
+        g = np.unique(i_in // 32)
+        packed = self.blocks[np.ix_(*pre, i_out, g)]                    # [..., O', G', 16]
+        vals = FP4_VALUES[np.stack([packed & 15, packed >> 4], axis=-1)]  # low nibble first
+        exp = self.scales[np.ix_(*pre, i_out, g)].astype(np.int32) - 127
+        vals = np.ldexp(vals.reshape(*packed.shape[:-1], 32), exp[..., None])
+        cols = np.searchsorted(g, i_in // 32) * 32 + i_in % 32
+        return vals.reshape(*packed.shape[:-2], -1)[..., cols].swapaxes(-1, -2)
+
+    def read(self, split_shape: tuple, file_index: list) -> np.ndarray:
+        """`reshape(split_shape)[file_index]` of the dequantised tensor, for a layout's block:
+        each file axis's wanted positions, from the split axes it was cut into."""
+        coords, j = [], 0
+        for n in self.shape:
+            flat, first = np.zeros((), np.int64), j
+            while j == first or math.prod(split_shape[first:j]) < n:
+                s = file_index[j]
+                r = np.arange(split_shape[j])[s] if isinstance(s, slice) else np.array([s])
+                flat, j = flat[..., None] * split_shape[j] + r, j + 1
+            coords.append(flat.ravel())
+        out = [len(np.arange(n)[s]) for n, s in zip(split_shape, file_index)
+               if isinstance(s, slice)]
+        return self.take(coords).reshape(out)
 
 
 # --- Writing ----------------------------------------------------------------------------------
@@ -293,18 +378,35 @@ def save(path: str, params, mapping, sizes: dict, config: dict, *, dtype: str = 
         return np.asarray(jax.device_get(leaves[i] if outer is None else leaves[i][outer]))
 
     def make(i: int, idx: tuple, layout: Layout) -> np.ndarray:
-        """The file tensor at stack index `idx` of leaf i."""
-        x = fetch(i, idx[0] if idx else None)[idx[1:]]
-        return x.transpose(np.argsort(layout.perm)).reshape(layout.file_shape).astype(out_dtype)
+        """The file tensor at stack index `idx` of leaf i (its part, when it picks one)."""
+        x = fetch(i, idx[0] if idx else None)[idx[1:]].transpose(np.argsort(layout.perm))
+        return x if layout.pick else x.reshape(layout.file_shape).astype(out_dtype)
 
-    tensors = []  # (name, shape, dtype, make)
+    def merge(parts: list) -> np.ndarray:
+        """One file tensor from the leaves that each pick a part of it ("2:0", "2:1")."""
+        out = np.zeros(parts[0][0].split_shape, out_dtype)
+        for layout, part in parts:
+            where = [slice(None)] * len(layout.split_shape)
+            for axis, i in layout.pick:
+                where[axis] = i
+            out[tuple(where)] = part()
+        return out.reshape(parts[0][0].file_shape)
+
+    tensors, picked = [], {}  # (name, shape, dtype, make); name -> [(layout, make)]
     for i, ((template, pattern), leaf) in enumerate(zip(entries, leaves)):
         layout = parse_layout(pattern, sizes)
         if tuple(leaf.shape) != layout.shape:
             raise HFError(f"parameter {template} has shape {tuple(leaf.shape)}, the config "
                           f"implies {layout.shape}.")
-        tensors += [(name, layout.file_shape, out_dtype, functools.partial(make, i, idx, layout))
-                    for idx, name in _file_names(template, layout, sizes)]
+        for idx, name in _file_names(template, layout, sizes):
+            part = functools.partial(make, i, idx, layout)
+            if layout.pick and name in picked:
+                picked[name].append((layout, part))
+                continue
+            if layout.pick:
+                picked[name] = [(layout, part)]
+                part = functools.partial(merge, picked[name])
+            tensors.append((name, layout.file_shape, out_dtype, part))
 
     shards, size = [[]], 0
     for t in tensors:

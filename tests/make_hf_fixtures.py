@@ -21,7 +21,8 @@ and checkpoints split into several shards with an index. Gemma 2 and Gemma 3 add
 stored as w in (1 + w), a sqrt(d_model) embedding scale, four norms per layer, GELU (tanh),
 query_pre_attn_scalar that is not head_dim, windows shorter than the sequence on every second
 (Gemma 2) or third (Gemma 3) layer, tanh soft-capping of scores and logits small enough to bend
-them (Gemma 2), and q/k norms with a local RoPE base and a linearly scaled global one (Gemma 3).
+them (Gemma 2), and q/k norms with a local RoPE base and a linearly scaled global one (Gemma 3). GPT-OSS adds sinks
+away from zero, biases everywhere, one window layer and one full, YaRN and its clamped SwiGLU.
 """
 from __future__ import annotations
 
@@ -94,6 +95,16 @@ FAMILIES = {
         rope_scaling=dict(rope_type="linear", factor=2.0), final_logit_softcapping=None,
         attn_logit_softcapping=None, rms_norm_eps=1e-6, tie_word_embeddings=True,
         hidden_activation="gelu_pytorch_tanh", max_position_embeddings=64), "16KB"),
+    # GPT-OSS: layer 0 slides (window 5 of 16 tokens), layer 1 is full; YaRN with a small base
+    # and original context, so the ramp between kept and stretched frequencies lies within
+    # the head; a clamp low enough (1.5) that gate and up values pass it.
+    "gpt_oss": ("gpt_oss", dict(
+        vocab_size=64, hidden_size=32, intermediate_size=16, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=12, num_local_experts=4,
+        num_experts_per_tok=2, sliding_window=5, swiglu_limit=1.5, rms_norm_eps=1e-5,
+        rope_parameters=dict(rope_type="yarn", rope_theta=100.0, factor=4.0, beta_fast=8.0,
+                             beta_slow=1.0, truncate=False, original_max_position_embeddings=16),
+        max_position_embeddings=64), None),
 }
 
 
@@ -108,7 +119,9 @@ def randomize(model: torch.nn.Module, seed: int, model_type: str = "") -> None:
     with torch.no_grad():
         for name, p in sorted(model.named_parameters()):
             noise = torch.randn(p.shape, generator=g, dtype=torch.float32)
-            if name.endswith("norm.weight"):
+            if name.endswith("sinks"):  # a logit each head's softmax weighs against its keys
+                p.copy_(1.0 + noise)
+            elif name.endswith("norm.weight"):
                 p.copy_(0.3 * noise if gemma else 1.0 + 0.3 * noise)
             elif name.endswith(".bias"):
                 p.copy_(0.5 * noise)

@@ -22,6 +22,8 @@ SAME_SOURCE = {
     # The MoE trainer's loss is dense's fused chunked cross-entropy, soft-cap included.
     "_chunked": (td, tm), "_softcap": (td, tm), "_ce_fused": (td, tm),
     "_ce_fused_fwd": (td, tm), "_ce_fused_bwd": (td, tm),
+    # One windowed attention in the repo: Gemma's blocked window, with GPT-OSS's sinks.
+    "capped_attention": (td, tm),
     # train_grpo.py's policy is train_dense.py's model, and its HF loading half is dense's;
     # dense's parameter table, HF names and config reading also carry the Gemma knobs, which
     # the policy lacks: those are held equal on every other model below.

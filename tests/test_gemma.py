@@ -52,7 +52,8 @@ def test_windowed_attention_equals_band_masked_full_attention(T, W, packed, cap)
     r = jnp.asarray(np.random.default_rng(2).standard_normal((2, T, 4, 12)), jnp.float32)
 
     def f(window, m, q, k, v):
-        return jnp.sum(td.capped_attention(q, k, v, cfg, m, window) * r)
+        return jnp.sum(td.capped_attention(
+            q, k, v, m, window, scale=cfg.query_scale ** -0.5, cap=cfg.attn_softcap) * r)
 
     want, want_g = jax.value_and_grad(partial(f, 0, band), argnums=(0, 1, 2))(q, k, v)
     got, got_g = jax.value_and_grad(partial(f, W, given), argnums=(0, 1, 2))(q, k, v)
@@ -80,7 +81,7 @@ def test_uncapped_attention_is_the_fused_path():
     block() hands the fused kernels for Gemma 3's global layers."""
     cfg = dataclasses.replace(GEMMA3, attention="xla")
     q, k, v = random_qkv(2, 16, 4, 1, 12)
-    want = td.capped_attention(q, k, v, cfg)
+    want = td.capped_attention(q, k, v, scale=cfg.query_scale ** -0.5)
     got = td.attention(q * math.sqrt(12 / cfg.query_scale), k, v, cfg)
     np.testing.assert_allclose(got, want, atol=2e-6)
 

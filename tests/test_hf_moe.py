@@ -1,4 +1,4 @@
-"""HuggingFace in and out for train_moe.py: Mixtral and Qwen3-MoE against transformers.
+"""HuggingFace in and out for train_moe.py: Mixtral, Qwen3-MoE and GPT-OSS against transformers.
 
 Same fixtures and checks as tests/test_hf.py (see there), for the mixture-of-experts families:
 one tensor per expert and per layer, loaded straight onto the expert axis.
@@ -23,7 +23,7 @@ from common.mesh import MeshConfig, make_mesh
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIXTURES = os.path.join(ROOT, "tests", "fixtures", "hf")
-FAMILIES = ["mixtral", "qwen3_moe"]
+FAMILIES = ["mixtral", "qwen3_moe", "gpt_oss"]
 TOL = 1e-4
 BOOKKEEPING = {"transformers_version", "dtype", "torch_dtype", "bos_token_id", "eos_token_id",
                "pad_token_id", "use_cache", "initializer_range", "attention_dropout",
