@@ -42,7 +42,7 @@ train-grpo: $(VENV)/.installed  ## SFT warm start, then GRPO (GRPO_PRESET) on re
 	$(PY) train_grpo.py $(GRPO_PRESET) $(ARGS)
 
 test: $(VENV)/.installed  ## run the test suite on 8 simulated CPU devices
-	$(PY) -m pytest -n 2 tests $(ARGS)
+	$(PY) -m pytest -n 2 --dist worksteal tests $(ARGS)
 
 bench: $(VENV)/.installed  ## tokens/s, ms/step, MFU and compile time of PRESET on synthetic tokens
 	$(PY) train_dense.py $(PRESET) --bench 10 $(ARGS)
