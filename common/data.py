@@ -929,6 +929,21 @@ def chat_spans(messages: list[dict]) -> Spans:
     return spans
 
 
+def check_messages(msgs, where: str) -> None:
+    """A chat's "messages": a non-empty list of {role, content} with our roles and text."""
+    if not isinstance(msgs, list) or not msgs:
+        raise DataError(f'{where}: "messages" must be a non-empty list of '
+                        f'{{"role": ..., "content": ...}} objects')
+    for j, m in enumerate(msgs):
+        at = f"{where}: messages[{j}]"
+        if not isinstance(m, dict) or "role" not in m or "content" not in m:
+            raise DataError(f'{at} needs the fields "role" and "content"')
+        if m["role"] not in CHAT_ROLES:
+            raise DataError(f"{at} has role {m['role']!r}; the roles are {', '.join(CHAT_ROLES)}")
+        if not isinstance(m["content"], str):
+            raise DataError(f'{at}["content"] is a {type(m["content"]).__name__}, not a string')
+
+
 def sft_spans(obj, where: str, template: ChatTemplate | None = None) -> Spans:
     """The (text, trained) spans of one JSONL object of either shape; `where` names its line.
     Chat is rendered by `template` (a HuggingFace tokenizer's), else by ours. A prompt/completion
@@ -939,18 +954,7 @@ def sft_spans(obj, where: str, template: ChatTemplate | None = None) -> Spans:
                         f"{SFT_SHAPES}")
     if "messages" in obj:
         msgs = obj["messages"]
-        if not isinstance(msgs, list) or not msgs:
-            raise DataError(f'{where}: "messages" must be a non-empty list of '
-                            f'{{"role": ..., "content": ...}} objects')
-        for j, m in enumerate(msgs):
-            at = f"{where}: messages[{j}]"
-            if not isinstance(m, dict) or "role" not in m or "content" not in m:
-                raise DataError(f'{at} needs the fields "role" and "content"')
-            if m["role"] not in CHAT_ROLES:
-                raise DataError(f"{at} has role {m['role']!r}; the roles are "
-                                f"{', '.join(CHAT_ROLES)}")
-            if not isinstance(m["content"], str):
-                raise DataError(f'{at}["content"] is a {type(m["content"]).__name__}, not a string')
+        check_messages(msgs, where)
         if not any(m["role"] == "assistant" for m in msgs):
             raise DataError(f"{where}: no assistant turn, so nothing to train on")
         return template.spans(msgs, where) if template else chat_spans(msgs)

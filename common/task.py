@@ -31,7 +31,7 @@ from typing import Callable, NamedTuple
 
 import numpy as np
 
-from common.data import CHAT_ROLES, ChatTemplate, DataError, jsonl_objects
+from common.data import ChatTemplate, DataError, check_messages, jsonl_objects
 from common.train import ConfigError, log
 
 PASSED = ("completions", "finished")  # what every reward receives besides the lines' fields
@@ -136,17 +136,7 @@ def read_prompts(path: str, flag: str) -> list[tuple[str, dict]]:
 
 
 def _check_messages(msgs, where: str) -> None:
-    if not isinstance(msgs, list) or not msgs:
-        raise DataError(f'{where}: "messages" must be a non-empty list of '
-                        f'{{"role": ..., "content": ...}} objects')
-    for j, m in enumerate(msgs):
-        at = f"{where}: messages[{j}]"
-        if not isinstance(m, dict) or "role" not in m or "content" not in m:
-            raise DataError(f'{at} needs the fields "role" and "content"')
-        if m["role"] not in CHAT_ROLES:
-            raise DataError(f"{at} has role {m['role']!r}; the roles are {', '.join(CHAT_ROLES)}")
-        if not isinstance(m["content"], str):
-            raise DataError(f'{at}["content"] is a {type(m["content"]).__name__}, not a string')
+    check_messages(msgs, where)
     if msgs[-1]["role"] != "user":
         raise DataError(f"{where}: the last message is the {msgs[-1]['role']}'s; a prompt ends "
                         "with a user turn, which the policy answers")
