@@ -13,7 +13,7 @@ import pytest
 
 import train_moe as tm
 from common.data import DataConfig, prepare
-from common.mesh import MeshConfig
+from common.mesh import MeshConfig, make_mesh
 from common.train import ConfigError
 
 # Values narrower than the queries (6 < 8 + 4), a query latent and YaRN with its mscale.
@@ -78,6 +78,36 @@ def test_mla_equals_per_head_reference():
     for b in range(2):
         np.testing.assert_allclose(got[b], reference_mla(np.asarray(h[b], np.float64), lp, cfg),
                                    rtol=2e-4, atol=2e-5)
+
+
+def loss_and_grads(cfg, params, bias, batch, mesh):
+    with jax.set_mesh(mesh):
+        params = jax.device_put(params, tm.named(mesh, tm.param_specs(cfg)))
+        f = jax.jit(jax.value_and_grad(lambda p, b: tm.loss_fn(
+            tm.with_buffers(p, {"layers": {"router_bias": bias}}), b, cfg,
+            tm.TrainConfig(load_balance_loss=0.1)), has_aux=True))
+        (loss, _), g = f(params, batch)
+        return float(loss), jax.device_get(g)
+
+
+def test_expert_parallel_equals_one_device():
+    """Loss and every gradient, expert 2 x fsdp 2 x tensor 2 against one device: MLA's heads
+    and the shared and dense MLPs split over tensor, the groups' choice with the bias."""
+    cfg = dataclasses.replace(DS, n_layers=2)
+    rng = np.random.default_rng(0)
+    params = jax.tree.map(lambda x: np.asarray(x) + 0.1 * rng.standard_normal(x.shape).astype(
+        np.float32), tm.init_params(cfg, jax.random.key(0)))
+    bias = jnp.asarray(rng.standard_normal((1, 8)) * 0.1, jnp.float32)
+    batch = rng.integers(0, cfg.vocab_size, (8, 17), dtype=np.int32)
+    one = loss_and_grads(cfg, params, bias, batch, make_mesh(MeshConfig(fsdp=1),
+                                                             jax.devices()[:1]))
+    got = loss_and_grads(cfg, params, bias, batch, make_mesh(MeshConfig(fsdp=2, expert=2,
+                                                                        tensor=2)))
+    assert got[0] == pytest.approx(one[0], rel=1e-6)
+    for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(got[1]), jax.tree.leaves(one[1])):
+        np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-6, err_msg=jax.tree_util.keystr(path))
+    for name in ("wk_b", "shared_down", "w_router"):   # each is trained: not zero
+        assert float(np.abs(one[1]["layers"][name]).max()) > 1e-4, name
 
 
 def route(cfg, bias=None, seed=0, T=64):
