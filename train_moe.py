@@ -104,7 +104,7 @@ class ModelConfig:
     routed_scale: float = 0.0     # the routed experts' output times this (routed_scaling_factor)
     n_group: int = 0              # group-limited routing: experts in this many groups ...
     topk_group: int = 0           # ... of which each token may use the best this many
-    n_shared_experts: int = 0     # a SwiGLU of n_shared_experts x d_ff that every token goes through
+    n_shared_experts: int = 0     # a SwiGLU n_shared_experts x d_ff wide that every token uses
     first_k_dense: int = 0        # the first this many layers have a dense MLP, no experts
     dense_d_ff: int = 0           # that MLP's hidden width
     # How to compute, not what: these may change when a run is resumed.

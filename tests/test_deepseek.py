@@ -179,10 +179,10 @@ def test_resumed_equals_uninterrupted_biases_included(data_path, tmp_path, capsy
     (moved every step, outside the optimiser's state) among it."""
     def config(run_dir, steps):
         return tm.Config(
-            model=dataclasses.replace(DS, vocab_size=512, n_layers=2), train=tm.TrainConfig(steps=steps, batch_size=8, seq_len=16,
-                                           warmup_steps=1, lr=1e-2, schedule="constant",
-                                           log_every=1, eval_every=100, sample_tokens=0,
-                                           router_bias_rate=1e-2, peak_tflops=1.0),
+            model=dataclasses.replace(DS, vocab_size=512, n_layers=2),
+            train=tm.TrainConfig(steps=steps, batch_size=8, seq_len=16, warmup_steps=1, lr=1e-2,
+                                 schedule="constant", log_every=1, eval_every=100,
+                                 sample_tokens=0, router_bias_rate=1e-2, peak_tflops=1.0),
             mesh=MeshConfig(data=2, fsdp=1, expert=4), data=DataConfig(path=data_path),
             checkpoint=tm.CheckpointConfig(every=2, keep=2), run_dir=str(run_dir))
 
