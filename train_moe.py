@@ -303,7 +303,8 @@ def validate(cfg: Config, n_devices: int) -> None:
     # A device of the expert axis holds n_experts / expert whole experts.
     train.check_sizes(mesh, {"expert": [("--model.n-experts", m.n_experts)], "tensor": [
         ("--model.n-heads", m.n_heads), ("--model.n-kv-heads", m.n_kv_heads),
-        ("--model.d-ff", m.d_ff), ("--model.vocab-size", m.vocab_size)],
+        ("--model.d-ff", m.d_ff), ("--model.dense-d-ff", m.dense_d_ff),
+        ("--model.vocab-size", m.vocab_size)],
         "fsdp": [("--model.d-model", m.d_model)]})
     if m.n_heads % m.n_kv_heads:
         raise ConfigError(f"--model.n-heads {m.n_heads} is not a multiple of --model.n-kv-heads "

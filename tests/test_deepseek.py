@@ -165,6 +165,9 @@ def test_mla_and_routing_refuse_bad_flags():
         tm._validate_deepseek(dataclasses.replace(DS, sigmoid_routing=False), tm.TrainConfig())
     with pytest.raises(ConfigError, match="n-group"):
         tm._validate_deepseek(dataclasses.replace(DS, topk_group=1, top_k=3), tm.TrainConfig())
+    with pytest.raises(ConfigError, match="dense-d-ff 25"):
+        tm.validate(tm.Config(model=dataclasses.replace(DS, dense_d_ff=25),
+                              mesh=MeshConfig(fsdp=1, tensor=2)), 2)
 
 
 @pytest.fixture(scope="module")
