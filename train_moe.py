@@ -93,6 +93,20 @@ class ModelConfig:
     yarn_beta_fast: float = 32.0  # dims turning more often than this over it are kept ...
     yarn_beta_slow: float = 1.0   # ... less often than this interpolated, a ramp between
     yarn_truncate: bool = True    # round the ramp's ends to whole dims (GPT-OSS: False)
+    # DeepSeek-V2/V3 and Kimi K2 (see `mla` and `router`); off when falsy, as above.
+    kv_lora_rank: int = 0         # MLA: keys and values from one normed latent this wide; 0 = GQA
+    q_lora_rank: int = 0          # MLA: queries through a normed latent this wide; 0 = direct
+    qk_nope_head_dim: int = 128   # MLA: the per-head part of q and k that is not rotated
+    qk_rope_head_dim: int = 64    # MLA: the rotated part; its key is one for all heads
+    v_head_dim: int = 128         # MLA: the value heads' width
+    yarn_mscale_all_dim: float = 0.0  # MLA with YaRN: logits times yarn_mscale(factor, this)^2
+    sigmoid_routing: bool = False  # scores sigmoid(logits); top-k chosen on scores + a bias
+    routed_scale: float = 0.0     # the routed experts' output times this (routed_scaling_factor)
+    n_group: int = 0              # group-limited routing: experts in this many groups ...
+    topk_group: int = 0           # ... of which each token may use the best this many
+    n_shared_experts: int = 0     # a SwiGLU n_shared_experts x d_ff wide that every token uses
+    first_k_dense: int = 0        # the first this many layers have a dense MLP, no experts
+    dense_d_ff: int = 0           # that MLP's hidden width
     # How to compute, not what: these may change when a run is resumed.
     dtype: Literal["float32", "bfloat16"] = "float32"  # activations and matmuls; weights stay f32
     attention: Literal["auto", "xla", "cudnn", "einsum"] = "auto"
@@ -124,6 +138,7 @@ class TrainConfig:
     z_loss: float = 0.0           # weight of the output mean(logsumexp^2) (PaLM); 0 = off
     load_balance_loss: float = 0.01  # weight of the Switch load-balancing loss (mean over layers)
     router_z_loss: float = 0.001  # weight of the router's mean(logsumexp^2) (ST-MoE)
+    router_bias_rate: float = 0.0  # sigmoid routing: each step a bias moves this far (1e-3)
     seed: int = 0
     log_every: int = 10
     eval_every: int = 100
@@ -170,6 +185,30 @@ _GPT_OSS = dict(sliding_window=128, global_every=2, attn_sinks=True, attn_bias=T
 _GPT_OSS_BIG = dict(vocab_size=201088, d_model=2880, n_heads=64, n_kv_heads=8, head_dim=64,
                     top_k=4, d_ff=2880, max_seq_len=131072, **_GPT_OSS)
 
+# DeepSeek-V3's block at the tiny model's size: MLA, 8 experts in 4 groups (2 chosen), a
+# shared expert, one leading dense layer, and its balancing: the bias, and a tiny aux loss.
+_TINY_DEEPSEEK = ModelConfig(
+    remat="none", n_kv_heads=4, kv_lora_rank=64, q_lora_rank=96, qk_nope_head_dim=32,
+    qk_rope_head_dim=16, v_head_dim=32, sigmoid_routing=True, routed_scale=2.5, n_group=4,
+    topk_group=2, n_shared_experts=1, first_k_dense=1, dense_d_ff=512)
+
+# DeepSeek-V3 and Kimi K2 share the block, from their released config.json: MLA with a query
+# latent, 8 of the routed experts plus one shared, sigmoid scores, YaRN with mscale 1.
+_DEEPSEEK_V3 = dict(d_model=7168, n_layers=61, kv_lora_rank=512, q_lora_rank=1536,
+                    qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, top_k=8,
+                    d_ff=2048, dense_d_ff=18432, n_shared_experts=1, sigmoid_routing=True,
+                    norm_eps=1e-6, yarn_original_max_len=4096, yarn_mscale_all_dim=1.0)
+
+
+def _deepseek(model: ModelConfig, run: str) -> Config:
+    """A big preset with DeepSeek-V3's balancing: the bias at rate 0.001 and the aux loss at
+    1e-4 (its sec. 4.2); the sigmoid router has no z-loss to keep small."""
+    cfg = _big(model, run)
+    return dataclasses.replace(cfg, train=dataclasses.replace(
+        cfg.train, router_bias_rate=1e-3 if model.sigmoid_routing else 0.0,
+        load_balance_loss=1e-4 if model.sigmoid_routing else 1e-3, router_z_loss=0.0))
+
+
 PRESETS: dict[str, tuple[str, Config]] = {
     # No remat: the tiny model's activations are a few MB, and recomputing them would cost a
     # third of every step on a laptop CPU.
@@ -178,6 +217,12 @@ PRESETS: dict[str, tuple[str, Config]] = {
     "tiny-gptoss": ("tiny-moe with GPT-OSS's knobs (window 128 of the 256 tokens on every "
                     "second layer): `make train-moe MOE_PRESET=tiny-gptoss`", Config(
                         model=ModelConfig(remat="none", **_GPT_OSS), run_dir="runs/tiny-gptoss")),
+    "tiny-deepseek": ("tiny-moe with DeepSeek-V3's knobs (MLA, sigmoid group-limited routing "
+                      "with bias balancing, a shared expert, a dense first layer): "
+                      "`make train-moe MOE_PRESET=tiny-deepseek`", Config(
+                          model=_TINY_DEEPSEEK, train=TrainConfig(
+                              router_bias_rate=1e-3, load_balance_loss=1e-4, router_z_loss=0.0),
+                          run_dir="runs/tiny-deepseek")),
     # The model bench/peers/maxtext.sh runs in MaxText (Mixtral block), for side-by-side speed.
     "bench-parity-moe": ("MaxText comparison: d 256, 4 layers, 8 experts top-2, expert MLP 512, "
                          "vocab 32000, seq 256, batch 8", Config(ModelConfig(
@@ -191,6 +236,23 @@ PRESETS: dict[str, tuple[str, Config]] = {
         d_model=2048, n_layers=48, n_heads=32, d_ff=768, **_QWEN3_MOE), "qwen3-30b-a3b")),
     "qwen3-235b-a22b": ("Qwen3-235B-A22B (128 experts, top-8, q/k norm)", _big(ModelConfig(
         d_model=4096, n_layers=94, n_heads=64, d_ff=1536, **_QWEN3_MOE), "qwen3-235b-a22b")),
+    # V2-Lite routes by softmax, its top 6 not renormalised, 2 shared experts, no q latent.
+    "deepseek-v2-lite": ("DeepSeek-V2-Lite (64 experts top-6 + 2 shared, MLA)", _deepseek(
+        ModelConfig(vocab_size=102400, d_model=2048, n_layers=27, n_heads=16, n_kv_heads=16,
+                    kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+                    v_head_dim=128, n_experts=64, top_k=6, d_ff=1408, norm_topk=False,
+                    n_shared_experts=2, first_k_dense=1, dense_d_ff=10944, norm_eps=1e-6,
+                    max_seq_len=163840, yarn_factor=40.0, yarn_original_max_len=4096,
+                    yarn_mscale_all_dim=0.707), "deepseek-v2-lite")),
+    "deepseek-v3": ("DeepSeek-V3 (256 experts top-8 in 8 groups + 1 shared, MLA; without the "
+                    "multi-token-prediction module)", _deepseek(ModelConfig(
+                        vocab_size=129280, n_heads=128, n_kv_heads=128, n_experts=256,
+                        routed_scale=2.5, n_group=8, topk_group=4, first_k_dense=3,
+                        max_seq_len=163840, yarn_factor=40.0, **_DEEPSEEK_V3), "deepseek-v3")),
+    "kimi-k2": ("Kimi K2 (384 experts top-8 + 1 shared, MLA, DeepSeek-V3's block)", _deepseek(
+        ModelConfig(vocab_size=163840, n_heads=64, n_kv_heads=64, n_experts=384,
+                    routed_scale=2.827, first_k_dense=1, max_seq_len=131072, rope_theta=50_000.0,
+                    yarn_factor=32.0, yarn_beta_fast=1.0, **_DEEPSEEK_V3), "kimi-k2")),
     "gpt-oss-20b": ("GPT-OSS 20B (32 experts, top-4)", _big(ModelConfig(
         n_layers=24, n_experts=32, **_GPT_OSS_BIG), "gpt-oss-20b")),
     "gpt-oss-120b": ("GPT-OSS 120B (128 experts, top-4)", _big(ModelConfig(
@@ -241,7 +303,8 @@ def validate(cfg: Config, n_devices: int) -> None:
     # A device of the expert axis holds n_experts / expert whole experts.
     train.check_sizes(mesh, {"expert": [("--model.n-experts", m.n_experts)], "tensor": [
         ("--model.n-heads", m.n_heads), ("--model.n-kv-heads", m.n_kv_heads),
-        ("--model.d-ff", m.d_ff), ("--model.vocab-size", m.vocab_size)],
+        ("--model.d-ff", m.d_ff), ("--model.dense-d-ff", m.dense_d_ff),
+        ("--model.vocab-size", m.vocab_size)],
         "fsdp": [("--model.d-model", m.d_model)]})
     if m.n_heads % m.n_kv_heads:
         raise ConfigError(f"--model.n-heads {m.n_heads} is not a multiple of --model.n-kv-heads "
@@ -261,6 +324,58 @@ def validate(cfg: Config, n_devices: int) -> None:
                           f"{m.loss_chunk}.")
     train.check_profile(t.profile_steps, t.steps)
     train.check_qk_clip("--train.qk-clip-threshold", t.qk_clip_threshold, m.qk_norm)
+    _validate_deepseek(m, t)
+
+
+def _validate_deepseek(m: ModelConfig, t: TrainConfig) -> None:
+    if m.kv_lora_rank:
+        clash = [f for f in ("qk_norm", "attn_bias", "attn_sinks", "sliding_window") if
+                 getattr(m, f)]
+        if clash:
+            raise ConfigError(f"--model.kv-lora-rank {m.kv_lora_rank} (MLA) with --model."
+                              f"{clash[0].replace('_', '-')}: MLA is DeepSeek's attention, "
+                              "which has none of those; turn it off.")
+        if m.n_kv_heads != m.n_heads:
+            raise ConfigError(f"--model.n-kv-heads {m.n_kv_heads} with MLA: MLA builds a key "
+                              f"and a value for each query head; set it to --model.n-heads "
+                              f"{m.n_heads}.")
+        if m.qk_rope_head_dim % 2 or m.qk_rope_head_dim < 2:
+            raise ConfigError(f"--model.qk-rope-head-dim {m.qk_rope_head_dim} must be even and "
+                              "positive (RoPE rotates pairs).")
+        if m.v_head_dim > m.qk_nope_head_dim + m.qk_rope_head_dim:
+            raise ConfigError(f"--model.v-head-dim {m.v_head_dim} exceeds the query width "
+                              f"{m.qk_nope_head_dim + m.qk_rope_head_dim} (nope + rope), to "
+                              "which the values are padded; narrow it.")
+        if m.yarn_factor and not m.yarn_mscale_all_dim:
+            raise ConfigError("--model.yarn-factor with MLA needs --model.yarn-mscale-all-dim "
+                              "(DeepSeek-V3: 1.0): the logits' YaRN correction.")
+        if t.qk_clip_threshold:
+            raise ConfigError("--train.qk-clip-threshold with MLA: QK-clip here scales wq and "
+                              "wk, which MLA does not have. Set it to 0.")
+    elif m.yarn_mscale_all_dim:
+        raise ConfigError("--model.yarn-mscale-all-dim is MLA's (--model.kv-lora-rank > 0); "
+                          "set it to 0.")
+    if m.n_group and (m.n_experts % m.n_group or not 1 <= m.topk_group <= m.n_group or
+                      m.top_k > m.topk_group * (m.n_experts // m.n_group) or
+                      m.n_experts < 2 * m.n_group):
+        raise ConfigError(f"--model.n-group {m.n_group} --model.topk-group {m.topk_group}: "
+                          f"the groups must split --model.n-experts {m.n_experts} evenly, at "
+                          "least 2 experts each (each group is ranked by its best two), and "
+                          f"the chosen groups must hold --model.top-k {m.top_k} experts.")
+    if (m.n_group or m.routed_scale or t.router_bias_rate) and not m.sigmoid_routing:
+        raise ConfigError("--model.n-group, --model.routed-scale and --train.router-bias-rate "
+                          "are DeepSeek's sigmoid routing: add --model.sigmoid-routing.")
+    if m.sigmoid_routing and m.moe_bias:
+        raise ConfigError("--model.sigmoid-routing with --model.moe-bias: GPT-OSS's router "
+                          "bias and DeepSeek's choice bias are different models; pick one.")
+    if not 0 <= m.first_k_dense < m.n_layers or bool(m.first_k_dense) != bool(m.dense_d_ff):
+        raise ConfigError(f"--model.first-k-dense {m.first_k_dense} --model.dense-d-ff "
+                          f"{m.dense_d_ff}: give both (dense layers and their width) or "
+                          f"neither, with fewer dense layers than --model.n-layers "
+                          f"{m.n_layers}.")
+    if t.qk_clip_threshold and m.first_k_dense:
+        raise ConfigError("--train.qk-clip-threshold with --model.first-k-dense: the clip "
+                          "reads the MoE layers' logits only. Set it to 0.")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -276,11 +391,24 @@ def _param_table(cfg: ModelConfig) -> dict:
     whole experts. Within an expert, d is split over fsdp (gathered per layer) and the hidden
     width over tensor, as in a dense MLP. Init std: 0.02, scaled by 1/sqrt(2L) on the two
     projections that write into the residual stream (GPT-2). std None = ones (norms).
+    With first_k_dense, those layers are a second, shorter stack ("dense_layers", run before
+    "layers"): a scan needs every layer of a stack to have the same weights.
     """
-    L, D, N, K, H, V = (cfg.n_layers, cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
-                        cfg.vocab_size)
+    L, D, V, Kd = cfg.n_layers, cfg.d_model, cfg.vocab_size, cfg.first_k_dense
+    table = {"embed": ((V, D), P("tensor", "fsdp"), 0.02),
+             "layers": _layer_table(cfg, L - Kd, moe=True), "final_norm": ((D,), P(None), None)}
+    if Kd:
+        table["dense_layers"] = _layer_table(cfg, Kd, moe=False)
+    if not cfg.tie_embeddings:
+        table["unembed"] = ((D, V), P("fsdp", "tensor"), 0.02)
+    return table
+
+
+def _layer_table(cfg: ModelConfig, L: int, moe: bool) -> dict:
+    """One stack of L layers: attention (GQA or MLA), then the experts or a dense MLP."""
+    D, N, K, H = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     E, F = cfg.n_experts, cfg.d_ff
-    std, out_std = 0.02, 0.02 / math.sqrt(2 * L)
+    std, out_std = 0.02, 0.02 / math.sqrt(2 * cfg.n_layers)
     # One expert (the benchmark's dense twin) cannot be split; the expert axis then only
     # splits the batch.
     ex = "expert" if E > 1 else None
@@ -291,11 +419,38 @@ def _param_table(cfg: ModelConfig) -> dict:
         "wv": ((L, D, K, H), P(None, "fsdp", "tensor", None), std),
         "wo": ((L, N, H, D), P(None, "tensor", None, "fsdp"), out_std),
         "mlp_norm": ((L, D), P(None, None), None),
+    }
+    if cfg.kv_lora_rank:  # MLA (see `mla`): latents whole on each device, heads over tensor
+        C, Qr, Hr, Hv = cfg.kv_lora_rank, cfg.q_lora_rank, cfg.qk_rope_head_dim, cfg.v_head_dim
+        Hq = cfg.qk_nope_head_dim + Hr
+        del layers["wk"], layers["wv"]
+        layers |= {"wq": ((L, D, N, Hq), P(None, "fsdp", "tensor", None), std),
+                   "wkv_a": ((L, D, C + Hr), P(None, "fsdp", None), std),
+                   "kv_norm": ((L, C), P(None, None), None),
+                   "wk_b": ((L, C, N, cfg.qk_nope_head_dim), P(None, None, "tensor", None), std),
+                   "wv_b": ((L, C, N, Hv), P(None, None, "tensor", None), std),
+                   "wo": ((L, N, Hv, D), P(None, "tensor", None, "fsdp"), out_std)}
+        if Qr:
+            del layers["wq"]
+            layers |= {"wq_a": ((L, D, Qr), P(None, "fsdp", None), std),
+                       "q_norm_a": ((L, Qr), P(None, None), None),
+                       "wq_b": ((L, Qr, N, Hq), P(None, None, "tensor", None), std)}
+    if not moe:
+        Fd = cfg.dense_d_ff
+        return layers | {"mlp_gate": ((L, D, Fd), P(None, "fsdp", "tensor"), std),
+                         "mlp_up": ((L, D, Fd), P(None, "fsdp", "tensor"), std),
+                         "mlp_down": ((L, Fd, D), P(None, "tensor", "fsdp"), out_std)}
+    layers |= {
         "w_router": ((L, D, E), P(None, "fsdp", None), std),
         "w_gate": ((L, E, D, F), P(None, ex, "fsdp", "tensor"), std),
         "w_up": ((L, E, D, F), P(None, ex, "fsdp", "tensor"), std),
         "w_down": ((L, E, F, D), P(None, ex, "tensor", "fsdp"), out_std),
     }
+    if cfg.n_shared_experts:
+        Fs = cfg.n_shared_experts * F
+        layers |= {"shared_gate": ((L, D, Fs), P(None, "fsdp", "tensor"), std),
+                   "shared_up": ((L, D, Fs), P(None, "fsdp", "tensor"), std),
+                   "shared_down": ((L, Fs, D), P(None, "tensor", "fsdp"), out_std)}
     if cfg.qk_norm:
         layers |= {"q_norm": ((L, H), P(None, None), None), "k_norm": ((L, H), P(None, None), None)}
     if cfg.attn_bias:
@@ -310,11 +465,26 @@ def _param_table(cfg: ModelConfig) -> dict:
                    "b_gate": ((L, E, F), P(None, ex, "tensor"), 0.0),
                    "b_up": ((L, E, F), P(None, ex, "tensor"), 0.0),
                    "b_down": ((L, E, D), P(None, ex, None), 0.0)}
-    table = {"embed": ((V, D), P("tensor", "fsdp"), std), "layers": layers,
-             "final_norm": ((D,), P(None), None)}
-    if not cfg.tie_embeddings:
-        table["unembed"] = ((D, V), P("fsdp", "tensor"), std)
-    return table
+    return layers
+
+
+def _buffer_table(cfg: ModelConfig) -> dict:
+    """State that is not trained: with sigmoid routing, each MoE layer's per-expert bias on
+    the scores that choose the experts (DeepSeek-V3's e_score_correction_bias), replicated
+    like the router's expert axis. Moved by `balance_biases`, never by a gradient."""
+    if not cfg.sigmoid_routing:
+        return {}
+    return {"layers": {"router_bias": ((cfg.n_layers - cfg.first_k_dense, cfg.n_experts),
+                                       P(None, None), 0.0)}}
+
+
+def with_buffers(params: dict, buffers: dict) -> dict:
+    """The model's weights with the buffers joined into their stacks: what `forward` reads.
+    The buffers pass through stop_gradient: no gradient is taken of them."""
+    out = dict(params)
+    for stack, leaves in buffers.items():
+        out[stack] = params[stack] | jax.tree.map(jax.lax.stop_gradient, leaves)
+    return out
 
 
 def param_specs(cfg: ModelConfig) -> dict:
@@ -338,14 +508,17 @@ def count_params(cfg: ModelConfig) -> int:
 def count_active_params(cfg: ModelConfig) -> int:
     """Parameters one token uses: all of them but the n_experts - top_k experts it skips."""
     per_expert = 3 * cfg.d_model * cfg.d_ff + (2 * cfg.d_ff + cfg.d_model) * cfg.moe_bias
-    unused = cfg.n_layers * (cfg.n_experts - cfg.top_k) * per_expert
+    unused = (cfg.n_layers - cfg.first_k_dense) * (cfg.n_experts - cfg.top_k) * per_expert
     return count_params(cfg) - unused
 
 
 def train_state(cfg: Config, mesh) -> train.TrainState:
-    """{params, opt_state, step} of this model and optimiser on `mesh` (see common/train.py)."""
+    """{params, opt_state, step, and with sigmoid routing buffers: the router biases} of this
+    model and optimiser on `mesh` (see common/train.py)."""
+    bt = _buffer_table(cfg.model)
+    buffers = (lambda: train.table_init(bt, jax.random.key(0)), train.table_specs(bt))
     return train.TrainState(partial(_init, cfg.model), param_specs(cfg.model),
-                            make_optimizer(cfg.train), mesh)
+                            make_optimizer(cfg.train), mesh, buffers=buffers if bt else None)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -373,8 +546,9 @@ def rms_norm(x, w, eps):
 def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
     """theta^(-2i/H); with YaRN (Peng et al. 2023, as transformers computes it) the dims that
     turn fewer than beta_slow times over the original context are slowed by `factor`, those
-    that turn more than beta_fast times kept, and a linear ramp in the dims between."""
-    H = cfg.head_dim
+    that turn more than beta_fast times kept, and a linear ramp in the dims between. MLA
+    rotates only the qk_rope_head_dim part of each head."""
+    H = cfg.qk_rope_head_dim if cfg.kv_lora_rank else cfg.head_dim
     inv = 1.0 / cfg.rope_theta ** (np.arange(0, H, 2, dtype=np.float64) / H)
     if cfg.yarn_factor:
         dim = lambda turns: H * math.log(cfg.yarn_original_max_len / (turns * 2 * math.pi)) / (
@@ -479,10 +653,49 @@ def capped_attention(q_BTNH, k_BSKH, v_BSKH, mask_BTS=None, window=0, *, scale: 
     return o.reshape(B, -1, N, H)[:, :T]
 
 
+def mla(h_BTD, lp: dict, pos_BT, inv_freq, cfg: ModelConfig):
+    """Multi-head latent attention's queries, keys and values (DeepSeek-V2, sec. 2.1):
+
+        c_kv = RMSNorm(h W_kv_a[:C]),   k_n = c_kv W_k_b,   v_n = c_kv W_v_b   (per head n)
+        k_rope = RoPE(h W_kv_a[C:])     one rotated key for all heads
+        q_n = [q_nope, RoPE(q_rope)] of h W_q, or of RMSNorm(h W_q_a) W_q_b with q_lora_rank
+        k_n = [k_nope_n, k_rope]
+
+    Training materialises every head's key and value, as below. Decoding would instead cache
+    only c_kv and k_rope (C + Hr numbers a token, not 2 N H) and absorb the up-projections:
+    q_nope W_k_b^T is a query in latent space, and W_v_b folds into W_o."""
+    dt = h_BTD.dtype
+    w = lambda name: lp[name].astype(dt)
+    C, Hn, eps = cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.norm_eps
+    if cfg.q_lora_rank:
+        c_q = rms_norm(jnp.einsum("btd,dc->btc", h_BTD, w("wq_a")), lp["q_norm_a"], eps)
+        q = jnp.einsum("btc,cnh->btnh", c_q, w("wq_b"))
+    else:
+        q = jnp.einsum("btd,dnh->btnh", h_BTD, w("wq"))
+    kv = jnp.einsum("btd,dc->btc", h_BTD, w("wkv_a"))
+    c_kv = rms_norm(kv[..., :C], lp["kv_norm"], eps)
+    k_nope = jnp.einsum("btc,cnh->btnh", c_kv, w("wk_b"))
+    v = jnp.einsum("btc,cnh->btnh", c_kv, w("wv_b"))
+    k_rope = apply_rope(kv[:, :, None, C:], pos_BT, inv_freq)
+    q = jnp.concatenate([q[..., :Hn], apply_rope(q[..., Hn:], pos_BT, inv_freq)], axis=-1)
+    k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rope, (*k_nope.shape[:3],
+                                                            k_rope.shape[-1]))], axis=-1)
+    return q, k, v
+
+
 def attend(q_BTNH, k_BTKH, v_BTKH, lp: dict, cfg: ModelConfig, is_global):
     """One layer's attention: the fused kernels, or with sinks or a window (GPT-OSS)
     train_dense.py's `capped_attention`; `is_global` (traced) picks the layer's kind. YaRN's
-    temperature scales q and k alike: here their logits, by its square."""
+    temperature scales q and k alike: here their logits, by its square. MLA's values may be
+    narrower than its queries: they are zero-padded to the query width, which the kernels
+    need, and the padding cut from the output. DeepSeek's YaRN leaves the rotation unscaled
+    and multiplies the logits by mscale(factor, mscale_all_dim)^2 instead."""
+    Hv = v_BTKH.shape[-1]
+    if cfg.kv_lora_rank:
+        temp = yarn_mscale(cfg.yarn_factor, cfg.yarn_mscale_all_dim) ** 2
+        v_BTKH = jnp.pad(v_BTKH, ((0, 0),) * 3 + ((0, q_BTNH.shape[-1] - Hv),))
+        return attention(q_BTNH * temp if cfg.yarn_factor else q_BTNH, k_BTKH, v_BTKH,
+                         cfg)[..., :Hv]
     temp = yarn_mscale(cfg.yarn_factor) ** 2
     if not (cfg.attn_sinks or cfg.sliding_window):
         return attention(q_BTNH * temp if cfg.yarn_factor else q_BTNH, k_BTKH, v_BTKH, cfg)
@@ -492,7 +705,7 @@ def attend(q_BTNH, k_BTKH, v_BTKH, lp: dict, cfg: ModelConfig, is_global):
     return jax.lax.cond(is_global, full, partial(full, window=W)) if W else full()
 
 
-def router(h_BTD, w_DE, cfg: ModelConfig, b_E=None):
+def router(h_BTD, w_DE, cfg: ModelConfig, b_E=None, bias_E=None):
     """Top-k routing and its statistics: (weights [B,T,R] f32, experts [B,T,R] int32, stats).
 
     Switch load balancing (Fedus et al. 2021, eq. 4), with HuggingFace's and MaxText's top-k
@@ -504,22 +717,53 @@ def router(h_BTD, w_DE, cfg: ModelConfig, b_E=None):
     exact. `load` is each expert's share of the assignments (1/E when balanced). GPT-OSS's
     router has a bias b_E and takes the softmax of the k chosen logits: the renormalised top k
     of the softmax over all of them (norm_topk), the same weights.
+
+    DeepSeek-V3 (sigmoid_routing): scores s = sigmoid(logits); the top k are chosen on
+    s + bias_E (`balance_biases` moves the bias), but weighted by s alone, renormalised
+    (norm_topk) and times routed_scale. With n_group, each token first keeps its best
+    topk_group of n_group groups of experts, ranked by the sum of their two best s + bias,
+    and chooses only among those. The aux loss then takes P_e from s / sum(s).
     """
     E, R = cfg.n_experts, cfg.top_k
     logits_BTE = jnp.einsum("btd,de->bte", h_BTD.astype(jnp.float32), w_DE)
     logits_BTE = logits_BTE if b_E is None else logits_BTE + b_E
-    probs_BTE = jax.nn.softmax(logits_BTE, axis=-1)
-    gate_BTR, expert_BTR = jax.lax.top_k(probs_BTE, R)
-    if cfg.norm_topk:
-        gate_BTR = gate_BTR / jnp.sum(gate_BTR, axis=-1, keepdims=True)
+    if cfg.sigmoid_routing:
+        scores_BTE = jax.nn.sigmoid(logits_BTE)
+        probs_BTE = scores_BTE / jnp.sum(scores_BTE, axis=-1, keepdims=True)
+        choice_BTE = scores_BTE if bias_E is None else scores_BTE + bias_E
+        if cfg.n_group:
+            G = cfg.n_group
+            groups = choice_BTE.reshape(*choice_BTE.shape[:2], G, E // G)
+            _, best_BTg = jax.lax.top_k(jnp.sum(jax.lax.top_k(groups, 2)[0], axis=-1),
+                                        cfg.topk_group)
+            keep_BTG = jnp.sum(jax.nn.one_hot(best_BTg, G, dtype=jnp.int32), axis=2) > 0
+            choice_BTE = jnp.where(jnp.repeat(keep_BTG, E // G, axis=-1), choice_BTE, -jnp.inf)
+        expert_BTR = jax.lax.top_k(choice_BTE, R)[1]
+        gate_BTR = jnp.take_along_axis(scores_BTE, expert_BTR, axis=-1)
+        if cfg.norm_topk:  # HF's epsilon: all k scores may underflow to 0
+            gate_BTR = gate_BTR / (jnp.sum(gate_BTR, axis=-1, keepdims=True) + 1e-20)
+        gate_BTR = gate_BTR * (cfg.routed_scale or 1.0)
+    else:
+        probs_BTE = jax.nn.softmax(logits_BTE, axis=-1)
+        gate_BTR, expert_BTR = jax.lax.top_k(probs_BTE, R)
+        if cfg.norm_topk:
+            gate_BTR = gate_BTR / jnp.sum(gate_BTR, axis=-1, keepdims=True)
     n_tokens = h_BTD.shape[0] * h_BTD.shape[1]
     count_E = jnp.sum(jax.nn.one_hot(expert_BTR, E, dtype=jnp.float32), axis=(0, 1, 2))
     aux = E * jnp.sum(count_E / n_tokens * jnp.mean(probs_BTE, axis=(0, 1)))
     z = jnp.mean(jnp.square(jax.nn.logsumexp(logits_BTE, axis=-1)))
     load_E = count_E / (n_tokens * R)
     stats = {"aux_loss": aux, "router_z": z, "load_min": jnp.min(load_E),
-             "load_max": jnp.max(load_E)}
+             "load_max": jnp.max(load_E), "load": load_E}
     return gate_BTR, expert_BTR.astype(jnp.int32), stats
+
+
+def balance_biases(bias_LE, load_LE, rate: float):
+    """Auxiliary-loss-free balancing (DeepSeek-V3, sec. 2.1.2): after each step, each expert's
+    bias rises by `rate` when it took less than the even share of its layer's assignments
+    and falls by `rate` when it took more, so the choice drifts toward the idle experts while
+    the combine weights (the scores alone) are left as the gradient made them."""
+    return bias_LE + rate * jnp.sign(1.0 / load_LE.shape[-1] - load_LE)
 
 
 SWIGLU_ALPHA = 1.702  # GPT-OSS's sigmoid gain: g sigmoid(1.702 g) approximates GELU
@@ -703,7 +947,8 @@ def experts(x_BTD, expert_BTR, gate_BTR, *ws, cfg: ModelConfig, peers: int = 1,
 
 def moe(h_BTD, lp: dict, cfg: ModelConfig):
     """The MoE block on normed activations: (output [B,T,D], routing stats)."""
-    gate_BTR, expert_BTR, stats = router(h_BTD, lp["w_router"], cfg, lp.get("b_router"))
+    gate_BTR, expert_BTR, stats = router(h_BTD, lp["w_router"], cfg, lp.get("b_router"),
+                                         lp.get("router_bias"))
     ws = tuple(lp[k] for k in ("w_gate", "w_up", "w_down", "b_gate", "b_up", "b_down")[
         :6 if cfg.moe_bias else 3])
     if cfg.n_experts == 1:
@@ -725,25 +970,39 @@ def moe(h_BTD, lp: dict, cfg: ModelConfig):
             out_specs=(act, P(MOE_BATCH)),
         )(h_BTD, expert_BTR, gate_BTR, *ws)
     n_assign = h_BTD.shape[0] * h_BTD.shape[1] * cfg.top_k
+    if cfg.n_shared_experts:  # DeepSeek's shared experts: one wider SwiGLU every token uses
+        dt = h_BTD.dtype
+        y = y + swiglu(h_BTD, *(lp[k].astype(dt) for k in ("shared_gate", "shared_up",
+                                                            "shared_down")))
     return y, stats | {"dropped": jnp.sum(dropped) / n_assign}
 
 
 def block(x_BTD, lp: dict, pos_BT, inv_freq, cfg: ModelConfig, max_logits: bool = False,
           is_global=True):
+    """One layer: attention, then the experts, or a dense SwiGLU in a first_k_dense layer
+    (whose stack has no router); the dense layers' stats are empty."""
     dt = x_BTD.dtype
     w = lambda name: lp[name].astype(dt)   # f32 master weights, compute-dtype matmuls
     h = rms_norm(x_BTD, lp["attn_norm"], cfg.norm_eps)
-    q = jnp.einsum("btd,dnh->btnh", h, w("wq"))
-    k = jnp.einsum("btd,dkh->btkh", h, w("wk"))
-    v = jnp.einsum("btd,dkh->btkh", h, w("wv"))
-    if cfg.attn_bias:
-        q, k, v = q + w("bq"), k + w("bk"), v + w("bv")
-    if cfg.qk_norm:
-        q, k = rms_norm(q, lp["q_norm"], cfg.norm_eps), rms_norm(k, lp["k_norm"], cfg.norm_eps)
-    q, k = apply_rope(q, pos_BT, inv_freq), apply_rope(k, pos_BT, inv_freq)
+    if cfg.kv_lora_rank:
+        q, k, v = mla(h, lp, pos_BT, inv_freq, cfg)
+    else:
+        q = jnp.einsum("btd,dnh->btnh", h, w("wq"))
+        k = jnp.einsum("btd,dkh->btkh", h, w("wk"))
+        v = jnp.einsum("btd,dkh->btkh", h, w("wv"))
+        if cfg.attn_bias:
+            q, k, v = q + w("bq"), k + w("bk"), v + w("bv")
+        if cfg.qk_norm:
+            q, k = (rms_norm(q, lp["q_norm"], cfg.norm_eps),
+                    rms_norm(k, lp["k_norm"], cfg.norm_eps))
+        q, k = apply_rope(q, pos_BT, inv_freq), apply_rope(k, pos_BT, inv_freq)
     o = jnp.einsum("btnh,nhd->btd", attend(q, k, v, lp, cfg, is_global), w("wo"))
     x_BTD = constrain(x_BTD + (o + w("bo") if cfg.attn_bias else o), ACT_BTD)
-    y_BTD, stats = moe(rms_norm(x_BTD, lp["mlp_norm"], cfg.norm_eps), lp, cfg)
+    h = rms_norm(x_BTD, lp["mlp_norm"], cfg.norm_eps)
+    if "w_router" not in lp:
+        y_BTD = swiglu(h, w("mlp_gate"), w("mlp_up"), w("mlp_down"))
+        return constrain(x_BTD + y_BTD, ACT_BTD), {}
+    y_BTD, stats = moe(h, lp, cfg)
     if max_logits:  # for QK-clip: each head's largest attention logit
         stats["max_logit"] = train.max_logits(q, k)
     return constrain(x_BTD + y_BTD, ACT_BTD), stats
@@ -763,7 +1022,7 @@ def hidden(params: dict, tokens_BT, cfg: ModelConfig, max_logits: bool = False):
     x = constrain(jnp.take(embed, tokens_BT, axis=0).astype(dt), ACT_BTD)
     pos_BT = jnp.broadcast_to(jnp.arange(tokens_BT.shape[1]), tokens_BT.shape)
     inv_freq = rope_inv_freq(cfg)
-    L, W, n = cfg.n_layers, cfg.sliding_window, cfg.global_every
+    L, W, n, Kd = cfg.n_layers, cfg.sliding_window, cfg.global_every, cfg.first_k_dense
     is_global_L = (np.arange(L) + 1) % n == 0 if W and n else np.full(L, not W)
 
     def layer(x, xs):
@@ -773,7 +1032,10 @@ def hidden(params: dict, tokens_BT, cfg: ModelConfig, max_logits: bool = False):
         # prevent_cse=False: inside scan the recomputation cannot be merged away anyway.
         layer = jax.checkpoint(layer, policy=REMAT_POLICIES[cfg.remat], prevent_cse=False)
     # Unrolled (--model.no-scan-layers), each layer is compiled on its own.
-    x, stats = jax.lax.scan(layer, x, (params["layers"], jnp.asarray(is_global_L)),
+    if Kd:  # the dense layers come first, as their own stack
+        x, _ = jax.lax.scan(layer, x, (params["dense_layers"], jnp.asarray(is_global_L[:Kd])),
+                            unroll=not cfg.scan_layers)
+    x, stats = jax.lax.scan(layer, x, (params["layers"], jnp.asarray(is_global_L[Kd:])),
                             unroll=not cfg.scan_layers)
     return rms_norm(x, params["final_norm"], cfg.norm_eps), stats
 
@@ -887,14 +1149,23 @@ _ce_fused.defvjp(_ce_fused_fwd, _ce_fused_bwd)
 def train_step(state: dict, batch_BT1, *, cfg: Config, tx):
     """One optimiser step on a global batch [B, T+1] -> (new state, metrics). The gradient and
     its aux (ce, routing stats) are the microbatches' mean; with --train.qk-clip-threshold,
-    heads whose logits exceeded it are clipped after the update (common/train.py `qk_clip`)."""
+    heads whose logits exceeded it are clipped after the update (common/train.py `qk_clip`).
+    With sigmoid routing the router biases (state["buffers"]) read the step's load, unless
+    the step is skipped as non-finite."""
     M, tau = cfg.train.microbatches, cfg.train.qk_clip_threshold
-    grad_fn = jax.grad(partial(loss_fn, cfg=cfg.model, t=cfg.train), has_aux=True)
+    buffers = state.get("buffers", {})
+    grad_fn = jax.grad(lambda p, b: loss_fn(with_buffers(p, buffers), b, cfg.model, cfg.train),
+                       has_aux=True)
     grads, aux = train.accumulate(grad_fn, state["params"], batch_BT1, M, MOE_BATCH)
     max_LN = aux.pop("max_logit", None)  # the microbatches' largest, not their mean
     grads, aux = jax.tree.map(lambda x: x / M, (grads, aux))
     clip = partial(train.qk_clip, max_LN=max_LN, tau=tau) if tau > 0 else None
     new, metrics = train.update(tx, grads, state, aux["ce"], after=clip)
+    if buffers and cfg.train.router_bias_rate:
+        bias = buffers["layers"]["router_bias"]
+        moved = balance_biases(bias, aux["load"], cfg.train.router_bias_rate)
+        new["buffers"] = {"layers": {"router_bias": jnp.where(metrics["nonfinite"], bias,
+                                                              moved)}}
     if tau > 0:
         metrics["max_attn_logit"] = jnp.max(max_LN)
     return new, metrics | {"loss": aux["ce"], "lr": make_schedule(cfg.train)(state["step"]),
@@ -912,7 +1183,10 @@ def make_schedule(t: TrainConfig):
 # separate matrices (one per layer and expert). The router keeps AdamW, as in Kimi K2.
 MUON_DIMS = {"wq": ((1,), (2, 3)), "wk": ((1,), (2, 3)), "wv": ((1,), (2, 3)),
              "wo": ((1, 2), (3,)), "w_gate": ((2,), (3,)), "w_up": ((2,), (3,)),
-             "w_down": ((2,), (3,))}
+             "w_down": ((2,), (3,)), "wq_a": ((1,), (2,)), "wq_b": ((1,), (2, 3)),
+             "wkv_a": ((1,), (2,)), "wk_b": ((1,), (2, 3)), "wv_b": ((1,), (2, 3)),
+             **{k: ((1,), (2,)) for k in ("shared_gate", "shared_up", "shared_down",
+                                          "mlp_gate", "mlp_up", "mlp_down")}}
 
 
 def make_optimizer(t: TrainConfig):
@@ -928,13 +1202,21 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     up and down, the unembedding) plus attention's 2 * 2 * T * N * H per layer (PaLM app. B).
     Sorting, gathers, all-to-alls and capacity padding are overhead: MFU counts useful work."""
     D, N, K, H, L = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.n_layers
-    per_layer = D * N * H + 2 * D * K * H + N * H * D + D * cfg.n_experts + \
-        cfg.top_k * 3 * D * cfg.d_ff
-    matmul_weights = L * per_layer + D * cfg.vocab_size
+    attn, Hqv = D * N * H + 2 * D * K * H + N * H * D, 2 * H   # Hqv: q.k and p.v widths
+    if cfg.kv_lora_rank:   # MLA: the latents' down- and up-projections, keys and values
+        C, Qr, Hr, Hv = cfg.kv_lora_rank, cfg.q_lora_rank, cfg.qk_rope_head_dim, cfg.v_head_dim
+        Hq = cfg.qk_nope_head_dim + Hr
+        attn = ((D * Qr + Qr * N * Hq) if Qr else D * N * Hq) + D * (C + Hr) + \
+            C * N * (cfg.qk_nope_head_dim + Hv) + N * Hv * D
+        Hqv = Hq + Hv
+    Kd = cfg.first_k_dense
+    mlp = D * cfg.n_experts + (cfg.top_k + cfg.n_shared_experts) * 3 * D * cfg.d_ff
+    matmul_weights = L * attn + (L - Kd) * mlp + Kd * 3 * D * cfg.dense_d_ff + \
+        D * cfg.vocab_size
     W, n = cfg.sliding_window, cfg.global_every   # a window layer reads min(T, W) keys
     n_global = (L // n if n else 0) if W else L
     keys = n_global * seq_len + (L - n_global) * min(seq_len, W or seq_len)
-    return 3.0 * (2 * matmul_weights + 2 * 2 * keys * N * H)   # + attention's
+    return 3.0 * (2 * matmul_weights + 2 * keys * N * Hqv)   # + attention's
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1009,14 +1291,14 @@ def train_loop(cfg: Config, mesh, st: train.TrainState, step_fn) -> dict:
             state, metrics = step_fn(state, next_batch(step=step))
             loop.log(metrics)
             if loop.eval_due:
-                loop.eval(evaluate(state["params"]))
+                loop.eval(evaluate(with_buffers(state["params"], state.get("buffers", {}))))
             loop.checkpoint(state)
 
         run.ckpt.wait()
         if tc.sample_tokens > 0:
             prompt = ds.encode(tc.sample_prompt)
-            out = sample(state["params"], [prompt], cfg, mesh, jax.random.key(tc.seed + 7),
-                         ds.vocab_size)[0]
+            out = sample(with_buffers(state["params"], state.get("buffers", {})), [prompt], cfg,
+                         mesh, jax.random.key(tc.seed + 7), ds.vocab_size)[0]
             log("sample:\n" + ds.decode(prompt + out))
         logged = [r for r in run.metrics_log.records if "load_max" in r]
         routing = "-" if not logged else (
@@ -1043,7 +1325,8 @@ def dense_twin(cfg: Config) -> Config:
     top_k x d_ff: the same active matmul FLOPs, without routing, sorting or exchanges."""
     m = cfg.model
     return dataclasses.replace(cfg, model=dataclasses.replace(
-        m, n_experts=1, top_k=1, d_ff=m.top_k * m.d_ff, capacity_factor=0.0))
+        m, n_experts=1, top_k=1, d_ff=m.top_k * m.d_ff, capacity_factor=0.0, n_group=0,
+        topk_group=0))
 
 
 def bench(cfg: Config, mesh, batch) -> dict:
@@ -1224,6 +1507,10 @@ def _model_type(cfg: ModelConfig, model_type: str) -> str:
                         "mixtral")
     if mt not in HF_ARCHITECTURES:
         raise hf.HFError(f"model_type {mt!r}: choose one of {', '.join(HF_ARCHITECTURES)}.")
+    if cfg.kv_lora_rank or cfg.sigmoid_routing or cfg.n_shared_experts or cfg.first_k_dense:
+        raise hf.HFError("MLA, sigmoid routing, shared experts and dense layers (DeepSeek-V3, "
+                         "Kimi K2) have no HuggingFace mapping in train_moe.py yet, so this "
+                         "model cannot be written as a HuggingFace folder.")
     gpt = (cfg.attn_sinks, cfg.moe_bias, bool(cfg.swiglu_limit))
     others = (cfg.attn_bias, cfg.sliding_window, cfg.yarn_factor)
     if (cfg.qk_norm != (mt == "qwen3_moe") or (mt != "qwen3_moe" and not cfg.norm_topk) or

@@ -306,10 +306,14 @@ def check_qk_clip(flag: str, tau: float, qk_norm: bool) -> None:
 class TrainState:
     """{params, opt_state, step} on a mesh, Adam's moments sharded like their parameter (with
     `ref`, a frozen copy of the parameters: a KL reference). `init(key)` makes the float32
-    parameters under jit, the specs as out_shardings: no device ever holds a whole model."""
+    parameters under jit, the specs as out_shardings: no device ever holds a whole model.
+    `buffers` = (init(), specs): state the step updates by its own rule, never the optimiser
+    (DeepSeek's router biases); saved and restored with the rest, under "buffers"."""
 
-    def __init__(self, init: Callable, specs: dict, tx, mesh, *, ref: bool = False):
+    def __init__(self, init: Callable, specs: dict, tx, mesh, *, ref: bool = False,
+                 buffers: tuple[Callable, dict] | None = None):
         self.init, self.tx, self.mesh, self.ref = init, tx, mesh, ref
+        self.buffers = buffers
         p_sh = named(mesh, specs)
         # No concrete key: with --compile-topology the mesh's devices do not exist here.
         abstract = jax.eval_shape(lambda: init(jax.random.key(0)))
@@ -323,10 +327,14 @@ class TrainState:
         self.shardings = {"params": p_sh, "opt_state": opt_sh, "step": replicated}
         if ref:
             self.shardings["ref"] = p_sh
+        if buffers:
+            self.shardings["buffers"] = named(mesh, buffers[1])
 
     def _make(self, params):
         s = {"params": params, "opt_state": self.tx.init(params),
              "step": jnp.zeros((), jnp.int32)}
+        if self.buffers:
+            s["buffers"] = self.buffers[0]()
         # The reference is a copy, not an alias: the policy's buffers are donated.
         return s | {"ref": jax.tree.map(jnp.copy, params)} if self.ref else s
 

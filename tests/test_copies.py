@@ -18,7 +18,7 @@ SAME_SOURCE = {
     "constrain": (td, tm, tg), "rms_norm": (td, tm, tg), "apply_rope": (td, tm, tg),
     "attention": (td, tm, tg), "param_specs": (td, tm, tg), "_init": (td, tm, tg),
     "init_params": (td, tm, tg), "count_params": (td, tm, tg), "unembedding": (td, tm, tg),
-    "cli": (td, tm, tg), "make_schedule": (td, tm), "train_state": (td, tm),
+    "cli": (td, tm, tg), "make_schedule": (td, tm),
     # The MoE trainer's loss is dense's fused chunked cross-entropy, soft-cap included.
     "_chunked": (td, tm), "_softcap": (td, tm), "_ce_fused": (td, tm),
     "_ce_fused_fwd": (td, tm), "_ce_fused_bwd": (td, tm),
