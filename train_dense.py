@@ -1183,35 +1183,14 @@ def save_hf(params: dict, cfg: ModelConfig, path: str, *, model_type: str = "",
                    max_shard_bytes=max_shard_bytes)
 
 
-# Starting a run from published weights (--init-from-hf), and exporting one (export-hf).
-
-
-def export_hf(run_dir: str, out: str, step: int = -1,
-              dtype: Literal["float32", "bfloat16"] = "float32",
-              model_type: Literal["", "llama", "mistral", "qwen2", "qwen3", "gemma2",
-                                  "gemma3_text"] = "",
-              max_shard_gb: float = 5.0) -> list[str]:
-    """Write a run's checkpoint as a HuggingFace folder (config.json, safetensors, tokenizer).
-
-    Args:
-        run_dir: The run directory: its config.json and checkpoints/.
-        out: The folder to create (new or empty).
-        step: The checkpoint to export; -1 = the latest.
-        dtype: Of the weights written (checkpoints hold float32).
-        model_type: The family; "" = the source's, else by knob: gemma3_text, gemma2, qwen3,
-            qwen2 or llama.
-        max_shard_gb: The largest safetensors file.
-    """
-    def read(saved: dict) -> Config:
-        return Config(model=ModelConfig(**saved["model"]), train=TrainConfig(**saved["train"]),
-                      data=DataConfig(**saved["data"]), run_dir=run_dir)
-
-    return train.export_run(
-        run_dir, out, step, dtype, read=read, table=lambda c: _param_table(c.model),
-        save=lambda params, c, out, base: save_hf(
-            params, c.model, out, model_type=model_type, base_config=base, dtype=dtype,
-            max_shard_bytes=int(max_shard_gb * 2**30)),
-        tokenizer=lambda c: run_tokenizer(run_dir))  # an SFT run's is its --init-from's
+# export-hf: a run's checkpoint as a HuggingFace folder; an SFT run's tokenizer is its
+# --init-from's (run_tokenizer follows the chain).
+export_hf = train.export_command(
+    HF_ARCHITECTURES, read=lambda saved, run_dir: Config(
+        model=ModelConfig(**saved["model"]), train=TrainConfig(**saved["train"]),
+        data=DataConfig(**saved["data"]), run_dir=run_dir),
+    table=lambda c: _param_table(c.model), tokenizer=lambda c: run_tokenizer(c.run_dir),
+    save=lambda params, c, out, base, **kw: save_hf(params, c.model, out, base_config=base, **kw))
 
 
 def cli(args=None) -> Config:

@@ -100,6 +100,7 @@ class ModelConfig:
     qk_rope_head_dim: int = 64    # MLA: the rotated part; its key is one for all heads
     v_head_dim: int = 128         # MLA: the value heads' width
     yarn_mscale_all_dim: float = 0.0  # MLA with YaRN: logits times yarn_mscale(factor, this)^2
+    rope_interleave: bool = False  # MLA: RoPE turns pairs (2i, 2i+1), as DeepSeek's weights do
     sigmoid_routing: bool = False  # scores sigmoid(logits); top-k chosen on scores + a bias
     routed_scale: float = 0.0     # the routed experts' output times this (routed_scaling_factor)
     n_group: int = 0              # group-limited routing: experts in this many groups ...
@@ -328,54 +329,50 @@ def validate(cfg: Config, n_devices: int) -> None:
 
 
 def _validate_deepseek(m: ModelConfig, t: TrainConfig) -> None:
+    def need(ok: bool, message: str):
+        if not ok:
+            raise ConfigError(message)
+
     if m.kv_lora_rank:
         clash = [f for f in ("qk_norm", "attn_bias", "attn_sinks", "sliding_window") if
                  getattr(m, f)]
-        if clash:
-            raise ConfigError(f"--model.kv-lora-rank {m.kv_lora_rank} (MLA) with --model."
-                              f"{clash[0].replace('_', '-')}: MLA is DeepSeek's attention, "
-                              "which has none of those; turn it off.")
-        if m.n_kv_heads != m.n_heads:
-            raise ConfigError(f"--model.n-kv-heads {m.n_kv_heads} with MLA: MLA builds a key "
-                              f"and a value for each query head; set it to --model.n-heads "
-                              f"{m.n_heads}.")
-        if m.qk_rope_head_dim % 2 or m.qk_rope_head_dim < 2:
-            raise ConfigError(f"--model.qk-rope-head-dim {m.qk_rope_head_dim} must be even and "
-                              "positive (RoPE rotates pairs).")
-        if m.v_head_dim > m.qk_nope_head_dim + m.qk_rope_head_dim:
-            raise ConfigError(f"--model.v-head-dim {m.v_head_dim} exceeds the query width "
-                              f"{m.qk_nope_head_dim + m.qk_rope_head_dim} (nope + rope), to "
-                              "which the values are padded; narrow it.")
-        if m.yarn_factor and not m.yarn_mscale_all_dim:
-            raise ConfigError("--model.yarn-factor with MLA needs --model.yarn-mscale-all-dim "
-                              "(DeepSeek-V3: 1.0): the logits' YaRN correction.")
-        if t.qk_clip_threshold:
-            raise ConfigError("--train.qk-clip-threshold with MLA: QK-clip here scales wq and "
-                              "wk, which MLA does not have. Set it to 0.")
-    elif m.yarn_mscale_all_dim:
-        raise ConfigError("--model.yarn-mscale-all-dim is MLA's (--model.kv-lora-rank > 0); "
-                          "set it to 0.")
-    if m.n_group and (m.n_experts % m.n_group or not 1 <= m.topk_group <= m.n_group or
-                      m.top_k > m.topk_group * (m.n_experts // m.n_group) or
-                      m.n_experts < 2 * m.n_group):
-        raise ConfigError(f"--model.n-group {m.n_group} --model.topk-group {m.topk_group}: "
-                          f"the groups must split --model.n-experts {m.n_experts} evenly, at "
-                          "least 2 experts each (each group is ranked by its best two), and "
-                          f"the chosen groups must hold --model.top-k {m.top_k} experts.")
-    if (m.n_group or m.routed_scale or t.router_bias_rate) and not m.sigmoid_routing:
-        raise ConfigError("--model.n-group, --model.routed-scale and --train.router-bias-rate "
-                          "are DeepSeek's sigmoid routing: add --model.sigmoid-routing.")
-    if m.sigmoid_routing and m.moe_bias:
-        raise ConfigError("--model.sigmoid-routing with --model.moe-bias: GPT-OSS's router "
-                          "bias and DeepSeek's choice bias are different models; pick one.")
-    if not 0 <= m.first_k_dense < m.n_layers or bool(m.first_k_dense) != bool(m.dense_d_ff):
-        raise ConfigError(f"--model.first-k-dense {m.first_k_dense} --model.dense-d-ff "
-                          f"{m.dense_d_ff}: give both (dense layers and their width) or "
-                          f"neither, with fewer dense layers than --model.n-layers "
-                          f"{m.n_layers}.")
-    if t.qk_clip_threshold and m.first_k_dense:
-        raise ConfigError("--train.qk-clip-threshold with --model.first-k-dense: the clip "
-                          "reads the MoE layers' logits only. Set it to 0.")
+        need(not clash, f"--model.kv-lora-rank {m.kv_lora_rank} (MLA) with --model."
+             f"{clash[0].replace('_', '-') if clash else ''}: MLA is DeepSeek's attention, "
+             "which has none of those; turn it off.")
+        need(m.n_kv_heads == m.n_heads, f"--model.n-kv-heads {m.n_kv_heads} with MLA: MLA "
+             f"builds a key and a value for each query head; set it to --model.n-heads "
+             f"{m.n_heads}.")
+        need(m.qk_rope_head_dim >= 2 and m.qk_rope_head_dim % 2 == 0, f"--model.qk-rope-head-"
+             f"dim {m.qk_rope_head_dim} must be even and positive (RoPE rotates pairs).")
+        need(m.v_head_dim <= m.qk_nope_head_dim + m.qk_rope_head_dim, f"--model.v-head-dim "
+             f"{m.v_head_dim} exceeds the query width {m.qk_nope_head_dim + m.qk_rope_head_dim}"
+             " (nope + rope), to which the values are padded; narrow it.")
+        need(not m.yarn_factor or m.yarn_mscale_all_dim, "--model.yarn-factor with MLA needs "
+             "--model.yarn-mscale-all-dim (DeepSeek-V3: 1.0): the logits' YaRN correction.")
+        need(not t.qk_clip_threshold, "--train.qk-clip-threshold with MLA: QK-clip here "
+             "scales wq and wk, which MLA does not have. Set it to 0.")
+    need(m.kv_lora_rank or not (m.yarn_mscale_all_dim or m.rope_interleave), "--model.yarn-"
+         "mscale-all-dim and --model.rope-interleave are MLA's (--model.kv-lora-rank > 0); "
+         "turn them off.")
+    need(not m.n_group or (m.n_experts % m.n_group == 0 and 1 <= m.topk_group <= m.n_group and
+                           m.top_k <= m.topk_group * (m.n_experts // m.n_group) and
+                           m.n_experts >= 2 * m.n_group),
+         f"--model.n-group {m.n_group} --model.topk-group {m.topk_group}: the groups must "
+         f"split --model.n-experts {m.n_experts} evenly, at least 2 experts each (each group "
+         f"is ranked by its best two), and the chosen groups must hold --model.top-k "
+         f"{m.top_k} experts.")
+    need(m.sigmoid_routing or not (m.n_group or m.routed_scale or t.router_bias_rate),
+         "--model.n-group, --model.routed-scale and --train.router-bias-rate are DeepSeek's "
+         "sigmoid routing: add --model.sigmoid-routing.")
+    need(not (m.sigmoid_routing and m.moe_bias), "--model.sigmoid-routing with --model.moe-"
+         "bias: GPT-OSS's router bias and DeepSeek's choice bias are different models; pick "
+         "one.")
+    need(0 <= m.first_k_dense < m.n_layers and bool(m.first_k_dense) == bool(m.dense_d_ff),
+         f"--model.first-k-dense {m.first_k_dense} --model.dense-d-ff {m.dense_d_ff}: give "
+         f"both (dense layers and their width) or neither, with fewer dense layers than "
+         f"--model.n-layers {m.n_layers}.")
+    need(not (t.qk_clip_threshold and m.first_k_dense), "--train.qk-clip-threshold with "
+         "--model.first-k-dense: the clip reads the MoE layers' logits only. Set it to 0.")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -427,8 +424,8 @@ def _layer_table(cfg: ModelConfig, L: int, moe: bool) -> dict:
         layers |= {"wq": ((L, D, N, Hq), P(None, "fsdp", "tensor", None), std),
                    "wkv_a": ((L, D, C + Hr), P(None, "fsdp", None), std),
                    "kv_norm": ((L, C), P(None, None), None),
-                   "wk_b": ((L, C, N, cfg.qk_nope_head_dim), P(None, None, "tensor", None), std),
-                   "wv_b": ((L, C, N, Hv), P(None, None, "tensor", None), std),
+                   "wkv_b": ((L, C, N, cfg.qk_nope_head_dim + Hv), P(None, None, "tensor", None),
+                             std),
                    "wo": ((L, N, Hv, D), P(None, "tensor", None, "fsdp"), out_std)}
         if Qr:
             del layers["wq"]
@@ -656,14 +653,16 @@ def capped_attention(q_BTNH, k_BSKH, v_BSKH, mask_BTS=None, window=0, *, scale: 
 def mla(h_BTD, lp: dict, pos_BT, inv_freq, cfg: ModelConfig):
     """Multi-head latent attention's queries, keys and values (DeepSeek-V2, sec. 2.1):
 
-        c_kv = RMSNorm(h W_kv_a[:C]),   k_n = c_kv W_k_b,   v_n = c_kv W_v_b   (per head n)
+        c_kv = RMSNorm(h W_kv_a[:C]),   [k_nope_n, v_n] = c_kv W_kv_b   (per head n)
         k_rope = RoPE(h W_kv_a[C:])     one rotated key for all heads
         q_n = [q_nope, RoPE(q_rope)] of h W_q, or of RMSNorm(h W_q_a) W_q_b with q_lora_rank
         k_n = [k_nope_n, k_rope]
 
     Training materialises every head's key and value, as below. Decoding would instead cache
     only c_kv and k_rope (C + Hr numbers a token, not 2 N H) and absorb the up-projections:
-    q_nope W_k_b^T is a query in latent space, and W_v_b folds into W_o."""
+    q_nope W_k_b^T is a query in latent space, and W_v_b folds into W_o. With rope_interleave
+    the rotated dims are taken as pairs (2i, 2i+1) and come out in halves, as transformers
+    does: the order within a head is the same for q and k, so q.k is unchanged by it."""
     dt = h_BTD.dtype
     w = lambda name: lp[name].astype(dt)
     C, Hn, eps = cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.norm_eps
@@ -674,10 +673,12 @@ def mla(h_BTD, lp: dict, pos_BT, inv_freq, cfg: ModelConfig):
         q = jnp.einsum("btd,dnh->btnh", h_BTD, w("wq"))
     kv = jnp.einsum("btd,dc->btc", h_BTD, w("wkv_a"))
     c_kv = rms_norm(kv[..., :C], lp["kv_norm"], eps)
-    k_nope = jnp.einsum("btc,cnh->btnh", c_kv, w("wk_b"))
-    v = jnp.einsum("btc,cnh->btnh", c_kv, w("wv_b"))
-    k_rope = apply_rope(kv[:, :, None, C:], pos_BT, inv_freq)
-    q = jnp.concatenate([q[..., :Hn], apply_rope(q[..., Hn:], pos_BT, inv_freq)], axis=-1)
+    kv_b = jnp.einsum("btc,cnh->btnh", c_kv, w("wkv_b"))
+    k_nope, v = kv_b[..., :Hn], kv_b[..., Hn:]
+    pairs = lambda x: jnp.concatenate([x[..., 0::2], x[..., 1::2]], -1) if cfg.rope_interleave \
+        else x
+    k_rope = apply_rope(pairs(kv[:, :, None, C:]), pos_BT, inv_freq)
+    q = jnp.concatenate([q[..., :Hn], apply_rope(pairs(q[..., Hn:]), pos_BT, inv_freq)], axis=-1)
     k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rope, (*k_nope.shape[:3],
                                                             k_rope.shape[-1]))], axis=-1)
     return q, k, v
@@ -1184,7 +1185,7 @@ def make_schedule(t: TrainConfig):
 MUON_DIMS = {"wq": ((1,), (2, 3)), "wk": ((1,), (2, 3)), "wv": ((1,), (2, 3)),
              "wo": ((1, 2), (3,)), "w_gate": ((2,), (3,)), "w_up": ((2,), (3,)),
              "w_down": ((2,), (3,)), "wq_a": ((1,), (2,)), "wq_b": ((1,), (2, 3)),
-             "wkv_a": ((1,), (2,)), "wk_b": ((1,), (2, 3)), "wv_b": ((1,), (2, 3)),
+             "wkv_a": ((1,), (2,)), "wkv_b": ((1,), (2, 3)),
              **{k: ((1,), (2,)) for k in ("shared_gate", "shared_up", "shared_down",
                                           "mlp_gate", "mlp_up", "mlp_down")}}
 
@@ -1277,8 +1278,9 @@ def train_loop(cfg: Config, mesh, st: train.TrainState, step_fn) -> dict:
 
     with train.Run(cfg, MAY_CHANGE, tc.profile_steps, defaults=Config()) as run:
         state, start = run.resume(st.abstract())
-        if state is None and cfg.init_from_hf:
-            state = st.from_params(load_hf(cfg.init_from_hf, mesh)[1])
+        if state is None and cfg.init_from_hf:  # the router biases come with the weights
+            state = st.from_params(*train.split(load_hf(cfg.init_from_hf, mesh)[1],
+                                                _buffer_table(mc)))
         elif state is None:
             state = st.fresh(jax.random.key(tc.seed))
         loop = train.Loop(run, start, tc.steps, log_every=tc.log_every,
@@ -1357,7 +1359,8 @@ def bench(cfg: Config, mesh, batch) -> dict:
 # As in train_dense.py: HF rotates the two halves of each head, as `apply_rope` does, so no
 # weight is permuted. The experts are stored one tensor per expert and per layer.
 HF_ARCHITECTURES = {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-                    "gpt_oss": "GptOssForCausalLM"}
+                    "gpt_oss": "GptOssForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
+                    "kimi_k2": "DeepseekV3ForCausalLM"}  # Kimi K2: DeepSeek-V3's, renamed
 # What transformers assumes for a key that config.json leaves out (its config classes).
 _HF_DEFAULTS = {
     "mixtral": dict(rms_norm_eps=1e-5, max_position_embeddings=131072, num_key_value_heads=8,
@@ -1370,62 +1373,102 @@ _HF_DEFAULTS = {
                     attention_bias=True, swiglu_limit=7.0, swiglu_alpha=SWIGLU_ALPHA,
                     rope_theta=150_000.0, rope_scaling=dict(rope_type="yarn", factor=32.0,
                     truncate=False, original_max_position_embeddings=4096)),
+    "deepseek_v3": dict(rms_norm_eps=1e-6, max_position_embeddings=4096, rope_theta=10_000.0,
+                        num_attention_heads=128, intermediate_size=18432, n_routed_experts=256,
+                        moe_intermediate_size=2048, num_experts_per_tok=8, n_shared_experts=1,
+                        routed_scaling_factor=2.5, kv_lora_rank=512, q_lora_rank=1536,
+                        qk_rope_head_dim=64, v_head_dim=128, qk_nope_head_dim=128, n_group=8,
+                        topk_group=4, first_k_dense_replace=3, norm_topk_prob=True,
+                        rope_interleave=True),
 }
+_HF_DEFAULTS["kimi_k2"] = _HF_DEFAULTS["deepseek_v3"]
 
 
 def hf_mapping(cfg: ModelConfig, model_type: str) -> dict:
     """Our parameter tree, each leaf as (HuggingFace tensor name, layout): see common/hf.py.
     Atoms: l layers, e experts, d model, n query heads, k key/value heads, h head width,
-    f expert MLP width, v vocabulary. Mixtral calls the gate/up/down projections w1/w3/w2.
-    GPT-OSS stores each layer's experts as one tensor, [in, out], gate and up interleaved
-    (gate_up_proj[..., 0::2] is the gate); MXFP4 checkpoints read as that too (common/hf.py)."""
-    lay = "model.layers.{l}."
-    if model_type == "mixtral":
-        moe, gate, up, down = lay + "block_sparse_moe.", "w1", "w3", "w2"
-    else:
-        moe, gate, up, down = lay + "mlp.", "gate_proj", "up_proj", "down_proj"
-    expert = moe + "experts.{e}."
-    layers = {
-        "attn_norm": (lay + "input_layernorm.weight", "d -> l d"),
-        "wq": (lay + "self_attn.q_proj.weight", "(n h) d -> l d n h"),
-        "wk": (lay + "self_attn.k_proj.weight", "(k h) d -> l d k h"),
-        "wv": (lay + "self_attn.v_proj.weight", "(k h) d -> l d k h"),
-        "wo": (lay + "self_attn.o_proj.weight", "d (n h) -> l n h d"),
-        "mlp_norm": (lay + "post_attention_layernorm.weight", "d -> l d"),
-        "w_router": (moe + "gate.weight", "e d -> l d e"),
-        "w_gate": (expert + gate + ".weight", "f d -> l e d f"),
-        "w_up": (expert + up + ".weight", "f d -> l e d f"),
-        "w_down": (expert + down + ".weight", "d f -> l e f d"),
-    }
-    if cfg.qk_norm:
-        layers |= {"q_norm": (lay + "self_attn.q_norm.weight", "h -> l h"),
-                   "k_norm": (lay + "self_attn.k_norm.weight", "h -> l h")}
-    if model_type == "gpt_oss":
-        ex, at = moe + "experts.", lay + "self_attn."
-        layers |= {"w_router": (moe + "router.weight", "e d -> l d e"),
-                   "b_router": (moe + "router.bias", "e -> l e"),
-                   "w_gate": (ex + "gate_up_proj", "e d (f 2:0) -> l e d f"),
-                   "w_up": (ex + "gate_up_proj", "e d (f 2:1) -> l e d f"),
-                   "w_down": (ex + "down_proj", "e f d -> l e f d"),
-                   "b_gate": (ex + "gate_up_proj_bias", "e (f 2:0) -> l e f"),
-                   "b_up": (ex + "gate_up_proj_bias", "e (f 2:1) -> l e f"),
-                   "b_down": (ex + "down_proj_bias", "e d -> l e d"),
-                   "sinks": (at + "sinks", "n -> l n")}
-    if cfg.attn_bias:
-        layers |= {"bq": (at + "q_proj.bias", "(n h) -> l n h"),
-                   "bk": (at + "k_proj.bias", "(k h) -> l k h"),
-                   "bv": (at + "v_proj.bias", "(k h) -> l k h"),
-                   "bo": (at + "o_proj.bias", "d -> l d")}
-    tree = {"embed": ("model.embed_tokens.weight", "v d -> v d"), "layers": layers,
+    f expert MLP width, v vocabulary. DeepSeek's first_k_dense dense layers are our stack j,
+    file layers 0.., and the MoE layers follow them in the file."""
+    Kd = cfg.first_k_dense
+    tree = {"embed": ("model.embed_tokens.weight", "v d -> v d"),
+            "layers": _hf_layers(cfg, model_type, f"model.layers.{{l+{Kd}}}.", "l"),
             "final_norm": ("model.norm.weight", "d -> d")}
-    if not cfg.tie_embeddings:
-        tree["unembed"] = ("lm_head.weight", "v d -> d v")
-    return tree
+    if Kd:
+        tree["dense_layers"] = _hf_layers(cfg, model_type, "model.layers.{j}.", "j")
+    return tree | ({} if cfg.tie_embeddings else {"unembed": ("lm_head.weight", "v d -> d v")})
+
+
+def _hf_layers(cfg: ModelConfig, model_type: str, lay: str, l: str) -> dict:
+    """One stack's names. Mixtral calls the gate/up/down projections w1/w3/w2. GPT-OSS stores
+    each layer's experts as one tensor, [in, out], gate and up interleaved (gate_up_proj[...,
+    0::2] is the gate); MXFP4 checkpoints read as that too (common/hf.py). DeepSeek's MLA
+    (more atoms: a = kv_lora_rank + qk_rope_head_dim, c = kv_lora_rank, r = q_lora_rank, q and
+    x = a head's query and key + value widths, w its value's, g the dense MLP's width, s the
+    shared experts'): kv_b_proj holds each head's nope key then its value, as our wkv_b."""
+    at = lay + "self_attn."
+    t = {"attn_norm": (lay + "input_layernorm.weight", f"d -> {l} d"),
+         "mlp_norm": (lay + "post_attention_layernorm.weight", f"d -> {l} d")}
+    if cfg.kv_lora_rank:
+        t |= {"wkv_a": (at + "kv_a_proj_with_mqa.weight", f"a d -> {l} d a"),
+              "kv_norm": (at + "kv_a_layernorm.weight", f"c -> {l} c"),
+              "wkv_b": (at + "kv_b_proj.weight", f"(n x) c -> {l} c n x"),
+              "wo": (at + "o_proj.weight", f"d (n w) -> {l} n w d")}
+        t |= {"wq_a": (at + "q_a_proj.weight", f"r d -> {l} d r"),
+              "q_norm_a": (at + "q_a_layernorm.weight", f"r -> {l} r"),
+              "wq_b": (at + "q_b_proj.weight", f"(n q) r -> {l} r n q")} if cfg.q_lora_rank else {
+            "wq": (at + "q_proj.weight", f"(n q) d -> {l} d n q")}
+    else:
+        t |= {"wq": (at + "q_proj.weight", "(n h) d -> l d n h"),
+              "wk": (at + "k_proj.weight", "(k h) d -> l d k h"),
+              "wv": (at + "v_proj.weight", "(k h) d -> l d k h"),
+              "wo": (at + "o_proj.weight", "d (n h) -> l n h d")}
+    mlp = lay + "mlp."
+    if l == "j":
+        return t | {"mlp_gate": (mlp + "gate_proj.weight", "g d -> j d g"),
+                    "mlp_up": (mlp + "up_proj.weight", "g d -> j d g"),
+                    "mlp_down": (mlp + "down_proj.weight", "d g -> j g d")}
+    moe, gate, up, down = (lay + "block_sparse_moe.", "w1", "w3", "w2") if (
+        model_type == "mixtral") else (mlp, "gate_proj", "up_proj", "down_proj")
+    ex = moe + "experts.{e}."
+    t |= {"w_router": (moe + "gate.weight", "e d -> l d e"),
+          "w_gate": (ex + gate + ".weight", "f d -> l e d f"),
+          "w_up": (ex + up + ".weight", "f d -> l e d f"),
+          "w_down": (ex + down + ".weight", "d f -> l e f d")}
+    if cfg.qk_norm:
+        t |= {"q_norm": (at + "q_norm.weight", "h -> l h"),
+              "k_norm": (at + "k_norm.weight", "h -> l h")}
+    if model_type == "gpt_oss":
+        ex = moe + "experts."
+        t |= {"w_router": (moe + "router.weight", "e d -> l d e"),
+              "b_router": (moe + "router.bias", "e -> l e"),
+              "w_gate": (ex + "gate_up_proj", "e d (f 2:0) -> l e d f"),
+              "w_up": (ex + "gate_up_proj", "e d (f 2:1) -> l e d f"),
+              "w_down": (ex + "down_proj", "e f d -> l e f d"),
+              "b_gate": (ex + "gate_up_proj_bias", "e (f 2:0) -> l e f"),
+              "b_up": (ex + "gate_up_proj_bias", "e (f 2:1) -> l e f"),
+              "b_down": (ex + "down_proj_bias", "e d -> l e d"),
+              "sinks": (at + "sinks", "n -> l n")}
+    if cfg.attn_bias:
+        t |= {"bq": (at + "q_proj.bias", "(n h) -> l n h"),
+              "bk": (at + "k_proj.bias", "(k h) -> l k h"),
+              "bv": (at + "v_proj.bias", "(k h) -> l k h"),
+              "bo": (at + "o_proj.bias", "d -> l d")}
+    if cfg.sigmoid_routing:  # DeepSeek's choice bias: a buffer of ours (see `_buffer_table`)
+        t["router_bias"] = (moe + "gate.e_score_correction_bias", "e -> l e")
+    if cfg.n_shared_experts:
+        sh = mlp + "shared_experts."
+        t |= {"shared_gate": (sh + "gate_proj.weight", "s d -> l d s"),
+              "shared_up": (sh + "up_proj.weight", "s d -> l d s"),
+              "shared_down": (sh + "down_proj.weight", "d s -> l s d")}
+    return t
 
 
 def _hf_sizes(cfg: ModelConfig) -> dict:
-    return dict(l=cfg.n_layers, e=cfg.n_experts, d=cfg.d_model, n=cfg.n_heads,
-                k=cfg.n_kv_heads, h=cfg.head_dim, f=cfg.d_ff, v=cfg.vocab_size)
+    C, Hn, Hr, Hv = cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+    return dict(l=cfg.n_layers - cfg.first_k_dense, e=cfg.n_experts, d=cfg.d_model,
+                n=cfg.n_heads, k=cfg.n_kv_heads, h=cfg.head_dim, f=cfg.d_ff, v=cfg.vocab_size,
+                j=cfg.first_k_dense, a=C + Hr, c=C, r=cfg.q_lora_rank, q=Hn + Hr, x=Hn + Hv,
+                w=Hv, g=cfg.dense_d_ff, s=cfg.n_shared_experts * cfg.d_ff)
 
 
 def config_from_hf(c: dict, where: str = "config.json") -> ModelConfig:
@@ -1445,6 +1488,8 @@ def config_from_hf(c: dict, where: str = "config.json") -> ModelConfig:
         return hf.HFError(f"{where}: {what} is not implemented by train_moe.py, so this {mt} "
                           "model cannot be loaded faithfully.")
 
+    if mt in ("deepseek_v3", "kimi_k2"):
+        return _deepseek_config(c, where, unsupported)
     for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
                 "moe_intermediate_size" if mt == "qwen3_moe" else "intermediate_size"):
         if key not in c:
@@ -1493,61 +1538,113 @@ def _gpt_oss_config(c: dict, kind: str, rope: dict, unsupported) -> dict:
     if c["swiglu_alpha"] != SWIGLU_ALPHA:
         raise unsupported(f"swiglu_alpha {c['swiglu_alpha']} (only {SWIGLU_ALPHA})")
     windowed = W > 0 and "sliding_attention" in kinds
-    yarn = {} if kind == "default" else dict(
+    return dict(sliding_window=W if windowed else 0, global_every=2 if windowed else 0,
+                attn_sinks=True, attn_bias=bool(c["attention_bias"]), moe_bias=True,
+                swiglu_limit=float(c["swiglu_limit"]), **_yarn(kind, rope))
+
+
+def _yarn(kind: str, rope: dict) -> dict:
+    return {} if kind == "default" else dict(
         yarn_factor=float(rope["factor"]), yarn_beta_fast=float(rope.get("beta_fast") or 32),
         yarn_beta_slow=float(rope.get("beta_slow") or 1), yarn_truncate=bool(rope.get(
             "truncate", True)), yarn_original_max_len=rope["original_max_position_embeddings"])
-    return dict(sliding_window=W if windowed else 0, global_every=2 if windowed else 0,
-                attn_sinks=True, attn_bias=bool(c["attention_bias"]), moe_bias=True,
-                swiglu_limit=float(c["swiglu_limit"]), **yarn)
+
+
+def _deepseek_config(c: dict, where: str, unsupported) -> ModelConfig:
+    """DeepSeek-V3's and Kimi K2's knobs. Their YaRN gives mscale and mscale_all_dim equal, so
+    transformers leaves the rotation unscaled (its factor is their ratio) and multiplies the
+    logits by mscale(factor, mscale_all_dim)^2, as `attend` does."""
+    for key, want in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc"),
+                      ("hidden_act", "silu"), ("attention_bias", False), ("moe_layer_freq", 1)):
+        if c.get(key, want) != want:
+            raise unsupported(f"{key} {c[key]!r} (only {want!r})")
+    theta, kind, rope = hf.rope_parameters(c, c["rope_theta"], where)
+    if kind not in ("default", "yarn") or kind == "yarn" and (
+            rope.get("attention_factor") or not rope.get("mscale_all_dim") or
+            rope.get("mscale") != rope["mscale_all_dim"]):
+        raise unsupported(f"rope {kind!r} {rope} (the default, or YaRN with mscale == "
+                          "mscale_all_dim)")
+    if c.get("n_group", 1) > 1 and c.get("topk_group") is None:
+        raise hf.HFError(f"{where}: n_group {c['n_group']} without topk_group.")
+    Kd, G = c["first_k_dense_replace"] or 0, c.get("n_group") or 1
+    return ModelConfig(
+        vocab_size=c["vocab_size"], d_model=c["hidden_size"], n_layers=c["num_hidden_layers"],
+        n_heads=c["num_attention_heads"], n_kv_heads=c["num_attention_heads"],
+        n_experts=c["n_routed_experts"], top_k=c["num_experts_per_tok"],
+        d_ff=c["moe_intermediate_size"], norm_topk=bool(c["norm_topk_prob"]),
+        max_seq_len=c["max_position_embeddings"], rope_theta=theta,
+        norm_eps=float(c["rms_norm_eps"]), tie_embeddings=bool(c.get("tie_word_embeddings")),
+        kv_lora_rank=c["kv_lora_rank"], q_lora_rank=c["q_lora_rank"] or 0,
+        qk_nope_head_dim=c["qk_nope_head_dim"], qk_rope_head_dim=c["qk_rope_head_dim"],
+        v_head_dim=c["v_head_dim"], rope_interleave=bool(c["rope_interleave"]),
+        yarn_mscale_all_dim=float(rope.get("mscale_all_dim") or 0), sigmoid_routing=True,
+        routed_scale=float(c["routed_scaling_factor"]), n_group=G if G > 1 else 0,
+        topk_group=c["topk_group"] if G > 1 else 0, n_shared_experts=c["n_shared_experts"] or 0,
+        first_k_dense=Kd, dense_d_ff=c["intermediate_size"] if Kd else 0, **_yarn(kind, rope))
 
 
 def _model_type(cfg: ModelConfig, model_type: str) -> str:
-    mt = model_type or ("qwen3_moe" if cfg.qk_norm else "gpt_oss" if cfg.attn_sinks else
-                        "mixtral")
+    """The family to write: the one asked for (or the knobs'), if the knobs fit it."""
+    fam = ("qwen3_moe" if cfg.qk_norm else "gpt_oss" if cfg.attn_sinks else "deepseek_v3" if
+           cfg.kv_lora_rank else "mixtral")
+    mt = model_type or fam
     if mt not in HF_ARCHITECTURES:
         raise hf.HFError(f"model_type {mt!r}: choose one of {', '.join(HF_ARCHITECTURES)}.")
-    if cfg.kv_lora_rank or cfg.sigmoid_routing or cfg.n_shared_experts or cfg.first_k_dense:
-        raise hf.HFError("MLA, sigmoid routing, shared experts and dense layers (DeepSeek-V3, "
-                         "Kimi K2) have no HuggingFace mapping in train_moe.py yet, so this "
-                         "model cannot be written as a HuggingFace folder.")
-    gpt = (cfg.attn_sinks, cfg.moe_bias, bool(cfg.swiglu_limit))
-    others = (cfg.attn_bias, cfg.sliding_window, cfg.yarn_factor)
-    if (cfg.qk_norm != (mt == "qwen3_moe") or (mt != "qwen3_moe" and not cfg.norm_topk) or
-            gpt != ((mt == "gpt_oss"),) * 3 or mt != "gpt_oss" and any(others)):
-        raise hf.HFError(f"model_type {mt!r} does not fit this model: q/k norms are qwen3_moe's, "
-                         "mixtral and gpt_oss always renormalise the top-k weights, and sinks, "
-                         "biases, windows, YaRN and the clamp are gpt_oss's (and all of its).")
+    kind = "deepseek_v3" if mt == "kimi_k2" else mt
+    gpt, ds = (cfg.attn_sinks, cfg.moe_bias, bool(cfg.swiglu_limit)), cfg.sigmoid_routing
+    if (kind != fam or gpt != ((kind == "gpt_oss"),) * 3 or ds != (kind == "deepseek_v3") or
+            kind in ("mixtral", "gpt_oss") and not cfg.norm_topk or kind != "gpt_oss" and (
+                cfg.attn_bias or cfg.sliding_window) or kind != "deepseek_v3" and (
+                cfg.n_shared_experts or cfg.first_k_dense) or kind in ("mixtral", "qwen3_moe")
+            and cfg.yarn_factor):
+        raise hf.HFError(f"model_type {mt!r} does not fit this model: q/k norms are qwen3_moe's; "
+                         "mixtral and gpt_oss always renormalise the top-k weights; sinks, "
+                         "biases, windows and the clamp are gpt_oss's (and all of its); MLA, "
+                         "sigmoid routing, shared experts and dense layers deepseek_v3's and "
+                         "kimi_k2's; YaRN is theirs and gpt_oss's.")
     return mt
 
 
 def config_to_hf(cfg: ModelConfig, model_type: str = "", dtype: str = "float32") -> dict:
     """A config.json for `cfg` that transformers 4.4x and 5.x both read."""
     mt = _model_type(cfg, model_type)
+    rope = dict(rope_type="default", rope_theta=cfg.rope_theta)
+    if cfg.yarn_factor:
+        rope |= dict(rope_type="yarn", factor=cfg.yarn_factor, beta_fast=cfg.yarn_beta_fast,
+                     beta_slow=cfg.yarn_beta_slow,
+                     original_max_position_embeddings=cfg.yarn_original_max_len,
+                     **({} if cfg.yarn_truncate else {"truncate": False}), **(dict(
+                         mscale=cfg.yarn_mscale_all_dim, mscale_all_dim=cfg.yarn_mscale_all_dim)
+                         if cfg.kv_lora_rank else {}))
     c = dict(architectures=[HF_ARCHITECTURES[mt]], model_type=mt, vocab_size=cfg.vocab_size,
              hidden_size=cfg.d_model, num_hidden_layers=cfg.n_layers,
              num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_kv_heads,
              head_dim=cfg.head_dim, hidden_act="silu", max_position_embeddings=cfg.max_seq_len,
              rms_norm_eps=cfg.norm_eps, tie_word_embeddings=cfg.tie_embeddings,
-             rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
-             rope_theta=cfg.rope_theta, rope_scaling=None, sliding_window=None,
-             num_experts_per_tok=cfg.top_k, num_local_experts=cfg.n_experts,
-             attention_dropout=0.0, initializer_range=0.02, use_cache=True, dtype=dtype,
-             torch_dtype=dtype)
+             rope_parameters=rope, rope_theta=cfg.rope_theta, rope_scaling=rope if
+             cfg.yarn_factor else None, sliding_window=None, num_experts_per_tok=cfg.top_k,
+             num_local_experts=cfg.n_experts, attention_dropout=0.0, initializer_range=0.02,
+             use_cache=True, dtype=dtype, torch_dtype=dtype)
     if mt == "mixtral":
         c |= dict(intermediate_size=cfg.d_ff, router_jitter_noise=0.0)
     elif mt == "gpt_oss":
         L, W = cfg.n_layers, cfg.sliding_window
-        rope = dict(rope_type="yarn", rope_theta=cfg.rope_theta, factor=cfg.yarn_factor,
-                    beta_fast=cfg.yarn_beta_fast, beta_slow=cfg.yarn_beta_slow,
-                    truncate=cfg.yarn_truncate,
-                    original_max_position_embeddings=cfg.yarn_original_max_len)
-        rope = rope if cfg.yarn_factor else dict(rope_type="default", rope_theta=cfg.rope_theta)
         c |= dict(intermediate_size=cfg.d_ff, attention_bias=cfg.attn_bias, sliding_window=W or
-                  None, swiglu_limit=cfg.swiglu_limit, swiglu_alpha=SWIGLU_ALPHA,
-                  rope_parameters=rope, rope_scaling=rope, layer_types=[
+                  None, swiglu_limit=cfg.swiglu_limit, swiglu_alpha=SWIGLU_ALPHA, layer_types=[
                       "sliding_attention" if W and (i + 1) % (cfg.global_every or L + 1) else
                       "full_attention" for i in range(L)])
+    elif mt in ("deepseek_v3", "kimi_k2"):  # transformers' head_dim is the rotated part's
+        del c["num_local_experts"]
+        c |= dict(n_routed_experts=cfg.n_experts, head_dim=cfg.qk_rope_head_dim,
+                  moe_intermediate_size=cfg.d_ff, intermediate_size=cfg.dense_d_ff or cfg.d_ff,
+                  n_shared_experts=cfg.n_shared_experts, first_k_dense_replace=cfg.first_k_dense,
+                  kv_lora_rank=cfg.kv_lora_rank, q_lora_rank=cfg.q_lora_rank or None,
+                  qk_nope_head_dim=cfg.qk_nope_head_dim, qk_rope_head_dim=cfg.qk_rope_head_dim,
+                  v_head_dim=cfg.v_head_dim, rope_interleave=cfg.rope_interleave,
+                  routed_scaling_factor=cfg.routed_scale or 1.0, n_group=cfg.n_group or 1,
+                  topk_group=cfg.topk_group or 1, norm_topk_prob=cfg.norm_topk,
+                  scoring_func="sigmoid", topk_method="noaux_tc", attention_bias=False,
+                  num_nextn_predict_layers=0)
     else:  # intermediate_size is the width of dense layers, which this model has none of
         c |= dict(num_experts=cfg.n_experts, moe_intermediate_size=cfg.d_ff,
                   intermediate_size=cfg.d_ff, norm_topk_prob=cfg.norm_topk,
@@ -1556,57 +1653,41 @@ def config_to_hf(cfg: ModelConfig, model_type: str = "", dtype: str = "float32")
     return c
 
 
+def _hf_table(cfg: ModelConfig) -> dict:
+    """The parameters and the buffers: a HuggingFace folder holds DeepSeek's choice bias too."""
+    return train.join(_param_table(cfg), _buffer_table(cfg))
+
+
 def load_hf(path: str, mesh=None) -> tuple[ModelConfig, dict]:
     """A HuggingFace folder (config.json and safetensors, one file or sharded with an index)
     as our ModelConfig and float32 parameters placed with their `param_specs` on `mesh`,
-    every device reading only its own experts' blocks."""
-    return train.load_hf(path, mesh, config_from_hf, _param_table, hf_mapping, _hf_sizes)
+    every device reading only its own experts' blocks. With sigmoid routing the router biases
+    come inside the layers, as `with_buffers` puts them: `forward` reads them there."""
+    return train.load_hf(path, mesh, config_from_hf, _hf_table, hf_mapping, _hf_sizes)
 
 
 def save_hf(params: dict, cfg: ModelConfig, path: str, *, model_type: str = "",
             base_config: dict | None = None, dtype: str = "float32",
             max_shard_bytes: int = 5 * 2**30) -> list[str]:
-    """Write `params` as a HuggingFace folder that transformers (and vLLM) load: config.json
-    and safetensors shards of at most `max_shard_bytes` with their index. `base_config` (the
-    config.json the run started from) keeps its other keys. Returns the files written."""
-    base = dict(base_config or {})
-    mt = _model_type(cfg, model_type or base.get("model_type", ""))
-    for key in ("layer_types", "quantization_config", "transformers_version", "rope_scaling",
-                "rope_parameters"):
-        base.pop(key, None)
+    """Write `params` (with the router biases inside, as `load_hf` gives them) as a
+    HuggingFace folder that transformers (and vLLM) load: config.json and safetensors shards
+    of at most `max_shard_bytes` with their index. `base_config` (the config.json the run
+    started from) keeps its other keys. Returns the files written."""
+    base = {k: v for k, v in (base_config or {}).items() if k not in hf.CONTRADICTING}
+    mt = _model_type(cfg, model_type or (base_config or {}).get("model_type", ""))
     return hf.save(path, params, hf_mapping(cfg, mt), _hf_sizes(cfg),
                    base | config_to_hf(cfg, mt, dtype), dtype=dtype,
                    max_shard_bytes=max_shard_bytes)
 
 
-# Starting a run from published weights (--init-from-hf), and exporting one (export-hf).
-
-
-def export_hf(run_dir: str, out: str, step: int = -1,
-              dtype: Literal["float32", "bfloat16"] = "float32",
-              model_type: Literal["", "mixtral", "qwen3_moe", "gpt_oss"] = "",
-              max_shard_gb: float = 5.0) -> list[str]:
-    """Write a run's checkpoint as a HuggingFace folder (config.json, safetensors, tokenizer).
-
-    Args:
-        run_dir: The run directory: its config.json and checkpoints/.
-        out: The folder to create (new or empty).
-        step: The checkpoint to export; -1 = the latest.
-        dtype: Of the weights written (checkpoints hold float32).
-        model_type: The family; "" = the source's, else qwen3_moe for q/k norm, gpt_oss for
-            sinks, or mixtral.
-        max_shard_gb: The largest safetensors file.
-    """
-    def read(saved: dict) -> Config:
-        return Config(model=ModelConfig(**saved["model"]), train=TrainConfig(**saved["train"]),
-                      data=DataConfig(**saved["data"]), run_dir=run_dir)
-
-    return train.export_run(
-        run_dir, out, step, dtype, read=read, table=lambda c: _param_table(c.model),
-        save=lambda params, c, out, base: save_hf(
-            params, c.model, out, model_type=model_type, base_config=base, dtype=dtype,
-            max_shard_bytes=int(max_shard_gb * 2**30)),
-        tokenizer=lambda c: load_dataset(c.data).tokenizer_path)
+# export-hf: a run's checkpoint, router biases included, as a HuggingFace folder.
+export_hf = train.export_command(
+    HF_ARCHITECTURES, read=lambda saved, run_dir: Config(
+        model=ModelConfig(**saved["model"]), train=TrainConfig(**saved["train"]),
+        data=DataConfig(**saved["data"]), run_dir=run_dir),
+    table=lambda c: _param_table(c.model), buffers=lambda c: _buffer_table(c.model),
+    tokenizer=lambda c: load_dataset(c.data).tokenizer_path,
+    save=lambda params, c, out, base, **kw: save_hf(params, c.model, out, base_config=base, **kw))
 
 
 def cli(args=None) -> Config:

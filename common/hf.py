@@ -10,6 +10,7 @@ the file (a group "(n h)" is one axis of size n*h, split in two), the right side
 axis only the right side names ("l" above) stacks many file tensors, one per value, named by putting
 the value into "{l}". An atom "2:0" on the left is an axis of size 2 of which this leaf is index 0:
 two leaves interleaved in one file tensor, as GPT-OSS's "e d (f 2:0)" (gate) and "(f 2:1)" (up).
+A name may offset a stacking axis, "{l+3}": a second stack of layers that starts at file layer 3.
 Sizes come from a dict ({"l": 32, "n": 32, "h": 128, ...}) built from the
 model's config. Loading and saving read the same mapping, so they cannot drift apart.
 
@@ -91,10 +92,16 @@ def _is_entry(x) -> bool:
     return isinstance(x, tuple) and len(x) == 2 and all(isinstance(s, str) for s in x)
 
 
+def _name(template: str, values: dict[str, int]) -> str:
+    """The template with its "{l}" and "{l+3}" filled in from `values`."""
+    return re.sub(r"\{(\w+)(?:\+(\d+))?\}", lambda m: str(values[m[1]] + int(m[2] or 0)),
+                  template)
+
+
 def _file_names(template: str, layout: Layout, sizes: dict) -> Iterator[tuple[tuple, str]]:
     """(stack index, file tensor name) for every file tensor that makes one of our leaves."""
     for idx in np.ndindex(*(sizes[a] for a in layout.stack)):
-        yield idx, template.format(**dict(zip(layout.stack, idx)))
+        yield idx, _name(template, dict(zip(layout.stack, idx)))
 
 
 def plan(mapping, sizes: dict[str, int]) -> dict[str, tuple[int, ...]]:
@@ -242,7 +249,7 @@ class Checkpoint:
         for axis, i in layout.pick:
             file_index.insert(axis, i)
         for pos in np.ndindex(*out.shape[:k]):
-            name = template.format(**{a: r[i] for a, r, i in zip(layout.stack, ranges, pos)})
+            name = _name(template, {a: r[i] for a, r, i in zip(layout.stack, ranges, pos)})
             x = self.array(name)
             x = (x.reshape(layout.split_shape)[tuple(file_index)] if isinstance(x, np.ndarray)
                  else x.read(layout.split_shape, file_index))

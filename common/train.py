@@ -14,9 +14,11 @@ import contextlib
 import dataclasses
 import math
 import os
+import re
 import sys
 import time
 from collections.abc import Callable
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
@@ -76,6 +78,20 @@ def table_init(table: dict, key: jax.Array) -> dict:
 
 def table_count(table: dict) -> int:
     return sum(math.prod(e[0]) for e in jax.tree.leaves(table, is_leaf=is_entry))
+
+
+def join(tree: dict, extra: dict) -> dict:
+    """`tree` with the leaves of `extra` (buffers, or their table) added into its stacks."""
+    return {k: join(v, extra[k]) if isinstance(v, dict) and k in extra else v
+            for k, v in tree.items()} | {k: v for k, v in extra.items() if k not in tree}
+
+
+def split(tree: dict, like: dict) -> tuple[dict, dict]:
+    """`join` undone: (tree without the keys of `like`, those leaves, shaped like `like`)."""
+    rest = {k: split(v, like[k])[0] if isinstance(like.get(k), dict) else v
+            for k, v in tree.items() if not (k in like and not isinstance(like[k], dict))}
+    return rest, {k: split(tree[k], v)[1] if isinstance(v, dict) else tree[k]
+                  for k, v in like.items()}
 
 
 def named(mesh, specs):
@@ -330,20 +346,22 @@ class TrainState:
         if buffers:
             self.shardings["buffers"] = named(mesh, buffers[1])
 
-    def _make(self, params):
+    def _make(self, params, buffers=None):
         s = {"params": params, "opt_state": self.tx.init(params),
              "step": jnp.zeros((), jnp.int32)}
         if self.buffers:
-            s["buffers"] = self.buffers[0]()
+            s["buffers"] = self.buffers[0]() if buffers is None else buffers
         # The reference is a copy, not an alias: the policy's buffers are donated.
         return s | {"ref": jax.tree.map(jnp.copy, params)} if self.ref else s
 
     def fresh(self, key) -> dict:
         return jax.jit(lambda k: self._make(self.init(k)), out_shardings=self.shardings)(key)
 
-    def from_params(self, params) -> dict:
-        """Given parameters (a fine-tune's start) with a fresh optimiser; they are donated."""
-        return jax.jit(self._make, out_shardings=self.shardings, donate_argnums=0)(params)
+    def from_params(self, params, buffers=None) -> dict:
+        """Given parameters (a fine-tune's start; and buffers, else fresh ones) with a fresh
+        optimiser; they are donated."""
+        return jax.jit(self._make, out_shardings=self.shardings, donate_argnums=(0, 1))(
+            params, buffers)
 
     def abstract(self) -> dict:
         """Shapes, dtypes and target shardings, nothing allocated: what a restore fills."""
@@ -869,48 +887,72 @@ class Loop:
 # --- export-hf and the command line -----------------------------------------------------------
 
 
-def export_run(run_dir: str, out: str, step: int, dtype: str, *, read: Callable[[dict], object],
-               table: Callable[[object], dict], save: Callable,
-               tokenizer: Callable[[object], str | None]) -> list[str]:
-    """The export-hf driver: a run's checkpoint (`step`, -1 = latest) as a HuggingFace folder.
+def export_command(model_types, *, read: Callable[[dict, str], object],
+                   table: Callable[[object], dict], save: Callable,
+                   tokenizer: Callable[[object], str | None],
+                   buffers: Callable[[object], dict] | None = None) -> Callable:
+    """A trainer's `export-hf`: a run's checkpoint as a HuggingFace folder.
 
-    read(saved config.json) -> the run's Config; table(cfg) -> its parameter table;
-    save(params, cfg, out, base_config) -> the files written; tokenizer(cfg) -> the tokenizer
-    file the run trained with, or None. The parameters are read split over every local
-    device (fsdp) when the model's sizes allow. A run started from a HuggingFace folder keeps
-    that folder's config keys and tokenizer files.
+    read(saved config.json, run_dir) -> the run's Config; table(cfg) -> its parameter table;
+    buffers(cfg) -> its buffer table (state outside the gradients, saved with the weights);
+    save(params, cfg, out, base_config, model_type=, dtype=, max_shard_bytes=) -> the files
+    written; tokenizer(cfg) -> the tokenizer file the run trained with, or None. The
+    parameters are read split over every local device (fsdp) when the model's sizes allow. A
+    run started from a HuggingFace folder keeps that folder's config keys and tokenizer files.
     """
-    path = run_path(run_dir, "config.json")
-    saved = read_run_config(run_dir, "--run-dir")
-    try:
-        cfg = read(saved)
-    except (KeyError, TypeError) as e:
-        raise ConfigError(f"{path} is not a run config this trainer reads ({e}).") from None
-    mesh = make_mesh(MeshConfig(fsdp=len(jax.devices())))
-    try:
-        check_divides(table(cfg), mesh, run_dir)
-    except ConfigError:
-        mesh = make_mesh(MeshConfig(fsdp=1), jax.devices()[:1])
-    abstract = jax.tree.map(lambda e, sh: jax.ShapeDtypeStruct(e[0], jnp.float32, sharding=sh),
-                            table(cfg), named(mesh, table_specs(table(cfg))), is_leaf=is_entry)
-    with Checkpointer(run_dir, CheckpointConfig(restore_step=step)) as ckpt:
-        at = ckpt.resume_step()
-        if at is None:
-            raise CheckpointError(f"--run-dir {run_dir} has no checkpoint to export.")
-        params = ckpt.restore(at, {"params": abstract}, partial=True)["params"]
-    src = hf_origin(saved)
-    try:  # the data may be gone: then the export ships no tokenizer
-        tok = None if src else tokenizer(cfg)
-    except (FileNotFoundError, ValueError, OSError):
-        tok = None
-    base, tokenizer_dir = hf.export_extras(src, tok if tok and os.path.isfile(tok) else None)
-    files = save(params, cfg, out, base)
-    if tokenizer_dir:
-        files += hf.copy_tokenizer(tokenizer_dir, out)
-    size = sum(os.path.getsize(os.path.join(out, f)) for f in files)
-    print(f"export-hf: step {at} of {run_dir} -> {out} ({len(files)} files, {size / 1e9:.2f} "
-          f"GB, {dtype}): {', '.join(files)}", flush=True)
-    return files
+    def export_hf(run_dir: str, out: str, step: int = -1,
+                  dtype: Literal["float32", "bfloat16"] = "float32", model_type: str = "",
+                  max_shard_gb: float = 5.0) -> list[str]:
+        """Write a run's checkpoint as a HuggingFace folder (config.json, safetensors, tokenizer).
+
+        Args:
+            run_dir: The run directory: its config.json and checkpoints/.
+            out: The folder to create (new or empty).
+            step: The checkpoint to export; -1 = the latest.
+            dtype: Of the weights written (checkpoints hold float32).
+            model_type: The family; "" = the one the run started from, else the one the
+                model's knobs say.
+            max_shard_gb: The largest safetensors file.
+        """
+        path = run_path(run_dir, "config.json")
+        saved = read_run_config(run_dir, "--run-dir")
+        try:
+            cfg = read(saved, run_dir)
+        except (KeyError, TypeError) as e:
+            raise ConfigError(f"{path} is not a run config this trainer reads ({e}).") from None
+        extra = buffers(cfg) if buffers else {}
+        tables = {"params": table(cfg)} | ({"buffers": extra} if extra else {})
+        mesh = make_mesh(MeshConfig(fsdp=len(jax.devices())))
+        try:
+            check_divides(join(table(cfg), extra), mesh, run_dir)
+        except ConfigError:
+            mesh = make_mesh(MeshConfig(fsdp=1), jax.devices()[:1])
+        abstract = jax.tree.map(
+            lambda e, sh: jax.ShapeDtypeStruct(e[0], jnp.float32, sharding=sh), tables,
+            named(mesh, table_specs(tables)), is_leaf=is_entry)
+        with Checkpointer(run_dir, CheckpointConfig(restore_step=step)) as ckpt:
+            at = ckpt.resume_step()
+            if at is None:
+                raise CheckpointError(f"--run-dir {run_dir} has no checkpoint to export.")
+            state = ckpt.restore(at, abstract, partial=True)
+        src = hf_origin(saved)
+        try:  # the data may be gone: then the export ships no tokenizer
+            tok = None if src else tokenizer(cfg)
+        except (FileNotFoundError, ValueError, OSError):
+            tok = None
+        base, tokenizer_dir = hf.export_extras(src, tok if tok and os.path.isfile(tok) else None)
+        files = save(join(state["params"], state.get("buffers", {})), cfg, out, base,
+                     model_type=model_type, dtype=dtype, max_shard_bytes=int(max_shard_gb * 2**30))
+        if tokenizer_dir:
+            files += hf.copy_tokenizer(tokenizer_dir, out)
+        size = sum(os.path.getsize(os.path.join(out, f)) for f in files)
+        print(f"export-hf: step {at} of {run_dir} -> {out} ({len(files)} files, {size / 1e9:.2f} "
+              f"GB, {dtype}): {', '.join(files)}", flush=True)
+        return files
+
+    # tyro offers, and checks, the trainer's own families.
+    export_hf.__annotations__["model_type"] = Literal[("", *model_types)]
+    return export_hf
 
 
 def hf_origin(saved: dict) -> str:
@@ -938,8 +980,15 @@ def load_hf(path: str, mesh, config_from_hf: Callable, table: Callable, mapping:
     check_divides(table(cfg), mesh, path)
     mt = ckpt.config["model_type"]
     # Some exports keep lm_head.weight although it is tied; older ones saved rotary tables.
+    # Layers past num_hidden_layers are DeepSeek-V3's multi-token-prediction module, which
+    # predicts a second token ahead and is not part of the model we train.
+    extra = lambda n: (m := re.match(r"model\.layers\.(\d+)\.", n)) and int(m[1]) >= (
+        ckpt.config["num_hidden_layers"])
     ignore = lambda n: (getattr(cfg, "tie_embeddings", False) and n == "lm_head.weight") or (
-        n.endswith("rotary_emb.inv_freq"))
+        n.endswith("rotary_emb.inv_freq")) or extra(n)
+    if skipped := sorted(n for n in ckpt.names() if extra(n)):
+        log(f"{path}: {len(skipped)} tensors of layers past num_hidden_layers (a multi-token-"
+            f"prediction module) are not loaded, e.g. {skipped[0]}")
     return cfg, hf.load(ckpt, mapping(cfg, mt), sizes(cfg), named(mesh, table_specs(table(cfg))),
                         what=f"{mt} model of this config", ignore=ignore)
 

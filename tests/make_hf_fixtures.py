@@ -41,6 +41,16 @@ TOKENS_SHAPE = (2, 16)
 _LLAMA3_ROPE = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                     original_max_position_embeddings=64)
 
+_DEEPSEEK = dict(
+    vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+    num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=12,
+    kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6, n_routed_experts=8,
+    num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, norm_topk_prob=True,
+    routed_scaling_factor=2.5, rms_norm_eps=1e-6, num_mtp_layers=0, rope_interleave=True,
+    rope_parameters=dict(rope_type="yarn", rope_theta=100.0, factor=4.0, beta_fast=8.0,
+                         beta_slow=1.0, mscale=0.707, mscale_all_dim=0.707,
+                         original_max_position_embeddings=16), max_position_embeddings=64)
+
 # name -> (model_type, config kwargs, max shard size or None for a single file)
 FAMILIES = {
     "llama2": ("llama", dict(
@@ -105,7 +115,17 @@ FAMILIES = {
         rope_parameters=dict(rope_type="yarn", rope_theta=100.0, factor=4.0, beta_fast=8.0,
                              beta_slow=1.0, truncate=False, original_max_position_embeddings=16),
         max_position_embeddings=64), None),
+    # DeepSeek-V3: a dense first layer then two MoE layers, MLA with a query latent and values
+    # narrower than the queries, 8 experts in 4 groups of which 2 are searched, a shared
+    # expert, the choice bias away from zero, YaRN with a small original context, and
+    # DeepSeek's interleaved RoPE. Kimi K2 is the same model without groups, renamed.
+    "deepseek_v3": ("deepseek_v3", dict(_DEEPSEEK, n_group=4, topk_group=2), "16KB"),
+    "kimi_k2": ("deepseek_v3", dict(_DEEPSEEK, n_group=1, topk_group=1,
+                                    routed_scaling_factor=2.827, rope_parameters=dict(
+                                        _DEEPSEEK["rope_parameters"], beta_fast=1.0)), None),
 }
+# Written as this model_type (the checkpoint is the other's, as Moonshot ships it).
+RENAMED = {"kimi_k2": "kimi_k2"}
 
 
 def randomize(model: torch.nn.Module, seed: int, model_type: str = "") -> None:
@@ -117,6 +137,9 @@ def randomize(model: torch.nn.Module, seed: int, model_type: str = "") -> None:
     gemma = "gemma" in model_type
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
+        for name, b in sorted(model.named_buffers()):  # DeepSeek's choice bias: a buffer
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.1 * torch.randn(b.shape, generator=g))
         for name, p in sorted(model.named_parameters()):
             noise = torch.randn(p.shape, generator=g, dtype=torch.float32)
             if name.endswith("sinks"):  # a logit each head's softmax weighs against its keys
@@ -148,6 +171,12 @@ def make(name: str, model_type: str, kwargs: dict, shard: str | None, seed: int)
         logits = ref(torch.from_numpy(tokens)).logits.float().numpy()
     np.savez(os.path.join(folder, "expected.npz"), tokens=tokens.astype(np.int32),
              logits=logits.astype(np.float32))
+    if name in RENAMED:
+        path = os.path.join(folder, "config.json")
+        with open(path) as f:
+            c = json.load(f)
+        with open(path, "w") as f:
+            json.dump(c | {"model_type": RENAMED[name]}, f, indent=2)
     files = sorted(os.listdir(folder))
     size = sum(os.path.getsize(os.path.join(folder, f)) for f in files)
     return {"files": files, "bytes": size, "logit_absmax": float(np.abs(logits).max())}

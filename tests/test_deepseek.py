@@ -34,16 +34,18 @@ def random_layer(cfg, seed=1):
             for k, (shape, _, std) in tm._layer_table(cfg, 1, moe=False).items()}
 
 
-def rope_halves(x, pos, inv):
+def rope_halves(x, pos, inv, pairs=False):
+    """Dim i turns with dim i + h/2; with `pairs` (DeepSeek's layout) 2i with 2i + 1, the
+    result kept interleaved: a different order from the model's, the same q.k."""
     ang = pos[:, None] * inv[None]                       # [T, h]
-    x1, x2 = np.split(x, 2, axis=-1)
-    return np.concatenate([x1 * np.cos(ang) - x2 * np.sin(ang),
-                           x2 * np.cos(ang) + x1 * np.sin(ang)], axis=-1)
+    x1, x2 = (x[:, 0::2], x[:, 1::2]) if pairs else np.split(x, 2, axis=-1)
+    y1, y2 = x1 * np.cos(ang) - x2 * np.sin(ang), x2 * np.cos(ang) + x1 * np.sin(ang)
+    return np.stack([y1, y2], -1).reshape(x.shape) if pairs else np.concatenate([y1, y2], -1)
 
 
 def reference_mla(h, lp, cfg):
-    """Head by head in numpy, one batch row: k_n = [c W_k_b[:, n], RoPE(k_rope)], causal
-    softmax at (nope + rope)^-1/2 times DeepSeek's mscale squared."""
+    """Head by head in numpy, one batch row: [k_nope_n, v_n] = c W_kv_b[:, n], k_n = [k_nope_n,
+    RoPE(k_rope)], causal softmax at (nope + rope)^-1/2 times DeepSeek's mscale squared."""
     lp = {k: np.asarray(v, np.float64) for k, v in lp.items()}
     norm = lambda x, w: x / np.sqrt(np.mean(x * x, -1, keepdims=True) + cfg.norm_eps) * w
     T = h.shape[0]
@@ -53,22 +55,24 @@ def reference_mla(h, lp, cfg):
     q_all = np.einsum("tc,cnh->tnh", norm(h @ lp["wq_a"], lp["q_norm_a"]), lp["wq_b"])
     kv = h @ lp["wkv_a"]
     c = norm(kv[:, :C], lp["kv_norm"])
-    k_rope = rope_halves(kv[:, C:], pos, inv)
+    k_rope = rope_halves(kv[:, C:], pos, inv, cfg.rope_interleave)
     mscale = 0.1 * cfg.yarn_mscale_all_dim * math.log(cfg.yarn_factor) + 1.0
     scale = mscale ** 2 / math.sqrt(Hn + cfg.qk_rope_head_dim)
     out = []
     for n in range(cfg.n_heads):
-        q = np.concatenate([q_all[:, n, :Hn], rope_halves(q_all[:, n, Hn:], pos, inv)], -1)
-        k = np.concatenate([c @ lp["wk_b"][:, n], k_rope], -1)
-        v = c @ lp["wv_b"][:, n]
+        q = np.concatenate([q_all[:, n, :Hn], rope_halves(q_all[:, n, Hn:], pos, inv,
+                                                           cfg.rope_interleave)], -1)
+        k = np.concatenate([c @ lp["wkv_b"][:, n, :Hn], k_rope], -1)
+        v = c @ lp["wkv_b"][:, n, Hn:]
         s = np.where(np.tril(np.ones((T, T), bool)), q @ k.T * scale, -np.inf)
         p = np.exp(s - s.max(-1, keepdims=True))
         out.append((p / p.sum(-1, keepdims=True)) @ v)
     return np.stack(out, axis=1)                         # [T, N, Hv]
 
 
-def test_mla_equals_per_head_reference():
-    cfg = DS
+@pytest.mark.parametrize("interleave", [False, True])
+def test_mla_equals_per_head_reference(interleave):
+    cfg = dataclasses.replace(DS, rope_interleave=interleave)
     lp = random_layer(cfg)
     h = jax.random.normal(jax.random.key(3), (2, 10, cfg.d_model))
     pos = jnp.broadcast_to(jnp.arange(10), (2, 10))
@@ -106,7 +110,7 @@ def test_expert_parallel_equals_one_device():
     assert got[0] == pytest.approx(one[0], rel=1e-6)
     for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(got[1]), jax.tree.leaves(one[1])):
         np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-6, err_msg=jax.tree_util.keystr(path))
-    for name in ("wk_b", "shared_down", "w_router"):   # each is trained: not zero
+    for name in ("wkv_b", "shared_down", "w_router"):   # each is trained: not zero
         assert float(np.abs(one[1]["layers"][name]).max()) > 1e-4, name
 
 

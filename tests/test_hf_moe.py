@@ -1,13 +1,16 @@
-"""HuggingFace in and out for train_moe.py: Mixtral, Qwen3-MoE and GPT-OSS against transformers.
+"""HuggingFace in and out for train_moe.py: Mixtral, Qwen3-MoE, GPT-OSS, DeepSeek-V3 and Kimi K2
+against transformers.
 
 Same fixtures and checks as tests/test_hf.py (see there), for the mixture-of-experts families:
-one tensor per expert and per layer, loaded straight onto the expert axis.
+one tensor per expert and per layer, loaded straight onto the expert axis. Kimi K2's folder is
+DeepSeek-V3's model under model_type kimi_k2, which transformers reads only as deepseek_v3.
 """
 import dataclasses
 import json
 import os
 import shutil
 import sysconfig
+import tempfile
 
 import jax
 import numpy as np
@@ -23,11 +26,12 @@ from common.mesh import MeshConfig, make_mesh
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIXTURES = os.path.join(ROOT, "tests", "fixtures", "hf")
-FAMILIES = ["mixtral", "qwen3_moe", "gpt_oss"]
+FAMILIES = ["mixtral", "qwen3_moe", "gpt_oss", "deepseek_v3", "kimi_k2"]
 TOL = 1e-4
 BOOKKEEPING = {"transformers_version", "dtype", "torch_dtype", "bos_token_id", "eos_token_id",
                "pad_token_id", "use_cache", "initializer_range", "attention_dropout",
-               "output_router_logits", "router_aux_loss_coef", "router_jitter_noise"}
+               "output_router_logits", "router_aux_loss_coef", "router_jitter_noise",
+               "pretraining_tp", "qk_head_dim"}  # transformers' own, derived or unused
 
 
 def fixture(name):
@@ -92,6 +96,10 @@ live = pytest.mark.skipif(transformers is None, reason="transformers not install
 
 
 def hf_logits(folder, tokens):
+    if hf.read_config(folder)["model_type"] == "kimi_k2":  # Moonshot's own code otherwise
+        with tempfile.TemporaryDirectory() as tmp:
+            return hf_logits(copy("", os.path.join(tmp, "as-deepseek"), lambda c: c.update(
+                model_type="deepseek_v3"), src=folder), tokens)
     model = transformers.AutoModelForCausalLM.from_pretrained(
         folder, dtype=torch.float32, attn_implementation="eager")
     with torch.no_grad():
@@ -103,7 +111,8 @@ def test_save_load_round_trip(name, loaded, tmp_path):
     cfg, params = loaded[name]
     src = hf.Checkpoint(fixture(name))
     out = str(tmp_path / "out")
-    files = tm.save_hf(params, cfg, out, max_shard_bytes=6000)  # family picked from the knobs
+    files = tm.save_hf(params, cfg, out, max_shard_bytes=6000,  # family picked from the knobs
+                       model_type="kimi_k2" if name == "kimi_k2" else "")
     assert hf.INDEX in files and len(files) > 3
     cfg2, params2 = tm.load_hf(out)
     assert cfg2 == cfg
@@ -139,7 +148,7 @@ def test_sharded_load_equals_one_device(name, loaded):
     mesh = make_mesh(MeshConfig(fsdp=2, tensor=2, expert=2))
     cfg2, params = tm.load_hf(fixture(name), mesh)
     for x, spec in zip(jax.tree.leaves(params), jax.tree.leaves(
-            tm.param_specs(cfg), is_leaf=lambda s: isinstance(s, P))):
+            train.table_specs(tm._hf_table(cfg)), is_leaf=lambda s: isinstance(s, P))):
         assert x.sharding == NamedSharding(mesh, spec)
     for a, b in zip(jax.tree.leaves(host(one)), jax.tree.leaves(host(params))):
         np.testing.assert_array_equal(a, b)
@@ -148,9 +157,9 @@ def test_sharded_load_equals_one_device(name, loaded):
     assert max_diff(logits(params, cfg2, tokens4, mesh), want4) < TOL
 
 
-def copy(name, tmp_path, edit):
-    dst = str(tmp_path / name)
-    shutil.copytree(fixture(name), dst)
+def copy(name, tmp_path, edit, src=None):
+    dst = str(tmp_path) if src else str(tmp_path / name)
+    shutil.copytree(src or fixture(name), dst)
     path = os.path.join(dst, "config.json")
     with open(path) as f:
         c = json.load(f)
@@ -172,6 +181,34 @@ def test_bad_folders(tmp_path, edit, match):
         tm.load_hf(copy("qwen3_moe", tmp_path, edit))
 
 
+@pytest.mark.parametrize("edit,match", [
+    (lambda c: c.update(scoring_func="softmax"), r"scoring_func 'softmax' .* not implemented"),
+    (lambda c: c["rope_parameters"].update(mscale=1.0), r"YaRN with mscale == mscale_all_dim"),
+    (lambda c: c.update(first_k_dense_replace=2), r"tensors that a deepseek_v3 model .* missing"),
+])
+def test_bad_deepseek_folders(tmp_path, edit, match):
+    with pytest.raises(hf.HFError, match=match):
+        tm.load_hf(copy("deepseek_v3", tmp_path, edit))
+
+
+def test_multi_token_prediction_layer_is_left_out(tmp_path, capsys):
+    """DeepSeek-V3's checkpoints end with the MTP module as layer num_hidden_layers: it is
+    not part of the model we train, so it is skipped (and said), and nothing else is."""
+    dst = copy("deepseek_v3", tmp_path, lambda c: c.update(num_nextn_predict_layers=1))
+    name = "model.layers.3.eh_proj.weight"
+    hf._write_file(os.path.join(dst, "mtp.safetensors"), [
+        (name, (32, 64), np.dtype(np.float32), lambda: np.ones((32, 64), np.float32))])
+    with open(os.path.join(dst, hf.INDEX)) as f:
+        index = json.load(f)
+    index["weight_map"][name] = "mtp.safetensors"
+    with open(os.path.join(dst, hf.INDEX), "w") as f:
+        json.dump(index, f)
+    cfg, params = tm.load_hf(dst)
+    tokens, want = expected("deepseek_v3")
+    assert max_diff(logits(params, cfg, tokens), want) < TOL
+    assert "1 tensors of layers past num_hidden_layers" in capsys.readouterr().out
+
+
 def test_each_trainer_points_to_the_other():
     with pytest.raises(hf.HFError, match=r"belong to train_moe.py"):
         td.load_hf(fixture("mixtral"))
@@ -179,22 +216,31 @@ def test_each_trainer_points_to_the_other():
         tm.load_hf(fixture("qwen3"))
 
 
-def test_init_from_hf_train_and_export(tmp_path):
+# DeepSeek's: MLA, a dense first layer, groups, a shared expert, and router biases that must
+# come in with the weights and go out with them.
+DEEPSEEK = dict(n_layers=3, n_kv_heads=4, kv_lora_rank=16, q_lora_rank=12, qk_nope_head_dim=8,
+                qk_rope_head_dim=4, v_head_dim=6, rope_interleave=True, sigmoid_routing=True,
+                routed_scale=2.5, n_group=2, topk_group=1, n_shared_experts=1, first_k_dense=1,
+                dense_d_ff=24)
+
+
+@pytest.mark.parametrize("preset,knobs", [("tiny-moe", {}), ("tiny-deepseek", DEEPSEEK)])
+def test_init_from_hf_train_and_export(tmp_path, preset, knobs):
     stdlib = sysconfig.get_paths()["stdlib"]
     data = prepare([os.path.join(stdlib, f) for f in ("argparse.py", "textwrap.py")],
                    str(tmp_path / "data"), vocab_size=400)
-    model = tm.ModelConfig(vocab_size=400, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
-                           head_dim=8, n_experts=4, top_k=2, d_ff=16, max_seq_len=64,
-                           loss_chunk=16, remat="none")
+    model = tm.ModelConfig(**dict(dict(
+        vocab_size=400, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
+        n_experts=4, top_k=2, d_ff=16, max_seq_len=64, loss_chunk=16, remat="none"), **knobs))
     rng = np.random.default_rng(5)  # in numpy: nothing to compile
     published = jax.tree.map(
         lambda e: (1.0 if e[2] is None else 0.0) + 0.3 * rng.standard_normal(e[0], np.float32),
-        tm._param_table(model), is_leaf=train.is_entry)
+        tm._hf_table(model), is_leaf=train.is_entry)
     src = str(tmp_path / "published")
     tm.save_hf(published, model, src, base_config={"eos_token_id": 2})
     shutil.copy(os.path.join(data, "tokenizer.model"), src)
 
-    args = ["tiny-moe", "--init-from-hf", src, "--data.path", data, "--run-dir",
+    args = [preset, "--init-from-hf", src, "--data.path", data, "--run-dir",
             str(tmp_path / "run"), "--train.steps", "2", "--train.batch-size", "8",
             "--train.seq-len", "32", "--train.sample-tokens", "0", "--train.log-every", "1",
             "--checkpoint.every", "2", "--mesh.expert", "2", "--mesh.fsdp", "-1"]
@@ -213,8 +259,14 @@ def test_init_from_hf_train_and_export(tmp_path):
     out = str(tmp_path / "exported")
     tm.export_hf(str(tmp_path / "run"), out)
     _, params_out = tm.load_hf(out)
-    for a, b in zip(jax.tree.leaves(host(summary["state"]["params"])),
-                    jax.tree.leaves(host(params_out))):
+    state = summary["state"]
+    trained = train.join(state["params"], state.get("buffers", {}))
+    assert jax.tree.structure(trained) == jax.tree.structure(params_out)
+    for a, b in zip(jax.tree.leaves(host(trained)), jax.tree.leaves(host(params_out))):
         np.testing.assert_array_equal(a, b)
+    if knobs:  # the biases started as the folder's and moved by the balancing
+        moved = state["buffers"]["layers"]["router_bias"] - published["layers"]["router_bias"]
+        moved = np.abs(np.asarray(moved))
+        assert np.all(moved < 2e-3 + 1e-6) and np.any(moved > 1e-3)
     assert hf.read_config(out)["eos_token_id"] == 2 and os.path.isfile(
         os.path.join(out, "tokenizer.model"))
