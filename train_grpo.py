@@ -22,7 +22,6 @@ P prompt, N new (completion) tokens, D model, H head, K key/value heads, V vocab
 from __future__ import annotations
 
 import math
-import re
 import time
 from dataclasses import dataclass, field
 from functools import partial
@@ -38,8 +37,8 @@ from common.checkpoint import CheckpointConfig, read_run_config
 from common.data import (ChatTemplate, PretrainedTokenizer, decode_completions,
                          encode_completions, encode_prompts, open_tokenizer, run_tokenizer)
 from common.mesh import BATCH_AXES, MeshConfig, describe, make_mesh, resolve
-from common.task import Row, Task, columns, left_pad, load_task
-from common.task import score as score_rows
+from common.task import (Row, Task, columns, exact, format_reward, left_pad, load_task,
+                         score)
 from common.train import ConfigError, fetch, log, named
 
 # ----------------------------------------------------------------------------------------------
@@ -624,33 +623,11 @@ def prompt_width(t: TaskConfig) -> int:
     return 2 * t.max_digits + 2 + 2
 
 
-def longest_answers(t: TaskConfig) -> list[str]:
-    top = 10 ** t.max_digits - 1
-    return [str(top + top)[::-1], str(top + 1)[::-1]]
-
-
-# Reward functions: plain Python over decoded text, one float per completion, as TRL's
-# `reward_funcs` (completions, **columns) -> list[float]. Each is logged as rewards/<name>.
-
-def correctness_reward(completions: list[str], *, answers: list[str], **_) -> np.ndarray:
-    """1 if the completion is exactly the reversed sum (surrounding spaces aside), else 0."""
-    return np.array([float(c.strip() == a) for c, a in zip(completions, answers)], np.float32)
-
-
-def format_reward(completions: list[str], *, finished: np.ndarray, **_) -> np.ndarray:
-    """1 if the completion is digits only and stopped by itself (EOS within the budget)."""
-    return np.array([float(bool(f) and re.fullmatch(r"\s*[0-9]+\s*", c) is not None)
-                     for c, f in zip(completions, finished)], np.float32)
-
-
+# The demo's rewards, common/task.py's built-ins (TRL's `reward_funcs`, logged as
+# rewards/<name>): correctness, exactly the reversed sum (surrounding spaces aside); format,
+# digits only and stopped by itself (EOS within the budget).
 def reward_funcs(g: GRPOConfig) -> dict[str, tuple[Callable, float]]:
-    return {"correctness": (correctness_reward, 1.0), "format": (format_reward, g.format_weight)}
-
-
-def score(funcs, completions, answers, finished) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-    """Total reward sum_f w_f r_f per completion, and each function's unweighted rewards: the
-    demo's functions receive the answers as `answers` (common/task.py's score checks them)."""
-    return score_rows(funcs, completions, {"answers": answers}, finished)
+    return {"correctness": (exact, 1.0), "format": (format_reward("[0-9]+"), g.format_weight)}
 
 
 def make_task(cfg: Config, tok) -> Task:
@@ -663,13 +640,14 @@ def make_task(cfg: Config, tok) -> Task:
     if mine:
         raise ConfigError(f"--task.{mine[0].replace('_', '-')} goes with --task.path (your "
                           "prompts); the addition demo has its own rewards.")
+    top = 10 ** t.max_digits - 1  # the longest answers: 99+99 and 99+1, reversed
 
-    def rows(rng, n):  # the demo's rewards read the answers as `answers`
-        return [Row(tok.prompt(p), {"answers": a}, p, a) for p, a in problems(rng, n, t)]
+    def rows(rng, n):  # the built-in `exact` reads each row's `answer`
+        return [Row(tok.prompt(p), {"answer": a}, p, a) for p, a in problems(rng, n, t)]
     return Task(rows_at=lambda step, n, salt: rows(np.random.default_rng([g.seed, salt, step]), n),
                 eval_rows=rows(np.random.default_rng([t.eval_seed]), t.eval_prompts),
                 rewards=reward_funcs(g), width=prompt_width(t),
-                answer_tokens=max(len(tok.encode(a)) for a in longest_answers(t)) + 1,
+                answer_tokens=max(len(tok.encode(str(top + b)[::-1])) for b in (top, 1)) + 1,
                 show=lambda r, c: f"  {r.text}{c:<6} (expected {r.answer})")
 
 
@@ -876,7 +854,7 @@ def train_loop(cfg: Config, mesh, tok, task: Task, st: train.TrainState, step_fn
         tokens, mask = fetch(out["tokens_BN"]), fetch(out["mask_BN"])
         seconds = time.perf_counter() - t0
         texts, finished = decode_completions(tok, tokens, mask)
-        total, each = score_rows(task.rewards, texts, columns(items), finished)
+        total, each = score(task.rewards, texts, columns(items), finished)
         return {"out": out, "prompt": ids, "valid": valid, "texts": texts, "mask": mask,
                 "finished": finished, "reward": total, "rewards": each, "seconds": seconds}
 
