@@ -186,10 +186,16 @@ PRESETS: dict[str, tuple[str, Config]] = {
 # mesh and how it computes. The warm start is over once a checkpoint exists.
 MAY_CHANGE = frozenset({
     "grpo.steps", "grpo.lr", "grpo.log_every", "grpo.eval_every", "grpo.microbatches", "warm",
-    "grpo.qk_clip_threshold",
-    "mesh", "grpo.profile_steps", "grpo.peak_tflops", "grpo.max_bad_steps", "quiet", "dry_run",
-    "bench", "checkpoint", "run_dir", "model.dtype", "model.attention", "model.remat",
-    "model.scan_layers", "model.loss_chunk", "model.loss_impl"})
+    "grpo.qk_clip_threshold", "grpo.profile_steps", "grpo.peak_tflops", "grpo.max_bad_steps",
+    "mesh", "quiet", "dry_run", "bench", "checkpoint", "run_dir",
+    *(f"model.{f}" for f in COMPUTE_FIELDS)})
+
+# Allowed values of the numbers whose default's sign does not say (see train.check_ranges).
+RULES = {"grpo.steps": ">= 0", "grpo.top_p": "(0, 1]", "grpo.eps_low": "-1 or (0, 1)",
+         "grpo.eps_high": "-1 or > 0", "grpo.b1": "[0, 1)", "grpo.b2": "[0, 1)",
+         "grpo.warmup_steps": ">= 0", "grpo.format_weight": ">= 0", "warm.max_steps": ">= 0",
+         "warm.target_reward": ">= 0", "warm.warmup_steps": ">= 0",
+         "grpo.qk_clip_threshold": ">= 0"}
 
 # Clip ranges from the papers, used when --grpo.eps-low/--grpo.eps-high are -1.
 # PPO/GRPO: 0.2 both ways. DAPO's clip-higher: 0.2 / 0.28 (Yu et al. 2025, section 3.1).
@@ -201,15 +207,8 @@ PAPER_EPS = {"grpo": (0.2, 0.2), "bnpo": (0.2, 0.2), "dr_grpo": (0.2, 0.2),
 
 def clip_range(g: GRPOConfig) -> tuple[float, float]:
     lo, hi = PAPER_EPS[g.loss]
-    lo = lo if g.eps_low < 0 else g.eps_low
-    hi = hi if g.eps_high < 0 else g.eps_high
-    return lo, hi
-# Allowed values of the numbers whose default's sign does not say (see train.check_ranges).
-RULES = {"grpo.steps": ">= 0", "grpo.top_p": "(0, 1]", "grpo.eps_low": "-1 or (0, 1)",
-         "grpo.eps_high": "-1 or > 0", "grpo.b1": "[0, 1)", "grpo.b2": "[0, 1)",
-         "grpo.warmup_steps": ">= 0", "grpo.format_weight": ">= 0", "warm.max_steps": ">= 0",
-         "warm.target_reward": ">= 0", "warm.warmup_steps": ">= 0",
-         "grpo.qk_clip_threshold": ">= 0"}
+    return (lo if g.eps_low < 0 else g.eps_low), (hi if g.eps_high < 0 else g.eps_high)
+
 
 
 def validate(cfg: Config, n_devices: int, tok) -> Task:
@@ -298,7 +297,6 @@ def _param_table(cfg: ModelConfig) -> dict:
     if not cfg.tie_embeddings:
         table["unembed"] = ((D, V), P("fsdp", "tensor"), std)
     return table
-
 
 
 def param_specs(cfg: ModelConfig) -> dict:
@@ -497,8 +495,7 @@ def init_cache(cfg: ModelConfig, B: int, S: int) -> dict:
 def forward_cached(params: dict, tokens_BT, cache: dict, index, pos_BT, mask_BTS,
                    cfg: ModelConfig):
     """Logits of T new tokens at columns index..index+T-1 of a preallocated KV cache, and the
-    cache with their keys and values written in. Prefill is T = the prompt width at index 0;
-    each decode step is T = 1."""
+    cache with their keys and values written in (prefill: the prompt at 0; decoding: T = 1)."""
     h_BTD, cache, _ = hidden(params, tokens_BT, cfg, pos_BT, mask_BTS, cache, index)
     return logits_of(params, h_BTD, cfg), cache
 
@@ -965,9 +962,8 @@ def log_step(r: dict) -> None:
 
 
 def warm_start(cfg: Config, mesh, tok, params, generate, task: Task, run: train.Run):
-    """SFT on correct examples until the sampled (not greedy) reward reaches the target:
-    from random weights every completion scores 0, every group's advantages are 0 and GRPO
-    has no gradient; it needs a policy that is sometimes right."""
+    """SFT on correct examples until the sampled (not greedy) reward reaches
+    --warm.target-reward (WarmStartConfig says why)."""
     w, g = cfg.warm, cfg.grpo
     st = train_state(cfg, mesh, make_optimizer(g, w))
     state = st.from_params(params)
@@ -1107,10 +1103,9 @@ def config_from_hf(c: dict, where: str = "config.json") -> ModelConfig:
         return hf.HFError(f"{where}: {what} is not implemented here, so this {mt} model "
                           "cannot be loaded faithfully.")
 
-    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                "num_attention_heads"):
-        if key not in c:
-            raise hf.HFError(f"{where} has no {key!r}; it is not a complete {mt} config.")
+    if lacking := [k for k in ("vocab_size", "hidden_size", "intermediate_size",
+                               "num_hidden_layers", "num_attention_heads") if k not in c]:
+        raise hf.HFError(f"{where} has no {lacking[0]!r}; it is not a complete {mt} config.")
     if c.get("hidden_act", "silu") != "silu":
         raise unsupported(f"hidden_act {c['hidden_act']!r} (only silu)")
     if c.get("attention_bias") or c.get("mlp_bias"):
@@ -1120,8 +1115,7 @@ def config_from_hf(c: dict, where: str = "config.json") -> ModelConfig:
     theta, kind, rope = hf.rope_parameters(c, 10_000.0, where)
     scaling = {}
     if kind == "llama3":
-        lacking = {"factor", "low_freq_factor", "high_freq_factor"} - set(rope)
-        if lacking:
+        if lacking := {"factor", "low_freq_factor", "high_freq_factor"} - set(rope):
             raise hf.HFError(f"{where}: rope type 'llama3' without {', '.join(sorted(lacking))}.")
         scaling = dict(rope_scaling=float(rope["factor"]),
                        rope_low_freq_factor=float(rope["low_freq_factor"]),
@@ -1132,10 +1126,9 @@ def config_from_hf(c: dict, where: str = "config.json") -> ModelConfig:
         raise unsupported(f"rope type {kind!r} (only the default and 'llama3')")
     # A sliding window of W tokens changes nothing on sequences of at most W tokens, and we
     # train no longer ones: the window becomes the model's maximum length.
-    window = (c.get("sliding_window") if mt == "mistral" or c.get("use_sliding_window")
-              else None)
-    max_len = c["max_position_embeddings"] if window is None else min(
-        c["max_position_embeddings"], window)
+    window = c.get("sliding_window") if mt == "mistral" or c.get("use_sliding_window") else None
+    max_len = c["max_position_embeddings"]
+    max_len = max_len if window is None else min(max_len, window)
     n_heads = c["num_attention_heads"]
     return ModelConfig(
         vocab_size=c["vocab_size"], d_model=c["hidden_size"], n_layers=c["num_hidden_layers"],
@@ -1157,8 +1150,7 @@ def config_to_hf(cfg: ModelConfig, model_type: str = "", dtype: str = "float32")
     """train_dense.py's config.json for the policy's families (tests/test_grpo_hf.py holds the
     two equal): transformers 4.4x and 5.x each find their spelling of the rope settings."""
     mt = model_type or ("qwen3" if cfg.qk_norm else "qwen2" if cfg.qkv_bias else "llama")
-    if mt not in HF_ARCHITECTURES or cfg.qkv_bias != (mt == "qwen2") or cfg.qk_norm != (
-            mt == "qwen3"):
+    if mt not in HF_ARCHITECTURES or (cfg.qkv_bias, cfg.qk_norm) != (mt == "qwen2", mt == "qwen3"):
         raise hf.HFError(f"model_type {mt!r} does not fit this model (q/k/v biases are qwen2's, "
                          f"q/k norms qwen3's): choose one of {', '.join(HF_ARCHITECTURES)}.")
     rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
@@ -1178,12 +1170,11 @@ def config_to_hf(cfg: ModelConfig, model_type: str = "", dtype: str = "float32")
              if cfg.rope_scaling > 0 else None,
              attention_dropout=0.0, initializer_range=0.02, use_cache=True, dtype=dtype,
              torch_dtype=dtype)
+    qwen = dict(use_sliding_window=False, sliding_window=None, max_window_layers=L,
+                layer_types=["full_attention"] * L)
     return c | {"llama": dict(attention_bias=False, mlp_bias=False, pretraining_tp=1),
-                "mistral": dict(sliding_window=None),
-                "qwen2": dict(use_sliding_window=False, sliding_window=None, max_window_layers=L,
-                              layer_types=["full_attention"] * L),
-                "qwen3": dict(use_sliding_window=False, sliding_window=None, max_window_layers=L,
-                              layer_types=["full_attention"] * L, attention_bias=False)}[mt]
+                "mistral": dict(sliding_window=None), "qwen2": qwen,
+                "qwen3": qwen | dict(attention_bias=False)}[mt]
 
 
 def export_hf(run_dir: str, out: str, step: int = -1,
