@@ -14,10 +14,10 @@ log-probabilities recorded while sampling. The policy is train_dense.py's model,
 (sections 2-3) and held identical to it by tests/test_copies.py and tests/test_grpo.py.
 
 Sections: 1 config and presets, 2 parameters, 3 model (both as in train_dense.py, plus padding
-masks and a KV cache), 4 rollouts, 5 task, tokenizer and rewards, 6 advantages, loss and
-train step, 7 main and the training loop, 8 HuggingFace in. The plumbing no model changes is
-common/train.py's. Shapes: B batch (rollouts), T sequence, S key sequence (the KV cache),
-P prompt, N new (completion) tokens, D model, H head, K key/value heads, V vocabulary.
+masks and a KV cache), 4 rollouts, 5 task and rewards, 6 advantages, loss and train step, 7 main
+and the training loop, 8 HuggingFace in. The plumbing no model changes is common/train.py's.
+Shapes: B batch (rollouts), T sequence, S key sequence (the KV cache), P prompt, N new
+(completion) tokens, D model, H head, K key/value heads, V vocabulary.
 """
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ from jax.sharding import PartitionSpec as P
 
 from common import hf, observe, train
 from common.checkpoint import CheckpointConfig, read_run_config
-from common.data import (ChatTemplate, PretrainedTokenizer, decode_completions,
+from common.data import (CharTokenizer, ChatTemplate, PretrainedTokenizer, decode_completions,
                          encode_completions, encode_prompts, open_tokenizer, run_tokenizer)
 from common.mesh import BATCH_AXES, MeshConfig, describe, make_mesh, resolve
 from common.task import (Row, Task, columns, exact, format_reward, left_pad, load_task,
@@ -576,32 +576,8 @@ def completion_logps(params, prompt_BP, valid_BP, completion_BN, cfg: ModelConfi
 
 
 # ----------------------------------------------------------------------------------------------
-# 5. Task, tokenizer and rewards
+# 5. Task and rewards (the demo's one-token-per-character tokenizer: common/data.py's)
 # ----------------------------------------------------------------------------------------------
-
-
-class CharTokenizer:
-    """One token per character of "0123456789+= ", plus pad, begin and end of sequence. BPE
-    would merge digit runs into pieces the model must first learn to spell; with one digit per
-    token the columns of the sum line up, 16 ids split over any power-of-two tensor axis, and
-    nothing is trained or downloaded. (--init-from and --init-from-hf use the model's own.)"""
-    SYMBOLS = ("<pad>", "<bos>", "<eos>") + tuple("0123456789+= ")
-    pad_id, bos_id, eos_id = 0, 1, 2
-    vocab_size = len(SYMBOLS)
-    _ids = {c: i for i, c in enumerate(SYMBOLS) if len(c) == 1}
-
-    def encode(self, text: str) -> list[int]:
-        try:
-            return [self._ids[c] for c in text]
-        except KeyError as e:
-            raise ValueError(f"character {e.args[0]!r} is not in the task's vocabulary "
-                             f"{''.join(self.SYMBOLS[3:])!r}") from None
-
-    def decode(self, ids) -> str:
-        return "".join(self.SYMBOLS[i] for i in ids if i > self.eos_id)
-
-    def prompt(self, text: str) -> list[int]:
-        return [self.bos_id] + self.encode(text)
 
 
 def problems(rng: np.random.Generator, n: int, t: TaskConfig) -> list[tuple[str, str]]:
