@@ -25,7 +25,7 @@ import math
 import time
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Callable, Literal
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
@@ -37,8 +37,7 @@ from common.checkpoint import CheckpointConfig, read_run_config
 from common.data import (CharTokenizer, ChatTemplate, PretrainedTokenizer, decode_completions,
                          encode_completions, encode_prompts, open_tokenizer, run_tokenizer)
 from common.mesh import BATCH_AXES, MeshConfig, describe, make_mesh, resolve
-from common.task import (Row, Task, columns, exact, format_reward, left_pad, load_task,
-                         score)
+from common.task import Row, Task, columns, exact, format_reward, left_pad, load_task, score
 from common.train import ConfigError, fetch, log, named
 
 # ----------------------------------------------------------------------------------------------
@@ -318,8 +317,7 @@ def count_params(cfg: ModelConfig) -> int:
 
 
 def train_state(cfg: Config, mesh, tx, ref: bool = False) -> train.TrainState:
-    """{params, opt_state, step} with optimiser `tx` on `mesh`, and with `ref` a frozen copy of
-    the parameters, the KL reference (see common/train.py)."""
+    """{params, opt_state, step} with optimiser `tx` on `mesh`; `ref`: the KL reference too."""
     return train.TrainState(partial(_init, cfg.model), param_specs(cfg.model), tx, mesh, ref=ref)
 
 
@@ -492,8 +490,7 @@ def init_cache(cfg: ModelConfig, B: int, S: int) -> dict:
     return {"k": zeros(), "v": zeros()}
 
 
-def forward_cached(params: dict, tokens_BT, cache: dict, index, pos_BT, mask_BTS,
-                   cfg: ModelConfig):
+def forward_cached(params: dict, tokens_BT, cache: dict, index, pos_BT, mask_BTS, cfg: ModelConfig):
     """Logits of T new tokens at columns index..index+T-1 of a preallocated KV cache, and the
     cache with their keys and values written in (prefill: the prompt at 0; decoding: T = 1)."""
     h_BTD, cache, _ = hidden(params, tokens_BT, cfg, pos_BT, mask_BTS, cache, index)
@@ -539,10 +536,9 @@ def rollout(params, prompt_BP, valid_BP, key, temperature, *, cfg: ModelConfig, 
         live_B = ~c["done_B"]
         tok_B = jnp.where(live_B, tok_B, pad_id)
         col = Pw + i
-        logits_B1V, cache = forward_cached(
-            params, tok_B[:, None], c["cache"], col,
-            jax.lax.dynamic_slice_in_dim(pos_BS, col, 1, axis=1), padded_mask(valid_BS, col, 1),
-            cfg)
+        pos_B1 = jax.lax.dynamic_slice_in_dim(pos_BS, col, 1, axis=1)
+        logits_B1V, cache = forward_cached(params, tok_B[:, None], c["cache"], col, pos_B1,
+                                           padded_mask(valid_BS, col, 1), cfg)
         return {"i": i + 1, "key": key, "cache": cache, "logits_BV": logits_B1V[:, 0],
                 "done_B": c["done_B"] | (tok_B == eos_id),
                 "tokens_BN": c["tokens_BN"].at[:, i].set(tok_B),
@@ -596,13 +592,6 @@ def prompt_width(t: TaskConfig) -> int:
     return 2 * t.max_digits + 2 + 2
 
 
-# The demo's rewards, common/task.py's built-ins (TRL's `reward_funcs`, logged as
-# rewards/<name>): correctness, exactly the reversed sum (surrounding spaces aside); format,
-# digits only and stopped by itself (EOS within the budget).
-def reward_funcs(g: GRPOConfig) -> dict[str, tuple[Callable, float]]:
-    return {"correctness": (exact, 1.0), "format": (format_reward("[0-9]+"), g.format_weight)}
-
-
 def make_task(cfg: Config, tok) -> Task:
     """--task.path's prompts and --task.rewards (common/task.py), or the addition demo."""
     t, g = cfg.task, cfg.grpo
@@ -613,13 +602,16 @@ def make_task(cfg: Config, tok) -> Task:
     if mine:
         raise ConfigError(f"--task.{mine[0].replace('_', '-')} goes with --task.path (your "
                           "prompts); the addition demo has its own rewards.")
+    # common/task.py's built-ins, logged as rewards/<name>: exactly the reversed sum (spaces
+    # aside); digits only and stopped by itself (EOS within the budget).
+    rewards = {"correctness": (exact, 1.0), "format": (format_reward("[0-9]+"), g.format_weight)}
     top = 10 ** t.max_digits - 1  # the longest answers: 99+99 and 99+1, reversed
 
     def rows(rng, n):  # the built-in `exact` reads each row's `answer`
         return [Row(tok.prompt(p), {"answer": a}, p, a) for p, a in problems(rng, n, t)]
     return Task(rows_at=lambda step, n, salt: rows(np.random.default_rng([g.seed, salt, step]), n),
                 eval_rows=rows(np.random.default_rng([t.eval_seed]), t.eval_prompts),
-                rewards=reward_funcs(g), width=prompt_width(t),
+                rewards=rewards, width=prompt_width(t),
                 answer_tokens=max(len(tok.encode(str(top + b)[::-1])) for b in (top, 1)) + 1,
                 show=lambda r, c: f"  {r.text}{c:<6} (expected {r.answer})")
 
@@ -642,8 +634,7 @@ def group_advantages(rewards_B: np.ndarray, group_size: int, scale: bool) -> np.
     return a.reshape(-1).astype(np.float32)
 
 
-def policy_loss(logp_BN, old_BN, adv_B, mask_BN, g: GRPOConfig, *, ref_BN=None,
-                n_tokens=None):
+def policy_loss(logp_BN, old_BN, adv_B, mask_BN, g: GRPOConfig, *, ref_BN=None, n_tokens=None):
     """The clipped surrogate, aggregated as `g.loss` says. Returns (loss, sums) where sums
     holds the masked sums of the per-token diagnostics (exact under gradient accumulation).
 
@@ -923,13 +914,11 @@ def rollout_record(r: dict, lengths: np.ndarray, group_size: int) -> dict:
                   "rollout_tokens_per_s": float(lengths.sum() / r["seconds"])}
 
 
-LABELS = {"correctness": "correct"}  # the demo's reward, as its log lines read in docs/grpo.md
-
-
 def log_step(r: dict) -> None:
+    labels = {"correctness": "correct"}  # the demo's reward, as its log lines read in docs/grpo.md
     kl = f" | kl {r['kl']:.4f}" if "kl" in r else ""
     held = f" | held-out {r['eval_reward']:.3f}" if "eval_reward" in r else ""
-    each = "".join(f" | {LABELS.get(k[8:-5], k[8:-5])} {v:.3f}" for k, v in r.items()
+    each = "".join(f" | {labels.get(k[8:-5], k[8:-5])} {v:.3f}" for k, v in r.items()
                    if k.startswith("rewards/") and k.endswith("/mean"))
     log(f"step {r['step']} | reward {r['reward']:.3f} ± {r['reward_std']:.3f}{each}{kl} | "
         f"clip {r['clip_ratio/region_mean']:.3f} | len {r['completions/mean_length']:.1f}/"
