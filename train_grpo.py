@@ -37,7 +37,8 @@ from common.checkpoint import CheckpointConfig, read_run_config
 from common.data import (CharTokenizer, ChatTemplate, PretrainedTokenizer, decode_completions,
                          encode_completions, encode_prompts, open_tokenizer, run_tokenizer)
 from common.mesh import BATCH_AXES, MeshConfig, describe, make_mesh, resolve
-from common.task import Row, Task, columns, exact, format_reward, left_pad, load_task, score
+from common.task import (Row, Task, columns, exact, format_reward, left_pad, load_task,
+                         problems, prompt_width, score)
 from common.train import ConfigError, fetch, log, named
 
 # ----------------------------------------------------------------------------------------------
@@ -572,24 +573,8 @@ def completion_logps(params, prompt_BP, valid_BP, completion_BN, cfg: ModelConfi
 
 
 # ----------------------------------------------------------------------------------------------
-# 5. Task and rewards (the demo's one-token-per-character tokenizer: common/data.py's)
+# 5. Task and rewards (the demo's problems and character tokenizer are in common/)
 # ----------------------------------------------------------------------------------------------
-
-
-def problems(rng: np.random.Generator, n: int, t: TaskConfig) -> list[tuple[str, str]]:
-    """n (prompt, answer) pairs: "a+b=" and the digits of a+b reversed."""
-    out = []
-    for _ in range(n):
-        a, b = (int(rng.integers(10 ** (d - 1) if d > 1 else 0, 10 ** d))
-                for d in rng.integers(t.min_digits, t.max_digits + 1, size=2))
-        out.append((f"{a}+{b}=", str(a + b)[::-1]))
-    return out
-
-
-def prompt_width(t: TaskConfig) -> int:
-    """Columns of every prompt batch: the longest prompt's characters, a begin token, and one
-    more for a tokenizer's leading-space piece. Fixed, so every batch has one shape."""
-    return 2 * t.max_digits + 2 + 2
 
 
 def make_task(cfg: Config, tok) -> Task:
