@@ -14,19 +14,18 @@ log-probabilities recorded while sampling. The policy is train_dense.py's model,
 (sections 2-3) and held identical to it by tests/test_copies.py and tests/test_grpo.py.
 
 Sections: 1 config and presets, 2 parameters, 3 model (both as in train_dense.py, plus padding
-masks and a KV cache), 4 rollouts, 5 task, tokenizer and rewards, 6 advantages, loss and
-train step, 7 main and the training loop, 8 HuggingFace in. The plumbing no model changes is
-common/train.py's. Shapes: B batch (rollouts), T sequence, S key sequence (the KV cache),
-P prompt, N new (completion) tokens, D model, H head, K key/value heads, V vocabulary.
+masks and a KV cache), 4 rollouts, 5 task and rewards, 6 advantages, loss and train step, 7 main
+and the training loop, 8 HuggingFace in. The plumbing no model changes is common/train.py's.
+Shapes: B batch (rollouts), T sequence, S key sequence (the KV cache), P prompt, N new
+(completion) tokens, D model, H head, K key/value heads, V vocabulary.
 """
 from __future__ import annotations
 
 import math
-import re
 import time
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Callable, Literal
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
@@ -35,11 +34,11 @@ from jax.sharding import PartitionSpec as P
 
 from common import hf, observe, train
 from common.checkpoint import CheckpointConfig, read_run_config
-from common.data import (ChatTemplate, PretrainedTokenizer, decode_completions,
+from common.data import (CharTokenizer, ChatTemplate, PretrainedTokenizer, decode_completions,
                          encode_completions, encode_prompts, open_tokenizer, run_tokenizer)
 from common.mesh import BATCH_AXES, MeshConfig, describe, make_mesh, resolve
-from common.task import Row, Task, columns, left_pad, load_task
-from common.task import score as score_rows
+from common.task import (Row, Task, columns, exact, format_reward, left_pad, load_task,
+                         problems, prompt_width, score)
 from common.train import ConfigError, fetch, log, named
 
 # ----------------------------------------------------------------------------------------------
@@ -187,10 +186,16 @@ PRESETS: dict[str, tuple[str, Config]] = {
 # mesh and how it computes. The warm start is over once a checkpoint exists.
 MAY_CHANGE = frozenset({
     "grpo.steps", "grpo.lr", "grpo.log_every", "grpo.eval_every", "grpo.microbatches", "warm",
-    "grpo.qk_clip_threshold",
-    "mesh", "grpo.profile_steps", "grpo.peak_tflops", "grpo.max_bad_steps", "quiet", "dry_run",
-    "bench", "checkpoint", "run_dir", "model.dtype", "model.attention", "model.remat",
-    "model.scan_layers", "model.loss_chunk", "model.loss_impl"})
+    "grpo.qk_clip_threshold", "grpo.profile_steps", "grpo.peak_tflops", "grpo.max_bad_steps",
+    "mesh", "quiet", "dry_run", "bench", "checkpoint", "run_dir",
+    *(f"model.{f}" for f in COMPUTE_FIELDS)})
+
+# Allowed values of the numbers whose default's sign does not say (see train.check_ranges).
+RULES = {"grpo.steps": ">= 0", "grpo.top_p": "(0, 1]", "grpo.eps_low": "-1 or (0, 1)",
+         "grpo.eps_high": "-1 or > 0", "grpo.b1": "[0, 1)", "grpo.b2": "[0, 1)",
+         "grpo.warmup_steps": ">= 0", "grpo.format_weight": ">= 0", "warm.max_steps": ">= 0",
+         "warm.target_reward": ">= 0", "warm.warmup_steps": ">= 0",
+         "grpo.qk_clip_threshold": ">= 0"}
 
 # Clip ranges from the papers, used when --grpo.eps-low/--grpo.eps-high are -1.
 # PPO/GRPO: 0.2 both ways. DAPO's clip-higher: 0.2 / 0.28 (Yu et al. 2025, section 3.1).
@@ -202,15 +207,8 @@ PAPER_EPS = {"grpo": (0.2, 0.2), "bnpo": (0.2, 0.2), "dr_grpo": (0.2, 0.2),
 
 def clip_range(g: GRPOConfig) -> tuple[float, float]:
     lo, hi = PAPER_EPS[g.loss]
-    lo = lo if g.eps_low < 0 else g.eps_low
-    hi = hi if g.eps_high < 0 else g.eps_high
-    return lo, hi
-# Allowed values of the numbers whose default's sign does not say (see train.check_ranges).
-RULES = {"grpo.steps": ">= 0", "grpo.top_p": "(0, 1]", "grpo.eps_low": "-1 or (0, 1)",
-         "grpo.eps_high": "-1 or > 0", "grpo.b1": "[0, 1)", "grpo.b2": "[0, 1)",
-         "grpo.warmup_steps": ">= 0", "grpo.format_weight": ">= 0", "warm.max_steps": ">= 0",
-         "warm.target_reward": ">= 0", "warm.warmup_steps": ">= 0",
-         "grpo.qk_clip_threshold": ">= 0"}
+    return (lo if g.eps_low < 0 else g.eps_low), (hi if g.eps_high < 0 else g.eps_high)
+
 
 
 def validate(cfg: Config, n_devices: int, tok) -> Task:
@@ -301,7 +299,6 @@ def _param_table(cfg: ModelConfig) -> dict:
     return table
 
 
-
 def param_specs(cfg: ModelConfig) -> dict:
     return train.table_specs(_param_table(cfg))
 
@@ -321,8 +318,7 @@ def count_params(cfg: ModelConfig) -> int:
 
 
 def train_state(cfg: Config, mesh, tx, ref: bool = False) -> train.TrainState:
-    """{params, opt_state, step} with optimiser `tx` on `mesh`, and with `ref` a frozen copy of
-    the parameters, the KL reference (see common/train.py)."""
+    """{params, opt_state, step} with optimiser `tx` on `mesh`; `ref`: the KL reference too."""
     return train.TrainState(partial(_init, cfg.model), param_specs(cfg.model), tx, mesh, ref=ref)
 
 
@@ -495,11 +491,9 @@ def init_cache(cfg: ModelConfig, B: int, S: int) -> dict:
     return {"k": zeros(), "v": zeros()}
 
 
-def forward_cached(params: dict, tokens_BT, cache: dict, index, pos_BT, mask_BTS,
-                   cfg: ModelConfig):
+def forward_cached(params: dict, tokens_BT, cache: dict, index, pos_BT, mask_BTS, cfg: ModelConfig):
     """Logits of T new tokens at columns index..index+T-1 of a preallocated KV cache, and the
-    cache with their keys and values written in. Prefill is T = the prompt width at index 0;
-    each decode step is T = 1."""
+    cache with their keys and values written in (prefill: the prompt at 0; decoding: T = 1)."""
     h_BTD, cache, _ = hidden(params, tokens_BT, cfg, pos_BT, mask_BTS, cache, index)
     return logits_of(params, h_BTD, cfg), cache
 
@@ -543,10 +537,9 @@ def rollout(params, prompt_BP, valid_BP, key, temperature, *, cfg: ModelConfig, 
         live_B = ~c["done_B"]
         tok_B = jnp.where(live_B, tok_B, pad_id)
         col = Pw + i
-        logits_B1V, cache = forward_cached(
-            params, tok_B[:, None], c["cache"], col,
-            jax.lax.dynamic_slice_in_dim(pos_BS, col, 1, axis=1), padded_mask(valid_BS, col, 1),
-            cfg)
+        pos_B1 = jax.lax.dynamic_slice_in_dim(pos_BS, col, 1, axis=1)
+        logits_B1V, cache = forward_cached(params, tok_B[:, None], c["cache"], col, pos_B1,
+                                           padded_mask(valid_BS, col, 1), cfg)
         return {"i": i + 1, "key": key, "cache": cache, "logits_BV": logits_B1V[:, 0],
                 "done_B": c["done_B"] | (tok_B == eos_id),
                 "tokens_BN": c["tokens_BN"].at[:, i].set(tok_B),
@@ -580,77 +573,8 @@ def completion_logps(params, prompt_BP, valid_BP, completion_BN, cfg: ModelConfi
 
 
 # ----------------------------------------------------------------------------------------------
-# 5. Task, tokenizer and rewards
+# 5. Task and rewards (the demo's problems and character tokenizer are in common/)
 # ----------------------------------------------------------------------------------------------
-
-
-class CharTokenizer:
-    """One token per character of "0123456789+= ", plus pad, begin and end of sequence. BPE
-    would merge digit runs into pieces the model must first learn to spell; with one digit per
-    token the columns of the sum line up, 16 ids split over any power-of-two tensor axis, and
-    nothing is trained or downloaded. (--init-from and --init-from-hf use the model's own.)"""
-    SYMBOLS = ("<pad>", "<bos>", "<eos>") + tuple("0123456789+= ")
-    pad_id, bos_id, eos_id = 0, 1, 2
-    vocab_size = len(SYMBOLS)
-    _ids = {c: i for i, c in enumerate(SYMBOLS) if len(c) == 1}
-
-    def encode(self, text: str) -> list[int]:
-        try:
-            return [self._ids[c] for c in text]
-        except KeyError as e:
-            raise ValueError(f"character {e.args[0]!r} is not in the task's vocabulary "
-                             f"{''.join(self.SYMBOLS[3:])!r}") from None
-
-    def decode(self, ids) -> str:
-        return "".join(self.SYMBOLS[i] for i in ids if i > self.eos_id)
-
-    def prompt(self, text: str) -> list[int]:
-        return [self.bos_id] + self.encode(text)
-
-
-def problems(rng: np.random.Generator, n: int, t: TaskConfig) -> list[tuple[str, str]]:
-    """n (prompt, answer) pairs: "a+b=" and the digits of a+b reversed."""
-    out = []
-    for _ in range(n):
-        a, b = (int(rng.integers(10 ** (d - 1) if d > 1 else 0, 10 ** d))
-                for d in rng.integers(t.min_digits, t.max_digits + 1, size=2))
-        out.append((f"{a}+{b}=", str(a + b)[::-1]))
-    return out
-
-
-def prompt_width(t: TaskConfig) -> int:
-    """Columns of every prompt batch: the longest prompt's characters, a begin token, and one
-    more for a tokenizer's leading-space piece. Fixed, so every batch has one shape."""
-    return 2 * t.max_digits + 2 + 2
-
-
-def longest_answers(t: TaskConfig) -> list[str]:
-    top = 10 ** t.max_digits - 1
-    return [str(top + top)[::-1], str(top + 1)[::-1]]
-
-
-# Reward functions: plain Python over decoded text, one float per completion, as TRL's
-# `reward_funcs` (completions, **columns) -> list[float]. Each is logged as rewards/<name>.
-
-def correctness_reward(completions: list[str], *, answers: list[str], **_) -> np.ndarray:
-    """1 if the completion is exactly the reversed sum (surrounding spaces aside), else 0."""
-    return np.array([float(c.strip() == a) for c, a in zip(completions, answers)], np.float32)
-
-
-def format_reward(completions: list[str], *, finished: np.ndarray, **_) -> np.ndarray:
-    """1 if the completion is digits only and stopped by itself (EOS within the budget)."""
-    return np.array([float(bool(f) and re.fullmatch(r"\s*[0-9]+\s*", c) is not None)
-                     for c, f in zip(completions, finished)], np.float32)
-
-
-def reward_funcs(g: GRPOConfig) -> dict[str, tuple[Callable, float]]:
-    return {"correctness": (correctness_reward, 1.0), "format": (format_reward, g.format_weight)}
-
-
-def score(funcs, completions, answers, finished) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-    """Total reward sum_f w_f r_f per completion, and each function's unweighted rewards: the
-    demo's functions receive the answers as `answers` (common/task.py's score checks them)."""
-    return score_rows(funcs, completions, {"answers": answers}, finished)
 
 
 def make_task(cfg: Config, tok) -> Task:
@@ -663,13 +587,17 @@ def make_task(cfg: Config, tok) -> Task:
     if mine:
         raise ConfigError(f"--task.{mine[0].replace('_', '-')} goes with --task.path (your "
                           "prompts); the addition demo has its own rewards.")
+    # common/task.py's built-ins, logged as rewards/<name>: exactly the reversed sum (spaces
+    # aside); digits only and stopped by itself (EOS within the budget).
+    rewards = {"correctness": (exact, 1.0), "format": (format_reward("[0-9]+"), g.format_weight)}
+    top = 10 ** t.max_digits - 1  # the longest answers: 99+99 and 99+1, reversed
 
-    def rows(rng, n):  # the demo's rewards read the answers as `answers`
-        return [Row(tok.prompt(p), {"answers": a}, p, a) for p, a in problems(rng, n, t)]
+    def rows(rng, n):  # the built-in `exact` reads each row's `answer`
+        return [Row(tok.prompt(p), {"answer": a}, p, a) for p, a in problems(rng, n, t)]
     return Task(rows_at=lambda step, n, salt: rows(np.random.default_rng([g.seed, salt, step]), n),
                 eval_rows=rows(np.random.default_rng([t.eval_seed]), t.eval_prompts),
-                rewards=reward_funcs(g), width=prompt_width(t),
-                answer_tokens=max(len(tok.encode(a)) for a in longest_answers(t)) + 1,
+                rewards=rewards, width=prompt_width(t),
+                answer_tokens=max(len(tok.encode(str(top + b)[::-1])) for b in (top, 1)) + 1,
                 show=lambda r, c: f"  {r.text}{c:<6} (expected {r.answer})")
 
 
@@ -691,8 +619,7 @@ def group_advantages(rewards_B: np.ndarray, group_size: int, scale: bool) -> np.
     return a.reshape(-1).astype(np.float32)
 
 
-def policy_loss(logp_BN, old_BN, adv_B, mask_BN, g: GRPOConfig, *, ref_BN=None,
-                n_tokens=None):
+def policy_loss(logp_BN, old_BN, adv_B, mask_BN, g: GRPOConfig, *, ref_BN=None, n_tokens=None):
     """The clipped surrogate, aggregated as `g.loss` says. Returns (loss, sums) where sums
     holds the masked sums of the per-token diagnostics (exact under gradient accumulation).
 
@@ -876,7 +803,7 @@ def train_loop(cfg: Config, mesh, tok, task: Task, st: train.TrainState, step_fn
         tokens, mask = fetch(out["tokens_BN"]), fetch(out["mask_BN"])
         seconds = time.perf_counter() - t0
         texts, finished = decode_completions(tok, tokens, mask)
-        total, each = score_rows(task.rewards, texts, columns(items), finished)
+        total, each = score(task.rewards, texts, columns(items), finished)
         return {"out": out, "prompt": ids, "valid": valid, "texts": texts, "mask": mask,
                 "finished": finished, "reward": total, "rewards": each, "seconds": seconds}
 
@@ -972,13 +899,11 @@ def rollout_record(r: dict, lengths: np.ndarray, group_size: int) -> dict:
                   "rollout_tokens_per_s": float(lengths.sum() / r["seconds"])}
 
 
-LABELS = {"correctness": "correct"}  # the demo's reward, as its log lines read in docs/grpo.md
-
-
 def log_step(r: dict) -> None:
+    labels = {"correctness": "correct"}  # the demo's reward, as its log lines read in docs/grpo.md
     kl = f" | kl {r['kl']:.4f}" if "kl" in r else ""
     held = f" | held-out {r['eval_reward']:.3f}" if "eval_reward" in r else ""
-    each = "".join(f" | {LABELS.get(k[8:-5], k[8:-5])} {v:.3f}" for k, v in r.items()
+    each = "".join(f" | {labels.get(k[8:-5], k[8:-5])} {v:.3f}" for k, v in r.items()
                    if k.startswith("rewards/") and k.endswith("/mean"))
     log(f"step {r['step']} | reward {r['reward']:.3f} ± {r['reward_std']:.3f}{each}{kl} | "
         f"clip {r['clip_ratio/region_mean']:.3f} | len {r['completions/mean_length']:.1f}/"
@@ -987,9 +912,8 @@ def log_step(r: dict) -> None:
 
 
 def warm_start(cfg: Config, mesh, tok, params, generate, task: Task, run: train.Run):
-    """SFT on correct examples until the sampled (not greedy) reward reaches the target:
-    from random weights every completion scores 0, every group's advantages are 0 and GRPO
-    has no gradient; it needs a policy that is sometimes right."""
+    """SFT on correct examples until the sampled (not greedy) reward reaches
+    --warm.target-reward (WarmStartConfig says why)."""
     w, g = cfg.warm, cfg.grpo
     st = train_state(cfg, mesh, make_optimizer(g, w))
     state = st.from_params(params)
@@ -1129,10 +1053,9 @@ def config_from_hf(c: dict, where: str = "config.json") -> ModelConfig:
         return hf.HFError(f"{where}: {what} is not implemented here, so this {mt} model "
                           "cannot be loaded faithfully.")
 
-    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                "num_attention_heads"):
-        if key not in c:
-            raise hf.HFError(f"{where} has no {key!r}; it is not a complete {mt} config.")
+    if lacking := [k for k in ("vocab_size", "hidden_size", "intermediate_size",
+                               "num_hidden_layers", "num_attention_heads") if k not in c]:
+        raise hf.HFError(f"{where} has no {lacking[0]!r}; it is not a complete {mt} config.")
     if c.get("hidden_act", "silu") != "silu":
         raise unsupported(f"hidden_act {c['hidden_act']!r} (only silu)")
     if c.get("attention_bias") or c.get("mlp_bias"):
@@ -1142,8 +1065,7 @@ def config_from_hf(c: dict, where: str = "config.json") -> ModelConfig:
     theta, kind, rope = hf.rope_parameters(c, 10_000.0, where)
     scaling = {}
     if kind == "llama3":
-        lacking = {"factor", "low_freq_factor", "high_freq_factor"} - set(rope)
-        if lacking:
+        if lacking := {"factor", "low_freq_factor", "high_freq_factor"} - set(rope):
             raise hf.HFError(f"{where}: rope type 'llama3' without {', '.join(sorted(lacking))}.")
         scaling = dict(rope_scaling=float(rope["factor"]),
                        rope_low_freq_factor=float(rope["low_freq_factor"]),
@@ -1154,10 +1076,9 @@ def config_from_hf(c: dict, where: str = "config.json") -> ModelConfig:
         raise unsupported(f"rope type {kind!r} (only the default and 'llama3')")
     # A sliding window of W tokens changes nothing on sequences of at most W tokens, and we
     # train no longer ones: the window becomes the model's maximum length.
-    window = (c.get("sliding_window") if mt == "mistral" or c.get("use_sliding_window")
-              else None)
-    max_len = c["max_position_embeddings"] if window is None else min(
-        c["max_position_embeddings"], window)
+    window = c.get("sliding_window") if mt == "mistral" or c.get("use_sliding_window") else None
+    max_len = c["max_position_embeddings"]
+    max_len = max_len if window is None else min(max_len, window)
     n_heads = c["num_attention_heads"]
     return ModelConfig(
         vocab_size=c["vocab_size"], d_model=c["hidden_size"], n_layers=c["num_hidden_layers"],
@@ -1179,8 +1100,7 @@ def config_to_hf(cfg: ModelConfig, model_type: str = "", dtype: str = "float32")
     """train_dense.py's config.json for the policy's families (tests/test_grpo_hf.py holds the
     two equal): transformers 4.4x and 5.x each find their spelling of the rope settings."""
     mt = model_type or ("qwen3" if cfg.qk_norm else "qwen2" if cfg.qkv_bias else "llama")
-    if mt not in HF_ARCHITECTURES or cfg.qkv_bias != (mt == "qwen2") or cfg.qk_norm != (
-            mt == "qwen3"):
+    if mt not in HF_ARCHITECTURES or (cfg.qkv_bias, cfg.qk_norm) != (mt == "qwen2", mt == "qwen3"):
         raise hf.HFError(f"model_type {mt!r} does not fit this model (q/k/v biases are qwen2's, "
                          f"q/k norms qwen3's): choose one of {', '.join(HF_ARCHITECTURES)}.")
     rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
@@ -1200,12 +1120,11 @@ def config_to_hf(cfg: ModelConfig, model_type: str = "", dtype: str = "float32")
              if cfg.rope_scaling > 0 else None,
              attention_dropout=0.0, initializer_range=0.02, use_cache=True, dtype=dtype,
              torch_dtype=dtype)
+    qwen = dict(use_sliding_window=False, sliding_window=None, max_window_layers=L,
+                layer_types=["full_attention"] * L)
     return c | {"llama": dict(attention_bias=False, mlp_bias=False, pretraining_tp=1),
-                "mistral": dict(sliding_window=None),
-                "qwen2": dict(use_sliding_window=False, sliding_window=None, max_window_layers=L,
-                              layer_types=["full_attention"] * L),
-                "qwen3": dict(use_sliding_window=False, sliding_window=None, max_window_layers=L,
-                              layer_types=["full_attention"] * L, attention_bias=False)}[mt]
+                "mistral": dict(sliding_window=None), "qwen2": qwen,
+                "qwen3": qwen | dict(attention_bias=False)}[mt]
 
 
 def export_hf(run_dir: str, out: str, step: int = -1,

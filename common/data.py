@@ -333,6 +333,31 @@ class PretrainedTokenizer:
         return [self.start_id] + self.encode(text)
 
 
+class CharTokenizer:
+    """train_grpo.py's addition demo: one token per character of "0123456789+= ", plus pad,
+    begin and end of sequence. BPE would merge digit runs into pieces the model must first
+    learn to spell; with one digit per token the columns of the sum line up, 16 ids split over
+    any power-of-two tensor axis, and nothing is trained or downloaded. (--init-from and
+    --init-from-hf use the model's own.)"""
+    SYMBOLS = ("<pad>", "<bos>", "<eos>") + tuple("0123456789+= ")
+    pad_id, bos_id, eos_id = 0, 1, 2
+    vocab_size = len(SYMBOLS)
+    _ids = {c: i for i, c in enumerate(SYMBOLS) if len(c) == 1}
+
+    def encode(self, text: str) -> list[int]:
+        try:
+            return [self._ids[c] for c in text]
+        except KeyError as e:
+            raise ValueError(f"character {e.args[0]!r} is not in the task's vocabulary "
+                             f"{''.join(self.SYMBOLS[3:])!r}") from None
+
+    def decode(self, ids) -> str:
+        return "".join(self.SYMBOLS[i] for i in ids if i > self.eos_id)
+
+    def prompt(self, text: str) -> list[int]:
+        return [self.bos_id] + self.encode(text)
+
+
 # Prompts and completions as generation batches (train_grpo.py's rollouts and warm start)
 def encode_prompts(tok, texts: list[str], width: int):
     """Left-padded ids [B, width] and their validity mask: every row ends at the same column,

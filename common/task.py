@@ -96,6 +96,23 @@ def draw(n_rows: int, n: int, *, seed: int, step: int, salt: int = 0) -> np.ndar
     return out
 
 
+# --- train_grpo.py's addition demo (its TaskConfig says why the sums are reversed) ----------------
+def problems(rng: np.random.Generator, n: int, t) -> list[tuple[str, str]]:
+    """n (prompt, answer) pairs: "a+b=" and the digits of a+b reversed (`t`: the TaskConfig)."""
+    out = []
+    for _ in range(n):
+        a, b = (int(rng.integers(10 ** (d - 1) if d > 1 else 0, 10 ** d))
+                for d in rng.integers(t.min_digits, t.max_digits + 1, size=2))
+        out.append((f"{a}+{b}=", str(a + b)[::-1]))
+    return out
+
+
+def prompt_width(t) -> int:
+    """Columns of every prompt batch: the longest prompt's characters, a begin token, and one
+    more for a tokenizer's leading-space piece. Fixed, so every batch has one shape."""
+    return 2 * t.max_digits + 2 + 2
+
+
 # --- The prompts file -------------------------------------------------------------------------
 SHAPE = ('{"prompt": "...", <fields>} or {"messages": [{"role": "user", "content": "..."}, ...], '
          '<fields>}')

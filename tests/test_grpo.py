@@ -193,14 +193,13 @@ def test_reward_functions_on_hand_written_completions():
     answers = ["753", "753", "753", "753", "753", "01"]
     completions = ["753", " 753 ", "754", "7530", "", "01"]
     finished = np.array([True, True, True, False, True, False])
-    np.testing.assert_array_equal(tg.correctness_reward(completions, answers=answers),
-                                  [1, 1, 0, 0, 0, 1])
-    np.testing.assert_array_equal(tg.format_reward(completions, finished=finished),
-                                  [1, 1, 1, 0, 0, 0])
-    np.testing.assert_array_equal(tg.format_reward(["7+3", "=", "12"], finished=[True] * 3),
-                                  [0, 0, 1])
-    total, each = tg.score(tg.reward_funcs(tg.GRPOConfig(format_weight=0.1)), completions,
-                           answers, finished)
+    cfg = tg.Config(grpo=tg.GRPOConfig(format_weight=0.1))
+    funcs = tg.make_task(cfg, tg.CharTokenizer()).rewards  # the demo's
+    correctness, fmt = funcs["correctness"][0], funcs["format"][0]
+    np.testing.assert_array_equal(correctness(completions, answer=answers), [1, 1, 0, 0, 0, 1])
+    np.testing.assert_array_equal(fmt(completions, finished=finished), [1, 1, 1, 0, 0, 0])
+    np.testing.assert_array_equal(fmt(["7+3", "=", "12"], finished=[True] * 3), [0, 0, 1])
+    total, each = tg.score(funcs, completions, {"answer": answers}, finished)
     np.testing.assert_allclose(total, [1.1, 1.1, 0.1, 0, 0, 1.0], rtol=1e-6)
     assert set(each) == {"correctness", "format"}
 
