@@ -1173,10 +1173,9 @@ def load_hf(path: str, mesh=None) -> tuple[ModelConfig, dict]:
 def save_hf(params: dict, cfg: ModelConfig, path: str, *, model_type: str = "",
             base_config: dict | None = None, dtype: str = "float32",
             max_shard_bytes: int = 5 * 2**30) -> list[str]:
-    """Write `params` as a HuggingFace folder that transformers (and vLLM) load: config.json
-    and safetensors shards of at most `max_shard_bytes` with their index. `base_config` (the
-    config.json the run started from) keeps its other keys: token ids, chat settings.
-    Returns the files written."""
+    """`params` as a HuggingFace folder that transformers (and vLLM) load: config.json, and
+    safetensors shards of at most `max_shard_bytes` with their index. `base_config` (the
+    config.json the run started from) keeps its other keys: token ids, chat settings."""
     base = {k: v for k, v in (base_config or {}).items() if k not in hf.CONTRADICTING}
     c = config_to_hf(cfg, model_type or (base_config or {}).get("model_type", ""), dtype)
     return hf.save(path, params, hf_mapping(cfg), _hf_sizes(cfg), base | c, dtype=dtype,

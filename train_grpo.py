@@ -83,13 +83,11 @@ COMPUTE_FIELDS = ("attention", "dtype", "loss_chunk", "loss_impl", "remat", "sca
 @dataclass(frozen=True)
 class TaskConfig:
     """Your prompts and rewards (--task.path, common/task.py), or by default the demo: addition
-    with the sum written backwards, 12+345= -> 753 (357 reversed).
-
-    Reversed, the answer comes least significant digit first, so each digit depends only on
-    the two operand digits of its column and the carry from the digit just written: a causal
-    model can compute it left to right, and a model of ~1M parameters learns it on a CPU in
-    minutes (Lee et al. 2023, "Teaching Arithmetic to Small Transformers").
-    """
+    with the sum written backwards, 12+345= -> 753 (357 reversed). Reversed, the answer
+    comes least significant digit first, so each digit depends only on the two operand digits
+    of its column and the carry from the digit just written: a causal model can compute it
+    left to right, and a model of ~1M parameters learns it on a CPU in minutes (Lee et al.
+    2023, "Teaching Arithmetic to Small Transformers")."""
     min_digits: int = 1           # each operand has min_digits..max_digits digits
     max_digits: int = 3
     eval_prompts: int = 256       # fixed held-out prompts, greedy-decoded every --grpo.eval-every
@@ -266,12 +264,10 @@ def validate(cfg: Config, n_devices: int, tok) -> Task:
 
 def _param_table(cfg: ModelConfig) -> dict:
     """The one definition of the parameter tree: name -> (shape, PartitionSpec, init std).
-
     Per-layer weights are stacked on a leading L axis so the layers run under lax.scan.
     Init std: 0.02, scaled by 1/sqrt(2L) on the two projections that write into the residual
-    stream (GPT-2), so its variance does not grow with depth. std None = ones (norms),
-    0.0 = zeros (biases).
-    """
+    stream (GPT-2), so its variance does not grow with depth. std None = ones (norms), 0.0 =
+    zeros (biases)."""
     L, D, N, K, H, F, V = (cfg.n_layers, cfg.d_model, cfg.n_heads, cfg.n_kv_heads,
                            cfg.head_dim, cfg.d_ff, cfg.vocab_size)
     std, out_std = 0.02, 0.02 / math.sqrt(2 * L)
@@ -627,8 +623,7 @@ def policy_loss(logp_BN, old_BN, adv_B, mask_BN, g: GRPOConfig, *, ref_BN=None, 
         l_t = -min(r A, clip(r, 1 - eps_low, 1 + eps_high) A) + beta * KL_t
     GSPO replaces r by the sequence ratio s_i = exp(mean_t log r_t) (Zheng et al. 2025,
     eq. 7), the geometric mean of the token ratios, for every token of sequence i.
-    `n_tokens`: DAPO's normaliser, the completion tokens of the whole rollout batch.
-    """
+    `n_tokens`: DAPO's normaliser, the completion tokens of the whole rollout batch."""
     m = mask_BN.astype(jnp.float32)
     len_B = jnp.sum(m, axis=1)
     # Padding is zeroed before any exp(): an inf there would turn into NaN under the mask,
@@ -1003,11 +998,9 @@ _HF_DEFAULTS = {
 
 def hf_mapping(cfg: ModelConfig) -> dict:
     """Our parameter tree, each leaf as (HuggingFace tensor name, layout): see common/hf.py.
-
     HF's nn.Linear keeps [out, in]; ours are [in, out] with the heads split out, so every
-    projection is a transpose plus a reshape, and per-layer tensors stack on l.
-    Atoms: l layers, d model, n query heads, k key/value heads, h head width, f MLP, v vocab.
-    """
+    projection is a transpose plus a reshape, and per-layer tensors stack on l. Atoms: l
+    layers, d model, n query heads, k key/value heads, h head width, f MLP, v vocabulary."""
     lay = "model.layers.{l}."
     layers = {
         "attn_norm": (lay + "input_layernorm.weight", "d -> l d"),
@@ -1127,37 +1120,26 @@ def config_to_hf(cfg: ModelConfig, model_type: str = "", dtype: str = "float32")
                 "qwen3": qwen | dict(attention_bias=False)}[mt]
 
 
-def export_hf(run_dir: str, out: str, step: int = -1,
-              dtype: Literal["float32", "bfloat16"] = "float32",
-              model_type: Literal["", "llama", "mistral", "qwen2", "qwen3"] = "",
-              max_shard_gb: float = 5.0) -> list[str]:
-    """Write a GRPO run's policy as a HuggingFace folder (config.json, safetensors, and the
-    tokenizer of the model it started from; the addition demo's characters have none).
+def save_hf(params: dict, cfg: ModelConfig, path: str, *, model_type: str = "",
+            base_config: dict | None = None, dtype: str = "float32",
+            max_shard_bytes: int = 5 * 2**30) -> list[str]:
+    """`params` as a HuggingFace folder that transformers (and vLLM) load: config.json, and
+    safetensors shards of at most `max_shard_bytes` with their index. `base_config` (the
+    config.json the run started from) keeps its other keys: token ids, chat settings."""
+    base = {k: v for k, v in (base_config or {}).items() if k not in hf.CONTRADICTING}
+    c = config_to_hf(cfg, model_type or (base_config or {}).get("model_type", ""), dtype)
+    return hf.save(path, params, hf_mapping(cfg), _hf_sizes(cfg), base | c, dtype=dtype,
+                   max_shard_bytes=max_shard_bytes)
 
-    Args:
-        run_dir: The run directory: its config.json and checkpoints/.
-        out: The folder to create (new or empty).
-        step: The checkpoint to export; -1 = the latest.
-        dtype: Of the weights written (checkpoints hold float32).
-        model_type: The family; "" = the source's, else qwen3 for q/k norms, qwen2 for
-            biases, else llama.
-        max_shard_gb: The largest safetensors file.
-    """
-    def save(params, c: Config, out: str, base: dict) -> list[str]:
-        hf_config = config_to_hf(c.model, model_type or base.get("model_type", ""), dtype)
-        base = {k: v for k, v in base.items() if k not in hf.CONTRADICTING}
-        return hf.save(out, params, hf_mapping(c.model), _hf_sizes(c.model), base | hf_config,
-                       dtype=dtype, max_shard_bytes=int(max_shard_gb * 2**30))
 
-    def tokenizer(c: Config) -> str | None:
-        return run_tokenizer(c.init_from, lambda d: read_run_config(d, "--init-from", True)) \
-            if c.init_from else None
-
-    return train.export_run(
-        run_dir, out, step, dtype, read=lambda saved: Config(
-            model=ModelConfig(**saved["model"]), init_from=saved.get("init_from", ""),
-            init_from_hf=saved.get("init_from_hf", ""), run_dir=run_dir),
-        table=lambda c: _param_table(c.model), save=save, tokenizer=tokenizer)
+# export-hf: the policy, and the tokenizer of the model it started from (the demo's has none).
+export_hf = train.export_command(
+    HF_ARCHITECTURES, read=lambda saved, run_dir: Config(
+        model=ModelConfig(**saved["model"]), init_from=saved.get("init_from", ""),
+        init_from_hf=saved.get("init_from_hf", ""), run_dir=run_dir),
+    table=lambda c: _param_table(c.model), tokenizer=lambda c: run_tokenizer(
+        c.init_from, lambda d: read_run_config(d, "--init-from", True)) if c.init_from else None,
+    save=lambda params, c, out, base, **kw: save_hf(params, c.model, out, base_config=base, **kw))
 
 
 def cli(args=None) -> Config:

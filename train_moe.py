@@ -1,4 +1,5 @@
-"""Mixture-of-experts decoder (Mixtral, Qwen3-MoE, GPT-OSS): dropless routing, expert parallelism.
+"""Mixture-of-experts decoder (Mixtral, Qwen3-MoE, GPT-OSS, DeepSeek-V3, Kimi K2): dropless routing,
+expert parallelism.
 
     python train_moe.py tiny-moe                                  # the `make train-moe` run
     python train_moe.py mixtral-8x7b --mesh.expert 8 --mesh.fsdp -1
@@ -6,10 +7,10 @@
     python train_moe.py export-hf --run-dir runs/tiny-moe --out hf/tiny-moe
 
 Sections, in reading order: 1 config and presets, 2 parameters and their shardings, 3 model
-(attention, router, dispatch to the experts, grouped matmul), 4 loss and train step, 5 main
-and the training loop, 6 HuggingFace in and out (Mixtral, Qwen3-MoE, GPT-OSS); what no model changes
-(state, optimiser, MFU, dry run, bench, the loop's mechanics, the command line) is written
-once in common/train.py. Shapes are suffixed on tensor names: B batch, T sequence, D model
+(attention, MLA, router, dispatch to the experts, grouped matmul), 4 loss and train step, 5
+main and the training loop, 6 HuggingFace in and out; what no model changes (state,
+optimiser, MFU, dry run, bench, the loop's mechanics, the command line) is written once in
+common/train.py. Shapes are suffixed on tensor names: B batch, T sequence, D model
 width, N query heads, K key/value heads, H head width, V vocabulary, L layers, E experts,
 F expert MLP width, R experts chosen per token (top-k), A = tokens x R assignments, M rows of
 a grouped matmul, G groups, X experts held by one device, P devices on the expert axis,
@@ -52,7 +53,7 @@ from common import hf, train
 from common.checkpoint import CheckpointConfig
 from common.data import DataConfig, get_batch, load_dataset
 from common.mesh import BATCH_AXES, MeshConfig, describe, make_mesh, resolve
-from common.train import ConfigError, log, named
+from common.train import ConfigError, log, named, need
 
 # The batch is split over data and fsdp, as in the dense trainer, and over expert: the devices
 # of one expert group each hold other tokens, which the all-to-all sends to their experts.
@@ -168,10 +169,15 @@ class Config:
 
 
 def _big(model: ModelConfig, run: str, seq_len: int = 4096) -> Config:
+    """A full-size preset. With sigmoid routing, DeepSeek-V3's balancing: the bias at rate
+    0.001 and the aux loss at 1e-4 (its sec. 4.2), and no z-loss (no softmax to keep exact)."""
+    ds = model.sigmoid_routing
     return Config(model=dataclasses.replace(model, dtype="bfloat16"),
                   train=TrainConfig(steps=100_000, batch_size=256, seq_len=seq_len, lr=3e-4,
                                     warmup_steps=2000, log_every=10, eval_every=1000,
-                                    sample_tokens=0, load_balance_loss=0.001),
+                                    sample_tokens=0, load_balance_loss=1e-4 if ds else 1e-3,
+                                    router_z_loss=0.0 if ds else 1e-3,
+                                    router_bias_rate=1e-3 if ds else 0.0),
                   checkpoint=CheckpointConfig(every=1000), run_dir=f"runs/{run}")
 
 
@@ -199,15 +205,6 @@ _DEEPSEEK_V3 = dict(d_model=7168, n_layers=61, kv_lora_rank=512, q_lora_rank=153
                     qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, top_k=8,
                     d_ff=2048, dense_d_ff=18432, n_shared_experts=1, sigmoid_routing=True,
                     norm_eps=1e-6, yarn_original_max_len=4096, yarn_mscale_all_dim=1.0)
-
-
-def _deepseek(model: ModelConfig, run: str) -> Config:
-    """A big preset with DeepSeek-V3's balancing: the bias at rate 0.001 and the aux loss at
-    1e-4 (its sec. 4.2); the sigmoid router has no z-loss to keep small."""
-    cfg = _big(model, run)
-    return dataclasses.replace(cfg, train=dataclasses.replace(
-        cfg.train, router_bias_rate=1e-3 if model.sigmoid_routing else 0.0,
-        load_balance_loss=1e-4 if model.sigmoid_routing else 1e-3, router_z_loss=0.0))
 
 
 PRESETS: dict[str, tuple[str, Config]] = {
@@ -238,7 +235,7 @@ PRESETS: dict[str, tuple[str, Config]] = {
     "qwen3-235b-a22b": ("Qwen3-235B-A22B (128 experts, top-8, q/k norm)", _big(ModelConfig(
         d_model=4096, n_layers=94, n_heads=64, d_ff=1536, **_QWEN3_MOE), "qwen3-235b-a22b")),
     # V2-Lite routes by softmax, its top 6 not renormalised, 2 shared experts, no q latent.
-    "deepseek-v2-lite": ("DeepSeek-V2-Lite (64 experts top-6 + 2 shared, MLA)", _deepseek(
+    "deepseek-v2-lite": ("DeepSeek-V2-Lite (64 experts top-6 + 2 shared, MLA)", _big(
         ModelConfig(vocab_size=102400, d_model=2048, n_layers=27, n_heads=16, n_kv_heads=16,
                     kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
                     v_head_dim=128, n_experts=64, top_k=6, d_ff=1408, norm_topk=False,
@@ -246,11 +243,11 @@ PRESETS: dict[str, tuple[str, Config]] = {
                     max_seq_len=163840, yarn_factor=40.0, yarn_original_max_len=4096,
                     yarn_mscale_all_dim=0.707), "deepseek-v2-lite")),
     "deepseek-v3": ("DeepSeek-V3 (256 experts top-8 in 8 groups + 1 shared, MLA; without the "
-                    "multi-token-prediction module)", _deepseek(ModelConfig(
+                    "multi-token-prediction module)", _big(ModelConfig(
                         vocab_size=129280, n_heads=128, n_kv_heads=128, n_experts=256,
                         routed_scale=2.5, n_group=8, topk_group=4, first_k_dense=3,
                         max_seq_len=163840, yarn_factor=40.0, **_DEEPSEEK_V3), "deepseek-v3")),
-    "kimi-k2": ("Kimi K2 (384 experts top-8 + 1 shared, MLA, DeepSeek-V3's block)", _deepseek(
+    "kimi-k2": ("Kimi K2 (384 experts top-8 + 1 shared, MLA, DeepSeek-V3's block)", _big(
         ModelConfig(vocab_size=163840, n_heads=64, n_kv_heads=64, n_experts=384,
                     routed_scale=2.827, first_k_dense=1, max_seq_len=131072, rope_theta=50_000.0,
                     yarn_factor=32.0, yarn_beta_fast=1.0, **_DEEPSEEK_V3), "kimi-k2")),
@@ -289,50 +286,38 @@ def validate(cfg: Config, n_devices: int) -> None:
     m, t = cfg.model, cfg.train
     train.check_ranges(cfg, RULES)
     mesh = resolve(cfg.mesh, n_devices, max(1, math.prod(cfg.mesh.dcn())))
-    if m.n_experts < 2:
-        raise ConfigError(f"--model.n-experts {m.n_experts}: a mixture needs at least 2 experts; "
-                          "one expert is a dense MLP, which train_dense.py trains (with "
-                          "--model.d-ff for its width).")
-    if not 1 <= m.top_k <= m.n_experts:
-        raise ConfigError(f"--model.top-k {m.top_k} must be between 1 and --model.n-experts "
-                          f"{m.n_experts}: each token picks top-k distinct experts.")
-    if m.capacity_factor < 0:
-        raise ConfigError(f"--model.capacity-factor {m.capacity_factor}: use 0 for dropless "
-                          "routing or a positive factor (1.25 is usual) for capacity mode.")
-    if m.gmm_tile < 1:
-        raise ConfigError(f"--model.gmm-tile {m.gmm_tile} must be >= 1.")
+    need(m.n_experts >= 2, f"--model.n-experts {m.n_experts}: a mixture needs at least 2 "
+         "experts; one expert is a dense MLP, which train_dense.py trains (with --model.d-ff "
+         "for its width).")
+    need(1 <= m.top_k <= m.n_experts, f"--model.top-k {m.top_k} must be between 1 and "
+         f"--model.n-experts {m.n_experts}: each token picks top-k distinct experts.")
+    need(m.capacity_factor >= 0, f"--model.capacity-factor {m.capacity_factor}: use 0 for "
+         "dropless routing or a positive factor (1.25 is usual) for capacity mode.")
+    need(m.gmm_tile >= 1, f"--model.gmm-tile {m.gmm_tile} must be >= 1.")
     # A device of the expert axis holds n_experts / expert whole experts.
     train.check_sizes(mesh, {"expert": [("--model.n-experts", m.n_experts)], "tensor": [
         ("--model.n-heads", m.n_heads), ("--model.n-kv-heads", m.n_kv_heads),
         ("--model.d-ff", m.d_ff), ("--model.dense-d-ff", m.dense_d_ff),
         ("--model.vocab-size", m.vocab_size)],
         "fsdp": [("--model.d-model", m.d_model)]})
-    if m.n_heads % m.n_kv_heads:
-        raise ConfigError(f"--model.n-heads {m.n_heads} is not a multiple of --model.n-kv-heads "
-                          f"{m.n_kv_heads} (each key/value head serves a whole group).")
-    if m.head_dim % 2:
-        raise ConfigError(f"--model.head-dim {m.head_dim} must be even (RoPE rotates pairs).")
-    if m.global_every and not m.sliding_window:
-        raise ConfigError(f"--model.global-every {m.global_every} without "
-                          "--model.sliding-window: the layers between the global ones are the "
-                          "windowed ones. Give the window, or --model.global-every 0.")
+    need(m.n_heads % m.n_kv_heads == 0, f"--model.n-heads {m.n_heads} is not a multiple of "
+         f"--model.n-kv-heads {m.n_kv_heads} (each key/value head serves a whole group).")
+    need(m.head_dim % 2 == 0, f"--model.head-dim {m.head_dim} must be even (RoPE rotates "
+         "pairs).")
+    need(m.sliding_window or not m.global_every, f"--model.global-every {m.global_every} "
+         "without --model.sliding-window: the layers between the global ones are the windowed "
+         "ones. Give the window, or --model.global-every 0.")
     train.check_batch(t.batch_size, t.microbatches, mesh, MOE_BATCH)
-    if t.seq_len > m.max_seq_len:
-        raise ConfigError(f"--train.seq-len {t.seq_len} exceeds the model's maximum "
-                          f"--model.max-seq-len {m.max_seq_len}.")
-    if t.seq_len % min(m.loss_chunk, t.seq_len):
-        raise ConfigError(f"--train.seq-len {t.seq_len} is not a multiple of --model.loss-chunk "
-                          f"{m.loss_chunk}.")
+    need(t.seq_len <= m.max_seq_len, f"--train.seq-len {t.seq_len} exceeds the model's maximum "
+         f"--model.max-seq-len {m.max_seq_len}.")
+    need(t.seq_len % min(m.loss_chunk, t.seq_len) == 0, f"--train.seq-len {t.seq_len} is not a "
+         f"multiple of --model.loss-chunk {m.loss_chunk}.")
     train.check_profile(t.profile_steps, t.steps)
     train.check_qk_clip("--train.qk-clip-threshold", t.qk_clip_threshold, m.qk_norm)
     _validate_deepseek(m, t)
 
 
 def _validate_deepseek(m: ModelConfig, t: TrainConfig) -> None:
-    def need(ok: bool, message: str):
-        if not ok:
-            raise ConfigError(message)
-
     if m.kv_lora_rank:
         clash = [f for f in ("qk_norm", "attn_bias", "attn_sinks", "sliding_window") if
                  getattr(m, f)]
@@ -382,15 +367,13 @@ def _validate_deepseek(m: ModelConfig, t: TrainConfig) -> None:
 
 def _param_table(cfg: ModelConfig) -> dict:
     """The one definition of the parameter tree: name -> (shape, PartitionSpec, init std).
-
     Per-layer weights are stacked on a leading L axis so the layers run under lax.scan, and
     the experts of a layer on an E axis, split over the `expert` mesh axis: a device holds
     whole experts. Within an expert, d is split over fsdp (gathered per layer) and the hidden
     width over tensor, as in a dense MLP. Init std: 0.02, scaled by 1/sqrt(2L) on the two
     projections that write into the residual stream (GPT-2). std None = ones (norms).
     With first_k_dense, those layers are a second, shorter stack ("dense_layers", run before
-    "layers"): a scan needs every layer of a stack to have the same weights.
-    """
+    "layers"): a scan needs every layer of a stack to have the same weights."""
     L, D, V, Kd = cfg.n_layers, cfg.d_model, cfg.vocab_size, cfg.first_k_dense
     table = {"embed": ((V, D), P("tensor", "fsdp"), 0.02),
              "layers": _layer_table(cfg, L - Kd, moe=True), "final_norm": ((D,), P(None), None)}
@@ -478,10 +461,7 @@ def _buffer_table(cfg: ModelConfig) -> dict:
 def with_buffers(params: dict, buffers: dict) -> dict:
     """The model's weights with the buffers joined into their stacks: what `forward` reads.
     The buffers pass through stop_gradient: no gradient is taken of them."""
-    out = dict(params)
-    for stack, leaves in buffers.items():
-        out[stack] = params[stack] | jax.tree.map(jax.lax.stop_gradient, leaves)
-    return out
+    return train.join(params, jax.tree.map(jax.lax.stop_gradient, buffers))
 
 
 def param_specs(cfg: ModelConfig) -> dict:
@@ -692,14 +672,11 @@ def attend(q_BTNH, k_BTKH, v_BTKH, lp: dict, cfg: ModelConfig, is_global):
     need, and the padding cut from the output. DeepSeek's YaRN leaves the rotation unscaled
     and multiplies the logits by mscale(factor, mscale_all_dim)^2 instead."""
     Hv = v_BTKH.shape[-1]
-    if cfg.kv_lora_rank:
-        temp = yarn_mscale(cfg.yarn_factor, cfg.yarn_mscale_all_dim) ** 2
+    temp = yarn_mscale(cfg.yarn_factor, cfg.yarn_mscale_all_dim or 1.0) ** 2
+    if not (cfg.attn_sinks or cfg.sliding_window):  # MLA is always here
         v_BTKH = jnp.pad(v_BTKH, ((0, 0),) * 3 + ((0, q_BTNH.shape[-1] - Hv),))
         return attention(q_BTNH * temp if cfg.yarn_factor else q_BTNH, k_BTKH, v_BTKH,
                          cfg)[..., :Hv]
-    temp = yarn_mscale(cfg.yarn_factor) ** 2
-    if not (cfg.attn_sinks or cfg.sliding_window):
-        return attention(q_BTNH * temp if cfg.yarn_factor else q_BTNH, k_BTKH, v_BTKH, cfg)
     full = partial(capped_attention, q_BTNH, k_BTKH, v_BTKH, scale=temp / math.sqrt(cfg.head_dim),
                    sinks_N=lp.get("sinks"))
     W = cfg.sliding_window if cfg.sliding_window < q_BTNH.shape[1] else 0  # else: all in reach
@@ -723,8 +700,7 @@ def router(h_BTD, w_DE, cfg: ModelConfig, b_E=None, bias_E=None):
     s + bias_E (`balance_biases` moves the bias), but weighted by s alone, renormalised
     (norm_topk) and times routed_scale. With n_group, each token first keeps its best
     topk_group of n_group groups of experts, ranked by the sum of their two best s + bias,
-    and chooses only among those. The aux loss then takes P_e from s / sum(s).
-    """
+    and chooses only among those (HF's masked -inf too). The aux loss takes P_e = s / sum(s)."""
     E, R = cfg.n_experts, cfg.top_k
     logits_BTE = jnp.einsum("btd,de->bte", h_BTD.astype(jnp.float32), w_DE)
     logits_BTE = logits_BTE if b_E is None else logits_BTE + b_E
@@ -820,8 +796,7 @@ def grouped_mlp(x_MD, sizes_G, w, cfg: ModelConfig):
     [G, D]. "ragged_dot": a grouped GEMM, each row against its group's weights only. "tiled"
     (megablocks-style, for the CPU): every group padded to whole tiles of `gmm_tile` rows,
     each tile multiplied with its group's weights, one batched matmul over tiles; the cost is
-    at most G tiles of padding and one weight copy per tile.
-    """
+    at most G tiles of padding and one weight copy per tile."""
     (w_gate_GDF, w_up_GDF, w_down_GFD), b = w[:3], w[3:]
     M, D = x_MD.shape
     if _grouped_impl(cfg) == "ragged_dot":
@@ -1297,10 +1272,13 @@ def train_loop(cfg: Config, mesh, st: train.TrainState, step_fn) -> dict:
             loop.checkpoint(state)
 
         run.ckpt.wait()
-        if tc.sample_tokens > 0:
+        if tc.sample_tokens > 0:  # one prompt: this forward has no segments to left-pad with
             prompt = ds.encode(tc.sample_prompt)
-            out = sample(with_buffers(state["params"], state.get("buffers", {})), [prompt], cfg,
-                         mesh, jax.random.key(tc.seed + 7), ds.vocab_size)[0]
+            out = train.sample(
+                lambda p, tokens: forward(p, tokens, mc), with_buffers(state["params"], state.get(
+                    "buffers", {})), [prompt], n_new=tc.sample_tokens, max_len=min(
+                    tc.seq_len, mc.max_seq_len), temperature=tc.temperature, n_valid=ds.vocab_size,
+                mesh=mesh, batch_axes=MOE_BATCH, key=jax.random.key(tc.seed + 7))[0]
             log("sample:\n" + ds.decode(prompt + out))
         logged = [r for r in run.metrics_log.records if "load_max" in r]
         routing = "-" if not logged else (
@@ -1310,16 +1288,6 @@ def train_loop(cfg: Config, mesh, st: train.TrainState, step_fn) -> dict:
         end = int(jax.device_get(state["step"]))
         return loop.summary(end, f"{tc.batch_size} x {tc.seq_len}", [("routing", routing)]) | {
             "state": state}
-
-
-def sample(params, prompts: list[list[int]], cfg: Config, mesh, key, n_valid: int):
-    """--train.sample-tokens tokens after each prompt, at --train.temperature (0 = greedy).
-    The prompts are of one length: this forward takes no segments to left-pad them with."""
-    return train.sample(lambda p, tokens: forward(p, tokens, cfg.model), params, prompts,
-                        n_new=cfg.train.sample_tokens,
-                        max_len=min(cfg.train.seq_len, cfg.model.max_seq_len),
-                        temperature=cfg.train.temperature, n_valid=n_valid, mesh=mesh,
-                        batch_axes=MOE_BATCH, key=key)
 
 
 def dense_twin(cfg: Config) -> Config:
@@ -1357,10 +1325,12 @@ def bench(cfg: Config, mesh, batch) -> dict:
 # ----------------------------------------------------------------------------------------------
 
 # As in train_dense.py: HF rotates the two halves of each head, as `apply_rope` does, so no
-# weight is permuted. The experts are stored one tensor per expert and per layer.
+# weight is permuted (DeepSeek's pairs: rope_interleave). The experts are stored one tensor
+# per expert and per layer.
 HF_ARCHITECTURES = {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
                     "gpt_oss": "GptOssForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
                     "kimi_k2": "DeepseekV3ForCausalLM"}  # Kimi K2: DeepSeek-V3's, renamed
+HF_DEEPSEEK = ("deepseek_v3", "kimi_k2")
 # What transformers assumes for a key that config.json leaves out (its config classes).
 _HF_DEFAULTS = {
     "mixtral": dict(rms_norm_eps=1e-5, max_position_embeddings=131072, num_key_value_heads=8,
@@ -1381,7 +1351,6 @@ _HF_DEFAULTS = {
                         topk_group=4, first_k_dense_replace=3, norm_topk_prob=True,
                         rope_interleave=True),
 }
-_HF_DEFAULTS["kimi_k2"] = _HF_DEFAULTS["deepseek_v3"]
 
 
 def hf_mapping(cfg: ModelConfig, model_type: str) -> dict:
@@ -1389,11 +1358,10 @@ def hf_mapping(cfg: ModelConfig, model_type: str) -> dict:
     Atoms: l layers, e experts, d model, n query heads, k key/value heads, h head width,
     f expert MLP width, v vocabulary. DeepSeek's first_k_dense dense layers are our stack j,
     file layers 0.., and the MoE layers follow them in the file."""
-    Kd = cfg.first_k_dense
     tree = {"embed": ("model.embed_tokens.weight", "v d -> v d"),
-            "layers": _hf_layers(cfg, model_type, f"model.layers.{{l+{Kd}}}.", "l"),
+            "layers": _hf_layers(cfg, model_type, f"model.layers.{{l+{cfg.first_k_dense}}}.", "l"),
             "final_norm": ("model.norm.weight", "d -> d")}
-    if Kd:
+    if cfg.first_k_dense:
         tree["dense_layers"] = _hf_layers(cfg, model_type, "model.layers.{j}.", "j")
     return tree | ({} if cfg.tie_embeddings else {"unembed": ("lm_head.weight", "v d -> d v")})
 
@@ -1479,56 +1447,60 @@ def config_from_hf(c: dict, where: str = "config.json") -> ModelConfig:
         raise hf.HFError(f"{where}: model_type {mt!r} is not a mixture-of-experts family that "
                          f"train_moe.py loads ({', '.join(HF_ARCHITECTURES)}); dense models "
                          "(llama, mistral, qwen2, qwen3) belong to train_dense.py.")
+    ds = mt in HF_DEEPSEEK
     # transformers 5 writes Qwen3-MoE's expert count as num_local_experts, 4.x as num_experts.
     n_experts = c.get("num_experts", c.get("num_local_experts")) if mt == "qwen3_moe" else \
-        c.get("num_local_experts")
-    c = _HF_DEFAULTS[mt] | c
+        c.get("n_routed_experts" if ds else "num_local_experts")
+    c = _HF_DEFAULTS["deepseek_v3" if ds else mt] | c
 
     def unsupported(what: str):
         return hf.HFError(f"{where}: {what} is not implemented by train_moe.py, so this {mt} "
                           "model cannot be loaded faithfully.")
 
-    if mt in ("deepseek_v3", "kimi_k2"):
-        return _deepseek_config(c, where, unsupported)
-    for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-                "moe_intermediate_size" if mt == "qwen3_moe" else "intermediate_size"):
+    wide = "intermediate_size" if mt in ("mixtral", "gpt_oss") else "moe_intermediate_size"
+    for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", wide):
         if key not in c:
             raise hf.HFError(f"{where} has no {key!r}; it is not a complete {mt} config.")
-    if c.get("hidden_act", "silu") != "silu":
-        raise unsupported(f"hidden_act {c['hidden_act']!r} (only silu)")
+    for key, want in (("hidden_act", "silu"), ("partial_rotary_factor", 1.0),
+                      ("decoder_sparse_step", 1), ("moe_layer_freq", 1)) + ((
+                          ("scoring_func", "sigmoid"), ("topk_method", "noaux_tc")) if ds else ()):
+        if c.get(key, want) != want:
+            raise unsupported(f"{key} {c[key]!r} (only {want!r})")
     if c.get("attention_bias") and mt != "gpt_oss":
         raise unsupported("attention_bias (biases on the attention projections)")
-    if c.get("mlp_only_layers") or c.get("decoder_sparse_step", 1) != 1:
-        raise unsupported("dense MLP layers between the MoE layers (mlp_only_layers, "
-                          "decoder_sparse_step)")
-    if c.get("partial_rotary_factor", 1.0) != 1.0:
-        raise unsupported(f"partial_rotary_factor {c['partial_rotary_factor']}")
+    if c.get("mlp_only_layers"):
+        raise unsupported("dense MLP layers between the MoE layers (mlp_only_layers)")
+    # DeepSeek's YaRN gives mscale == mscale_all_dim: transformers then leaves the rotation
+    # unscaled (its factor is their ratio) and the logits times mscale(factor, all_dim)^2.
     theta, kind, rope = hf.rope_parameters(c, c["rope_theta"], where)
-    if kind not in ("default", "yarn") or kind == "yarn" and mt != "gpt_oss":
-        raise unsupported(f"rope type {kind!r} (only the default, and GPT-OSS's yarn)")
+    if kind not in ("default", "yarn") or kind == "yarn" and not (mt == "gpt_oss" or ds and (
+            not rope.get("attention_factor") and rope.get("mscale_all_dim") and
+            rope.get("mscale") == rope["mscale_all_dim"])):
+        raise unsupported(f"rope {kind!r} {rope} (only the default, GPT-OSS's YaRN, and "
+                          "DeepSeek's YaRN with mscale == mscale_all_dim)")
     # A sliding window of W tokens changes nothing on sequences of at most W tokens.
     window = (c.get("sliding_window") if mt == "mixtral" or c.get("use_sliding_window")
               else None)
-    gpt = {}
+    knobs = _yarn(kind, rope)
     if mt == "gpt_oss":
-        gpt, window = _gpt_oss_config(c, kind, rope, unsupported), None
-    max_len = c["max_position_embeddings"] if window is None else min(
-        c["max_position_embeddings"], window)
+        knobs, window = knobs | _gpt_oss_config(c, unsupported), None
+    elif ds:
+        knobs |= _deepseek_config(c, rope)
     n_heads = c["num_attention_heads"]
-    return ModelConfig(
+    return ModelConfig(**dict(
         vocab_size=c["vocab_size"], d_model=c["hidden_size"], n_layers=c["num_hidden_layers"],
         n_heads=n_heads, n_kv_heads=c.get("num_key_value_heads") or n_heads,
         head_dim=c.get("head_dim") or c["hidden_size"] // n_heads,
         n_experts=n_experts or c.get("num_experts") or c["num_local_experts"],
-        top_k=c["num_experts_per_tok"],
-        d_ff=c["moe_intermediate_size"] if mt == "qwen3_moe" else c["intermediate_size"],
-        norm_topk=bool(c["norm_topk_prob"]) if mt == "qwen3_moe" else True,
-        max_seq_len=max_len, rope_theta=theta, norm_eps=float(c["rms_norm_eps"]),
+        top_k=c["num_experts_per_tok"], d_ff=c[wide],
+        norm_topk=bool(c["norm_topk_prob"]) if mt in ("qwen3_moe", *HF_DEEPSEEK) else True,
+        max_seq_len=min(c["max_position_embeddings"], window or c["max_position_embeddings"]),
+        rope_theta=theta, norm_eps=float(c["rms_norm_eps"]),
         tie_embeddings=bool(c.get("tie_word_embeddings", False)), qk_norm=mt == "qwen3_moe",
-        **gpt)
+    ) | knobs)
 
 
-def _gpt_oss_config(c: dict, kind: str, rope: dict, unsupported) -> dict:
+def _gpt_oss_config(c: dict, unsupported) -> dict:
     """GPT-OSS's knobs from its config.json: every second layer windowed, or none."""
     L, W = c["num_hidden_layers"], c.get("sliding_window") or 0
     alternate = ["full_attention" if (i + 1) % 2 == 0 else "sliding_attention" for i in range(L)]
@@ -1540,7 +1512,7 @@ def _gpt_oss_config(c: dict, kind: str, rope: dict, unsupported) -> dict:
     windowed = W > 0 and "sliding_attention" in kinds
     return dict(sliding_window=W if windowed else 0, global_every=2 if windowed else 0,
                 attn_sinks=True, attn_bias=bool(c["attention_bias"]), moe_bias=True,
-                swiglu_limit=float(c["swiglu_limit"]), **_yarn(kind, rope))
+                swiglu_limit=float(c["swiglu_limit"]))
 
 
 def _yarn(kind: str, rope: dict) -> dict:
@@ -1550,37 +1522,19 @@ def _yarn(kind: str, rope: dict) -> dict:
             "truncate", True)), yarn_original_max_len=rope["original_max_position_embeddings"])
 
 
-def _deepseek_config(c: dict, where: str, unsupported) -> ModelConfig:
-    """DeepSeek-V3's and Kimi K2's knobs. Their YaRN gives mscale and mscale_all_dim equal, so
-    transformers leaves the rotation unscaled (its factor is their ratio) and multiplies the
-    logits by mscale(factor, mscale_all_dim)^2, as `attend` does."""
-    for key, want in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc"),
-                      ("hidden_act", "silu"), ("attention_bias", False), ("moe_layer_freq", 1)):
-        if c.get(key, want) != want:
-            raise unsupported(f"{key} {c[key]!r} (only {want!r})")
-    theta, kind, rope = hf.rope_parameters(c, c["rope_theta"], where)
-    if kind not in ("default", "yarn") or kind == "yarn" and (
-            rope.get("attention_factor") or not rope.get("mscale_all_dim") or
-            rope.get("mscale") != rope["mscale_all_dim"]):
-        raise unsupported(f"rope {kind!r} {rope} (the default, or YaRN with mscale == "
-                          "mscale_all_dim)")
-    if c.get("n_group", 1) > 1 and c.get("topk_group") is None:
-        raise hf.HFError(f"{where}: n_group {c['n_group']} without topk_group.")
+def _deepseek_config(c: dict, rope: dict) -> dict:
+    """DeepSeek-V3's and Kimi K2's knobs: MLA, sigmoid routing with its groups (one group =
+    none), shared experts, the dense first layers. transformers' head_dim is the rotated part's."""
     Kd, G = c["first_k_dense_replace"] or 0, c.get("n_group") or 1
-    return ModelConfig(
-        vocab_size=c["vocab_size"], d_model=c["hidden_size"], n_layers=c["num_hidden_layers"],
-        n_heads=c["num_attention_heads"], n_kv_heads=c["num_attention_heads"],
-        n_experts=c["n_routed_experts"], top_k=c["num_experts_per_tok"],
-        d_ff=c["moe_intermediate_size"], norm_topk=bool(c["norm_topk_prob"]),
-        max_seq_len=c["max_position_embeddings"], rope_theta=theta,
-        norm_eps=float(c["rms_norm_eps"]), tie_embeddings=bool(c.get("tie_word_embeddings")),
-        kv_lora_rank=c["kv_lora_rank"], q_lora_rank=c["q_lora_rank"] or 0,
-        qk_nope_head_dim=c["qk_nope_head_dim"], qk_rope_head_dim=c["qk_rope_head_dim"],
-        v_head_dim=c["v_head_dim"], rope_interleave=bool(c["rope_interleave"]),
-        yarn_mscale_all_dim=float(rope.get("mscale_all_dim") or 0), sigmoid_routing=True,
+    return dict(
+        head_dim=c["qk_rope_head_dim"], kv_lora_rank=c["kv_lora_rank"],
+        q_lora_rank=c["q_lora_rank"] or 0, qk_nope_head_dim=c["qk_nope_head_dim"],
+        qk_rope_head_dim=c["qk_rope_head_dim"], v_head_dim=c["v_head_dim"],
+        rope_interleave=bool(c["rope_interleave"]), sigmoid_routing=True,
+        yarn_mscale_all_dim=float(rope.get("mscale_all_dim") or 0),
         routed_scale=float(c["routed_scaling_factor"]), n_group=G if G > 1 else 0,
         topk_group=c["topk_group"] if G > 1 else 0, n_shared_experts=c["n_shared_experts"] or 0,
-        first_k_dense=Kd, dense_d_ff=c["intermediate_size"] if Kd else 0, **_yarn(kind, rope))
+        first_k_dense=Kd, dense_d_ff=c["intermediate_size"] if Kd else 0)
 
 
 def _model_type(cfg: ModelConfig, model_type: str) -> str:
@@ -1633,9 +1587,8 @@ def config_to_hf(cfg: ModelConfig, model_type: str = "", dtype: str = "float32")
                   None, swiglu_limit=cfg.swiglu_limit, swiglu_alpha=SWIGLU_ALPHA, layer_types=[
                       "sliding_attention" if W and (i + 1) % (cfg.global_every or L + 1) else
                       "full_attention" for i in range(L)])
-    elif mt in ("deepseek_v3", "kimi_k2"):  # transformers' head_dim is the rotated part's
-        del c["num_local_experts"]
-        c |= dict(n_routed_experts=cfg.n_experts, head_dim=cfg.qk_rope_head_dim,
+    elif mt in HF_DEEPSEEK:  # transformers' head_dim is the rotated part's
+        c |= dict(n_routed_experts=c.pop("num_local_experts"), head_dim=cfg.qk_rope_head_dim,
                   moe_intermediate_size=cfg.d_ff, intermediate_size=cfg.dense_d_ff or cfg.d_ff,
                   n_shared_experts=cfg.n_shared_experts, first_k_dense_replace=cfg.first_k_dense,
                   kv_lora_rank=cfg.kv_lora_rank, q_lora_rank=cfg.q_lora_rank or None,
@@ -1669,10 +1622,9 @@ def load_hf(path: str, mesh=None) -> tuple[ModelConfig, dict]:
 def save_hf(params: dict, cfg: ModelConfig, path: str, *, model_type: str = "",
             base_config: dict | None = None, dtype: str = "float32",
             max_shard_bytes: int = 5 * 2**30) -> list[str]:
-    """Write `params` (with the router biases inside, as `load_hf` gives them) as a
-    HuggingFace folder that transformers (and vLLM) load: config.json and safetensors shards
-    of at most `max_shard_bytes` with their index. `base_config` (the config.json the run
-    started from) keeps its other keys. Returns the files written."""
+    """`params` (the router biases inside, as `load_hf` gives them) as a HuggingFace folder:
+    config.json, and safetensors shards of at most `max_shard_bytes` with their index.
+    `base_config` (the config.json the run started from) keeps its other keys."""
     base = {k: v for k, v in (base_config or {}).items() if k not in hf.CONTRADICTING}
     mt = _model_type(cfg, model_type or (base_config or {}).get("model_type", ""))
     return hf.save(path, params, hf_mapping(cfg, mt), _hf_sizes(cfg),

@@ -121,6 +121,12 @@ RULES = {"data.eval_fraction": "(0, 1)", "checkpoint.every": ">= 0",
          "checkpoint.restore_step": "-1 or >= 0"}
 
 
+def need(ok, message: str) -> None:
+    """A flag check: ConfigError(message) unless ok. The message names the flag and the fix."""
+    if not ok:
+        raise ConfigError(message)
+
+
 def check_ranges(cfg, rules: dict[str, str]) -> None:
     """Every number in the config (the mesh's: see `resolve`) is finite and in its range, else
     a ConfigError naming the flag. `rules`: "section.field" -> "> 0", ">= 0", "[0, 1)", ...,
@@ -910,8 +916,7 @@ def export_command(model_types, *, read: Callable[[dict, str], object],
             out: The folder to create (new or empty).
             step: The checkpoint to export; -1 = the latest.
             dtype: Of the weights written (checkpoints hold float32).
-            model_type: The family; "" = the one the run started from, else the one the
-                model's knobs say.
+            model_type: The family; "" = the run's source's, else the one its knobs say.
             max_shard_gb: The largest safetensors file.
         """
         path = run_path(run_dir, "config.json")

@@ -27,7 +27,7 @@ SAME_SOURCE = {
     # train_grpo.py's policy is train_dense.py's model, and its HF loading half is dense's;
     # dense's parameter table, HF names and config reading also carry the Gemma knobs, which
     # the policy lacks: those are held equal on every other model below.
-    "rope_inv_freq": (td, tg), "_hf_sizes": (td, tg), "load_hf": (td, tg),
+    "rope_inv_freq": (td, tg), "_hf_sizes": (td, tg), "load_hf": (td, tg), "save_hf": (td, tg),
 }
 SAME_VALUE = {"MUON_DIMS": (td, tg)}
 # train_dense.py's model fields that train_grpo.py's policy does not have (Gemma's knobs).
