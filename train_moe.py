@@ -104,6 +104,7 @@ class ModelConfig:
     rope_interleave: bool = False  # MLA: RoPE turns pairs (2i, 2i+1), as DeepSeek's weights do
     sigmoid_routing: bool = False  # scores sigmoid(logits); top-k chosen on scores + a bias
     routed_scale: float = 0.0     # the routed experts' output times this (routed_scaling_factor)
+    seq_aux: bool = False         # the aux loss per sequence, then averaged (DeepSeek-V3's)
     n_group: int = 0              # group-limited routing: experts in this many groups ...
     topk_group: int = 0           # ... of which each token may use the best this many
     n_shared_experts: int = 0     # a SwiGLU n_shared_experts x d_ff wide that every token uses
@@ -197,14 +198,15 @@ _GPT_OSS_BIG = dict(vocab_size=201088, d_model=2880, n_heads=64, n_kv_heads=8, h
 _TINY_DEEPSEEK = ModelConfig(
     remat="none", n_kv_heads=4, kv_lora_rank=64, q_lora_rank=96, qk_nope_head_dim=32,
     qk_rope_head_dim=16, v_head_dim=32, sigmoid_routing=True, routed_scale=2.5, n_group=4,
-    topk_group=2, n_shared_experts=1, first_k_dense=1, dense_d_ff=512)
+    topk_group=2, n_shared_experts=1, first_k_dense=1, dense_d_ff=512, seq_aux=True)
 
 # DeepSeek-V3 and Kimi K2 share the block, from their released config.json: MLA with a query
 # latent, 8 of the routed experts plus one shared, sigmoid scores, YaRN with mscale 1.
 _DEEPSEEK_V3 = dict(d_model=7168, n_layers=61, kv_lora_rank=512, q_lora_rank=1536,
                     qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, top_k=8,
                     d_ff=2048, dense_d_ff=18432, n_shared_experts=1, sigmoid_routing=True,
-                    norm_eps=1e-6, yarn_original_max_len=4096, yarn_mscale_all_dim=1.0)
+                    norm_eps=1e-6, yarn_original_max_len=4096, yarn_mscale_all_dim=1.0,
+                    seq_aux=True)
 
 
 PRESETS: dict[str, tuple[str, Config]] = {
@@ -241,7 +243,7 @@ PRESETS: dict[str, tuple[str, Config]] = {
                     v_head_dim=128, n_experts=64, top_k=6, d_ff=1408, norm_topk=False,
                     n_shared_experts=2, first_k_dense=1, dense_d_ff=10944, norm_eps=1e-6,
                     max_seq_len=163840, yarn_factor=40.0, yarn_original_max_len=4096,
-                    yarn_mscale_all_dim=0.707), "deepseek-v2-lite")),
+                    yarn_mscale_all_dim=0.707, seq_aux=True), "deepseek-v2-lite")),
     "deepseek-v3": ("DeepSeek-V3 (256 experts top-8 in 8 groups + 1 shared, MLA; without the "
                     "multi-token-prediction module)", _big(ModelConfig(
                         vocab_size=129280, n_heads=128, n_kv_heads=128, n_experts=256,
@@ -490,8 +492,7 @@ def count_active_params(cfg: ModelConfig) -> int:
 
 
 def train_state(cfg: Config, mesh) -> train.TrainState:
-    """{params, opt_state, step, and with sigmoid routing buffers: the router biases} of this
-    model and optimiser on `mesh` (see common/train.py)."""
+    """{params, opt_state, step; with sigmoid routing buffers: the router biases} on `mesh`."""
     bt = _buffer_table(cfg.model)
     buffers = (lambda: train.table_init(bt, jax.random.key(0)), train.table_specs(bt))
     return train.TrainState(partial(_init, cfg.model), param_specs(cfg.model),
@@ -725,9 +726,12 @@ def router(h_BTD, w_DE, cfg: ModelConfig, b_E=None, bias_E=None):
         gate_BTR, expert_BTR = jax.lax.top_k(probs_BTE, R)
         if cfg.norm_topk:
             gate_BTR = gate_BTR / jnp.sum(gate_BTR, axis=-1, keepdims=True)
-    n_tokens = h_BTD.shape[0] * h_BTD.shape[1]
-    count_E = jnp.sum(jax.nn.one_hot(expert_BTR, E, dtype=jnp.float32), axis=(0, 1, 2))
-    aux = E * jnp.sum(count_E / n_tokens * jnp.mean(probs_BTE, axis=(0, 1)))
+    B, T = h_BTD.shape[:2]
+    count_BE = jnp.sum(jax.nn.one_hot(expert_BTR, E, dtype=jnp.float32), axis=(1, 2))
+    count_E, n_tokens = jnp.sum(count_BE, axis=0), B * T
+    # seq_aux (DeepSeek-V3 eqs. 17-19): f and P of each sequence, the mean over sequences
+    aux = E * (jnp.mean(jnp.sum(count_BE / T * jnp.mean(probs_BTE, axis=1), axis=-1)) if
+               cfg.seq_aux else jnp.sum(count_E / n_tokens * jnp.mean(probs_BTE, axis=(0, 1))))
     z = jnp.mean(jnp.square(jax.nn.logsumexp(logits_BTE, axis=-1)))
     load_E = count_E / (n_tokens * R)
     stats = {"aux_loss": aux, "router_z": z, "load_min": jnp.min(load_E),
@@ -736,10 +740,9 @@ def router(h_BTD, w_DE, cfg: ModelConfig, b_E=None, bias_E=None):
 
 
 def balance_biases(bias_LE, load_LE, rate: float):
-    """Auxiliary-loss-free balancing (DeepSeek-V3, sec. 2.1.2): after each step, each expert's
-    bias rises by `rate` when it took less than the even share of its layer's assignments
-    and falls by `rate` when it took more, so the choice drifts toward the idle experts while
-    the combine weights (the scores alone) are left as the gradient made them."""
+    """Auxiliary-loss-free balancing (DeepSeek-V3, sec. 2.1.2): after each step a bias rises by
+    `rate` if its expert took less than the even share of its layer's assignments, falls if
+    more: the choice drifts toward idle experts; the combine weights are the gradient's alone."""
     return bias_LE + rate * jnp.sign(1.0 / load_LE.shape[-1] - load_LE)
 
 
@@ -1293,10 +1296,9 @@ def train_loop(cfg: Config, mesh, st: train.TrainState, step_fn) -> dict:
 def dense_twin(cfg: Config) -> Config:
     """The same network with each MoE block replaced by one dense SwiGLU of width
     top_k x d_ff: the same active matmul FLOPs, without routing, sorting or exchanges."""
-    m = cfg.model
     return dataclasses.replace(cfg, model=dataclasses.replace(
-        m, n_experts=1, top_k=1, d_ff=m.top_k * m.d_ff, capacity_factor=0.0, n_group=0,
-        topk_group=0))
+        cfg.model, n_experts=1, top_k=1, d_ff=cfg.model.top_k * cfg.model.d_ff,
+        capacity_factor=0.0, n_group=0, topk_group=0))
 
 
 def bench(cfg: Config, mesh, batch) -> dict:
@@ -1355,9 +1357,8 @@ _HF_DEFAULTS = {
 
 def hf_mapping(cfg: ModelConfig, model_type: str) -> dict:
     """Our parameter tree, each leaf as (HuggingFace tensor name, layout): see common/hf.py.
-    Atoms: l layers, e experts, d model, n query heads, k key/value heads, h head width,
-    f expert MLP width, v vocabulary. DeepSeek's first_k_dense dense layers are our stack j,
-    file layers 0.., and the MoE layers follow them in the file."""
+    Atoms: l layers, e experts, d model, n query heads, k key/value heads, h head width, f
+    expert MLP width, v vocabulary; j DeepSeek's dense first layers, the MoE layers after."""
     tree = {"embed": ("model.embed_tokens.weight", "v d -> v d"),
             "layers": _hf_layers(cfg, model_type, f"model.layers.{{l+{cfg.first_k_dense}}}.", "l"),
             "final_norm": ("model.norm.weight", "d -> d")}
@@ -1481,12 +1482,11 @@ def config_from_hf(c: dict, where: str = "config.json") -> ModelConfig:
     # A sliding window of W tokens changes nothing on sequences of at most W tokens.
     window = (c.get("sliding_window") if mt == "mixtral" or c.get("use_sliding_window")
               else None)
-    knobs = _yarn(kind, rope)
+    knobs, n_heads = _yarn(kind, rope), c["num_attention_heads"]
     if mt == "gpt_oss":
         knobs, window = knobs | _gpt_oss_config(c, unsupported), None
     elif ds:
         knobs |= _deepseek_config(c, rope)
-    n_heads = c["num_attention_heads"]
     return ModelConfig(**dict(
         vocab_size=c["vocab_size"], d_model=c["hidden_size"], n_layers=c["num_hidden_layers"],
         n_heads=n_heads, n_kv_heads=c.get("num_key_value_heads") or n_heads,
@@ -1523,14 +1523,14 @@ def _yarn(kind: str, rope: dict) -> dict:
 
 
 def _deepseek_config(c: dict, rope: dict) -> dict:
-    """DeepSeek-V3's and Kimi K2's knobs: MLA, sigmoid routing with its groups (one group =
-    none), shared experts, the dense first layers. transformers' head_dim is the rotated part's."""
+    """DeepSeek-V3's and Kimi K2's knobs (one group = none; head_dim: the rotated part's)."""
     Kd, G = c["first_k_dense_replace"] or 0, c.get("n_group") or 1
     return dict(
         head_dim=c["qk_rope_head_dim"], kv_lora_rank=c["kv_lora_rank"],
         q_lora_rank=c["q_lora_rank"] or 0, qk_nope_head_dim=c["qk_nope_head_dim"],
         qk_rope_head_dim=c["qk_rope_head_dim"], v_head_dim=c["v_head_dim"],
         rope_interleave=bool(c["rope_interleave"]), sigmoid_routing=True,
+        seq_aux=bool(c.get("seq_aux", True)),
         yarn_mscale_all_dim=float(rope.get("mscale_all_dim") or 0),
         routed_scale=float(c["routed_scaling_factor"]), n_group=G if G > 1 else 0,
         topk_group=c["topk_group"] if G > 1 else 0, n_shared_experts=c["n_shared_experts"] or 0,
@@ -1597,7 +1597,7 @@ def config_to_hf(cfg: ModelConfig, model_type: str = "", dtype: str = "float32")
                   routed_scaling_factor=cfg.routed_scale or 1.0, n_group=cfg.n_group or 1,
                   topk_group=cfg.topk_group or 1, norm_topk_prob=cfg.norm_topk,
                   scoring_func="sigmoid", topk_method="noaux_tc", attention_bias=False,
-                  num_nextn_predict_layers=0)
+                  num_nextn_predict_layers=0, seq_aux=cfg.seq_aux)
     else:  # intermediate_size is the width of dense layers, which this model has none of
         c |= dict(num_experts=cfg.n_experts, moe_intermediate_size=cfg.d_ff,
                   intermediate_size=cfg.d_ff, norm_topk_prob=cfg.norm_topk,

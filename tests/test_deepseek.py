@@ -162,6 +162,27 @@ def test_bias_update_moves_a_skewed_router_toward_uniform():
     assert spreads[0] > 0.15 and spreads[-1] < spreads[0] / 3, spreads[::10]
 
 
+def test_sequence_wise_aux_loss_against_a_hand_computation():
+    """DeepSeek-V3 eqs. 17-19, in the k-at-balance convention of the batch-wise loss: per
+    sequence E * sum_e (count_e / T) * mean_t s'_e, s' = s / sum(s); then the mean. Two
+    sequences routed to different experts balance as a batch, not each on its own."""
+    cfg = dataclasses.replace(DS, n_group=0, topk_group=0, seq_aux=True)
+    h = jax.random.normal(jax.random.key(0), (2, 32, cfg.d_model))
+    w = jax.random.normal(jax.random.key(1), (cfg.d_model, cfg.n_experts)) * 0.3
+    skew = jnp.zeros((2, 1, cfg.n_experts)).at[0, :, :4].set(3.0).at[1, :, 4:].set(3.0)
+    stats = {}
+    for per_seq in (True, False):
+        c = dataclasses.replace(cfg, seq_aux=per_seq)
+        _, expert, stats[per_seq] = jax.jit(lambda h, w, b: tm.router(h, w, c, bias_E=b))(
+            h, w, skew)
+    s = np.asarray(jax.nn.sigmoid(jnp.einsum("btd,de->bte", h, w)))
+    p = s / s.sum(-1, keepdims=True)
+    count = np.stack([np.bincount(np.asarray(expert[b]).ravel(), minlength=8) for b in (0, 1)])
+    want = np.mean([8 * np.sum(count[b] / 32 * p[b].mean(0)) for b in (0, 1)])
+    assert float(stats[True]["aux_loss"]) == pytest.approx(want, rel=1e-5)
+    assert float(stats[True]["aux_loss"]) > float(stats[False]["aux_loss"]) + 0.1
+
+
 def test_mla_and_routing_refuse_bad_flags():
     with pytest.raises(ConfigError, match="n-kv-heads"):
         tm._validate_deepseek(dataclasses.replace(DS, n_kv_heads=2), tm.TrainConfig())
