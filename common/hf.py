@@ -159,8 +159,8 @@ def _read_header(file: str) -> dict[str, tuple[np.dtype, tuple[int, ...], int]]:
     for name, t in header.items():
         if t.get("dtype") not in DTYPES | PACKED:
             raise HFError(f"{file}: tensor {name} has dtype {t.get('dtype')}; only "
-                          f"{', '.join(DTYPES)} load, and MXFP4 (other quantized checkpoints "
-                          "do not).")
+                          f"{', '.join(DTYPES)} load, and MXFP4 and DeepSeek's block-scaled "
+                          "F8_E4M3 (other quantized checkpoints do not).")
         shape, (begin, end) = tuple(t["shape"]), t["data_offsets"]
         dtype = (DTYPES | PACKED)[t["dtype"]]
         if end - begin != math.prod(shape) * dtype.itemsize or end > size - start:
@@ -200,9 +200,12 @@ class Checkpoint:
             raise HFError(f"{path}: {INDEX} places {lost[0]} in {weight_map[lost[0]]}, "
                           f"which does not hold it ({len(lost)} such tensors).")
         self._mxfp4 = mxfp4_pairs(self._tensors, path)   # name -> (its blocks, its scales)
+        quant = self.config.get("quantization_config") or {}
+        self._block = tuple(quant.get("weight_block_size") or (128, 128))
+        self._fp8 = fp8_pairs(self._tensors, path, self._block)  # name -> its scales
 
     def names(self) -> set[str]:
-        packed = {n for pair in self._mxfp4.values() for n in pair}
+        packed = {n for pair in self._mxfp4.values() for n in pair} | set(self._fp8.values())
         return set(self._tensors) - packed | set(self._mxfp4)
 
     def shape(self, name: str) -> tuple[int, ...]:
@@ -214,7 +217,12 @@ class Checkpoint:
         """The whole tensor as a read-only memory map: nothing is read until it is sliced (an
         MXFP4 pair as an `MXFP4`, read by `MXFP4.read`)."""
         if name in self._mxfp4:
-            return MXFP4(*(self.array(n) for n in self._mxfp4[name]))
+            return MXFP4(*(self._raw(n) for n in self._mxfp4[name]))
+        if name in self._fp8:
+            return FP8Blocks(self._raw(name), self._raw(self._fp8[name]), self._block)
+        return self._raw(name)
+
+    def _raw(self, name: str) -> np.ndarray:
         file, dtype, shape, offset = self._tensors[name]
         if file not in self._maps:
             self._maps[file] = np.memmap(os.path.join(self.path, file), np.uint8, mode="r")
@@ -271,7 +279,7 @@ def load(ckpt: Checkpoint, mapping, sizes: dict, shardings, what: str,
 
 
 # --- MXFP4: reading OpenAI's quantized experts (GPT-OSS) -------------------------------------
-PACKED = {"U8": np.dtype(np.uint8)}
+PACKED = {"U8": np.dtype(np.uint8), "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn)}
 # E2M1, the OCP microscaling FP4: a sign bit, then 0, 0.5, 1, 1.5, 2, 3, 4, 6.
 FP4_VALUES = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6], np.float32)
 
@@ -293,7 +301,26 @@ def mxfp4_pairs(tensors: dict, path: str) -> dict[str, tuple[str, str]]:
     return pairs
 
 
-class MXFP4:
+class Dequantised:
+    """A quantised tensor read by blocks: a subclass gives its float32 `shape` and `take`."""
+
+    def read(self, split_shape: tuple, file_index: list) -> np.ndarray:
+        """`reshape(split_shape)[file_index]` of the dequantised tensor, for a layout's block:
+        each file axis's wanted positions, from the split axes it was cut into."""
+        coords, j = [], 0
+        for n in self.shape:
+            flat, first = np.zeros((), np.int64), j
+            while j == first or math.prod(split_shape[first:j]) < n:
+                s = file_index[j]
+                r = np.arange(split_shape[j])[s] if isinstance(s, slice) else np.array([s])
+                flat, j = flat[..., None] * split_shape[j] + r, j + 1
+            coords.append(flat.ravel())
+        out = [len(np.arange(n)[s]) for n, s in zip(split_shape, file_index)
+               if isinstance(s, slice)]
+        return self.take(coords).reshape(out)
+
+
+class MXFP4(Dequantised):
     """A tensor stored as MXFP4: blocks [..., O, G, 16] uint8 hold 32 E2M1 values per group,
     two per byte, the low nibble first; scales [..., O, G] uint8 one power of two per group,
     2^(s - 127). As transformers dequantises them (integrations/mxfp4.py), the tensor is
@@ -320,20 +347,37 @@ class MXFP4:
         cols = np.searchsorted(g, i_in // 32) * 32 + i_in % 32
         return vals.reshape(*packed.shape[:-2], -1)[..., cols].swapaxes(-1, -2)
 
-    def read(self, split_shape: tuple, file_index: list) -> np.ndarray:
-        """`reshape(split_shape)[file_index]` of the dequantised tensor, for a layout's block:
-        each file axis's wanted positions, from the split axes it was cut into."""
-        coords, j = [], 0
-        for n in self.shape:
-            flat, first = np.zeros((), np.int64), j
-            while j == first or math.prod(split_shape[first:j]) < n:
-                s = file_index[j]
-                r = np.arange(split_shape[j])[s] if isinstance(s, slice) else np.array([s])
-                flat, j = flat[..., None] * split_shape[j] + r, j + 1
-            coords.append(flat.ravel())
-        out = [len(np.arange(n)[s]) for n, s in zip(split_shape, file_index)
-               if isinstance(s, slice)]
-        return self.take(coords).reshape(out)
+
+# --- Block-scaled float8: DeepSeek-V3's and Kimi K2's releases -------------------------------
+
+
+def fp8_pairs(tensors: dict, path: str, block: tuple[int, int]) -> dict[str, str]:
+    """name -> name_scale_inv of each float8 tensor: an e4m3 matrix [O, I] and one float
+    scale per block x block tile, [ceil(O / block), ceil(I / block)] (weight_block_size in
+    quantization_config; 128 x 128 in DeepSeek-V3). Any other float8 tensor fails here."""
+    pairs = {}
+    for n in sorted(n for n, t in tensors.items() if t[1] == PACKED["F8_E4M3"]):
+        shape, scale = tensors[n][2], tensors.get(n + "_scale_inv", (None, None, None))
+        want = tuple(-(-d // b) for d, b in zip(shape, block))
+        if len(shape) != 2 or scale[2] != want or scale[1] not in DTYPES.values():
+            raise HFError(f"{path}: float8 tensor {n} {list(shape)} has no {n}_scale_inv of "
+                          f"shape {list(want)} (tiles of {block[0]} x {block[1]}): only "
+                          "block-scaled float8 matrices (DeepSeek-V3's format) are read.")
+        pairs[n] = n + "_scale_inv"
+    return pairs
+
+
+class FP8Blocks(Dequantised):
+    """An e4m3 matrix and its tiles' scales: w[i, j] = q[i, j] * scale[i // b0, j // b1], as
+    DeepSeek's and transformers' dequantisation (weight_dequant) computes it."""
+
+    def __init__(self, q: np.ndarray, scale: np.ndarray, block: tuple[int, int]):
+        self.q, self.scale, self.block, self.shape = q, scale, block, q.shape
+
+    def take(self, coords: list[np.ndarray]) -> np.ndarray:
+        i, j = coords
+        tile = self.scale[np.ix_(i // self.block[0], j // self.block[1])].astype(np.float32)
+        return self.q[np.ix_(i, j)].astype(np.float32) * tile
 
 
 # --- Writing ----------------------------------------------------------------------------------

@@ -209,6 +209,50 @@ def test_multi_token_prediction_layer_is_left_out(tmp_path, capsys):
     assert "1 tensors of layers past num_hidden_layers" in capsys.readouterr().out
 
 
+def test_float8_release_reads_as_its_dequantised_weights(tmp_path, monkeypatch):
+    """DeepSeek-V3's own format: every projection as e4m3 with one scale per tile (here 4 x 4,
+    so that tiles straddle the heads and the per-device blocks of a sharded load). It must
+    load as exactly the weights q * scale that a float32 folder of them holds."""
+    import ml_dtypes
+    f8 = np.dtype(ml_dtypes.float8_e4m3fn)
+    monkeypatch.setitem(hf.DTYPE_NAMES, f8, "F8_E4M3")   # only the test writes float8
+    src = hf.Checkpoint(fixture("deepseek_v3"))
+    quant, plain = [], []
+    for name in sorted(src.names()):
+        w = np.asarray(src.array(name), np.float32)
+        if name.endswith("proj.weight"):
+            pad = [(0, -n % 4) for n in w.shape]
+            tiles = np.pad(np.abs(w), pad).reshape(w.shape[0] // 4 + bool(w.shape[0] % 4), 4,
+                                                   -1, 4).max(axis=(1, 3)) / 448 + 1e-8
+            scale = np.repeat(np.repeat(tiles, 4, 0), 4, 1)[:w.shape[0], :w.shape[1]]
+            q = (w / scale).astype(f8)
+            w = q.astype(np.float32) * scale            # what a reader must give back
+            quant += [(name, q.shape, f8, lambda q=q: q), (name + "_scale_inv", tiles.shape,
+                      np.dtype(np.float32), lambda t=tiles.astype(np.float32): t)]
+        else:
+            quant.append((name, w.shape, np.dtype(np.float32), lambda w=w: w))
+        plain.append((name, w.shape, np.dtype(np.float32), lambda w=w: w))
+    for folder, tensors, extra in ((tmp_path / "fp8", quant, {"quantization_config": {
+            "quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [4, 4]}}),
+                                   (tmp_path / "f32", plain, {})):
+        os.makedirs(folder)
+        hf._write_file(str(folder / hf.SINGLE), tensors)
+        hf.write_json(str(folder / hf.CONFIG), src.config | extra)
+    mesh = make_mesh(MeshConfig(fsdp=2, tensor=2, expert=2))
+    cfg, want = tm.load_hf(str(tmp_path / "f32"))
+    _, got = tm.load_hf(str(tmp_path / "fp8"), mesh)
+    for a, b in zip(jax.tree.leaves(host(want)), jax.tree.leaves(host(got))):
+        np.testing.assert_array_equal(a, b)
+    tokens, ref = expected("deepseek_v3")
+    assert max_diff(logits(want, cfg, tokens), ref) > 1e-3   # the rounding is real (routing flips)
+    with open(tmp_path / "fp8" / hf.CONFIG) as f:   # tiles of 128 do not fit these scales
+        c = json.load(f)
+    c["quantization_config"]["weight_block_size"] = [128, 128]
+    hf.write_json(str(tmp_path / "fp8" / hf.CONFIG), c)
+    with pytest.raises(hf.HFError, match=r"no .*_scale_inv of shape \[1, 1\]"):
+        tm.load_hf(str(tmp_path / "fp8"))
+
+
 def test_each_trainer_points_to_the_other():
     with pytest.raises(hf.HFError, match=r"belong to train_moe.py"):
         td.load_hf(fixture("mixtral"))
