@@ -250,9 +250,9 @@ PRESETS: dict[str, tuple[str, Config]] = {
                         routed_scale=2.5, n_group=8, topk_group=4, first_k_dense=3,
                         max_seq_len=163840, yarn_factor=40.0, **_DEEPSEEK_V3), "deepseek-v3")),
     "kimi-k2": ("Kimi K2 (384 experts top-8 + 1 shared, MLA, DeepSeek-V3's block)", _big(
-        ModelConfig(vocab_size=163840, n_heads=64, n_kv_heads=64, n_experts=384,
-                    routed_scale=2.827, first_k_dense=1, max_seq_len=131072, rope_theta=50_000.0,
-                    yarn_factor=32.0, yarn_beta_fast=1.0, **_DEEPSEEK_V3), "kimi-k2")),
+        ModelConfig(vocab_size=163840, n_heads=64, n_kv_heads=64, n_experts=384, first_k_dense=1,
+                    routed_scale=2.827, max_seq_len=131072, rope_theta=50_000.0, yarn_factor=32.0,
+                    yarn_beta_fast=1.0, **_DEEPSEEK_V3 | dict(norm_eps=1e-5)), "kimi-k2")),
     "gpt-oss-20b": ("GPT-OSS 20B (32 experts, top-4)", _big(ModelConfig(
         n_layers=24, n_experts=32, **_GPT_OSS_BIG), "gpt-oss-20b")),
     "gpt-oss-120b": ("GPT-OSS 120B (128 experts, top-4)", _big(ModelConfig(
