@@ -142,6 +142,26 @@ def test_live_fixture_and_export(name, loaded, tmp_path):
     assert max_diff(hf_logits(str(tmp_path), tokens), want) < TOL
 
 
+@live
+def test_live_deepseek_variants_the_fixtures_lack(tmp_path):
+    """What the fixtures do not have, exported and run by transformers: no query latent
+    (q_proj, as V2-Lite), halves-rotated RoPE (rope_interleave false, our default), no YaRN,
+    no groups, two shared experts, two dense layers, values as wide as the queries."""
+    model = tm.ModelConfig(**dict(DEEPSEEK, q_lora_rank=0, rope_interleave=False, n_group=0,
+                                  topk_group=0, n_shared_experts=2, first_k_dense=2,
+                                  n_layers=4, v_head_dim=12), vocab_size=64, d_model=32,
+                           n_heads=4, n_experts=4, top_k=2, d_ff=16, max_seq_len=64)
+    rng = np.random.default_rng(7)
+    params = jax.tree.map(
+        lambda e: (1.0 if e[2] is None else 0.0) + 0.3 * rng.standard_normal(e[0], np.float32),
+        tm._hf_table(model), is_leaf=train.is_entry)
+    tm.save_hf(params, model, str(tmp_path))
+    assert tm.config_from_hf(hf.read_config(str(tmp_path))) == dataclasses.replace(
+        model, head_dim=model.qk_rope_head_dim)
+    tokens = np.random.default_rng(8).integers(0, 64, (2, 16))
+    assert max_diff(hf_logits(str(tmp_path), tokens), logits(params, model, tokens)) < TOL
+
+
 @pytest.mark.parametrize("name", FAMILIES)
 def test_sharded_load_equals_one_device(name, loaded):
     cfg, one = loaded[name]
