@@ -208,7 +208,6 @@ def clip_range(g: GRPOConfig) -> tuple[float, float]:
     return (lo if g.eps_low < 0 else g.eps_low), (hi if g.eps_high < 0 else g.eps_high)
 
 
-
 def validate(cfg: Config, n_devices: int, tok) -> Task:
     """Every check that needs no compilation, so a bad launch fails in a second; the task."""
     m, g, w, t = cfg.model, cfg.grpo, cfg.warm, cfg.task

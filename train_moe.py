@@ -169,16 +169,16 @@ class Config:
     init_from_hf: str = ""        # HuggingFace folder: start from its weights and config.json
 
 
+# DeepSeek-V3's balancing (sec. 4.2) for the sigmoid presets: bias rate 1e-3, aux 1e-4, no z.
+_DEEPSEEK_BALANCE = dict(router_bias_rate=1e-3, load_balance_loss=1e-4, router_z_loss=0.0)
+
+
 def _big(model: ModelConfig, run: str, seq_len: int = 4096) -> Config:
-    """A full-size preset. With sigmoid routing, DeepSeek-V3's balancing: the bias at rate
-    0.001 and the aux loss at 1e-4 (its sec. 4.2), and no z-loss (no softmax to keep exact)."""
-    ds = model.sigmoid_routing
+    balance = _DEEPSEEK_BALANCE if model.sigmoid_routing else dict(load_balance_loss=1e-3)
     return Config(model=dataclasses.replace(model, dtype="bfloat16"),
                   train=TrainConfig(steps=100_000, batch_size=256, seq_len=seq_len, lr=3e-4,
                                     warmup_steps=2000, log_every=10, eval_every=1000,
-                                    sample_tokens=0, load_balance_loss=1e-4 if ds else 1e-3,
-                                    router_z_loss=0.0 if ds else 1e-3,
-                                    router_bias_rate=1e-3 if ds else 0.0),
+                                    sample_tokens=0, **balance),
                   checkpoint=CheckpointConfig(every=1000), run_dir=f"runs/{run}")
 
 
@@ -220,8 +220,7 @@ PRESETS: dict[str, tuple[str, Config]] = {
     "tiny-deepseek": ("tiny-moe with DeepSeek-V3's knobs (MLA, sigmoid group-limited routing "
                       "with bias balancing, a shared expert, a dense first layer): "
                       "`make train-moe MOE_PRESET=tiny-deepseek`", Config(
-                          model=_TINY_DEEPSEEK, train=TrainConfig(
-                              router_bias_rate=1e-3, load_balance_loss=1e-4, router_z_loss=0.0),
+                          model=_TINY_DEEPSEEK, train=TrainConfig(**_DEEPSEEK_BALANCE),
                           run_dir="runs/tiny-deepseek")),
     # The model bench/peers/maxtext.sh runs in MaxText (Mixtral block), for side-by-side speed.
     "bench-parity-moe": ("MaxText comparison: d 256, 4 layers, 8 experts top-2, expert MLP 512, "
@@ -656,8 +655,8 @@ def mla(h_BTD, lp: dict, pos_BT, inv_freq, cfg: ModelConfig):
     c_kv = rms_norm(kv[..., :C], lp["kv_norm"], eps)
     kv_b = jnp.einsum("btc,cnh->btnh", c_kv, w("wkv_b"))
     k_nope, v = kv_b[..., :Hn], kv_b[..., Hn:]
-    pairs = lambda x: jnp.concatenate([x[..., 0::2], x[..., 1::2]], -1) if cfg.rope_interleave \
-        else x
+    pairs = ((lambda x: jnp.concatenate([x[..., 0::2], x[..., 1::2]], -1))
+             if cfg.rope_interleave else (lambda x: x))
     k_rope = apply_rope(pairs(kv[:, :, None, C:]), pos_BT, inv_freq)
     q = jnp.concatenate([q[..., :Hn], apply_rope(pairs(q[..., Hn:]), pos_BT, inv_freq)], axis=-1)
     k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rope, (*k_nope.shape[:3],
@@ -1239,6 +1238,7 @@ def train_loop(cfg: Config, mesh, st: train.TrainState, step_fn) -> dict:
     batch = partial(get_batch, batch_size=tc.batch_size, seq_len=tc.seq_len,
                     sharding=NamedSharding(mesh, P(MOE_BATCH, None)))
     eval_fn = jax.jit(lambda params, b: loss_fn(params, b, mc)[1]["ce"])  # held-out ce
+    weights = lambda s: with_buffers(s["params"], s.get("buffers", {}))  # what forward reads
 
     def evaluate(params) -> dict:
         losses = [eval_fn(params, batch(ds.eval, seed=cfg.data.seed + 1, step=i))
@@ -1271,17 +1271,16 @@ def train_loop(cfg: Config, mesh, st: train.TrainState, step_fn) -> dict:
             state, metrics = step_fn(state, next_batch(step=step))
             loop.log(metrics)
             if loop.eval_due:
-                loop.eval(evaluate(with_buffers(state["params"], state.get("buffers", {}))))
+                loop.eval(evaluate(weights(state)))
             loop.checkpoint(state)
 
         run.ckpt.wait()
         if tc.sample_tokens > 0:  # one prompt: this forward has no segments to left-pad with
             prompt = ds.encode(tc.sample_prompt)
-            out = train.sample(
-                lambda p, tokens: forward(p, tokens, mc), with_buffers(state["params"], state.get(
-                    "buffers", {})), [prompt], n_new=tc.sample_tokens, max_len=min(
-                    tc.seq_len, mc.max_seq_len), temperature=tc.temperature, n_valid=ds.vocab_size,
-                mesh=mesh, batch_axes=MOE_BATCH, key=jax.random.key(tc.seed + 7))[0]
+            out = train.sample(lambda p, t: forward(p, t, mc), weights(state), [prompt],
+                               n_new=tc.sample_tokens, max_len=min(tc.seq_len, mc.max_seq_len),
+                               temperature=tc.temperature, n_valid=ds.vocab_size, mesh=mesh,
+                               batch_axes=MOE_BATCH, key=jax.random.key(tc.seed + 7))[0]
             log("sample:\n" + ds.decode(prompt + out))
         logged = [r for r in run.metrics_log.records if "load_max" in r]
         routing = "-" if not logged else (
@@ -1449,9 +1448,9 @@ def config_from_hf(c: dict, where: str = "config.json") -> ModelConfig:
                          f"train_moe.py loads ({', '.join(HF_ARCHITECTURES)}); dense models "
                          "(llama, mistral, qwen2, qwen3) belong to train_dense.py.")
     ds = mt in HF_DEEPSEEK
-    # transformers 5 writes Qwen3-MoE's expert count as num_local_experts, 4.x as num_experts.
-    n_experts = c.get("num_experts", c.get("num_local_experts")) if mt == "qwen3_moe" else \
-        c.get("n_routed_experts" if ds else "num_local_experts")
+    # transformers 5 writes Qwen3-MoE's expert count as num_local_experts, 4.x as num_experts:
+    # read before the defaults (which spell it num_experts) are merged in.
+    qwen_experts = c.get("num_experts", c.get("num_local_experts"))
     c = _HF_DEFAULTS["deepseek_v3" if ds else mt] | c
 
     def unsupported(what: str):
@@ -1491,7 +1490,8 @@ def config_from_hf(c: dict, where: str = "config.json") -> ModelConfig:
         vocab_size=c["vocab_size"], d_model=c["hidden_size"], n_layers=c["num_hidden_layers"],
         n_heads=n_heads, n_kv_heads=c.get("num_key_value_heads") or n_heads,
         head_dim=c.get("head_dim") or c["hidden_size"] // n_heads,
-        n_experts=n_experts or c.get("num_experts") or c["num_local_experts"],
+        n_experts=(qwen_experts or c["num_experts"]) if mt == "qwen3_moe" else c[
+            "n_routed_experts" if ds else "num_local_experts"],
         top_k=c["num_experts_per_tok"], d_ff=c[wide],
         norm_topk=bool(c["norm_topk_prob"]) if mt in ("qwen3_moe", *HF_DEEPSEEK) else True,
         max_seq_len=min(c["max_position_embeddings"], window or c["max_position_embeddings"]),

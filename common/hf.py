@@ -215,7 +215,7 @@ class Checkpoint:
 
     def array(self, name: str):
         """The whole tensor as a read-only memory map: nothing is read until it is sliced (an
-        MXFP4 pair as an `MXFP4`, read by `MXFP4.read`)."""
+        MXFP4 pair as an `MXFP4`, a float8 matrix and its scales as `FP8Blocks`)."""
         if name in self._mxfp4:
             return MXFP4(*(self._raw(n) for n in self._mxfp4[name]))
         if name in self._fp8:
