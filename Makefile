@@ -15,7 +15,7 @@ PORT   ?= 6006
 comma  := ,
 
 .DEFAULT_GOAL := help
-.PHONY: help train test bench bench-window bench-parity bench-parity-moe bench-grpo bench-recovery bench-scale dry-run prepare clean train-moe bench-moe train-grpo \
+.PHONY: help train test test-floors test-tpu bench bench-window bench-parity bench-parity-moe bench-grpo bench-recovery bench-scale dry-run prepare clean train-moe bench-moe train-grpo \
         plot tensorboard need-run sft export-hf finetune-hf hf-fixtures
 
 help:  ## list the targets
@@ -43,6 +43,25 @@ train-grpo: $(VENV)/.installed  ## SFT warm start, then GRPO (GRPO_PRESET) on re
 
 test: $(VENV)/.installed  ## run the test suite on 8 simulated CPU devices
 	$(PY) -m pytest -n 2 --dist worksteal tests $(ARGS)
+
+# The lowest versions pyproject.toml allows, pinned (pip has no lowest-version resolution):
+# the tests of every optimiser, the HF path, checkpoints and the flag checks, on them.
+FLOORS_VENV ?= .venv-floors
+FLOOR_TESTS ?= tests/test_muon.py tests/test_train.py tests/test_hf.py tests/test_checkpoint.py \
+  tests/test_unchanged.py tests/test_guard.py
+test-floors:  ## FLOOR_TESTS on the lowest versions of every dependency pyproject.toml declares
+	$(PYTHON) -m venv $(FLOORS_VENV)
+	$(PYTHON) -c 'import re, tomllib; p = tomllib.load(open("pyproject.toml", "rb"))["project"]; \
+	  print("\n".join(re.sub(r"\[.*\]", "", d).replace(">=", "==") for d in \
+	  p["dependencies"] + p["optional-dependencies"]["test"]))' > $(FLOORS_VENV)/floors.txt
+	$(FLOORS_VENV)/bin/pip install -q -c $(FLOORS_VENV)/floors.txt -e '.[test]'
+	$(FLOORS_VENV)/bin/pip list 2>/dev/null | grep -iE "^(jax|jaxlib|optax|orbax-checkpoint|numpy|tyro|sentencepiece) "
+	$(FLOORS_VENV)/bin/python -m pytest -n 2 --dist worksteal $(FLOOR_TESTS) $(ARGS)
+
+# libtpu's ahead-of-time compiler, on this CPU host: the dense and MoE steps for a v5p-8.
+test-tpu: $(VENV)/.installed  ## compile the training steps for a TPU slice here (installs the tpu extra)
+	$(PY) -m pip install -q -e '.[tpu]'
+	$(PY) -m pytest tests/test_dense.py tests/test_moe.py -k compile_topology $(ARGS)
 
 bench: $(VENV)/.installed  ## tokens/s, ms/step, MFU and compile time of PRESET on synthetic tokens
 	$(PY) train_dense.py $(PRESET) --bench 10 $(ARGS)

@@ -193,7 +193,7 @@ RULES = {"grpo.steps": ">= 0", "grpo.top_p": "(0, 1]", "grpo.eps_low": "-1 or (0
          "grpo.eps_high": "-1 or > 0", "grpo.b1": "[0, 1)", "grpo.b2": "[0, 1)",
          "grpo.warmup_steps": ">= 0", "grpo.format_weight": ">= 0", "warm.max_steps": ">= 0",
          "warm.target_reward": ">= 0", "warm.warmup_steps": ">= 0",
-         "grpo.qk_clip_threshold": ">= 0"}
+         "grpo.qk_clip_threshold": ">= 0", "task.eval_seed": ">= 0"}
 
 # Clip ranges from the papers, used when --grpo.eps-low/--grpo.eps-high are -1.
 # PPO/GRPO: 0.2 both ways. DAPO's clip-higher: 0.2 / 0.28 (Yu et al. 2025, section 3.1).

@@ -163,6 +163,8 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     run_dir: str = "runs/tiny-moe"
     dry_run: bool = False         # compile one step on abstract inputs, print memory, exit
+    compile_topology: str = ""    # with --dry-run: compile for this TPU type (v5p-256), needs libtpu
+    compile_slices: int = 1       # ... and this many slices of it (set --mesh.dcn-* to match)
     bench: int = 0                # time this many steps on synthetic tokens, print, exit
     bench_twin: bool = True       # --bench also times the dense twin (same active parameters)
     quiet: bool = False           # no progress lines; steps, evals and the summary still print
@@ -264,9 +266,9 @@ MAY_CHANGE = frozenset({
     "train.steps", "train.lr", "train.log_every", "train.eval_every", "train.eval_batches",
     "train.sample_tokens", "train.temperature", "train.sample_prompt", "train.peak_tflops",
     "train.microbatches", "train.profile_steps", "train.max_bad_steps", "quiet",
-    "train.qk_clip_threshold", "mesh", "checkpoint", "dry_run", "bench", "bench_twin",
-    "data.cache_dir", "run_dir",
-    "model.dtype", "model.attention", "model.remat", "model.scan_layers", "model.loss_chunk",
+    "train.qk_clip_threshold", "mesh", "checkpoint", "dry_run", "compile_topology",
+    "compile_slices", "bench", "bench_twin", "data.cache_dir", "run_dir", "model.dtype",
+    "model.attention", "model.remat", "model.scan_layers", "model.loss_chunk",
     "model.grouped_matmul", "model.gmm_tile"})
 
 # Model fields that say how to compute, not what: with --init-from-hf the model is the
@@ -1205,17 +1207,16 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
 def main(cfg: Config) -> dict:
     cfg = train.with_source_model(cfg, config_from_hf, COMPUTE_FIELDS)
     train.start(cfg.quiet)
-    validate(cfg, jax.device_count())
-    mesh = make_mesh(cfg.mesh)
-    tc, m = cfg.train, cfg.model
+    devices = train.devices(cfg.compile_topology, cfg.compile_slices, cfg.dry_run)
+    validate(cfg, len(devices))
+    mesh, tc, m = make_mesh(cfg.mesh, devices), cfg.train, cfg.model
     st = train_state(cfg, mesh)
     step_fn = st.jit(partial(train_step, cfg=cfg, tx=st.tx))
     log(f"model {count_params(m):,} parameters, {count_active_params(m):,} active "
         f"({m.n_experts} experts, top-{m.top_k}, "
         f"{'dropless' if m.capacity_factor == 0 else f'capacity factor {m.capacity_factor}'}, "
         f"{_grouped_impl(m)} grouped matmul; MFU counts active FLOPs) | mesh {describe(mesh)} "
-        f"| {jax.device_count()} {jax.devices()[0].platform} devices, "
-        f"{jax.process_count()} process(es)")
+        f"| {len(devices)} {devices[0].platform} devices, {jax.process_count()} process(es)")
     # Random tokens for --dry-run and --bench: no data, no checkpoints.
     tokens = np.random.default_rng(0).integers(0, m.vocab_size,
                                                (tc.batch_size, tc.seq_len + 1), np.int32)
@@ -1303,9 +1304,8 @@ def dense_twin(cfg: Config) -> Config:
 def bench(cfg: Config, mesh, batch) -> dict:
     """Median step time over --bench steps on random tokens, of the MoE model and (--bench-twin)
     its dense twin, and their cost ratio per active FLOP: the price of routing and dispatch."""
-    tc = cfg.train
+    tc, report = cfg.train, {}
     peak = train.peak_flops_per_device(tc.peak_tflops)
-    report = {}
     for what, c in [("moe", cfg)] + ([("dense", dense_twin(cfg))] if cfg.bench_twin else []):
         log(f"bench {what} | {count_active_params(c.model) / 1e6:.2f}M active parameters; "
             "MFU on active FLOPs")

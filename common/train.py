@@ -549,8 +549,8 @@ def dry_run(step_fn, abstract_state, batch, mesh, n_params: int, **extra) -> dic
     with jax.set_mesh(mesh):
         compiled = step_fn.lower(abstract_state, batch).compile()
     mem = compiled.memory_analysis()
-    report = {"params": n_params, **extra, "devices": mesh.size,
-              "compile_s": time.perf_counter() - t0}
+    report = {"params": n_params, **extra, "devices": mesh.size, "compile_s": time.perf_counter()
+              - t0, "platform": mesh.devices.flat[0].platform}
     if mem is not None:
         report |= {k: int(getattr(mem, k + "_in_bytes")) for k in
                    ("argument_size", "output_size", "alias_size", "temp_size")}

@@ -212,7 +212,8 @@ def test_cut_off_save_does_not_hide_last_good_checkpoint(run_dir, state, monkeyp
         # and renames it to `<step>` only once everything is down.
         half = os.path.join(ckpts, "5.orbax-checkpoint-tmp")
         shutil.copytree(os.path.join(ckpts, "2"), half)
-        os.remove(os.path.join(half, "commit_success.txt"))
+        if os.path.exists(os.path.join(half, "commit_success.txt")):  # newer Orbax writes it
+            os.remove(os.path.join(half, "commit_success.txt"))
         for f in glob.glob(os.path.join(half, "state", "d", "*")):
             os.remove(f)
         assert ckpt.latest_step() == 2 and ckpt.all_steps() == [2]

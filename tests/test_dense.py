@@ -297,11 +297,12 @@ def test_compile_topology_without_libtpu_says_how_to_get_it():
 
 
 @pytest.mark.skipif(not _has_libtpu(), reason="ahead-of-time TPU compilation needs libtpu "
-                    "(pip install -e '.[tpu]'); checked by hand, see the README")
+                    "(pip install -e '.[tpu]'): `make test-tpu`, a leg of .ci/run")
 def test_compile_topology_compiles_for_a_tpu_slice():
     cfg = td.cli(["tiny", "--dry-run", "--compile-topology", "v5p-8", "--mesh.fsdp", "-1"])
     report = td.main(cfg)
-    assert report["devices"] == 4 and report["per_device_bytes"] > 0
+    assert report["devices"] == 4 and report["platform"] == "tpu"
+    assert report["per_device_bytes"] > 0
 
 
 def test_bench_parity_preset_matches_maxtexts_model():

@@ -3,7 +3,6 @@ mask, the whole model against a plain per-layer reference written here, the pres
 and the Llama/Mistral/Qwen presets unchanged by the new knobs. (HF parity: tests/test_hf.py;
 sharded == unsharded: tests/test_dense.py.)"""
 import dataclasses
-import hashlib
 import math
 import os
 import re
@@ -165,6 +164,8 @@ def test_forward_equals_plain_reference(cfg, scan):
     want = reference_forward(params, tokens, cfg)
     got = np.asarray(jax.jit(td.forward, static_argnums=2)(params, tokens, cfg))
     np.testing.assert_allclose(got, want, atol=2e-5)
+    if not scan:
+        return  # the knobs are the same code either way: checked once, with the scan
     # Each knob changes these logits, so the equality above holds each one to the reference.
     for knob in dict(gemma2=["sliding_window", "attn_softcap", "final_softcap", "norm_plus_one",
                              "sandwich_norm", "embed_scale", "gelu", "query_scale"],
@@ -252,17 +253,25 @@ def test_qk_clip_is_refused_with_soft_capped_attention():
 
 
 # The logits of each Llama/Mistral/Qwen preset's model (shrunk: its knobs, small shapes) on a
-# fixed seed, recorded from main at c3929ff, before the Gemma knobs: sha256 of the float32 bytes
-# per JAX version (bitwise), and |logits| summed, for versions not recorded.
+# fixed seed, as main at c3929ff gave them before the Gemma knobs: mean |logit|, RMS, and the
+# last position's first six logits of the second row. Compared with a tolerance of 1e-5 of the
+# RMS, not bit for bit: XLA's CPU code differs by instruction set and version (JAX 0.10.2 and
+# 0.12.0.1 differ by up to 7e-7), while the smallest change this guards against moves them 50x
+# more (RoPE base doubled: 5e-4; norm eps x10: 1.7e-2; init scale +1%: 3.5e-2).
 UNCHANGED = {
-    "tiny": ("5f360a9f611430ef", "fb807b2174df65da", 132952.15625),
-    "llama2-7b": ("fcbcb72244de5696", "d190f316a5a9e7f2", 4178.384765625),
-    "llama3.1-8b": ("be6b722758774036", "50567ce47c878acb", 4178.400390625),
-    "mistral-7b": ("7dea62e788716528", "8ca46bd57a840fa7", 4178.3857421875),
-    "qwen3-0.6b": ("f74ff08872a4b8b7", "955fdd86d146ab1d", 4335.0146484375),
-    "qwen3-8b": ("eab00b7947d658c0", "8110fdf11f72212d", 4222.6103515625),
+    "tiny": [0.2535861, 0.3179472, -0.05337199, -0.2036235, 0.1289719, 0.1465814, 0.3533709,
+        0.03551265],
+    "llama2-7b": [0.1275142, 0.1600737, 0.1906604, -0.1113661, 0.2756228, 0.03583647,
+        -0.1042785, -0.3662836],
+    "llama3.1-8b": [0.1275147, 0.1600722, 0.1907313, -0.1107867, 0.2755844, 0.03531685,
+        -0.1044687, -0.3665005],
+    "mistral-7b": [0.1275142, 0.1600715, 0.1906844, -0.1107011, 0.2756641, 0.03533713,
+        -0.1044133, -0.3664055],
+    "qwen3-0.6b": [0.1322941, 0.1781071, -0.3238482, -0.03548802, 0.08432225, 0.1153193,
+        -0.02129931, -0.04247994],
+    "qwen3-8b": [0.1288638, 0.1616429, 0.02517215, -0.1384355, 0.2961462, 0.182188, 0.132117,
+        -0.009130836],
 }
-RECORDED = ("0.10.2", "0.12.0.1")
 
 
 @pytest.mark.parametrize("name", sorted(UNCHANGED))
@@ -274,8 +283,7 @@ def test_llama_mistral_qwen_logits_are_unchanged(name):
                                   n_kv_heads=min(cfg.n_kv_heads, 2))
     params = td.init_params(cfg, jax.random.key(0))
     tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 64), np.int32)
-    logits = np.asarray(jax.jit(td.forward, static_argnums=2)(params, tokens, cfg))
-    if jax.__version__ in RECORDED:
-        want = UNCHANGED[name][RECORDED.index(jax.__version__)]
-        assert hashlib.sha256(logits.tobytes()).hexdigest()[:16] == want
-    np.testing.assert_allclose(np.abs(logits).sum(), UNCHANGED[name][2], rtol=1e-5)
+    lg = np.asarray(jax.jit(td.forward, static_argnums=2)(params, tokens, cfg), np.float64)
+    got = [np.abs(lg).mean(), np.sqrt(np.mean(lg ** 2)), *lg[1, -1, :6]]
+    want = UNCHANGED[name]
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * want[1])

@@ -1,6 +1,7 @@
 """The MoE trainer against references: a naive per-token loop, itself on one device, hand
 counts and hand-computed losses; and end to end: train, resume, refuse bad input."""
 import dataclasses
+import importlib.util
 import json
 import math
 import os
@@ -374,6 +375,22 @@ def test_cli_bad_input_exits_2_naming_the_flag(tmp_path):
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 2, r.stderr
     assert "--mesh.expert 3" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="ahead-of-time TPU "
+                    "compilation needs libtpu (pip install -e '.[tpu]'): `make test-tpu`")
+def test_compile_topology_compiles_the_moe_step_for_a_tpu_slice():
+    """The whole MoE training step, expert parallel, compiled by libtpu for a v5p-8 (4 chips)
+    from this CPU host; a TPU type without --dry-run is refused."""
+    report = tm.main(tm.cli(["tiny-moe", "--dry-run", "--compile-topology", "v5p-8",
+                             "--mesh.expert", "2", "--mesh.fsdp", "2"]))
+    assert report["devices"] == 4 and report["platform"] == "tpu"
+    assert report["per_device_bytes"] > 0
+
+
+def test_compile_topology_needs_dry_run():
+    with pytest.raises(tm.ConfigError, match="--dry-run"):
+        tm.main(tm.cli(["tiny-moe", "--compile-topology", "v5p-8"]))
 
 
 def test_cli_overrides_any_field():
