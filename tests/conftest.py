@@ -9,6 +9,12 @@ os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Every program the suite compiles, small ones too, goes to the trainers' disk cache
+# (common/multislice.py; the trainers alone keep only those over a second): many tests, and
+# the processes they start, compile the same tiny programs. Inherited by those processes.
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(os.environ.get(
+    "JAX_TRAINERS_CACHE", os.path.expanduser("~/.cache/jax_trainers")), "xla"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
