@@ -3,10 +3,10 @@
 A diverging run (a learning rate of 1e4) stops within a few steps with exit code 3, the newest
 checkpoint is finite and is the state before the bad step, and a resume with a sane learning
 rate goes on from it; --train.max-bad-steps N skips N bad updates and stops on the next. Every
-numeric flag of every trainer is checked before anything compiles: a table generated from
-the config dataclasses feeds each one zero, a negative, NaN and a huge value, and wherever
-the value is outside the flag's range the run must exit 2, name the flag, and print no
-traceback. A run directory that cannot be written is refused the same way.
+numeric flag of every trainer is checked before anything compiles, against a range written
+down in this file (EXPECTED, not read from the code under test): the values just outside it,
+NaN, inf and 2^31 must exit 2, name the flag and print no traceback, and the values at its
+edges must pass. A run directory that cannot be written is refused the same way.
 """
 import dataclasses
 import json
