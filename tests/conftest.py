@@ -9,6 +9,9 @@ os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# With libtpu installed, the ahead-of-time TPU compiles of two xdist workers would contend for
+# libtpu's one-process lockfile; they only compile, so both may load it.
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 # Every program the suite compiles, small ones too, goes to the trainers' disk cache
 # (common/multislice.py; the trainers alone keep only those over a second): many tests, and
 # the processes they start, compile the same tiny programs. Inherited by those processes.
