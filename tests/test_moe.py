@@ -1,7 +1,6 @@
 """The MoE trainer against references: a naive per-token loop, itself on one device, hand
 counts and hand-computed losses; and end to end: train, resume, refuse bad input."""
 import dataclasses
-import importlib.util
 import json
 import math
 import os
@@ -21,6 +20,7 @@ import train_dense as td
 import train_moe as tm
 from common.data import DataConfig, prepare
 from common.mesh import MeshConfig, MeshError, make_mesh
+from tests.test_dense import _has_libtpu
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # gmm_tile 8 < the rows per expert: the tiled grouped matmul really pads several tiles.
@@ -377,8 +377,8 @@ def test_cli_bad_input_exits_2_naming_the_flag(tmp_path):
     assert "--mesh.expert 3" in r.stderr and "Traceback" not in r.stderr
 
 
-@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="ahead-of-time TPU "
-                    "compilation needs libtpu (pip install -e '.[tpu]'): `make test-tpu`")
+@pytest.mark.skipif(not _has_libtpu(), reason="ahead-of-time TPU compilation needs libtpu "
+                    "(pip install -e '.[tpu]'): `make test-tpu`")
 def test_compile_topology_compiles_the_moe_step_for_a_tpu_slice():
     """The whole MoE training step, expert parallel, compiled by libtpu for a v5p-8 (4 chips)
     from this CPU host; a TPU type without --dry-run is refused."""
