@@ -33,6 +33,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from common import hf, observe, train
+from common.config import how, knob, resumable
 from common.checkpoint import CheckpointConfig, read_run_config
 from common.data import (CharTokenizer, ChatTemplate, PretrainedTokenizer, decode_completions,
                          encode_completions, encode_prompts, open_tokenizer, run_tokenizer)
@@ -67,17 +68,14 @@ class ModelConfig:
     qkv_bias: bool = False        # Qwen2
     qk_norm: bool = False         # Qwen3: RMSNorm on each head of q and k before RoPE
     # How to compute, not what: these may change when a run is resumed.
-    dtype: Literal["float32", "bfloat16"] = "float32"  # activations and matmuls; weights stay f32
-    attention: Literal["auto", "xla", "cudnn", "einsum"] = "auto"
-    remat: Literal["full", "dots", "none"] = "full"     # what the backward pass may keep
-    scan_layers: bool = True
-    loss_chunk: int = 256         # unused here: train_dense's cross-entropy knobs, kept so
-    loss_impl: Literal["fused", "remat"] = "fused"  # that a dense config.json loads unchanged
+    dtype: Literal["float32", "bfloat16"] = how("float32")  # activations and matmuls (weights f32)
+    attention: Literal["auto", "xla", "cudnn", "einsum"] = how("auto")
+    remat: Literal["full", "dots", "none"] = how("full")  # what the backward pass may keep
+    scan_layers: bool = how(True)
+    loss_chunk: int = how(256)    # unused here: train_dense's cross-entropy knobs, kept so
+    loss_impl: Literal["fused", "remat"] = how("fused")  # that a dense config.json loads unchanged
 
 
-# Model fields that say how to compute, not what: with --init-from or --init-from-hf the model
-# is the source's, and these stay this run's flags.
-COMPUTE_FIELDS = ("attention", "dtype", "loss_chunk", "loss_impl", "remat", "scan_layers")
 
 
 @dataclass(frozen=True)
@@ -91,7 +89,7 @@ class TaskConfig:
     min_digits: int = 1           # each operand has min_digits..max_digits digits
     max_digits: int = 3
     eval_prompts: int = 256       # fixed held-out prompts, greedy-decoded every --grpo.eval-every
-    eval_seed: int = 12345        # which of --task.path's prompts are held out (without eval-path)
+    eval_seed: int = knob(12345, ">= 0")  # which --task.path prompts are held out
     path: str = ""                # a JSONL of prompts (+ fields); "" = the addition demo
     eval_path: str = ""           # held-out prompts (its first --task.eval-prompts); "" = from path
     rewards: tuple[str, ...] = () # FILE.py:fn,fn (TRL's fn(completions, **fields)) or exact, format
@@ -101,36 +99,36 @@ class TaskConfig:
 
 @dataclass(frozen=True)
 class GRPOConfig:
-    steps: int = 2000             # rollout batches (each followed by `mu` optimiser steps)
+    steps: int = resumable(2000, ">= 0")  # rollout batches (each followed by `mu` optimiser steps)
     prompts_per_step: int = 32    # on the demo, 32 prompts x 4 beat 16 x 8 and 8 x 16 for the
     group_size: int = 4           # same 128 rollouts: G completions per prompt
     max_new_tokens: int = 6       # the completion budget (and Dr. GRPO's constant)
     temperature: float = 0.7      # rollouts (eval: greedy); 0.7 learns faster than 1.0 here
     top_k: int = 0                # 0 = off
-    top_p: float = 1.0            # 1 = off
+    top_p: float = knob(1.0, "(0, 1]")  # 1 = off
     loss: Literal["grpo", "bnpo", "dr_grpo", "dapo", "gspo"] = "grpo"
     scale_rewards: bool = True    # divide advantages by the group's std (off: Dr. GRPO)
-    eps_low: float = -1.0         # clip ratio below 1 - eps_low; -1 = the variant's paper value
-    eps_high: float = -1.0        # clip ratio above 1 + eps_high; -1 = the variant's paper value
+    eps_low: float = knob(-1.0, "-1 or (0, 1)")  # clip ratio below 1 - eps_low; -1 = the paper's
+    eps_high: float = knob(-1.0, "-1 or > 0")  # clip ratio above 1 + eps_high; -1 = the paper's
     beta: float = 0.0             # weight of the k3 KL to the reference; 0 = no reference kept
     mu: int = 1                   # optimiser passes per rollout batch (PPO epochs)
-    microbatches: int = 1         # gradient accumulation within each pass
-    lr: float = 3e-4              # the demo: 1e-3 dips first, 3e-3 collapses the policy
-    warmup_steps: int = 10
+    microbatches: int = resumable(1)  # gradient accumulation within each pass
+    lr: float = resumable(3e-4)   # the demo: 1e-3 dips first, 3e-3 collapses the policy
+    warmup_steps: int = knob(10, ">= 0")
     weight_decay: float = 0.0
-    b1: float = 0.9
-    b2: float = 0.99
+    b1: float = knob(0.9, "[0, 1)")
+    b2: float = knob(0.99, "[0, 1)")
     clip_norm: float = 1.0
     optimizer: Literal["adamw", "muon"] = "adamw"  # muon: the hidden matrices (common/train.py)
     muon_dtype: Literal["float32", "bfloat16"] = "float32"  # Muon's momentum and iteration
-    qk_clip_threshold: float = 0.0  # MuonClip: keep heads' q.k logits <= this; 0 = off
-    format_weight: float = 0.1    # reward weight of the format check (correctness weighs 1)
+    qk_clip_threshold: float = resumable(0.0, ">= 0")  # MuonClip: q.k logits <= this; 0 = off
+    format_weight: float = knob(0.1, ">= 0")  # reward of the format check (correctness: 1)
     seed: int = 0
-    log_every: int = 10
-    eval_every: int = 50
-    profile_steps: tuple[int, ...] = ()  # first and last step to trace into <run_dir>/profile
-    peak_tflops: float = 0.0      # per device, for MFU; 0 = look up (TPU/GPU) or measure (CPU)
-    max_bad_steps: int = 0        # updates with a non-finite loss, KL or gradient to skip
+    log_every: int = resumable(10)
+    eval_every: int = resumable(50)
+    profile_steps: tuple[int, ...] = resumable(())  # first, last step traced to <run_dir>/profile
+    peak_tflops: float = resumable(0.0)  # per device, for MFU; 0 = look up or measure
+    max_bad_steps: int = resumable(0)  # updates with a non-finite loss, KL or gradient to skip
 
 
 @dataclass(frozen=True)
@@ -138,28 +136,28 @@ class WarmStartConfig:
     """Supervised fine-tuning on correct worked examples before GRPO: from random weights the
     reward is zero for every completion, every group's advantages are zero and GRPO has no
     gradient; it needs a policy that is sometimes right."""
-    max_steps: int = 1500         # 0 = no warm start
-    target_reward: float = 0.2    # stop once the sampled (not greedy) reward reaches this: low,
+    max_steps: int = knob(1500, ">= 0")  # 0 = no warm start
+    target_reward: float = knob(0.2, ">= 0")  # stop at this sampled (not greedy) reward: low,
     check_every: int = 20         # so that GRPO has room (0.3 left some seeds no gain to find)
     batch_size: int = 256         # 64 made the warm start of 1 seed in 3 slow, and GRPO stall
     lr: float = 3e-3
-    warmup_steps: int = 20
+    warmup_steps: int = knob(20, ">= 0")
 
 
 @dataclass(frozen=True)
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
-    warm: WarmStartConfig = field(default_factory=WarmStartConfig)
+    warm: WarmStartConfig = resumable(WarmStartConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
-    mesh: MeshConfig = field(default_factory=MeshConfig)
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    run_dir: str = "runs/grpo-tiny"
+    mesh: MeshConfig = resumable(MeshConfig)
+    checkpoint: CheckpointConfig = resumable(CheckpointConfig)
+    run_dir: str = resumable("runs/grpo-tiny")
     init_from: str = ""           # a train_dense.py run dir: its model, tokenizer and weights
     init_from_hf: str = ""        # a HuggingFace folder: its config.json, tokenizer and weights
-    quiet: bool = False           # no progress lines; steps, evals and the summary still print
-    dry_run: bool = False         # compile one policy update on abstract inputs, print memory
-    bench: int = 0                # time this many policy updates on synthetic rollouts, exit
+    quiet: bool = resumable(False)  # no progress lines; steps, evals and the summary still print
+    dry_run: bool = resumable(False)  # compile one policy update on abstract inputs, print memory
+    bench: int = resumable(0)     # time this many policy updates on synthetic rollouts, exit
 
 
 # The demo model: ~0.4M parameters, a 16-symbol character vocabulary (section 5).
@@ -180,20 +178,7 @@ PRESETS: dict[str, tuple[str, Config]] = {
                           run_dir="runs/grpo-from-dense")),
 }
 
-# Keys of the saved run config that a resumed run may change: how long, how often, on what
-# mesh and how it computes. The warm start is over once a checkpoint exists.
-MAY_CHANGE = frozenset({
-    "grpo.steps", "grpo.lr", "grpo.log_every", "grpo.eval_every", "grpo.microbatches", "warm",
-    "grpo.qk_clip_threshold", "grpo.profile_steps", "grpo.peak_tflops", "grpo.max_bad_steps",
-    "mesh", "quiet", "dry_run", "bench", "checkpoint", "run_dir",
-    *(f"model.{f}" for f in COMPUTE_FIELDS)})
 
-# Allowed values of the numbers whose default's sign does not say (see train.check_ranges).
-RULES = {"grpo.steps": ">= 0", "grpo.top_p": "(0, 1]", "grpo.eps_low": "-1 or (0, 1)",
-         "grpo.eps_high": "-1 or > 0", "grpo.b1": "[0, 1)", "grpo.b2": "[0, 1)",
-         "grpo.warmup_steps": ">= 0", "grpo.format_weight": ">= 0", "warm.max_steps": ">= 0",
-         "warm.target_reward": ">= 0", "warm.warmup_steps": ">= 0",
-         "grpo.qk_clip_threshold": ">= 0", "task.eval_seed": ">= 0"}
 
 # Clip ranges from the papers, used when --grpo.eps-low/--grpo.eps-high are -1.
 # PPO/GRPO: 0.2 both ways. DAPO's clip-higher: 0.2 / 0.28 (Yu et al. 2025, section 3.1).
@@ -211,7 +196,7 @@ def clip_range(g: GRPOConfig) -> tuple[float, float]:
 def validate(cfg: Config, n_devices: int, tok) -> Task:
     """Every check that needs no compilation, so a bad launch fails in a second; the task."""
     m, g, w, t = cfg.model, cfg.grpo, cfg.warm, cfg.task
-    train.check_ranges(cfg, RULES)
+    train.check_ranges(cfg)
     mesh = resolve(cfg.mesh, n_devices, max(1, math.prod(cfg.mesh.dcn())))
     if mesh.expert * mesh.dcn_expert != 1:
         raise ConfigError(f"--mesh.expert {mesh.expert}: the dense model has no experts; "
@@ -750,7 +735,7 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
 
 def main(cfg: Config) -> dict:
     train.start(cfg.quiet)
-    cfg = train.with_source_model(cfg, config_from_hf, COMPUTE_FIELDS)
+    cfg = train.with_source_model(cfg, config_from_hf)
     tok = make_tokenizer(cfg)
     task = validate(cfg, jax.device_count(), tok)
     mesh = make_mesh(cfg.mesh)
@@ -773,7 +758,7 @@ def main(cfg: Config) -> dict:
                                tokens_per_step=batch["prompt"].shape[0] * T,
                                flops_per_token=flops_per_token(cfg.model, T),
                                peak=train.peak_flops_per_device(cfg.grpo.peak_tflops))
-    with jax.set_mesh(mesh), train.Run(cfg, MAY_CHANGE, cfg.grpo.profile_steps,
+    with jax.set_mesh(mesh), train.Run(cfg, cfg.grpo.profile_steps,
                                        defaults=Config()) as run:
         return train_loop(cfg, mesh, tok, task, st, step_fn, run)
 
@@ -1142,7 +1127,7 @@ export_hf = train.export_command(
 
 
 def cli(args=None) -> Config:
-    return train.cli(PRESETS, COMPUTE_FIELDS, args)
+    return train.cli(PRESETS, args)
 
 
 if __name__ == "__main__":

@@ -50,6 +50,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from common import hf, train
+from common.config import how, knob, resumable
 from common.checkpoint import CheckpointConfig
 from common.data import DataConfig, get_batch, load_dataset
 from common.mesh import BATCH_AXES, MeshConfig, describe, make_mesh, resolve
@@ -76,7 +77,9 @@ class ModelConfig:
     top_k: int = 2                # experts per token
     d_ff: int = 256               # hidden width of each expert's SwiGLU
     norm_topk: bool = True        # renormalise the top-k weights to sum 1 (Mixtral, Qwen3-MoE)
-    capacity_factor: float = 0.0  # 0 = dropless; > 0: capacity mode, tokens over capacity dropped
+    # 0 = dropless; > 0: capacity mode, tokens over capacity dropped. Not the model's shape:
+    # HF's models are dropless, and capacity is an approximation that training may choose.
+    capacity_factor: float = knob(0.0, compute=True)
     max_seq_len: int = 2048
     rope_theta: float = 10_000.0
     norm_eps: float = 1e-5
@@ -111,63 +114,63 @@ class ModelConfig:
     first_k_dense: int = 0        # the first this many layers have a dense MLP, no experts
     dense_d_ff: int = 0           # that MLP's hidden width
     # How to compute, not what: these may change when a run is resumed.
-    dtype: Literal["float32", "bfloat16"] = "float32"  # activations and matmuls; weights stay f32
-    attention: Literal["auto", "xla", "cudnn", "einsum"] = "auto"
-    remat: Literal["full", "dots", "none"] = "full"     # what the backward pass may keep
-    scan_layers: bool = True
-    loss_chunk: int = 256         # sequence positions per cross-entropy chunk (bounds [B,T,V])
-    grouped_matmul: Literal["auto", "ragged_dot", "tiled"] = "auto"  # auto: tiled on the CPU
-    gmm_tile: int = 128           # rows per tile of the tiled grouped matmul
+    dtype: Literal["float32", "bfloat16"] = how("float32")  # activations and matmuls (weights f32)
+    attention: Literal["auto", "xla", "cudnn", "einsum"] = how("auto")
+    remat: Literal["full", "dots", "none"] = how("full")  # what the backward pass may keep
+    scan_layers: bool = how(True)
+    loss_chunk: int = how(256)    # sequence positions per cross-entropy chunk (bounds [B,T,V])
+    grouped_matmul: Literal["auto", "ragged_dot", "tiled"] = how("auto")  # auto: tiled on the CPU
+    gmm_tile: int = how(128)      # rows per tile of the tiled grouped matmul
 
 
 @dataclass(frozen=True)
 class TrainConfig:
-    steps: int = 300
+    steps: int = resumable(300)
     batch_size: int = 16          # global, in sequences
     seq_len: int = 256
-    microbatches: int = 1         # gradient accumulation: batch_size is split into this many
-    lr: float = 2e-3
-    min_lr_ratio: float = 0.1     # the schedule ends at lr * min_lr_ratio
-    warmup_steps: int = 30
+    microbatches: int = resumable(1)  # gradient accumulation: batch_size is split into this many
+    lr: float = resumable(2e-3)
+    min_lr_ratio: float = knob(0.1, "[0, 1]")  # the schedule ends at lr * min_lr_ratio
+    warmup_steps: int = knob(30, ">= 0")
     schedule: Literal["cosine", "constant", "wsd"] = "cosine"
-    decay_fraction: float = 0.2   # wsd: the last fraction of steps decays linearly
-    weight_decay: float = 0.1
-    b1: float = 0.9
-    b2: float = 0.95
+    decay_fraction: float = knob(0.2, "(0, 1]")  # wsd: the last fraction of steps decays linearly
+    weight_decay: float = knob(0.1, ">= 0")
+    b1: float = knob(0.9, "[0, 1)")
+    b2: float = knob(0.95, "[0, 1)")
     clip_norm: float = 1.0
     optimizer: Literal["adamw", "muon"] = "adamw"  # muon: the hidden matrices (common/train.py)
     muon_dtype: Literal["float32", "bfloat16"] = "float32"  # Muon's momentum and iteration
-    qk_clip_threshold: float = 0.0  # MuonClip: keep heads' q.k logits <= this; 0 = off
+    qk_clip_threshold: float = resumable(0.0, ">= 0")  # MuonClip: q.k logits <= this; 0 = off
     z_loss: float = 0.0           # weight of the output mean(logsumexp^2) (PaLM); 0 = off
-    load_balance_loss: float = 0.01  # weight of the Switch load-balancing loss (mean over layers)
-    router_z_loss: float = 0.001  # weight of the router's mean(logsumexp^2) (ST-MoE)
+    load_balance_loss: float = knob(0.01, ">= 0")  # Switch balancing loss weight (layer mean)
+    router_z_loss: float = knob(0.001, ">= 0")  # weight of the router's mean(logsumexp^2) (ST-MoE)
     router_bias_rate: float = 0.0  # sigmoid routing: each step a bias moves this far (1e-3)
     seed: int = 0
-    log_every: int = 10
-    eval_every: int = 100
-    eval_batches: int = 4
-    sample_tokens: int = 96       # printed at the end; 0 = no sample
-    temperature: float = 0.7      # of that sample; 0 = greedy
-    sample_prompt: str = "def"    # no trailing space: sentencepiece would make it a lone "▁"
-    peak_tflops: float = 0.0      # per device, for MFU; 0 = look up (TPU/GPU) or measure (CPU)
-    profile_steps: tuple[int, ...] = ()  # first and last step to trace into <run_dir>/profile
-    max_bad_steps: int = 0        # updates with a non-finite loss or gradient to skip; then stop
+    log_every: int = resumable(10)
+    eval_every: int = resumable(100)
+    eval_batches: int = resumable(4)
+    sample_tokens: int = resumable(96, ">= 0")  # printed at the end; 0 = no sample
+    temperature: float = resumable(0.7, ">= 0")  # of that sample; 0 = greedy
+    sample_prompt: str = resumable("def")  # no trailing space: it would tokenize as a lone "▁"
+    peak_tflops: float = resumable(0.0)  # per device, for MFU; 0 = look up or measure
+    profile_steps: tuple[int, ...] = resumable(())  # first, last step traced to <run_dir>/profile
+    max_bad_steps: int = resumable(0)  # non-finite updates to skip; then stop
 
 
 @dataclass(frozen=True)
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
-    mesh: MeshConfig = field(default_factory=MeshConfig)
+    mesh: MeshConfig = resumable(MeshConfig)
     data: DataConfig = field(default_factory=DataConfig)
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    run_dir: str = "runs/tiny-moe"
-    dry_run: bool = False         # compile one step on abstract inputs, print memory, exit
-    compile_topology: str = ""    # with --dry-run: compile for this TPU type (v5p-256), needs libtpu
-    compile_slices: int = 1       # ... and this many slices of it (set --mesh.dcn-* to match)
-    bench: int = 0                # time this many steps on synthetic tokens, print, exit
-    bench_twin: bool = True       # --bench also times the dense twin (same active parameters)
-    quiet: bool = False           # no progress lines; steps, evals and the summary still print
+    checkpoint: CheckpointConfig = resumable(CheckpointConfig)
+    run_dir: str = resumable("runs/tiny-moe")
+    dry_run: bool = resumable(False)  # compile one step on abstract inputs, print memory, exit
+    compile_topology: str = resumable("")  # --dry-run for this TPU type (v5p-256): libtpu
+    compile_slices: int = resumable(1)  # ... and this many slices of it (set --mesh.dcn-* to match)
+    bench: int = resumable(0)     # time this many steps on synthetic tokens, print, exit
+    bench_twin: bool = resumable(True)  # --bench also times the dense twin (same active parameters)
+    quiet: bool = resumable(False)  # no progress lines; steps, evals and the summary still print
     init_from_hf: str = ""        # HuggingFace folder: start from its weights and config.json
 
 
@@ -260,34 +263,11 @@ PRESETS: dict[str, tuple[str, Config]] = {
         n_layers=36, n_experts=128, **_GPT_OSS_BIG), "gpt-oss-120b")),
 }
 
-# Keys of the saved run config that a resumed run may change: how long, how often, on what
-# mesh and how it computes. Anything else (the model, the routing, the optimiser) must match.
-MAY_CHANGE = frozenset({
-    "train.steps", "train.lr", "train.log_every", "train.eval_every", "train.eval_batches",
-    "train.sample_tokens", "train.temperature", "train.sample_prompt", "train.peak_tflops",
-    "train.microbatches", "train.profile_steps", "train.max_bad_steps", "quiet",
-    "train.qk_clip_threshold", "mesh", "checkpoint", "dry_run", "compile_topology",
-    "compile_slices", "bench", "bench_twin", "data.cache_dir", "run_dir", "model.dtype",
-    "model.attention", "model.remat", "model.scan_layers", "model.loss_chunk",
-    "model.grouped_matmul", "model.gmm_tile"})
-
-# Model fields that say how to compute, not what: with --init-from-hf the model is the
-# folder's, and these stay this run's flags. Also the capacity factor: HF's models are
-# dropless, and capacity mode is a training-time approximation one may choose.
-COMPUTE_FIELDS = tuple(sorted(k.split(".", 1)[1] for k in MAY_CHANGE if k.startswith("model.")
-                              )) + ("capacity_factor",)
-# Allowed values of the numbers whose default's sign does not say (see train.check_ranges).
-RULES = {"train.temperature": ">= 0", "train.min_lr_ratio": "[0, 1]", "train.b1": "[0, 1)",
-         "train.b2": "[0, 1)", "train.decay_fraction": "(0, 1]", "train.weight_decay": ">= 0",
-         "train.warmup_steps": ">= 0", "train.sample_tokens": ">= 0",
-         "train.load_balance_loss": ">= 0", "train.router_z_loss": ">= 0",
-         "train.qk_clip_threshold": ">= 0"}
-
 
 def validate(cfg: Config, n_devices: int) -> None:
     """Every check that needs no compilation, so a bad launch fails in a second."""
     m, t = cfg.model, cfg.train
-    train.check_ranges(cfg, RULES)
+    train.check_ranges(cfg)
     mesh = resolve(cfg.mesh, n_devices, max(1, math.prod(cfg.mesh.dcn())))
     need(m.n_experts >= 2, f"--model.n-experts {m.n_experts}: a mixture needs at least 2 "
          "experts; one expert is a dense MLP, which train_dense.py trains (with --model.d-ff "
@@ -1205,7 +1185,7 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
 
 
 def main(cfg: Config) -> dict:
-    cfg = train.with_source_model(cfg, config_from_hf, COMPUTE_FIELDS)
+    cfg = train.with_source_model(cfg, config_from_hf)
     train.start(cfg.quiet)
     devices = train.devices(cfg.compile_topology, cfg.compile_slices, cfg.dry_run)
     validate(cfg, len(devices))
@@ -1255,7 +1235,7 @@ def train_loop(cfg: Config, mesh, st: train.TrainState, step_fn) -> dict:
                 f"{drop} | lr {r['lr']:.1e} | grad_norm {r['grad_norm']:.2f}" + (
                     f" | max_logit {r['max_attn_logit']:.1f}" if tc.qk_clip_threshold else ""))
 
-    with train.Run(cfg, MAY_CHANGE, tc.profile_steps, defaults=Config()) as run:
+    with train.Run(cfg, tc.profile_steps, defaults=Config()) as run:
         state, start = run.resume(st.abstract())
         if state is None and cfg.init_from_hf:  # the router biases come with the weights
             state = st.from_params(*train.split(load_hf(cfg.init_from_hf, mesh)[1],
@@ -1643,7 +1623,7 @@ export_hf = train.export_command(
 
 
 def cli(args=None) -> Config:
-    return train.cli(PRESETS, COMPUTE_FIELDS, args)
+    return train.cli(PRESETS, args)
 
 
 if __name__ == "__main__":

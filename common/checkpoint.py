@@ -40,6 +40,7 @@ import jax
 import orbax.checkpoint as ocp
 from etils import epath
 
+from common.config import knob
 from common.observe import is_remote, progress
 
 # Orbax logs through absl at INFO about fifty lines per save, which drown the training log
@@ -68,10 +69,10 @@ _ROOT_METADATA_DIR = "metadata"
 
 @dataclasses.dataclass(frozen=True)
 class CheckpointConfig:
-    every: int = 100  # save every N steps (0 = only at the end / on preemption)
+    every: int = knob(100, ">= 0")  # save every N steps (0 = only at the end / on preemption)
     keep: int = 3  # keep the last K checkpoints
     async_save: bool = True  # write in the background while training continues
-    restore_step: int = -1  # -1 = the latest complete checkpoint
+    restore_step: int = knob(-1, "-1 or >= 0")  # -1 = the latest complete checkpoint
 
     def __post_init__(self):
         if self.every < 0:

@@ -46,6 +46,7 @@ import numpy as np
 import sentencepiece as spm
 import tyro
 
+from common.config import knob
 from common.observe import is_remote, note, progress
 
 DEFAULT_CACHE_DIR = "~/.cache/jax_trainers"
@@ -79,7 +80,7 @@ class DataConfig:
     path: str = ""
     """A folder made by `python -m common.data prepare`, local or gs://bucket/prefix (read by
     ranges: each process fetches only its rows); "" = the embedded stdlib corpus."""
-    cache_dir: str = DEFAULT_CACHE_DIR
+    cache_dir: str = knob(DEFAULT_CACHE_DIR, resume=True)
     """Where the embedded corpus is cached; env JAX_TRAINERS_CACHE overrides the default."""
     vocab_size: int = 4096
     """Vocabulary of the tokenizer trained on the embedded corpus."""
@@ -90,7 +91,7 @@ class DataConfig:
     or chat examples from the JSONL file --data.path, packed into rows (see `load_sft`)."""
     eval_path: str = ""
     """sft: a held-out JSONL file; "" = hold out --data.eval-fraction of --data.path."""
-    eval_fraction: float = 0.05
+    eval_fraction: float = knob(0.05, "(0, 1)")
     """sft: share of the examples held out for eval when --data.eval-path is empty."""
     tokenizer: str = ""
     """sft: a sentencepiece .model; "" = the embedded corpus's (with --init-from, that run's)."""

@@ -28,6 +28,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from common import hf, multislice, observe
+from common.config import ConfigError, check_ranges, compute_fields, may_change
 from common.checkpoint import (CheckpointConfig, CheckpointError, Checkpointer,
                                ConfigConflictError, PreemptionGuard, check_run_config,
                                read_run_config, run_path)
@@ -35,10 +36,6 @@ from common.data import DataError
 from common.mesh import MeshConfig, MeshError, describe, make_mesh, tpu_topology_devices
 
 log = observe.say  # process 0 prints; the others keep quiet
-
-
-class ConfigError(ValueError):
-    """A flag value that cannot work; the message names the flag and the fix."""
 
 
 class NonFiniteError(RuntimeError):
@@ -116,55 +113,10 @@ def check_divides(table: dict, mesh, where: str) -> None:
 # --- Checks that need no compilation, so that a bad launch fails in a second ------------------
 
 
-# The ranges of the common configs' numbers (see check_ranges); a trainer adds its own.
-RULES = {"data.eval_fraction": "(0, 1)", "checkpoint.every": ">= 0",
-         "checkpoint.restore_step": "-1 or >= 0"}
-
-
 def need(ok, message: str) -> None:
     """A flag check: ConfigError(message) unless ok. The message names the flag and the fix."""
     if not ok:
         raise ConfigError(message)
-
-
-def check_ranges(cfg, rules: dict[str, str]) -> None:
-    """Every number in the config (the mesh's: see `resolve`) is finite and in its range, else
-    a ConfigError naming the flag. `rules`: "section.field" -> "> 0", ">= 0", "[0, 1)", ...,
-    or "v or RANGE" (v meaning something, as -1 "the paper's"). Without a rule a number keeps
-    its default's sign (> 0, or >= 0 if 0). Integers stay below 2^31: int32 on the device."""
-    rules = RULES | rules
-    for path, v, default in _numbers(cfg):
-        rule = rules.get(path) or (">= 0" if default == 0 else "> 0" if default > 0 else None)
-        if rule is None or path.startswith("mesh."):
-            continue
-        if not _within(v, rule) or (isinstance(v, int) and v >= 2**31):
-            flag = "--" + path.replace("_", "-")
-            raise ConfigError(f"{flag} {v}: must be {rule}" + (" and below 2^31" if isinstance(
-                v, int) else ", a finite number") + f" (the default is {default}).")
-
-
-def _numbers(obj, prefix: str = ""):
-    """(dotted path, value, default) of every int and float field, nested dataclasses too."""
-    for f in dataclasses.fields(obj):
-        v = getattr(obj, f.name)
-        if dataclasses.is_dataclass(v):
-            yield from _numbers(v, f"{prefix}{f.name}.")
-        elif isinstance(v, (int, float)) and not isinstance(v, bool):
-            yield f"{prefix}{f.name}", v, f.default
-
-
-def _within(v: float, rule: str) -> bool:
-    if " or " in rule:
-        special, rule = rule.split(" or ")
-        if v == float(special):
-            return True
-    if not math.isfinite(v):
-        return False
-    if rule[0] in "[(":
-        lo, hi = (float(x) for x in rule[1:-1].split(","))
-        return (lo <= v if rule[0] == "[" else lo < v) and (v <= hi if rule[-1] == "]" else v < hi)
-    op, x = rule.split()
-    return v > float(x) if op == ">" else v >= float(x)
 
 
 def check_sizes(mesh: MeshConfig, splits: dict[str, list[tuple[str, int]]]) -> None:
@@ -444,12 +396,11 @@ def restore_params(run_dir: str, abstract_params, flag: str = "--init-from") -> 
     return params
 
 
-def with_source_model(cfg, config_from_hf: Callable, keep: tuple[str, ...],
-                      prog: str = "train_dense.py"):
+def with_source_model(cfg, config_from_hf: Callable, prog: str = "train_dense.py"):
     """cfg with the model its run starts from: with --init-from-hf the one that folder's
     config.json describes (read by the trainer's config_from_hf), with --init-from that
-    trained run's (written by `prog`). The model fields in `keep` (how to compute, not what)
-    stay this run's flags either way."""
+    trained run's (written by `prog`). The model's `how` fields (common/config.py) stay this
+    run's flags either way."""
     run, folder = getattr(cfg, "init_from", ""), getattr(cfg, "init_from_hf", "")
     if run and folder:
         raise ConfigError(f"--init-from {run} and --init-from-hf {folder}: start from one or "
@@ -471,7 +422,7 @@ def with_source_model(cfg, config_from_hf: Callable, keep: tuple[str, ...],
     else:
         return cfg
     return dataclasses.replace(cfg, model=dataclasses.replace(
-        shape, **{f: getattr(cfg.model, f) for f in keep}))
+        shape, **{f: getattr(cfg.model, f) for f in compute_fields(type(cfg.model))}))
 
 
 # --- FLOPs and MFU ----------------------------------------------------------------------------
@@ -679,8 +630,8 @@ class Run:
     (nothing saved is overwritten by a conflicting one), metrics, profiler, checkpoints.
     Closed in reverse order: the last save is waited for (and raises if it failed) first."""
 
-    def __init__(self, cfg, may_change: frozenset[str], profile_steps: tuple[int, ...] = (),
-                 defaults=None, keep_weights: str = ""):
+    def __init__(self, cfg, profile_steps: tuple[int, ...] = (), defaults=None,
+                 keep_weights: str = ""):
         self.cfg, self.dir = cfg, cfg.run_dir
         self.t_start = time.perf_counter()
         try:  # refused now, not at the first save 100 steps in
@@ -694,7 +645,7 @@ class Run:
                                   "directory this user can write to.") from None
         config = dataclasses.asdict(cfg)
         if multislice.is_main_process():
-            check_run_config(self.dir, config, may_change, keep_weights=keep_weights,
+            check_run_config(self.dir, config, may_change(type(cfg)), keep_weights=keep_weights,
                              defaults=None if defaults is None else dataclasses.asdict(defaults))
         with contextlib.ExitStack() as stack:
             self.metrics_log = stack.enter_context(observe.MetricsLog(self.dir, config))
@@ -998,13 +949,13 @@ def load_hf(path: str, mesh, config_from_hf: Callable, table: Callable, mapping:
                         what=f"{mt} model of this config", ignore=ignore)
 
 
-def cli(presets: dict, keep: tuple[str, ...], args: list[str] | None = None):
+def cli(presets: dict, args: list[str] | None = None):
     """A preset by name, any field as a flag (tyro). With --init-from-hf the model's shape is
-    the folder's: a --model.* flag outside `keep` (how to compute) is refused, not chosen."""
+    the folder's: a --model.* flag other than a `how` field (common/config.py) is refused."""
     import tyro
     cfg = tyro.extras.overridable_config_cli(presets, args=args)
     if getattr(cfg, "init_from_hf", "") and (problem := hf.shape_flag_problem(
-            sys.argv[1:] if args is None else args, keep)):
+            sys.argv[1:] if args is None else args, compute_fields(type(cfg.model)))):
         raise ConfigError(problem)
     return cfg
 

@@ -75,7 +75,8 @@ def test_policy_table_and_hf_names_are_dense_without_gemma(knobs):
 
 
 def fields(cls):
-    return {f.name: (f.type, f.default) for f in dataclasses.fields(cls)}
+    """Each field's type, default and knob metadata (range, resume, compute: common/config.py)."""
+    return {f.name: (f.type, f.default, dict(f.metadata)) for f in dataclasses.fields(cls)}
 
 
 def test_config_fields_agree():

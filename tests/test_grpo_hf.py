@@ -35,7 +35,7 @@ def hf_tokenizer(path):
 
 
 def with_source(cfg):
-    return train.with_source_model(cfg, tg.config_from_hf, tg.COMPUTE_FIELDS)
+    return train.with_source_model(cfg, tg.config_from_hf)
 
 
 def fixture(name):

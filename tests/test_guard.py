@@ -25,6 +25,7 @@ import train_grpo as tg
 import train_moe as tm
 from common import train
 from common.checkpoint import CheckpointConfig, Checkpointer
+from common.config import compute_fields, may_change
 from tests.test_train import MODEL, data_path  # noqa: F401  (data_path: a pytest fixture)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -246,7 +247,7 @@ def test_every_numeric_flag_is_checked_before_compiling(mod, preset, path, is_in
     if path.startswith("mesh."):
         return  # a mesh size in range may still not multiply to the devices
     for value in inside:
-        train.check_ranges(mod.cli([preset, flag, value]), mod.RULES)
+        train.check_ranges(mod.cli([preset, flag, value]))
 
 
 def test_a_run_directory_that_cannot_be_written_is_refused(data_path, tmp_path, monkeypatch,
@@ -260,3 +261,35 @@ def test_a_run_directory_that_cannot_be_written_is_refused(data_path, tmp_path, 
     err = capsys.readouterr().err
     assert e.value.code == 2 and f"--run-dir {run}: cannot write there" in err, err
     assert "Traceback" not in err
+
+
+# ---- what a resumed run may change, and what an initialised one keeps ------------------------
+# Written down here, as the ranges are: the knobs (common/config.py) must declare exactly these.
+LOOP = """steps lr log_every eval_every microbatches qk_clip_threshold profile_steps peak_tflops
+          max_bad_steps"""
+RESUMABLE = {
+    "train_dense": f"""train: {LOOP} eval_batches sample_tokens temperature sample_prompt eval_samples
+        model: dtype attention remat scan_layers loss_chunk loss_impl
+        : quiet mesh checkpoint dry_run compile_topology compile_slices bench run_dir
+        data: cache_dir""",
+    "train_moe": f"""train: {LOOP} eval_batches sample_tokens temperature sample_prompt
+        model: dtype attention remat scan_layers loss_chunk grouped_matmul gmm_tile
+        : quiet mesh checkpoint dry_run compile_topology compile_slices bench bench_twin run_dir
+        data: cache_dir""",
+    "train_grpo": f"""grpo: {LOOP}
+        model: dtype attention remat scan_layers loss_chunk loss_impl
+        : quiet mesh checkpoint dry_run bench run_dir warm""",
+}
+# Model fields kept from this run's flags under --init-from(-hf): how to compute, not what.
+COMPUTE = {"train_dense": "dtype attention remat scan_layers loss_chunk loss_impl",
+           "train_moe": "dtype attention remat scan_layers loss_chunk grouped_matmul gmm_tile "
+                        "capacity_factor",
+           "train_grpo": "dtype attention remat scan_layers loss_chunk loss_impl"}
+
+
+@pytest.mark.parametrize("mod", [td, tm, tg], ids=lambda m: m.__name__)
+def test_the_knobs_declare_what_a_resume_may_change(mod):
+    want = {f"{sec}.{n}" if sec else n for sec, names in re.findall(
+        r"(\w*):\s*([a-z0-9_\s]+?)(?=\n\s*\w*:|$)", RESUMABLE[mod.__name__]) for n in names.split()}
+    assert may_change(mod.Config) == want
+    assert set(compute_fields(mod.ModelConfig)) == set(COMPUTE[mod.__name__].split())
