@@ -171,6 +171,9 @@ PRESETS: dict[str, tuple[str, Config]] = {
                             run_dir="runs/bench-parity")),
     "llama2-7b": ("Llama 2 7B", _big(_LLAMA2_7B, "llama2-7b")),
     "llama3.1-8b": ("Llama 3.1 8B (rope scaling 8x)", _big(_LLAMA31_8B, "llama3.1-8b")),
+    "llama3.2-1b": ("Llama 3.2 1B (tied embeddings, rope scaling 32x)", _big(dataclasses.replace(
+        _LLAMA31_8B, d_model=2048, n_layers=16, head_dim=64, d_ff=8192, tie_embeddings=True,
+        rope_scaling=32.0), "llama3.2-1b")),
     "llama3.1-70b": ("Llama 3.1 70B", _big(dataclasses.replace(
         _LLAMA31_8B, d_model=8192, n_layers=80, n_heads=64, d_ff=28672), "llama3.1-70b")),
     "mistral-7b": ("Mistral 7B v0.3 (vocab 32768)", _big(ModelConfig(

@@ -49,7 +49,7 @@ def perturbed_params(cfg):
 
 @pytest.mark.parametrize("name,count", [
     ("llama2-7b", 6_738_415_616), ("llama3.1-8b", 8_030_261_248),
-    ("llama3.1-70b", 70_553_706_496), ("mistral-7b", 7_248_023_552),
+    ("llama3.1-70b", 70_553_706_496), ("mistral-7b", 7_248_023_552), ("llama3.2-1b", 1_235_814_400),
     ("qwen3-0.6b", 596_049_920), ("qwen3-8b", 8_190_735_360)])
 def test_preset_parameter_counts(name, count):
     assert td.count_params(td.PRESETS[name][1].model) == count
