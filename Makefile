@@ -15,7 +15,7 @@ PORT   ?= 6006
 comma  := ,
 
 .DEFAULT_GOAL := help
-.PHONY: help train test test-floors test-tpu bench bench-window bench-parity bench-parity-moe bench-grpo bench-recovery bench-scale dry-run prepare clean train-moe bench-moe train-grpo \
+.PHONY: help train test test-floors test-tpu bench bench-gpu bench-window bench-parity bench-parity-moe bench-grpo bench-recovery bench-scale dry-run prepare clean train-moe bench-moe train-grpo \
         plot tensorboard need-run sft export-hf finetune-hf hf-fixtures
 
 help:  ## list the targets
@@ -65,6 +65,13 @@ test-tpu: $(VENV)/.installed  ## compile the training steps for a TPU slice here
 
 bench: $(VENV)/.installed  ## tokens/s, ms/step, MFU and compile time of PRESET on synthetic tokens
 	$(PY) train_dense.py $(PRESET) --bench 10 $(ARGS)
+
+# A GPU venv of its own (the cuda extra's CUDA wheels are a few GB), so the CPU .venv stays as
+# it is. bench/gpu.sh's head lists what else it reads: make bench-gpu BATCH=4 ATTN=cudnn ...
+GPU_VENV   ?= .venv-gpu
+GPU_EXTRAS ?= cuda
+bench-gpu:  ## one NVIDIA GPU: cuda extra into GPU_VENV, bench llama3.2-1b (bf16, seq 4096) and tiny-moe
+	VENV=$(GPU_VENV) EXTRAS=$(GPU_EXTRAS) PYTHON=$(PYTHON) bash bench/gpu.sh
 
 bench-window: $(VENV)/.installed  ## Gemma's sliding window (256) vs every key: one attention layer at seq 2048
 	$(PY) bench/window.py $(ARGS)
