@@ -240,5 +240,7 @@ def blocked(q_BTNH, k_BSKH, v_BSKV, *, scale: float, causal: bool = True, window
     T, S = q_BTNH.shape[1], k_BSKH.shape[1]
     if S != T:
         raise ValueError(f"blocked attention is self-attention: S={S} keys for T={T} queries")
+    if block < 1:
+        raise ValueError(f"block must be a positive number of positions, got {block}")
     return _flash(float(scale), bool(causal), int(window), float(cap), min(int(block), T),
                   q_BTNH, k_BSKH, v_BSKV, sinks_N, segment_ids)

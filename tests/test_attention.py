@@ -88,6 +88,15 @@ def test_reference_kv_prefix_and_rows_with_nothing_allowed():
     assert all(np.isfinite(g).all() for g in grads)
 
 
+def test_blocked_refuses_what_it_does_not_compute():
+    q, k, v = qkv(T=8)
+    for args, kw in (((q, k[:, :6], v[:, :6]), {}),     # cross-attention, S != T
+                     ((q, k[:, :, :1].repeat(3, 2), v[:, :, :1].repeat(3, 2)), {}),  # 4 % 3
+                     ((q, k, v), dict(block=0))):
+        with pytest.raises(ValueError):
+            A.blocked(*args, scale=1.0, **kw)
+
+
 def both(q, k, v, sinks, seg, ct, block, **kw):
     """(output, (dq, dk, dv, dsinks)) of `reference` and of `blocked`, cotangent ct."""
     def run(q, k, v, sinks, seg, ct):
