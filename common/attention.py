@@ -1,0 +1,246 @@
+"""Attention ops over q/k/v arrays: they name no weight, so the model's projections, RoPE and
+norms stay in each trainer, and this file only turns queries, keys and values into outputs.
+
+- `reference`: the plain softmax over the whole [T, S] score matrix, the tested oracle.
+- `blocked`: the same function as a flash-style kernel in pure JAX, forward and backward (a
+  custom VJP) visiting the scores one [block, block] tile at a time, so memory is O(T block)
+  and no [T, T] array exists: what long sequences run on the CPU, and the fallback wherever a
+  fused kernel does not apply.
+
+Shapes: q [B, T, N, H], k [B, S, K, H], v [B, S, K, V] (V may differ from H: MLA's 192/128);
+query head n reads key/value head n // (N // K). Logits are (q . k) scale, accumulated in
+float32 whatever the inputs' dtype; with cap > 0 they are soft-capped, cap tanh(s / cap)
+(Gemma 2). Query t may read key s when (not causal or s <= t), (not window or t - s < window)
+and, with segment_ids [B, T] (packed rows), both carry the same id. sinks_N (GPT-OSS) adds
+one learned logit per query head to the softmax's denominator, with no value. The softmax is
+float32, the output has v's dtype, and a row with no allowed key outputs 0, NaN-free.
+"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+F32 = jnp.float32
+NEG = -1e30   # a masked logit: finite, so max and exp over a row with nothing allowed stay finite
+
+
+def _check(q_BTNH, k_BSKH, v_BSKV):
+    (B, T, N, H), (Bk, S, K, Hk) = q_BTNH.shape, k_BSKH.shape
+    if (Bk, Hk) != (B, H) or v_BSKV.shape[:3] != (B, S, K) or N % K:
+        raise ValueError(f"attention shapes q {q_BTNH.shape}, k {k_BSKH.shape}, "
+                         f"v {v_BSKV.shape}: want [B, T, N, H], [B, S, K, H], [B, S, K, V] "
+                         "with N a multiple of K")
+
+
+def _allowed(t, s, causal: bool, window: int):
+    """What the causal and window knobs allow, for broadcastable query and key positions."""
+    ok = jnp.ones(jnp.broadcast_shapes(jnp.shape(t), jnp.shape(s)), bool)
+    if causal:
+        ok &= s <= t
+    if window:
+        ok &= t - s < window
+    return ok
+
+
+def reference(q_BTNH, k_BSKH, v_BSKV, *, scale: float, causal: bool = True, window: int = 0,
+              cap: float = 0.0, sinks_N=None, segment_ids=None):
+    """Attention as one softmax over the [T, S] scores (module docstring). With S > T the
+    queries are the last T positions (a KV cache's prefix before them): causal is then
+    s <= t + S - T. segment_ids [B, T] needs S == T."""
+    _check(q_BTNH, k_BSKH, v_BSKV)
+    B, T, N, H = q_BTNH.shape
+    S, K = k_BSKH.shape[1:3]
+    G = N // K
+    s_BKGTS = jnp.einsum("btkgh,bskh->bkgts", q_BTNH.reshape(B, T, K, G, H), k_BSKH,
+                         preferred_element_type=F32) * scale
+    if cap:
+        s_BKGTS = cap * jnp.tanh(s_BKGTS / cap)
+    ok = _allowed(jnp.arange(T)[:, None] + S - T, jnp.arange(S)[None], causal, window)
+    if segment_ids is not None:
+        if S != T:
+            raise ValueError(f"segment_ids need as many keys as queries, got S={S}, T={T}")
+        ok = ok & (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None, None]
+    ok = jnp.broadcast_to(ok, s_BKGTS.shape)
+    if sinks_N is not None:   # one more logit per row, always allowed, dropped after the softmax
+        sink = jnp.broadcast_to(sinks_N.astype(F32).reshape(K, G, 1, 1), (B, K, G, T, 1))
+        s_BKGTS = jnp.concatenate([s_BKGTS, sink], axis=-1)
+        ok = jnp.concatenate([ok, jnp.ones(sink.shape, bool)], axis=-1)
+    s_BKGTS = jnp.where(ok, s_BKGTS, NEG)
+    m = jax.lax.stop_gradient(s_BKGTS.max(-1, keepdims=True))
+    # Masked entries are zeroed rather than left to exp(NEG - m), which is 1 when nothing is
+    # allowed; the row's sum is then 0 (else >= 1, its maximum counting exp(0)).
+    e = jnp.where(ok, jnp.exp(s_BKGTS - m), 0.0)
+    den = e.sum(-1, keepdims=True)
+    p_BKGTS = (e / jnp.where(den > 0, den, 1.0))[..., :S]
+    o = jnp.einsum("bkgts,bskv->btkgv", p_BKGTS.astype(v_BSKV.dtype), v_BSKV,
+                   preferred_element_type=F32)
+    return o.reshape(B, T, N, -1).astype(v_BSKV.dtype)
+
+
+# ------------------------------------------------------------------------- the blocked kernel
+# Layout inside: the sequence cut into n tiles of C positions, tile first, [n, B, K, G, C, X]
+# for queries (G = N / K heads per key head) and [n, B, K, C, X] for keys and values, so that a
+# loop picks a tile with a dynamic index on the leading axis. The running softmax statistics
+# (max m, sum l) and the logsumexp are [n, B, K, G, C], float32.
+
+
+def _tiles(x_BT_, C: int):
+    """[B, T, ..., X] -> [n, B, ..., C, X]: T zero-padded to n tiles of C, the tile first."""
+    B, T = x_BT_.shape[:2]
+    n = -(-T // C)
+    x = jnp.pad(x_BT_, [(0, 0), (0, n * C - T)] + [(0, 0)] * (x_BT_.ndim - 2))
+    x = x.reshape(B, n, C, *x.shape[2:])
+    r = x.ndim
+    return x.transpose(1, 0, *range(3, r - 1), 2, r - 1)
+
+
+def _untile(x, T: int):
+    """The inverse of `_tiles`: [n, B, ..., C, X] -> [B, T, ..., X], the padding dropped."""
+    r = x.ndim
+    x = x.transpose(1, 0, r - 2, *range(2, r - 2), r - 1)
+    return x.reshape(x.shape[0], -1, *x.shape[3:])[:, :T]
+
+
+def _pairs(T: int, C: int, causal: bool, window: int):
+    """The (query tile, key tile) pairs that hold an allowed (t, s) under the static knobs:
+    the lower triangle when causal, a band of about W / C + 1 tiles with a window."""
+    n = -(-T // C)
+    last = lambda i: min(i * C + C, T) - 1
+    ij = [(i, j) for i in range(n) for j in range(n)
+          if not (causal and j * C > last(i)) and not (window and i * C - last(j) >= window)]
+    return np.array(ij, np.int32)
+
+
+def _over_pairs(step, carry, pairs):
+    """carry after step(carry, (i, j)) over the pairs. One pair runs without a loop, so a
+    sequence of one tile compiles to the plain softmax's program."""
+    if len(pairs) == 1:
+        return step(carry, tuple(int(x) for x in pairs[0]))[0]
+    return jax.lax.scan(step, carry, (pairs[:, 0], pairs[:, 1]))[0]
+
+
+_at = lambda x, i: jax.lax.dynamic_index_in_dim(x, i, 0, keepdims=False)
+_put = lambda x, u, i: jax.lax.dynamic_update_index_in_dim(x, u, i, 0)
+
+
+def _tile_scores(q_BKGCH, k_BKCH, i, j, seg_nBC, T, C, scale, causal, window, cap):
+    """Logits of query tile i against key tile j, [B, K, G, C, C] float32; which may be
+    attended; and tanh(logits / cap) (the cap's derivative, in the backward) or None."""
+    s = jnp.einsum("bkgch,bksh->bkgcs", q_BKGCH, k_BKCH, preferred_element_type=F32) * scale
+    th = None
+    if cap:
+        th = jnp.tanh(s / cap)
+        s = cap * th
+    tq_C1 = i * C + jnp.arange(C)[:, None]
+    tk_1C = j * C + jnp.arange(C)[None]
+    ok = _allowed(tq_C1, tk_1C, causal, window) & (tk_1C < T)   # padded keys: never
+    if seg_nBC is not None:
+        ok = ok & (_at(seg_nBC, i)[:, :, None] == _at(seg_nBC, j)[:, None, :])[:, None, None]
+    return s, ok, th
+
+
+def _inputs(q_BTNH, k_BTKH, v_BTKV, seg_BT, C):
+    B, T, N, H = q_BTNH.shape
+    K = k_BTKH.shape[2]
+    seg = None if seg_BT is None else _tiles(seg_BT[:, :, None], C)[..., 0]
+    return _tiles(q_BTNH.reshape(B, T, K, N // K, H), C), _tiles(k_BTKH, C), _tiles(v_BTKV, C), seg
+
+
+def _flash_fwd(scale, causal, window, cap, C, q_BTNH, k_BTKH, v_BTKV, sinks_N, seg_BT):
+    B, T, N, _ = q_BTNH.shape
+    K, V = k_BTKH.shape[2], v_BTKV.shape[3]
+    q, k, v, seg = _inputs(q_BTNH, k_BTKH, v_BTKV, seg_BT, C)
+    n = q.shape[0]
+    shape = (n, B, K, N // K, C)
+    if sinks_N is None:
+        m, l = jnp.full(shape, NEG, F32), jnp.zeros(shape, F32)
+    else:   # the sink as a key already seen: its logit the running max, weight 1, value 0
+        m = jnp.broadcast_to(sinks_N.astype(F32).reshape(K, N // K, 1), shape)
+        l = jnp.ones(shape, F32)
+
+    def step(carry, ij):   # online softmax: rescale what tile i has so far to the new max
+        m_nBKGC, l_nBKGC, acc_nBKGCV = carry
+        i, j = ij
+        s, ok, _ = _tile_scores(_at(q, i), _at(k, j), i, j, seg, T, C, scale, causal, window,
+                                cap)
+        s = jnp.where(ok, s, NEG)
+        m_old = _at(m_nBKGC, i)
+        m_new = jnp.maximum(m_old, s.max(-1))
+        p = jnp.where(ok, jnp.exp(s - m_new[..., None]), 0.0)   # zeroed: see `reference`
+        a = jnp.exp(m_old - m_new)
+        pv = jnp.einsum("bkgcs,bksv->bkgcv", p.astype(v.dtype), _at(v, j),
+                        preferred_element_type=F32)
+        return (_put(m_nBKGC, m_new, i), _put(l_nBKGC, a * _at(l_nBKGC, i) + p.sum(-1), i),
+                _put(acc_nBKGCV, a[..., None] * _at(acc_nBKGCV, i) + pv, i)), None
+
+    m, l, acc = _over_pairs(step, (m, l, jnp.zeros((*shape, V), F32)), pairs=_pairs(
+        T, C, causal, window))
+    l = jnp.where(l > 0, l, 1.0)   # 0 only where nothing is allowed (and no sink): output 0
+    o_BTNV = _untile(acc / l[..., None], T).reshape(B, T, N, V).astype(v_BTKV.dtype)
+    lse_nBKGC = m + jnp.log(l)
+    return o_BTNV, (q_BTNH, k_BTKH, v_BTKV, sinks_N, seg_BT, o_BTNV, lse_nBKGC)
+
+
+def _flash_bwd(scale, causal, window, cap, C, res, do_BTNV):
+    """FlashAttention-2's backward: per tile pair, P from the saved logsumexp, then
+    dV += P^T dO, dS = P (dO V^T - D) with D = rowsum(dO O), dQ += dS K, dK += dS^T Q."""
+    q_BTNH, k_BTKH, v_BTKV, sinks_N, seg_BT, o_BTNV, lse = res
+    B, T, N, H = q_BTNH.shape
+    K, V = k_BTKH.shape[2], v_BTKV.shape[3]
+    q, k, v, seg = _inputs(q_BTNH, k_BTKH, v_BTKV, seg_BT, C)
+    do = _tiles(do_BTNV.reshape(B, T, K, N // K, V), C)
+    o = _tiles(o_BTNV.reshape(B, T, K, N // K, V), C)
+    D_nBKGC = jnp.sum(do.astype(F32) * o.astype(F32), -1)   # 0 on padded rows: dO is 0 there
+
+    def step(carry, ij):
+        dq, dk, dv = carry
+        i, j = ij
+        q_i, k_j, v_j, do_i = _at(q, i), _at(k, j), _at(v, j), _at(do, i)
+        s, ok, th = _tile_scores(q_i, k_j, i, j, seg, T, C, scale, causal, window, cap)
+        p = jnp.exp(jnp.where(ok, s - _at(lse, i)[..., None], NEG))
+        dv_j = jnp.einsum("bkgcs,bkgcv->bksv", p.astype(do.dtype), do_i,
+                          preferred_element_type=F32)
+        dp = jnp.einsum("bkgcv,bksv->bkgcs", do_i, v_j, preferred_element_type=F32)
+        ds = p * (dp - _at(D_nBKGC, i)[..., None])
+        if cap:   # d(cap tanh(x / cap))/dx
+            ds = ds * (1.0 - th * th)
+        ds = (ds * scale).astype(q.dtype)
+        dq_i = jnp.einsum("bkgcs,bksh->bkgch", ds, k_j, preferred_element_type=F32)
+        dk_j = jnp.einsum("bkgcs,bkgch->bksh", ds, q_i, preferred_element_type=F32)
+        return (_put(dq, _at(dq, i) + dq_i, i), _put(dk, _at(dk, j) + dk_j, j),
+                _put(dv, _at(dv, j) + dv_j, j)), None
+
+    zeros = lambda x: jnp.zeros(x.shape, F32)
+    dq, dk, dv = _over_pairs(step, (zeros(q), zeros(k), zeros(v)), _pairs(T, C, causal, window))
+    dsinks = None
+    if sinks_N is not None:   # o = sum_s P_s v_s, each P_s falls by P_sink: d sink = -P_sink D
+        p_sink = jnp.exp(sinks_N.astype(F32).reshape(K, N // K, 1) - lse)
+        dsinks = -(p_sink * D_nBKGC).sum((0, 1, 4)).reshape(N).astype(sinks_N.dtype)
+    return (_untile(dq, T).reshape(B, T, N, H).astype(q_BTNH.dtype),
+            _untile(dk, T).astype(k_BTKH.dtype), _untile(dv, T).astype(v_BTKV.dtype),
+            dsinks, None)
+
+
+def _flash(scale, causal, window, cap, C, q_BTNH, k_BTKH, v_BTKV, sinks_N, seg_BT):
+    return _flash_fwd(scale, causal, window, cap, C, q_BTNH, k_BTKH, v_BTKV, sinks_N,
+                      seg_BT)[0]
+
+
+_flash = jax.custom_vjp(_flash, nondiff_argnums=(0, 1, 2, 3, 4))
+_flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+def blocked(q_BTNH, k_BSKH, v_BSKV, *, scale: float, causal: bool = True, window: int = 0,
+            cap: float = 0.0, sinks_N=None, segment_ids=None, block: int = 512):
+    """`reference` without the [T, T] scores: an online softmax over key tiles of `block`
+    positions forward, the scores recomputed per tile pair backward (saved: q, k, v, the
+    output and a logsumexp per row). Only the tile pairs the causal and window structure can
+    allow are visited: about half of them when causal, O(T window) with a window; segments
+    are only masked. Self-attention (S == T) only; T need not be a multiple of the block."""
+    _check(q_BTNH, k_BSKH, v_BSKV)
+    T, S = q_BTNH.shape[1], k_BSKH.shape[1]
+    if S != T:
+        raise ValueError(f"blocked attention is self-attention: S={S} keys for T={T} queries")
+    if block < 1:
+        raise ValueError(f"block must be a positive number of positions, got {block}")
+    return _flash(float(scale), bool(causal), int(window), float(cap), min(int(block), T),
+                  q_BTNH, k_BSKH, v_BSKV, sinks_N, segment_ids)
