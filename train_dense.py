@@ -29,6 +29,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from common import hf, train
+from common.attention import attend, check_kernel, choose
 from common.config import how, knob, resumable
 from common.checkpoint import CheckpointConfig, read_run_config
 from common.data import DataConfig, SFTDataset, get_batch, held_out_batches, load_dataset
@@ -75,7 +76,8 @@ class ModelConfig:
     gelu: bool = False            # GeGLU with tanh-approximated GELU instead of SwiGLU
     # How to compute, not what: these may change when a run is resumed.
     dtype: Literal["float32", "bfloat16"] = how("float32")  # activations and matmuls (weights f32)
-    attention: Literal["auto", "xla", "cudnn", "einsum"] = how("auto")
+    # auto: splash on TPU, cuDNN on GPU where it applies, else blocked (common/attention.py)
+    attention: Literal["auto", "splash", "cudnn", "blocked", "xla", "einsum"] = how("auto")
     remat: Literal["full", "dots", "none"] = how("full")  # what the backward pass may keep
     scan_layers: bool = how(True)
     loss_chunk: int = how(256)    # sequence positions per cross-entropy chunk (bounds [B,T,V])
@@ -390,84 +392,7 @@ def apply_rope(x_BTNH, pos_BT, inv_freq):
     return out.astype(x_BTNH.dtype)
 
 
-def attention(q_BTNH, k_BSKH, v_BSKH, cfg: ModelConfig, mask_BTS=None):
-    """Grouped-query attention: query head n reads key/value head n // (N/K). Causal unless
-    mask_BTS (True = may attend) is given, which replaces the causal mask: packed rows keep
-    each example to itself, left-padded rows hide their padding, a KV cache its empty tail.
-    """
-    if cfg.attention != "einsum":
-        if mask_BTS is not None:
-            # cuDNN's fused kernel takes only causal or length masks: an explicit one runs on XLA.
-            return jax.nn.dot_product_attention(q_BTNH, k_BSKH, v_BSKH, mask=mask_BTS[:, None],
-                                                implementation="xla")
-        impl = None if cfg.attention == "auto" else cfg.attention
-        return jax.nn.dot_product_attention(q_BTNH, k_BSKH, v_BSKH, is_causal=True,
-                                            implementation=impl)
-    B, T, N, H = q_BTNH.shape
-    K = k_BSKH.shape[2]
-    q_BTKGH = q_BTNH.reshape(B, T, K, N // K, H)
-    s_BKGTS = jnp.einsum("btkgh,bskh->bkgts", q_BTKGH, k_BSKH,
-                         preferred_element_type=jnp.float32) / math.sqrt(H)
-    causal_TS = jnp.tril(jnp.ones((T, k_BSKH.shape[1]), bool))
-    allowed = causal_TS if mask_BTS is None else mask_BTS[:, None, None]
-    s_BKGTS = jnp.where(allowed, s_BKGTS, -1e30)   # finite: a fully masked row stays NaN-free
-    p_BKGTS = jax.nn.softmax(s_BKGTS, axis=-1).astype(v_BSKH.dtype)
-    return jnp.einsum("bkgts,bskh->btkgh", p_BKGTS, v_BSKH).reshape(B, T, N, H)
-
-
-def capped_attention(q_BTNH, k_BSKH, v_BSKH, mask_BTS=None, window=0, *, scale: float,
-                     cap: float = 0.0, sinks_N=None):
-    """`attention` with Gemma's and GPT-OSS's extras: logits times `scale` and soft-capped,
-    c tanh(s / c); per-head sinks (GPT-OSS: a learned logit per head that joins the softmax's
-    denominator and takes no value, so a head may attend to nothing); and with `window` > 0 a
-    sliding window (t - W < s <= t). The window is computed in blocks of C = W queries (T
-    padded up to n C), each reading its own block's keys and the block before: 2W scores per
-    query instead of T, so a local layer costs O(T W), not O(T^2)."""
-    B, T, N, H = q_BTNH.shape
-    S, K = k_BSKH.shape[1], k_BSKH.shape[2]
-    if 0 < window < T and S == T:
-        C = window
-        n = -(-T // C)
-        pad = n * C - T
-        q = jnp.pad(q_BTNH, ((0, 0), (0, pad), (0, 0), (0, 0))).reshape(B, n, C, K, N // K, H)
-        # Keys with one block of front padding, as n + 1 blocks: block i reads blocks i, i + 1.
-        two = lambda x: jnp.pad(x, ((0, 0), (C, pad), (0, 0), (0, 0))).reshape(B, n + 1, C, K, H)
-        k, v = [jnp.concatenate([x[:, :-1], x[:, 1:]], axis=2) for x in
-                (two(k_BSKH), two(v_BSKH))]   # [B, n, 2C, K, H]
-        t_nC = jnp.arange(n * C).reshape(n, C)
-        s_nS = (jnp.arange(n)[:, None] - 1) * C + jnp.arange(2 * C)   # < 0: the front padding
-        mask = None
-        if mask_BTS is not None:
-            m = jnp.pad(mask_BTS, ((0, 0), (0, pad), (C, pad))).reshape(B, n, C, (n + 1) * C)
-            mask = jnp.take_along_axis(m, s_nS[None, :, None] + C, axis=3)
-    else:
-        q = q_BTNH.reshape(B, 1, T, K, N // K, H)
-        k, v = k_BSKH[:, None], v_BSKH[:, None]
-        t_nC, s_nS = jnp.arange(T)[None], jnp.arange(S)[None]
-        mask = None if mask_BTS is None else mask_BTS[:, None]
-    dist_nCS = t_nC[..., None] - s_nS[:, None]
-    ok = (s_nS[:, None] >= 0) & (dist_nCS < (window or S))
-    # An explicit mask replaces the causal one, as in `attention`. Padded keys come after
-    # every real query: causality hides them, and the padded mask is False there.
-    ok = ok & (dist_nCS >= 0) if mask is None else ok & mask
-    s_BnKGCS = jnp.einsum("bnckgh,bnskh->bnkgcs", q, k,
-                          preferred_element_type=jnp.float32) * scale
-    if cap:
-        s_BnKGCS = cap * jnp.tanh(s_BnKGCS / cap)
-    ok = jnp.broadcast_to(ok, (B, *ok.shape[-3:]))[:, :, None, None]
-    s_BnKGCS = jnp.where(ok, s_BnKGCS, -1e30)
-    if sinks_N is None:
-        p = jax.nn.softmax(s_BnKGCS, axis=-1).astype(v.dtype)
-    else:  # the sink is one more logit in each row, dropped after the softmax
-        sink = jnp.broadcast_to(sinks_N.astype(jnp.float32).reshape(K, N // K, 1, 1),
-                                (*s_BnKGCS.shape[:-1], 1))
-        p = jax.nn.softmax(jnp.concatenate([s_BnKGCS, sink], axis=-1), axis=-1)[..., :-1]
-        p = p.astype(v.dtype)
-    o = jnp.einsum("bnkgcs,bnskh->bnckgh", p, v)
-    return o.reshape(B, -1, N, H)[:, :T]
-
-
-def block(x_BTD, lp: dict, pos_BT, inv_freq, cfg: ModelConfig, mask_BTS=None,
+def block(x_BTD, lp: dict, pos_BT, inv_freq, cfg: ModelConfig, segment_ids=None,
           max_logits: bool = False, is_global=True):
     """One transformer block; returns (x, stats: with max_logits the heads' largest logit).
     With a sliding window, `is_global` (traced: the layers are scanned) picks the layer's
@@ -487,16 +412,12 @@ def block(x_BTD, lp: dict, pos_BT, inv_freq, cfg: ModelConfig, mask_BTS=None,
     if cfg.sliding_window:
         inv_freq = jnp.where(is_global, inv_freq[1], inv_freq[0])
     q, k = apply_rope(q, pos_BT, inv_freq), apply_rope(k, pos_BT, inv_freq)
-    stats = {"max_logit": train.max_logits(q, k, mask_BTS)} if max_logits else {}
-    scale = (cfg.query_scale or cfg.head_dim) ** -0.5
-    capped = partial(capped_attention, q, k, v, mask_BTS, scale=scale, cap=cfg.attn_softcap)
-    if cfg.attn_softcap:
-        full = capped
-    else:  # the fused kernels, Gemma's query scale folded into q
-        qs = q * math.sqrt(cfg.head_dim / cfg.query_scale) if cfg.query_scale else q
-        full = partial(attention, qs, k, v, cfg, mask_BTS)
+    stats = {"max_logit": train.max_logits(q, k, segment_ids=segment_ids)} if max_logits else {}
+    # The kernel is the compile target's (common/attention.py): splash, cuDNN or blocked.
+    full = partial(attend, q, k, v, impl=cfg.attention, segment_ids=segment_ids,
+                   scale=(cfg.query_scale or cfg.head_dim) ** -0.5, cap=cfg.attn_softcap)
     W = cfg.sliding_window if cfg.sliding_window < q.shape[1] else 0  # else: all within reach
-    o = jax.lax.cond(is_global, full, partial(capped, window=W)) if W else full()
+    o = jax.lax.cond(is_global, full, partial(full, window=W)) if W else full()
     o = jnp.einsum("btnh,nhd->btd", o, w("wo"))
     x_BTD = x_BTD + (norm(o, "attn_post_norm") if cfg.sandwich_norm else o)
     h = norm(x_BTD, "mlp_norm")
@@ -530,12 +451,6 @@ def hidden(params: dict, tokens_BT, cfg: ModelConfig, segment_ids=None, position
     x = x * jnp.asarray(math.sqrt(cfg.d_model), dt) if cfg.embed_scale else x
     pos_BT = (jnp.broadcast_to(jnp.arange(tokens_BT.shape[1]), tokens_BT.shape)
               if positions is None else positions)
-    mask_BTS = None
-    if segment_ids is not None:  # causal within each example
-        T = tokens_BT.shape[1]
-        same_BTS = segment_ids[:, :, None] == segment_ids[:, None, :]
-        mask_BTS = constrain(same_BTS & jnp.tril(jnp.ones((T, T), bool)),
-                             P(BATCH_AXES, None, None))
     inv_freq = rope_inv_freq(cfg) / (cfg.rope_linear or 1.0)
     L, W, n = cfg.n_layers, cfg.sliding_window, cfg.global_every
     is_global_L = (np.arange(L) + 1) % n == 0 if W and n else np.full(L, not W)
@@ -545,7 +460,7 @@ def hidden(params: dict, tokens_BT, cfg: ModelConfig, segment_ids=None, position
         inv_freq = np.stack([rope_inv_freq(local), inv_freq])
 
     def layer(x, xs):
-        return block(x, xs[0], pos_BT, inv_freq, cfg, mask_BTS, max_logits, xs[1])
+        return block(x, xs[0], pos_BT, inv_freq, cfg, segment_ids, max_logits, xs[1])
 
     if cfg.remat != "none":
         # prevent_cse=False: inside scan the recomputation cannot be merged away anyway.
@@ -798,14 +713,18 @@ def main(cfg: Config) -> dict:
     tc = cfg.train
     st = train_state(cfg, mesh)
     step_fn = st.jit(partial(train_step, cfg=cfg, tx=st.tx))
-    log(f"model {count_params(cfg.model) / 1e6:.1f}M parameters | mesh {describe(mesh)} | "
-        f"{len(devices)} {devices[0].platform} devices, {jax.process_count()} process(es)")
+    m, pf = cfg.model, devices[0].platform
+    check_kernel(m.attention, pf, tc.seq_len)
+    kernel = choose(m.attention, pf, dtype=m.dtype, T=tc.seq_len, H=m.head_dim, V=m.head_dim,
+                    cap=m.attn_softcap, segments=cfg.data.format == "sft" and cfg.data.pack)
+    log(f"model {count_params(m) / 1e6:.1f}M parameters, {kernel} attention | mesh "
+        f"{describe(mesh)} | {len(devices)} {pf} devices, {jax.process_count()} process(es)")
     # Random tokens for --dry-run and --bench: no data, no checkpoints.
     tokens = np.random.default_rng(0).integers(0, cfg.model.vocab_size,
                                                (tc.batch_size, tc.seq_len + 1), np.int32)
     if cfg.dry_run:
         return train.dry_run(step_fn, st.abstract(), train.put(tokens, mesh, BATCH_AXES, True),
-                             mesh, count_params(cfg.model))
+                             mesh, count_params(m), attention=kernel)
     with jax.set_mesh(mesh):
         if cfg.bench:
             return train.bench(step_fn, st.fresh(jax.random.key(tc.seed)),

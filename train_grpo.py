@@ -33,6 +33,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from common import hf, observe, train
+from common.attention import attend
 from common.config import how, knob, resumable
 from common.checkpoint import CheckpointConfig, read_run_config
 from common.data import (CharTokenizer, ChatTemplate, PretrainedTokenizer, decode_completions,
@@ -69,7 +70,8 @@ class ModelConfig:
     qk_norm: bool = False         # Qwen3: RMSNorm on each head of q and k before RoPE
     # How to compute, not what: these may change when a run is resumed.
     dtype: Literal["float32", "bfloat16"] = how("float32")  # activations and matmuls (weights f32)
-    attention: Literal["auto", "xla", "cudnn", "einsum"] = how("auto")
+    # auto: splash on TPU, cuDNN on GPU where it applies, else blocked (common/attention.py)
+    attention: Literal["auto", "splash", "cudnn", "blocked", "xla", "einsum"] = how("auto")
     remat: Literal["full", "dots", "none"] = how("full")  # what the backward pass may keep
     scan_layers: bool = how(True)
     loss_chunk: int = how(256)    # unused here: train_dense's cross-entropy knobs, kept so
@@ -351,31 +353,6 @@ def apply_rope(x_BTNH, pos_BT, inv_freq):
     return out.astype(x_BTNH.dtype)
 
 
-def attention(q_BTNH, k_BSKH, v_BSKH, cfg: ModelConfig, mask_BTS=None):
-    """Grouped-query attention: query head n reads key/value head n // (N/K). Causal unless
-    mask_BTS (True = may attend) is given, which replaces the causal mask: packed rows keep
-    each example to itself, left-padded rows hide their padding, a KV cache its empty tail.
-    """
-    if cfg.attention != "einsum":
-        if mask_BTS is not None:
-            # cuDNN's fused kernel takes only causal or length masks: an explicit one runs on XLA.
-            return jax.nn.dot_product_attention(q_BTNH, k_BSKH, v_BSKH, mask=mask_BTS[:, None],
-                                                implementation="xla")
-        impl = None if cfg.attention == "auto" else cfg.attention
-        return jax.nn.dot_product_attention(q_BTNH, k_BSKH, v_BSKH, is_causal=True,
-                                            implementation=impl)
-    B, T, N, H = q_BTNH.shape
-    K = k_BSKH.shape[2]
-    q_BTKGH = q_BTNH.reshape(B, T, K, N // K, H)
-    s_BKGTS = jnp.einsum("btkgh,bskh->bkgts", q_BTKGH, k_BSKH,
-                         preferred_element_type=jnp.float32) / math.sqrt(H)
-    causal_TS = jnp.tril(jnp.ones((T, k_BSKH.shape[1]), bool))
-    allowed = causal_TS if mask_BTS is None else mask_BTS[:, None, None]
-    s_BKGTS = jnp.where(allowed, s_BKGTS, -1e30)   # finite: a fully masked row stays NaN-free
-    p_BKGTS = jax.nn.softmax(s_BKGTS, axis=-1).astype(v_BSKH.dtype)
-    return jnp.einsum("bkgts,bskh->btkgh", p_BKGTS, v_BSKH).reshape(B, T, N, H)
-
-
 def block(x_BTD, lp: dict, pos_BT, inv_freq, cfg: ModelConfig, mask_BTS=None, kv=None,
           index=None, max_logits: bool = False):
     """One transformer block. With `kv` (this layer's cache, k and v [B, S, K, H]) the new
@@ -398,7 +375,8 @@ def block(x_BTD, lp: dict, pos_BT, inv_freq, cfg: ModelConfig, mask_BTS=None, kv
         v = jax.lax.dynamic_update_slice_in_dim(kv[1], v.astype(kv[1].dtype), index, axis=1)
         kv = (k, v)
     stats = {"max_logit": train.max_logits(q, k, mask_BTS)} if max_logits else {}
-    o = attention(q, k, v, cfg, mask_BTS)
+    # The mask: left padding and a cache's empty tail, which XLA's masked softmax takes.
+    o = attend(q, k, v, impl=cfg.attention, scale=cfg.head_dim**-0.5, mask_BTS=mask_BTS)
     x_BTD = x_BTD + jnp.einsum("btnh,nhd->btd", o, w("wo"))
     h = rms_norm(x_BTD, lp["mlp_norm"], cfg.norm_eps)
     g = jnp.einsum("btd,df->btf", h, w("w_gate"))

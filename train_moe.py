@@ -50,10 +50,11 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from common import hf, train
+from common.attention import attend, check_kernel, choose
 from common.config import how, knob, resumable
 from common.checkpoint import CheckpointConfig
 from common.data import DataConfig, get_batch, load_dataset
-from common.mesh import BATCH_AXES, MeshConfig, describe, make_mesh, resolve
+from common.mesh import BATCH_AXES, MeshConfig, describe, make_mesh, resolve, target_platform
 from common.train import ConfigError, log, named, need
 
 # The batch is split over data and fsdp, as in the dense trainer, and over expert: the devices
@@ -115,7 +116,8 @@ class ModelConfig:
     dense_d_ff: int = 0           # that MLP's hidden width
     # How to compute, not what: these may change when a run is resumed.
     dtype: Literal["float32", "bfloat16"] = how("float32")  # activations and matmuls (weights f32)
-    attention: Literal["auto", "xla", "cudnn", "einsum"] = how("auto")
+    # auto: splash on TPU, cuDNN on GPU where it applies, else blocked (common/attention.py)
+    attention: Literal["auto", "splash", "cudnn", "blocked", "xla", "einsum"] = how("auto")
     remat: Literal["full", "dots", "none"] = how("full")  # what the backward pass may keep
     scan_layers: bool = how(True)
     loss_chunk: int = how(256)    # sequence positions per cross-entropy chunk (bounds [B,T,V])
@@ -535,83 +537,6 @@ def apply_rope(x_BTNH, pos_BT, inv_freq):
     return out.astype(x_BTNH.dtype)
 
 
-def attention(q_BTNH, k_BSKH, v_BSKH, cfg: ModelConfig, mask_BTS=None):
-    """Grouped-query attention: query head n reads key/value head n // (N/K). Causal unless
-    mask_BTS (True = may attend) is given, which replaces the causal mask: packed rows keep
-    each example to itself, left-padded rows hide their padding, a KV cache its empty tail.
-    """
-    if cfg.attention != "einsum":
-        if mask_BTS is not None:
-            # cuDNN's fused kernel takes only causal or length masks: an explicit one runs on XLA.
-            return jax.nn.dot_product_attention(q_BTNH, k_BSKH, v_BSKH, mask=mask_BTS[:, None],
-                                                implementation="xla")
-        impl = None if cfg.attention == "auto" else cfg.attention
-        return jax.nn.dot_product_attention(q_BTNH, k_BSKH, v_BSKH, is_causal=True,
-                                            implementation=impl)
-    B, T, N, H = q_BTNH.shape
-    K = k_BSKH.shape[2]
-    q_BTKGH = q_BTNH.reshape(B, T, K, N // K, H)
-    s_BKGTS = jnp.einsum("btkgh,bskh->bkgts", q_BTKGH, k_BSKH,
-                         preferred_element_type=jnp.float32) / math.sqrt(H)
-    causal_TS = jnp.tril(jnp.ones((T, k_BSKH.shape[1]), bool))
-    allowed = causal_TS if mask_BTS is None else mask_BTS[:, None, None]
-    s_BKGTS = jnp.where(allowed, s_BKGTS, -1e30)   # finite: a fully masked row stays NaN-free
-    p_BKGTS = jax.nn.softmax(s_BKGTS, axis=-1).astype(v_BSKH.dtype)
-    return jnp.einsum("bkgts,bskh->btkgh", p_BKGTS, v_BSKH).reshape(B, T, N, H)
-
-
-def capped_attention(q_BTNH, k_BSKH, v_BSKH, mask_BTS=None, window=0, *, scale: float,
-                     cap: float = 0.0, sinks_N=None):
-    """`attention` with Gemma's and GPT-OSS's extras: logits times `scale` and soft-capped,
-    c tanh(s / c); per-head sinks (GPT-OSS: a learned logit per head that joins the softmax's
-    denominator and takes no value, so a head may attend to nothing); and with `window` > 0 a
-    sliding window (t - W < s <= t). The window is computed in blocks of C = W queries (T
-    padded up to n C), each reading its own block's keys and the block before: 2W scores per
-    query instead of T, so a local layer costs O(T W), not O(T^2)."""
-    B, T, N, H = q_BTNH.shape
-    S, K = k_BSKH.shape[1], k_BSKH.shape[2]
-    if 0 < window < T and S == T:
-        C = window
-        n = -(-T // C)
-        pad = n * C - T
-        q = jnp.pad(q_BTNH, ((0, 0), (0, pad), (0, 0), (0, 0))).reshape(B, n, C, K, N // K, H)
-        # Keys with one block of front padding, as n + 1 blocks: block i reads blocks i, i + 1.
-        two = lambda x: jnp.pad(x, ((0, 0), (C, pad), (0, 0), (0, 0))).reshape(B, n + 1, C, K, H)
-        k, v = [jnp.concatenate([x[:, :-1], x[:, 1:]], axis=2) for x in
-                (two(k_BSKH), two(v_BSKH))]   # [B, n, 2C, K, H]
-        t_nC = jnp.arange(n * C).reshape(n, C)
-        s_nS = (jnp.arange(n)[:, None] - 1) * C + jnp.arange(2 * C)   # < 0: the front padding
-        mask = None
-        if mask_BTS is not None:
-            m = jnp.pad(mask_BTS, ((0, 0), (0, pad), (C, pad))).reshape(B, n, C, (n + 1) * C)
-            mask = jnp.take_along_axis(m, s_nS[None, :, None] + C, axis=3)
-    else:
-        q = q_BTNH.reshape(B, 1, T, K, N // K, H)
-        k, v = k_BSKH[:, None], v_BSKH[:, None]
-        t_nC, s_nS = jnp.arange(T)[None], jnp.arange(S)[None]
-        mask = None if mask_BTS is None else mask_BTS[:, None]
-    dist_nCS = t_nC[..., None] - s_nS[:, None]
-    ok = (s_nS[:, None] >= 0) & (dist_nCS < (window or S))
-    # An explicit mask replaces the causal one, as in `attention`. Padded keys come after
-    # every real query: causality hides them, and the padded mask is False there.
-    ok = ok & (dist_nCS >= 0) if mask is None else ok & mask
-    s_BnKGCS = jnp.einsum("bnckgh,bnskh->bnkgcs", q, k,
-                          preferred_element_type=jnp.float32) * scale
-    if cap:
-        s_BnKGCS = cap * jnp.tanh(s_BnKGCS / cap)
-    ok = jnp.broadcast_to(ok, (B, *ok.shape[-3:]))[:, :, None, None]
-    s_BnKGCS = jnp.where(ok, s_BnKGCS, -1e30)
-    if sinks_N is None:
-        p = jax.nn.softmax(s_BnKGCS, axis=-1).astype(v.dtype)
-    else:  # the sink is one more logit in each row, dropped after the softmax
-        sink = jnp.broadcast_to(sinks_N.astype(jnp.float32).reshape(K, N // K, 1, 1),
-                                (*s_BnKGCS.shape[:-1], 1))
-        p = jax.nn.softmax(jnp.concatenate([s_BnKGCS, sink], axis=-1), axis=-1)[..., :-1]
-        p = p.astype(v.dtype)
-    o = jnp.einsum("bnkgcs,bnskh->bnckgh", p, v)
-    return o.reshape(B, -1, N, H)[:, :T]
-
-
 def mla(h_BTD, lp: dict, pos_BT, inv_freq, cfg: ModelConfig):
     """Multi-head latent attention's queries, keys and values (DeepSeek-V2, sec. 2.1):
 
@@ -646,21 +571,15 @@ def mla(h_BTD, lp: dict, pos_BT, inv_freq, cfg: ModelConfig):
     return q, k, v
 
 
-def attend(q_BTNH, k_BTKH, v_BTKH, lp: dict, cfg: ModelConfig, is_global):
-    """One layer's attention: the fused kernels, or with sinks or a window (GPT-OSS)
-    train_dense.py's `capped_attention`; `is_global` (traced) picks the layer's kind. YaRN's
-    temperature scales q and k alike: here their logits, by its square. MLA's values may be
-    narrower than its queries: they are zero-padded to the query width, which the kernels
-    need, and the padding cut from the output. DeepSeek's YaRN leaves the rotation unscaled
-    and multiplies the logits by mscale(factor, mscale_all_dim)^2 instead."""
-    Hv = v_BTKH.shape[-1]
+def attention(q_BTNH, k_BTKH, v_BTKV, lp: dict, cfg: ModelConfig, is_global):
+    """One layer's attention by the compile target's kernel (common/attention.py), with
+    GPT-OSS's sinks and window; `is_global` (traced) picks the layer's kind. YaRN's
+    temperature scales q and k alike: here their logits, by its square (DeepSeek's YaRN leaves
+    the rotation unscaled and multiplies the logits by mscale(factor, mscale_all_dim)^2).
+    MLA's values are narrower than its queries (V 128, H 192): every kernel takes that."""
     temp = yarn_mscale(cfg.yarn_factor, cfg.yarn_mscale_all_dim or 1.0) ** 2
-    if not (cfg.attn_sinks or cfg.sliding_window):  # MLA is always here
-        v_BTKH = jnp.pad(v_BTKH, ((0, 0),) * 3 + ((0, q_BTNH.shape[-1] - Hv),))
-        return attention(q_BTNH * temp if cfg.yarn_factor else q_BTNH, k_BTKH, v_BTKH,
-                         cfg)[..., :Hv]
-    full = partial(capped_attention, q_BTNH, k_BTKH, v_BTKH, scale=temp / math.sqrt(cfg.head_dim),
-                   sinks_N=lp.get("sinks"))
+    full = partial(attend, q_BTNH, k_BTKH, v_BTKV, impl=cfg.attention, sinks_N=lp.get("sinks"),
+                   scale=temp / math.sqrt(q_BTNH.shape[-1]), batch_axes=MOE_BATCH)
     W = cfg.sliding_window if cfg.sliding_window < q_BTNH.shape[1] else 0  # else: all in reach
     return jax.lax.cond(is_global, full, partial(full, window=W)) if W else full()
 
@@ -746,13 +665,14 @@ def swiglu(x, w_gate, w_up, w_down, cfg: ModelConfig | None = None, b=()):
     return add(glu(add(x @ w_gate, 0), add(x @ w_up, 1), cfg) @ w_down, 2)
 
 
-def _grouped_impl(cfg: ModelConfig) -> str:
+def _grouped_impl(cfg: ModelConfig, platform: str = "") -> str:
     if cfg.grouped_matmul != "auto":
         return cfg.grouped_matmul
     # XLA:CPU rewrites ragged_dot into a dense matmul of every row with every group's weights,
     # zero-masked (E times the FLOPs and memory; 2-6x slower than tiled at E=8 on a laptop
-    # CPU). TPUs, and GPUs with a grouped GEMM for the shapes and dtype, run it as one.
-    return "tiled" if jax.default_backend() == "cpu" else "ragged_dot"
+    # CPU). TPUs, and GPUs with a grouped GEMM for the shapes and dtype, run it as one. The
+    # compile target decides, not the host: a --compile-topology dry run builds the TPU's.
+    return "tiled" if (platform or target_platform()) == "cpu" else "ragged_dot"
 
 
 def _tile_layout(sizes_G, M: int, tile: int):
@@ -956,7 +876,7 @@ def block(x_BTD, lp: dict, pos_BT, inv_freq, cfg: ModelConfig, max_logits: bool 
             q, k = (rms_norm(q, lp["q_norm"], cfg.norm_eps),
                     rms_norm(k, lp["k_norm"], cfg.norm_eps))
         q, k = apply_rope(q, pos_BT, inv_freq), apply_rope(k, pos_BT, inv_freq)
-    o = jnp.einsum("btnh,nhd->btd", attend(q, k, v, lp, cfg, is_global), w("wo"))
+    o = jnp.einsum("btnh,nhd->btd", attention(q, k, v, lp, cfg, is_global), w("wo"))
     x_BTD = constrain(x_BTD + (o + w("bo") if cfg.attn_bias else o), ACT_BTD)
     h = rms_norm(x_BTD, lp["mlp_norm"], cfg.norm_eps)
     if "w_router" not in lp:
@@ -1192,17 +1112,24 @@ def main(cfg: Config) -> dict:
     mesh, tc, m = make_mesh(cfg.mesh, devices), cfg.train, cfg.model
     st = train_state(cfg, mesh)
     step_fn = st.jit(partial(train_step, cfg=cfg, tx=st.tx))
+    pf, mla = devices[0].platform, m.kv_lora_rank > 0
+    check_kernel(m.attention, pf, tc.seq_len)
+    kernel = choose(m.attention, pf, dtype=m.dtype, T=tc.seq_len, sinks=m.attn_sinks,
+                    H=m.qk_nope_head_dim + m.qk_rope_head_dim if mla else m.head_dim,
+                    V=m.v_head_dim if mla else m.head_dim)
     log(f"model {count_params(m):,} parameters, {count_active_params(m):,} active "
         f"({m.n_experts} experts, top-{m.top_k}, "
         f"{'dropless' if m.capacity_factor == 0 else f'capacity factor {m.capacity_factor}'}, "
-        f"{_grouped_impl(m)} grouped matmul; MFU counts active FLOPs) | mesh {describe(mesh)} "
-        f"| {len(devices)} {devices[0].platform} devices, {jax.process_count()} process(es)")
+        f"{_grouped_impl(m, pf)} grouped matmul, {kernel} attention; MFU counts active FLOPs) "
+        f"| mesh {describe(mesh)} | {len(devices)} {pf} devices, {jax.process_count()} "
+        "process(es)")
     # Random tokens for --dry-run and --bench: no data, no checkpoints.
     tokens = np.random.default_rng(0).integers(0, m.vocab_size,
                                                (tc.batch_size, tc.seq_len + 1), np.int32)
     if cfg.dry_run:
         return train.dry_run(step_fn, st.abstract(), train.put(tokens, mesh, MOE_BATCH, True),
-                             mesh, count_params(m), active_params=count_active_params(m))
+                             mesh, count_params(m), active_params=count_active_params(m),
+                             attention=kernel, grouped_matmul=_grouped_impl(m, pf))
     with jax.set_mesh(mesh):
         if cfg.bench:
             return bench(cfg, mesh, train.put(tokens, mesh, MOE_BATCH))

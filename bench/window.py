@@ -1,8 +1,9 @@
 """Gemma's sliding window against every key: one soft-capped attention layer of `tiny-gemma`,
 forward and backward, at a long sequence (`make bench-window`; docs/gemma.md).
 
-The local path computes blocks of W queries against 2W keys, the global path the whole
-[T, T] score matrix; both are train_dense.capped_attention. Alternating repetitions, medians.
+Both are common/attention.py's blocked kernel (what the CPU runs): the local path visits
+only the tiles the window reaches (O(T W)), the global one every causal tile (O(T^2 / 2)).
+Alternating repetitions, medians.
 """
 import argparse
 import os
@@ -15,6 +16,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import train_dense as td  # noqa: E402
+from common.attention import blocked  # noqa: E402
 
 
 def main() -> None:
@@ -31,8 +33,8 @@ def main() -> None:
     k, v = (jnp.asarray(rng.standard_normal((B, T, K, H)), jnp.float32) for _ in range(2))
 
     def grad_fn(window):
-        loss = lambda q, k, v: jnp.sum(td.capped_attention(
-            q, k, v, None, window, scale=cfg.head_dim ** -0.5))
+        loss = lambda q, k, v: jnp.sum(blocked(q, k, v, window=window, cap=cfg.attn_softcap,
+                                               scale=cfg.head_dim ** -0.5, block=window or 256))
         return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
 
     fns = {f"window {a.window}": grad_fn(a.window), "every key": grad_fn(0)}

@@ -6,6 +6,13 @@ norms stay in each trainer, and this file only turns queries, keys and values in
   custom VJP) visiting the scores one [block, block] tile at a time, so memory is O(T block)
   and no [T, T] array exists: what long sequences run on the CPU, and the fallback wherever a
   fused kernel does not apply.
+- `splash`: the TPU's fused kernel (JAX's Pallas splash attention), in shard_map under a mesh.
+- `attend`: what the trainers call; `choose` picks the kernel by the devices the step
+  compiles for (the mesh's, not the host's: a --compile-topology dry run builds the TPU's):
+  splash on TPU, cuDNN's flash attention on GPU where it applies, blocked otherwise.
+
+These are ops like jax.nn.dot_product_attention, not a model, which is why they sit in
+common/ (README, design notes): three copies of a custom-VJP kernel would drift.
 
 Shapes: q [B, T, N, H], k [B, S, K, H], v [B, S, K, V] (V may differ from H: MLA's 192/128);
 query head n reads key/value head n // (N // K). Logits are (q . k) scale, accumulated in
@@ -18,6 +25,10 @@ float32, the output has v's dtype, and a row with no allowed key outputs 0, NaN-
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from common.config import ConfigError
+from common.mesh import target_platform
 
 F32 = jnp.float32
 NEG = -1e30   # a masked logit: finite, so max and exp over a row with nothing allowed stay finite
@@ -244,3 +255,111 @@ def blocked(q_BTNH, k_BSKH, v_BSKV, *, scale: float, causal: bool = True, window
         raise ValueError(f"block must be a positive number of positions, got {block}")
     return _flash(float(scale), bool(causal), int(window), float(cap), min(int(block), T),
                   q_BTNH, k_BSKH, v_BSKV, sinks_N, segment_ids)
+
+
+# ---- choosing the kernel: by the devices the step compiles for ----------------------------
+
+IMPLS = ("auto", "splash", "cudnn", "blocked", "xla", "einsum")
+
+
+def choose(impl: str, platform: str, *, dtype, T: int, H: int, V: int, cap: float = 0.0,
+           sinks: bool = False, segments: bool = False) -> str:
+    """The kernel `attend` runs. `auto`: splash on TPU, cuDNN on GPU where its fused kernel
+    applies (16-bit inputs, equal q/v widths up to 128, no soft-cap, sinks or segments),
+    blocked otherwise (the CPU's: one tile while T fits in a block)."""
+    if impl != "auto":
+        return impl
+    if platform == "tpu" and T % 128 == 0:
+        return "splash"
+    if (platform in ("gpu", "cuda", "rocm") and jnp.dtype(dtype).itemsize == 2 and H == V
+            and H <= 128 and H % 8 == 0 and not (cap or sinks or segments)):
+        return "cudnn"
+    return "blocked"
+
+
+def check_kernel(impl: str, platform: str, seq_len: int,
+                 flag: str = "--model.attention") -> None:
+    """A kernel named on the command line that the compile target cannot run is refused
+    before compiling (the Pallas or cuDNN error would come minutes later, and say less)."""
+    gpu = platform in ("gpu", "cuda", "rocm")
+    if impl == "splash" and (platform != "tpu" or seq_len % 128):
+        raise ConfigError(f"{flag} splash is the TPU's kernel, for a --train.seq-len that is a "
+                          f"multiple of 128; this run compiles for {platform} at "
+                          f"{seq_len}: use {flag} auto (or blocked).")
+    if impl == "cudnn" and not gpu:
+        raise ConfigError(f"{flag} cudnn is cuDNN's kernel (NVIDIA GPUs); this run compiles "
+                          f"for {platform}: use {flag} auto (or blocked).")
+
+
+def attend(q_BTNH, k_BSKH, v_BSKV, *, impl: str = "auto", scale: float, causal: bool = True,
+           window: int = 0, cap: float = 0.0, sinks_N=None, segment_ids=None, mask_BTS=None,
+           batch_axes=("data", "fsdp")):
+    """Attention by the kernel `choose` picks for the compile target; every kernel computes
+    `reference`'s function (tests/test_attention.py holds them to it). mask_BTS (True = may
+    attend) replaces causal/window/segments where the pattern is not one of those."""
+    if mask_BTS is not None:  # a KV cache's tail, left padding: XLA's masked softmax
+        if cap or sinks_N is not None or segment_ids is not None:
+            raise ValueError("attend: an explicit mask_BTS takes no soft-cap, sinks or segments")
+        return jax.nn.dot_product_attention(q_BTNH, k_BSKH, v_BSKV, mask=mask_BTS[:, None],
+                                            scale=scale, implementation="xla")
+    B, T, N, H = q_BTNH.shape
+    kind = choose(impl, target_platform(), dtype=q_BTNH.dtype, T=T, H=H, V=v_BSKV.shape[-1],
+                  cap=cap, sinks=sinks_N is not None, segments=segment_ids is not None)
+    kw = dict(scale=scale, causal=causal, window=window, cap=cap, sinks_N=sinks_N,
+              segment_ids=segment_ids)
+    if kind in ("xla", "cudnn") and not (cap or sinks_N is not None or segment_ids is not None):
+        V = v_BSKV.shape[-1]  # MLA's narrower values: padded to the query width these take
+        v = jnp.pad(v_BSKV, ((0, 0),) * 3 + ((0, H - V),)) if V < H else v_BSKV
+        return jax.nn.dot_product_attention(q_BTNH, k_BSKH, v, scale=scale, is_causal=causal,
+                                            implementation=kind, local_window_size=(
+                                                window - 1, 0) if window else None)[..., :V]
+    if kind == "splash":
+        return splash(q_BTNH, k_BSKH, v_BSKV, batch_axes=batch_axes, **kw)
+    if kind == "blocked":
+        return blocked(q_BTNH, k_BSKH, v_BSKV, **kw)
+    if kind in ("einsum", "xla", "cudnn"):  # what their call cannot express: the same softmax
+        return reference(q_BTNH, k_BSKH, v_BSKV, **kw)
+    raise ValueError(f"attention {impl!r}: choose one of {', '.join(IMPLS)}")
+
+
+def splash(q_BTNH, k_BSKH, v_BSKV, *, scale: float, causal: bool = True, window: int = 0,
+           cap: float = 0.0, sinks_N=None, segment_ids=None, batch_axes=("data", "fsdp"),
+           interpret: bool = False):
+    """The TPU's fused attention (JAX's Pallas splash kernel): masked-out blocks are skipped,
+    not computed, so causal costs half and a window W costs O(T W). A Pallas call is one
+    device's program, so under a mesh it runs in shard_map: rows split like the batch, heads
+    like the weights (over "tensor"). `interpret` runs the kernel's Python on any backend (the
+    CPU tests)."""
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
+    B, T, N, H = q_BTNH.shape
+    # Blocks of 512 where T allows (MaxText's choice on v5p), at least the 128 lanes.
+    bq = next(b for b in (512, 256, 128) if T % b == 0)
+    sizes = sk.BlockSizes(block_q=bq, block_kv=bq, block_kv_compute=bq, block_q_dkv=bq,
+                          block_kv_dkv=bq, block_kv_dkv_compute=bq, use_fused_bwd_kernel=True)
+
+    def one_device(q, k, v, seg, sinks):
+        n = q.shape[2]
+        if window or not causal:
+            pattern = sm.LocalMask((T, T), (window - 1 if window else None,
+                                            0 if causal else None), offset=0)
+        else:
+            pattern = sm.CausalMask((T, T))
+        kernel = sk.make_splash_mha(sm.MultiHeadMask([pattern] * n), block_sizes=sizes,
+                                    head_shards=1, q_seq_shards=1, interpret=interpret,
+                                    attn_logits_soft_cap=cap or None)
+        heads_first = lambda x: x.transpose(0, 2, 1, 3)
+        run = lambda q, k, v, s: kernel(q, k, v, segment_ids=None if s is None else
+                                        sk.SegmentIds(s, s), sinks=sinks)
+        o = jax.vmap(run)(heads_first(q * scale).astype(q.dtype), heads_first(k),
+                          heads_first(v), seg)
+        return heads_first(o)
+
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return one_device(q_BTNH, k_BSKH, v_BSKV, segment_ids, sinks_N)
+    heads = P(batch_axes, None, "tensor", None)
+    return jax.shard_map(one_device, in_specs=(heads, heads, heads, P(batch_axes, None),
+                                                P("tensor")),
+                         out_specs=heads, check_vma=False)(
+        q_BTNH, k_BSKH, v_BSKV, segment_ids, sinks_N)

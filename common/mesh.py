@@ -171,3 +171,11 @@ def tpu_topology_devices(name: str, n_slices: int = 1) -> list:
                         "Ahead-of-time TPU compilation needs libtpu: install the project with "
                         "the tpu extra (pip install -e '.[tpu]') on Linux.") from e
     return list(topo.devices)
+
+
+def target_platform() -> str:
+    """The platform the program being traced compiles for: the mesh's devices (a TPU's under
+    --compile-topology, on a CPU host), else this process's default backend."""
+    mesh = jax.sharding.get_abstract_mesh()
+    dev = None if mesh.empty else getattr(mesh, "abstract_device", None)
+    return dev.platform if dev is not None else jax.default_backend()

@@ -227,22 +227,28 @@ def optimizer(kind: str, schedule, *, b1: float, b2: float, weight_decay: float,
                        optax.partition({"muon": muon, "adamw": adam}, labels))
 
 
-def max_logits(q_BTNH, k_BSKH, mask_BTS=None, chunk: int = 512):
+def max_logits(q_BTNH, k_BSKH, mask_BTS=None, chunk: int = 512, *, segment_ids=None):
     """[N] float32: per query head, the largest pre-softmax logit q.k / sqrt(H) over the pairs
-    attention allows (causal, or mask_BTS), for QK-clip. Fused attention kernels never show
-    their scores, so they are made again here: q.k's FLOPs once more, without gradient, by
-    chunks of queries, so that at most [B, N, chunk, S] float32 scores exist at a time."""
+    attention allows (causal, within each example of a packed row with segment_ids [B, T], or
+    mask_BTS), for QK-clip. Fused attention kernels never show their scores, so they are made
+    again here: q.k's FLOPs once more, without gradient, by chunks of queries, so that at most
+    [B, N, chunk, S] float32 scores (and no [T, S] mask) exist at a time."""
     q, k = jax.lax.stop_gradient(q_BTNH), jax.lax.stop_gradient(k_BSKH)
     B, T, N, H = q.shape
     S, K = k.shape[1], k.shape[2]
     C = chunk if T % chunk == 0 else T
-    allowed = jnp.tril(jnp.ones((1, T, S), bool)) if mask_BTS is None else mask_BTS
 
     def one(i):
         q_BCKGH = jax.lax.dynamic_slice_in_dim(q, i * C, C, axis=1).reshape(B, C, K, N // K, H)
         s = jnp.einsum("bckgh,bskh->bkgcs", q_BCKGH, k, preferred_element_type=jnp.float32)
-        a = jax.lax.dynamic_slice_in_dim(allowed, i * C, C, axis=1)[:, None, None]
-        return jnp.max(jnp.where(a, s, -jnp.inf), axis=(0, 3, 4)).reshape(N)
+        if mask_BTS is not None:
+            a = jax.lax.dynamic_slice_in_dim(mask_BTS, i * C, C, axis=1)
+        else:
+            a = (i * C + jnp.arange(C))[None, :, None] >= jnp.arange(S)
+        if segment_ids is not None:
+            seg_BC = jax.lax.dynamic_slice_in_dim(segment_ids, i * C, C, axis=1)
+            a = a & (seg_BC[:, :, None] == segment_ids[:, None, :])
+        return jnp.max(jnp.where(a[:, None, None], s, -jnp.inf), axis=(0, 3, 4)).reshape(N)
 
     return jnp.max(jax.lax.map(one, jnp.arange(T // C)), axis=0) / math.sqrt(H)
 

@@ -188,3 +188,82 @@ def test_blocked_backward_memory_grows_linearly_where_the_plain_softmax_grows_as
         sizes = [temp_bytes(fn, T) for T in (2048, 4096, 8192)]
         ratios = [b / a for a, b in zip(sizes, sizes[1:])]
         assert all(lo < r < hi for r in ratios), (fn, sizes)
+
+
+# ---- the TPU's kernel, and the choice by compile target ---------------------------------
+
+
+@pytest.mark.parametrize("knobs", ["causal", "all"])
+def test_splash_equals_reference_under_a_mesh(knobs):
+    """The splash kernel (interpreted on the CPU: the same Pallas program a TPU compiles) in
+    shard_map over a 2 x 2 mesh, rows over fsdp and heads over tensor, against `reference`:
+    values and gradients; "all" is GQA, MLA's narrower values, a window, a soft-cap, sinks
+    and packed rows at once."""
+    from common.mesh import MeshConfig, make_mesh
+    B, T, N, K, H, V = 4, 256, 4, 2, 16, 8
+    q, k, v = qkv(T=T, N=N, K=K, H=H, V=V if knobs == "all" else H, B=B, shift=0.3)
+    kw = dict(scale=0.3)
+    sinks = None
+    if knobs == "all":
+        sinks = jnp.asarray(np.random.default_rng(3).standard_normal(N), jnp.float32)
+        seg = np.repeat(np.arange(4), T // 4)[None] + np.arange(B)[:, None] * (np.arange(T) > 99)
+        kw |= dict(window=100, cap=5.0, segment_ids=jnp.asarray(seg, jnp.int32))
+    ct = jnp.asarray(np.random.default_rng(5).standard_normal((B, T, N, v.shape[-1])),
+                     jnp.float32)
+
+    def loss(f, q, k, v, s):
+        return jnp.sum(f(q, k, v, sinks_N=s, **kw) * ct)
+
+    argnums = (0, 1, 2) if sinks is None else (0, 1, 2, 3)
+    grad = lambda f: jax.value_and_grad(partial(loss, f), argnums=argnums)
+    want, want_g = grad(A.reference)(q, k, v, sinks)
+    with jax.set_mesh(make_mesh(MeshConfig(fsdp=2, tensor=2), jax.devices()[:4])):
+        got, got_g = jax.jit(grad(partial(A.splash, interpret=True)))(q, k, v, sinks)
+    assert_close(got, want)
+    for a, b in zip(got_g, want_g):
+        assert_close(a, b)
+
+
+@pytest.mark.parametrize("platform,kw,want", [
+    ("tpu", {}, "splash"), ("tpu", dict(T=1000), "blocked"),   # splash's tiles are 128 wide
+    ("gpu", dict(dtype="bfloat16"), "cudnn"), ("gpu", {}, "blocked"),   # cuDNN: 16-bit only
+    ("gpu", dict(dtype="bfloat16", cap=50.0), "blocked"),
+    ("gpu", dict(dtype="bfloat16", sinks=True), "blocked"),
+    ("gpu", dict(dtype="bfloat16", segments=True), "blocked"),
+    ("gpu", dict(dtype="bfloat16", V=128, H=192), "blocked"),  # MLA's widths
+    ("cpu", dict(dtype="bfloat16"), "blocked"), ("cpu", {}, "blocked")])
+def test_auto_picks_the_kernel_of_the_compile_target(platform, kw, want):
+    args = dict(dtype="float32", T=2048, H=128, V=128) | kw
+    assert A.choose("auto", platform, **args) == want
+    assert A.choose("einsum", platform, **args) == "einsum"   # a named kernel is kept
+
+
+def test_the_compile_target_is_the_mesh_s_platform():
+    from common.mesh import MeshConfig, make_mesh, target_platform
+    seen = []
+    with jax.set_mesh(make_mesh(MeshConfig(fsdp=2), jax.devices()[:2])):
+        jax.jit(lambda x: seen.append(target_platform()) or x)(1.0)
+    assert seen == ["cpu"] and target_platform() == jax.default_backend()
+
+
+@pytest.mark.parametrize("impl", ["auto", "blocked", "xla", "einsum"])
+def test_attend_computes_the_reference_whatever_it_runs(impl):
+    q, k, v = qkv(T=40, V=8)
+    for kw in ({}, dict(window=5), dict(cap=2.0, segment_ids=packed(40))):
+        want = A.reference(q, k, v, scale=0.5, **kw)
+        assert_close(A.attend(q, k, v, impl=impl, scale=0.5, **kw), want)
+    with pytest.raises(ValueError, match="mask_BTS takes no soft-cap"):
+        A.attend(q, k, v, scale=0.5, cap=2.0, mask_BTS=np.ones((2, 40, 40), bool))
+
+
+@pytest.mark.parametrize("impl,platform,T,ok", [
+    ("splash", "tpu", 2048, True), ("splash", "cpu", 2048, False), ("splash", "tpu", 1000, False),
+    ("cudnn", "gpu", 1000, True), ("cudnn", "cpu", 2048, False), ("cudnn", "tpu", 2048, False),
+    ("auto", "cpu", 7, True), ("blocked", "tpu", 7, True)])
+def test_a_kernel_the_target_cannot_run_is_refused_before_compiling(impl, platform, T, ok):
+    from common.config import ConfigError
+    if ok:
+        A.check_kernel(impl, platform, T)
+    else:
+        with pytest.raises(ConfigError, match=f"--model.attention {impl} .*use --model"):
+            A.check_kernel(impl, platform, T)

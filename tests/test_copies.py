@@ -16,14 +16,12 @@ import train_moe as tm
 # Functions whose source text is the same in each file that has them.
 SAME_SOURCE = {
     "constrain": (td, tm, tg), "rms_norm": (td, tm, tg), "apply_rope": (td, tm, tg),
-    "attention": (td, tm, tg), "param_specs": (td, tm, tg), "_init": (td, tm, tg),
+    "param_specs": (td, tm, tg), "_init": (td, tm, tg),
     "init_params": (td, tm, tg), "count_params": (td, tm, tg), "unembedding": (td, tm, tg),
     "cli": (td, tm, tg), "make_schedule": (td, tm),
     # The MoE trainer's loss is dense's fused chunked cross-entropy, soft-cap included.
     "_chunked": (td, tm), "_softcap": (td, tm), "_ce_fused": (td, tm),
     "_ce_fused_fwd": (td, tm), "_ce_fused_bwd": (td, tm),
-    # One windowed attention in the repo: Gemma's blocked window, with GPT-OSS's sinks.
-    "capped_attention": (td, tm),
     # train_grpo.py's policy is train_dense.py's model, and its HF loading half is dense's;
     # dense's parameter table, HF names and config reading also carry the Gemma knobs, which
     # the policy lacks: those are held equal on every other model below.

@@ -132,7 +132,7 @@ def test_training_reduces_loss_on_a_repeated_batch():
     assert losses[-1] < 0.7 * losses[0]
 
 
-@pytest.mark.parametrize("attention", ["xla", "einsum"])
+@pytest.mark.parametrize("attention", ["blocked", "xla", "einsum"])
 def test_causality(attention):
     model = dataclasses.replace(KNOBS, attention=attention)
     cfg = small_cfg(model)
@@ -145,12 +145,13 @@ def test_causality(attention):
     assert np.abs(a[:, t:] - b[:, t:]).max() > 1e-4   # and it does see the past
 
 
-def test_einsum_attention_equals_xla():
+def test_einsum_attention_equals_xla_and_blocked():
     cfg = small_cfg(KNOBS)
     params, batch = perturbed_params(cfg), tokens(cfg)
-    a = td.forward(params, batch[:, :-1], dataclasses.replace(KNOBS, attention="xla"))
     b = td.forward(params, batch[:, :-1], dataclasses.replace(KNOBS, attention="einsum"))
-    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    for impl in ("xla", "blocked"):
+        a = td.forward(params, batch[:, :-1], dataclasses.replace(KNOBS, attention=impl))
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("impl", ["fused", "remat"])
@@ -299,10 +300,28 @@ def test_compile_topology_without_libtpu_says_how_to_get_it():
 @pytest.mark.skipif(not _has_libtpu(), reason="ahead-of-time TPU compilation needs libtpu "
                     "(pip install -e '.[tpu]'): `make test-tpu`, a leg of .ci/run")
 def test_compile_topology_compiles_for_a_tpu_slice():
-    cfg = td.cli(["tiny", "--dry-run", "--compile-topology", "v5p-8", "--mesh.fsdp", "-1"])
-    report = td.main(cfg)
+    """The training step for a v5p-8 from this CPU host, with the TPU's splash attention, the
+    compile target's and not the host's; at 2k tokens it takes less memory than the
+    materialised softmax's [B, N, T, T] scores."""
+    argv = ["tiny", "--dry-run", "--compile-topology", "v5p-8", "--mesh.fsdp", "-1",
+            "--train.seq-len", "2048", "--model.dtype", "bfloat16"]
+    report = td.main(td.cli(argv))
     assert report["devices"] == 4 and report["platform"] == "tpu"
-    assert report["per_device_bytes"] > 0
+    assert report["attention"] == "splash" and report["per_device_bytes"] > 0
+    plain = td.main(td.cli(argv + ["--model.attention", "einsum"]))
+    assert plain["attention"] == "einsum"
+    assert report["per_device_bytes"] < 0.5 * plain["per_device_bytes"]
+
+
+@pytest.mark.skipif(not _has_libtpu(), reason="needs libtpu (`make test-tpu`)")
+def test_a_tpu_mesh_is_the_compile_target_on_a_cpu_host():
+    from common.mesh import target_platform, tpu_topology_devices
+    mesh = make_mesh(MeshConfig(fsdp=4), tpu_topology_devices("v5p-8", 1))
+    seen = []
+    with jax.set_mesh(mesh):
+        jax.jit(lambda x: seen.append(target_platform()) or x).trace(
+            jax.ShapeDtypeStruct((4,), jnp.float32))
+    assert seen == ["tpu"] and jax.default_backend() == "cpu"
 
 
 def test_bench_parity_preset_matches_maxtexts_model():

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 import train_dense as td
+from common import attention as attn
 from common.train import ConfigError
 
 GEMMA2 = td.ModelConfig(vocab_size=64, d_model=32, n_layers=4, n_heads=4, n_kv_heads=2,
@@ -37,8 +38,8 @@ def random_qkv(B, T, N, K, H, seed=0):
                                           (12, 5, True), (64, 8, False)])
 @pytest.mark.parametrize("cap", [0.0, 3.0])
 def test_windowed_attention_equals_band_masked_full_attention(T, W, packed, cap):
-    """The blocked window (2W keys per query, T padded to whole blocks) against every key with
-    a band mask, forward and gradients, with packed rows' masks too."""
+    """The blocked kernel's window (only the tiles it reaches; T padded to whole tiles)
+    against every key with a band mask, forward and gradients, packed rows too."""
     cfg = dataclasses.replace(GEMMA2, attn_softcap=cap, query_scale=10.0)
     q, k, v = random_qkv(2, T, 4, 2, 12)
     t = np.arange(T)
@@ -47,15 +48,21 @@ def test_windowed_attention_equals_band_masked_full_attention(T, W, packed, cap)
         seg = np.sort(np.random.default_rng(1).integers(0, 3, (2, T)), axis=1)
         mask = mask & (seg[:, :, None] == seg[:, None, :])
     band = jnp.asarray(mask & (t[:, None] - t[None] < W))
-    given = jnp.asarray(mask) if packed else None
     r = jnp.asarray(np.random.default_rng(2).standard_normal((2, T, 4, 12)), jnp.float32)
+    scale, c = cfg.query_scale ** -0.5, cfg.attn_softcap
 
     def f(window, m, q, k, v):
-        return jnp.sum(td.capped_attention(
-            q, k, v, m, window, scale=cfg.query_scale ** -0.5, cap=cfg.attn_softcap) * r)
+        if m is not None:  # every key, the band as a mask: a plain softmax written out here
+            s = jnp.einsum("btkgh,bskh->bkgts", q.reshape(2, T, 2, 2, 12), k) * scale
+            s = jnp.where(m[:, None, None], c * jnp.tanh(s / c) if c else s, -1e30)
+            o = jnp.einsum("bkgts,bskh->btkgh", jax.nn.softmax(s, -1), v).reshape(q.shape)
+        else:
+            o = attn.blocked(q, k, v, window=window, scale=scale, cap=c, block=8,
+                             segment_ids=jnp.asarray(seg) if packed else None)
+        return jnp.sum(o * r)
 
     want, want_g = jax.value_and_grad(partial(f, 0, band), argnums=(0, 1, 2))(q, k, v)
-    got, got_g = jax.value_and_grad(partial(f, W, given), argnums=(0, 1, 2))(q, k, v)
+    got, got_g = jax.value_and_grad(partial(f, W, None), argnums=(0, 1, 2))(q, k, v)
     np.testing.assert_allclose(got, want, rtol=1e-5)
     for a, b in zip(got_g, want_g):
         np.testing.assert_allclose(a, b, atol=1e-5)
@@ -76,13 +83,13 @@ def test_bench_window_runs_and_reports_both_paths():
 
 
 def test_uncapped_attention_is_the_fused_path():
-    """With no cap and no window, capped_attention is `attention` on pre-scaled queries: what
-    block() hands the fused kernels for Gemma 3's global layers."""
-    cfg = dataclasses.replace(GEMMA3, attention="xla")
+    """Gemma 3's global layers (no cap, no window) with its query scale on XLA's fused softmax
+    and on the blocked kernel: both the plain softmax."""
     q, k, v = random_qkv(2, 16, 4, 1, 12)
-    want = td.capped_attention(q, k, v, scale=cfg.query_scale ** -0.5)
-    got = td.attention(q * math.sqrt(12 / cfg.query_scale), k, v, cfg)
-    np.testing.assert_allclose(got, want, atol=2e-6)
+    want = attn.reference(q, k, v, scale=GEMMA3.query_scale ** -0.5)
+    for impl in ("xla", "blocked"):
+        got = attn.attend(q, k, v, impl=impl, scale=GEMMA3.query_scale ** -0.5)
+        np.testing.assert_allclose(got, want, atol=2e-6)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -15,8 +15,8 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-import train_dense as td
 import train_moe as tm
+from common import attention as attn
 from common import hf
 from common.mesh import MeshConfig, make_mesh
 from test_moe import assert_trees_close, loss_and_grads, perturbed_params, small_cfg, tokens
@@ -72,7 +72,7 @@ def qkv(T=12, seed=0):
 def test_sink_attention_equals_a_plain_reference(window):
     q, k, v = qkv()
     sinks = np.array([2.0, -1.0, 0.5, 4.0], np.float32)   # 4.0: a head that mostly rests
-    got = td.capped_attention(q, k, v, None, window, scale=0.3, sinks_N=sinks)
+    got = attn.blocked(q, k, v, window=window, scale=0.3, sinks_N=sinks, block=8)
     want = reference_attention(q, k, v, sinks, window, 0.3)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
     # The sinks matter at this tolerance: without them the rows sum to one.
@@ -83,11 +83,11 @@ def test_a_sink_of_minus_infinity_is_plain_softmax_attention():
     q, k, v = qkv()
     none = np.full(4, -np.inf, np.float32)
     for window in (0, 4):
-        got = td.capped_attention(q, k, v, None, window, scale=8 ** -0.5, sinks_N=none)
-        plain = td.capped_attention(q, k, v, None, window, scale=8 ** -0.5)
+        got = attn.blocked(q, k, v, window=window, scale=8 ** -0.5, sinks_N=none, block=8)
+        plain = attn.blocked(q, k, v, window=window, scale=8 ** -0.5, block=8)
         np.testing.assert_allclose(got, plain, rtol=1e-6, atol=1e-7)
-    fused = tm.attention(q, k, v, dataclasses.replace(GPT, attention="xla"))
-    np.testing.assert_allclose(td.capped_attention(q, k, v, None, scale=8 ** -0.5, sinks_N=none),
+    fused = attn.attend(q, k, v, impl="xla", scale=8 ** -0.5)
+    np.testing.assert_allclose(attn.blocked(q, k, v, scale=8 ** -0.5, sinks_N=none),
                                fused, rtol=1e-5, atol=1e-6)
 
 

@@ -16,8 +16,8 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-import train_dense as td
 import train_moe as tm
+from common.attention import attend
 from common.data import DataConfig, prepare
 from common.mesh import MeshConfig, MeshError, make_mesh
 from tests.test_dense import _has_libtpu
@@ -110,22 +110,22 @@ def test_dropless_layer_equals_naive_per_token_loop(model):
     assert len(set(np.bincount(np.asarray(e).ravel(), minlength=8).tolist())) > 2
 
 
-@pytest.mark.parametrize("attention", ["xla", "einsum"])
-def test_attention_mask_replaces_the_causal_mask(attention):
-    """mask_BTS means what it means in train_dense.py and train_grpo.py: the whole mask. Two
-    packed segments, each causal, attend as if each were alone, as the dense one's does."""
-    m = dataclasses.replace(SMALL, attention=attention)
+@pytest.mark.parametrize("attention", ["blocked", "xla", "einsum"])
+def test_packed_segments_attend_as_if_alone(attention):
+    """Two packed segments (segment ids, as SFT's packed rows pass them), each causal, attend
+    as if each were alone, whichever kernel runs; an explicit mask_BTS (GRPO's padding and KV
+    cache) means the same pattern."""
     rng = np.random.default_rng(4)
     q = rng.standard_normal((2, 12, 4, 8), np.float32)
     k, v = (rng.standard_normal((2, 12, 2, 8), np.float32) for _ in range(2))
     seg = np.array([0] * 5 + [1] * 7)
-    mask = np.broadcast_to((seg[:, None] == seg[None, :]) & np.tri(12, dtype=bool), (2, 12, 12))
-    got = np.asarray(tm.attention(q, k, v, m, mask))
+    att = partial(attend, impl=attention, scale=8 ** -0.5)
+    got = np.asarray(att(q, k, v, segment_ids=jnp.asarray(np.stack([seg, seg]))))
     for a, b in ((0, 5), (5, 12)):
-        alone = tm.attention(q[:, a:b], k[:, a:b], v[:, a:b], m)
+        alone = att(q[:, a:b], k[:, a:b], v[:, a:b])
         np.testing.assert_allclose(got[:, a:b], alone, rtol=1e-5, atol=1e-6)
-    d = td.ModelConfig(n_heads=4, n_kv_heads=2, head_dim=8, attention=attention)
-    np.testing.assert_array_equal(got, td.attention(q, k, v, d, mask))
+    mask = np.broadcast_to((seg[:, None] == seg[None, :]) & np.tri(12, dtype=bool), (2, 12, 12))
+    np.testing.assert_allclose(got, att(q, k, v, mask_BTS=mask), rtol=1e-5, atol=1e-6)
 
 
 # ------------------------------------------------------------------- sharded == one device
@@ -386,6 +386,8 @@ def test_compile_topology_compiles_the_moe_step_for_a_tpu_slice():
                              "--mesh.expert", "2", "--mesh.fsdp", "2"]))
     assert report["devices"] == 4 and report["platform"] == "tpu"
     assert report["per_device_bytes"] > 0
+    # The TPU's grouped matmul and attention (the compile target's), not the host CPU's.
+    assert (report["grouped_matmul"], report["attention"]) == ("ragged_dot", "splash")
 
 
 def test_compile_topology_needs_dry_run():

@@ -15,6 +15,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import train_dense as td
+from common.attention import attend
 from common import data as D
 from common.checkpoint import CheckpointConfig, Checkpointer
 from common.config import may_change
@@ -297,12 +298,11 @@ def test_cudnn_with_packed_rows_is_refused_before_compiling():
     td.validate(dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, pack=False)), 8)
     with pytest.raises(D.DataError, match="--data.format sft needs --data.path"):
         D.load_dataset(D.DataConfig(format="sft"), seq_len=32)
-    # Inside the model an explicit mask (a packed row's) runs on XLA, whatever the flag asks.
+    # An explicit mask (GRPO's padding) runs on XLA, whatever the flag asks.
     q = jnp.asarray(np.random.default_rng(0).standard_normal((1, 4, 4, 8)), jnp.float32)
     mask = jnp.asarray(np.tri(4, dtype=bool))[None]
-    xla = dataclasses.replace(cfg.model, attention="xla")
-    np.testing.assert_array_equal(td.attention(q, q, q, cfg.model, mask),
-                                  td.attention(q, q, q, xla, mask))
+    np.testing.assert_array_equal(attend(q, q, q, impl="cudnn", scale=0.3, mask_BTS=mask),
+                                  attend(q, q, q, impl="xla", scale=0.3, mask_BTS=mask))
 
 
 # ---- From a pre-training run --------------------------------------------------------------
