@@ -15,7 +15,7 @@ PORT   ?= 6006
 comma  := ,
 
 .DEFAULT_GOAL := help
-.PHONY: help train test test-floors test-tpu bench bench-gpu bench-window bench-parity bench-parity-moe bench-grpo bench-recovery bench-scale dry-run prepare clean train-moe bench-moe train-grpo \
+.PHONY: help train test test-floors test-tpu bench bench-gpu bench-window bench-parity bench-parity-moe bench-grpo bench-recovery bench-scale compile-tpu dry-run prepare clean train-moe bench-moe train-grpo \
         plot tensorboard need-run sft export-hf finetune-hf hf-fixtures
 
 help:  ## list the targets
@@ -62,6 +62,12 @@ test-floors:  ## FLOOR_TESTS on the lowest versions of every dependency pyprojec
 test-tpu: $(VENV)/.installed  ## compile the training steps for a TPU slice here (installs the tpu extra)
 	$(PY) -m pip install -q -e '.[tpu]'
 	$(PY) -m pytest tests/test_dense.py tests/test_moe.py -k compile_topology $(ARGS)
+
+# Ahead-of-time compiles for TPU slices (libtpu, on this host), ours and MaxText's on the same
+# models: memory per chip, XLA's FLOPs and estimated step time, the MFU it implies. docs/tpu.md.
+compile-tpu: $(VENV)/.installed  ## per-chip memory, est. step time and MFU on TPU slices vs MaxText (compiled here)
+	$(PY) -m pip install -q -e '.[tpu]'
+	$(PY) bench/compile_tpu.py $(ARGS)
 
 bench: $(VENV)/.installed  ## tokens/s, ms/step, MFU and compile time of PRESET on synthetic tokens
 	$(PY) train_dense.py $(PRESET) --bench 10 $(ARGS)

@@ -498,8 +498,32 @@ def devices(compile_topology: str = "", compile_slices: int = 1, dry_run: bool =
     return tpu_topology_devices(compile_topology, compile_slices)
 
 
+# XLA's cost_analysis() names -> the dry-run report's keys.
+COST_KEYS = {"flops": "xla_flops", "bytes accessed": "xla_bytes_accessed",
+             "optimal_seconds": "est_step_s"}
+
+
+def xla_cost(compiled) -> dict:
+    """XLA's own estimate of a compiled step: FLOPs, bytes accessed and, on TPU, its modelled
+    step time (optimal_seconds); a key the backend does not give is absent. A while loop's
+    body (a scanned layer stack, the chunked loss) is counted once, not once per trip, so
+    `xla_while_loops` says how many the step has: with none the figures are the whole step."""
+    try:
+        cost = compiled.cost_analysis()
+    except Exception:  # a backend without the analysis raises (the error type varies): no figures
+        return {}
+    if isinstance(cost, (list, tuple)):  # older JAX: a list with one dict per computation
+        cost = cost[0] if cost else None
+    if not isinstance(cost, dict):
+        return {}
+    out = {ours: float(cost[k]) for k, ours in COST_KEYS.items()
+           if isinstance(cost.get(k), (int, float)) and cost[k] >= 0}  # XLA writes -1: unknown
+    return out | {"xla_while_loops": compiled.as_text().count(" while(")} if out else out
+
+
 def dry_run(step_fn, abstract_state, batch, mesh, n_params: int, **extra) -> dict:
-    """Compile one jitted step on abstract inputs (nothing allocated) and report memory."""
+    """Compile one jitted step on abstract inputs (nothing allocated) and report memory and
+    XLA's cost analysis (xla_cost)."""
     t0 = time.perf_counter()
     # Only tracing runs under the mesh: with --compile-topology its devices do not exist here,
     # so no eager array may be created while it is set.
@@ -507,7 +531,7 @@ def dry_run(step_fn, abstract_state, batch, mesh, n_params: int, **extra) -> dic
         compiled = step_fn.lower(abstract_state, batch).compile()
     mem = compiled.memory_analysis()
     report = {"params": n_params, **extra, "devices": mesh.size, "compile_s": time.perf_counter()
-              - t0, "platform": mesh.devices.flat[0].platform}
+              - t0, "platform": mesh.devices.flat[0].platform, **xla_cost(compiled)}
     if mem is not None:
         report |= {k: int(getattr(mem, k + "_in_bytes")) for k in
                    ("argument_size", "output_size", "alias_size", "temp_size")}
@@ -520,6 +544,12 @@ def dry_run(step_fn, abstract_state, batch, mesh, n_params: int, **extra) -> dic
         log(f"per device: {gib(report['per_device_bytes'])} = arguments "
             f"{gib(report['argument_size'])} + outputs {gib(report['output_size'])} - donated "
             f"{gib(report['alias_size'])} + temporaries {gib(report['temp_size'])}")
+    if "xla_flops" in report:
+        est = f", est. {report['est_step_s']:.4g} s/step" if "est_step_s" in report else ""
+        n = report["xla_while_loops"]
+        log(f"XLA cost per device: {report['xla_flops']:.3e} FLOPs, "
+            f"{report.get('xla_bytes_accessed', math.nan):.3e} bytes accessed{est}"
+            + (f" ({n} while loop(s), each body counted once)" if n else ""))
     return report
 
 

@@ -3,6 +3,7 @@
 # `make bench-parity-moe` (MODEL=moe). Installs itself on first use into its own Python 3.12
 # venv (MaxText needs 3.12; `maxtext[tpu]` brings its dependencies, plain `maxtext` has none).
 #   usage: bench/peers/maxtext.sh dense|moe STEPS LOG
+#          bench/peers/maxtext.sh install   (only the install; prints the venv's python)
 # Runs STEPS steps on synthetic tokens and leaves MaxText's log in LOG, whose lines
 #   completed step: N, seconds: S, ...
 # bench/stats.py reads (per-step wall times), and, appended, MaxText's exact parameter count
@@ -12,9 +13,7 @@
 # Everything else is MaxText's default (base.yml). PEER_DIR (default ~/.cache/jax-trainers/
 # peer_maxtext) holds the venv; PYTHON312 names the interpreter to build it with.
 set -eu
-MODEL=${1:?usage: maxtext.sh dense|moe STEPS LOG}
-STEPS=${2:?steps}
-LOG=${3:?log file}
+MODEL=${1:?usage: maxtext.sh dense|moe STEPS LOG, or maxtext.sh install}
 P=${PEER_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/jax-trainers/peer_maxtext}
 if [ ! -x "$P/venv/bin/python" ] || [ ! -f "$P/venv/.installed" ]; then
   mkdir -p "$P"
@@ -31,6 +30,11 @@ if [ ! -x "$P/venv/bin/python" ] || [ ! -f "$P/venv/.installed" ]; then
   "$P/venv/bin/pip" install -q 'maxtext[tpu]==0.2.5'
   touch "$P/venv/.installed"
 fi
+# bench/compile_tpu.py shares this install (one venv, one pinned version) and runs its own
+# wrapper (maxtext_compile.py) with the python printed here.
+[ "$MODEL" = install ] && { echo "$P/venv/bin/python"; exit 0; }
+STEPS=${2:?steps}
+LOG=${3:?log file}
 case $MODEL in
   dense) BLOCK="base_mlp_dim=1024" ;;
   moe) BLOCK="decoder_block=mixtral num_experts=8 num_experts_per_tok=2 base_mlp_dim=512

@@ -1,0 +1,353 @@
+"""Our training step and MaxText's, compiled for a TPU slice on this CPU host: `make compile-tpu`.
+
+For each row (a trainer and preset, a TPU topology, a per-chip batch, a sequence length, the
+layers kept) libtpu compiles one training step ahead of time, as `--dry-run --compile-topology`
+does, and the table shows what the compiled executable says about the slice: memory per chip,
+XLA's FLOPs per chip, XLA's estimated step time (cost_analysis's `optimal_seconds`, its model
+of the TPU, no hardware involved) and the MFU that estimate implies: the trainer's own model
+FLOPs per step (`flops_per_token(cfg.model, seq_len)` x tokens per step, useful work only)
+/ est. step time / (chips x the chip's peak, common/train.py PEAK_TFLOPS). Then MaxText 0.2.5
+(bench/peers/maxtext_compile.py, its `train_compile` in its own venv) on the same model,
+topology, per-chip batch and length, MFU from the same model FLOPs, and ours/MaxText ratios.
+
+Layers: both sides keep the same first N layers of the model (`--model.n-layers N`,
+MaxText's `base_num_decoder_layers=N`) so a large model compiles on a small host in minutes,
+and both unroll them (`--model.no-scan-layers`, `scan_layers=false`): XLA's cost analysis
+counts a loop body once, so with a scanned layer stack the FLOPs and the step time would
+cover one layer, not N. Memory and time are for N layers: the full model's are larger.
+For the same reason our loss runs in one chunk (`--model.loss-chunk SEQ`): the default
+chunked cross-entropy is a loop too, and at 2k tokens counting its body once took 14 of the
+76 ms of the llama3.1-8b step off the estimate. (A row's `ours=` or --ours-flags may give
+another --model.loss-chunk: the last one wins.) Any while loop still left in a compiled step
+is counted and named under the table: its figures are then lower bounds.
+
+Each compile runs in a subprocess of its own: a row that fails (out of HBM, a compiler
+error, a timeout) is reported in its cell and the table goes on, and each compile's host
+memory is returned when it ends. Ours runs in this interpreter's environment (it needs the
+tpu extra: pip install -e '.[tpu]'); MaxText in the venv bench/peers/maxtext.sh installs on
+first use. Estimates, not measurements: no TPU is touched.
+
+    python bench/compile_tpu.py                          # every row, ours and MaxText
+    python bench/compile_tpu.py --rows llama8b-2k --no-maxtext --json out.json
+    python bench/compile_tpu.py --row 'name=qwen trainer=dense preset=qwen3-8b topology=v5p-8
+        batch=1 seq=4096 layers=4 maxtext=qwen3-8b'       # a row of your own
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shlex
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from common.mesh import _TPU_FAMILIES  # noqa: E402  (accelerator type -> cores per chip)
+from common.train import PEAK_TFLOPS  # noqa: E402
+
+PEER = os.path.join(ROOT, "bench", "peers")
+OURS_PREFIX, PEER_PREFIX = "COMPILE_TPU_REPORT ", "MAXTEXT_COMPILE "
+TRAINERS = {"dense": "train_dense.py", "moe": "train_moe.py"}
+
+# One row per line: key=value words (shlex; quote a value with spaces). Required: name,
+# trainer (dense or moe), preset, topology, batch (per chip), seq, layers. Optional:
+# maxtext (MaxText's model_name; without it the row has no peer), ours (more flags for our
+# trainer), theirs (more MaxText key=value overrides).
+ROWS = [
+    "name=llama8b-2k trainer=dense preset=llama3.1-8b topology=v5p-8 batch=1 seq=2048 "
+    "layers=4 maxtext=llama3.1-8b",
+    "name=llama8b-8k trainer=dense preset=llama3.1-8b topology=v5p-8 batch=1 seq=8192 "
+    "layers=4 maxtext=llama3.1-8b",
+    "name=llama70b-8k trainer=dense preset=llama3.1-70b topology=v5p-256 batch=1 seq=8192 "
+    "layers=4 maxtext=llama3.1-70b",
+    "name=mixtral trainer=moe preset=mixtral-8x7b topology=v5p-8 batch=1 seq=4096 layers=4 "
+    "maxtext=mixtral-8x7b",
+    # One dense layer then MoE layers (the full model has 3 dense of 61): mostly experts.
+    "name=deepseek-v3 trainer=moe preset=deepseek-v3 topology=v5p-32 batch=1 seq=4096 "
+    "layers=4 ours='--model.first-k-dense 1' maxtext=deepseek3-671b "
+    "theirs='first_num_dense_layers=1'",
+    # Six layers: Gemma 3's pattern once, five sliding-window (1024) layers and a global one.
+    "name=gemma3-12b trainer=dense preset=gemma3-12b topology=v6e-8 batch=1 seq=4096 layers=6 "
+    "maxtext=gemma3-12b",
+]
+REQUIRED = ("name", "trainer", "preset", "topology", "batch", "seq", "layers")
+OPTIONAL = ("maxtext", "ours", "theirs")
+
+
+class RowError(ValueError):
+    pass
+
+
+def chips_and_peak(topology: str) -> tuple[int, float]:
+    """(chips, peak FLOP/s of one chip) of an accelerator type such as v5p-256 (cores: a v5p
+    or v4 chip has two)."""
+    gen, _, n = topology.lower().partition("-")
+    if gen not in _TPU_FAMILIES or not n.isdigit() or int(n) < 1:
+        raise RowError(f"topology {topology!r}: expected an accelerator type such as v5p-8, "
+                       f"v6e-8 or v5p-256 (families: {', '.join(_TPU_FAMILIES)})")
+    kind, cores_per_chip, _ = _TPU_FAMILIES[gen]
+    chips = int(n) // cores_per_chip
+    if chips < 1:
+        raise RowError(f"topology {topology!r}: fewer cores than one {gen} chip has "
+                       f"({cores_per_chip})")
+    return chips, PEAK_TFLOPS[f"TPU {kind}"] * 1e12
+
+
+def parse_row(spec: str) -> dict:
+    """A row from its key=value words (see ROWS), checked."""
+    try:
+        words = shlex.split(spec)
+    except ValueError as e:
+        raise RowError(f"row {spec!r}: {e}") from e
+    row = {}
+    for w in words:
+        k, eq, v = w.partition("=")
+        if not eq or k not in REQUIRED + OPTIONAL:
+            raise RowError(f"row {spec!r}: {w!r} is not one of "
+                           f"{', '.join(f'{k}=...' for k in REQUIRED + OPTIONAL)}")
+        if k in row:
+            raise RowError(f"row {spec!r}: {k} given twice")
+        row[k] = v
+    if missing := [k for k in REQUIRED if k not in row]:
+        raise RowError(f"row {spec!r}: missing {', '.join(missing)}")
+    if row["trainer"] not in TRAINERS:
+        raise RowError(f"row {row['name']}: trainer is one of {', '.join(TRAINERS)}, "
+                       f"not {row['trainer']!r}")
+    for k in ("batch", "seq", "layers"):
+        if not row[k].isdigit() or int(row[k]) < 1:
+            raise RowError(f"row {row['name']}: {k} is a positive whole number, "
+                           f"not {row[k]!r}")
+        row[k] = int(row[k])
+    row["chips"], row["peak"] = chips_and_peak(row["topology"])
+    return row
+
+
+def select(rows: list[dict], names: str) -> list[dict]:
+    """The rows named in a comma-separated list, in that order; every name must exist."""
+    by_name = {r["name"]: r for r in rows}
+    wanted = [n.strip() for n in names.split(",") if n.strip()]
+    if unknown := [n for n in wanted if n not in by_name]:
+        raise RowError(f"--rows: no row named {', '.join(unknown)}; the rows are "
+                       f"{', '.join(by_name)}")
+    return [by_name[n] for n in wanted]
+
+
+def ours_argv(row: dict, extra: str = "") -> list[str]:
+    """The trainer's flags for the row: the global batch is the per-chip batch x chips,
+    sharded over every chip (fsdp)."""
+    return [row["preset"], "--dry-run", "--compile-topology", row["topology"],
+            "--mesh.fsdp", "-1", "--train.batch-size", str(row["batch"] * row["chips"]),
+            "--train.seq-len", str(row["seq"]), "--model.n-layers", str(row["layers"]),
+            "--model.no-scan-layers", "--model.loss-chunk", str(row["seq"]), *shlex.split(row.get("ours", "")), *shlex.split(extra)]
+
+
+def maxtext_args(row: dict, extra: str = "") -> list[str]:
+    """MaxText's overrides for the row; its default mesh is fsdp over every chip too."""
+    return [f"compile_topology={row['topology']}", f"model_name={row['maxtext']}",
+            "override_model_config=True", f"base_num_decoder_layers={row['layers']}",
+            f"per_device_batch_size={row['batch']}", f"max_target_length={row['seq']}",
+            "scan_layers=false", *shlex.split(row.get("theirs", "")), *shlex.split(extra)]
+
+
+def model_flops_per_step(row: dict, extra: str = "") -> float:
+    """The trainer's own count (its flops_per_token) for the row's model x tokens per step."""
+    import importlib
+    mod = importlib.import_module(TRAINERS[row["trainer"]].removesuffix(".py"))
+    cfg = mod.cli(ours_argv(row, extra))
+    return mod.flops_per_token(cfg.model, row["seq"]) * row["batch"] * row["chips"] * row["seq"]
+
+
+def mfu(flops_per_step: float, step_s: float | None, chips: int, peak: float) -> float:
+    """Model FLOPs utilisation the estimated step time implies; NaN without an estimate."""
+    if not step_s or not peak:
+        return math.nan
+    return flops_per_step / step_s / (chips * peak)
+
+
+def run_one(cmd: list[str], prefix: str, log_path: str, timeout: float, env=None) -> dict:
+    """One compile in a subprocess: its report (the JSON after `prefix` on stdout), or
+    {"error": the reason} when it fails; "wall_s" either way. The whole output goes to log_path."""
+    t0 = time.perf_counter()
+    try:
+        out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
+                             timeout=timeout)
+        text, rc = out.stdout + out.stderr, out.returncode
+    except subprocess.TimeoutExpired as e:
+        text = (e.stdout or b"").decode(errors="replace") + (e.stderr or b"").decode(
+            errors="replace")
+        rc = f"timed out after {timeout:.0f} s"
+    wall = time.perf_counter() - t0
+    os.makedirs(os.path.dirname(log_path) or ".", exist_ok=True)
+    with open(log_path, "w") as f:
+        f.write(" ".join(map(shlex.quote, cmd)) + "\n\n" + text)
+    for line in reversed(text.splitlines()):
+        if line.startswith(prefix):
+            return json.loads(line[len(prefix):]) | {"wall_s": wall}
+    return {"error": failure_reason(text, rc), "wall_s": wall}
+
+
+def failure_reason(text: str, rc) -> str:
+    """The line of a failed compile's output that says why: the compiler's out-of-memory or
+    error line if there is one, else the last line."""
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    for key in ("RESOURCE_EXHAUSTED", "Ran out of memory", "error:", "Error:", "Error"):
+        hits = [ln for ln in lines if key in ln]
+        if hits:
+            return hits[-1][:300]
+    return (lines[-1][:300] if lines else "no output") + f" (exit {rc})"
+
+
+def compile_ours(row: dict, extra: str, log_dir: str, timeout: float) -> dict:
+    # Another process may hold libtpu's lock file; compiling needs no exclusive TPU.
+    env = dict(os.environ, ALLOW_MULTIPLE_LIBTPU_LOAD="1")
+    cmd = [sys.executable, os.path.abspath(__file__), "--one", TRAINERS[row["trainer"]],
+           *ours_argv(row, extra)]
+    return run_one(cmd, OURS_PREFIX, os.path.join(log_dir, f"{row['name']}.ours.log"),
+                   timeout, env)
+
+
+def maxtext_python() -> str:
+    """The MaxText venv's python: bench/peers/maxtext.sh's install (once), shared with
+    `make bench-parity`."""
+    out = subprocess.run(["bash", os.path.join(PEER, "maxtext.sh"), "install"],
+                         capture_output=True, text=True)
+    if out.returncode:
+        raise SystemExit(f"error: installing MaxText failed:\n{out.stderr[-2000:]}")
+    return out.stdout.strip().splitlines()[-1]
+
+
+def compile_maxtext(row: dict, extra: str, python: str, log_dir: str, timeout: float) -> dict:
+    env = dict(os.environ, ALLOW_MULTIPLE_LIBTPU_LOAD="1")
+    cmd = [python, os.path.join(PEER, "maxtext_compile.py"), *maxtext_args(row, extra)]
+    return run_one(cmd, PEER_PREFIX, os.path.join(log_dir, f"{row['name']}.maxtext.log"),
+                   timeout, env)
+
+
+def one(trainer: str, argv: list[str]) -> None:
+    """The subprocess: our trainer's dry run for the TPU, its report as one JSON line."""
+    import importlib
+    from importlib.metadata import version
+    mod = importlib.import_module(trainer.removesuffix(".py"))
+    report = mod.main(mod.cli(argv))
+    report["versions"] = {p: version(p) for p in ("jax", "jaxlib", "libtpu")}
+    print(OURS_PREFIX + json.dumps(report), flush=True)
+
+
+# ---- the table
+
+GIB = 2**30
+
+
+def _pair(a, b, fmt: str) -> str:
+    f = lambda x: "-" if x is None or (isinstance(x, float) and math.isnan(x)) else fmt.format(x)
+    return f"{f(a)} / {f(b)}"
+
+
+def _ratio(a, b) -> str:
+    ok = lambda x: isinstance(x, (int, float)) and not math.isnan(x) and x > 0
+    return f"{a / b:.2f}" if ok(a) and ok(b) else "-"
+
+
+def summarize(result: dict) -> dict:
+    """One row's figures for the table from its reports: ours, theirs, the ratios."""
+    row, flops = result["row"], result["model_flops_per_step"]
+    out = {}
+    for side in ("ours", "maxtext"):
+        r = result.get(side) or {}
+        out[side] = {
+            "mem_gib": r["per_device_bytes"] / GIB if "per_device_bytes" in r else None,
+            "xla_tflop": r["xla_flops"] / 1e12 if "xla_flops" in r else None,
+            "est_s": r.get("est_step_s"),
+            "mfu": mfu(flops, r.get("est_step_s"), row["chips"], row["peak"]),
+            "compile_s": r.get("compile_s"), "error": r.get("error")}
+    return out
+
+
+def table(results: list[dict]) -> str:
+    """Markdown: one line per row, each cell `ours / MaxText`, then the ratios ours/MaxText
+    (step time and memory: below 1 is ours smaller), then any failure's reason."""
+    head = ("| row | model (layers kept) | TPU (chips) | batch/chip x seq | GiB per chip | "
+            "XLA TFLOP per chip | est. s/step | MFU | compile s | step ours/MT | mem ours/MT |")
+    lines = [head, "|" + " --- |" * head.count(" | ") + " --- |"]
+    notes = []
+    for res in results:
+        row, s = res["row"], summarize(res)
+        o, m = s["ours"], s["maxtext"]
+        lines.append(
+            f"| {row['name']} | {row['preset']} ({row['layers']}) | {row['topology']} "
+            f"({row['chips']}) | {row['batch']} x {row['seq']} | "
+            f"{_pair(o['mem_gib'], m['mem_gib'], '{:.2f}')} | "
+            f"{_pair(o['xla_tflop'], m['xla_tflop'], '{:.1f}')} | "
+            f"{_pair(o['est_s'], m['est_s'], '{:.4f}')} | "
+            f"{_pair(100 * o['mfu'], 100 * m['mfu'], '{:.1f}%')} | "
+            f"{_pair(o['compile_s'], m['compile_s'], '{:.0f}')} | "
+            f"{_ratio(o['est_s'], m['est_s'])} | {_ratio(o['mem_gib'], m['mem_gib'])} |")
+        for side, who in (("ours", "ours"), ("maxtext", "MaxText")):
+            if s[side]["error"]:
+                notes.append(f"- {row['name']}, {who}: {s[side]['error']}")
+            elif n := (res.get(side) or {}).get("xla_while_loops"):
+                notes.append(f"- {row['name']}, {who}: {n} while loop(s) in the step, each "
+                             "body counted once: FLOPs and est. time are lower bounds")
+            elif res.get(side) is None and side == "maxtext":
+                notes.append(f"- {row['name']}, MaxText: not run")
+    return "\n".join(lines + ([""] + notes if notes else []))
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rows", default="", help="comma-separated row names (default: all): "
+                    + ", ".join(shlex.split(r)[0].removeprefix("name=") for r in ROWS))
+    ap.add_argument("--row", action="append", default=[], metavar="SPEC",
+                    help="another row, as key=value words (see ROWS in this file)")
+    ap.add_argument("--no-maxtext", action="store_true", help="ours only, no peer")
+    ap.add_argument("--json", default="", metavar="PATH", help="write every report here")
+    ap.add_argument("--ours-flags", default="", help="more flags for every one of our compiles")
+    ap.add_argument("--maxtext-flags", default="", help="more MaxText key=value overrides")
+    ap.add_argument("--log-dir", default=os.path.join(ROOT, "runs", "compile-tpu"),
+                    help="each compile's whole output, ROW.ours.log / ROW.maxtext.log")
+    ap.add_argument("--timeout", type=float, default=3600, help="seconds per compile")
+    args = ap.parse_args(argv)
+    try:
+        rows = [parse_row(s) for s in ROWS + args.row]
+        if args.rows:
+            rows = select(rows, args.rows)
+        elif args.row:   # only the rows given
+            rows = rows[len(ROWS):]
+        flops = {r["name"]: model_flops_per_step(r, args.ours_flags) for r in rows}
+    except RowError as e:
+        sys.exit(f"error: {e}")
+    python = None if args.no_maxtext else maxtext_python()
+    results = []
+    for row in rows:
+        res = {"row": row, "model_flops_per_step": flops[row["name"]]}
+        print(f"{row['name']}: compiling ours ...", file=sys.stderr, flush=True)
+        res["ours"] = compile_ours(row, args.ours_flags, args.log_dir, args.timeout)
+        print(f"{row['name']}: ours {_brief(res['ours'])}", file=sys.stderr, flush=True)
+        if python and row.get("maxtext"):
+            print(f"{row['name']}: compiling MaxText ...", file=sys.stderr, flush=True)
+            res["maxtext"] = compile_maxtext(row, args.maxtext_flags, python, args.log_dir,
+                                             args.timeout)
+            print(f"{row['name']}: MaxText {_brief(res['maxtext'])}", file=sys.stderr,
+                  flush=True)
+        results.append(res)
+        if args.json:   # after every row, so a long run interrupted keeps what it has
+            with open(args.json, "w") as f:
+                json.dump({"command": sys.argv, "results": results}, f, indent=1)
+    print(table(results))
+
+
+def _brief(r: dict) -> str:
+    if "error" in r:
+        return f"failed after {r['wall_s']:.0f} s: {r['error']}"
+    return (f"{r.get('per_device_bytes', 0) / GIB:.2f} GiB/chip, est "
+            f"{r.get('est_step_s', math.nan):.4f} s/step, {r['wall_s']:.0f} s")
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--one"]:
+        one(sys.argv[2], sys.argv[3:])
+    else:
+        main()

@@ -1,0 +1,195 @@
+"""bench/compile_tpu.py (`make compile-tpu`) and the dry run's XLA cost analysis it reads:
+the rows, the arithmetic of the table, the subprocess plumbing, and on the CPU the cost keys
+that common/train.py dry_run reports. The TPU compile itself needs libtpu (skipped without)."""
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+import train_dense as td
+from bench import compile_tpu as ct
+from common import train
+from tests.test_dense import _has_libtpu
+
+LLAMA_2K = ct.parse_row(ct.ROWS[0])
+# The llama3.1-8b step cut to 4 layers at 2048 tokens, by hand (train_dense.flops_per_token's
+# formula): 4 layers of q, k, v, o, gate, up, down, the unembedding, attention's two products.
+_PER_LAYER = 4096 * 32 * 128 * 2 + 2 * 4096 * 8 * 128 + 3 * 4096 * 14336
+_FWD = 2 * (4 * _PER_LAYER + 4096 * 128256) + 2 * 2 * 4 * 2048 * 32 * 128
+LLAMA_2K_FLOPS = 3 * _FWD * 4 * 2048   # 4 chips x 1 sequence x 2048 tokens
+
+
+def test_builtin_rows_parse_and_name_their_chips_and_peak():
+    rows = [ct.parse_row(s) for s in ct.ROWS]
+    assert len({r["name"] for r in rows}) == len(rows)
+    assert (LLAMA_2K["chips"], LLAMA_2K["peak"]) == (4, 459e12)   # v5p-8: 2 cores a chip
+    by = {r["name"]: r for r in rows}
+    assert by["llama70b-8k"]["chips"] == 128 and by["gemma3-12b"]["chips"] == 8
+    assert by["gemma3-12b"]["peak"] == 918e12
+    assert by["deepseek-v3"]["ours"] == "--model.first-k-dense 1"   # quoted value kept whole
+
+
+@pytest.mark.parametrize("spec,says", [
+    ("name=a trainer=dense preset=tiny topology=v5p-8 batch=1 seq=256", "missing layers"),
+    ("name=a trainer=dense preset=tiny topology=v5p-8 batch=1 seq=256 layers=2 size=3", "size=3"),
+    ("name=a trainer=dense preset=tiny topology=v5p-8 batch=0 seq=256 layers=2", "batch"),
+    ("name=a trainer=dense preset=tiny topology=v5p-8 batch=1 seq=2k layers=2", "'2k'"),
+    ("name=a trainer=gpt preset=tiny topology=v5p-8 batch=1 seq=256 layers=2", "'gpt'"),
+    ("name=a trainer=dense preset=tiny topology=v9-8 batch=1 seq=256 layers=2", "'v9-8'"),
+    ("name=a trainer=dense preset=tiny topology=v5p-1 batch=1 seq=256 layers=2", "one v5p chip"),
+    ("name=a name=b trainer=dense preset=tiny topology=v5p-8 batch=1 seq=256 layers=2", "twice"),
+    ("name=a ours='--x", "quotation"),
+])
+def test_a_bad_row_says_what_is_wrong(spec, says):
+    with pytest.raises(ct.RowError) as e:
+        ct.parse_row(spec)
+    assert says in str(e.value)
+
+
+def test_rows_are_selected_by_name_in_order_and_an_unknown_name_lists_the_rows():
+    rows = [ct.parse_row(s) for s in ct.ROWS]
+    assert [r["name"] for r in ct.select(rows, "mixtral, llama8b-2k")] == ["mixtral",
+                                                                          "llama8b-2k"]
+    with pytest.raises(ct.RowError) as e:
+        ct.select(rows, "llama8b-2k,llama-9b")
+    assert "llama-9b" in str(e.value) and "gemma3-12b" in str(e.value)
+
+
+def test_both_sides_get_the_same_model_shape_and_unrolled_layers():
+    argv = ct.ours_argv(LLAMA_2K, "--model.remat dots")
+    flag = lambda f: argv[argv.index(f) + 1]
+    assert flag("--train.batch-size") == "4" and flag("--train.seq-len") == "2048"
+    assert flag("--model.n-layers") == "4" and "--model.no-scan-layers" in argv
+    assert flag("--model.loss-chunk") == "2048"   # no loss loop for the cost analysis
+    assert argv[-2:] == ["--model.remat", "dots"]   # extra flags come last: they win
+    theirs = ct.maxtext_args(LLAMA_2K)
+    for kv in ("compile_topology=v5p-8", "model_name=llama3.1-8b", "per_device_batch_size=1",
+               "max_target_length=2048", "base_num_decoder_layers=4", "scan_layers=false"):
+        assert kv in theirs
+    ds = ct.parse_row(ct.ROWS[4])
+    assert "first_num_dense_layers=1" in ct.maxtext_args(ds)
+    assert ct.ours_argv(ds)[-2:] == ["--model.first-k-dense", "1"]
+
+
+def test_model_flops_are_the_trainers_count_of_the_cut_model():
+    assert ct.model_flops_per_step(LLAMA_2K) == LLAMA_2K_FLOPS
+
+
+def test_mfu_is_model_flops_over_est_time_over_the_slices_peak():
+    assert ct.mfu(LLAMA_2K_FLOPS, 0.0622, 4, 459e12) == pytest.approx(
+        LLAMA_2K_FLOPS / 0.0622 / (4 * 459e12))
+    assert ct.mfu(LLAMA_2K_FLOPS, 0.0622, 4, 459e12) == pytest.approx(0.6305, abs=1e-4)
+    assert math.isnan(ct.mfu(LLAMA_2K_FLOPS, None, 4, 459e12))
+
+
+def _canned(**ours):
+    return {"row": LLAMA_2K, "model_flops_per_step": LLAMA_2K_FLOPS,
+            "ours": {"per_device_bytes": int(17.5 * 2**30), "xla_flops": 18.1e12,
+                     "est_step_s": 0.0763, "compile_s": 66.0, "xla_while_loops": 0} | ours,
+            "maxtext": {"per_device_bytes": int(8.75 * 2**30), "xla_flops": 19.8e12,
+                        "est_step_s": 0.0709, "compile_s": 112.6, "xla_while_loops": 0}}
+
+
+def test_table_shows_each_side_and_the_ratios():
+    text = ct.table([_canned()])
+    line = [ln for ln in text.splitlines() if ln.startswith("| llama8b-2k")][0]
+    cells = [c.strip() for c in line.strip("|").split("|")]
+    assert cells[4] == "17.50 / 8.75"                                    # GiB per chip
+    assert cells[5] == "18.1 / 19.8"                                     # XLA TFLOP per chip
+    assert cells[6] == "0.0763 / 0.0709"
+    mfu_o, mfu_m = (100 * LLAMA_2K_FLOPS / s / (4 * 459e12) for s in (0.0763, 0.0709))
+    assert cells[7] == f"{mfu_o:.1f}% / {mfu_m:.1f}%"
+    assert cells[9] == f"{0.0763 / 0.0709:.2f}" and cells[10] == "2.00"
+    assert len(cells) == text.splitlines()[0].count("|") - 1
+
+
+def test_table_names_a_failure_and_a_loop_counted_once():
+    bad = _canned()
+    bad["maxtext"] = {"error": "RESOURCE_EXHAUSTED: Ran out of memory in memory space hbm",
+                      "wall_s": 30.0}
+    text = ct.table([bad, _canned(xla_while_loops=2)])
+    assert "0.0763 / -" in text and "| - | - |" in text                 # no ratio without both
+    assert "llama8b-2k, MaxText: RESOURCE_EXHAUSTED" in text
+    assert "llama8b-2k, ours: 2 while loop(s)" in text
+
+
+def test_run_one_reads_the_report_line_and_says_why_a_compile_failed(tmp_path):
+    ok = ct.run_one([sys.executable, "-c", "print('noise'); print('REPORT {\"x\": 1}')"],
+                    "REPORT ", str(tmp_path / "ok.log"), timeout=60)
+    assert ok["x"] == 1 and ok["wall_s"] > 0
+    assert "noise" in (tmp_path / "ok.log").read_text()
+    oom = ct.run_one([sys.executable, "-c", "import sys; print('a'); sys.exit("
+                      "'jax.errors.JaxRuntimeError: RESOURCE_EXHAUSTED: 120G of 95G hbm')"],
+                     "REPORT ", str(tmp_path / "oom.log"), timeout=60)
+    assert oom["error"].startswith("jax.errors.JaxRuntimeError: RESOURCE_EXHAUSTED")
+    slow = ct.run_one([sys.executable, "-c", "import time; time.sleep(30)"], "REPORT ",
+                      str(tmp_path / "slow.log"), timeout=1)
+    assert "timed out after 1 s" in slow["error"]
+
+
+class _Compiled:
+    def __init__(self, cost, text="ENTRY main {}"):
+        self.cost, self.text = cost, text
+
+    def cost_analysis(self):
+        if isinstance(self.cost, Exception):
+            raise self.cost
+        return self.cost
+
+    def as_text(self):
+        return self.text
+
+
+@pytest.mark.parametrize("cost,want", [
+    ({"flops": 10.0, "bytes accessed": 4.0, "optimal_seconds": 0.5, "utilization0{}": 1.0},
+     {"xla_flops": 10.0, "xla_bytes_accessed": 4.0, "est_step_s": 0.5, "xla_while_loops": 0}),
+    ([{"flops": 10.0}], {"xla_flops": 10.0, "xla_while_loops": 0}),           # older JAX
+    ({"flops": 10.0, "optimal_seconds": -1.0}, {"xla_flops": 10.0, "xla_while_loops": 0}),
+    (None, {}), ([], {}), (NotImplementedError("no cost model"), {}), ({}, {}),
+])
+def test_xla_cost_takes_every_shape_cost_analysis_returns(cost, want):
+    assert train.xla_cost(_Compiled(cost)) == want
+
+
+def test_xla_cost_counts_while_loops():
+    text = "%w = (s32[]) while(%t), condition=%c, body=%b\n %v = f32[] while(%u), body=%d"
+    assert train.xla_cost(_Compiled({"flops": 1.0}, text))["xla_while_loops"] == 2
+
+
+def test_dry_run_reports_xla_cost_on_the_cpu():
+    """XLA:CPU gives FLOPs and bytes (no modelled time). Unrolled, with the loss in one chunk,
+    the step has no loop, and its FLOPs over the devices are the model's plus remat's
+    recomputed forward: between 1x and 1.5x the trainer's own count. Scanned, the layer
+    stack is a loop whose body is counted once."""
+    flat = td.main(td.cli(["tiny", "--dry-run", "--mesh.fsdp", "8", "--model.no-scan-layers",
+                           "--quiet"]))
+    cfg = td.cli(["tiny"])
+    model = td.flops_per_token(cfg.model, cfg.train.seq_len) * cfg.train.batch_size * \
+        cfg.train.seq_len
+    assert flat["xla_while_loops"] == 0 and flat["xla_bytes_accessed"] > 0
+    assert 1.0 < flat["xla_flops"] * flat["devices"] / model < 1.5
+    assert flat.get("est_step_s", 1.0) > 0
+    scanned = td.main(td.cli(["tiny", "--dry-run", "--mesh.fsdp", "8", "--quiet"]))
+    assert scanned["xla_while_loops"] >= 1
+    assert scanned["xla_flops"] < 0.6 * flat["xla_flops"]   # 1 of tiny's 4 layers counted
+
+
+def test_maxtext_wrapper_refuses_words_that_are_not_overrides():
+    out = subprocess.run([sys.executable, ct.os.path.join(ct.PEER, "maxtext_compile.py"),
+                          "v5p-8"], capture_output=True, text=True)
+    assert out.returncode and "key=value" in out.stderr
+
+
+@pytest.mark.skipif(not _has_libtpu(), reason="ahead-of-time TPU compilation needs libtpu "
+                    "(pip install -e '.[tpu]'): `make test-tpu`, a leg of .ci/run")
+def test_our_compile_for_a_tpu_slice_reports_an_estimated_step(tmp_path):
+    row = ct.parse_row("name=t trainer=dense preset=tiny topology=v5p-8 batch=2 seq=256 "
+                       "layers=2")
+    report = ct.compile_ours(row, "", str(tmp_path), timeout=600)
+    assert "error" not in report, report
+    assert report["devices"] == 4 and report["platform"] == "tpu"
+    assert report["est_step_s"] > 0 and report["xla_flops"] > 0
+    assert report["xla_while_loops"] == 0 and report["versions"]["libtpu"]
+    json.dumps(report)
