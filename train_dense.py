@@ -357,6 +357,10 @@ def constrain(x, spec: P):
 
 
 ACT_BTD = P(BATCH_AXES, None, None)  # activations between blocks: batch-sharded, d replicated
+# The loss is vocabulary-parallel: the unembedding split on V over fsdp too, the hidden states
+# gathered over fsdp instead ([B, T, D] is far smaller than [D, V]), so no device holds the
+# whole weight or its float32 gradient; the logsumexp and dh add up over the V shards.
+VOCAB_DV, LOSS_BTD = P(None, ("tensor", "fsdp")), P("data", None, None)
 
 
 def rms_norm(x, w, eps):
@@ -444,10 +448,10 @@ def hidden(params: dict, tokens_BT, cfg: ModelConfig, segment_ids=None, position
     sequence per row, positions 0..T-1.
     """
     dt = jnp.dtype(cfg.dtype)
-    # Gather the table's fsdp shards first (as FSDP does for every weight): a lookup into a
-    # table split on d makes XLA replicate the whole result and re-split it.
-    embed = constrain(params["embed"], P("tensor", None))
-    x = constrain(jnp.take(embed, tokens_BT, axis=0).astype(dt), ACT_BTD)
+    # Gather the table's fsdp shards first (as FSDP does for every weight), in the compute
+    # dtype: a lookup into a table split on d makes XLA replicate the whole result.
+    embed = constrain(params["embed"].astype(dt), P("tensor", None))
+    x = constrain(jnp.take(embed, tokens_BT, axis=0), ACT_BTD)
     x = x * jnp.asarray(math.sqrt(cfg.d_model), dt) if cfg.embed_scale else x
     pos_BT = (jnp.broadcast_to(jnp.arange(tokens_BT.shape[1]), tokens_BT.shape)
               if positions is None else positions)
@@ -504,10 +508,10 @@ def loss_sums(params: dict, batch, cfg: ModelConfig, z_loss: float = 0.0,
     """
     inputs, targets, weights, segment_ids, positions = split_batch(batch)
     h_BTD, stats = hidden(params, inputs, cfg, segment_ids, positions, max_logits)
-    w_DV = unembedding(params, cfg).astype(h_BTD.dtype)
+    w_DV = constrain(unembedding(params, cfg).astype(h_BTD.dtype), VOCAB_DV)
     ce_impl = _ce_fused if cfg.loss_impl == "fused" else _ce_remat
-    return *ce_impl(h_BTD, w_DV, targets, weights, cfg.loss_chunk, z_loss,
-                    cfg.final_softcap), stats
+    return *ce_impl(constrain(h_BTD, LOSS_BTD), w_DV, targets, weights, cfg.loss_chunk, z_loss,
+                    cfg.final_softcap, not cfg.scan_layers), stats
 
 
 def train_step(state: dict, batch, *, cfg: Config, tx):
@@ -598,7 +602,8 @@ def _softcap(logits, cap: float):
     return cap * jnp.tanh(logits / cap) if cap else logits   # Gemma 2's final soft-cap
 
 
-def _ce_remat(h_BTD, w_DV, t_BT, wt_BT, chunk: int, z_loss: float, cap: float = 0.0):
+def _ce_remat(h_BTD, w_DV, t_BT, wt_BT, chunk: int, z_loss: float, cap: float = 0.0,
+              unroll: bool = False):
     """Cross-entropy over sequence chunks, each chunk's logits rebuilt in the backward pass."""
     h_nBCD, t_nBC, wt_nBC = _chunked(chunk, h_BTD, t_BT, wt_BT)
 
@@ -608,19 +613,20 @@ def _ce_remat(h_BTD, w_DV, t_BT, wt_BT, chunk: int, z_loss: float, cap: float = 
         logits = _softcap(jnp.einsum("bcd,dv->bcv", h_BCD, w_DV,
                                      preferred_element_type=jnp.float32), cap)
         lse = jax.nn.logsumexp(logits, axis=-1)
-        ce = lse - jnp.take_along_axis(logits, t_BC[..., None], axis=-1)[..., 0]
+        ce = lse - jnp.sum(logits * jax.nn.one_hot(t_BC, logits.shape[-1]), axis=-1)
         z = lse * lse
         if wt_BC is not None:
             ce, z = ce * wt_BC, z * wt_BC
         return (carry[0] + jnp.sum(ce), carry[1] + jnp.sum(z)), None
 
     zero = jnp.zeros((), jnp.float32)
-    (ce, z), _ = jax.lax.scan(one, (zero, zero), (h_nBCD, t_nBC, wt_nBC))
+    (ce, z), _ = jax.lax.scan(one, (zero, zero), (h_nBCD, t_nBC, wt_nBC), unroll=unroll)
     return ce + z_loss * z, ce
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
-def _ce_fused(h_BTD, w_DV, t_BT, wt_BT, chunk: int, z_loss: float, cap: float = 0.0):
+@partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+def _ce_fused(h_BTD, w_DV, t_BT, wt_BT, chunk: int, z_loss: float, cap: float = 0.0,
+              unroll: bool = False):
     """Cross-entropy whose gradient is made in the same pass as the loss, chunk by chunk.
 
     For logits l, p = softmax(l) and target t, d(ce)/dl = p - onehot(t) and
@@ -631,10 +637,10 @@ def _ce_fused(h_BTD, w_DV, t_BT, wt_BT, chunk: int, z_loss: float, cap: float = 
     cross-entropy is a report. Per-token weights wt_BT (None = all 1) scale each target's
     terms and their gradient alike; they are data, never differentiated.
     """
-    return _ce_fused_fwd(h_BTD, w_DV, t_BT, wt_BT, chunk, z_loss, cap)[0]
+    return _ce_fused_fwd(h_BTD, w_DV, t_BT, wt_BT, chunk, z_loss, cap, unroll)[0]
 
 
-def _ce_fused_fwd(h_BTD, w_DV, t_BT, wt_BT, chunk, z_loss, cap=0.0):
+def _ce_fused_fwd(h_BTD, w_DV, t_BT, wt_BT, chunk, z_loss, cap=0.0, unroll=False):
     h_nBCD, t_nBC, wt_nBC = _chunked(chunk, h_BTD, t_BT, wt_BT)
     V = w_DV.shape[1]
 
@@ -644,9 +650,10 @@ def _ce_fused_fwd(h_BTD, w_DV, t_BT, wt_BT, chunk, z_loss, cap=0.0):
         logits = _softcap(jnp.einsum("bcd,dv->bcv", h_BCD, w_DV,
                                      preferred_element_type=jnp.float32), cap)
         lse = jax.nn.logsumexp(logits, axis=-1)
-        tgt = jnp.take_along_axis(logits, t_BC[..., None], axis=-1)[..., 0]
+        hot = jax.nn.one_hot(t_BC, V, dtype=logits.dtype)
+        tgt = jnp.sum(logits * hot, axis=-1)   # not a gather: the vocabulary is split (VOCAB_DV)
         p = jnp.exp(logits - lse[..., None])
-        dl = p * (1.0 + 2.0 * z_loss * lse)[..., None] - jax.nn.one_hot(t_BC, V, dtype=p.dtype)
+        dl = p * (1.0 + 2.0 * z_loss * lse)[..., None] - hot
         ce_BC, z_BC = lse - tgt, lse * lse
         if wt_BC is not None:
             dl, ce_BC, z_BC = dl * wt_BC[..., None], ce_BC * wt_BC, z_BC * wt_BC
@@ -660,12 +667,13 @@ def _ce_fused_fwd(h_BTD, w_DV, t_BT, wt_BT, chunk, z_loss, cap=0.0):
 
     zero = jnp.zeros((), jnp.float32)
     (obj, ce, dw_DV), dh_nBCD = jax.lax.scan(
-        one, (zero, zero, jnp.zeros(w_DV.shape, jnp.float32)), (h_nBCD, t_nBC, wt_nBC))
+        one, (zero, zero, jnp.zeros(w_DV.shape, jnp.float32)), (h_nBCD, t_nBC, wt_nBC),
+        unroll=unroll)
     dh_BTD = dh_nBCD.swapaxes(0, 1).reshape(h_BTD.shape)
     return (obj, ce), (dh_BTD, dw_DV.astype(w_DV.dtype))
 
 
-def _ce_fused_bwd(chunk, z_loss, cap, res, g):
+def _ce_fused_bwd(chunk, z_loss, cap, unroll, res, g):
     dh_BTD, dw_DV = res
     g_obj = g[0]
     return ((g_obj * dh_BTD).astype(dh_BTD.dtype), (g_obj * dw_DV).astype(dw_DV.dtype), None,

@@ -395,10 +395,10 @@ def hidden(params: dict, tokens_BT, cfg: ModelConfig, pos_BT=None, mask_BTS=None
     train_dense.py's `hidden` with the defaults. Left-padded rows pass positions counted from
     their first real token and a mask that hides the padding. With `cache` (keys and values
     [L, B, S, K, H]) the tokens sit at columns index..index+T-1 and are written in."""
-    # Gather the table's fsdp shards first (as FSDP does for every weight): a lookup into a
-    # table split on d makes XLA replicate the whole result and re-split it.
-    embed = constrain(params["embed"], P("tensor", None))
-    x = constrain(jnp.take(embed, tokens_BT, axis=0).astype(jnp.dtype(cfg.dtype)), ACT_BTD)
+    # Gather the table's fsdp shards first (as FSDP does for every weight), in the compute
+    # dtype: a lookup into a table split on d makes XLA replicate the whole result.
+    embed = constrain(params["embed"].astype(jnp.dtype(cfg.dtype)), P("tensor", None))
+    x = constrain(jnp.take(embed, tokens_BT, axis=0), ACT_BTD)
     if pos_BT is None:
         pos_BT = jnp.broadcast_to(jnp.arange(tokens_BT.shape[1]), tokens_BT.shape)
     inv_freq = rope_inv_freq(cfg)

@@ -495,6 +495,8 @@ def constrain(x, spec: P):
 
 
 ACT_BTD = P(MOE_BATCH, None, None)  # activations between blocks: batch-sharded, d replicated
+# The loss is vocabulary-parallel (train_dense.py's VOCAB_DV), over fsdp and expert here.
+VOCAB_DV, LOSS_BTD = P(None, ("tensor", "fsdp", "expert")), P("data", None, None)
 
 
 def rms_norm(x, w, eps):
@@ -896,10 +898,10 @@ def hidden(params: dict, tokens_BT, cfg: ModelConfig, max_logits: bool = False):
     """Token ids -> (final-normed hidden states [B, T, D], per-layer routing stats [L], and
     with max_logits each head's largest attention logit, "max_logit" [L, N])."""
     dt = jnp.dtype(cfg.dtype)
-    # Gather the table's fsdp shards first (as FSDP does for every weight): a lookup into a
-    # table split on d makes XLA replicate the whole result and re-split it.
-    embed = constrain(params["embed"], P("tensor", None))
-    x = constrain(jnp.take(embed, tokens_BT, axis=0).astype(dt), ACT_BTD)
+    # Gather the table's fsdp shards first (as FSDP does for every weight), in the compute
+    # dtype: a lookup into a table split on d makes XLA replicate the whole result.
+    embed = constrain(params["embed"].astype(dt), P("tensor", None))
+    x = constrain(jnp.take(embed, tokens_BT, axis=0), ACT_BTD)
     pos_BT = jnp.broadcast_to(jnp.arange(tokens_BT.shape[1]), tokens_BT.shape)
     inv_freq = rope_inv_freq(cfg)
     L, W, n, Kd = cfg.n_layers, cfg.sliding_window, cfg.global_every, cfg.first_k_dense
@@ -949,8 +951,9 @@ def loss_fn(params, batch_BT1, cfg: ModelConfig, t: TrainConfig = TrainConfig())
     gradient with their loss, so no logits are kept or rebuilt for the backward pass."""
     inputs, targets = batch_BT1[:, :-1], batch_BT1[:, 1:]
     h_BTD, stats = hidden(params, inputs, cfg, max_logits=t.qk_clip_threshold > 0)
-    w_DV = unembedding(params, cfg).astype(h_BTD.dtype)
-    obj, ce = _ce_fused(h_BTD, w_DV, targets, None, cfg.loss_chunk, t.z_loss, 0.0)
+    w_DV = constrain(unembedding(params, cfg).astype(h_BTD.dtype), VOCAB_DV)
+    obj, ce = _ce_fused(constrain(h_BTD, LOSS_BTD), w_DV, targets, None, cfg.loss_chunk,
+                        t.z_loss, 0.0, not cfg.scan_layers)
     n = targets.size
     return (obj / n + t.load_balance_loss * jnp.mean(stats["aux_loss"]) + t.router_z_loss
             * jnp.mean(stats["router_z"])), {"ce": ce / n, **stats}
@@ -970,8 +973,9 @@ def _softcap(logits, cap: float):
     return cap * jnp.tanh(logits / cap) if cap else logits   # Gemma 2's final soft-cap
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
-def _ce_fused(h_BTD, w_DV, t_BT, wt_BT, chunk: int, z_loss: float, cap: float = 0.0):
+@partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+def _ce_fused(h_BTD, w_DV, t_BT, wt_BT, chunk: int, z_loss: float, cap: float = 0.0,
+              unroll: bool = False):
     """Cross-entropy whose gradient is made in the same pass as the loss, chunk by chunk.
 
     For logits l, p = softmax(l) and target t, d(ce)/dl = p - onehot(t) and
@@ -982,10 +986,10 @@ def _ce_fused(h_BTD, w_DV, t_BT, wt_BT, chunk: int, z_loss: float, cap: float = 
     cross-entropy is a report. Per-token weights wt_BT (None = all 1) scale each target's
     terms and their gradient alike; they are data, never differentiated.
     """
-    return _ce_fused_fwd(h_BTD, w_DV, t_BT, wt_BT, chunk, z_loss, cap)[0]
+    return _ce_fused_fwd(h_BTD, w_DV, t_BT, wt_BT, chunk, z_loss, cap, unroll)[0]
 
 
-def _ce_fused_fwd(h_BTD, w_DV, t_BT, wt_BT, chunk, z_loss, cap=0.0):
+def _ce_fused_fwd(h_BTD, w_DV, t_BT, wt_BT, chunk, z_loss, cap=0.0, unroll=False):
     h_nBCD, t_nBC, wt_nBC = _chunked(chunk, h_BTD, t_BT, wt_BT)
     V = w_DV.shape[1]
 
@@ -995,9 +999,10 @@ def _ce_fused_fwd(h_BTD, w_DV, t_BT, wt_BT, chunk, z_loss, cap=0.0):
         logits = _softcap(jnp.einsum("bcd,dv->bcv", h_BCD, w_DV,
                                      preferred_element_type=jnp.float32), cap)
         lse = jax.nn.logsumexp(logits, axis=-1)
-        tgt = jnp.take_along_axis(logits, t_BC[..., None], axis=-1)[..., 0]
+        hot = jax.nn.one_hot(t_BC, V, dtype=logits.dtype)
+        tgt = jnp.sum(logits * hot, axis=-1)   # not a gather: the vocabulary is split (VOCAB_DV)
         p = jnp.exp(logits - lse[..., None])
-        dl = p * (1.0 + 2.0 * z_loss * lse)[..., None] - jax.nn.one_hot(t_BC, V, dtype=p.dtype)
+        dl = p * (1.0 + 2.0 * z_loss * lse)[..., None] - hot
         ce_BC, z_BC = lse - tgt, lse * lse
         if wt_BC is not None:
             dl, ce_BC, z_BC = dl * wt_BC[..., None], ce_BC * wt_BC, z_BC * wt_BC
@@ -1011,12 +1016,13 @@ def _ce_fused_fwd(h_BTD, w_DV, t_BT, wt_BT, chunk, z_loss, cap=0.0):
 
     zero = jnp.zeros((), jnp.float32)
     (obj, ce, dw_DV), dh_nBCD = jax.lax.scan(
-        one, (zero, zero, jnp.zeros(w_DV.shape, jnp.float32)), (h_nBCD, t_nBC, wt_nBC))
+        one, (zero, zero, jnp.zeros(w_DV.shape, jnp.float32)), (h_nBCD, t_nBC, wt_nBC),
+        unroll=unroll)
     dh_BTD = dh_nBCD.swapaxes(0, 1).reshape(h_BTD.shape)
     return (obj, ce), (dh_BTD, dw_DV.astype(w_DV.dtype))
 
 
-def _ce_fused_bwd(chunk, z_loss, cap, res, g):
+def _ce_fused_bwd(chunk, z_loss, cap, unroll, res, g):
     dh_BTD, dw_DV = res
     g_obj = g[0]
     return ((g_obj * dh_BTD).astype(dh_BTD.dtype), (g_obj * dw_DV).astype(dw_DV.dtype), None,

@@ -76,8 +76,8 @@ def test_mla_equals_per_head_reference(interleave):
     lp = random_layer(cfg)
     h = jax.random.normal(jax.random.key(3), (2, 10, cfg.d_model))
     pos = jnp.broadcast_to(jnp.arange(10), (2, 10))
-    got = jax.jit(lambda h, lp: tm.attend(*tm.mla(h, lp, pos, tm.rope_inv_freq(cfg), cfg), lp,
-                                          cfg, True))(h, lp)
+    got = jax.jit(lambda h, lp: tm.attention(*tm.mla(h, lp, pos, tm.rope_inv_freq(cfg), cfg),
+                                             lp, cfg, True))(h, lp)
     assert got.shape == (2, 10, cfg.n_heads, cfg.v_head_dim)
     for b in range(2):
         np.testing.assert_allclose(got[b], reference_mla(np.asarray(h[b], np.float64), lp, cfg),

@@ -324,6 +324,19 @@ def test_a_tpu_mesh_is_the_compile_target_on_a_cpu_host():
     assert seen == ["tpu"] and jax.default_backend() == "cpu"
 
 
+def test_a_long_sequence_dry_run_grows_linearly_in_the_sequence():
+    """On the CPU `auto` is the blocked kernel, which never holds [T, T] scores: the whole
+    step's temporaries grow ~linearly in T (the materialised softmax's ~4x per doubling)."""
+    def temp(T, attention="auto"):
+        report = td.main(td.cli(["tiny", "--dry-run", "--mesh.fsdp", "-1", "--train.batch-size",
+                                 "8", "--train.seq-len", str(T), "--model.max-seq-len", str(T),
+                                 "--model.n-layers", "1", "--model.attention", attention]))
+        assert report["attention"] == ("blocked" if attention == "auto" else attention)
+        return report["temp_size"]
+    assert temp(4096) / temp(2048) < 2.4
+    assert temp(4096, "einsum") / temp(2048, "einsum") > 3
+
+
 def test_bench_parity_preset_matches_maxtexts_model():
     cfg = td.PRESETS["bench-parity"][1]
     assert td.count_params(cfg.model) == 20_580_608   # what MaxText prints for this model
