@@ -260,6 +260,10 @@ def summarize(result: dict) -> dict:
         out[side] = {
             "mem_gib": r["per_device_bytes"] / GIB if "per_device_bytes" in r else None,
             "xla_tflop": r["xla_flops"] / 1e12 if "xla_flops" in r else None,
+            # XLA's count over the model's: remat's recomputed forward makes it ~1.3; below 1,
+            # the cost analysis left work out (a loop body counted once).
+            "xla_over_model": r["xla_flops"] * row["chips"] / flops if "xla_flops" in r
+            else None,
             "est_s": r.get("est_step_s"),
             "mfu": mfu(flops, r.get("est_step_s"), row["chips"], row["peak"]),
             "compile_s": r.get("compile_s"), "error": r.get("error")}
@@ -270,7 +274,8 @@ def table(results: list[dict]) -> str:
     """Markdown: one line per row, each cell `ours / MaxText`, then the ratios ours/MaxText
     (step time and memory: below 1 is ours smaller), then any failure's reason."""
     head = ("| row | model (layers kept) | TPU (chips) | batch/chip x seq | GiB per chip | "
-            "XLA TFLOP per chip | est. s/step | MFU | compile s | step ours/MT | mem ours/MT |")
+            "XLA TFLOP per chip | XLA/model FLOPs | est. s/step | MFU | compile s | "
+            "step ours/MT | mem ours/MT |")
     lines = [head, "|" + " --- |" * head.count(" | ") + " --- |"]
     notes = []
     for res in results:
@@ -281,6 +286,7 @@ def table(results: list[dict]) -> str:
             f"({row['chips']}) | {row['batch']} x {row['seq']} | "
             f"{_pair(o['mem_gib'], m['mem_gib'], '{:.2f}')} | "
             f"{_pair(o['xla_tflop'], m['xla_tflop'], '{:.1f}')} | "
+            f"{_pair(o['xla_over_model'], m['xla_over_model'], '{:.2f}')} | "
             f"{_pair(o['est_s'], m['est_s'], '{:.4f}')} | "
             f"{_pair(100 * o['mfu'], 100 * m['mfu'], '{:.1f}%')} | "
             f"{_pair(o['compile_s'], m['compile_s'], '{:.0f}')} | "
@@ -288,9 +294,15 @@ def table(results: list[dict]) -> str:
         for side, who in (("ours", "ours"), ("maxtext", "MaxText")):
             if s[side]["error"]:
                 notes.append(f"- {row['name']}, {who}: {s[side]['error']}")
-            elif n := (res.get(side) or {}).get("xla_while_loops"):
+                continue
+            r = res.get(side) or {}
+            if n := r.get("xla_while_loops"):
                 notes.append(f"- {row['name']}, {who}: {n} while loop(s) in the step, each "
-                             "body counted once: FLOPs and est. time are lower bounds")
+                             "body counted once by the cost analysis (XLA/model FLOPs below 1 "
+                             "would show work left out)")
+            if r and "est_step_s" not in r:
+                notes.append(f"- {row['name']}, {who}: XLA gave no step time (optimal_seconds "
+                             "absent or negative)")
             elif res.get(side) is None and side == "maxtext":
                 notes.append(f"- {row['name']}, MaxText: not run")
     return "\n".join(lines + ([""] + notes if notes else []))
