@@ -251,6 +251,15 @@ def _ratio(a, b) -> str:
     return f"{a / b:.2f}" if ok(a) and ok(b) else "-"
 
 
+def _secs(report: dict | None) -> str:
+    """A compile's wall seconds (lowering and compiling); a failed one's, its process's."""
+    if not report:
+        return "-"
+    if "compile_s" in report:
+        return f"{report['compile_s']:.0f}"
+    return f"{report['wall_s']:.0f} (failed)" if "wall_s" in report else "-"
+
+
 def summarize(result: dict) -> dict:
     """One row's figures for the table from its reports: ours, theirs, the ratios."""
     row, flops = result["row"], result["model_flops_per_step"]
@@ -266,7 +275,7 @@ def summarize(result: dict) -> dict:
             else None,
             "est_s": r.get("est_step_s"),
             "mfu": mfu(flops, r.get("est_step_s"), row["chips"], row["peak"]),
-            "compile_s": r.get("compile_s"), "error": r.get("error")}
+            "error": r.get("error")}
     return out
 
 
@@ -289,7 +298,7 @@ def table(results: list[dict]) -> str:
             f"{_pair(o['xla_over_model'], m['xla_over_model'], '{:.2f}')} | "
             f"{_pair(o['est_s'], m['est_s'], '{:.4f}')} | "
             f"{_pair(100 * o['mfu'], 100 * m['mfu'], '{:.1f}%')} | "
-            f"{_pair(o['compile_s'], m['compile_s'], '{:.0f}')} | "
+            f"{_secs(res.get('ours'))} / {_secs(res.get('maxtext'))} | "
             f"{_ratio(o['est_s'], m['est_s'])} | {_ratio(o['mem_gib'], m['mem_gib'])} |")
         for side, who in (("ours", "ours"), ("maxtext", "MaxText")):
             if s[side]["error"]:

@@ -113,6 +113,7 @@ def test_table_names_a_failure_and_a_loop_counted_once():
                       "wall_s": 30.0}
     text = ct.table([bad, _canned(xla_while_loops=2)])
     assert "0.0763 / -" in text and "| - | - |" in text                 # no ratio without both
+    assert "| 66 / 30 (failed) |" in text                                # compile seconds
     assert "llama8b-2k, MaxText: RESOURCE_EXHAUSTED" in text
     assert "llama8b-2k, ours: 2 while loop(s)" in text
     no_est = _canned()
