@@ -25,7 +25,11 @@ Each compile runs in a subprocess of its own: a row that fails (out of HBM, a co
 error, a timeout) is reported in its cell and the table goes on, and each compile's host
 memory is returned when it ends. Ours runs in this interpreter's environment (it needs the
 tpu extra: pip install -e '.[tpu]'); MaxText in the venv bench/peers/maxtext.sh installs on
-first use. Estimates, not measurements: no TPU is touched.
+first use. Both sides compile with one compiler: MaxText is pointed at our libtpu.so
+(TPU_LIBRARY_PATH; --maxtext-libtpu own keeps its venv's, a newer one), since the libtpu
+version alone moves the figures (MaxText's llama3.1-8b at 2k: 10.40 GiB per chip with libtpu
+0.0.50.1, 8.95 with 0.0.52, the same est. step time). Estimates, not measurements: no TPU
+is touched.
 
     python bench/compile_tpu.py                          # every row, ours and MaxText
     python bench/compile_tpu.py --rows llama8b-2k --no-maxtext --json out.json
@@ -44,6 +48,9 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The environment the compiles start from, taken before JAX is imported here: JAX sets
+# TPU_LIBRARY_PATH to this venv's libtpu, which a child would inherit, silently.
+ENV = dict(os.environ)
 sys.path.insert(0, ROOT)
 from common.mesh import _TPU_FAMILIES  # noqa: E402  (accelerator type -> cores per chip)
 from common.train import PEAK_TFLOPS  # noqa: E402
@@ -72,6 +79,9 @@ ROWS = [
     # Six layers: Gemma 3's pattern once, five sliding-window (1024) layers and a global one.
     "name=gemma3-12b trainer=dense preset=gemma3-12b topology=v6e-8 batch=1 seq=4096 layers=6 "
     "maxtext=gemma3-12b",
+    # The same on a v5p: for v6e this libtpu's cost model gives no step time (a negative one).
+    "name=gemma3-12b-v5p trainer=dense preset=gemma3-12b topology=v5p-8 batch=1 seq=4096 "
+    "layers=6 maxtext=gemma3-12b",
 ]
 REQUIRED = ("name", "trainer", "preset", "topology", "batch", "seq", "layers")
 OPTIONAL = ("maxtext", "ours", "theirs")
@@ -202,7 +212,7 @@ def failure_reason(text: str, rc) -> str:
 
 def compile_ours(row: dict, extra: str, log_dir: str, timeout: float) -> dict:
     # Another process may hold libtpu's lock file; compiling needs no exclusive TPU.
-    env = dict(os.environ, ALLOW_MULTIPLE_LIBTPU_LOAD="1")
+    env = dict(ENV, ALLOW_MULTIPLE_LIBTPU_LOAD="1")
     cmd = [sys.executable, os.path.abspath(__file__), "--one", TRAINERS[row["trainer"]],
            *ours_argv(row, extra)]
     return run_one(cmd, OURS_PREFIX, os.path.join(log_dir, f"{row['name']}.ours.log"),
@@ -219,11 +229,30 @@ def maxtext_python() -> str:
     return out.stdout.strip().splitlines()[-1]
 
 
-def compile_maxtext(row: dict, extra: str, python: str, log_dir: str, timeout: float) -> dict:
-    env = dict(os.environ, ALLOW_MULTIPLE_LIBTPU_LOAD="1")
+def our_libtpu() -> str:
+    """The libtpu.so our compiles load (this environment's libtpu package)."""
+    import importlib.util
+    spec = importlib.util.find_spec("libtpu")
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit("error: libtpu is not installed here: pip install -e '.[tpu]' "
+                         "(make compile-tpu does)")
+    return os.path.join(spec.submodule_search_locations[0], "libtpu.so")
+
+
+def compile_maxtext(row: dict, extra: str, python: str, log_dir: str, timeout: float,
+                    libtpu: str = "") -> dict:
+    """MaxText's compile, with the libtpu.so `maxtext_env` says."""
     cmd = [python, os.path.join(PEER, "maxtext_compile.py"), *maxtext_args(row, extra)]
     return run_one(cmd, PEER_PREFIX, os.path.join(log_dir, f"{row['name']}.maxtext.log"),
-                   timeout, env)
+                   timeout, maxtext_env(libtpu))
+
+
+def maxtext_env(libtpu: str) -> dict:
+    """MaxText's environment: with `libtpu` (a libtpu.so) it compiles with that one
+    (TPU_LIBRARY_PATH), one compiler for both sides; without, with its venv's own."""
+    env = {k: v for k, v in ENV.items() if k != "TPU_LIBRARY_PATH"}
+    return env | {"ALLOW_MULTIPLE_LIBTPU_LOAD": "1"} | ({"TPU_LIBRARY_PATH": libtpu}
+                                                         if libtpu else {})
 
 
 def one(trainer: str, argv: list[str]) -> None:
@@ -233,6 +262,7 @@ def one(trainer: str, argv: list[str]) -> None:
     mod = importlib.import_module(trainer.removesuffix(".py"))
     report = mod.main(mod.cli(argv))
     report["versions"] = {p: version(p) for p in ("jax", "jaxlib", "libtpu")}
+    report["versions"]["libtpu_path"] = os.environ.get("TPU_LIBRARY_PATH", "")
     print(OURS_PREFIX + json.dumps(report), flush=True)
 
 
@@ -330,6 +360,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--log-dir", default=os.path.join(ROOT, "runs", "compile-tpu"),
                     help="each compile's whole output, ROW.ours.log / ROW.maxtext.log")
     ap.add_argument("--timeout", type=float, default=3600, help="seconds per compile")
+    ap.add_argument("--maxtext-libtpu", choices=("ours", "own"), default="ours",
+                    help="the compiler MaxText uses: ours (default: the libtpu our side "
+                    "loads, so both sides have one compiler) or own (its venv's)")
     args = ap.parse_args(argv)
     try:
         rows = [parse_row(s) for s in ROWS + args.row]
@@ -341,6 +374,7 @@ def main(argv: list[str] | None = None) -> None:
     except RowError as e:
         sys.exit(f"error: {e}")
     python = None if args.no_maxtext else maxtext_python()
+    libtpu = our_libtpu() if args.maxtext_libtpu == "ours" else ""
     results = []
     for row in rows:
         res = {"row": row, "model_flops_per_step": flops[row["name"]]}
@@ -350,7 +384,7 @@ def main(argv: list[str] | None = None) -> None:
         if python and row.get("maxtext"):
             print(f"{row['name']}: compiling MaxText ...", file=sys.stderr, flush=True)
             res["maxtext"] = compile_maxtext(row, args.maxtext_flags, python, args.log_dir,
-                                             args.timeout)
+                                             args.timeout, libtpu)
             print(f"{row['name']}: MaxText {_brief(res['maxtext'])}", file=sys.stderr,
                   flush=True)
         results.append(res)

@@ -73,6 +73,12 @@ def test_both_sides_get_the_same_model_shape_and_unrolled_layers():
     assert ct.ours_argv(ds)[-2:] == ["--model.first-k-dense", "1"]
 
 
+def test_maxtext_compiles_with_the_libtpu_it_is_given_or_its_own(monkeypatch):
+    monkeypatch.setitem(ct.ENV, "TPU_LIBRARY_PATH", "/ours/libtpu/libtpu.so")   # JAX sets it
+    assert ct.maxtext_env("/x/libtpu/libtpu.so")["TPU_LIBRARY_PATH"] == "/x/libtpu/libtpu.so"
+    assert "TPU_LIBRARY_PATH" not in ct.maxtext_env("")
+
+
 def test_model_flops_are_the_trainers_count_of_the_cut_model():
     assert ct.model_flops_per_step(LLAMA_2K) == LLAMA_2K_FLOPS
 

@@ -19,6 +19,7 @@ arguments + outputs - donated + temporaries, per chip (MaxText's own "Total esti
 size" sums the same four); XLA's FLOPs per chip; optimal_seconds as est_step_s; and
 xla_while_loops, the loops whose bodies the cost analysis counts once.
 """
+import glob
 import json
 import os
 import sys
@@ -79,8 +80,21 @@ def main(overrides: list[str]) -> None:
     report["xla_while_loops"] = compiled.as_text().count(" while(")  # bodies counted once
     report["versions"] = {m: sys.modules[m].__version__ for m in ("jax", "jaxlib") if
                           m in sys.modules} | {"maxtext": _version("maxtext"),
-                                               "libtpu": _version("libtpu")}
+                                               "libtpu": _libtpu_version()}
     print(PREFIX + json.dumps(report), flush=True)
+
+
+def _libtpu_version() -> str:
+    """The version of the libtpu that compiled: TPU_LIBRARY_PATH's, when set, overrides the
+    venv's package (bench/compile_tpu.py points it at the other side's libtpu)."""
+    path = os.environ.get("TPU_LIBRARY_PATH")
+    if not path:
+        return _version("libtpu")
+    site = os.path.dirname(os.path.dirname(path))   # .../site-packages/libtpu/libtpu.so
+    found = glob.glob(os.path.join(site, "libtpu-*.dist-info"))
+    ver = os.path.basename(found[0]).removeprefix("libtpu-").removesuffix(".dist-info") \
+        if found else "?"
+    return f"{ver} ({path})"
 
 
 def _version(dist: str) -> str:
