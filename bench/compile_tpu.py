@@ -259,6 +259,9 @@ def one(trainer: str, argv: list[str]) -> None:
     """The subprocess: our trainer's dry run for the TPU, its report as one JSON line."""
     import importlib
     from importlib.metadata import version
+    import jax
+    # The trainers keep compiled steps on disk; a hit would time a load, not a compile.
+    jax.config.update("jax_enable_compilation_cache", False)
     mod = importlib.import_module(trainer.removesuffix(".py"))
     report = mod.main(mod.cli(argv))
     report["versions"] = {p: version(p) for p in ("jax", "jaxlib", "libtpu")}
