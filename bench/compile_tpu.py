@@ -25,7 +25,11 @@ Each compile runs in a subprocess of its own: a row that fails (out of HBM, a co
 error, a timeout) is reported in its cell and the table goes on, and each compile's host
 memory is returned when it ends. Ours runs in this interpreter's environment (it needs the
 tpu extra: pip install -e '.[tpu]'); MaxText in the venv bench/peers/maxtext.sh installs on
-first use. Estimates, not measurements: no TPU is touched.
+first use. Both sides compile with one compiler: MaxText is pointed at our libtpu.so
+(TPU_LIBRARY_PATH; --maxtext-libtpu own keeps its venv's, a newer one), since the libtpu
+version alone moves the figures (MaxText's llama3.1-8b at 2k: 10.40 GiB per chip with libtpu
+0.0.50.1, 8.95 with 0.0.52, the same est. step time). Estimates, not measurements: no TPU
+is touched.
 
     python bench/compile_tpu.py                          # every row, ours and MaxText
     python bench/compile_tpu.py --rows llama8b-2k --no-maxtext --json out.json
@@ -44,6 +48,9 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The environment the compiles start from, taken before JAX is imported here: JAX sets
+# TPU_LIBRARY_PATH to this venv's libtpu, which a child would inherit, silently.
+ENV = dict(os.environ)
 sys.path.insert(0, ROOT)
 from common.mesh import _TPU_FAMILIES  # noqa: E402  (accelerator type -> cores per chip)
 from common.train import PEAK_TFLOPS  # noqa: E402
@@ -72,6 +79,9 @@ ROWS = [
     # Six layers: Gemma 3's pattern once, five sliding-window (1024) layers and a global one.
     "name=gemma3-12b trainer=dense preset=gemma3-12b topology=v6e-8 batch=1 seq=4096 layers=6 "
     "maxtext=gemma3-12b",
+    # The same on a v5p: for v6e this libtpu's cost model gives no step time (a negative one).
+    "name=gemma3-12b-v5p trainer=dense preset=gemma3-12b topology=v5p-8 batch=1 seq=4096 "
+    "layers=6 maxtext=gemma3-12b",
 ]
 REQUIRED = ("name", "trainer", "preset", "topology", "batch", "seq", "layers")
 OPTIONAL = ("maxtext", "ours", "theirs")
@@ -202,7 +212,7 @@ def failure_reason(text: str, rc) -> str:
 
 def compile_ours(row: dict, extra: str, log_dir: str, timeout: float) -> dict:
     # Another process may hold libtpu's lock file; compiling needs no exclusive TPU.
-    env = dict(os.environ, ALLOW_MULTIPLE_LIBTPU_LOAD="1")
+    env = dict(ENV, ALLOW_MULTIPLE_LIBTPU_LOAD="1")
     cmd = [sys.executable, os.path.abspath(__file__), "--one", TRAINERS[row["trainer"]],
            *ours_argv(row, extra)]
     return run_one(cmd, OURS_PREFIX, os.path.join(log_dir, f"{row['name']}.ours.log"),
@@ -219,20 +229,43 @@ def maxtext_python() -> str:
     return out.stdout.strip().splitlines()[-1]
 
 
-def compile_maxtext(row: dict, extra: str, python: str, log_dir: str, timeout: float) -> dict:
-    env = dict(os.environ, ALLOW_MULTIPLE_LIBTPU_LOAD="1")
+def our_libtpu() -> str:
+    """The libtpu.so our compiles load (this environment's libtpu package)."""
+    import importlib.util
+    spec = importlib.util.find_spec("libtpu")
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit("error: libtpu is not installed here: pip install -e '.[tpu]' "
+                         "(make compile-tpu does)")
+    return os.path.join(spec.submodule_search_locations[0], "libtpu.so")
+
+
+def compile_maxtext(row: dict, extra: str, python: str, log_dir: str, timeout: float,
+                    libtpu: str = "") -> dict:
+    """MaxText's compile, with the libtpu.so `maxtext_env` says."""
     cmd = [python, os.path.join(PEER, "maxtext_compile.py"), *maxtext_args(row, extra)]
     return run_one(cmd, PEER_PREFIX, os.path.join(log_dir, f"{row['name']}.maxtext.log"),
-                   timeout, env)
+                   timeout, maxtext_env(libtpu))
+
+
+def maxtext_env(libtpu: str) -> dict:
+    """MaxText's environment: with `libtpu` (a libtpu.so) it compiles with that one
+    (TPU_LIBRARY_PATH), one compiler for both sides; without, with its venv's own."""
+    env = {k: v for k, v in ENV.items() if k != "TPU_LIBRARY_PATH"}
+    return env | {"ALLOW_MULTIPLE_LIBTPU_LOAD": "1"} | ({"TPU_LIBRARY_PATH": libtpu}
+                                                         if libtpu else {})
 
 
 def one(trainer: str, argv: list[str]) -> None:
     """The subprocess: our trainer's dry run for the TPU, its report as one JSON line."""
     import importlib
     from importlib.metadata import version
+    import jax
+    # The trainers keep compiled steps on disk; a hit would time a load, not a compile.
+    jax.config.update("jax_enable_compilation_cache", False)
     mod = importlib.import_module(trainer.removesuffix(".py"))
     report = mod.main(mod.cli(argv))
     report["versions"] = {p: version(p) for p in ("jax", "jaxlib", "libtpu")}
+    report["versions"]["libtpu_path"] = os.environ.get("TPU_LIBRARY_PATH", "")
     print(OURS_PREFIX + json.dumps(report), flush=True)
 
 
@@ -251,6 +284,15 @@ def _ratio(a, b) -> str:
     return f"{a / b:.2f}" if ok(a) and ok(b) else "-"
 
 
+def _secs(report: dict | None) -> str:
+    """A compile's wall seconds (lowering and compiling); a failed one's, its process's."""
+    if not report:
+        return "-"
+    if "compile_s" in report:
+        return f"{report['compile_s']:.0f}"
+    return f"{report['wall_s']:.0f} (failed)" if "wall_s" in report else "-"
+
+
 def summarize(result: dict) -> dict:
     """One row's figures for the table from its reports: ours, theirs, the ratios."""
     row, flops = result["row"], result["model_flops_per_step"]
@@ -260,9 +302,13 @@ def summarize(result: dict) -> dict:
         out[side] = {
             "mem_gib": r["per_device_bytes"] / GIB if "per_device_bytes" in r else None,
             "xla_tflop": r["xla_flops"] / 1e12 if "xla_flops" in r else None,
+            # XLA's count over the model's: remat's recomputed forward makes it ~1.3; below 1,
+            # the cost analysis left work out (a loop body counted once).
+            "xla_over_model": r["xla_flops"] * row["chips"] / flops if "xla_flops" in r
+            else None,
             "est_s": r.get("est_step_s"),
             "mfu": mfu(flops, r.get("est_step_s"), row["chips"], row["peak"]),
-            "compile_s": r.get("compile_s"), "error": r.get("error")}
+            "error": r.get("error")}
     return out
 
 
@@ -270,7 +316,8 @@ def table(results: list[dict]) -> str:
     """Markdown: one line per row, each cell `ours / MaxText`, then the ratios ours/MaxText
     (step time and memory: below 1 is ours smaller), then any failure's reason."""
     head = ("| row | model (layers kept) | TPU (chips) | batch/chip x seq | GiB per chip | "
-            "XLA TFLOP per chip | est. s/step | MFU | compile s | step ours/MT | mem ours/MT |")
+            "XLA TFLOP per chip | XLA/model FLOPs | est. s/step | MFU | compile s | "
+            "step ours/MT | mem ours/MT |")
     lines = [head, "|" + " --- |" * head.count(" | ") + " --- |"]
     notes = []
     for res in results:
@@ -281,16 +328,23 @@ def table(results: list[dict]) -> str:
             f"({row['chips']}) | {row['batch']} x {row['seq']} | "
             f"{_pair(o['mem_gib'], m['mem_gib'], '{:.2f}')} | "
             f"{_pair(o['xla_tflop'], m['xla_tflop'], '{:.1f}')} | "
+            f"{_pair(o['xla_over_model'], m['xla_over_model'], '{:.2f}')} | "
             f"{_pair(o['est_s'], m['est_s'], '{:.4f}')} | "
             f"{_pair(100 * o['mfu'], 100 * m['mfu'], '{:.1f}%')} | "
-            f"{_pair(o['compile_s'], m['compile_s'], '{:.0f}')} | "
+            f"{_secs(res.get('ours'))} / {_secs(res.get('maxtext'))} | "
             f"{_ratio(o['est_s'], m['est_s'])} | {_ratio(o['mem_gib'], m['mem_gib'])} |")
         for side, who in (("ours", "ours"), ("maxtext", "MaxText")):
             if s[side]["error"]:
                 notes.append(f"- {row['name']}, {who}: {s[side]['error']}")
-            elif n := (res.get(side) or {}).get("xla_while_loops"):
+                continue
+            r = res.get(side) or {}
+            if n := r.get("xla_while_loops"):
                 notes.append(f"- {row['name']}, {who}: {n} while loop(s) in the step, each "
-                             "body counted once: FLOPs and est. time are lower bounds")
+                             "body counted once by the cost analysis (XLA/model FLOPs below 1 "
+                             "would show work left out)")
+            if r and "est_step_s" not in r:
+                notes.append(f"- {row['name']}, {who}: XLA gave no step time (optimal_seconds "
+                             "absent or negative)")
             elif res.get(side) is None and side == "maxtext":
                 notes.append(f"- {row['name']}, MaxText: not run")
     return "\n".join(lines + ([""] + notes if notes else []))
@@ -309,6 +363,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--log-dir", default=os.path.join(ROOT, "runs", "compile-tpu"),
                     help="each compile's whole output, ROW.ours.log / ROW.maxtext.log")
     ap.add_argument("--timeout", type=float, default=3600, help="seconds per compile")
+    ap.add_argument("--maxtext-libtpu", choices=("ours", "own"), default="ours",
+                    help="the compiler MaxText uses: ours (default: the libtpu our side "
+                    "loads, so both sides have one compiler) or own (its venv's)")
     args = ap.parse_args(argv)
     try:
         rows = [parse_row(s) for s in ROWS + args.row]
@@ -320,6 +377,7 @@ def main(argv: list[str] | None = None) -> None:
     except RowError as e:
         sys.exit(f"error: {e}")
     python = None if args.no_maxtext else maxtext_python()
+    libtpu = our_libtpu() if args.maxtext_libtpu == "ours" else ""
     results = []
     for row in rows:
         res = {"row": row, "model_flops_per_step": flops[row["name"]]}
@@ -329,7 +387,7 @@ def main(argv: list[str] | None = None) -> None:
         if python and row.get("maxtext"):
             print(f"{row['name']}: compiling MaxText ...", file=sys.stderr, flush=True)
             res["maxtext"] = compile_maxtext(row, args.maxtext_flags, python, args.log_dir,
-                                             args.timeout)
+                                             args.timeout, libtpu)
             print(f"{row['name']}: MaxText {_brief(res['maxtext'])}", file=sys.stderr,
                   flush=True)
         results.append(res)

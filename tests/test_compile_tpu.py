@@ -73,6 +73,12 @@ def test_both_sides_get_the_same_model_shape_and_unrolled_layers():
     assert ct.ours_argv(ds)[-2:] == ["--model.first-k-dense", "1"]
 
 
+def test_maxtext_compiles_with_the_libtpu_it_is_given_or_its_own(monkeypatch):
+    monkeypatch.setitem(ct.ENV, "TPU_LIBRARY_PATH", "/ours/libtpu/libtpu.so")   # JAX sets it
+    assert ct.maxtext_env("/x/libtpu/libtpu.so")["TPU_LIBRARY_PATH"] == "/x/libtpu/libtpu.so"
+    assert "TPU_LIBRARY_PATH" not in ct.maxtext_env("")
+
+
 def test_model_flops_are_the_trainers_count_of_the_cut_model():
     assert ct.model_flops_per_step(LLAMA_2K) == LLAMA_2K_FLOPS
 
@@ -98,10 +104,12 @@ def test_table_shows_each_side_and_the_ratios():
     cells = [c.strip() for c in line.strip("|").split("|")]
     assert cells[4] == "17.50 / 8.75"                                    # GiB per chip
     assert cells[5] == "18.1 / 19.8"                                     # XLA TFLOP per chip
-    assert cells[6] == "0.0763 / 0.0709"
+    assert cells[6] == f"{18.1e12 * 4 / LLAMA_2K_FLOPS:.2f} / {19.8e12 * 4 / LLAMA_2K_FLOPS:.2f}"
+    assert cells[6] == "1.01 / 1.10"
+    assert cells[7] == "0.0763 / 0.0709"
     mfu_o, mfu_m = (100 * LLAMA_2K_FLOPS / s / (4 * 459e12) for s in (0.0763, 0.0709))
-    assert cells[7] == f"{mfu_o:.1f}% / {mfu_m:.1f}%"
-    assert cells[9] == f"{0.0763 / 0.0709:.2f}" and cells[10] == "2.00"
+    assert cells[8] == f"{mfu_o:.1f}% / {mfu_m:.1f}%"
+    assert cells[10] == f"{0.0763 / 0.0709:.2f}" and cells[11] == "2.00"
     assert len(cells) == text.splitlines()[0].count("|") - 1
 
 
@@ -111,8 +119,12 @@ def test_table_names_a_failure_and_a_loop_counted_once():
                       "wall_s": 30.0}
     text = ct.table([bad, _canned(xla_while_loops=2)])
     assert "0.0763 / -" in text and "| - | - |" in text                 # no ratio without both
+    assert "| 66 / 30 (failed) |" in text                                # compile seconds
     assert "llama8b-2k, MaxText: RESOURCE_EXHAUSTED" in text
     assert "llama8b-2k, ours: 2 while loop(s)" in text
+    no_est = _canned()
+    del no_est["ours"]["est_step_s"]
+    assert "llama8b-2k, ours: XLA gave no step time" in ct.table([no_est])
 
 
 def test_run_one_reads_the_report_line_and_says_why_a_compile_failed(tmp_path):

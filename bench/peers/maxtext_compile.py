@@ -19,6 +19,7 @@ arguments + outputs - donated + temporaries, per chip (MaxText's own "Total esti
 size" sums the same four); XLA's FLOPs per chip; optimal_seconds as est_step_s; and
 xla_while_loops, the loops whose bodies the cost analysis counts once.
 """
+import glob
 import json
 import os
 import sys
@@ -33,7 +34,10 @@ def main(overrides: list[str]) -> None:
     if bad or not overrides:
         sys.exit(f"maxtext_compile.py: expected MaxText key=value overrides (compile_topology=v5p-8 "
                  f"model_name=...), got {bad or 'none'}")
+    import jax
     import maxtext
+    # MaxText keeps compiled steps in ~/jax_cache; a hit would time a load, not a compile.
+    jax.config.update("jax_enable_compilation_cache", False)
     from maxtext.trainers.pre_train import train_compile as tc
     base = os.path.join(os.path.dirname(maxtext.__file__), "configs", "base.yml")
     kept, inner = {}, tc.jit_and_compile
@@ -57,9 +61,7 @@ def main(overrides: list[str]) -> None:
     wall = time.perf_counter() - t0
     compiled = kept["compiled"]
     report = {"compile_s": kept["compile_s"], "wall_s": wall}
-    mesh_devices = compiled.input_shardings[0]
-    import jax
-    leaves = [s for s in jax.tree.leaves(mesh_devices) if hasattr(s, "mesh")]
+    leaves = [s for s in jax.tree.leaves(compiled.input_shardings) if hasattr(s, "mesh")]
     if leaves:
         devs = leaves[0].mesh.devices
         report |= {"devices": int(devs.size), "device_kind": devs.flat[0].device_kind}
@@ -77,10 +79,22 @@ def main(overrides: list[str]) -> None:
         if isinstance(cost, dict) and isinstance(cost.get(k), (int, float)) and cost[k] >= 0:
             report[ours] = float(cost[k])
     report["xla_while_loops"] = compiled.as_text().count(" while(")  # bodies counted once
-    report["versions"] = {m: sys.modules[m].__version__ for m in ("jax", "jaxlib") if
-                          m in sys.modules} | {"maxtext": _version("maxtext"),
-                                               "libtpu": _version("libtpu")}
+    report["versions"] = {"jax": jax.__version__, "maxtext": _version("maxtext"),
+                          "libtpu": _libtpu_version()}
     print(PREFIX + json.dumps(report), flush=True)
+
+
+def _libtpu_version() -> str:
+    """The version of the libtpu that compiled: TPU_LIBRARY_PATH's, when set, overrides the
+    venv's package (bench/compile_tpu.py points it at the other side's libtpu)."""
+    path = os.environ.get("TPU_LIBRARY_PATH")
+    if not path:
+        return _version("libtpu")
+    site = os.path.dirname(os.path.dirname(path))   # .../site-packages/libtpu/libtpu.so
+    found = glob.glob(os.path.join(site, "libtpu-*.dist-info"))
+    ver = os.path.basename(found[0]).removeprefix("libtpu-").removesuffix(".dist-info") \
+        if found else "?"
+    return f"{ver} ({path})"
 
 
 def _version(dist: str) -> str:
