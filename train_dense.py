@@ -467,8 +467,10 @@ def hidden(params: dict, tokens_BT, cfg: ModelConfig, segment_ids=None, position
         return block(x, xs[0], pos_BT, inv_freq, cfg, segment_ids, max_logits, xs[1])
 
     if cfg.remat != "none":
-        # prevent_cse=False: inside scan the recomputation cannot be merged away anyway.
-        layer = jax.checkpoint(layer, policy=REMAT_POLICIES[cfg.remat], prevent_cse=False)
+        # Inside a rolled scan the recomputation cannot be merged away; unrolled, XLA would
+        # merge it into the forward pass (and keep every activation) unless prevented.
+        layer = jax.checkpoint(layer, policy=REMAT_POLICIES[cfg.remat],
+                               prevent_cse=not cfg.scan_layers)
     # Unrolled (--model.no-scan-layers), each layer is compiled on its own.
     x, stats = jax.lax.scan(layer, x, (params["layers"], jnp.asarray(is_global_L)),
                             unroll=not cfg.scan_layers)

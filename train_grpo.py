@@ -407,8 +407,10 @@ def hidden(params: dict, tokens_BT, cfg: ModelConfig, pos_BT=None, mask_BTS=None
         return block(x, xs[0], pos_BT, inv_freq, cfg, mask_BTS, xs[1], index, max_logits)
 
     if cfg.remat != "none" and cache is None:  # decoding keeps no activations for a backward
-        # prevent_cse=False: inside scan the recomputation cannot be merged away anyway.
-        layer = jax.checkpoint(layer, policy=REMAT_POLICIES[cfg.remat], prevent_cse=False)
+        # Inside a rolled scan the recomputation cannot be merged away; unrolled, XLA would
+        # merge it into the forward pass (and keep every activation) unless prevented.
+        layer = jax.checkpoint(layer, policy=REMAT_POLICIES[cfg.remat],
+                               prevent_cse=not cfg.scan_layers)
     xs = (params["layers"], None if cache is None else (cache["k"], cache["v"]))
     # Unrolled (--model.no-scan-layers), each layer is compiled on its own.
     x, (kv, stats) = jax.lax.scan(layer, x, xs, unroll=not cfg.scan_layers)

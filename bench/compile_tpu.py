@@ -15,11 +15,9 @@ MaxText's `base_num_decoder_layers=N`) so a large model compiles on a small host
 and both unroll them (`--model.no-scan-layers`, `scan_layers=false`): XLA's cost analysis
 counts a loop body once, so with a scanned layer stack the FLOPs and the step time would
 cover one layer, not N. Memory and time are for N layers: the full model's are larger.
-For the same reason our loss runs in one chunk (`--model.loss-chunk SEQ`): the default
-chunked cross-entropy is a loop too, and at 2k tokens counting its body once took 14 of the
-76 ms of the llama3.1-8b step off the estimate. (A row's `ours=` or --ours-flags may give
-another --model.loss-chunk: the last one wins.) Any while loop still left in a compiled step
-is counted and named under the table: its figures are then lower bounds.
+Our chunked cross-entropy is a loop too: --model.no-scan-layers unrolls it with the layers,
+so the default chunk size is compiled and every chunk counted. Any while loop still left in a
+compiled step is counted and named under the table: its figures are then lower bounds.
 
 Each compile runs in a subprocess of its own: a row that fails (out of HBM, a compiler
 error, a timeout) is reported in its cell and the table goes on, and each compile's host
@@ -151,7 +149,7 @@ def ours_argv(row: dict, extra: str = "") -> list[str]:
     return [row["preset"], "--dry-run", "--compile-topology", row["topology"],
             "--mesh.fsdp", "-1", "--train.batch-size", str(row["batch"] * row["chips"]),
             "--train.seq-len", str(row["seq"]), "--model.n-layers", str(row["layers"]),
-            "--model.no-scan-layers", "--model.loss-chunk", str(row["seq"]), *shlex.split(row.get("ours", "")), *shlex.split(extra)]
+            "--model.no-scan-layers", *shlex.split(row.get("ours", "")), *shlex.split(extra)]
 
 
 def maxtext_args(row: dict, extra: str = "") -> list[str]:

@@ -333,10 +333,12 @@ def splash(q_BTNH, k_BSKH, v_BSKV, *, scale: float, causal: bool = True, window:
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
     B, T, N, H = q_BTNH.shape
-    # Blocks of 512 where T allows (MaxText's choice on v5p), at least the 128 lanes.
-    bq = next(b for b in (512, 256, 128) if T % b == 0)
-    sizes = sk.BlockSizes(block_q=bq, block_kv=bq, block_kv_compute=bq, block_q_dkv=bq,
-                          block_kv_dkv=bq, block_kv_dkv_compute=bq, use_fused_bwd_kernel=True)
+    # Blocks of 512 where T allows (MaxText's choice on v5p), at least the 128 lanes. The
+    # backward's dq has its own kernel: the fused one writes a partial dq per key block,
+    # [T / 512, N, T, H] (1 GiB per layer for 32 heads at 8k), which then are summed.
+    b = next(b for b in (512, 256, 128) if T % b == 0)
+    sizes = sk.BlockSizes(block_q=b, block_kv=b, block_kv_compute=b, block_q_dkv=b,
+                          block_kv_dkv=b, block_kv_dkv_compute=b, block_q_dq=b, block_kv_dq=b)
 
     def one_device(q, k, v, seg, sinks):
         n = q.shape[2]

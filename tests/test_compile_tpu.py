@@ -62,7 +62,6 @@ def test_both_sides_get_the_same_model_shape_and_unrolled_layers():
     flag = lambda f: argv[argv.index(f) + 1]
     assert flag("--train.batch-size") == "4" and flag("--train.seq-len") == "2048"
     assert flag("--model.n-layers") == "4" and "--model.no-scan-layers" in argv
-    assert flag("--model.loss-chunk") == "2048"   # no loss loop for the cost analysis
     assert argv[-2:] == ["--model.remat", "dots"]   # extra flags come last: they win
     theirs = ct.maxtext_args(LLAMA_2K)
     for kv in ("compile_topology=v5p-8", "model_name=llama3.1-8b", "per_device_batch_size=1",

@@ -356,3 +356,11 @@ def test_every_speed_flag_gives_the_default_loss_and_gradients(flags):
     assert float(got) == pytest.approx(float(ref), rel=1e-6)
     for a, b in zip(jax.tree.leaves(ref_g), jax.tree.leaves(g)):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_unrolled_layers_leave_no_loop_for_xlas_cost_analysis():
+    """--model.no-scan-layers unrolls the chunked loss too: XLA's cost analysis counts a loop
+    body once, and `make compile-tpu` reads it (bench/compile_tpu.py)."""
+    argv = ["tiny", "--dry-run", "--mesh.fsdp", "-1", "--model.n-layers", "2"]
+    assert td.main(td.cli(argv))["xla_while_loops"] > 0
+    assert td.main(td.cli(argv + ["--model.no-scan-layers"]))["xla_while_loops"] == 0
