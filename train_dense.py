@@ -357,9 +357,10 @@ def constrain(x, spec: P):
 
 
 ACT_BTD = P(BATCH_AXES, None, None)  # activations between blocks: batch-sharded, d replicated
-# The loss is vocabulary-parallel: the unembedding split on V over fsdp too, the hidden states
-# gathered over fsdp instead ([B, T, D] is far smaller than [D, V]), so no device holds the
-# whole weight or its float32 gradient; the logsumexp and dh add up over the V shards.
+# While a batch has fewer tokens than the vocabulary, the loss is vocabulary-parallel: the
+# unembedding split on V over fsdp too and the hidden states gathered over fsdp instead
+# ([B, T, D] is then smaller than [D, V]), so no device holds the whole weight or its float32
+# gradient; the logsumexp and dh add up over the V shards. Larger batches gather the weight.
 VOCAB_DV, LOSS_BTD = P(None, ("tensor", "fsdp")), P("data", None, None)
 
 
@@ -510,10 +511,12 @@ def loss_sums(params: dict, batch, cfg: ModelConfig, z_loss: float = 0.0,
     """
     inputs, targets, weights, segment_ids, positions = split_batch(batch)
     h_BTD, stats = hidden(params, inputs, cfg, segment_ids, positions, max_logits)
-    w_DV = constrain(unembedding(params, cfg).astype(h_BTD.dtype), VOCAB_DV)
+    w_DV = unembedding(params, cfg).astype(h_BTD.dtype)
+    if targets.size <= cfg.vocab_size:
+        h_BTD, w_DV = constrain(h_BTD, LOSS_BTD), constrain(w_DV, VOCAB_DV)
     ce_impl = _ce_fused if cfg.loss_impl == "fused" else _ce_remat
-    return *ce_impl(constrain(h_BTD, LOSS_BTD), w_DV, targets, weights, cfg.loss_chunk, z_loss,
-                    cfg.final_softcap, not cfg.scan_layers), stats
+    return *ce_impl(h_BTD, w_DV, targets, weights, cfg.loss_chunk, z_loss, cfg.final_softcap,
+                    not cfg.scan_layers), stats
 
 
 def train_step(state: dict, batch, *, cfg: Config, tx):

@@ -495,7 +495,7 @@ def constrain(x, spec: P):
 
 
 ACT_BTD = P(MOE_BATCH, None, None)  # activations between blocks: batch-sharded, d replicated
-# The loss is vocabulary-parallel (train_dense.py's VOCAB_DV), over fsdp and expert here.
+# A small batch's loss is vocabulary-parallel (train_dense.py's VOCAB_DV): V over fsdp, expert.
 VOCAB_DV, LOSS_BTD = P(None, ("tensor", "fsdp", "expert")), P("data", None, None)
 
 
@@ -953,9 +953,11 @@ def loss_fn(params, batch_BT1, cfg: ModelConfig, t: TrainConfig = TrainConfig())
     gradient with their loss, so no logits are kept or rebuilt for the backward pass."""
     inputs, targets = batch_BT1[:, :-1], batch_BT1[:, 1:]
     h_BTD, stats = hidden(params, inputs, cfg, max_logits=t.qk_clip_threshold > 0)
-    w_DV = constrain(unembedding(params, cfg).astype(h_BTD.dtype), VOCAB_DV)
-    obj, ce = _ce_fused(constrain(h_BTD, LOSS_BTD), w_DV, targets, None, cfg.loss_chunk,
-                        t.z_loss, 0.0, not cfg.scan_layers)
+    w_DV = unembedding(params, cfg).astype(h_BTD.dtype)
+    if targets.size <= cfg.vocab_size:
+        h_BTD, w_DV = constrain(h_BTD, LOSS_BTD), constrain(w_DV, VOCAB_DV)
+    obj, ce = _ce_fused(h_BTD, w_DV, targets, None, cfg.loss_chunk, t.z_loss, 0.0,
+                        not cfg.scan_layers)
     n = targets.size
     return (obj / n + t.load_balance_loss * jnp.mean(stats["aux_loss"]) + t.router_z_loss
             * jnp.mean(stats["router_z"])), {"ce": ce / n, **stats}

@@ -144,6 +144,13 @@ def tpu_topology_shape(chips: int, torus_3d: bool) -> tuple[int, ...]:
     return tuple(shape)
 
 
+def tpu_topology_wrap(shape: tuple[int, ...], torus_3d: bool) -> tuple[bool, bool, bool]:
+    """Which axes have wrap-around links (Cloud TPU's torus): on a 3-D slice every axis once
+    all are at least 4 chips long (v5p-128 and up), on a 2-D one an axis as long as the pod's
+    (16). Collectives are modelled (and routed) on them."""
+    return (min(shape) >= 4,) * 3 if torus_3d else (*(s == 16 for s in shape), False)[:3]
+
+
 def tpu_topology_devices(name: str, n_slices: int = 1) -> list:
     """Abstract devices of `n_slices` slices of the TPU accelerator type `name` (e.g. v5p-256,
     v5e-64, v6e-256), for lowering and compiling without the hardware."""
@@ -164,7 +171,7 @@ def tpu_topology_devices(name: str, n_slices: int = 1) -> list:
             platform="tpu", topology_name=f"{prefix}:{'x'.join(map(str, shape))}",
             chip_config_name="megacore" if cores_per_chip == 2 else "default",
             chips_per_host_bounds=(2, 2, 1) if chips >= 4 else (1, chips, 1),
-            num_slices=n_slices)
+            num_slices=n_slices, wrap=tpu_topology_wrap(shape, torus_3d))
     except Exception as e:  # no libtpu, or a topology this libtpu does not know
         raise MeshError(f"--compile-topology {name}: could not describe the TPU topology "
                         f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}). "

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
-from common import data
+from common import data, observe
 from common.data import DataConfig, batch_rows, get_batch, load_dataset, prepare
 
 VOCAB = 400
@@ -352,6 +352,7 @@ def test_bad_inputs(tmp_path):
 
 
 def test_embedded_corpus_small(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(observe, "_QUIET", False)   # an earlier --quiet run in this worker
     monkeypatch.setenv(data.CACHE_ENV, str(tmp_path / "cache"))
     monkeypatch.setattr(data, "STDLIB_MAX_BYTES", 300_000)
     ds = load_dataset(DataConfig(vocab_size=VOCAB))

@@ -274,6 +274,15 @@ def test_tpu_topology_shapes_are_cloud_tpus(chips, torus, shape):
     assert tpu_topology_shape(chips, torus) == shape
 
 
+@pytest.mark.parametrize("shape,torus,wrap", [   # Cloud TPU's (MaxText's table agrees)
+    ((2, 4, 4), True, (False,) * 3), ((4, 4, 4), True, (True,) * 3),      # v5p-64, v5p-128
+    ((4, 4, 8), True, (True,) * 3), ((2, 4), False, (False,) * 3),        # v5p-256, v6e-8
+    ((8, 16), False, (False, True, False)), ((16, 16), False, (True, True, False))])
+def test_tpu_slices_wrap_around_where_cloud_tpus_do(shape, torus, wrap):
+    from common.mesh import tpu_topology_wrap
+    assert tpu_topology_wrap(shape, torus) == wrap
+
+
 def _has_libtpu() -> bool:
     import importlib.util
     return importlib.util.find_spec("libtpu") is not None
@@ -304,7 +313,7 @@ def test_compile_topology_compiles_for_a_tpu_slice():
     compile target's and not the host's; at 2k tokens it takes less memory than the
     materialised softmax's [B, N, T, T] scores."""
     argv = ["tiny", "--dry-run", "--compile-topology", "v5p-8", "--mesh.fsdp", "-1",
-            "--train.seq-len", "2048", "--model.dtype", "bfloat16"]
+            "--train.seq-len", "2048", "--model.dtype", "bfloat16", "--model.n-layers", "1"]
     report = td.main(td.cli(argv))
     assert report["devices"] == 4 and report["platform"] == "tpu"
     assert report["attention"] == "splash" and report["per_device_bytes"] > 0
