@@ -61,7 +61,8 @@ test-floors:  ## FLOOR_TESTS on the lowest versions of every dependency pyprojec
 # libtpu's ahead-of-time compiler, on this CPU host: the dense and MoE steps for a v5p-8.
 test-tpu: $(VENV)/.installed  ## compile the training steps for a TPU slice here (installs the tpu extra)
 	$(PY) -m pip install -q -e '.[tpu]'
-	$(PY) -m pytest tests/test_dense.py tests/test_moe.py -k compile_topology $(ARGS)
+	$(PY) -m pytest tests/test_dense.py tests/test_moe.py tests/test_compile_tpu.py \
+	  -k "compile_topology or tpu_slice" $(ARGS)
 
 # Ahead-of-time compiles for TPU slices (libtpu, on this host), ours and MaxText's on the same
 # models: memory per chip, XLA's FLOPs and estimated step time, the MFU it implies. docs/tpu.md.

@@ -403,7 +403,10 @@ def block(x_BTD, lp: dict, pos_BT, inv_freq, cfg: ModelConfig, segment_ids=None,
     With a sliding window, `is_global` (traced: the layers are scanned) picks the layer's
     kind; inv_freq is then [2, H/2], the local and the global frequencies."""
     dt = x_BTD.dtype
-    w = lambda name: lp[name].astype(dt)   # f32 master weights, compute-dtype matmuls
+    spec = param_specs(cfg)["layers"]
+    # f32 master weights, compute-dtype matmuls. The cast copy keeps the master's sharding, so
+    # FSDP gathers it in the compute dtype and reduce-scatters its gradient (not all-reduces).
+    w = lambda name: constrain(lp[name].astype(dt), P(*spec[name][1:]))
     norm = lambda x, name: rms_norm(x, 1.0 + lp[name] if cfg.norm_plus_one else lp[name],
                                     cfg.norm_eps)
     h = norm(x_BTD, "attn_norm")
@@ -449,10 +452,12 @@ def hidden(params: dict, tokens_BT, cfg: ModelConfig, segment_ids=None, position
     sequence per row, positions 0..T-1.
     """
     dt = jnp.dtype(cfg.dtype)
-    # Gather the table's fsdp shards first (as FSDP does for every weight), in the compute
-    # dtype: a lookup into a table split on d makes XLA replicate the whole result.
-    embed = constrain(params["embed"].astype(dt), P("tensor", None))
-    x = constrain(jnp.take(embed, tokens_BT, axis=0), ACT_BTD)
+    # Every token is looked up in each device's fsdp shard of d (the ids are small), then the
+    # rows go to their batch shards: gathering the table instead would put all of it, and
+    # its whole gradient, on every device (2 GiB each for a 128k vocabulary at d 8192).
+    tokens = constrain(tokens_BT, P(None, None))
+    x = constrain(jnp.take(params["embed"].astype(dt), tokens, axis=0), P(None, None, "fsdp"))
+    x = constrain(x, ACT_BTD)
     x = x * jnp.asarray(math.sqrt(cfg.d_model), dt) if cfg.embed_scale else x
     pos_BT = (jnp.broadcast_to(jnp.arange(tokens_BT.shape[1]), tokens_BT.shape)
               if positions is None else positions)

@@ -499,6 +499,15 @@ ACT_BTD = P(MOE_BATCH, None, None)  # activations between blocks: batch-sharded,
 VOCAB_DV, LOSS_BTD = P(None, ("tensor", "fsdp", "expert")), P("data", None, None)
 
 
+def weight(lp: dict, name: str, dt, cfg: ModelConfig):
+    """A layer's f32 master weight in the compute dtype. The cast copy keeps the master's
+    sharding, so FSDP gathers it in the compute dtype and reduce-scatters its gradient (not
+    all-reduces it whole)."""
+    specs = param_specs(cfg)
+    spec = {**specs.get("dense_layers", {}), **specs["layers"]}[name]
+    return constrain(lp[name].astype(dt), P(*spec[1:]))
+
+
 def rms_norm(x, w, eps):
     # Statistics in float32 whatever the compute dtype: bfloat16 squares lose the small values.
     x32 = x.astype(jnp.float32)
@@ -553,7 +562,7 @@ def mla(h_BTD, lp: dict, pos_BT, inv_freq, cfg: ModelConfig):
     the rotated dims are taken as pairs (2i, 2i+1) and come out in halves, as transformers
     does: the order within a head is the same for q and k, so q.k is unchanged by it."""
     dt = h_BTD.dtype
-    w = lambda name: lp[name].astype(dt)
+    w = lambda name: weight(lp, name, dt, cfg)
     C, Hn, eps = cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.norm_eps
     if cfg.q_lora_rank:
         c_q = rms_norm(jnp.einsum("btd,dc->btc", h_BTD, w("wq_a")), lp["q_norm_a"], eps)
@@ -864,7 +873,7 @@ def block(x_BTD, lp: dict, pos_BT, inv_freq, cfg: ModelConfig, max_logits: bool 
     """One layer: attention, then the experts, or a dense SwiGLU in a first_k_dense layer
     (whose stack has no router); the dense layers' stats are empty."""
     dt = x_BTD.dtype
-    w = lambda name: lp[name].astype(dt)   # f32 master weights, compute-dtype matmuls
+    w = lambda name: weight(lp, name, dt, cfg)
     h = rms_norm(x_BTD, lp["attn_norm"], cfg.norm_eps)
     if cfg.kv_lora_rank:
         q, k, v = mla(h, lp, pos_BT, inv_freq, cfg)
@@ -898,10 +907,12 @@ def hidden(params: dict, tokens_BT, cfg: ModelConfig, max_logits: bool = False):
     """Token ids -> (final-normed hidden states [B, T, D], per-layer routing stats [L], and
     with max_logits each head's largest attention logit, "max_logit" [L, N])."""
     dt = jnp.dtype(cfg.dtype)
-    # Gather the table's fsdp shards first (as FSDP does for every weight), in the compute
-    # dtype: a lookup into a table split on d makes XLA replicate the whole result.
-    embed = constrain(params["embed"].astype(dt), P("tensor", None))
-    x = constrain(jnp.take(embed, tokens_BT, axis=0), ACT_BTD)
+    # Every token is looked up in each device's fsdp shard of d (the ids are small), then the
+    # rows go to their batch shards: gathering the table instead would put all of it, and
+    # its whole gradient, on every device (2 GiB each for a 128k vocabulary at d 8192).
+    tokens = constrain(tokens_BT, P(None, None))
+    x = constrain(jnp.take(params["embed"].astype(dt), tokens, axis=0), P(None, None, "fsdp"))
+    x = constrain(x, ACT_BTD)
     pos_BT = jnp.broadcast_to(jnp.arange(tokens_BT.shape[1]), tokens_BT.shape)
     inv_freq = rope_inv_freq(cfg)
     L, W, n, Kd = cfg.n_layers, cfg.sliding_window, cfg.global_every, cfg.first_k_dense
