@@ -50,7 +50,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # TPU_LIBRARY_PATH to this venv's libtpu, which a child would inherit, silently.
 ENV = dict(os.environ)
 sys.path.insert(0, ROOT)
-from common.mesh import _TPU_FAMILIES  # noqa: E402  (accelerator type -> cores per chip)
+from common.mesh import MeshError, tpu_type  # noqa: E402
 from common.train import PEAK_TFLOPS  # noqa: E402
 
 PEER = os.path.join(ROOT, "bench", "peers")
@@ -92,12 +92,10 @@ class RowError(ValueError):
 def chips_and_peak(topology: str) -> tuple[int, float]:
     """(chips, peak FLOP/s of one chip) of an accelerator type such as v5p-256 (cores: a v5p
     or v4 chip has two)."""
-    gen, _, n = topology.lower().partition("-")
-    if gen not in _TPU_FAMILIES or not n.isdigit() or int(n) < 1:
-        raise RowError(f"topology {topology!r}: expected an accelerator type such as v5p-8, "
-                       f"v6e-8 or v5p-256 (families: {', '.join(_TPU_FAMILIES)})")
-    kind, cores_per_chip, _ = _TPU_FAMILIES[gen]
-    chips = int(n) // cores_per_chip
+    try:
+        gen, chips, kind, cores_per_chip, _ = tpu_type(topology)
+    except MeshError as e:
+        raise RowError(f"topology {topology!r}: {e}") from None
     if chips < 1:
         raise RowError(f"topology {topology!r}: fewer cores than one {gen} chip has "
                        f"({cores_per_chip})")

@@ -35,7 +35,7 @@ NEG = -1e30   # a masked logit: finite, so max and exp over a row with nothing a
 
 
 def _check(q_BTNH, k_BSKH, v_BSKV):
-    (B, T, N, H), (Bk, S, K, Hk) = q_BTNH.shape, k_BSKH.shape
+    (B, _, N, H), (Bk, S, K, Hk) = q_BTNH.shape, k_BSKH.shape
     if (Bk, Hk) != (B, H) or v_BSKV.shape[:3] != (B, S, K) or N % K:
         raise ValueError(f"attention shapes q {q_BTNH.shape}, k {k_BSKH.shape}, "
                          f"v {v_BSKV.shape}: want [B, T, N, H], [B, S, K, H], [B, S, K, V] "

@@ -151,15 +151,21 @@ def tpu_topology_wrap(shape: tuple[int, ...], torus_3d: bool) -> tuple[bool, boo
     return (min(shape) >= 4,) * 3 if torus_3d else (*(s == 16 for s in shape), False)[:3]
 
 
-def tpu_topology_devices(name: str, n_slices: int = 1) -> list:
-    """Abstract devices of `n_slices` slices of the TPU accelerator type `name` (e.g. v5p-256,
-    v5e-64, v6e-256), for lowering and compiling without the hardware."""
+def tpu_type(name: str) -> tuple[str, int, str, int, bool]:
+    """(generation, chips, chip name, cores a chip, 3-D torus) of a TPU accelerator type such
+    as v5p-256: Cloud TPU counts cores, and a v5p or v4 chip has two."""
     gen, _, n = name.lower().partition("-")
     if gen not in _TPU_FAMILIES or not n.isdigit() or int(n) < 1:
         raise MeshError(f"--compile-topology {name}: expected an accelerator type such as "
                         f"v5p-256, v4-128, v5e-64 or v6e-256 ({', '.join(_TPU_FAMILIES)}).")
     prefix, cores_per_chip, torus_3d = _TPU_FAMILIES[gen]
-    chips = int(n) // cores_per_chip
+    return gen, int(n) // cores_per_chip, prefix, cores_per_chip, torus_3d
+
+
+def tpu_topology_devices(name: str, n_slices: int = 1) -> list:
+    """Abstract devices of `n_slices` slices of the TPU accelerator type `name` (e.g. v5p-256,
+    v5e-64, v6e-256), for lowering and compiling without the hardware."""
+    gen, chips, prefix, cores_per_chip, torus_3d = tpu_type(name)
     if chips < (4 if torus_3d else 1) or chips & (chips - 1):
         smallest = f"{gen}-{4 * cores_per_chip if torus_3d else 1}"
         raise MeshError(f"--compile-topology {name}: {chips} chips; supported here are "
