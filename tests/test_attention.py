@@ -267,3 +267,15 @@ def test_a_kernel_the_target_cannot_run_is_refused_before_compiling(impl, platfo
     else:
         with pytest.raises(ConfigError, match=f"--model.attention {impl} .*use --model"):
             A.check_kernel(impl, platform, T)
+
+
+@pytest.mark.parametrize("device,want", [
+    (dict(device_kind="TPU v5", platform="tpu"), "tpu"), (dict(device_kind="TPU v6 lite"), "tpu"),
+    (dict(device_kind="NVIDIA H100 80GB HBM3"), "gpu"), (dict(device_kind="cpu"), "cpu")])
+def test_the_compile_target_from_an_abstract_device_of_any_jax(monkeypatch, device, want):
+    """JAX 0.10.0's abstract device has only its kind (no platform): the floors leg runs it."""
+    from types import SimpleNamespace
+    from common import mesh as M
+    fake = SimpleNamespace(empty=False, abstract_device=SimpleNamespace(**device))
+    monkeypatch.setattr(jax.sharding, "get_abstract_mesh", lambda: fake)
+    assert M.target_platform() == want
