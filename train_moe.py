@@ -499,13 +499,13 @@ ACT_BTD = P(MOE_BATCH, None, None)  # activations between blocks: batch-sharded,
 VOCAB_DV, LOSS_BTD = P(None, ("tensor", "fsdp", "expert")), P("data", None, None)
 
 
-def weight(lp: dict, name: str, dt, cfg: ModelConfig):
-    """A layer's f32 master weight in the compute dtype. The cast copy keeps the master's
-    sharding, so FSDP gathers it in the compute dtype and reduce-scatters its gradient (not
-    all-reduces it whole)."""
+def weights(lp: dict, dt, cfg: ModelConfig):
+    """name -> the layer's f32 master weight in the compute dtype. The cast copy keeps the
+    master's sharding, so FSDP gathers it in the compute dtype and reduce-scatters its
+    gradient (not all-reduces it whole)."""
     specs = param_specs(cfg)
-    spec = {**specs.get("dense_layers", {}), **specs["layers"]}[name]
-    return constrain(lp[name].astype(dt), P(*spec[1:]))
+    spec = {**specs.get("dense_layers", {}), **specs["layers"]}
+    return lambda name: constrain(lp[name].astype(dt), P(*spec[name][1:]))
 
 
 def rms_norm(x, w, eps):
@@ -562,7 +562,7 @@ def mla(h_BTD, lp: dict, pos_BT, inv_freq, cfg: ModelConfig):
     the rotated dims are taken as pairs (2i, 2i+1) and come out in halves, as transformers
     does: the order within a head is the same for q and k, so q.k is unchanged by it."""
     dt = h_BTD.dtype
-    w = lambda name: weight(lp, name, dt, cfg)
+    w = weights(lp, dt, cfg)
     C, Hn, eps = cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.norm_eps
     if cfg.q_lora_rank:
         c_q = rms_norm(jnp.einsum("btd,dc->btc", h_BTD, w("wq_a")), lp["q_norm_a"], eps)
@@ -873,7 +873,7 @@ def block(x_BTD, lp: dict, pos_BT, inv_freq, cfg: ModelConfig, max_logits: bool 
     """One layer: attention, then the experts, or a dense SwiGLU in a first_k_dense layer
     (whose stack has no router); the dense layers' stats are empty."""
     dt = x_BTD.dtype
-    w = lambda name: weight(lp, name, dt, cfg)
+    w = weights(lp, dt, cfg)
     h = rms_norm(x_BTD, lp["attn_norm"], cfg.norm_eps)
     if cfg.kv_lora_rank:
         q, k, v = mla(h, lp, pos_BT, inv_freq, cfg)

@@ -302,7 +302,7 @@ def attend(q_BTNH, k_BSKH, v_BSKV, *, impl: str = "auto", scale: float, causal: 
             raise ValueError("attend: an explicit mask_BTS takes no soft-cap, sinks or segments")
         return jax.nn.dot_product_attention(q_BTNH, k_BSKH, v_BSKV, mask=mask_BTS[:, None],
                                             scale=scale, implementation="xla")
-    B, T, N, H = q_BTNH.shape
+    T, H = q_BTNH.shape[1], q_BTNH.shape[3]
     kind = choose(impl, target_platform(), dtype=q_BTNH.dtype, T=T, H=H, V=v_BSKV.shape[-1],
                   cap=cap, sinks=sinks_N is not None, segments=segment_ids is not None)
     kw = dict(scale=scale, causal=causal, window=window, cap=cap, sinks_N=sinks_N,

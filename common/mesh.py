@@ -191,9 +191,9 @@ def target_platform() -> str:
     --compile-topology, on a CPU host), else this process's default backend."""
     mesh = jax.sharding.get_abstract_mesh()
     dev = None if mesh.empty else getattr(mesh, "abstract_device", None)
-    if dev is None or not (getattr(dev, "platform", None) or dev.device_kind):
-        return jax.default_backend()
     if getattr(dev, "platform", None):
         return dev.platform
-    kind = dev.device_kind.lower()   # JAX 0.10.0's abstract device has only its kind
+    kind = (getattr(dev, "device_kind", None) or "").lower()  # JAX 0.10.0's: only the kind
+    if not kind:
+        return jax.default_backend()
     return "tpu" if kind.startswith("tpu") else "cpu" if kind == "cpu" else "gpu"
