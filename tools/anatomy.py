@@ -4,8 +4,9 @@ the arithmetic of the loss.
 
     python tools/anatomy.py            # a table for the three trainers and common/
 
-Model share: the lines of the sections whose titles say config, parameters, model, rollouts,
-task, advantages, loss or step (a trainer's numbered `# N. Title` headers), over `wc -l`.
+Model share: the lines of the sections whose titles say config, parameters, model, experts,
+rollouts, task, advantages, loss or step (a trainer's numbered `# N. Title` headers), over
+`wc -l`.
 Hops: the shortest chain of calls from `train_step` to a function whose body computes
 `lse - tgt` (the cross-entropy) or, in GRPO, the clipped ratio (`ratio`), following names
 defined in the same file.
@@ -19,7 +20,8 @@ import sys
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 TRAINERS = ("train_dense.py", "train_moe.py", "train_grpo.py")
-MODEL_WORDS = ("config", "parameters", "model", "rollouts", "task", "advantages", "loss", "step")
+MODEL_WORDS = ("config", "parameters", "model", "expert", "rollouts", "task", "advantages", "loss",
+               "step")
 HEADER = re.compile(r"^# (\d+)\. (.*)$")
 
 
