@@ -116,7 +116,7 @@ need-run:
 
 plot: need-run $(VENV)/.installed  ## PNGs of a run's metrics.jsonl into RUN/plots; RUN="a b" compares runs; ARGS=--log-y
 	@$(PY) -c 'import matplotlib' 2>/dev/null || $(PY) -m pip install -q matplotlib
-	$(PY) -m common.plot $(RUN) $(ARGS)
+	$(PY) -m tools.plot $(RUN) $(ARGS)
 
 # One run: --logdir, so the profile plugin (which ignores --logdir_spec) shows its traces too.
 # Several: each under its own name, for scalars side by side. Installs on first use (~400 MB

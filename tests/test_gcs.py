@@ -15,7 +15,8 @@ import pytest
 from etils import epath
 
 import train_dense as td
-from common import plot, train
+from common import train
+from tools import plot
 from common.checkpoint import CheckpointConfig, CheckpointError, Checkpointer, ConfigConflictError
 from tests.test_train import config, data_path, metrics  # noqa: F401  (data_path: a fixture)
 

@@ -21,7 +21,8 @@ import pytest
 import train_dense as td
 import train_grpo as tg
 import train_moe as tm
-from common import observe, plot
+from common import observe
+from tools import plot
 from common.checkpoint import CheckpointConfig, check_run_config
 from common.config import may_change
 from common.data import DataConfig, prepare
@@ -179,7 +180,7 @@ def test_progress_and_the_end_of_run_summary(dense_run):
 
 
 def test_plot_cli_writes_readable_pngs(dense_run, tmp_path):
-    r = subprocess.run([sys.executable, "-m", "common.plot", dense_run["dir"], "--out",
+    r = subprocess.run([sys.executable, "-m", "tools.plot", dense_run["dir"], "--out",
                         str(tmp_path), "--log-y"], cwd=ROOT, capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 0, r.stderr
@@ -371,7 +372,7 @@ def test_make_targets_for_plots_and_tensorboard():
                            capture_output=True, text=True, timeout=60)
         return r.returncode, " ".join(r.stdout.replace("\\\n", " ").split()), r.stdout + r.stderr
     rc, out, _ = dry("plot", "RUN=runs/a runs/b", "ARGS=--log-y")
-    assert rc == 0 and "/nonexistent-venv/bin/python -m common.plot runs/a runs/b --log-y" in out
+    assert rc == 0 and "/nonexistent-venv/bin/python -m tools.plot runs/a runs/b --log-y" in out
     rc, out, _ = dry("tensorboard", "RUN=runs/a")
     assert rc == 0 and "-m tensorboard.main --port 6006 --logdir runs/a" in out
     rc, out, _ = dry("tensorboard", "RUN=runs/a runs/b/", "PORT=7000")

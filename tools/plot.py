@@ -1,7 +1,7 @@
 """Figures of a run, drawn from its metrics.jsonl:
 
-    python -m common.plot runs/tiny                    # -> runs/tiny/plots/*.png
-    python -m common.plot runs/a runs/b --log-y        # both on every figure -> runs/compare-a-b/
+    python -m tools.plot runs/tiny                    # -> runs/tiny/plots/*.png
+    python -m tools.plot runs/a runs/b --log-y        # both on every figure -> runs/compare-a-b/
     make plot RUN="runs/a runs/b" ARGS=--log-y
 
 Which figures depends on what the records hold: loss.png (train and eval loss), lr.png (learning
@@ -279,7 +279,7 @@ def plot(run_dirs: list[str], out: str = "", log_y: bool = False) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m common.plot", description=__doc__.split("\n\n")[0],
+    ap = argparse.ArgumentParser(prog="python -m tools.plot", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("runs", nargs="+", metavar="RUN", help="run directories (--run-dir)")
     ap.add_argument("--out", default="", help="folder for the PNGs (default: RUN/plots, or "
