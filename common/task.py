@@ -31,7 +31,7 @@ from typing import Callable, NamedTuple
 
 import numpy as np
 
-from common.data import ChatTemplate, DataError, check_messages, jsonl_objects
+from common.data import ChatTemplate, DataError, check_messages, epoch_order, jsonl_file
 from common.train import ConfigError, log
 
 PASSED = ("completions", "finished")  # what every reward receives besides the lines' fields
@@ -85,15 +85,9 @@ def left_pad(ids: list[list[int]], width: int, pad_id: int) -> tuple[np.ndarray,
 
 
 def draw(n_rows: int, n: int, *, seed: int, step: int, salt: int = 0) -> np.ndarray:
-    """The n row indices of a step: positions step*n.. of the file shuffled afresh each epoch
-    (every row once per epoch, as TRL's sampler), a pure function of (seed, salt, step), so a
-    resumed run draws what an uninterrupted one would."""
-    epoch, at = np.divmod(np.arange(step * n, (step + 1) * n), n_rows)
-    out = np.empty(n, np.int64)
-    for e in np.unique(epoch):
-        order = np.random.default_rng([seed, salt, int(e)]).permutation(n_rows)
-        out[epoch == e] = order[at[epoch == e]]
-    return out
+    """The n row indices of a step: every row once per epoch, as TRL's sampler, a pure function
+    of (seed, salt, step), so a resumed run draws what an uninterrupted one would."""
+    return epoch_order(n_rows, step * n, n, seed, salt)
 
 
 # --- train_grpo.py's addition demo (its TaskConfig says why the sums are reversed) ----------------
@@ -121,11 +115,8 @@ SHAPE = ('{"prompt": "...", <fields>} or {"messages": [{"role": "user", "content
 def read_prompts(path: str, flag: str) -> list[tuple[str, dict]]:
     """("<path>, line N", object) of every line, each checked; a bad one is a DataError naming
     the file and line."""
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"{flag} {path!r}: no such file; it is a JSONL file with one "
-                                f"prompt per line, {SHAPE}")
     lines, keys = [], None
-    for where, obj in jsonl_objects(path):
+    for where, obj in jsonl_file(path, flag, "prompt", SHAPE):
         if not isinstance(obj, dict):
             raise DataError(f"{where}: a JSON {type(obj).__name__}, not an object; each line is "
                             f"{SHAPE}")
@@ -147,8 +138,6 @@ def read_prompts(path: str, flag: str) -> list[tuple[str, dict]]:
                             f"{sorted(keys)}; every line needs the same ones, since a reward "
                             "receives each field as a list over the batch")
         lines.append((where, obj))
-    if not lines:
-        raise DataError(f"{flag} {path!r} holds no prompts; each line is {SHAPE}")
     return lines
 
 
