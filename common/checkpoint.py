@@ -125,12 +125,10 @@ def _reason(e: BaseException) -> str:
     return f"{type(e).__name__}: {first[:400] + '...' if len(first) > 400 else first}"
 
 
-class Checkpointer:
-    """Saves and restores one pytree (the train state) under `<run_dir>/checkpoints/`.
-
-    Every process of a multi-process run must make the same calls in the same order (Orbax
-    synchronises them with barriers): construct, `save` at the same steps, `restore`, `close`.
-    """
+class Checkpointer(contextlib.AbstractContextManager):
+    """Saves and restores one pytree (the train state) under `<run_dir>/checkpoints/`. Every
+    process must make the same calls in the same order (Orbax synchronises them with barriers):
+    construct, `save` at the same steps, `restore`, `close`."""
 
     def __init__(self, run_dir: str, cfg: CheckpointConfig):
         self.cfg = cfg
@@ -254,14 +252,10 @@ class Checkpointer:
                 "Fix: check free disk space and that the directory is writable, then resume.")
 
     def restore(self, step: int, abstract_state: Any, partial: bool = False) -> Any:
-        """Reads `step` into the shapes, dtypes and shardings of `abstract_state`.
-
-        `abstract_state` is a pytree of `jax.ShapeDtypeStruct(shape, dtype, sharding=...)`
-        with the structure of the saved state; the shardings may be on any mesh. Each
-        process reads only the slices its devices hold. With `partial`, it may name a part
-        of the saved tree (`{"params": ...}` to start a fine-tune from another run's
-        weights): only that part is read, and the rest of the checkpoint is ignored.
-        """
+        """Reads `step` into `abstract_state`, a pytree of jax.ShapeDtypeStruct whose shardings
+        may be on any mesh: each process reads only the slices its devices hold. With `partial`
+        it may name a part of the saved tree ({"params": ...}, to fine-tune another run's
+        weights): only that part is read."""
         self.wait()  # an async save of this very step must land first
         step_dir = self.directory / str(step)
         steps = self.all_steps()
@@ -315,9 +309,6 @@ class Checkpointer:
         finally:
             self._manager.close()
 
-    def __enter__(self) -> Checkpointer:
-        return self
-
     def __exit__(self, *exc) -> None:
         self.close()
 
@@ -330,12 +321,9 @@ def _is_leftover(path: epath.Path) -> bool:
 
 
 def _refuse_foreign_directory(directory: epath.Path) -> None:
-    """Raises unless `directory` is absent, empty, or holds only what Orbax writes there.
-
-    Orbax deletes old step folders to keep the last N, and force-saving a step replaces a
-    folder of that name. Pointing a run at a directory full of someone else's files could
-    therefore destroy them; we stop before touching anything.
-    """
+    """Raises unless `directory` is absent, empty, or holds only what Orbax writes there: Orbax
+    deletes old step folders to keep the last N and replaces a force-saved step's folder, so
+    someone else's files there could be destroyed."""
     if not (directory.exists() or os.path.islink(directory)):
         return
     if not directory.is_dir():

@@ -207,8 +207,7 @@ def load_task(t, tok, template: ChatTemplate | None, seed: int) -> Task:
     return Task(
         rows_at=lambda step, n, salt: [rows[i] for i in draw(len(rows), n, seed=seed, step=step,
                                                                 salt=salt)],
-        eval_rows=eval_rows, rewards=rewards,
-        width=width,
+        eval_rows=eval_rows, rewards=rewards, width=width,
         answer_tokens=max((len(tok.encode(a)) + 1 for a in answers), default=0))
 
 
