@@ -1142,7 +1142,8 @@ def epoch_order(num_rows: int, first: int, n: int, *seed: int) -> np.ndarray:
     from default_rng([*seed, epoch]): every row once per epoch, and a resumed run needs
     nothing but where it is."""
     epoch, k = np.divmod(first + np.arange(n, dtype=np.int64), num_rows)
-    perms = {e: np.random.default_rng([*seed, e]).permutation(num_rows) for e in set(epoch.tolist())}
+    perms = {e: np.random.default_rng([*seed, e]).permutation(num_rows)
+             for e in set(epoch.tolist())}
     return np.array([perms[e][i] for e, i in zip(epoch.tolist(), k.tolist())], np.int64)
 
 

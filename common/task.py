@@ -186,10 +186,9 @@ def load_task(t, tok, template: ChatTemplate | None, seed: int) -> Task:
             raise DataError(f"--task.path {t.path!r} holds {len(rows)} prompts: holding out "
                             f"--task.eval-prompts {t.eval_prompts} leaves none to train on; "
                             "lower it, add prompts or give --task.eval-path")
-        is_eval = np.zeros(len(rows), bool)
-        is_eval[np.random.default_rng([t.eval_seed]).permutation(len(rows))[:t.eval_prompts]] = 1
-        eval_rows = [r for r, e in zip(rows, is_eval) if e]
-        rows = [r for r, e in zip(rows, is_eval) if not e]
+        held = set(np.random.default_rng([t.eval_seed]).permutation(len(rows))[:t.eval_prompts])
+        eval_rows, rows = ([r for i, r in enumerate(rows) if (i in held) == e]
+                           for e in (True, False))
     rewards = load_rewards(t.rewards, t.reward_weights, t.format_regex, set(lines[0][1]))
     # Once before anything compiles, on two empty completions of a held-out prompt: a reward
     # that cannot score whatever the model writes fails in a second, not after the compile.
@@ -279,9 +278,8 @@ def load_rewards(specs: tuple[str, ...], weights: tuple[float, ...], format_rege
     if weights and len(weights) != len(funcs):
         raise ConfigError(f"--task.reward-weights {' '.join(map(str, weights))}: {len(weights)} "
                           f"weights for {len(funcs)} rewards ({', '.join(funcs)}); give one each")
-    for w in weights:
-        if not math.isfinite(w):
-            raise ConfigError(f"--task.reward-weights: {w} is not a finite number")
+    if bad := [w for w in weights if not math.isfinite(w)]:
+        raise ConfigError(f"--task.reward-weights: {bad[0]} is not a finite number")
     return {n: (fn, float(w)) for (n, fn), w in zip(funcs.items(), weights or [1.0] * len(funcs))}
 
 
