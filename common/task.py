@@ -126,7 +126,10 @@ def read_prompts(path: str, flag: str) -> list[tuple[str, dict]]:
         if "prompt" in obj and not isinstance(obj["prompt"], str):
             raise DataError(f'{where}: "prompt" is a {type(obj["prompt"]).__name__}, not a string')
         if "messages" in obj:
-            _check_messages(obj["messages"], where)
+            check_messages(obj["messages"], where)
+            if (last := obj["messages"][-1]["role"]) != "user":
+                raise DataError(f"{where}: the last message is the {last}'s; a prompt ends with "
+                                "a user turn, which the policy answers")
         for name in PASSED:
             if name in obj:
                 raise DataError(f"{where}: field {name!r} is what the trainer passes every reward "
@@ -139,13 +142,6 @@ def read_prompts(path: str, flag: str) -> list[tuple[str, dict]]:
                             "receives each field as a list over the batch")
         lines.append((where, obj))
     return lines
-
-
-def _check_messages(msgs, where: str) -> None:
-    check_messages(msgs, where)
-    if msgs[-1]["role"] != "user":
-        raise DataError(f"{where}: the last message is the {msgs[-1]['role']}'s; a prompt ends "
-                        "with a user turn, which the policy answers")
 
 
 def prompt_row(obj: dict, where: str, tok, template: ChatTemplate | None) -> Row:
