@@ -105,8 +105,18 @@ class DataConfig:
     """sft: several examples per row with segment ids; off = one example per row."""
 
 
+class _Encodes:
+    """encode and decode through `self._sp`, a sentencepiece model or an `HFTokenizer`."""
+
+    def encode(self, text: str) -> list[int]:
+        return self._sp.encode(text)
+
+    def decode(self, ids) -> str:
+        return self._sp.decode([int(i) for i in np.asarray(ids).reshape(-1)])
+
+
 @dataclass
-class Dataset:
+class Dataset(_Encodes):
     train: np.ndarray | RemoteTokens = field(repr=False)
     eval: np.ndarray | RemoteTokens = field(repr=False)
     vocab_size: int
@@ -115,12 +125,6 @@ class Dataset:
     _sp = functools.cached_property(lambda self: open_tokenizer(self.tokenizer_path))
     eos_id = property(lambda self: self._sp.eos_id())
     bos_id = property(lambda self: self._sp.bos_id())
-
-    def encode(self, text: str) -> list[int]:
-        return self._sp.encode(text)
-
-    def decode(self, ids) -> str:
-        return self._sp.decode([int(i) for i in np.asarray(ids).reshape(-1)])
 
 
 # --- Batches ----------------------------------------------------------------------------------
@@ -314,21 +318,15 @@ def open_tokenizer(path: str):
             else spm.SentencePieceProcessor(model_file=path))
 
 
-class PretrainedTokenizer:
+class PretrainedTokenizer(_Encodes):
     """A pretrained model's tokenizer (sentencepiece or tokenizer.json) for prompting it:
     `start_id` is the token after which the model saw a document begin, and each prompt
     begins with it. pad_id is never read: pads are masked out of attention and the loss."""
+    pad_id = 0
 
     def __init__(self, path: str, eos_id: int, start_id: int):
-        self._tok = open_tokenizer(path)
-        self.vocab_size, self.eos_id, self.start_id = self._tok.get_piece_size(), eos_id, start_id
-        self.pad_id = 0
-
-    def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text)
-
-    def decode(self, ids) -> str:
-        return self._tok.decode([int(i) for i in ids])
+        self._sp = open_tokenizer(path)
+        self.vocab_size, self.eos_id, self.start_id = self._sp.get_piece_size(), eos_id, start_id
 
     def prompt(self, text: str) -> list[int]:
         return [self.start_id] + self.encode(text)
