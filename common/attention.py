@@ -1,18 +1,10 @@
-"""Attention ops over q/k/v arrays: they name no weight, so the model's projections, RoPE and
-norms stay in each trainer, and this file only turns queries, keys and values into outputs.
-
-- `reference`: the plain softmax over the whole [T, S] score matrix, the tested oracle.
-- `blocked`: the same function as a flash-style kernel in pure JAX, forward and backward (a
-  custom VJP) visiting the scores one [block, block] tile at a time, so memory is O(T block)
-  and no [T, T] array exists: what long sequences run on the CPU, and the fallback wherever a
-  fused kernel does not apply.
-- `splash`: the TPU's fused kernel (JAX's Pallas splash attention), in shard_map under a mesh.
-- `attend`: what the trainers call; `choose` picks the kernel by the devices the step
-  compiles for (the mesh's, not the host's: a --compile-topology dry run builds the TPU's):
-  splash on TPU, cuDNN's flash attention on GPU where it applies, blocked otherwise.
-
-These are ops like jax.nn.dot_product_attention, not a model, which is why they sit in
-common/ (README, design notes): three copies of a custom-VJP kernel would drift.
+"""Attention ops over q/k/v arrays, like jax.nn.dot_product_attention: they name no weight, so
+the model's projections, RoPE and norms stay in each trainer, and they sit in common/ (README,
+design notes) because three copies of a custom-VJP kernel would drift. `reference` is the tested
+oracle; `blocked` the same function as a flash-style kernel in pure JAX (no [T, T] array: what
+long sequences run on the CPU, and the fallback wherever a fused kernel does not apply);
+`splash` the TPU's fused kernel; `attend`, what the trainers call, runs the kernel `choose`
+picks for the devices the step compiles for (the mesh's, not the host's).
 
 Shapes: q [B, T, N, H], k [B, S, K, H], v [B, S, K, V] (V may differ from H: MLA's 192/128);
 query head n reads key/value head n // (N // K). Logits are (q . k) scale, accumulated in
@@ -137,10 +129,8 @@ def _tile_scores(q_BKGCH, k_BKCH, i, j, seg_nBC, T, C, scale, causal, window, ca
     """Logits of query tile i against key tile j, [B, K, G, C, C] float32; which may be
     attended; and tanh(logits / cap) (the cap's derivative, in the backward) or None."""
     s = jnp.einsum("bkgch,bksh->bkgcs", q_BKGCH, k_BKCH, preferred_element_type=F32) * scale
-    th = None
-    if cap:
-        th = jnp.tanh(s / cap)
-        s = cap * th
+    th = jnp.tanh(s / cap) if cap else None
+    s = cap * th if cap else s
     tq_C1 = i * C + jnp.arange(C)[:, None]
     tk_1C = j * C + jnp.arange(C)[None]
     ok = _allowed(tq_C1, tk_1C, causal, window) & (tk_1C < T)   # padded keys: never
@@ -160,8 +150,7 @@ def _flash_fwd(scale, causal, window, cap, C, q_BTNH, k_BTKH, v_BTKV, sinks_N, s
     B, T, N, _ = q_BTNH.shape
     K, V = k_BTKH.shape[2], v_BTKV.shape[3]
     q, k, v, seg = _inputs(q_BTNH, k_BTKH, v_BTKV, seg_BT, C)
-    n = q.shape[0]
-    shape = (n, B, K, N // K, C)
+    shape = (q.shape[0], B, K, N // K, C)
     if sinks_N is None:
         m, l = jnp.full(shape, NEG, F32), jnp.zeros(shape, F32)
     else:   # the sink as a key already seen: its logit the running max, weight 1, value 0
@@ -187,8 +176,7 @@ def _flash_fwd(scale, causal, window, cap, C, q_BTNH, k_BTKH, v_BTKV, sinks_N, s
         T, C, causal, window))
     l = jnp.where(l > 0, l, 1.0)   # 0 only where nothing is allowed (and no sink): output 0
     o_BTNV = _untile(acc / l[..., None], T).reshape(B, T, N, V).astype(v_BTKV.dtype)
-    lse_nBKGC = m + jnp.log(l)
-    return o_BTNV, (q_BTNH, k_BTKH, v_BTKV, sinks_N, seg_BT, o_BTNV, lse_nBKGC)
+    return o_BTNV, (q_BTNH, k_BTKH, v_BTKV, sinks_N, seg_BT, o_BTNV, m + jnp.log(l))
 
 
 def _flash_bwd(scale, causal, window, cap, C, res, do_BTNV):
@@ -198,8 +186,7 @@ def _flash_bwd(scale, causal, window, cap, C, res, do_BTNV):
     B, T, N, H = q_BTNH.shape
     K, V = k_BTKH.shape[2], v_BTKV.shape[3]
     q, k, v, seg = _inputs(q_BTNH, k_BTKH, v_BTKV, seg_BT, C)
-    do = _tiles(do_BTNV.reshape(B, T, K, N // K, V), C)
-    o = _tiles(o_BTNV.reshape(B, T, K, N // K, V), C)
+    do, o = (_tiles(x.reshape(B, T, K, N // K, V), C) for x in (do_BTNV, o_BTNV))
     D_nBKGC = jnp.sum(do.astype(F32) * o.astype(F32), -1)   # 0 on padded rows: dO is 0 there
 
     def step(carry, ij):
@@ -281,12 +268,11 @@ def check_kernel(impl: str, platform: str, seq_len: int,
                  flag: str = "--model.attention") -> None:
     """A kernel named on the command line that the compile target cannot run is refused
     before compiling (the Pallas or cuDNN error would come minutes later, and say less)."""
-    gpu = platform in ("gpu", "cuda", "rocm")
     if impl == "splash" and (platform != "tpu" or seq_len % 128):
         raise ConfigError(f"{flag} splash is the TPU's kernel, for a --train.seq-len that is a "
                           f"multiple of 128; this run compiles for {platform} at "
                           f"{seq_len}: use {flag} auto (or blocked).")
-    if impl == "cudnn" and not gpu:
+    if impl == "cudnn" and platform not in ("gpu", "cuda", "rocm"):
         raise ConfigError(f"{flag} cudnn is cuDNN's kernel (NVIDIA GPUs); this run compiles "
                           f"for {platform}: use {flag} auto (or blocked).")
 

@@ -16,15 +16,14 @@ checkpoint, so a save cut off by preemption or a crash never hides the last good
 
 The run directory may be a local path, a mount every host sees, or a `gs://` bucket
 (what a TPU pod uses: no shared disk). All file access goes through `etils.epath`, which
-Orbax uses too; a bucket needs `gcsfs` (`pip install '.[gcs]'`).
-
-What this module adds on top is mostly *refusal*: it will not write into a directory
-that holds someone else's files, resume a run whose model has changed, or report a save
-as done when it failed in the background. Each refusal says what is wrong and what to do.
+Orbax uses too; a bucket needs `gcsfs` (`pip install '.[gcs]'`). What this module adds is
+mostly refusal (someone else's files, a changed model, a failed background save), each
+saying what is wrong and what to do.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -126,12 +125,10 @@ def _reason(e: BaseException) -> str:
     return f"{type(e).__name__}: {first[:400] + '...' if len(first) > 400 else first}"
 
 
-class Checkpointer:
-    """Saves and restores one pytree (the train state) under `<run_dir>/checkpoints/`.
-
-    Every process of a multi-process run must make the same calls in the same order (Orbax
-    synchronises them with barriers): construct, `save` at the same steps, `restore`, `close`.
-    """
+class Checkpointer(contextlib.AbstractContextManager):
+    """Saves and restores one pytree (the train state) under `<run_dir>/checkpoints/`. Every
+    process must make the same calls in the same order (Orbax synchronises them with barriers):
+    construct, `save` at the same steps, `restore`, `close`."""
 
     def __init__(self, run_dir: str, cfg: CheckpointConfig):
         self.cfg = cfg
@@ -163,11 +160,8 @@ class Checkpointer:
             raise CheckpointError(
                 f"cannot open the checkpoint directory {self.directory}: {_reason(e)}. "
                 "Fix: make sure the run directory is writable, or choose another --run-dir.") from e
-        self._in_flight: int | None = None  # step of an async save not yet known to be on disk
-        self._swept = False
-        self._closed = False
-
-    # -- which steps exist ------------------------------------------------------------
+        # _in_flight: the step of an async save not yet known to be on disk.
+        self._in_flight, self._swept, self._closed = None, False, False
 
     def all_steps(self) -> list[int]:
         """Steps with a complete (committed) checkpoint on disk, ascending. Read from the
@@ -190,20 +184,14 @@ class Checkpointer:
                 "Fix: pick one of those steps, or -1 for the latest.")
         return self.cfg.restore_step
 
-    # -- save ---------------------------------------------------------------------------
-
     def due(self, step: int) -> bool:
         """Whether --checkpoint.every makes `step` a save step."""
         return self.cfg.every > 0 and step % self.cfg.every == 0
 
     def save(self, step: int, state: Any, *, force: bool = False) -> bool:
-        """Saves `state` as `step` if due (or forced); returns whether it saved.
-
-        With `async_save` this returns once the arrays are copied off the accelerator, so
-        the caller may donate or overwrite `state` right away; the files are written in a
-        background thread. A failure of that background write surfaces here, at the next
-        `save`, or at `wait`/`close`: never silently.
-        """
+        """Saves `state` as `step` if due (or forced); returns whether it saved. With
+        `async_save` it returns once the arrays are off the accelerator (`state` may then be
+        donated); a failed background write raises at the next `save`, `wait` or `close`."""
         if not (force or self.due(step)):
             return False
         # Surface a failure of the previous background save now, naming *its* step,
@@ -240,11 +228,9 @@ class Checkpointer:
         if swept or jax.process_index() != 0 or not self.directory.exists():
             return
         for path in self.directory.iterdir():
-            if _is_leftover(path):
-                try:
+            if _is_leftover(path):  # half-deleted is as harmless as whole: nothing reads them
+                with contextlib.suppress(OSError):
                     path.rmtree()
-                except OSError:
-                    pass  # half-deleted is as harmless as whole: nothing reads them
 
     def wait(self) -> None:
         """Blocks until a background save is on disk; raises CheckpointError if it failed."""
@@ -265,17 +251,11 @@ class Checkpointer:
         return (f"saving {what} {where}to {self.directory} failed: {_reason(e)}. {kept}"
                 "Fix: check free disk space and that the directory is writable, then resume.")
 
-    # -- restore ------------------------------------------------------------------------
-
     def restore(self, step: int, abstract_state: Any, partial: bool = False) -> Any:
-        """Reads `step` into the shapes, dtypes and shardings of `abstract_state`.
-
-        `abstract_state` is a pytree of `jax.ShapeDtypeStruct(shape, dtype, sharding=...)`
-        with the structure of the saved state; the shardings may be on any mesh. Each
-        process reads only the slices its devices hold. With `partial`, it may name a part
-        of the saved tree (`{"params": ...}` to start a fine-tune from another run's
-        weights): only that part is read, and the rest of the checkpoint is ignored.
-        """
+        """Reads `step` into `abstract_state`, a pytree of jax.ShapeDtypeStruct whose shardings
+        may be on any mesh: each process reads only the slices its devices hold. With `partial`
+        it may name a part of the saved tree ({"params": ...}, to fine-tune another run's
+        weights): only that part is read."""
         self.wait()  # an async save of this very step must land first
         step_dir = self.directory / str(step)
         steps = self.all_steps()
@@ -319,8 +299,6 @@ class Checkpointer:
                 raise corrupt(_reason(e)) from e
         return restored[_ITEM]
 
-    # -- lifetime -----------------------------------------------------------------------
-
     def close(self) -> None:
         """Waits for the last save (raising if it failed) and releases Orbax's threads."""
         if self._closed:
@@ -330,9 +308,6 @@ class Checkpointer:
             self.wait()
         finally:
             self._manager.close()
-
-    def __enter__(self) -> Checkpointer:
-        return self
 
     def __exit__(self, *exc) -> None:
         self.close()
@@ -346,12 +321,9 @@ def _is_leftover(path: epath.Path) -> bool:
 
 
 def _refuse_foreign_directory(directory: epath.Path) -> None:
-    """Raises unless `directory` is absent, empty, or holds only what Orbax writes there.
-
-    Orbax deletes old step folders to keep the last N, and force-saving a step replaces a
-    folder of that name. Pointing a run at a directory full of someone else's files could
-    therefore destroy them; we stop before touching anything.
-    """
+    """Raises unless `directory` is absent, empty, or holds only what Orbax writes there: Orbax
+    deletes old step folders to keep the last N and replaces a force-saved step's folder, so
+    someone else's files there could be destroyed."""
     if not (directory.exists() or os.path.islink(directory)):
         return
     if not directory.is_dir():
@@ -398,17 +370,10 @@ def _tree_mismatch(saved: dict[str, Any], wanted: dict[str, Any], partial: bool 
     return problems
 
 
-# -- the run's config ---------------------------------------------------------------------
-
-
 def _flatten_config(config: dict, prefix: str = "") -> dict[str, Any]:
-    flat = {}
-    for key, value in config.items():
-        if isinstance(value, dict):
-            flat |= _flatten_config(value, f"{prefix}{key}.")
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
+    return {k: v for key, value in config.items() for k, v in (
+        _flatten_config(value, f"{prefix}{key}.").items() if isinstance(value, dict)
+        else [(f"{prefix}{key}", value)])}
 
 
 def _write_json_atomically(path: epath.Path, obj: Any) -> None:
@@ -485,33 +450,15 @@ def check_run_config(run_dir: str, config: dict, may_change: frozenset[str] = fr
         _write_json_atomically(path, now)
 
 
-# -- preemption ---------------------------------------------------------------------------
-
-
 class PreemptionGuard:
-    """Turns SIGTERM (what schedulers send before preempting) into a flag.
-
-        with PreemptionGuard() as guard:
-            for step in ...:
-                state = train_step(state, batch)
-                if guard.requested:
-                    ckpt.save(step, state, force=True)
-                    break
-
-    The handler does nothing but set the flag: the loop saves at the next step
-    boundary, where the state is whole, and exits normally. Python runs signal handlers
-    only in the main thread and lets only the main thread install them; elsewhere the
-    guard installs nothing and simply never requests.
-
-    In a multi-process run the signal reaches processes at different steps, while saving
-    is collective: combine the flag across processes before acting on it.
-    """
+    """Turns SIGTERM (what schedulers send before preempting) into `requested`: the loop saves
+    at the next step boundary, where the state is whole, and exits normally. Only the main
+    thread may install a handler; elsewhere the guard never requests. The signal reaches
+    processes at different steps while saving is collective: combine the flag across them."""
 
     def __init__(self, signum: int = signal.SIGTERM):
-        self._signum = signum
-        self._requested = threading.Event()
-        self._previous: Any = None
-        self._installed = False
+        self._signum, self._requested = signum, threading.Event()
+        self._previous, self._installed = None, False
 
     @property
     def requested(self) -> bool:

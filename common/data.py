@@ -105,8 +105,18 @@ class DataConfig:
     """sft: several examples per row with segment ids; off = one example per row."""
 
 
+class _Encodes:
+    """encode and decode through `self._sp`, a sentencepiece model or an `HFTokenizer`."""
+
+    def encode(self, text: str) -> list[int]:
+        return self._sp.encode(text)
+
+    def decode(self, ids) -> str:
+        return self._sp.decode([int(i) for i in np.asarray(ids).reshape(-1)])
+
+
 @dataclass
-class Dataset:
+class Dataset(_Encodes):
     train: np.ndarray | RemoteTokens = field(repr=False)
     eval: np.ndarray | RemoteTokens = field(repr=False)
     vocab_size: int
@@ -115,12 +125,6 @@ class Dataset:
     _sp = functools.cached_property(lambda self: open_tokenizer(self.tokenizer_path))
     eos_id = property(lambda self: self._sp.eos_id())
     bos_id = property(lambda self: self._sp.bos_id())
-
-    def encode(self, text: str) -> list[int]:
-        return self._sp.encode(text)
-
-    def decode(self, ids) -> str:
-        return self._sp.decode([int(i) for i in np.asarray(ids).reshape(-1)])
 
 
 # --- Batches ----------------------------------------------------------------------------------
@@ -314,21 +318,15 @@ def open_tokenizer(path: str):
             else spm.SentencePieceProcessor(model_file=path))
 
 
-class PretrainedTokenizer:
+class PretrainedTokenizer(_Encodes):
     """A pretrained model's tokenizer (sentencepiece or tokenizer.json) for prompting it:
     `start_id` is the token after which the model saw a document begin, and each prompt
     begins with it. pad_id is never read: pads are masked out of attention and the loss."""
+    pad_id = 0
 
     def __init__(self, path: str, eos_id: int, start_id: int):
-        self._tok = open_tokenizer(path)
-        self.vocab_size, self.eos_id, self.start_id = self._tok.get_piece_size(), eos_id, start_id
-        self.pad_id = 0
-
-    def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text)
-
-    def decode(self, ids) -> str:
-        return self._tok.decode([int(i) for i in ids])
+        self._sp = open_tokenizer(path)
+        self.vocab_size, self.eos_id, self.start_id = self._sp.get_piece_size(), eos_id, start_id
 
     def prompt(self, text: str) -> list[int]:
         return [self.start_id] + self.encode(text)
@@ -361,16 +359,9 @@ class CharTokenizer:
 
 # Prompts and completions as generation batches (train_grpo.py's rollouts and warm start)
 def encode_prompts(tok, texts: list[str], width: int):
-    """Left-padded ids [B, width] and their validity mask: every row ends at the same column,
-    so generation starts at one column for the whole batch."""
-    ids = np.full((len(texts), width), tok.pad_id, np.int32)
-    valid = np.zeros((len(texts), width), bool)
-    for r, text in enumerate(texts):
-        p = tok.prompt(text)
-        if len(p) > width:
-            raise ValueError(f"prompt {text!r} is {len(p)} tokens, more than the width {width}")
-        ids[r, width - len(p):], valid[r, width - len(p):] = p, True
-    return ids, valid
+    """common.task's `left_pad` of each text's `tok.prompt`."""
+    from common.task import left_pad  # task builds on this module
+    return left_pad([tok.prompt(text) for text in texts], width, tok.pad_id)
 
 
 def encode_completions(tok, texts: list[str], width: int):
@@ -992,16 +983,21 @@ def sft_spans(obj, where: str, template: ChatTemplate | None = None) -> Spans:
     return [(obj["prompt"], False), (obj["completion"], True), (EOS, True)]
 
 
+def jsonl_file(path: str, flag: str, noun: str, shape: str) -> list[tuple[str, object]]:
+    """`jsonl_objects` of the file that `flag` names, which must exist and hold a `noun`."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{flag} {path!r}: no such file; it is a JSONL file with one "
+                                f"{noun} per line, {shape}")
+    if not (lines := list(jsonl_objects(path))):
+        raise DataError(f"{flag} {path!r} holds no {noun}s; each line is {shape}")
+    return lines
+
+
 def read_sft_jsonl(path: str, flag: str = "--data.path",
                    template: ChatTemplate | None = None) -> list[Spans]:
     """Every example of a JSONL file as spans; a bad line is an error naming file and line."""
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"{flag} {path!r}: no such file; SFT data is a JSONL file with "
-                                f"one example per line, {SFT_SHAPES}")
-    examples = [sft_spans(obj, where, template) for where, obj in jsonl_objects(path)]
-    if not examples:
-        raise DataError(f"{flag} {path!r} holds no examples")
-    return examples
+    return [sft_spans(obj, where, template)
+            for where, obj in jsonl_file(path, flag, "example", SFT_SHAPES)]
 
 
 @dataclass
@@ -1139,16 +1135,22 @@ def _describe(s: dict) -> str:
             f"{s['dropped_untrained']:,} dropped with nothing left to train")
 
 
+def epoch_order(num_rows: int, first: int, n: int, *seed: int) -> np.ndarray:
+    """Places first..first + n - 1 of a run of epochs, each a permutation of the rows drawn
+    from default_rng([*seed, epoch]): every row once per epoch, and a resumed run needs
+    nothing but where it is."""
+    epoch, k = np.divmod(first + np.arange(n, dtype=np.int64), num_rows)
+    perms = {e: np.random.default_rng([*seed, e]).permutation(num_rows)
+             for e in set(epoch.tolist())}
+    return np.array([perms[e][i] for e, i in zip(epoch.tolist(), k.tolist())], np.int64)
+
+
 def packed_rows(num_rows: int, *, seed: int, step: int, batch_size: int) -> np.ndarray:
-    """The rows of the global batch of (seed, step). Rows are visited in epochs, each a
-    permutation drawn from np.random.default_rng([seed, epoch]): every row once per epoch,
-    and a resumed run needs nothing but the step."""
+    """The rows of the global batch of (seed, step), in epochs (see `epoch_order`)."""
     if num_rows < 1 or batch_size < 1 or seed < 0 or step < 0:
         raise ValueError(f"num_rows ({num_rows}) and batch_size ({batch_size}) must be >= 1, "
                          f"seed ({seed}) and step ({step}) >= 0")
-    epoch, k = np.divmod(step * batch_size + np.arange(batch_size, dtype=np.int64), num_rows)
-    perms = {e: np.random.default_rng([seed, e]).permutation(num_rows) for e in set(epoch.tolist())}
-    return np.array([perms[e][i] for e, i in zip(epoch.tolist(), k.tolist())], np.int64)
+    return epoch_order(num_rows, step * batch_size, batch_size, seed)
 
 
 def packed_batch(packed: Packed, rows: np.ndarray,

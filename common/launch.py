@@ -64,8 +64,8 @@ class Group:
 
     def poll(self) -> tuple[int, int] | None:
         """(index, exit code) of the first process that failed, else None."""
-        failed = [(i, p.returncode) for i, p in enumerate(self.procs) if p.poll() not in (None, 0)]
-        return failed[0] if failed else None
+        return next(((i, p.returncode) for i, p in enumerate(self.procs)
+                     if p.poll() not in (None, 0)), None)
 
     def done(self) -> bool:
         return all(p.poll() == 0 for p in self.procs)
@@ -108,18 +108,15 @@ def run(cmd: list[str], nproc: int, cpu_devices: int = 0, gpus: bool = False,
         group.signal(signal.SIGKILL)
         for p in group.procs:
             p.wait()
-        if preempted.is_set():
-            print(f"launch: process {i} {describe_exit(rc)} while preempted; "
-                  "not restarting", flush=True)
-            return rc if rc > 0 else 1
-        if rc in (2, 3):
+        if rc in (2, 3) and not preempted.is_set():
             why = "rejected its input" if rc == 2 else "stopped a diverging run"
             print(f"launch: process {i} {why} (exit code {rc}); a restart would fail the same "
                   "way, so not restarting", flush=True)
             return rc
-        if attempt == max_restarts:
-            print(f"launch: process {i} {describe_exit(rc)}; restart limit "
-                  f"({max_restarts}) reached, giving up", flush=True)
+        if stop := (" while preempted; not restarting" if preempted.is_set() else
+                    f"; restart limit ({max_restarts}) reached, giving up"
+                    if attempt == max_restarts else ""):
+            print(f"launch: process {i} {describe_exit(rc)}{stop}", flush=True)
             return rc if rc > 0 else 1
         print(f"launch: process {i} {describe_exit(rc)}; restarting all {nproc} "
               f"processes (restart {attempt + 1} of {max_restarts})", flush=True)
@@ -127,8 +124,7 @@ def run(cmd: list[str], nproc: int, cpu_devices: int = 0, gpus: bool = False,
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if "--" not in argv:
+    if "--" not in (argv := sys.argv[1:] if argv is None else argv):
         print("usage: python -m common.launch --nproc N [--cpu-devices D | --gpus] "
               "[--max-restarts R] -- COMMAND ...", file=sys.stderr)
         return 2

@@ -30,11 +30,8 @@ class MeshError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
-    """Axis sizes. ICI: inside one slice (fast links). DCN: across slices (data-centre network).
-
-    One ici size may be -1: it takes whatever the device count leaves. The product of all
-    sizes must equal the number of devices.
-    """
+    """Axis sizes inside one slice (ICI, fast links) and across slices (DCN). One ici size may
+    be -1: whatever the device count leaves. The product of all sizes is the device count."""
 
     data: int = 1
     fsdp: int = -1
@@ -90,19 +87,13 @@ def resolve(cfg: MeshConfig, n_devices: int, n_slices: int = 1) -> MeshConfig:
 
 
 def make_mesh(cfg: MeshConfig, devices=None) -> Mesh:
-    """The device mesh for `cfg`: one slice via create_device_mesh, several via the hybrid mesh.
-
-    On TPU a slice is what `device.slice_index` says; on GPU and CPU each process is a slice
-    (process_is_granule), which is how a multi-node GPU job maps onto dcn axes.
-    """
+    """The device mesh for `cfg`. On TPU a slice is what `device.slice_index` says; on GPU and
+    CPU each process is a slice (process_is_granule): how a multi-node GPU job maps onto dcn."""
     devices = list(jax.devices() if devices is None else devices)
     on_tpu = devices[0].platform == "tpu"
-    if on_tpu:
-        n_slices = len({getattr(d, "slice_index", 0) for d in devices})
-    elif math.prod(cfg.dcn()) > 1:
-        n_slices = len({d.process_index for d in devices})
-    else:
-        n_slices = 1  # GPU/CPU processes with no dcn axes: one flat mesh over all devices
+    # GPU/CPU processes with no dcn axes: one flat mesh over all devices.
+    n_slices = (len({getattr(d, "slice_index", 0) for d in devices}) if on_tpu else
+                len({d.process_index for d in devices}) if math.prod(cfg.dcn()) > 1 else 1)
     cfg = resolve(cfg, len(devices), n_slices)
     if n_slices == 1:
         # allow_split_physical_axes: on a CPU or odd topology the ideal physical layout may not

@@ -32,14 +32,13 @@ def wants_distributed(env=os.environ) -> bool:
             or len([h for h in env.get("TPU_WORKER_HOSTNAMES", "").split(",") if h]) > 1)
 
 
-def initialize(timeout_s: int | None = None) -> None:
+def initialize() -> None:
     """Join the process group if there is one; otherwise do nothing. Idempotent. The wait for
     the others is bounded (JAX_TRAINERS_INIT_TIMEOUT seconds, default 300): a wrong coordinator
     address or a process that never starts is an error that says what to check, not a hang."""
     if not wants_distributed() or jax.distributed.is_initialized():
         return
-    if timeout_s is None:
-        timeout_s = int(os.environ.get("JAX_TRAINERS_INIT_TIMEOUT", "300"))
+    timeout_s = int(os.environ.get("JAX_TRAINERS_INIT_TIMEOUT", "300"))
     # CPU processes exchange collectives over gloo (the default CPU backend has none);
     # harmless where the devices are GPUs or TPUs.
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
@@ -92,23 +91,18 @@ def _or_over_processes():
 
 
 def any_process(flag: bool) -> jax.Array:
-    """OR of `flag` over every process, as a device scalar still in flight.
-
-    A preemption notice (SIGTERM) may reach one process only, yet all of them must save the
-    same step or the checkpoint's barriers wait forever. Each process contributes its flag;
-    the training loop reads the result one step later, so no step waits for it.
-    """
+    """OR of `flag` over every process, as a device scalar still in flight. A SIGTERM may reach
+    one process only, yet all must save the same step or the checkpoint's barriers wait
+    forever; the loop reads the result one step later, so no step waits for it."""
     sharding, reduce = _or_over_processes()
     local = np.full((1,), int(flag), np.int32)
     return reduce(jax.make_array_from_callback((jax.device_count(),), sharding, lambda _: local))
 
 
 def enable_compilation_cache() -> None:
-    """Keep compiled steps on disk, so a restart or a second run skips most compilation.
-
-    JAX_COMPILATION_CACHE_DIR (JAX's own variable) wins; otherwise ~/.cache/jax_trainers/xla.
-    Only programs that took over a second to compile are kept.
-    """
+    """Keep compiled steps over a second on disk, so a restart or a second run skips most
+    compilation: JAX_COMPILATION_CACHE_DIR if set, else $JAX_TRAINERS_CACHE/xla (by default
+    ~/.cache/jax_trainers/xla)."""
     if jax.config.jax_compilation_cache_dir:
         return
     path = os.environ.get("JAX_TRAINERS_CACHE", os.path.expanduser("~/.cache/jax_trainers"))

@@ -106,17 +106,13 @@ class Mirror:
 
 # --- Progress ---------------------------------------------------------------------------------
 class progress:
-    """A wait a person can see:
-
-        with progress("data: tokenizing", total=n, unit="documents") as p:
-            for doc in docs:
-                p.update()
-
-    prints `data: tokenizing ... 563 documents, 2.1 s`, then `p.note` if set. On a terminal the
-    line is redrawn twice a second with the count so far, the elapsed time and `p.note`, so a
-    long wait (a compile, a tokenizer in C++) is visibly alive; into a file or a pipe it is one
-    line, begun when the wait begins and ended when it ends, so a log has no carriage returns.
-    `min_s`: say nothing at all for waits shorter than this (a save that is usually done)."""
+    """A wait a person can see: `with progress("data: tokenizing", total=n, unit="documents") as
+    p`, `p.update()` per document, prints `data: tokenizing ... 563 documents, 2.1 s`, then
+    `p.note` if set. On a terminal the line is redrawn twice a second with the count so far, the
+    elapsed time and `p.note`, so a long wait (a compile, a tokenizer in C++) is visibly alive;
+    into a file or a pipe it is one line, begun when the wait begins and ended when it ends, so
+    a log has no carriage returns. `min_s`: say nothing for waits shorter than this (a save
+    that is usually done)."""
 
     def __init__(self, what: str, *, total: int | None = None, unit: str = "", min_s: float = 0.0):
         self.what, self.total, self.unit, self.min_s = what, total, unit, min_s
@@ -224,9 +220,7 @@ class MetricsLog(contextlib.AbstractContextManager):
         it again, so in a bucket the rows up to it go up with the next record, not in 30 s."""
         self._due = True
 
-    @property
-    def has_tensorboard(self) -> bool:
-        return bool(self._writers)
+    has_tensorboard = property(lambda self: bool(self._writers))
 
     def write(self, rec: dict, *, step_key: str = "step", run: str = "") -> None:
         """Append `rec` to metrics.jsonl as is; every number in it becomes a TensorBoard scalar
@@ -294,14 +288,10 @@ def profile_steps_problem(steps: tuple[int, ...], flag: str, last_step: int) -> 
 
 class Profiler(contextlib.AbstractContextManager):
     """A jax.profiler trace of the steps first..last (as the log numbers them) into
-    `<run_dir>/profile`, for TensorBoard's profile plugin or Perfetto (perfetto_trace.json.gz).
-
-        prof.before(step)            # before dispatching step `step`
-        state, m = step_fn(...)
-        prof.after(step, m)          # after: the trace ends once step `last` has finished
-
-    A resumed run that starts inside the range traces the rest of it. Each process traces its
-    own devices; with several processes, each into profile/process_<i>."""
+    `<run_dir>/profile`, for TensorBoard's profile plugin or Perfetto (perfetto_trace.json.gz):
+    `before(step)` dispatching a step, `after(step, outputs)` it (the trace ends once step
+    `last` has finished). A resumed run that starts inside the range traces the rest of it.
+    Each process traces its own devices; with several processes, each into profile/process_<i>."""
 
     def __init__(self, run_dir: str, steps: tuple[int, ...]):
         self.first, self.last = (steps[0], steps[-1]) if steps else (0, -1)

@@ -31,7 +31,7 @@ from typing import Callable, NamedTuple
 
 import numpy as np
 
-from common.data import ChatTemplate, DataError, check_messages, jsonl_objects
+from common.data import ChatTemplate, DataError, check_messages, epoch_order, jsonl_file
 from common.train import ConfigError, log
 
 PASSED = ("completions", "finished")  # what every reward receives besides the lines' fields
@@ -85,15 +85,9 @@ def left_pad(ids: list[list[int]], width: int, pad_id: int) -> tuple[np.ndarray,
 
 
 def draw(n_rows: int, n: int, *, seed: int, step: int, salt: int = 0) -> np.ndarray:
-    """The n row indices of a step: positions step*n.. of the file shuffled afresh each epoch
-    (every row once per epoch, as TRL's sampler), a pure function of (seed, salt, step), so a
-    resumed run draws what an uninterrupted one would."""
-    epoch, at = np.divmod(np.arange(step * n, (step + 1) * n), n_rows)
-    out = np.empty(n, np.int64)
-    for e in np.unique(epoch):
-        order = np.random.default_rng([seed, salt, int(e)]).permutation(n_rows)
-        out[epoch == e] = order[at[epoch == e]]
-    return out
+    """The n row indices of a step: every row once per epoch, as TRL's sampler, a pure function
+    of (seed, salt, step), so a resumed run draws what an uninterrupted one would."""
+    return epoch_order(n_rows, step * n, n, seed, salt)
 
 
 # --- train_grpo.py's addition demo (its TaskConfig says why the sums are reversed) ----------------
@@ -121,11 +115,8 @@ SHAPE = ('{"prompt": "...", <fields>} or {"messages": [{"role": "user", "content
 def read_prompts(path: str, flag: str) -> list[tuple[str, dict]]:
     """("<path>, line N", object) of every line, each checked; a bad one is a DataError naming
     the file and line."""
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"{flag} {path!r}: no such file; it is a JSONL file with one "
-                                f"prompt per line, {SHAPE}")
     lines, keys = [], None
-    for where, obj in jsonl_objects(path):
+    for where, obj in jsonl_file(path, flag, "prompt", SHAPE):
         if not isinstance(obj, dict):
             raise DataError(f"{where}: a JSON {type(obj).__name__}, not an object; each line is "
                             f"{SHAPE}")
@@ -135,7 +126,10 @@ def read_prompts(path: str, flag: str) -> list[tuple[str, dict]]:
         if "prompt" in obj and not isinstance(obj["prompt"], str):
             raise DataError(f'{where}: "prompt" is a {type(obj["prompt"]).__name__}, not a string')
         if "messages" in obj:
-            _check_messages(obj["messages"], where)
+            check_messages(obj["messages"], where)
+            if (last := obj["messages"][-1]["role"]) != "user":
+                raise DataError(f"{where}: the last message is the {last}'s; a prompt ends with "
+                                "a user turn, which the policy answers")
         for name in PASSED:
             if name in obj:
                 raise DataError(f"{where}: field {name!r} is what the trainer passes every reward "
@@ -147,16 +141,7 @@ def read_prompts(path: str, flag: str) -> list[tuple[str, dict]]:
                             f"{sorted(keys)}; every line needs the same ones, since a reward "
                             "receives each field as a list over the batch")
         lines.append((where, obj))
-    if not lines:
-        raise DataError(f"{flag} {path!r} holds no prompts; each line is {SHAPE}")
     return lines
-
-
-def _check_messages(msgs, where: str) -> None:
-    check_messages(msgs, where)
-    if msgs[-1]["role"] != "user":
-        raise DataError(f"{where}: the last message is the {msgs[-1]['role']}'s; a prompt ends "
-                        "with a user turn, which the policy answers")
 
 
 def prompt_row(obj: dict, where: str, tok, template: ChatTemplate | None) -> Row:
@@ -197,10 +182,9 @@ def load_task(t, tok, template: ChatTemplate | None, seed: int) -> Task:
             raise DataError(f"--task.path {t.path!r} holds {len(rows)} prompts: holding out "
                             f"--task.eval-prompts {t.eval_prompts} leaves none to train on; "
                             "lower it, add prompts or give --task.eval-path")
-        is_eval = np.zeros(len(rows), bool)
-        is_eval[np.random.default_rng([t.eval_seed]).permutation(len(rows))[:t.eval_prompts]] = 1
-        eval_rows = [r for r, e in zip(rows, is_eval) if e]
-        rows = [r for r, e in zip(rows, is_eval) if not e]
+        held = set(np.random.default_rng([t.eval_seed]).permutation(len(rows))[:t.eval_prompts])
+        eval_rows, rows = ([r for i, r in enumerate(rows) if (i in held) == e]
+                           for e in (True, False))
     rewards = load_rewards(t.rewards, t.reward_weights, t.format_regex, set(lines[0][1]))
     # Once before anything compiles, on two empty completions of a held-out prompt: a reward
     # that cannot score whatever the model writes fails in a second, not after the compile.
@@ -218,8 +202,7 @@ def load_task(t, tok, template: ChatTemplate | None, seed: int) -> Task:
     return Task(
         rows_at=lambda step, n, salt: [rows[i] for i in draw(len(rows), n, seed=seed, step=step,
                                                                 salt=salt)],
-        eval_rows=eval_rows, rewards=rewards,
-        width=width,
+        eval_rows=eval_rows, rewards=rewards, width=width,
         answer_tokens=max((len(tok.encode(a)) + 1 for a in answers), default=0))
 
 
@@ -291,9 +274,8 @@ def load_rewards(specs: tuple[str, ...], weights: tuple[float, ...], format_rege
     if weights and len(weights) != len(funcs):
         raise ConfigError(f"--task.reward-weights {' '.join(map(str, weights))}: {len(weights)} "
                           f"weights for {len(funcs)} rewards ({', '.join(funcs)}); give one each")
-    for w in weights:
-        if not math.isfinite(w):
-            raise ConfigError(f"--task.reward-weights: {w} is not a finite number")
+    if bad := [w for w in weights if not math.isfinite(w)]:
+        raise ConfigError(f"--task.reward-weights: {bad[0]} is not a finite number")
     return {n: (fn, float(w)) for (n, fn), w in zip(funcs.items(), weights or [1.0] * len(funcs))}
 
 
