@@ -180,41 +180,57 @@ class Config:
 _DEEPSEEK_BALANCE = dict(router_bias_rate=1e-3, load_balance_loss=1e-4, router_z_loss=0.0)
 
 
-def _big(model: ModelConfig, run: str, seq_len: int = 4096) -> Config:
+def _big(model: ModelConfig, run: str) -> Config:
     balance = _DEEPSEEK_BALANCE if model.sigmoid_routing else dict(load_balance_loss=1e-3)
     return Config(model=dataclasses.replace(model, dtype="bfloat16"),
-                  train=TrainConfig(steps=100_000, batch_size=256, seq_len=seq_len, lr=3e-4,
+                  train=TrainConfig(steps=100_000, batch_size=256, seq_len=4096, lr=3e-4,
                                     warmup_steps=2000, log_every=10, eval_every=1000,
                                     sample_tokens=0, **balance),
                   checkpoint=CheckpointConfig(every=1000), run_dir=f"runs/{run}")
 
 
-_QWEN3_MOE = dict(vocab_size=151936, head_dim=128, n_kv_heads=4, n_experts=128, top_k=8,
-                  max_seq_len=40960, rope_theta=1_000_000.0, norm_eps=1e-6, qk_norm=True)
-
+_QWEN3_MOE = dict(rope_theta=1_000_000.0, norm_eps=1e-6, qk_norm=True)
 # GPT-OSS (OpenAI 2025): windows of 128 on every second layer, sinks, biases, YaRN, clamped
 # SwiGLU experts; the released config.json's values.
 _GPT_OSS = dict(sliding_window=128, global_every=2, attn_sinks=True, attn_bias=True,
                 moe_bias=True, swiglu_limit=7.0, yarn_factor=32.0, yarn_truncate=False,
                 rope_theta=150_000.0)
-_GPT_OSS_BIG = dict(vocab_size=201088, d_model=2880, n_heads=64, n_kv_heads=8, head_dim=64,
-                    top_k=4, d_ff=2880, max_seq_len=131072, **_GPT_OSS)
-
-# DeepSeek-V3's block at the tiny model's size: MLA, 8 experts in 4 groups (2 chosen), a
-# shared expert, one leading dense layer, and its balancing: the bias, and a tiny aux loss.
-_TINY_DEEPSEEK = ModelConfig(
-    remat="none", n_kv_heads=4, kv_lora_rank=64, q_lora_rank=96, qk_nope_head_dim=32,
-    qk_rope_head_dim=16, v_head_dim=32, sigmoid_routing=True, routed_scale=2.5, n_group=4,
-    topk_group=2, n_shared_experts=1, first_k_dense=1, dense_d_ff=512, seq_aux=True)
-
-# DeepSeek-V3 and Kimi K2 share the block, from their released config.json: MLA with a query
-# latent, 8 of the routed experts plus one shared, sigmoid scores, YaRN with mscale 1.
-_DEEPSEEK_V3 = dict(d_model=7168, n_layers=61, kv_lora_rank=512, q_lora_rank=1536,
-                    qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, top_k=8,
-                    d_ff=2048, dense_d_ff=18432, n_shared_experts=1, sigmoid_routing=True,
-                    norm_eps=1e-6, yarn_original_max_len=4096, yarn_mscale_all_dim=1.0,
-                    seq_aux=True)
-
+# DeepSeek's MLA (V2-Lite's, V3's, Kimi K2's); V3 and K2 share the block, from their released
+# config.json: a query latent, 8 of the routed experts plus one shared, sigmoid scores, YaRN
+# with mscale 1.
+_MLA = dict(kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+            norm_eps=1e-6, yarn_original_max_len=4096, seq_aux=True)
+_DEEPSEEK_V3 = _MLA | dict(q_lora_rank=1536, dense_d_ff=18432, n_shared_experts=1,
+                           sigmoid_routing=True, yarn_mscale_all_dim=1.0)
+# The released models: description, shape (these fields), the family's and model's knobs.
+_SHAPE = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim",
+          "n_experts", "top_k", "d_ff", "max_seq_len")
+_RELEASED = {
+    "mixtral-8x7b": ("Mixtral 8x7B (8 experts, top-2)",
+                     (32000, 4096, 32, 32, 8, 128, 8, 2, 14336, 32768), dict(rope_theta=1e6)),
+    "qwen3-30b-a3b": ("Qwen3-30B-A3B (128 experts, top-8, q/k norm)",
+                      (151936, 2048, 48, 32, 4, 128, 128, 8, 768, 40960), _QWEN3_MOE),
+    "qwen3-235b-a22b": ("Qwen3-235B-A22B (128 experts, top-8, q/k norm)",
+                        (151936, 4096, 94, 64, 4, 128, 128, 8, 1536, 40960), _QWEN3_MOE),
+    # V2-Lite routes by softmax, its top 6 not renormalised, 2 shared experts, no q latent.
+    "deepseek-v2-lite": ("DeepSeek-V2-Lite (64 experts top-6 + 2 shared, MLA)",
+                         (102400, 2048, 27, 16, 16, 64, 64, 6, 1408, 163840), _MLA | dict(
+                             norm_topk=False, n_shared_experts=2, first_k_dense=1,
+                             dense_d_ff=10944, yarn_factor=40.0, yarn_mscale_all_dim=0.707)),
+    "deepseek-v3": ("DeepSeek-V3 (256 experts top-8 in 8 groups + 1 shared, MLA; without the "
+                    "multi-token-prediction module)",
+                    (129280, 7168, 61, 128, 128, 64, 256, 8, 2048, 163840), _DEEPSEEK_V3 | dict(
+                        routed_scale=2.5, n_group=8, topk_group=4, first_k_dense=3,
+                        yarn_factor=40.0)),
+    "kimi-k2": ("Kimi K2 (384 experts top-8 + 1 shared, MLA, DeepSeek-V3's block)",
+                (163840, 7168, 61, 64, 64, 64, 384, 8, 2048, 131072), _DEEPSEEK_V3 | dict(
+                    first_k_dense=1, routed_scale=2.827, rope_theta=50_000.0, yarn_factor=32.0,
+                    yarn_beta_fast=1.0, norm_eps=1e-5)),
+    "gpt-oss-20b": ("GPT-OSS 20B (32 experts, top-4)",
+                    (201088, 2880, 24, 64, 8, 64, 32, 4, 2880, 131072), _GPT_OSS),
+    "gpt-oss-120b": ("GPT-OSS 120B (128 experts, top-4)",
+                     (201088, 2880, 36, 64, 8, 64, 128, 4, 2880, 131072), _GPT_OSS),
+}
 
 PRESETS: dict[str, tuple[str, Config]] = {
     # No remat: the tiny model's activations are a few MB, and recomputing them would cost a
@@ -224,46 +240,23 @@ PRESETS: dict[str, tuple[str, Config]] = {
     "tiny-gptoss": ("tiny-moe with GPT-OSS's knobs (window 128 of the 256 tokens on every "
                     "second layer): `make train-moe MOE_PRESET=tiny-gptoss`", Config(
                         model=ModelConfig(remat="none", **_GPT_OSS), run_dir="runs/tiny-gptoss")),
+    # DeepSeek-V3's block at the tiny model's size: MLA, 8 experts in 4 groups (2 chosen), a
+    # shared expert, one leading dense layer, and its balancing: the bias, and a tiny aux loss.
     "tiny-deepseek": ("tiny-moe with DeepSeek-V3's knobs (MLA, sigmoid group-limited routing "
                       "with bias balancing, a shared expert, a dense first layer): "
-                      "`make train-moe MOE_PRESET=tiny-deepseek`", Config(
-                          model=_TINY_DEEPSEEK, train=TrainConfig(**_DEEPSEEK_BALANCE),
-                          run_dir="runs/tiny-deepseek")),
+                      "`make train-moe MOE_PRESET=tiny-deepseek`", Config(model=ModelConfig(
+                          remat="none", n_kv_heads=4, kv_lora_rank=64, q_lora_rank=96,
+                          qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
+                          sigmoid_routing=True, routed_scale=2.5, n_group=4, topk_group=2,
+                          n_shared_experts=1, first_k_dense=1, dense_d_ff=512, seq_aux=True),
+                          train=TrainConfig(**_DEEPSEEK_BALANCE), run_dir="runs/tiny-deepseek")),
     # The model bench/peers/maxtext.sh runs in MaxText (Mixtral block), for side-by-side speed.
     "bench-parity-moe": ("MaxText comparison: d 256, 4 layers, 8 experts top-2, expert MLP 512, "
                          "vocab 32000, seq 256, batch 8", Config(ModelConfig(
                              vocab_size=32000, n_kv_heads=4, d_ff=512), TrainConfig(
                              batch_size=8, seq_len=256), bench_twin=False)),
-    "mixtral-8x7b": ("Mixtral 8x7B (8 experts, top-2)", _big(ModelConfig(
-        vocab_size=32000, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8, head_dim=128,
-        n_experts=8, top_k=2, d_ff=14336, max_seq_len=32768, rope_theta=1_000_000.0,
-        norm_eps=1e-5), "mixtral-8x7b")),
-    "qwen3-30b-a3b": ("Qwen3-30B-A3B (128 experts, top-8, q/k norm)", _big(ModelConfig(
-        d_model=2048, n_layers=48, n_heads=32, d_ff=768, **_QWEN3_MOE), "qwen3-30b-a3b")),
-    "qwen3-235b-a22b": ("Qwen3-235B-A22B (128 experts, top-8, q/k norm)", _big(ModelConfig(
-        d_model=4096, n_layers=94, n_heads=64, d_ff=1536, **_QWEN3_MOE), "qwen3-235b-a22b")),
-    # V2-Lite routes by softmax, its top 6 not renormalised, 2 shared experts, no q latent.
-    "deepseek-v2-lite": ("DeepSeek-V2-Lite (64 experts top-6 + 2 shared, MLA)", _big(
-        ModelConfig(vocab_size=102400, d_model=2048, n_layers=27, n_heads=16, n_kv_heads=16,
-                    kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
-                    v_head_dim=128, n_experts=64, top_k=6, d_ff=1408, norm_topk=False,
-                    n_shared_experts=2, first_k_dense=1, dense_d_ff=10944, norm_eps=1e-6,
-                    max_seq_len=163840, yarn_factor=40.0, yarn_original_max_len=4096,
-                    yarn_mscale_all_dim=0.707, seq_aux=True), "deepseek-v2-lite")),
-    "deepseek-v3": ("DeepSeek-V3 (256 experts top-8 in 8 groups + 1 shared, MLA; without the "
-                    "multi-token-prediction module)", _big(ModelConfig(
-                        vocab_size=129280, n_heads=128, n_kv_heads=128, n_experts=256,
-                        routed_scale=2.5, n_group=8, topk_group=4, first_k_dense=3,
-                        max_seq_len=163840, yarn_factor=40.0, **_DEEPSEEK_V3), "deepseek-v3")),
-    "kimi-k2": ("Kimi K2 (384 experts top-8 + 1 shared, MLA, DeepSeek-V3's block)", _big(
-        ModelConfig(vocab_size=163840, n_heads=64, n_kv_heads=64, n_experts=384, first_k_dense=1,
-                    routed_scale=2.827, max_seq_len=131072, rope_theta=50_000.0, yarn_factor=32.0,
-                    yarn_beta_fast=1.0, **_DEEPSEEK_V3 | dict(norm_eps=1e-5)), "kimi-k2")),
-    "gpt-oss-20b": ("GPT-OSS 20B (32 experts, top-4)", _big(ModelConfig(
-        n_layers=24, n_experts=32, **_GPT_OSS_BIG), "gpt-oss-20b")),
-    "gpt-oss-120b": ("GPT-OSS 120B (128 experts, top-4)", _big(ModelConfig(
-        n_layers=36, n_experts=128, **_GPT_OSS_BIG), "gpt-oss-120b")),
-}
+} | {name: (about, _big(ModelConfig(**dict(zip(_SHAPE, shape)), **knobs), name))
+     for name, (about, shape, knobs) in _RELEASED.items()}
 
 
 def validate(cfg: Config, n_devices: int) -> None:
