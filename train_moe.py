@@ -650,6 +650,7 @@ def balance_biases(bias_LE, load_LE, rate: float):
     return bias_LE + rate * jnp.sign(1.0 / load_LE.shape[-1] - load_LE)
 
 
+PROJ = ("gate", "up", "down")  # an MLP's projections: `swiglu` takes w_gate, ..., b_down
 SWIGLU_ALPHA = 1.702  # GPT-OSS's sigmoid gain: g sigmoid(1.702 g) approximates GELU
 
 
@@ -663,10 +664,15 @@ def glu(g, u, cfg: ModelConfig | None = None):
     return g * jax.nn.sigmoid(SWIGLU_ALPHA * g) * (u + 1)
 
 
-def swiglu(x, w_gate, w_up, w_down, cfg: ModelConfig | None = None, b=()):
-    """One expert's MLP; b: its gate, up and down biases when moe_bias."""
-    add = lambda y, i: y + b[i] if b else y
-    return add(glu(add(x @ w_gate, 0), add(x @ w_up, 1), cfg) @ w_down, 2)
+def swiglu(x, w: dict, cfg: ModelConfig | None = None, mm=jnp.matmul, at=lambda b: b):
+    """An MLP on rows x: w holds w_gate, w_up, w_down and, with moe_bias, b_gate, b_up,
+    b_down. Every dispatch path runs its experts here, differing only in how rows meet
+    weights: `mm(x, weight)` (one matmul, batched over experts, ragged or tiled) and `at(bias)`
+    (the bias of each row's expert, broadcast onto the rows)."""
+    def proj(x, name):
+        y = mm(x, w["w_" + name])
+        return y + at(w["b_" + name]) if "b_" + name in w else y
+    return proj(glu(proj(x, "gate"), proj(x, "up"), cfg), "down")
 
 
 def _grouped_impl(cfg: ModelConfig, platform: str = "") -> str:
@@ -699,27 +705,24 @@ def _tile_layout(sizes_G, M: int, tile: int):
 
 def grouped_mlp(x_MD, sizes_G, w, cfg: ModelConfig):
     """SwiGLU of expert g on its rows: x is sorted by group, sizes_G[g] rows each. Rows past
-    sum(sizes_G) (buffer padding) give zeros, or with biases values no one reads. w: the
-    weights [G, D, F], [G, D, F], [G, F, D], then with moe_bias the biases [G, F], [G, F],
-    [G, D]. "ragged_dot": a grouped GEMM, each row against its group's weights only. "tiled"
+    sum(sizes_G) (buffer padding) give zeros, or with biases values no one reads. w: as
+    `swiglu`'s, each with a leading G axis. "ragged_dot": a grouped GEMM, each row against
+    its group's weights only. "tiled"
     (megablocks-style, for the CPU): every group padded to whole tiles of `gmm_tile` rows,
     each tile multiplied with its group's weights, one batched matmul over tiles; the cost is
     at most G tiles of padding and one weight copy per tile."""
-    (w_gate_GDF, w_up_GDF, w_down_GFD), b = w[:3], w[3:]
     M, D = x_MD.shape
     if _grouped_impl(cfg) == "ragged_dot":
         group_M = jnp.minimum(jnp.searchsorted(jnp.cumsum(sizes_G), jnp.arange(M), side="right"),
                               sizes_G.shape[0] - 1)
-        mm = lambda x, w, i: (jax.lax.ragged_dot(x, w, sizes_G) + b[i][group_M] if b else
-                              jax.lax.ragged_dot(x, w, sizes_G))
-        return mm(glu(mm(x_MD, w_gate_GDF, 0), mm(x_MD, w_up_GDF, 1), cfg), w_down_GFD, 2)
+        return swiglu(x_MD, w, cfg, lambda x, w: jax.lax.ragged_dot(x, w, sizes_G),
+                      lambda b: b[group_M])
     tile = min(cfg.gmm_tile, M)
     dest_M, group_n, n = _tile_layout(sizes_G, M, tile)
     x_ntD = jnp.zeros((n * tile, D), x_MD.dtype).at[dest_M].set(x_MD, mode="drop")
-    x_ntD = x_ntD.reshape(n, tile, D)
-    mm = lambda x, w, i: (jnp.einsum("ntd,ndf->ntf", x, w[group_n]) + b[i][group_n][:, None]
-                          if b else jnp.einsum("ntd,ndf->ntf", x, w[group_n]))
-    y_ntD = mm(glu(mm(x_ntD, w_gate_GDF, 0), mm(x_ntD, w_up_GDF, 1), cfg), w_down_GFD, 2)
+    y_ntD = swiglu(x_ntD.reshape(n, tile, D), w, cfg,
+                   lambda x, w: jnp.einsum("ntd,ndf->ntf", x, w[group_n]),
+                   lambda b: b[group_n][:, None])
     return y_ntD.reshape(n * tile, -1).at[dest_M].get(mode="fill", fill_value=0)
 
 
@@ -775,10 +778,7 @@ def _capacity_exchange(x_AD, e_A, sizes_E, w, cfg: ModelConfig, peers: int, C: i
     if peers > 1:
         buf_PXCD = jax.lax.all_to_all(buf_PXCD, "expert", 0, 0)  # now [source peer, X, C, d]
     x_XMD = buf_PXCD.transpose(1, 0, 2, 3).reshape(X, peers * C, D)
-    b = w[3:]
-    mm = lambda x, w_, i: (jnp.einsum("xmd,xdf->xmf", x, w_) + b[i][:, None] if b else
-                           jnp.einsum("xmd,xdf->xmf", x, w_))
-    y_XMD = mm(glu(mm(x_XMD, w[0], 0), mm(x_XMD, w[1], 1), cfg), w[2], 2)
+    y_XMD = swiglu(x_XMD, w, cfg, partial(jnp.einsum, "xmd,xdf->xmf"), lambda b: b[:, None])
     y_PXCD = y_XMD.reshape(X, peers, C, D).transpose(1, 0, 2, 3)
     if peers > 1:
         y_PXCD = jax.lax.all_to_all(y_PXCD, "expert", 0, 0)      # [expert's peer, X, C, d]
@@ -786,24 +786,24 @@ def _capacity_exchange(x_AD, e_A, sizes_E, w, cfg: ModelConfig, peers: int, C: i
     return y_AD, A - jnp.sum(keep_A)
 
 
-def experts(x_BTD, expert_BTR, gate_BTR, *ws, cfg: ModelConfig, peers: int = 1,
+def experts(x_BTD, expert_BTR, gate_BTR, w: dict, cfg: ModelConfig, peers: int = 1,
             sharded: bool = False):
     """The experts' output for this device's tokens, and how many assignments were dropped:
     per device in `shard_map` when sharded (this device's batch shard, its X = E/P experts,
-    d split over fsdp, F over tensor), or on everything at once without a mesh. ws: w_gate,
-    w_up, w_down, and with moe_bias b_gate, b_up, b_down."""
+    d split over fsdp, F over tensor), or on everything at once without a mesh. w: the
+    layer's expert weights, named as in `swiglu`."""
     dt = x_BTD.dtype
     B, T, D = x_BTD.shape
     R, n = cfg.top_k, B * T
-    w = tuple(x.astype(dt) for x in ws)
+    w = {k: a.astype(dt) for k, a in w.items()}
     if sharded:
         # FSDP: gather this layer's expert weights over fsdp in the compute dtype (half the
         # traffic in bfloat16); autodiff turns the gather into a reduce-scatter of gradients.
-        w = (jax.lax.all_gather(w[0], "fsdp", axis=1, tiled=True),
-             jax.lax.all_gather(w[1], "fsdp", axis=1, tiled=True),
-             jax.lax.all_gather(w[2], "fsdp", axis=2, tiled=True), *w[3:])
-        if len(w) > 3:  # the tensor shards' outputs are summed: the down bias joins one of them
-            w = (*w[:5], jnp.where(jax.lax.axis_index("tensor") == 0, w[5], 0).astype(dt))
+        # d is axis 1 of w_gate and w_up [X, D, F], axis 2 of w_down [X, F, D].
+        w |= {k: jax.lax.all_gather(w[k], "fsdp", axis=2 if k == "w_down" else 1, tiled=True)
+              for k in ("w_gate", "w_up", "w_down")}
+        if "b_down" in w:  # the tensor shards' outputs are summed: the down bias joins one
+            w["b_down"] = jnp.where(jax.lax.axis_index("tensor") == 0, w["b_down"], 0).astype(dt)
     x_nD = x_BTD.reshape(n, D)
     # Assignments choice-major (a = r * n + token): within an expert the sort keeps every
     # first choice ahead of every second choice, so capacity mode drops second choices
@@ -833,31 +833,25 @@ def moe(h_BTD, lp: dict, cfg: ModelConfig):
     """The MoE block on normed activations: (output [B,T,D], routing stats)."""
     gate_BTR, expert_BTR, stats = router(h_BTD, lp["w_router"], cfg, lp.get("b_router"),
                                          lp.get("router_bias"))
-    ws = tuple(lp[k] for k in ("w_gate", "w_up", "w_down", "b_gate", "b_up", "b_down")[
-        :6 if cfg.moe_bias else 3])
+    ws = {k: lp[k] for k in ("w_gate", "w_up", "w_down", "b_gate", "b_up", "b_down") if k in lp}
+    dt = h_BTD.dtype
     if cfg.n_experts == 1:
         # The dense twin of `bench`: one expert, weight exactly 1, routing is the identity.
-        dt = h_BTD.dtype
-        one = [w[0].astype(dt) for w in ws]
-        y = swiglu(h_BTD, *one[:3], cfg, one[3:])
+        y = swiglu(h_BTD, {k: a[0].astype(dt) for k, a in ws.items()}, cfg)
         return constrain(y, ACT_BTD), stats | {"dropped": jnp.zeros((), jnp.float32)}
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
-        y, dropped = experts(h_BTD, expert_BTR, gate_BTR, *ws, cfg=cfg)
-    else:
-        act = P(MOE_BATCH, None, None)
-        w_in, w_out = P("expert", "fsdp", "tensor"), P("expert", "tensor", "fsdp")
-        b = (P("expert", "tensor"), P("expert", "tensor"), P("expert", None))
+        y, dropped = experts(h_BTD, expert_BTR, gate_BTR, ws, cfg)
+    else:  # each weight as its table shards it, less the layer axis
+        act, spec = P(MOE_BATCH, None, None), param_specs(cfg)["layers"]
         y, dropped = jax.shard_map(
             partial(experts, cfg=cfg, peers=mesh.shape["expert"], sharded=True),
-            in_specs=(act, act, act, w_in, w_in, w_out, *b[:len(ws) - 3]),
+            in_specs=(act, act, act, {k: P(*spec[k][1:]) for k in ws}),
             out_specs=(act, P(MOE_BATCH)),
-        )(h_BTD, expert_BTR, gate_BTR, *ws)
+        )(h_BTD, expert_BTR, gate_BTR, ws)
     n_assign = h_BTD.shape[0] * h_BTD.shape[1] * cfg.top_k
     if cfg.n_shared_experts:  # DeepSeek's shared experts: one wider SwiGLU every token uses
-        dt = h_BTD.dtype
-        y = y + swiglu(h_BTD, *(lp[k].astype(dt) for k in ("shared_gate", "shared_up",
-                                                            "shared_down")))
+        y = y + swiglu(h_BTD, {"w_" + k: lp["shared_" + k].astype(dt) for k in PROJ})
     return y, stats | {"dropped": jnp.sum(dropped) / n_assign}
 
 
@@ -884,7 +878,7 @@ def block(x_BTD, lp: dict, pos_BT, inv_freq, cfg: ModelConfig, max_logits: bool 
     x_BTD = constrain(x_BTD + (o + w("bo") if cfg.attn_bias else o), ACT_BTD)
     h = rms_norm(x_BTD, lp["mlp_norm"], cfg.norm_eps)
     if "w_router" not in lp:
-        y_BTD = swiglu(h, w("mlp_gate"), w("mlp_up"), w("mlp_down"))
+        y_BTD = swiglu(h, {"w_" + k: w("mlp_" + k) for k in PROJ})
         return constrain(x_BTD + y_BTD, ACT_BTD), {}
     y_BTD, stats = moe(h, lp, cfg)
     if max_logits:  # for QK-clip: each head's largest attention logit
