@@ -1267,83 +1267,120 @@ _HF_DEFAULTS = {
                         topk_group=4, first_k_dense_replace=3, norm_topk_prob=True,
                         rope_interleave=True),
 }
+# config.json's keys that are our fields, in every family and then per family (Kimi K2 is
+# DeepSeek-V3's): written as they are, read as the field's type (null as its zero); the
+# exceptions are written out in config_from_hf and config_to_hf.
+_HF_FIELDS = dict(vocab_size="vocab_size", hidden_size="d_model", num_hidden_layers="n_layers",
+                  num_attention_heads="n_heads", num_key_value_heads="n_kv_heads",
+                  head_dim="head_dim", max_position_embeddings="max_seq_len",
+                  rms_norm_eps="norm_eps", tie_word_embeddings="tie_embeddings",
+                  num_experts_per_tok="top_k")
+_HF_FAMILY_FIELDS = {
+    "mixtral": dict(num_local_experts="n_experts", intermediate_size="d_ff"),
+    "qwen3_moe": dict(num_local_experts="n_experts", num_experts="n_experts",
+                      moe_intermediate_size="d_ff", norm_topk_prob="norm_topk"),
+    "gpt_oss": dict(num_local_experts="n_experts", intermediate_size="d_ff",
+                    attention_bias="attn_bias", swiglu_limit="swiglu_limit"),
+    "deepseek_v3": dict(n_routed_experts="n_experts", moe_intermediate_size="d_ff",
+                        norm_topk_prob="norm_topk", kv_lora_rank="kv_lora_rank",
+                        q_lora_rank="q_lora_rank", qk_nope_head_dim="qk_nope_head_dim",
+                        qk_rope_head_dim="qk_rope_head_dim", v_head_dim="v_head_dim",
+                        rope_interleave="rope_interleave", routed_scaling_factor="routed_scale",
+                        n_shared_experts="n_shared_experts", seq_aux="seq_aux",
+                        first_k_dense_replace="first_k_dense"),
+}
+# What we write for what we do not implement, per family; reading refuses other values of
+# the keys that change the model (`config_from_hf`).
+_HF_CONSTANTS = {
+    "mixtral": dict(router_jitter_noise=0.0),
+    "qwen3_moe": dict(decoder_sparse_step=1, mlp_only_layers=[], use_sliding_window=False,
+                      attention_bias=False),
+    "gpt_oss": dict(swiglu_alpha=SWIGLU_ALPHA),
+    "deepseek_v3": dict(scoring_func="sigmoid", topk_method="noaux_tc", attention_bias=False,
+                        num_nextn_predict_layers=0),
+}
+# The knobs one family's config.json says and no other's: on exactly in that family, or (the
+# second table) on only in those families. Mixtral and GPT-OSS always renormalise the top k.
+_HF_OWN = dict(attn_sinks="gpt_oss", moe_bias="gpt_oss", swiglu_limit="gpt_oss",
+               sigmoid_routing="deepseek_v3")
+_HF_ONLY = dict(attn_bias=("gpt_oss",), sliding_window=("gpt_oss",),
+                n_shared_experts=("deepseek_v3",), first_k_dense=("deepseek_v3",),
+                yarn_factor=("gpt_oss", "deepseek_v3"))
+
+# Each weight's HuggingFace name (after model.layers.{i}. for a layer's) and layout, for the
+# weights our table has (common/hf.py; a stack's layer axis goes first on our side). Atoms: l
+# layers, e experts, d model, n query heads, k key/value heads, h head width, f expert MLP
+# width, v vocabulary; j DeepSeek's dense first layers, the MoE layers after. MLA (more atoms:
+# a = kv_lora_rank + qk_rope_head_dim, c = kv_lora_rank, r = q_lora_rank, q and x = a head's
+# query and key + value widths, w its value's, g the dense MLP's width, s the shared
+# experts'): kv_b_proj holds each head's nope key then its value, as our wkv_b.
+_HF_TOP = {"embed": ("model.embed_tokens.weight", "v d -> v d"),
+           "final_norm": ("model.norm.weight", "d -> d"),
+           "unembed": ("lm_head.weight", "v d -> d v")}
+_HF_LAYER = {
+    "attn_norm": ("input_layernorm.weight", "d -> d"),
+    "mlp_norm": ("post_attention_layernorm.weight", "d -> d"),
+    "wq": ("self_attn.q_proj.weight", "(n h) d -> d n h"),
+    "wk": ("self_attn.k_proj.weight", "(k h) d -> d k h"),
+    "wv": ("self_attn.v_proj.weight", "(k h) d -> d k h"),
+    "wo": ("self_attn.o_proj.weight", "d (n h) -> n h d"),
+    "q_norm": ("self_attn.q_norm.weight", "h -> h"),
+    "k_norm": ("self_attn.k_norm.weight", "h -> h"),
+    "bq": ("self_attn.q_proj.bias", "(n h) -> n h"),
+    "bk": ("self_attn.k_proj.bias", "(k h) -> k h"),
+    "bv": ("self_attn.v_proj.bias", "(k h) -> k h"),
+    "bo": ("self_attn.o_proj.bias", "d -> d"),
+    "sinks": ("self_attn.sinks", "n -> n"),
+    "wkv_a": ("self_attn.kv_a_proj_with_mqa.weight", "a d -> d a"),
+    "kv_norm": ("self_attn.kv_a_layernorm.weight", "c -> c"),
+    "wkv_b": ("self_attn.kv_b_proj.weight", "(n x) c -> c n x"),
+    "wq_a": ("self_attn.q_a_proj.weight", "r d -> d r"),
+    "q_norm_a": ("self_attn.q_a_layernorm.weight", "r -> r"),
+    "wq_b": ("self_attn.q_b_proj.weight", "(n q) r -> r n q"),
+    "mlp_gate": ("mlp.gate_proj.weight", "g d -> d g"),
+    "mlp_up": ("mlp.up_proj.weight", "g d -> d g"),
+    "mlp_down": ("mlp.down_proj.weight", "d g -> g d"),
+    "shared_gate": ("mlp.shared_experts.gate_proj.weight", "s d -> d s"),
+    "shared_up": ("mlp.shared_experts.up_proj.weight", "s d -> d s"),
+    "shared_down": ("mlp.shared_experts.down_proj.weight", "d s -> s d"),
+    "w_router": ("mlp.gate.weight", "e d -> d e"),
+    "router_bias": ("mlp.gate.e_score_correction_bias", "e -> e"),  # a buffer of ours
+    "w_gate": ("mlp.experts.{e}.gate_proj.weight", "f d -> e d f"),
+    "w_up": ("mlp.experts.{e}.up_proj.weight", "f d -> e d f"),
+    "w_down": ("mlp.experts.{e}.down_proj.weight", "d f -> e f d"),
+}
+_HF_MLA = {"wq": ("self_attn.q_proj.weight", "(n q) d -> d n q"),
+           "wo": ("self_attn.o_proj.weight", "d (n w) -> n w d")}
+# Mixtral calls the gate/up/down projections w1/w3/w2. GPT-OSS stores each layer's experts as
+# one tensor, [in, out], gate and up interleaved (gate_up_proj[..., 0::2] is the gate); MXFP4
+# checkpoints read as that too (common/hf.py).
+_HF_FAMILY_NAMES = {
+    "mixtral": {"w_router": ("block_sparse_moe.gate.weight", "e d -> d e"),
+                "w_gate": ("block_sparse_moe.experts.{e}.w1.weight", "f d -> e d f"),
+                "w_up": ("block_sparse_moe.experts.{e}.w3.weight", "f d -> e d f"),
+                "w_down": ("block_sparse_moe.experts.{e}.w2.weight", "d f -> e f d")},
+    "gpt_oss": {"w_router": ("mlp.router.weight", "e d -> d e"),
+                "b_router": ("mlp.router.bias", "e -> e"),
+                "w_gate": ("mlp.experts.gate_up_proj", "e d (f 2:0) -> e d f"),
+                "w_up": ("mlp.experts.gate_up_proj", "e d (f 2:1) -> e d f"),
+                "w_down": ("mlp.experts.down_proj", "e f d -> e f d"),
+                "b_gate": ("mlp.experts.gate_up_proj_bias", "e (f 2:0) -> e f"),
+                "b_up": ("mlp.experts.gate_up_proj_bias", "e (f 2:1) -> e f"),
+                "b_down": ("mlp.experts.down_proj_bias", "e d -> e d")},
+}
 
 
 def hf_mapping(cfg: ModelConfig, model_type: str) -> dict:
-    """Our parameter tree, each leaf as (HuggingFace tensor name, layout): see common/hf.py.
-    Atoms: l layers, e experts, d model, n query heads, k key/value heads, h head width, f
-    expert MLP width, v vocabulary; j DeepSeek's dense first layers, the MoE layers after."""
-    tree = {"embed": ("model.embed_tokens.weight", "v d -> v d"),
-            "layers": _hf_layers(cfg, model_type, f"model.layers.{{l+{cfg.first_k_dense}}}.", "l"),
-            "final_norm": ("model.norm.weight", "d -> d")}
-    if cfg.first_k_dense:
-        tree["dense_layers"] = _hf_layers(cfg, model_type, "model.layers.{j}.", "j")
-    return tree | ({} if cfg.tie_embeddings else {"unembed": ("lm_head.weight", "v d -> d v")})
+    """Our parameter tree (the buffers too), each leaf as (HuggingFace tensor name, layout)."""
+    names = _HF_LAYER | (_HF_MLA if cfg.kv_lora_rank else {}) | _HF_FAMILY_NAMES.get(
+        model_type, {})
+    stacks = {"layers": ("l", f"{{l+{cfg.first_k_dense}}}"), "dense_layers": ("j", "{j}")}
 
-
-def _hf_layers(cfg: ModelConfig, model_type: str, lay: str, l: str) -> dict:
-    """One stack's names. Mixtral calls the gate/up/down projections w1/w3/w2. GPT-OSS stores
-    each layer's experts as one tensor, [in, out], gate and up interleaved (gate_up_proj[...,
-    0::2] is the gate); MXFP4 checkpoints read as that too (common/hf.py). DeepSeek's MLA
-    (more atoms: a = kv_lora_rank + qk_rope_head_dim, c = kv_lora_rank, r = q_lora_rank, q and
-    x = a head's query and key + value widths, w its value's, g the dense MLP's width, s the
-    shared experts'): kv_b_proj holds each head's nope key then its value, as our wkv_b."""
-    at = lay + "self_attn."
-    t = {"attn_norm": (lay + "input_layernorm.weight", f"d -> {l} d"),
-         "mlp_norm": (lay + "post_attention_layernorm.weight", f"d -> {l} d")}
-    if cfg.kv_lora_rank:
-        t |= {"wkv_a": (at + "kv_a_proj_with_mqa.weight", f"a d -> {l} d a"),
-              "kv_norm": (at + "kv_a_layernorm.weight", f"c -> {l} c"),
-              "wkv_b": (at + "kv_b_proj.weight", f"(n x) c -> {l} c n x"),
-              "wo": (at + "o_proj.weight", f"d (n w) -> {l} n w d")}
-        t |= {"wq_a": (at + "q_a_proj.weight", f"r d -> {l} d r"),
-              "q_norm_a": (at + "q_a_layernorm.weight", f"r -> {l} r"),
-              "wq_b": (at + "q_b_proj.weight", f"(n q) r -> {l} r n q")} if cfg.q_lora_rank else {
-            "wq": (at + "q_proj.weight", f"(n q) d -> {l} d n q")}
-    else:
-        t |= {"wq": (at + "q_proj.weight", "(n h) d -> l d n h"),
-              "wk": (at + "k_proj.weight", "(k h) d -> l d k h"),
-              "wv": (at + "v_proj.weight", "(k h) d -> l d k h"),
-              "wo": (at + "o_proj.weight", "d (n h) -> l n h d")}
-    mlp = lay + "mlp."
-    if l == "j":
-        return t | {"mlp_gate": (mlp + "gate_proj.weight", "g d -> j d g"),
-                    "mlp_up": (mlp + "up_proj.weight", "g d -> j d g"),
-                    "mlp_down": (mlp + "down_proj.weight", "d g -> j g d")}
-    moe, gate, up, down = (lay + "block_sparse_moe.", "w1", "w3", "w2") if (
-        model_type == "mixtral") else (mlp, "gate_proj", "up_proj", "down_proj")
-    ex = moe + "experts.{e}."
-    t |= {"w_router": (moe + "gate.weight", "e d -> l d e"),
-          "w_gate": (ex + gate + ".weight", "f d -> l e d f"),
-          "w_up": (ex + up + ".weight", "f d -> l e d f"),
-          "w_down": (ex + down + ".weight", "d f -> l e f d")}
-    if cfg.qk_norm:
-        t |= {"q_norm": (at + "q_norm.weight", "h -> l h"),
-              "k_norm": (at + "k_norm.weight", "h -> l h")}
-    if model_type == "gpt_oss":
-        ex = moe + "experts."
-        t |= {"w_router": (moe + "router.weight", "e d -> l d e"),
-              "b_router": (moe + "router.bias", "e -> l e"),
-              "w_gate": (ex + "gate_up_proj", "e d (f 2:0) -> l e d f"),
-              "w_up": (ex + "gate_up_proj", "e d (f 2:1) -> l e d f"),
-              "w_down": (ex + "down_proj", "e f d -> l e f d"),
-              "b_gate": (ex + "gate_up_proj_bias", "e (f 2:0) -> l e f"),
-              "b_up": (ex + "gate_up_proj_bias", "e (f 2:1) -> l e f"),
-              "b_down": (ex + "down_proj_bias", "e d -> l e d"),
-              "sinks": (at + "sinks", "n -> l n")}
-    if cfg.attn_bias:
-        t |= {"bq": (at + "q_proj.bias", "(n h) -> l n h"),
-              "bk": (at + "k_proj.bias", "(k h) -> l k h"),
-              "bv": (at + "v_proj.bias", "(k h) -> l k h"),
-              "bo": (at + "o_proj.bias", "d -> l d")}
-    if cfg.sigmoid_routing:  # DeepSeek's choice bias: a buffer of ours (see `_buffer_table`)
-        t["router_bias"] = (moe + "gate.e_score_correction_bias", "e -> l e")
-    if cfg.n_shared_experts:
-        sh = mlp + "shared_experts."
-        t |= {"shared_gate": (sh + "gate_proj.weight", "s d -> l d s"),
-              "shared_up": (sh + "up_proj.weight", "s d -> l d s"),
-              "shared_down": (sh + "down_proj.weight", "d s -> l s d")}
-    return t
+    def entry(weight: str, l: str, i: str):
+        name, (left, right) = names[weight][0], names[weight][1].split(" -> ")
+        return f"model.layers.{i}.{name}", f"{left} -> {l} {right}"
+    return {k: {w: entry(w, *stacks[k]) for w in v} if k in stacks else _HF_TOP[k]
+            for k, v in _hf_table(cfg).items()}
 
 
 def _hf_sizes(cfg: ModelConfig) -> dict:
@@ -1362,11 +1399,11 @@ def config_from_hf(c: dict, where: str = "config.json") -> ModelConfig:
         raise hf.HFError(f"{where}: model_type {mt!r} is not a mixture-of-experts family that "
                          f"train_moe.py loads ({', '.join(HF_ARCHITECTURES)}); dense models "
                          "(llama, mistral, qwen2, qwen3) belong to train_dense.py.")
-    ds = mt in HF_DEEPSEEK
+    fam = "deepseek_v3" if mt in HF_DEEPSEEK else mt
     # transformers 5 writes Qwen3-MoE's expert count as num_local_experts, 4.x as num_experts:
     # read before the defaults (which spell it num_experts) are merged in.
     qwen_experts = c.get("num_experts", c.get("num_local_experts"))
-    c = _HF_DEFAULTS["deepseek_v3" if ds else mt] | c
+    c = _HF_DEFAULTS[fam] | c
 
     def unsupported(what: str):
         return hf.HFError(f"{where}: {what} is not implemented by train_moe.py, so this {mt} "
@@ -1378,7 +1415,8 @@ def config_from_hf(c: dict, where: str = "config.json") -> ModelConfig:
             raise hf.HFError(f"{where} has no {key!r}; it is not a complete {mt} config.")
     for key, want in (("hidden_act", "silu"), ("partial_rotary_factor", 1.0),
                       ("decoder_sparse_step", 1), ("moe_layer_freq", 1)) + ((
-                          ("scoring_func", "sigmoid"), ("topk_method", "noaux_tc")) if ds else ()):
+                          ("scoring_func", "sigmoid"), ("topk_method", "noaux_tc")) if
+                          fam == "deepseek_v3" else ()):
         if c.get(key, want) != want:
             raise unsupported(f"{key} {c[key]!r} (only {want!r})")
     if c.get("attention_bias") and mt != "gpt_oss":
@@ -1388,68 +1426,46 @@ def config_from_hf(c: dict, where: str = "config.json") -> ModelConfig:
     # DeepSeek's YaRN gives mscale == mscale_all_dim: transformers then leaves the rotation
     # unscaled (its factor is their ratio) and the logits times mscale(factor, all_dim)^2.
     theta, kind, rope = hf.rope_parameters(c, c["rope_theta"], where)
-    if kind not in ("default", "yarn") or kind == "yarn" and not (mt == "gpt_oss" or ds and (
-            not rope.get("attention_factor") and rope.get("mscale_all_dim") and
-            rope.get("mscale") == rope["mscale_all_dim"])):
+    if kind not in ("default", "yarn") or kind == "yarn" and not (mt == "gpt_oss" or (
+            fam == "deepseek_v3" and not rope.get("attention_factor") and
+            rope.get("mscale_all_dim") and rope.get("mscale") == rope["mscale_all_dim"])):
         raise unsupported(f"rope {kind!r} {rope} (only the default, GPT-OSS's YaRN, and "
                           "DeepSeek's YaRN with mscale == mscale_all_dim)")
-    # A sliding window of W tokens changes nothing on sequences of at most W tokens.
-    window = (c.get("sliding_window") if mt == "mixtral" or c.get("use_sliding_window")
-              else None)
-    knobs, n_heads = _yarn(kind, rope), c["num_attention_heads"]
-    if mt == "gpt_oss":
-        knobs, window = knobs | _gpt_oss_config(c, unsupported), None
-    elif ds:
-        knobs |= _deepseek_config(c, rope)
-    return ModelConfig(**dict(
-        vocab_size=c["vocab_size"], d_model=c["hidden_size"], n_layers=c["num_hidden_layers"],
-        n_heads=n_heads, n_kv_heads=c.get("num_key_value_heads") or n_heads,
-        head_dim=c.get("head_dim") or c["hidden_size"] // n_heads,
-        n_experts=(qwen_experts or c["num_experts"]) if mt == "qwen3_moe" else c[
-            "n_routed_experts" if ds else "num_local_experts"],
-        top_k=c["num_experts_per_tok"], d_ff=c[wide],
-        norm_topk=bool(c["norm_topk_prob"]) if mt in ("qwen3_moe", *HF_DEEPSEEK) else True,
-        max_seq_len=min(c["max_position_embeddings"], window or c["max_position_embeddings"]),
-        rope_theta=theta, norm_eps=float(c["rms_norm_eps"]),
-        tie_embeddings=bool(c.get("tie_word_embeddings", False)), qk_norm=mt == "qwen3_moe",
-    ) | knobs)
-
-
-def _gpt_oss_config(c: dict, unsupported) -> dict:
-    """GPT-OSS's knobs from its config.json: every second layer windowed, or none."""
-    L, W = c["num_hidden_layers"], c.get("sliding_window") or 0
-    alternate = ["full_attention" if (i + 1) % 2 == 0 else "sliding_attention" for i in range(L)]
-    kinds = c.get("layer_types") or alternate
-    if kinds not in (alternate, ["full_attention"] * L):
-        raise unsupported(f"layer_types {kinds} (windows on every second layer, or none)")
-    if c["swiglu_alpha"] != SWIGLU_ALPHA:
-        raise unsupported(f"swiglu_alpha {c['swiglu_alpha']} (only {SWIGLU_ALPHA})")
-    windowed = W > 0 and "sliding_attention" in kinds
-    return dict(sliding_window=W if windowed else 0, global_every=2 if windowed else 0,
-                attn_sinks=True, attn_bias=bool(c["attention_bias"]), moe_bias=True,
-                swiglu_limit=float(c["swiglu_limit"]))
-
-
-def _yarn(kind: str, rope: dict) -> dict:
-    return {} if kind == "default" else dict(
-        yarn_factor=float(rope["factor"]), yarn_beta_fast=float(rope.get("beta_fast") or 32),
-        yarn_beta_slow=float(rope.get("beta_slow") or 1), yarn_truncate=bool(rope.get(
-            "truncate", True)), yarn_original_max_len=rope["original_max_position_embeddings"])
-
-
-def _deepseek_config(c: dict, rope: dict) -> dict:
-    """DeepSeek-V3's and Kimi K2's knobs (one group = none; head_dim: the rotated part's)."""
-    Kd, G = c["first_k_dense_replace"] or 0, c.get("n_group") or 1
-    return dict(
-        head_dim=c["qk_rope_head_dim"], kv_lora_rank=c["kv_lora_rank"],
-        q_lora_rank=c["q_lora_rank"] or 0, qk_nope_head_dim=c["qk_nope_head_dim"],
-        qk_rope_head_dim=c["qk_rope_head_dim"], v_head_dim=c["v_head_dim"],
-        rope_interleave=bool(c["rope_interleave"]), sigmoid_routing=True,
-        seq_aux=bool(c.get("seq_aux", True)),
-        yarn_mscale_all_dim=float(rope.get("mscale_all_dim") or 0),
-        routed_scale=float(c["routed_scaling_factor"]), n_group=G if G > 1 else 0,
-        topk_group=c["topk_group"] if G > 1 else 0, n_shared_experts=c["n_shared_experts"] or 0,
-        first_k_dense=Kd, dense_d_ff=c["intermediate_size"] if Kd else 0)
+    one = ModelConfig()
+    m = {f: type(getattr(one, f))(c.get(k) or 0)
+         for k, f in (_HF_FIELDS | _HF_FAMILY_FIELDS[fam]).items()}
+    # A sliding window of W tokens changes nothing on sequences of at most W tokens (GPT-OSS's
+    # windows are its layers', below).
+    window = c.get("sliding_window") if mt != "gpt_oss" and (
+        mt == "mixtral" or c.get("use_sliding_window")) else None
+    m |= dict(n_kv_heads=m["n_kv_heads"] or m["n_heads"], rope_theta=theta,
+              head_dim=m["head_dim"] or m["d_model"] // m["n_heads"], qk_norm=mt == "qwen3_moe",
+              max_seq_len=min(m["max_seq_len"], window or m["max_seq_len"]))
+    if kind == "yarn":
+        m |= dict(yarn_factor=float(rope["factor"]), yarn_beta_fast=float(rope.get(
+            "beta_fast") or 32), yarn_beta_slow=float(rope.get("beta_slow") or 1), yarn_truncate=
+            bool(rope.get("truncate", True)),
+            yarn_original_max_len=rope["original_max_position_embeddings"])
+    if mt == "qwen3_moe":
+        m["n_experts"] = qwen_experts or c["num_experts"]
+    elif mt == "gpt_oss":  # every second layer windowed, or none
+        L, W = m["n_layers"], c.get("sliding_window") or 0
+        alternate = ["full_attention" if i % 2 else "sliding_attention" for i in range(L)]
+        if (kinds := c.get("layer_types") or alternate) not in (alternate, ["full_attention"] * L):
+            raise unsupported(f"layer_types {kinds} (windows on every second layer, or none)")
+        if c["swiglu_alpha"] != SWIGLU_ALPHA:
+            raise unsupported(f"swiglu_alpha {c['swiglu_alpha']} (only {SWIGLU_ALPHA})")
+        windowed = W > 0 and "sliding_attention" in kinds
+        m |= dict(sliding_window=W if windowed else 0, global_every=2 if windowed else 0,
+                  attn_sinks=True, moe_bias=True)
+    elif fam == "deepseek_v3":  # one group = none; head_dim: the rotated part's
+        G, Kd = c.get("n_group") or 1, m["first_k_dense"]
+        m |= dict(head_dim=m["qk_rope_head_dim"], sigmoid_routing=True,
+                  seq_aux=bool(c.get("seq_aux", True)), n_group=G if G > 1 else 0,
+                  topk_group=c["topk_group"] if G > 1 else 0,
+                  yarn_mscale_all_dim=float(rope.get("mscale_all_dim") or 0),
+                  dense_d_ff=c["intermediate_size"] if Kd else 0)
+    return ModelConfig(**m)
 
 
 def _model_type(cfg: ModelConfig, model_type: str) -> str:
@@ -1460,12 +1476,9 @@ def _model_type(cfg: ModelConfig, model_type: str) -> str:
     if mt not in HF_ARCHITECTURES:
         raise hf.HFError(f"model_type {mt!r}: choose one of {', '.join(HF_ARCHITECTURES)}.")
     kind = "deepseek_v3" if mt == "kimi_k2" else mt
-    gpt, ds = (cfg.attn_sinks, cfg.moe_bias, bool(cfg.swiglu_limit)), cfg.sigmoid_routing
-    if (kind != fam or gpt != ((kind == "gpt_oss"),) * 3 or ds != (kind == "deepseek_v3") or
-            kind in ("mixtral", "gpt_oss") and not cfg.norm_topk or kind != "gpt_oss" and (
-                cfg.attn_bias or cfg.sliding_window) or kind != "deepseek_v3" and (
-                cfg.n_shared_experts or cfg.first_k_dense) or kind in ("mixtral", "qwen3_moe")
-            and cfg.yarn_factor):
+    if (kind != fam or any(bool(getattr(cfg, k)) != (kind == f) for k, f in _HF_OWN.items()) or
+            any(getattr(cfg, k) and kind not in fs for k, fs in _HF_ONLY.items()) or
+            kind in ("mixtral", "gpt_oss") and not cfg.norm_topk):
         raise hf.HFError(f"model_type {mt!r} does not fit this model: q/k norms are qwen3_moe's; "
                          "mixtral and gpt_oss always renormalise the top-k weights; sinks, "
                          "biases, windows and the clamp are gpt_oss's (and all of its); MLA, "
@@ -1477,6 +1490,7 @@ def _model_type(cfg: ModelConfig, model_type: str) -> str:
 def config_to_hf(cfg: ModelConfig, model_type: str = "", dtype: str = "float32") -> dict:
     """A config.json for `cfg` that transformers 4.4x and 5.x both read."""
     mt = _model_type(cfg, model_type)
+    fam = "deepseek_v3" if mt in HF_DEEPSEEK else mt
     rope = dict(rope_type="default", rope_theta=cfg.rope_theta)
     if cfg.yarn_factor:
         rope |= dict(rope_type="yarn", factor=cfg.yarn_factor, beta_fast=cfg.yarn_beta_fast,
@@ -1485,39 +1499,23 @@ def config_to_hf(cfg: ModelConfig, model_type: str = "", dtype: str = "float32")
                      **({} if cfg.yarn_truncate else {"truncate": False}), **(dict(
                          mscale=cfg.yarn_mscale_all_dim, mscale_all_dim=cfg.yarn_mscale_all_dim)
                          if cfg.kv_lora_rank else {}))
-    c = dict(architectures=[HF_ARCHITECTURES[mt]], model_type=mt, vocab_size=cfg.vocab_size,
-             hidden_size=cfg.d_model, num_hidden_layers=cfg.n_layers,
-             num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_kv_heads,
-             head_dim=cfg.head_dim, hidden_act="silu", max_position_embeddings=cfg.max_seq_len,
-             rms_norm_eps=cfg.norm_eps, tie_word_embeddings=cfg.tie_embeddings,
-             rope_parameters=rope, rope_theta=cfg.rope_theta, rope_scaling=rope if
-             cfg.yarn_factor else None, sliding_window=None, num_experts_per_tok=cfg.top_k,
-             num_local_experts=cfg.n_experts, attention_dropout=0.0, initializer_range=0.02,
-             use_cache=True, dtype=dtype, torch_dtype=dtype)
-    if mt == "mixtral":
-        c |= dict(intermediate_size=cfg.d_ff, router_jitter_noise=0.0)
+    c = dict(architectures=[HF_ARCHITECTURES[mt]], model_type=mt) | {
+        k: getattr(cfg, f) for k, f in (_HF_FIELDS | _HF_FAMILY_FIELDS[fam]).items()} | dict(
+        hidden_act="silu", rope_parameters=rope, rope_theta=cfg.rope_theta,
+        rope_scaling=rope if cfg.yarn_factor else None, sliding_window=None,
+        attention_dropout=0.0, initializer_range=0.02, use_cache=True, dtype=dtype,
+        torch_dtype=dtype) | _HF_CONSTANTS[fam]
+    if mt == "qwen3_moe":  # intermediate_size is the width of dense layers, which it has none of
+        c["intermediate_size"] = cfg.d_ff
     elif mt == "gpt_oss":
         L, W = cfg.n_layers, cfg.sliding_window
-        c |= dict(intermediate_size=cfg.d_ff, attention_bias=cfg.attn_bias, sliding_window=W or
-                  None, swiglu_limit=cfg.swiglu_limit, swiglu_alpha=SWIGLU_ALPHA, layer_types=[
-                      "sliding_attention" if W and (i + 1) % (cfg.global_every or L + 1) else
-                      "full_attention" for i in range(L)])
-    elif mt in HF_DEEPSEEK:  # transformers' head_dim is the rotated part's
-        c |= dict(n_routed_experts=c.pop("num_local_experts"), head_dim=cfg.qk_rope_head_dim,
-                  moe_intermediate_size=cfg.d_ff, intermediate_size=cfg.dense_d_ff or cfg.d_ff,
-                  n_shared_experts=cfg.n_shared_experts, first_k_dense_replace=cfg.first_k_dense,
-                  kv_lora_rank=cfg.kv_lora_rank, q_lora_rank=cfg.q_lora_rank or None,
-                  qk_nope_head_dim=cfg.qk_nope_head_dim, qk_rope_head_dim=cfg.qk_rope_head_dim,
-                  v_head_dim=cfg.v_head_dim, rope_interleave=cfg.rope_interleave,
-                  routed_scaling_factor=cfg.routed_scale or 1.0, n_group=cfg.n_group or 1,
-                  topk_group=cfg.topk_group or 1, norm_topk_prob=cfg.norm_topk,
-                  scoring_func="sigmoid", topk_method="noaux_tc", attention_bias=False,
-                  num_nextn_predict_layers=0, seq_aux=cfg.seq_aux)
-    else:  # intermediate_size is the width of dense layers, which this model has none of
-        c |= dict(num_experts=cfg.n_experts, moe_intermediate_size=cfg.d_ff,
-                  intermediate_size=cfg.d_ff, norm_topk_prob=cfg.norm_topk,
-                  decoder_sparse_step=1, mlp_only_layers=[], use_sliding_window=False,
-                  attention_bias=False)
+        c |= dict(sliding_window=W or None, layer_types=[
+            "sliding_attention" if W and (i + 1) % (cfg.global_every or L + 1) else
+            "full_attention" for i in range(L)])
+    elif fam == "deepseek_v3":  # transformers' head_dim is the rotated part's
+        c |= dict(head_dim=cfg.qk_rope_head_dim, intermediate_size=cfg.dense_d_ff or cfg.d_ff,
+                  q_lora_rank=cfg.q_lora_rank or None, n_group=cfg.n_group or 1,
+                  topk_group=cfg.topk_group or 1, routed_scaling_factor=cfg.routed_scale or 1.0)
     return c
 
 
