@@ -363,67 +363,52 @@ def _param_table(cfg: ModelConfig) -> dict:
 
 
 def _layer_table(cfg: ModelConfig, L: int, moe: bool) -> dict:
-    """One stack of L layers: attention (GQA or MLA), then the experts or a dense MLP."""
-    D, N, K, H = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-    E, F = cfg.n_experts, cfg.d_ff
+    """One stack of L layers: attention (GQA or MLA), then the experts or a dense MLP. A row:
+    name -> (shape and spec after the L axis, init std, whether this stack has it)."""
+    D, N, K, H, E, F = (cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.n_experts,
+                        cfg.d_ff)
+    C, Qr, Hn, Hr, Hv = (cfg.kv_lora_rank, cfg.q_lora_rank, cfg.qk_nope_head_dim,
+                         cfg.qk_rope_head_dim, cfg.v_head_dim)
+    Fd, Fs, q_latent = cfg.dense_d_ff, cfg.n_shared_experts * F, bool(C and Qr)
     std, out_std = 0.02, 0.02 / math.sqrt(2 * cfg.n_layers)
     # One expert (the benchmark's dense twin) cannot be split; the expert axis then only
     # splits the batch.
     ex = "expert" if E > 1 else None
-    layers = {
-        "attn_norm": ((L, D), P(None, None), None),
-        "wq": ((L, D, N, H), P(None, "fsdp", "tensor", None), std),
-        "wk": ((L, D, K, H), P(None, "fsdp", "tensor", None), std),
-        "wv": ((L, D, K, H), P(None, "fsdp", "tensor", None), std),
-        "wo": ((L, N, H, D), P(None, "tensor", None, "fsdp"), out_std),
-        "mlp_norm": ((L, D), P(None, None), None),
+    bias = moe and cfg.moe_bias  # b_down is whole on every tensor shard: `experts` adds it on one
+    rows = {
+        "attn_norm": ((D,), (None,), None, True), "mlp_norm": ((D,), (None,), None, True),
+        "wq": ((D, N, Hn + Hr if C else H), ("fsdp", "tensor", None), std, not q_latent),
+        "wk": ((D, K, H), ("fsdp", "tensor", None), std, not C),
+        "wv": ((D, K, H), ("fsdp", "tensor", None), std, not C),
+        "wo": ((N, Hv if C else H, D), ("tensor", None, "fsdp"), out_std, True),
+        # MLA (see `mla`): latents whole on each device, heads over tensor
+        "wkv_a": ((D, C + Hr), ("fsdp", None), std, C), "kv_norm": ((C,), (None,), None, C),
+        "wkv_b": ((C, N, Hn + Hv), (None, "tensor", None), std, C),
+        "wq_a": ((D, Qr), ("fsdp", None), std, q_latent),
+        "q_norm_a": ((Qr,), (None,), None, q_latent),
+        "wq_b": ((Qr, N, Hn + Hr), (None, "tensor", None), std, q_latent),
+        "mlp_gate": ((D, Fd), ("fsdp", "tensor"), std, not moe),
+        "mlp_up": ((D, Fd), ("fsdp", "tensor"), std, not moe),
+        "mlp_down": ((Fd, D), ("tensor", "fsdp"), out_std, not moe),
+        # The MoE stack's only: DeepSeek's dense first layers have none of the rest.
+        "w_router": ((D, E), ("fsdp", None), std, moe),
+        "w_gate": ((E, D, F), (ex, "fsdp", "tensor"), std, moe),
+        "w_up": ((E, D, F), (ex, "fsdp", "tensor"), std, moe),
+        "w_down": ((E, F, D), (ex, "tensor", "fsdp"), out_std, moe),
+        "shared_gate": ((D, Fs), ("fsdp", "tensor"), std, moe and Fs),
+        "shared_up": ((D, Fs), ("fsdp", "tensor"), std, moe and Fs),
+        "shared_down": ((Fs, D), ("tensor", "fsdp"), out_std, moe and Fs),
+        "q_norm": ((H,), (None,), None, moe and cfg.qk_norm),
+        "k_norm": ((H,), (None,), None, moe and cfg.qk_norm),
+        "bq": ((N, H), ("tensor", None), 0.0, moe and cfg.attn_bias),
+        "bk": ((K, H), ("tensor", None), 0.0, moe and cfg.attn_bias),
+        "bv": ((K, H), ("tensor", None), 0.0, moe and cfg.attn_bias),
+        "bo": ((D,), (None,), 0.0, moe and cfg.attn_bias),
+        "sinks": ((N,), ("tensor",), 0.0, moe and cfg.attn_sinks),
+        "b_router": ((E,), (None,), 0.0, bias), "b_gate": ((E, F), (ex, "tensor"), 0.0, bias),
+        "b_up": ((E, F), (ex, "tensor"), 0.0, bias), "b_down": ((E, D), (ex, None), 0.0, bias),
     }
-    if cfg.kv_lora_rank:  # MLA (see `mla`): latents whole on each device, heads over tensor
-        C, Qr, Hr, Hv = cfg.kv_lora_rank, cfg.q_lora_rank, cfg.qk_rope_head_dim, cfg.v_head_dim
-        Hq = cfg.qk_nope_head_dim + Hr
-        del layers["wk"], layers["wv"]
-        layers |= {"wq": ((L, D, N, Hq), P(None, "fsdp", "tensor", None), std),
-                   "wkv_a": ((L, D, C + Hr), P(None, "fsdp", None), std),
-                   "kv_norm": ((L, C), P(None, None), None),
-                   "wkv_b": ((L, C, N, cfg.qk_nope_head_dim + Hv), P(None, None, "tensor", None),
-                             std),
-                   "wo": ((L, N, Hv, D), P(None, "tensor", None, "fsdp"), out_std)}
-        if Qr:
-            del layers["wq"]
-            layers |= {"wq_a": ((L, D, Qr), P(None, "fsdp", None), std),
-                       "q_norm_a": ((L, Qr), P(None, None), None),
-                       "wq_b": ((L, Qr, N, Hq), P(None, None, "tensor", None), std)}
-    if not moe:
-        Fd = cfg.dense_d_ff
-        return layers | {"mlp_gate": ((L, D, Fd), P(None, "fsdp", "tensor"), std),
-                         "mlp_up": ((L, D, Fd), P(None, "fsdp", "tensor"), std),
-                         "mlp_down": ((L, Fd, D), P(None, "tensor", "fsdp"), out_std)}
-    layers |= {
-        "w_router": ((L, D, E), P(None, "fsdp", None), std),
-        "w_gate": ((L, E, D, F), P(None, ex, "fsdp", "tensor"), std),
-        "w_up": ((L, E, D, F), P(None, ex, "fsdp", "tensor"), std),
-        "w_down": ((L, E, F, D), P(None, ex, "tensor", "fsdp"), out_std),
-    }
-    if cfg.n_shared_experts:
-        Fs = cfg.n_shared_experts * F
-        layers |= {"shared_gate": ((L, D, Fs), P(None, "fsdp", "tensor"), std),
-                   "shared_up": ((L, D, Fs), P(None, "fsdp", "tensor"), std),
-                   "shared_down": ((L, Fs, D), P(None, "tensor", "fsdp"), out_std)}
-    if cfg.qk_norm:
-        layers |= {"q_norm": ((L, H), P(None, None), None), "k_norm": ((L, H), P(None, None), None)}
-    if cfg.attn_bias:
-        layers |= {"bq": ((L, N, H), P(None, "tensor", None), 0.0),
-                   "bk": ((L, K, H), P(None, "tensor", None), 0.0),
-                   "bv": ((L, K, H), P(None, "tensor", None), 0.0),
-                   "bo": ((L, D), P(None, None), 0.0)}
-    if cfg.attn_sinks:
-        layers["sinks"] = ((L, N), P(None, "tensor"), 0.0)
-    if cfg.moe_bias:  # b_down is whole on every tensor shard: `experts` adds it on one
-        layers |= {"b_router": ((L, E), P(None, None), 0.0),
-                   "b_gate": ((L, E, F), P(None, ex, "tensor"), 0.0),
-                   "b_up": ((L, E, F), P(None, ex, "tensor"), 0.0),
-                   "b_down": ((L, E, D), P(None, ex, None), 0.0)}
-    return layers
+    return {k: ((L, *shape), P(None, *spec), s) for k, (shape, spec, s, on) in rows.items() if on}
 
 
 def _buffer_table(cfg: ModelConfig) -> dict:
