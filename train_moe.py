@@ -1302,38 +1302,29 @@ _HF_ONLY = dict(attn_bias=("gpt_oss",), sliding_window=("gpt_oss",),
 _HF_TOP = {"embed": ("model.embed_tokens.weight", "v d -> v d"),
            "final_norm": ("model.norm.weight", "d -> d"),
            "unembed": ("lm_head.weight", "v d -> d v")}
-_HF_LAYER = {
-    "attn_norm": ("input_layernorm.weight", "d -> d"),
-    "mlp_norm": ("post_attention_layernorm.weight", "d -> d"),
-    "wq": ("self_attn.q_proj.weight", "(n h) d -> d n h"),
-    "wk": ("self_attn.k_proj.weight", "(k h) d -> d k h"),
-    "wv": ("self_attn.v_proj.weight", "(k h) d -> d k h"),
-    "wo": ("self_attn.o_proj.weight", "d (n h) -> n h d"),
-    "q_norm": ("self_attn.q_norm.weight", "h -> h"),
-    "k_norm": ("self_attn.k_norm.weight", "h -> h"),
-    "bq": ("self_attn.q_proj.bias", "(n h) -> n h"),
-    "bk": ("self_attn.k_proj.bias", "(k h) -> k h"),
-    "bv": ("self_attn.v_proj.bias", "(k h) -> k h"),
-    "bo": ("self_attn.o_proj.bias", "d -> d"),
-    "sinks": ("self_attn.sinks", "n -> n"),
-    "wkv_a": ("self_attn.kv_a_proj_with_mqa.weight", "a d -> d a"),
-    "kv_norm": ("self_attn.kv_a_layernorm.weight", "c -> c"),
-    "wkv_b": ("self_attn.kv_b_proj.weight", "(n x) c -> c n x"),
-    "wq_a": ("self_attn.q_a_proj.weight", "r d -> d r"),
-    "q_norm_a": ("self_attn.q_a_layernorm.weight", "r -> r"),
-    "wq_b": ("self_attn.q_b_proj.weight", "(n q) r -> r n q"),
-    "mlp_gate": ("mlp.gate_proj.weight", "g d -> d g"),
-    "mlp_up": ("mlp.up_proj.weight", "g d -> d g"),
-    "mlp_down": ("mlp.down_proj.weight", "d g -> g d"),
-    "shared_gate": ("mlp.shared_experts.gate_proj.weight", "s d -> d s"),
-    "shared_up": ("mlp.shared_experts.up_proj.weight", "s d -> d s"),
-    "shared_down": ("mlp.shared_experts.down_proj.weight", "d s -> s d"),
-    "w_router": ("mlp.gate.weight", "e d -> d e"),
-    "router_bias": ("mlp.gate.e_score_correction_bias", "e -> e"),  # a buffer of ours
-    "w_gate": ("mlp.experts.{e}.gate_proj.weight", "f d -> e d f"),
-    "w_up": ("mlp.experts.{e}.up_proj.weight", "f d -> e d f"),
-    "w_down": ("mlp.experts.{e}.down_proj.weight", "d f -> e f d"),
-}
+_HF_LAYER = {"attn_norm": ("input_layernorm.weight", "d -> d"),
+             "mlp_norm": ("post_attention_layernorm.weight", "d -> d")} | {
+    k: ("self_attn." + name, layout) for k, (name, layout) in dict(
+        wq=("q_proj.weight", "(n h) d -> d n h"), wk=("k_proj.weight", "(k h) d -> d k h"),
+        wv=("v_proj.weight", "(k h) d -> d k h"), wo=("o_proj.weight", "d (n h) -> n h d"),
+        bq=("q_proj.bias", "(n h) -> n h"), bk=("k_proj.bias", "(k h) -> k h"),
+        bv=("v_proj.bias", "(k h) -> k h"), bo=("o_proj.bias", "d -> d"),
+        q_norm=("q_norm.weight", "h -> h"), k_norm=("k_norm.weight", "h -> h"),
+        sinks=("sinks", "n -> n"), wkv_a=("kv_a_proj_with_mqa.weight", "a d -> d a"),
+        kv_norm=("kv_a_layernorm.weight", "c -> c"), wkv_b=("kv_b_proj.weight", "(n x) c -> c n x"),
+        wq_a=("q_a_proj.weight", "r d -> d r"), q_norm_a=("q_a_layernorm.weight", "r -> r"),
+        wq_b=("q_b_proj.weight", "(n q) r -> r n q")).items()} | {
+    k: ("mlp." + name, layout) for k, (name, layout) in dict(
+        mlp_gate=("gate_proj.weight", "g d -> d g"), mlp_up=("up_proj.weight", "g d -> d g"),
+        mlp_down=("down_proj.weight", "d g -> g d"),
+        shared_gate=("shared_experts.gate_proj.weight", "s d -> d s"),
+        shared_up=("shared_experts.up_proj.weight", "s d -> d s"),
+        shared_down=("shared_experts.down_proj.weight", "d s -> s d"),
+        w_router=("gate.weight", "e d -> d e"),
+        router_bias=("gate.e_score_correction_bias", "e -> e"),  # a buffer of ours
+        w_gate=("experts.{e}.gate_proj.weight", "f d -> e d f"),
+        w_up=("experts.{e}.up_proj.weight", "f d -> e d f"),
+        w_down=("experts.{e}.down_proj.weight", "d f -> e f d")).items()}
 _HF_MLA = {"wq": ("self_attn.q_proj.weight", "(n q) d -> d n q"),
            "wo": ("self_attn.o_proj.weight", "d (n w) -> n w d")}
 # Mixtral calls the gate/up/down projections w1/w3/w2. GPT-OSS stores each layer's experts as
