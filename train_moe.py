@@ -1418,10 +1418,11 @@ def config_from_hf(c: dict, where: str = "config.json") -> ModelConfig:
               head_dim=m["head_dim"] or m["d_model"] // m["n_heads"], qk_norm=mt == "qwen3_moe",
               max_seq_len=min(m["max_seq_len"], window or m["max_seq_len"]))
     if kind == "yarn":
-        m |= dict(yarn_factor=float(rope["factor"]), yarn_beta_fast=float(rope.get(
-            "beta_fast") or 32), yarn_beta_slow=float(rope.get("beta_slow") or 1), yarn_truncate=
-            bool(rope.get("truncate", True)),
-            yarn_original_max_len=rope["original_max_position_embeddings"])
+        m |= dict(yarn_factor=float(rope["factor"]),
+                  yarn_beta_fast=float(rope.get("beta_fast") or 32),
+                  yarn_beta_slow=float(rope.get("beta_slow") or 1),
+                  yarn_truncate=bool(rope.get("truncate", True)),
+                  yarn_original_max_len=rope["original_max_position_embeddings"])
     if mt == "qwen3_moe":
         m["n_experts"] = qwen_experts or c["num_experts"]
     elif mt == "gpt_oss":  # every second layer windowed, or none
