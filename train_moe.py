@@ -692,10 +692,9 @@ def grouped_mlp(x_MD, sizes_G, w, cfg: ModelConfig):
     """SwiGLU of expert g on its rows: x is sorted by group, sizes_G[g] rows each. Rows past
     sum(sizes_G) (buffer padding) give zeros, or with biases values no one reads. w: as
     `swiglu`'s, each with a leading G axis. "ragged_dot": a grouped GEMM, each row against
-    its group's weights only. "tiled"
-    (megablocks-style, for the CPU): every group padded to whole tiles of `gmm_tile` rows,
-    each tile multiplied with its group's weights, one batched matmul over tiles; the cost is
-    at most G tiles of padding and one weight copy per tile."""
+    its group's weights only. "tiled" (megablocks-style, for the CPU): every group padded to
+    whole tiles of `gmm_tile` rows, each tile multiplied with its group's weights, one batched
+    matmul over tiles; the cost is at most G tiles of padding and one weight copy per tile."""
     M, D = x_MD.shape
     if _grouped_impl(cfg) == "ragged_dot":
         group_M = jnp.minimum(jnp.searchsorted(jnp.cumsum(sizes_G), jnp.arange(M), side="right"),
