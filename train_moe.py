@@ -180,41 +180,57 @@ class Config:
 _DEEPSEEK_BALANCE = dict(router_bias_rate=1e-3, load_balance_loss=1e-4, router_z_loss=0.0)
 
 
-def _big(model: ModelConfig, run: str, seq_len: int = 4096) -> Config:
+def _big(model: ModelConfig, run: str) -> Config:
     balance = _DEEPSEEK_BALANCE if model.sigmoid_routing else dict(load_balance_loss=1e-3)
     return Config(model=dataclasses.replace(model, dtype="bfloat16"),
-                  train=TrainConfig(steps=100_000, batch_size=256, seq_len=seq_len, lr=3e-4,
+                  train=TrainConfig(steps=100_000, batch_size=256, seq_len=4096, lr=3e-4,
                                     warmup_steps=2000, log_every=10, eval_every=1000,
                                     sample_tokens=0, **balance),
                   checkpoint=CheckpointConfig(every=1000), run_dir=f"runs/{run}")
 
 
-_QWEN3_MOE = dict(vocab_size=151936, head_dim=128, n_kv_heads=4, n_experts=128, top_k=8,
-                  max_seq_len=40960, rope_theta=1_000_000.0, norm_eps=1e-6, qk_norm=True)
-
+_QWEN3_MOE = dict(rope_theta=1_000_000.0, norm_eps=1e-6, qk_norm=True)
 # GPT-OSS (OpenAI 2025): windows of 128 on every second layer, sinks, biases, YaRN, clamped
 # SwiGLU experts; the released config.json's values.
 _GPT_OSS = dict(sliding_window=128, global_every=2, attn_sinks=True, attn_bias=True,
                 moe_bias=True, swiglu_limit=7.0, yarn_factor=32.0, yarn_truncate=False,
                 rope_theta=150_000.0)
-_GPT_OSS_BIG = dict(vocab_size=201088, d_model=2880, n_heads=64, n_kv_heads=8, head_dim=64,
-                    top_k=4, d_ff=2880, max_seq_len=131072, **_GPT_OSS)
-
-# DeepSeek-V3's block at the tiny model's size: MLA, 8 experts in 4 groups (2 chosen), a
-# shared expert, one leading dense layer, and its balancing: the bias, and a tiny aux loss.
-_TINY_DEEPSEEK = ModelConfig(
-    remat="none", n_kv_heads=4, kv_lora_rank=64, q_lora_rank=96, qk_nope_head_dim=32,
-    qk_rope_head_dim=16, v_head_dim=32, sigmoid_routing=True, routed_scale=2.5, n_group=4,
-    topk_group=2, n_shared_experts=1, first_k_dense=1, dense_d_ff=512, seq_aux=True)
-
-# DeepSeek-V3 and Kimi K2 share the block, from their released config.json: MLA with a query
-# latent, 8 of the routed experts plus one shared, sigmoid scores, YaRN with mscale 1.
-_DEEPSEEK_V3 = dict(d_model=7168, n_layers=61, kv_lora_rank=512, q_lora_rank=1536,
-                    qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, top_k=8,
-                    d_ff=2048, dense_d_ff=18432, n_shared_experts=1, sigmoid_routing=True,
-                    norm_eps=1e-6, yarn_original_max_len=4096, yarn_mscale_all_dim=1.0,
-                    seq_aux=True)
-
+# DeepSeek's MLA (V2-Lite's, V3's, Kimi K2's); V3 and K2 share the block, from their released
+# config.json: a query latent, 8 of the routed experts plus one shared, sigmoid scores, YaRN
+# with mscale 1.
+_MLA = dict(kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+            norm_eps=1e-6, yarn_original_max_len=4096, seq_aux=True)
+_DEEPSEEK_V3 = _MLA | dict(q_lora_rank=1536, dense_d_ff=18432, n_shared_experts=1,
+                           sigmoid_routing=True, yarn_mscale_all_dim=1.0)
+# The released models: description, shape (these fields), the family's and model's knobs.
+_SHAPE = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim",
+          "n_experts", "top_k", "d_ff", "max_seq_len")
+_RELEASED = {
+    "mixtral-8x7b": ("Mixtral 8x7B (8 experts, top-2)",
+                     (32000, 4096, 32, 32, 8, 128, 8, 2, 14336, 32768), dict(rope_theta=1e6)),
+    "qwen3-30b-a3b": ("Qwen3-30B-A3B (128 experts, top-8, q/k norm)",
+                      (151936, 2048, 48, 32, 4, 128, 128, 8, 768, 40960), _QWEN3_MOE),
+    "qwen3-235b-a22b": ("Qwen3-235B-A22B (128 experts, top-8, q/k norm)",
+                        (151936, 4096, 94, 64, 4, 128, 128, 8, 1536, 40960), _QWEN3_MOE),
+    # V2-Lite routes by softmax, its top 6 not renormalised, 2 shared experts, no q latent.
+    "deepseek-v2-lite": ("DeepSeek-V2-Lite (64 experts top-6 + 2 shared, MLA)",
+                         (102400, 2048, 27, 16, 16, 64, 64, 6, 1408, 163840), _MLA | dict(
+                             norm_topk=False, n_shared_experts=2, first_k_dense=1,
+                             dense_d_ff=10944, yarn_factor=40.0, yarn_mscale_all_dim=0.707)),
+    "deepseek-v3": ("DeepSeek-V3 (256 experts top-8 in 8 groups + 1 shared, MLA; without the "
+                    "multi-token-prediction module)",
+                    (129280, 7168, 61, 128, 128, 64, 256, 8, 2048, 163840), _DEEPSEEK_V3 | dict(
+                        routed_scale=2.5, n_group=8, topk_group=4, first_k_dense=3,
+                        yarn_factor=40.0)),
+    "kimi-k2": ("Kimi K2 (384 experts top-8 + 1 shared, MLA, DeepSeek-V3's block)",
+                (163840, 7168, 61, 64, 64, 64, 384, 8, 2048, 131072), _DEEPSEEK_V3 | dict(
+                    first_k_dense=1, routed_scale=2.827, rope_theta=50_000.0, yarn_factor=32.0,
+                    yarn_beta_fast=1.0, norm_eps=1e-5)),
+    "gpt-oss-20b": ("GPT-OSS 20B (32 experts, top-4)",
+                    (201088, 2880, 24, 64, 8, 64, 32, 4, 2880, 131072), _GPT_OSS),
+    "gpt-oss-120b": ("GPT-OSS 120B (128 experts, top-4)",
+                     (201088, 2880, 36, 64, 8, 64, 128, 4, 2880, 131072), _GPT_OSS),
+}
 
 PRESETS: dict[str, tuple[str, Config]] = {
     # No remat: the tiny model's activations are a few MB, and recomputing them would cost a
@@ -224,46 +240,23 @@ PRESETS: dict[str, tuple[str, Config]] = {
     "tiny-gptoss": ("tiny-moe with GPT-OSS's knobs (window 128 of the 256 tokens on every "
                     "second layer): `make train-moe MOE_PRESET=tiny-gptoss`", Config(
                         model=ModelConfig(remat="none", **_GPT_OSS), run_dir="runs/tiny-gptoss")),
+    # DeepSeek-V3's block at the tiny model's size: MLA, 8 experts in 4 groups (2 chosen), a
+    # shared expert, one leading dense layer, and its balancing: the bias, and a tiny aux loss.
     "tiny-deepseek": ("tiny-moe with DeepSeek-V3's knobs (MLA, sigmoid group-limited routing "
                       "with bias balancing, a shared expert, a dense first layer): "
-                      "`make train-moe MOE_PRESET=tiny-deepseek`", Config(
-                          model=_TINY_DEEPSEEK, train=TrainConfig(**_DEEPSEEK_BALANCE),
-                          run_dir="runs/tiny-deepseek")),
+                      "`make train-moe MOE_PRESET=tiny-deepseek`", Config(model=ModelConfig(
+                          remat="none", n_kv_heads=4, kv_lora_rank=64, q_lora_rank=96,
+                          qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
+                          sigmoid_routing=True, routed_scale=2.5, n_group=4, topk_group=2,
+                          n_shared_experts=1, first_k_dense=1, dense_d_ff=512, seq_aux=True),
+                          train=TrainConfig(**_DEEPSEEK_BALANCE), run_dir="runs/tiny-deepseek")),
     # The model bench/peers/maxtext.sh runs in MaxText (Mixtral block), for side-by-side speed.
     "bench-parity-moe": ("MaxText comparison: d 256, 4 layers, 8 experts top-2, expert MLP 512, "
                          "vocab 32000, seq 256, batch 8", Config(ModelConfig(
                              vocab_size=32000, n_kv_heads=4, d_ff=512), TrainConfig(
                              batch_size=8, seq_len=256), bench_twin=False)),
-    "mixtral-8x7b": ("Mixtral 8x7B (8 experts, top-2)", _big(ModelConfig(
-        vocab_size=32000, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8, head_dim=128,
-        n_experts=8, top_k=2, d_ff=14336, max_seq_len=32768, rope_theta=1_000_000.0,
-        norm_eps=1e-5), "mixtral-8x7b")),
-    "qwen3-30b-a3b": ("Qwen3-30B-A3B (128 experts, top-8, q/k norm)", _big(ModelConfig(
-        d_model=2048, n_layers=48, n_heads=32, d_ff=768, **_QWEN3_MOE), "qwen3-30b-a3b")),
-    "qwen3-235b-a22b": ("Qwen3-235B-A22B (128 experts, top-8, q/k norm)", _big(ModelConfig(
-        d_model=4096, n_layers=94, n_heads=64, d_ff=1536, **_QWEN3_MOE), "qwen3-235b-a22b")),
-    # V2-Lite routes by softmax, its top 6 not renormalised, 2 shared experts, no q latent.
-    "deepseek-v2-lite": ("DeepSeek-V2-Lite (64 experts top-6 + 2 shared, MLA)", _big(
-        ModelConfig(vocab_size=102400, d_model=2048, n_layers=27, n_heads=16, n_kv_heads=16,
-                    kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
-                    v_head_dim=128, n_experts=64, top_k=6, d_ff=1408, norm_topk=False,
-                    n_shared_experts=2, first_k_dense=1, dense_d_ff=10944, norm_eps=1e-6,
-                    max_seq_len=163840, yarn_factor=40.0, yarn_original_max_len=4096,
-                    yarn_mscale_all_dim=0.707, seq_aux=True), "deepseek-v2-lite")),
-    "deepseek-v3": ("DeepSeek-V3 (256 experts top-8 in 8 groups + 1 shared, MLA; without the "
-                    "multi-token-prediction module)", _big(ModelConfig(
-                        vocab_size=129280, n_heads=128, n_kv_heads=128, n_experts=256,
-                        routed_scale=2.5, n_group=8, topk_group=4, first_k_dense=3,
-                        max_seq_len=163840, yarn_factor=40.0, **_DEEPSEEK_V3), "deepseek-v3")),
-    "kimi-k2": ("Kimi K2 (384 experts top-8 + 1 shared, MLA, DeepSeek-V3's block)", _big(
-        ModelConfig(vocab_size=163840, n_heads=64, n_kv_heads=64, n_experts=384, first_k_dense=1,
-                    routed_scale=2.827, max_seq_len=131072, rope_theta=50_000.0, yarn_factor=32.0,
-                    yarn_beta_fast=1.0, **_DEEPSEEK_V3 | dict(norm_eps=1e-5)), "kimi-k2")),
-    "gpt-oss-20b": ("GPT-OSS 20B (32 experts, top-4)", _big(ModelConfig(
-        n_layers=24, n_experts=32, **_GPT_OSS_BIG), "gpt-oss-20b")),
-    "gpt-oss-120b": ("GPT-OSS 120B (128 experts, top-4)", _big(ModelConfig(
-        n_layers=36, n_experts=128, **_GPT_OSS_BIG), "gpt-oss-120b")),
-}
+} | {name: (about, _big(ModelConfig(**dict(zip(_SHAPE, shape)), **knobs), name))
+     for name, (about, shape, knobs) in _RELEASED.items()}
 
 
 def validate(cfg: Config, n_devices: int) -> None:
@@ -370,67 +363,52 @@ def _param_table(cfg: ModelConfig) -> dict:
 
 
 def _layer_table(cfg: ModelConfig, L: int, moe: bool) -> dict:
-    """One stack of L layers: attention (GQA or MLA), then the experts or a dense MLP."""
-    D, N, K, H = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-    E, F = cfg.n_experts, cfg.d_ff
+    """One stack of L layers: attention (GQA or MLA), then the experts or a dense MLP. A row:
+    name -> (shape and spec after the L axis, init std, whether this stack has it)."""
+    D, N, K, H, E, F = (cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.n_experts,
+                        cfg.d_ff)
+    C, Qr, Hn, Hr, Hv = (cfg.kv_lora_rank, cfg.q_lora_rank, cfg.qk_nope_head_dim,
+                         cfg.qk_rope_head_dim, cfg.v_head_dim)
+    Fd, Fs, q_latent = cfg.dense_d_ff, cfg.n_shared_experts * F, bool(C and Qr)
     std, out_std = 0.02, 0.02 / math.sqrt(2 * cfg.n_layers)
     # One expert (the benchmark's dense twin) cannot be split; the expert axis then only
     # splits the batch.
     ex = "expert" if E > 1 else None
-    layers = {
-        "attn_norm": ((L, D), P(None, None), None),
-        "wq": ((L, D, N, H), P(None, "fsdp", "tensor", None), std),
-        "wk": ((L, D, K, H), P(None, "fsdp", "tensor", None), std),
-        "wv": ((L, D, K, H), P(None, "fsdp", "tensor", None), std),
-        "wo": ((L, N, H, D), P(None, "tensor", None, "fsdp"), out_std),
-        "mlp_norm": ((L, D), P(None, None), None),
+    bias = moe and cfg.moe_bias  # b_down is whole on every tensor shard: `experts` adds it on one
+    rows = {
+        "attn_norm": ((D,), (None,), None, True), "mlp_norm": ((D,), (None,), None, True),
+        "wq": ((D, N, Hn + Hr if C else H), ("fsdp", "tensor", None), std, not q_latent),
+        "wk": ((D, K, H), ("fsdp", "tensor", None), std, not C),
+        "wv": ((D, K, H), ("fsdp", "tensor", None), std, not C),
+        "wo": ((N, Hv if C else H, D), ("tensor", None, "fsdp"), out_std, True),
+        # MLA (see `mla`): latents whole on each device, heads over tensor
+        "wkv_a": ((D, C + Hr), ("fsdp", None), std, C), "kv_norm": ((C,), (None,), None, C),
+        "wkv_b": ((C, N, Hn + Hv), (None, "tensor", None), std, C),
+        "wq_a": ((D, Qr), ("fsdp", None), std, q_latent),
+        "q_norm_a": ((Qr,), (None,), None, q_latent),
+        "wq_b": ((Qr, N, Hn + Hr), (None, "tensor", None), std, q_latent),
+        "mlp_gate": ((D, Fd), ("fsdp", "tensor"), std, not moe),
+        "mlp_up": ((D, Fd), ("fsdp", "tensor"), std, not moe),
+        "mlp_down": ((Fd, D), ("tensor", "fsdp"), out_std, not moe),
+        # The MoE stack's only: DeepSeek's dense first layers have none of the rest.
+        "w_router": ((D, E), ("fsdp", None), std, moe),
+        "w_gate": ((E, D, F), (ex, "fsdp", "tensor"), std, moe),
+        "w_up": ((E, D, F), (ex, "fsdp", "tensor"), std, moe),
+        "w_down": ((E, F, D), (ex, "tensor", "fsdp"), out_std, moe),
+        "shared_gate": ((D, Fs), ("fsdp", "tensor"), std, moe and Fs),
+        "shared_up": ((D, Fs), ("fsdp", "tensor"), std, moe and Fs),
+        "shared_down": ((Fs, D), ("tensor", "fsdp"), out_std, moe and Fs),
+        "q_norm": ((H,), (None,), None, moe and cfg.qk_norm),
+        "k_norm": ((H,), (None,), None, moe and cfg.qk_norm),
+        "bq": ((N, H), ("tensor", None), 0.0, moe and cfg.attn_bias),
+        "bk": ((K, H), ("tensor", None), 0.0, moe and cfg.attn_bias),
+        "bv": ((K, H), ("tensor", None), 0.0, moe and cfg.attn_bias),
+        "bo": ((D,), (None,), 0.0, moe and cfg.attn_bias),
+        "sinks": ((N,), ("tensor",), 0.0, moe and cfg.attn_sinks),
+        "b_router": ((E,), (None,), 0.0, bias), "b_gate": ((E, F), (ex, "tensor"), 0.0, bias),
+        "b_up": ((E, F), (ex, "tensor"), 0.0, bias), "b_down": ((E, D), (ex, None), 0.0, bias),
     }
-    if cfg.kv_lora_rank:  # MLA (see `mla`): latents whole on each device, heads over tensor
-        C, Qr, Hr, Hv = cfg.kv_lora_rank, cfg.q_lora_rank, cfg.qk_rope_head_dim, cfg.v_head_dim
-        Hq = cfg.qk_nope_head_dim + Hr
-        del layers["wk"], layers["wv"]
-        layers |= {"wq": ((L, D, N, Hq), P(None, "fsdp", "tensor", None), std),
-                   "wkv_a": ((L, D, C + Hr), P(None, "fsdp", None), std),
-                   "kv_norm": ((L, C), P(None, None), None),
-                   "wkv_b": ((L, C, N, cfg.qk_nope_head_dim + Hv), P(None, None, "tensor", None),
-                             std),
-                   "wo": ((L, N, Hv, D), P(None, "tensor", None, "fsdp"), out_std)}
-        if Qr:
-            del layers["wq"]
-            layers |= {"wq_a": ((L, D, Qr), P(None, "fsdp", None), std),
-                       "q_norm_a": ((L, Qr), P(None, None), None),
-                       "wq_b": ((L, Qr, N, Hq), P(None, None, "tensor", None), std)}
-    if not moe:
-        Fd = cfg.dense_d_ff
-        return layers | {"mlp_gate": ((L, D, Fd), P(None, "fsdp", "tensor"), std),
-                         "mlp_up": ((L, D, Fd), P(None, "fsdp", "tensor"), std),
-                         "mlp_down": ((L, Fd, D), P(None, "tensor", "fsdp"), out_std)}
-    layers |= {
-        "w_router": ((L, D, E), P(None, "fsdp", None), std),
-        "w_gate": ((L, E, D, F), P(None, ex, "fsdp", "tensor"), std),
-        "w_up": ((L, E, D, F), P(None, ex, "fsdp", "tensor"), std),
-        "w_down": ((L, E, F, D), P(None, ex, "tensor", "fsdp"), out_std),
-    }
-    if cfg.n_shared_experts:
-        Fs = cfg.n_shared_experts * F
-        layers |= {"shared_gate": ((L, D, Fs), P(None, "fsdp", "tensor"), std),
-                   "shared_up": ((L, D, Fs), P(None, "fsdp", "tensor"), std),
-                   "shared_down": ((L, Fs, D), P(None, "tensor", "fsdp"), out_std)}
-    if cfg.qk_norm:
-        layers |= {"q_norm": ((L, H), P(None, None), None), "k_norm": ((L, H), P(None, None), None)}
-    if cfg.attn_bias:
-        layers |= {"bq": ((L, N, H), P(None, "tensor", None), 0.0),
-                   "bk": ((L, K, H), P(None, "tensor", None), 0.0),
-                   "bv": ((L, K, H), P(None, "tensor", None), 0.0),
-                   "bo": ((L, D), P(None, None), 0.0)}
-    if cfg.attn_sinks:
-        layers["sinks"] = ((L, N), P(None, "tensor"), 0.0)
-    if cfg.moe_bias:  # b_down is whole on every tensor shard: `experts` adds it on one
-        layers |= {"b_router": ((L, E), P(None, None), 0.0),
-                   "b_gate": ((L, E, F), P(None, ex, "tensor"), 0.0),
-                   "b_up": ((L, E, F), P(None, ex, "tensor"), 0.0),
-                   "b_down": ((L, E, D), P(None, ex, None), 0.0)}
-    return layers
+    return {k: ((L, *shape), P(None, *spec), s) for k, (shape, spec, s, on) in rows.items() if on}
 
 
 def _buffer_table(cfg: ModelConfig) -> dict:
@@ -657,6 +635,7 @@ def balance_biases(bias_LE, load_LE, rate: float):
     return bias_LE + rate * jnp.sign(1.0 / load_LE.shape[-1] - load_LE)
 
 
+PROJ = ("gate", "up", "down")  # an MLP's projections: `swiglu` takes w_gate, ..., b_down
 SWIGLU_ALPHA = 1.702  # GPT-OSS's sigmoid gain: g sigmoid(1.702 g) approximates GELU
 
 
@@ -670,10 +649,15 @@ def glu(g, u, cfg: ModelConfig | None = None):
     return g * jax.nn.sigmoid(SWIGLU_ALPHA * g) * (u + 1)
 
 
-def swiglu(x, w_gate, w_up, w_down, cfg: ModelConfig | None = None, b=()):
-    """One expert's MLP; b: its gate, up and down biases when moe_bias."""
-    add = lambda y, i: y + b[i] if b else y
-    return add(glu(add(x @ w_gate, 0), add(x @ w_up, 1), cfg) @ w_down, 2)
+def swiglu(x, w: dict, cfg: ModelConfig | None = None, mm=jnp.matmul, at=lambda b: b):
+    """An MLP on rows x: w holds w_gate, w_up, w_down and, with moe_bias, b_gate, b_up,
+    b_down. Every dispatch path runs its experts here, differing only in how rows meet
+    weights: `mm(x, weight)` (one matmul, batched over experts, ragged or tiled) and `at(bias)`
+    (the bias of each row's expert, broadcast onto the rows)."""
+    def proj(x, name):
+        y = mm(x, w["w_" + name])
+        return y + at(w["b_" + name]) if "b_" + name in w else y
+    return proj(glu(proj(x, "gate"), proj(x, "up"), cfg), "down")
 
 
 def _grouped_impl(cfg: ModelConfig, platform: str = "") -> str:
@@ -706,27 +690,23 @@ def _tile_layout(sizes_G, M: int, tile: int):
 
 def grouped_mlp(x_MD, sizes_G, w, cfg: ModelConfig):
     """SwiGLU of expert g on its rows: x is sorted by group, sizes_G[g] rows each. Rows past
-    sum(sizes_G) (buffer padding) give zeros, or with biases values no one reads. w: the
-    weights [G, D, F], [G, D, F], [G, F, D], then with moe_bias the biases [G, F], [G, F],
-    [G, D]. "ragged_dot": a grouped GEMM, each row against its group's weights only. "tiled"
-    (megablocks-style, for the CPU): every group padded to whole tiles of `gmm_tile` rows,
-    each tile multiplied with its group's weights, one batched matmul over tiles; the cost is
-    at most G tiles of padding and one weight copy per tile."""
-    (w_gate_GDF, w_up_GDF, w_down_GFD), b = w[:3], w[3:]
+    sum(sizes_G) (buffer padding) give zeros, or with biases values no one reads. w: as
+    `swiglu`'s, each with a leading G axis. "ragged_dot": a grouped GEMM, each row against
+    its group's weights only. "tiled" (megablocks-style, for the CPU): every group padded to
+    whole tiles of `gmm_tile` rows, each tile multiplied with its group's weights, one batched
+    matmul over tiles; the cost is at most G tiles of padding and one weight copy per tile."""
     M, D = x_MD.shape
     if _grouped_impl(cfg) == "ragged_dot":
         group_M = jnp.minimum(jnp.searchsorted(jnp.cumsum(sizes_G), jnp.arange(M), side="right"),
                               sizes_G.shape[0] - 1)
-        mm = lambda x, w, i: (jax.lax.ragged_dot(x, w, sizes_G) + b[i][group_M] if b else
-                              jax.lax.ragged_dot(x, w, sizes_G))
-        return mm(glu(mm(x_MD, w_gate_GDF, 0), mm(x_MD, w_up_GDF, 1), cfg), w_down_GFD, 2)
+        return swiglu(x_MD, w, cfg, lambda x, w: jax.lax.ragged_dot(x, w, sizes_G),
+                      lambda b: b[group_M])
     tile = min(cfg.gmm_tile, M)
     dest_M, group_n, n = _tile_layout(sizes_G, M, tile)
     x_ntD = jnp.zeros((n * tile, D), x_MD.dtype).at[dest_M].set(x_MD, mode="drop")
-    x_ntD = x_ntD.reshape(n, tile, D)
-    mm = lambda x, w, i: (jnp.einsum("ntd,ndf->ntf", x, w[group_n]) + b[i][group_n][:, None]
-                          if b else jnp.einsum("ntd,ndf->ntf", x, w[group_n]))
-    y_ntD = mm(glu(mm(x_ntD, w_gate_GDF, 0), mm(x_ntD, w_up_GDF, 1), cfg), w_down_GFD, 2)
+    y_ntD = swiglu(x_ntD.reshape(n, tile, D), w, cfg,
+                   lambda x, w: jnp.einsum("ntd,ndf->ntf", x, w[group_n]),
+                   lambda b: b[group_n][:, None])
     return y_ntD.reshape(n * tile, -1).at[dest_M].get(mode="fill", fill_value=0)
 
 
@@ -782,10 +762,7 @@ def _capacity_exchange(x_AD, e_A, sizes_E, w, cfg: ModelConfig, peers: int, C: i
     if peers > 1:
         buf_PXCD = jax.lax.all_to_all(buf_PXCD, "expert", 0, 0)  # now [source peer, X, C, d]
     x_XMD = buf_PXCD.transpose(1, 0, 2, 3).reshape(X, peers * C, D)
-    b = w[3:]
-    mm = lambda x, w_, i: (jnp.einsum("xmd,xdf->xmf", x, w_) + b[i][:, None] if b else
-                           jnp.einsum("xmd,xdf->xmf", x, w_))
-    y_XMD = mm(glu(mm(x_XMD, w[0], 0), mm(x_XMD, w[1], 1), cfg), w[2], 2)
+    y_XMD = swiglu(x_XMD, w, cfg, partial(jnp.einsum, "xmd,xdf->xmf"), lambda b: b[:, None])
     y_PXCD = y_XMD.reshape(X, peers, C, D).transpose(1, 0, 2, 3)
     if peers > 1:
         y_PXCD = jax.lax.all_to_all(y_PXCD, "expert", 0, 0)      # [expert's peer, X, C, d]
@@ -793,24 +770,24 @@ def _capacity_exchange(x_AD, e_A, sizes_E, w, cfg: ModelConfig, peers: int, C: i
     return y_AD, A - jnp.sum(keep_A)
 
 
-def experts(x_BTD, expert_BTR, gate_BTR, *ws, cfg: ModelConfig, peers: int = 1,
+def experts(x_BTD, expert_BTR, gate_BTR, w: dict, cfg: ModelConfig, peers: int = 1,
             sharded: bool = False):
     """The experts' output for this device's tokens, and how many assignments were dropped:
     per device in `shard_map` when sharded (this device's batch shard, its X = E/P experts,
-    d split over fsdp, F over tensor), or on everything at once without a mesh. ws: w_gate,
-    w_up, w_down, and with moe_bias b_gate, b_up, b_down."""
+    d split over fsdp, F over tensor), or on everything at once without a mesh. w: the
+    layer's expert weights, named as in `swiglu`."""
     dt = x_BTD.dtype
     B, T, D = x_BTD.shape
     R, n = cfg.top_k, B * T
-    w = tuple(x.astype(dt) for x in ws)
+    w = {k: a.astype(dt) for k, a in w.items()}
     if sharded:
         # FSDP: gather this layer's expert weights over fsdp in the compute dtype (half the
         # traffic in bfloat16); autodiff turns the gather into a reduce-scatter of gradients.
-        w = (jax.lax.all_gather(w[0], "fsdp", axis=1, tiled=True),
-             jax.lax.all_gather(w[1], "fsdp", axis=1, tiled=True),
-             jax.lax.all_gather(w[2], "fsdp", axis=2, tiled=True), *w[3:])
-        if len(w) > 3:  # the tensor shards' outputs are summed: the down bias joins one of them
-            w = (*w[:5], jnp.where(jax.lax.axis_index("tensor") == 0, w[5], 0).astype(dt))
+        # d is axis 1 of w_gate and w_up [X, D, F], axis 2 of w_down [X, F, D].
+        w |= {k: jax.lax.all_gather(w[k], "fsdp", axis=2 if k == "w_down" else 1, tiled=True)
+              for k in ("w_gate", "w_up", "w_down")}
+        if "b_down" in w:  # the tensor shards' outputs are summed: the down bias joins one
+            w["b_down"] = jnp.where(jax.lax.axis_index("tensor") == 0, w["b_down"], 0).astype(dt)
     x_nD = x_BTD.reshape(n, D)
     # Assignments choice-major (a = r * n + token): within an expert the sort keeps every
     # first choice ahead of every second choice, so capacity mode drops second choices
@@ -840,31 +817,25 @@ def moe(h_BTD, lp: dict, cfg: ModelConfig):
     """The MoE block on normed activations: (output [B,T,D], routing stats)."""
     gate_BTR, expert_BTR, stats = router(h_BTD, lp["w_router"], cfg, lp.get("b_router"),
                                          lp.get("router_bias"))
-    ws = tuple(lp[k] for k in ("w_gate", "w_up", "w_down", "b_gate", "b_up", "b_down")[
-        :6 if cfg.moe_bias else 3])
+    ws = {k: lp[k] for k in ("w_gate", "w_up", "w_down", "b_gate", "b_up", "b_down") if k in lp}
+    dt = h_BTD.dtype
     if cfg.n_experts == 1:
         # The dense twin of `bench`: one expert, weight exactly 1, routing is the identity.
-        dt = h_BTD.dtype
-        one = [w[0].astype(dt) for w in ws]
-        y = swiglu(h_BTD, *one[:3], cfg, one[3:])
+        y = swiglu(h_BTD, {k: a[0].astype(dt) for k, a in ws.items()}, cfg)
         return constrain(y, ACT_BTD), stats | {"dropped": jnp.zeros((), jnp.float32)}
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
-        y, dropped = experts(h_BTD, expert_BTR, gate_BTR, *ws, cfg=cfg)
-    else:
-        act = P(MOE_BATCH, None, None)
-        w_in, w_out = P("expert", "fsdp", "tensor"), P("expert", "tensor", "fsdp")
-        b = (P("expert", "tensor"), P("expert", "tensor"), P("expert", None))
+        y, dropped = experts(h_BTD, expert_BTR, gate_BTR, ws, cfg)
+    else:  # each weight as its table shards it, less the layer axis
+        act, spec = P(MOE_BATCH, None, None), param_specs(cfg)["layers"]
         y, dropped = jax.shard_map(
             partial(experts, cfg=cfg, peers=mesh.shape["expert"], sharded=True),
-            in_specs=(act, act, act, w_in, w_in, w_out, *b[:len(ws) - 3]),
+            in_specs=(act, act, act, {k: P(*spec[k][1:]) for k in ws}),
             out_specs=(act, P(MOE_BATCH)),
-        )(h_BTD, expert_BTR, gate_BTR, *ws)
+        )(h_BTD, expert_BTR, gate_BTR, ws)
     n_assign = h_BTD.shape[0] * h_BTD.shape[1] * cfg.top_k
     if cfg.n_shared_experts:  # DeepSeek's shared experts: one wider SwiGLU every token uses
-        dt = h_BTD.dtype
-        y = y + swiglu(h_BTD, *(lp[k].astype(dt) for k in ("shared_gate", "shared_up",
-                                                            "shared_down")))
+        y = y + swiglu(h_BTD, {"w_" + k: lp["shared_" + k].astype(dt) for k in PROJ})
     return y, stats | {"dropped": jnp.sum(dropped) / n_assign}
 
 
@@ -891,7 +862,7 @@ def block(x_BTD, lp: dict, pos_BT, inv_freq, cfg: ModelConfig, max_logits: bool 
     x_BTD = constrain(x_BTD + (o + w("bo") if cfg.attn_bias else o), ACT_BTD)
     h = rms_norm(x_BTD, lp["mlp_norm"], cfg.norm_eps)
     if "w_router" not in lp:
-        y_BTD = swiglu(h, w("mlp_gate"), w("mlp_up"), w("mlp_down"))
+        y_BTD = swiglu(h, {"w_" + k: w("mlp_" + k) for k in PROJ})
         return constrain(x_BTD + y_BTD, ACT_BTD), {}
     y_BTD, stats = moe(h, lp, cfg)
     if max_logits:  # for QK-clip: each head's largest attention logit
@@ -1280,83 +1251,111 @@ _HF_DEFAULTS = {
                         topk_group=4, first_k_dense_replace=3, norm_topk_prob=True,
                         rope_interleave=True),
 }
+# config.json's keys that are our fields, in every family and then per family (Kimi K2 is
+# DeepSeek-V3's): written as they are, read as the field's type (null as its zero); the
+# exceptions are written out in config_from_hf and config_to_hf.
+_HF_FIELDS = dict(vocab_size="vocab_size", hidden_size="d_model", num_hidden_layers="n_layers",
+                  num_attention_heads="n_heads", num_key_value_heads="n_kv_heads",
+                  head_dim="head_dim", max_position_embeddings="max_seq_len",
+                  rms_norm_eps="norm_eps", tie_word_embeddings="tie_embeddings",
+                  num_experts_per_tok="top_k")
+_HF_FAMILY_FIELDS = {
+    "mixtral": dict(num_local_experts="n_experts", intermediate_size="d_ff"),
+    "qwen3_moe": dict(num_local_experts="n_experts", num_experts="n_experts",
+                      moe_intermediate_size="d_ff", norm_topk_prob="norm_topk"),
+    "gpt_oss": dict(num_local_experts="n_experts", intermediate_size="d_ff",
+                    attention_bias="attn_bias", swiglu_limit="swiglu_limit"),
+    "deepseek_v3": dict(n_routed_experts="n_experts", moe_intermediate_size="d_ff",
+                        norm_topk_prob="norm_topk", kv_lora_rank="kv_lora_rank",
+                        q_lora_rank="q_lora_rank", qk_nope_head_dim="qk_nope_head_dim",
+                        qk_rope_head_dim="qk_rope_head_dim", v_head_dim="v_head_dim",
+                        rope_interleave="rope_interleave", routed_scaling_factor="routed_scale",
+                        n_shared_experts="n_shared_experts", seq_aux="seq_aux",
+                        first_k_dense_replace="first_k_dense"),
+}
+# What we write for what we do not implement, per family; reading refuses other values of
+# the keys that change the model (`config_from_hf`).
+_HF_CONSTANTS = {
+    "mixtral": dict(router_jitter_noise=0.0),
+    "qwen3_moe": dict(decoder_sparse_step=1, mlp_only_layers=[], use_sliding_window=False,
+                      attention_bias=False),
+    "gpt_oss": dict(swiglu_alpha=SWIGLU_ALPHA),
+    "deepseek_v3": dict(scoring_func="sigmoid", topk_method="noaux_tc", attention_bias=False,
+                        num_nextn_predict_layers=0),
+}
+# The knobs one family's config.json says and no other's: on exactly in that family, or (the
+# second table) on only in those families. Mixtral and GPT-OSS always renormalise the top k.
+_HF_OWN = dict(attn_sinks="gpt_oss", moe_bias="gpt_oss", swiglu_limit="gpt_oss",
+               sigmoid_routing="deepseek_v3")
+_HF_ONLY = dict(attn_bias=("gpt_oss",), sliding_window=("gpt_oss",),
+                n_shared_experts=("deepseek_v3",), first_k_dense=("deepseek_v3",),
+                yarn_factor=("gpt_oss", "deepseek_v3"))
+
+# Each weight's HuggingFace name (after model.layers.{i}. for a layer's) and layout, for the
+# weights our table has (common/hf.py; a stack's layer axis goes first on our side). Atoms: l
+# layers, e experts, d model, n query heads, k key/value heads, h head width, f expert MLP
+# width, v vocabulary; j DeepSeek's dense first layers, the MoE layers after. MLA (more atoms:
+# a = kv_lora_rank + qk_rope_head_dim, c = kv_lora_rank, r = q_lora_rank, q and x = a head's
+# query and key + value widths, w its value's, g the dense MLP's width, s the shared
+# experts'): kv_b_proj holds each head's nope key then its value, as our wkv_b.
+_HF_TOP = {"embed": ("model.embed_tokens.weight", "v d -> v d"),
+           "final_norm": ("model.norm.weight", "d -> d"),
+           "unembed": ("lm_head.weight", "v d -> d v")}
+_HF_LAYER = {"attn_norm": ("input_layernorm.weight", "d -> d"),
+             "mlp_norm": ("post_attention_layernorm.weight", "d -> d")} | {
+    k: ("self_attn." + name, layout) for k, (name, layout) in dict(
+        wq=("q_proj.weight", "(n h) d -> d n h"), wk=("k_proj.weight", "(k h) d -> d k h"),
+        wv=("v_proj.weight", "(k h) d -> d k h"), wo=("o_proj.weight", "d (n h) -> n h d"),
+        bq=("q_proj.bias", "(n h) -> n h"), bk=("k_proj.bias", "(k h) -> k h"),
+        bv=("v_proj.bias", "(k h) -> k h"), bo=("o_proj.bias", "d -> d"),
+        q_norm=("q_norm.weight", "h -> h"), k_norm=("k_norm.weight", "h -> h"),
+        sinks=("sinks", "n -> n"), wkv_a=("kv_a_proj_with_mqa.weight", "a d -> d a"),
+        kv_norm=("kv_a_layernorm.weight", "c -> c"), wkv_b=("kv_b_proj.weight", "(n x) c -> c n x"),
+        wq_a=("q_a_proj.weight", "r d -> d r"), q_norm_a=("q_a_layernorm.weight", "r -> r"),
+        wq_b=("q_b_proj.weight", "(n q) r -> r n q")).items()} | {
+    k: ("mlp." + name, layout) for k, (name, layout) in dict(
+        mlp_gate=("gate_proj.weight", "g d -> d g"), mlp_up=("up_proj.weight", "g d -> d g"),
+        mlp_down=("down_proj.weight", "d g -> g d"),
+        shared_gate=("shared_experts.gate_proj.weight", "s d -> d s"),
+        shared_up=("shared_experts.up_proj.weight", "s d -> d s"),
+        shared_down=("shared_experts.down_proj.weight", "d s -> s d"),
+        w_router=("gate.weight", "e d -> d e"),
+        router_bias=("gate.e_score_correction_bias", "e -> e"),  # a buffer of ours
+        w_gate=("experts.{e}.gate_proj.weight", "f d -> e d f"),
+        w_up=("experts.{e}.up_proj.weight", "f d -> e d f"),
+        w_down=("experts.{e}.down_proj.weight", "d f -> e f d")).items()}
+_HF_MLA = {"wq": ("self_attn.q_proj.weight", "(n q) d -> d n q"),
+           "wo": ("self_attn.o_proj.weight", "d (n w) -> n w d")}
+# Mixtral calls the gate/up/down projections w1/w3/w2. GPT-OSS stores each layer's experts as
+# one tensor, [in, out], gate and up interleaved (gate_up_proj[..., 0::2] is the gate); MXFP4
+# checkpoints read as that too (common/hf.py).
+_HF_FAMILY_NAMES = {
+    "mixtral": {"w_router": ("block_sparse_moe.gate.weight", "e d -> d e"),
+                "w_gate": ("block_sparse_moe.experts.{e}.w1.weight", "f d -> e d f"),
+                "w_up": ("block_sparse_moe.experts.{e}.w3.weight", "f d -> e d f"),
+                "w_down": ("block_sparse_moe.experts.{e}.w2.weight", "d f -> e f d")},
+    "gpt_oss": {"w_router": ("mlp.router.weight", "e d -> d e"),
+                "b_router": ("mlp.router.bias", "e -> e"),
+                "w_gate": ("mlp.experts.gate_up_proj", "e d (f 2:0) -> e d f"),
+                "w_up": ("mlp.experts.gate_up_proj", "e d (f 2:1) -> e d f"),
+                "w_down": ("mlp.experts.down_proj", "e f d -> e f d"),
+                "b_gate": ("mlp.experts.gate_up_proj_bias", "e (f 2:0) -> e f"),
+                "b_up": ("mlp.experts.gate_up_proj_bias", "e (f 2:1) -> e f"),
+                "b_down": ("mlp.experts.down_proj_bias", "e d -> e d")},
+}
 
 
 def hf_mapping(cfg: ModelConfig, model_type: str) -> dict:
-    """Our parameter tree, each leaf as (HuggingFace tensor name, layout): see common/hf.py.
-    Atoms: l layers, e experts, d model, n query heads, k key/value heads, h head width, f
-    expert MLP width, v vocabulary; j DeepSeek's dense first layers, the MoE layers after."""
-    tree = {"embed": ("model.embed_tokens.weight", "v d -> v d"),
-            "layers": _hf_layers(cfg, model_type, f"model.layers.{{l+{cfg.first_k_dense}}}.", "l"),
-            "final_norm": ("model.norm.weight", "d -> d")}
-    if cfg.first_k_dense:
-        tree["dense_layers"] = _hf_layers(cfg, model_type, "model.layers.{j}.", "j")
-    return tree | ({} if cfg.tie_embeddings else {"unembed": ("lm_head.weight", "v d -> d v")})
+    """Our parameter tree (the buffers too), each leaf as (HuggingFace tensor name, layout)."""
+    names = _HF_LAYER | (_HF_MLA if cfg.kv_lora_rank else {}) | _HF_FAMILY_NAMES.get(
+        model_type, {})
+    stacks = {"layers": ("l", f"{{l+{cfg.first_k_dense}}}"), "dense_layers": ("j", "{j}")}
 
-
-def _hf_layers(cfg: ModelConfig, model_type: str, lay: str, l: str) -> dict:
-    """One stack's names. Mixtral calls the gate/up/down projections w1/w3/w2. GPT-OSS stores
-    each layer's experts as one tensor, [in, out], gate and up interleaved (gate_up_proj[...,
-    0::2] is the gate); MXFP4 checkpoints read as that too (common/hf.py). DeepSeek's MLA
-    (more atoms: a = kv_lora_rank + qk_rope_head_dim, c = kv_lora_rank, r = q_lora_rank, q and
-    x = a head's query and key + value widths, w its value's, g the dense MLP's width, s the
-    shared experts'): kv_b_proj holds each head's nope key then its value, as our wkv_b."""
-    at = lay + "self_attn."
-    t = {"attn_norm": (lay + "input_layernorm.weight", f"d -> {l} d"),
-         "mlp_norm": (lay + "post_attention_layernorm.weight", f"d -> {l} d")}
-    if cfg.kv_lora_rank:
-        t |= {"wkv_a": (at + "kv_a_proj_with_mqa.weight", f"a d -> {l} d a"),
-              "kv_norm": (at + "kv_a_layernorm.weight", f"c -> {l} c"),
-              "wkv_b": (at + "kv_b_proj.weight", f"(n x) c -> {l} c n x"),
-              "wo": (at + "o_proj.weight", f"d (n w) -> {l} n w d")}
-        t |= {"wq_a": (at + "q_a_proj.weight", f"r d -> {l} d r"),
-              "q_norm_a": (at + "q_a_layernorm.weight", f"r -> {l} r"),
-              "wq_b": (at + "q_b_proj.weight", f"(n q) r -> {l} r n q")} if cfg.q_lora_rank else {
-            "wq": (at + "q_proj.weight", f"(n q) d -> {l} d n q")}
-    else:
-        t |= {"wq": (at + "q_proj.weight", "(n h) d -> l d n h"),
-              "wk": (at + "k_proj.weight", "(k h) d -> l d k h"),
-              "wv": (at + "v_proj.weight", "(k h) d -> l d k h"),
-              "wo": (at + "o_proj.weight", "d (n h) -> l n h d")}
-    mlp = lay + "mlp."
-    if l == "j":
-        return t | {"mlp_gate": (mlp + "gate_proj.weight", "g d -> j d g"),
-                    "mlp_up": (mlp + "up_proj.weight", "g d -> j d g"),
-                    "mlp_down": (mlp + "down_proj.weight", "d g -> j g d")}
-    moe, gate, up, down = (lay + "block_sparse_moe.", "w1", "w3", "w2") if (
-        model_type == "mixtral") else (mlp, "gate_proj", "up_proj", "down_proj")
-    ex = moe + "experts.{e}."
-    t |= {"w_router": (moe + "gate.weight", "e d -> l d e"),
-          "w_gate": (ex + gate + ".weight", "f d -> l e d f"),
-          "w_up": (ex + up + ".weight", "f d -> l e d f"),
-          "w_down": (ex + down + ".weight", "d f -> l e f d")}
-    if cfg.qk_norm:
-        t |= {"q_norm": (at + "q_norm.weight", "h -> l h"),
-              "k_norm": (at + "k_norm.weight", "h -> l h")}
-    if model_type == "gpt_oss":
-        ex = moe + "experts."
-        t |= {"w_router": (moe + "router.weight", "e d -> l d e"),
-              "b_router": (moe + "router.bias", "e -> l e"),
-              "w_gate": (ex + "gate_up_proj", "e d (f 2:0) -> l e d f"),
-              "w_up": (ex + "gate_up_proj", "e d (f 2:1) -> l e d f"),
-              "w_down": (ex + "down_proj", "e f d -> l e f d"),
-              "b_gate": (ex + "gate_up_proj_bias", "e (f 2:0) -> l e f"),
-              "b_up": (ex + "gate_up_proj_bias", "e (f 2:1) -> l e f"),
-              "b_down": (ex + "down_proj_bias", "e d -> l e d"),
-              "sinks": (at + "sinks", "n -> l n")}
-    if cfg.attn_bias:
-        t |= {"bq": (at + "q_proj.bias", "(n h) -> l n h"),
-              "bk": (at + "k_proj.bias", "(k h) -> l k h"),
-              "bv": (at + "v_proj.bias", "(k h) -> l k h"),
-              "bo": (at + "o_proj.bias", "d -> l d")}
-    if cfg.sigmoid_routing:  # DeepSeek's choice bias: a buffer of ours (see `_buffer_table`)
-        t["router_bias"] = (moe + "gate.e_score_correction_bias", "e -> l e")
-    if cfg.n_shared_experts:
-        sh = mlp + "shared_experts."
-        t |= {"shared_gate": (sh + "gate_proj.weight", "s d -> l d s"),
-              "shared_up": (sh + "up_proj.weight", "s d -> l d s"),
-              "shared_down": (sh + "down_proj.weight", "d s -> l s d")}
-    return t
+    def entry(weight: str, l: str, i: str):
+        name, (left, right) = names[weight][0], names[weight][1].split(" -> ")
+        return f"model.layers.{i}.{name}", f"{left} -> {l} {right}"
+    return {k: {w: entry(w, *stacks[k]) for w in v} if k in stacks else _HF_TOP[k]
+            for k, v in _hf_table(cfg).items()}
 
 
 def _hf_sizes(cfg: ModelConfig) -> dict:
@@ -1375,11 +1374,11 @@ def config_from_hf(c: dict, where: str = "config.json") -> ModelConfig:
         raise hf.HFError(f"{where}: model_type {mt!r} is not a mixture-of-experts family that "
                          f"train_moe.py loads ({', '.join(HF_ARCHITECTURES)}); dense models "
                          "(llama, mistral, qwen2, qwen3) belong to train_dense.py.")
-    ds = mt in HF_DEEPSEEK
+    fam = "deepseek_v3" if mt in HF_DEEPSEEK else mt
     # transformers 5 writes Qwen3-MoE's expert count as num_local_experts, 4.x as num_experts:
     # read before the defaults (which spell it num_experts) are merged in.
     qwen_experts = c.get("num_experts", c.get("num_local_experts"))
-    c = _HF_DEFAULTS["deepseek_v3" if ds else mt] | c
+    c = _HF_DEFAULTS[fam] | c
 
     def unsupported(what: str):
         return hf.HFError(f"{where}: {what} is not implemented by train_moe.py, so this {mt} "
@@ -1389,9 +1388,11 @@ def config_from_hf(c: dict, where: str = "config.json") -> ModelConfig:
     for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", wide):
         if key not in c:
             raise hf.HFError(f"{where} has no {key!r}; it is not a complete {mt} config.")
-    for key, want in (("hidden_act", "silu"), ("partial_rotary_factor", 1.0),
-                      ("decoder_sparse_step", 1), ("moe_layer_freq", 1)) + ((
-                          ("scoring_func", "sigmoid"), ("topk_method", "noaux_tc")) if ds else ()):
+    only = dict(hidden_act="silu", partial_rotary_factor=1.0, decoder_sparse_step=1,
+                moe_layer_freq=1)  # the one value we implement of each
+    only |= dict(swiglu_alpha=SWIGLU_ALPHA) if mt == "gpt_oss" else dict(
+        scoring_func="sigmoid", topk_method="noaux_tc") if fam == "deepseek_v3" else {}
+    for key, want in only.items():
         if c.get(key, want) != want:
             raise unsupported(f"{key} {c[key]!r} (only {want!r})")
     if c.get("attention_bias") and mt != "gpt_oss":
@@ -1401,68 +1402,45 @@ def config_from_hf(c: dict, where: str = "config.json") -> ModelConfig:
     # DeepSeek's YaRN gives mscale == mscale_all_dim: transformers then leaves the rotation
     # unscaled (its factor is their ratio) and the logits times mscale(factor, all_dim)^2.
     theta, kind, rope = hf.rope_parameters(c, c["rope_theta"], where)
-    if kind not in ("default", "yarn") or kind == "yarn" and not (mt == "gpt_oss" or ds and (
-            not rope.get("attention_factor") and rope.get("mscale_all_dim") and
-            rope.get("mscale") == rope["mscale_all_dim"])):
+    if kind not in ("default", "yarn") or kind == "yarn" and not (mt == "gpt_oss" or (
+            fam == "deepseek_v3" and not rope.get("attention_factor") and
+            rope.get("mscale_all_dim") and rope.get("mscale") == rope["mscale_all_dim"])):
         raise unsupported(f"rope {kind!r} {rope} (only the default, GPT-OSS's YaRN, and "
                           "DeepSeek's YaRN with mscale == mscale_all_dim)")
-    # A sliding window of W tokens changes nothing on sequences of at most W tokens.
-    window = (c.get("sliding_window") if mt == "mixtral" or c.get("use_sliding_window")
-              else None)
-    knobs, n_heads = _yarn(kind, rope), c["num_attention_heads"]
-    if mt == "gpt_oss":
-        knobs, window = knobs | _gpt_oss_config(c, unsupported), None
-    elif ds:
-        knobs |= _deepseek_config(c, rope)
-    return ModelConfig(**dict(
-        vocab_size=c["vocab_size"], d_model=c["hidden_size"], n_layers=c["num_hidden_layers"],
-        n_heads=n_heads, n_kv_heads=c.get("num_key_value_heads") or n_heads,
-        head_dim=c.get("head_dim") or c["hidden_size"] // n_heads,
-        n_experts=(qwen_experts or c["num_experts"]) if mt == "qwen3_moe" else c[
-            "n_routed_experts" if ds else "num_local_experts"],
-        top_k=c["num_experts_per_tok"], d_ff=c[wide],
-        norm_topk=bool(c["norm_topk_prob"]) if mt in ("qwen3_moe", *HF_DEEPSEEK) else True,
-        max_seq_len=min(c["max_position_embeddings"], window or c["max_position_embeddings"]),
-        rope_theta=theta, norm_eps=float(c["rms_norm_eps"]),
-        tie_embeddings=bool(c.get("tie_word_embeddings", False)), qk_norm=mt == "qwen3_moe",
-    ) | knobs)
-
-
-def _gpt_oss_config(c: dict, unsupported) -> dict:
-    """GPT-OSS's knobs from its config.json: every second layer windowed, or none."""
-    L, W = c["num_hidden_layers"], c.get("sliding_window") or 0
-    alternate = ["full_attention" if (i + 1) % 2 == 0 else "sliding_attention" for i in range(L)]
-    kinds = c.get("layer_types") or alternate
-    if kinds not in (alternate, ["full_attention"] * L):
-        raise unsupported(f"layer_types {kinds} (windows on every second layer, or none)")
-    if c["swiglu_alpha"] != SWIGLU_ALPHA:
-        raise unsupported(f"swiglu_alpha {c['swiglu_alpha']} (only {SWIGLU_ALPHA})")
-    windowed = W > 0 and "sliding_attention" in kinds
-    return dict(sliding_window=W if windowed else 0, global_every=2 if windowed else 0,
-                attn_sinks=True, attn_bias=bool(c["attention_bias"]), moe_bias=True,
-                swiglu_limit=float(c["swiglu_limit"]))
-
-
-def _yarn(kind: str, rope: dict) -> dict:
-    return {} if kind == "default" else dict(
-        yarn_factor=float(rope["factor"]), yarn_beta_fast=float(rope.get("beta_fast") or 32),
-        yarn_beta_slow=float(rope.get("beta_slow") or 1), yarn_truncate=bool(rope.get(
-            "truncate", True)), yarn_original_max_len=rope["original_max_position_embeddings"])
-
-
-def _deepseek_config(c: dict, rope: dict) -> dict:
-    """DeepSeek-V3's and Kimi K2's knobs (one group = none; head_dim: the rotated part's)."""
-    Kd, G = c["first_k_dense_replace"] or 0, c.get("n_group") or 1
-    return dict(
-        head_dim=c["qk_rope_head_dim"], kv_lora_rank=c["kv_lora_rank"],
-        q_lora_rank=c["q_lora_rank"] or 0, qk_nope_head_dim=c["qk_nope_head_dim"],
-        qk_rope_head_dim=c["qk_rope_head_dim"], v_head_dim=c["v_head_dim"],
-        rope_interleave=bool(c["rope_interleave"]), sigmoid_routing=True,
-        seq_aux=bool(c.get("seq_aux", True)),
-        yarn_mscale_all_dim=float(rope.get("mscale_all_dim") or 0),
-        routed_scale=float(c["routed_scaling_factor"]), n_group=G if G > 1 else 0,
-        topk_group=c["topk_group"] if G > 1 else 0, n_shared_experts=c["n_shared_experts"] or 0,
-        first_k_dense=Kd, dense_d_ff=c["intermediate_size"] if Kd else 0)
+    one = ModelConfig()
+    m = {f: type(getattr(one, f))(c.get(k) or 0)
+         for k, f in (_HF_FIELDS | _HF_FAMILY_FIELDS[fam]).items()}
+    # A sliding window of W tokens changes nothing on sequences of at most W tokens (GPT-OSS's
+    # windows are its layers', below).
+    window = c.get("sliding_window") if mt != "gpt_oss" and (
+        mt == "mixtral" or c.get("use_sliding_window")) else None
+    m |= dict(n_kv_heads=m["n_kv_heads"] or m["n_heads"], rope_theta=theta,
+              head_dim=m["head_dim"] or m["d_model"] // m["n_heads"], qk_norm=mt == "qwen3_moe",
+              max_seq_len=min(m["max_seq_len"], window or m["max_seq_len"]))
+    if kind == "yarn":
+        m |= dict(yarn_factor=float(rope["factor"]),
+                  yarn_beta_fast=float(rope.get("beta_fast") or 32),
+                  yarn_beta_slow=float(rope.get("beta_slow") or 1),
+                  yarn_truncate=bool(rope.get("truncate", True)),
+                  yarn_original_max_len=rope["original_max_position_embeddings"])
+    if mt == "qwen3_moe":
+        m["n_experts"] = qwen_experts or c["num_experts"]
+    elif mt == "gpt_oss":  # every second layer windowed, or none
+        L, W = m["n_layers"], c.get("sliding_window") or 0
+        alternate = ["full_attention" if i % 2 else "sliding_attention" for i in range(L)]
+        if (kinds := c.get("layer_types") or alternate) not in (alternate, ["full_attention"] * L):
+            raise unsupported(f"layer_types {kinds} (windows on every second layer, or none)")
+        windowed = W > 0 and "sliding_attention" in kinds
+        m |= dict(sliding_window=W if windowed else 0, global_every=2 if windowed else 0,
+                  attn_sinks=True, moe_bias=True)
+    elif fam == "deepseek_v3":  # one group = none; head_dim: the rotated part's
+        G, Kd = c.get("n_group") or 1, m["first_k_dense"]
+        m |= dict(head_dim=m["qk_rope_head_dim"], sigmoid_routing=True,
+                  seq_aux=bool(c.get("seq_aux", True)), n_group=G if G > 1 else 0,
+                  topk_group=c["topk_group"] if G > 1 else 0,
+                  yarn_mscale_all_dim=float(rope.get("mscale_all_dim") or 0),
+                  dense_d_ff=c["intermediate_size"] if Kd else 0)
+    return ModelConfig(**m)
 
 
 def _model_type(cfg: ModelConfig, model_type: str) -> str:
@@ -1473,12 +1451,9 @@ def _model_type(cfg: ModelConfig, model_type: str) -> str:
     if mt not in HF_ARCHITECTURES:
         raise hf.HFError(f"model_type {mt!r}: choose one of {', '.join(HF_ARCHITECTURES)}.")
     kind = "deepseek_v3" if mt == "kimi_k2" else mt
-    gpt, ds = (cfg.attn_sinks, cfg.moe_bias, bool(cfg.swiglu_limit)), cfg.sigmoid_routing
-    if (kind != fam or gpt != ((kind == "gpt_oss"),) * 3 or ds != (kind == "deepseek_v3") or
-            kind in ("mixtral", "gpt_oss") and not cfg.norm_topk or kind != "gpt_oss" and (
-                cfg.attn_bias or cfg.sliding_window) or kind != "deepseek_v3" and (
-                cfg.n_shared_experts or cfg.first_k_dense) or kind in ("mixtral", "qwen3_moe")
-            and cfg.yarn_factor):
+    if (kind != fam or any(bool(getattr(cfg, k)) != (kind == f) for k, f in _HF_OWN.items()) or
+            any(getattr(cfg, k) and kind not in fs for k, fs in _HF_ONLY.items()) or
+            kind in ("mixtral", "gpt_oss") and not cfg.norm_topk):
         raise hf.HFError(f"model_type {mt!r} does not fit this model: q/k norms are qwen3_moe's; "
                          "mixtral and gpt_oss always renormalise the top-k weights; sinks, "
                          "biases, windows and the clamp are gpt_oss's (and all of its); MLA, "
@@ -1490,6 +1465,7 @@ def _model_type(cfg: ModelConfig, model_type: str) -> str:
 def config_to_hf(cfg: ModelConfig, model_type: str = "", dtype: str = "float32") -> dict:
     """A config.json for `cfg` that transformers 4.4x and 5.x both read."""
     mt = _model_type(cfg, model_type)
+    fam = "deepseek_v3" if mt in HF_DEEPSEEK else mt
     rope = dict(rope_type="default", rope_theta=cfg.rope_theta)
     if cfg.yarn_factor:
         rope |= dict(rope_type="yarn", factor=cfg.yarn_factor, beta_fast=cfg.yarn_beta_fast,
@@ -1498,39 +1474,23 @@ def config_to_hf(cfg: ModelConfig, model_type: str = "", dtype: str = "float32")
                      **({} if cfg.yarn_truncate else {"truncate": False}), **(dict(
                          mscale=cfg.yarn_mscale_all_dim, mscale_all_dim=cfg.yarn_mscale_all_dim)
                          if cfg.kv_lora_rank else {}))
-    c = dict(architectures=[HF_ARCHITECTURES[mt]], model_type=mt, vocab_size=cfg.vocab_size,
-             hidden_size=cfg.d_model, num_hidden_layers=cfg.n_layers,
-             num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_kv_heads,
-             head_dim=cfg.head_dim, hidden_act="silu", max_position_embeddings=cfg.max_seq_len,
-             rms_norm_eps=cfg.norm_eps, tie_word_embeddings=cfg.tie_embeddings,
-             rope_parameters=rope, rope_theta=cfg.rope_theta, rope_scaling=rope if
-             cfg.yarn_factor else None, sliding_window=None, num_experts_per_tok=cfg.top_k,
-             num_local_experts=cfg.n_experts, attention_dropout=0.0, initializer_range=0.02,
-             use_cache=True, dtype=dtype, torch_dtype=dtype)
-    if mt == "mixtral":
-        c |= dict(intermediate_size=cfg.d_ff, router_jitter_noise=0.0)
+    c = dict(architectures=[HF_ARCHITECTURES[mt]], model_type=mt) | {
+        k: getattr(cfg, f) for k, f in (_HF_FIELDS | _HF_FAMILY_FIELDS[fam]).items()} | dict(
+        hidden_act="silu", rope_parameters=rope, rope_theta=cfg.rope_theta,
+        rope_scaling=rope if cfg.yarn_factor else None, sliding_window=None,
+        attention_dropout=0.0, initializer_range=0.02, use_cache=True, dtype=dtype,
+        torch_dtype=dtype) | _HF_CONSTANTS[fam]
+    if mt == "qwen3_moe":  # intermediate_size is the width of dense layers, which it has none of
+        c["intermediate_size"] = cfg.d_ff
     elif mt == "gpt_oss":
         L, W = cfg.n_layers, cfg.sliding_window
-        c |= dict(intermediate_size=cfg.d_ff, attention_bias=cfg.attn_bias, sliding_window=W or
-                  None, swiglu_limit=cfg.swiglu_limit, swiglu_alpha=SWIGLU_ALPHA, layer_types=[
-                      "sliding_attention" if W and (i + 1) % (cfg.global_every or L + 1) else
-                      "full_attention" for i in range(L)])
-    elif mt in HF_DEEPSEEK:  # transformers' head_dim is the rotated part's
-        c |= dict(n_routed_experts=c.pop("num_local_experts"), head_dim=cfg.qk_rope_head_dim,
-                  moe_intermediate_size=cfg.d_ff, intermediate_size=cfg.dense_d_ff or cfg.d_ff,
-                  n_shared_experts=cfg.n_shared_experts, first_k_dense_replace=cfg.first_k_dense,
-                  kv_lora_rank=cfg.kv_lora_rank, q_lora_rank=cfg.q_lora_rank or None,
-                  qk_nope_head_dim=cfg.qk_nope_head_dim, qk_rope_head_dim=cfg.qk_rope_head_dim,
-                  v_head_dim=cfg.v_head_dim, rope_interleave=cfg.rope_interleave,
-                  routed_scaling_factor=cfg.routed_scale or 1.0, n_group=cfg.n_group or 1,
-                  topk_group=cfg.topk_group or 1, norm_topk_prob=cfg.norm_topk,
-                  scoring_func="sigmoid", topk_method="noaux_tc", attention_bias=False,
-                  num_nextn_predict_layers=0, seq_aux=cfg.seq_aux)
-    else:  # intermediate_size is the width of dense layers, which this model has none of
-        c |= dict(num_experts=cfg.n_experts, moe_intermediate_size=cfg.d_ff,
-                  intermediate_size=cfg.d_ff, norm_topk_prob=cfg.norm_topk,
-                  decoder_sparse_step=1, mlp_only_layers=[], use_sliding_window=False,
-                  attention_bias=False)
+        c |= dict(sliding_window=W or None, layer_types=[
+            "sliding_attention" if W and (i + 1) % (cfg.global_every or L + 1) else
+            "full_attention" for i in range(L)])
+    elif fam == "deepseek_v3":  # transformers' head_dim is the rotated part's
+        c |= dict(head_dim=cfg.qk_rope_head_dim, intermediate_size=cfg.dense_d_ff or cfg.d_ff,
+                  q_lora_rank=cfg.q_lora_rank or None, n_group=cfg.n_group or 1,
+                  topk_group=cfg.topk_group or 1, routed_scaling_factor=cfg.routed_scale or 1.0)
     return c
 
 

@@ -72,7 +72,7 @@ def naive_moe(h_BTD, lp, cfg):
         p_E = jax.nn.softmax(x_D @ lp["w_router"])
         chosen = jnp.argsort(-p_E)[:cfg.top_k]
         w = p_E[chosen] / (p_E[chosen].sum() if cfg.norm_topk else 1.0)
-        return sum(w[j] * tm.swiglu(x_D, lp["w_gate"][e], lp["w_up"][e], lp["w_down"][e])
+        return sum(w[j] * tm.swiglu(x_D, {k: lp[k][e] for k in ("w_gate", "w_up", "w_down")})
                    for j, e in enumerate(chosen))
     B, T, D = h_BTD.shape
     return jax.vmap(one_token)(h_BTD.reshape(B * T, D)).reshape(B, T, D)
@@ -241,10 +241,9 @@ def test_capacity_mode_drops_second_choices_first():
     x = np.random.default_rng(5).standard_normal((1, 8, m.d_model), np.float32)
     e = np.array([[1, 0]] * 4 + [[0, 1]] * 4, np.int32)[None]
     g = np.array([[0.75, 0.25]] * 8, np.float32)[None]
-    y, dropped = jax.jit(partial(tm.experts, cfg=m))(x, e, g, lp["w_gate"], lp["w_up"],
-                                                      lp["w_down"])
-    f = lambda t, ex: np.asarray(tm.swiglu(x[0, t], lp["w_gate"][ex], lp["w_up"][ex],
-                                           lp["w_down"][ex]))
+    w = {k: lp[k] for k in ("w_gate", "w_up", "w_down")}
+    y, dropped = jax.jit(partial(tm.experts, cfg=m))(x, e, g, w)
+    f = lambda t, ex: np.asarray(tm.swiglu(x[0, t], {k: a[ex] for k, a in w.items()}))
     want = np.zeros((8, m.d_model), np.float32)
     want[0], want[1] = 0.75 * f(0, 1), 0.75 * f(1, 1)
     want[4], want[5] = 0.75 * f(4, 0), 0.75 * f(5, 0)
