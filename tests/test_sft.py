@@ -87,12 +87,12 @@ def test_packed_rows_equal_examples_run_one_by_one(attention):
     want = np.concatenate([ce[ex.trained[1:]] for ce, ex in zip(ces, examples)]).mean()
     for impl in ("fused", "remat"):
         got = jax.jit(partial(td.loss_fn, cfg=dataclasses.replace(model, loss_impl=impl)))(
-            params, batch)[1]
+            params, batch)[1]["ce"]
         assert float(got) == pytest.approx(want, rel=1e-5)
     # Per example: the mean over examples of each one's own mean.
     by_example = as_batch(D.pack_examples(examples, 16, loss_average="example"))
     want = np.mean([ce[ex.trained[1:]].mean() for ce, ex in zip(ces, examples)])
-    got = jax.jit(partial(td.loss_fn, cfg=model))(params, by_example)[1]
+    got = jax.jit(partial(td.loss_fn, cfg=model))(params, by_example)[1]["ce"]
     assert float(got) == pytest.approx(want, rel=1e-5)
 
 
@@ -197,7 +197,7 @@ def test_prompt_targets_do_not_change_the_loss_and_answer_targets_do(tokenizer, 
         tmp_path / "m.jsonl", [CHAT, {"prompt": "def f(x):", "completion": " return x"}])), sp)
     packed = D.pack_examples(examples, 64)
     batch = as_batch(packed)
-    loss = jax.jit(lambda b: td.loss_fn(params, b, model)[1])
+    loss = jax.jit(lambda b: td.loss_fn(params, b, model)[1]["ce"])
     base = float(loss(batch))
     w = packed.weights
     prompt_at = tuple(np.argwhere((w == 0) & (packed.segment_ids > 0))[3])
