@@ -9,8 +9,9 @@
 Sections, in reading order: 1 config and presets, 2 parameters and their shardings, 3 model,
 4 loss and train step, 5 main and the training loop, 6 HuggingFace in and out. What no model
 changes (jitting with donation, state, MFU, dry-run and bench reports, the loop's logging,
-evals and checkpoints, the command line) is written once in common/train.py. Lines marked
-"SFT:" serve supervised fine-tuning only (--data.format sft); a pre-training fork deletes them.
+evals and checkpoints, the command line) is written once in common/train.py. A line ending in
+"# SFT" (with the lines its brackets and block hold) serves supervised fine-tuning only
+(--data.format sft): a pre-training fork deletes them, as tests/test_sft.py does.
 Shapes are suffixed on tensor names: B batch, T sequence, S key sequence, D model width,
 N query heads, K key/value heads, H head width, F MLP width, V vocabulary, L layers.
 """
@@ -32,7 +33,8 @@ from common import hf, train
 from common.attention import attend, check_kernel, choose
 from common.config import how, knob, resumable
 from common.checkpoint import CheckpointConfig, read_run_config
-from common.data import DataConfig, SFTDataset, get_batch, held_out_batches, load_dataset
+from common.data import DataConfig, get_batch, load_dataset
+from common.data import SFTDataset, held_out_batches  # SFT
 from common.data import run_tokenizer as data_run_tokenizer
 from common.mesh import BATCH_AXES, MeshConfig, describe, make_mesh, resolve
 from common.train import ConfigError, log, named
@@ -110,7 +112,7 @@ class TrainConfig:
     sample_tokens: int = resumable(96, ">= 0")  # printed at the end; 0 = no sample
     temperature: float = resumable(0.7, ">= 0")  # of that sample; 0 = greedy
     sample_prompt: str = resumable("def")  # no trailing space: it would tokenize as a lone "▁"
-    eval_samples: int = resumable(32, ">= 0")  # SFT: held-out prompts answered at each eval
+    eval_samples: int = resumable(32, ">= 0")  # held-out prompts answered per eval  # SFT
     peak_tflops: float = resumable(0.0)  # per device, for MFU; 0 = look up or measure
     profile_steps: tuple[int, ...] = resumable(())  # first, last step traced to <run_dir>/profile
     max_bad_steps: int = resumable(0)  # non-finite updates to skip; then stop
@@ -514,8 +516,8 @@ def split_batch(batch):
     prompts and padding, and packed rows carry segment ids and per-example positions.
     """
     if isinstance(batch, dict):  # SFT
-        return (batch["inputs"], batch["targets"], batch["weights"],  # SFT
-                batch.get("segment_ids"), batch.get("positions"))  # SFT
+        return (batch["inputs"], batch["targets"], batch["weights"], batch.get("segment_ids"),
+                batch.get("positions"))
     return batch[:, :-1], batch[:, 1:], None, None, None
 
 
@@ -523,7 +525,7 @@ def loss_weight(batch):
     """What the summed loss is divided by: the batch's total target weight (its number of
     trained tokens, or of examples under --data.loss-average example; B*T in pre-training)."""
     if isinstance(batch, dict):  # SFT
-        return jnp.sum(batch["weights"])  # SFT
+        return jnp.sum(batch["weights"])
     return batch.shape[0] * (batch.shape[1] - 1)
 
 
