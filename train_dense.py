@@ -861,6 +861,9 @@ HF_KEYS = {"vocab_size": "vocab_size", "hidden_size": "d_model", "intermediate_s
            "tie_word_embeddings": "tie_embeddings"}
 GEMMA_KEYS = {"sliding_window": "sliding_window", "attn_logit_softcapping": "attn_softcap",
               "final_logit_softcapping": "final_softcap", "query_pre_attn_scalar": "query_scale"}
+LLAMA3_ROPE = {"factor": "rope_scaling", "low_freq_factor": "rope_low_freq_factor",
+               "high_freq_factor": "rope_high_freq_factor",
+               "original_max_position_embeddings": "rope_original_max_len"}
 # The knobs a family implies (config.json does not spell them); the others are off.
 _GEMMA_KNOBS = dict(norm_plus_one=True, sandwich_norm=True, embed_scale=True, gelu=True)
 HF_KNOBS = {"llama": {}, "mistral": {}, "qwen2": dict(qkv_bias=True), "qwen3": dict(qk_norm=True),
@@ -942,7 +945,9 @@ def config_from_hf(c: dict, where: str = "config.json") -> ModelConfig:
     if c.get("use_bidirectional_attention"):
         raise unsupported("use_bidirectional_attention (an encoder, not a causal decoder)")
     keys = HF_KEYS | (GEMMA_KEYS if gemma else {})
-    f = {k: type(getattr(ModelConfig, k))(c[key]) for key, k in keys.items() if c.get(key)}
+    typed = lambda d, keys: {k: type(getattr(ModelConfig, k))(d[key]) for key, k in keys.items()
+                             if d.get(key)}
+    f = typed(c, keys)
     f = dict(n_kv_heads=f["n_heads"], head_dim=f["d_model"] // f["n_heads"]) | f | HF_KNOBS[mt]
     rope = c.get("rope_parameters") or {}
     if mt == "gemma3_text":  # global and local RoPE: per layer type (transformers 5), or 4.x keys
@@ -957,11 +962,8 @@ def config_from_hf(c: dict, where: str = "config.json") -> ModelConfig:
     if kind == "llama3":
         if lacking := {"factor", "low_freq_factor", "high_freq_factor"} - set(rope):
             raise hf.HFError(f"{where}: rope type 'llama3' without {', '.join(sorted(lacking))}.")
-        f |= dict(rope_scaling=float(rope["factor"]),
-                  rope_low_freq_factor=float(rope["low_freq_factor"]),
-                  rope_high_freq_factor=float(rope["high_freq_factor"]),
-                  rope_original_max_len=int(rope.get("original_max_position_embeddings",
-                                                     c["max_position_embeddings"])))
+        f |= typed({"original_max_position_embeddings": c["max_position_embeddings"]} | rope,
+                   LLAMA3_ROPE)
     elif kind == "linear" and "factor" in rope and mt != "gemma2":  # Gemma 2's would go local too
         f["rope_linear"] = float(rope["factor"])
     elif kind != "default":
@@ -1009,10 +1011,8 @@ def config_to_hf(cfg: ModelConfig, model_type: str = "", dtype: str = "float32")
     if cfg.rope_linear:
         rope |= {"rope_type": "linear", "factor": cfg.rope_linear}
     if cfg.rope_scaling > 0:
-        rope = {"rope_type": "llama3", "rope_theta": cfg.rope_theta, "factor": cfg.rope_scaling,
-                "low_freq_factor": cfg.rope_low_freq_factor,
-                "high_freq_factor": cfg.rope_high_freq_factor,
-                "original_max_position_embeddings": cfg.rope_original_max_len}
+        rope = {"rope_type": "llama3", "rope_theta": cfg.rope_theta} | {
+            key: getattr(cfg, k) for key, k in LLAMA3_ROPE.items()}
     L = cfg.n_layers
     c = dict(architectures=[HF_ARCHITECTURES[mt]], model_type=mt, hidden_act="silu",
              **{key: getattr(cfg, k) for key, k in HF_KEYS.items()},
