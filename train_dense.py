@@ -9,9 +9,8 @@
 Sections, in reading order: 1 config and presets, 2 parameters and their shardings, 3 model,
 4 loss and train step, 5 main and the training loop, 6 HuggingFace in and out. What no model
 changes (jitting with donation, state, MFU, dry-run and bench reports, the loop's logging,
-evals and checkpoints, the command line) is written once in common/train.py. A line ending in
-"# SFT" (with the lines its brackets and block hold) serves supervised fine-tuning only
-(--data.format sft): a pre-training fork deletes them, as tests/test_sft.py does.
+evals and checkpoints, the command line) is written once in common/train.py. Lines ending in
+"# SFT" (with their brackets and blocks) serve fine-tuning only: a pre-training fork deletes them.
 Shapes are suffixed on tensor names: B batch, T sequence, S key sequence, D model width,
 N query heads, K key/value heads, H head width, F MLP width, V vocabulary, L layers.
 """
@@ -832,10 +831,9 @@ def init_data_config(cfg: Config) -> DataConfig:
 # 6. HuggingFace in and out
 # ----------------------------------------------------------------------------------------------
 
-# HuggingFace rotates the two halves of each head, as `apply_rope` does, so its q_proj and
-# k_proj load as they are. (Meta's original Llama code rotates interleaved pairs; HF permuted
-# the rows of those weights once, at conversion, so every HF checkpoint is in the halves
-# layout. A checkpoint in Meta's own format would need that permutation; we read HF only.)
+# HuggingFace rotates the two halves of each head, as `apply_rope` does, so its q_proj, k_proj
+# load as they are. (Meta's Llama code rotates interleaved pairs; HF permuted those weights' rows
+# once, at conversion, so every HF checkpoint is in the halves layout; we read HF only.)
 HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                     "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                     "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
@@ -854,11 +852,10 @@ _HF_DEFAULTS = {mt: dict(rms_norm_eps=1e-6) | d for mt, d in {
                                     rope_theta=1_000_000.0, rope_local_base_freq=10_000.0),
 }.items()}
 # config.json keys that are our fields as they stand (Gemma's: only in Gemma's files).
-HF_KEYS = {"vocab_size": "vocab_size", "hidden_size": "d_model", "intermediate_size": "d_ff",
-           "num_hidden_layers": "n_layers", "num_attention_heads": "n_heads",
-           "num_key_value_heads": "n_kv_heads", "head_dim": "head_dim",
-           "max_position_embeddings": "max_seq_len", "rms_norm_eps": "norm_eps",
-           "tie_word_embeddings": "tie_embeddings"}
+HF_KEYS = {"vocab_size": "vocab_size", "hidden_size": "d_model", "head_dim": "head_dim",
+           "intermediate_size": "d_ff", "num_hidden_layers": "n_layers", "rms_norm_eps": "norm_eps",
+           "num_attention_heads": "n_heads", "num_key_value_heads": "n_kv_heads",
+           "max_position_embeddings": "max_seq_len", "tie_word_embeddings": "tie_embeddings"}
 GEMMA_KEYS = {"sliding_window": "sliding_window", "attn_logit_softcapping": "attn_softcap",
               "final_logit_softcapping": "final_softcap", "query_pre_attn_scalar": "query_scale"}
 LLAMA3_ROPE = {"factor": "rope_scaling", "low_freq_factor": "rope_low_freq_factor",
@@ -876,10 +873,9 @@ HF_CONSTANTS = {"llama": dict(attention_bias=False, mlp_bias=False, pretraining_
                 "qwen2": dict(use_sliding_window=False, sliding_window=None),
                 "qwen3": dict(use_sliding_window=False, sliding_window=None, attention_bias=False),
                 "gemma2": _GELU_TANH, "gemma3_text": _GELU_TANH}
-# Our parameters as HuggingFace tensors (name, layout: see common/hf.py). HF's nn.Linear keeps
-# [out, in]; ours are [in, out] with the heads split out, so every projection is a transpose
-# plus a reshape, and per-layer tensors stack on l. Atoms: l layers, d model, n query heads,
-# k key/value heads, h head width, f MLP, v vocabulary.
+# Our parameters as HuggingFace tensors (name, layout: common/hf.py). HF's nn.Linear keeps
+# [out, in], ours [in, out] with the heads split out: a transpose and a reshape, stacked on l.
+# Atoms: l layers, d model, n query heads, k key/value heads, h head width, f MLP, v vocabulary.
 HF_NAMES = {
     "embed": ("model.embed_tokens.weight", "v d -> v d"),
     "unembed": ("lm_head.weight", "v d -> d v"), "final_norm": ("model.norm.weight", "d -> d"),
@@ -925,11 +921,8 @@ def config_from_hf(c: dict, where: str = "config.json") -> ModelConfig:
                          f"({', '.join(HF_ARCHITECTURES)}); mixture-of-experts models (mixtral, "
                          "qwen3_moe) belong to train_moe.py.")
     c = _HF_DEFAULTS[mt] | c
-
-    def unsupported(what: str):
-        return hf.HFError(f"{where}: {what} is not implemented here, so this {mt} model "
-                          "cannot be loaded faithfully.")
-
+    unsupported = lambda what: hf.HFError(f"{where}: {what} is not implemented here, so this "
+                                          f"{mt} model cannot be loaded faithfully.")
     if lacking := [k for k in ("vocab_size", "hidden_size", "intermediate_size",
                                "num_hidden_layers", "num_attention_heads") if k not in c]:
         raise hf.HFError(f"{where} has no {lacking[0]!r}; it is not a complete {mt} config.")
