@@ -937,10 +937,10 @@ def config_from_hf(c: dict, where: str = "config.json") -> ModelConfig:
         raise unsupported(f"partial_rotary_factor {c['partial_rotary_factor']}")
     if c.get("use_bidirectional_attention"):
         raise unsupported("use_bidirectional_attention (an encoder, not a causal decoder)")
-    keys = HF_KEYS | (GEMMA_KEYS if gemma else {})
+    # Each value in its field's type (HF writes 256 for a float); absent, null or 0: the default.
     typed = lambda d, keys: {k: type(getattr(ModelConfig, k))(d[key]) for key, k in keys.items()
                              if d.get(key)}
-    f = typed(c, keys)
+    f = typed(c, HF_KEYS | (GEMMA_KEYS if gemma else {}))
     f = dict(n_kv_heads=f["n_heads"], head_dim=f["d_model"] // f["n_heads"]) | f | HF_KNOBS[mt]
     rope = c.get("rope_parameters") or {}
     if mt == "gemma3_text":  # global and local RoPE: per layer type (transformers 5), or 4.x keys
