@@ -9,8 +9,8 @@
 Sections, in reading order: 1 config and presets, 2 parameters and their shardings, 3 model,
 4 loss and train step, 5 main and the training loop, 6 HuggingFace in and out. What no model
 changes (jitting with donation, state, MFU, dry-run and bench reports, the loop's logging,
-evals and checkpoints, the command line) is written once in common/train.py. Lines marked
-"SFT:" serve supervised fine-tuning only (--data.format sft); a pre-training fork deletes them.
+evals and checkpoints, the command line) is written once in common/train.py. Lines ending in
+"# SFT" (with their brackets and blocks) serve fine-tuning only: a pre-training fork deletes them.
 Shapes are suffixed on tensor names: B batch, T sequence, S key sequence, D model width,
 N query heads, K key/value heads, H head width, F MLP width, V vocabulary, L layers.
 """
@@ -32,7 +32,8 @@ from common import hf, train
 from common.attention import attend, check_kernel, choose
 from common.config import how, knob, resumable
 from common.checkpoint import CheckpointConfig, read_run_config
-from common.data import DataConfig, SFTDataset, get_batch, held_out_batches, load_dataset
+from common.data import DataConfig, get_batch, load_dataset
+from common.data import SFTDataset, held_out_batches  # SFT
 from common.data import run_tokenizer as data_run_tokenizer
 from common.mesh import BATCH_AXES, MeshConfig, describe, make_mesh, resolve
 from common.train import ConfigError, log, named
@@ -110,7 +111,7 @@ class TrainConfig:
     sample_tokens: int = resumable(96, ">= 0")  # printed at the end; 0 = no sample
     temperature: float = resumable(0.7, ">= 0")  # of that sample; 0 = greedy
     sample_prompt: str = resumable("def")  # no trailing space: it would tokenize as a lone "▁"
-    eval_samples: int = resumable(32, ">= 0")  # SFT: held-out prompts answered at each eval
+    eval_samples: int = resumable(32, ">= 0")  # held-out prompts answered per eval  # SFT
     peak_tflops: float = resumable(0.0)  # per device, for MFU; 0 = look up or measure
     profile_steps: tuple[int, ...] = resumable(())  # first, last step traced to <run_dir>/profile
     max_bad_steps: int = resumable(0)  # non-finite updates to skip; then stop
@@ -133,34 +134,52 @@ class Config:
     init_from_hf: str = ""        # HuggingFace folder: start from its weights and config.json
 
 
-def _big(model: ModelConfig, run: str, seq_len: int = 4096) -> Config:
-    return Config(model=dataclasses.replace(model, dtype="bfloat16"),
-                  train=TrainConfig(steps=100_000, batch_size=256, seq_len=seq_len, lr=3e-4,
-                                    warmup_steps=2000, log_every=10, eval_every=1000,
-                                    sample_tokens=0),
-                  checkpoint=CheckpointConfig(every=1000), run_dir=f"runs/{run}")
-
-
-_LLAMA2_7B = ModelConfig(vocab_size=32000, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=32,
-                         head_dim=128, d_ff=11008, max_seq_len=4096, norm_eps=1e-5)
-_LLAMA31_8B = ModelConfig(vocab_size=128256, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8,
-                          head_dim=128, d_ff=14336, max_seq_len=131072, rope_theta=500_000.0,
-                          rope_scaling=8.0, norm_eps=1e-5)
-_QWEN3 = dict(vocab_size=151936, head_dim=128, n_kv_heads=8, max_seq_len=40960,
-              rope_theta=1_000_000.0, norm_eps=1e-6, qk_norm=True)
-# Gemma: (1 + w) norms before and after attention and MLP, GeGLU, tied embeddings scaled by
-# sqrt(d); local layers (a sliding window) between the global ones.
+# A preset at scale: its family's fields (and training length), then its shape and changes.
 _GEMMA = dict(head_dim=256, norm_eps=1e-6, tie_embeddings=True, norm_plus_one=True,
               sandwich_norm=True, embed_scale=True, gelu=True, query_scale=256.0)
-_GEMMA2 = dict(vocab_size=256000, max_seq_len=8192, sliding_window=4096, global_every=2,
-               attn_softcap=50.0, final_softcap=30.0, **_GEMMA)
-_GEMMA3 = dict(vocab_size=262208, max_seq_len=131072, sliding_window=1024, global_every=6,
-               rope_theta=1_000_000.0, rope_local_theta=10_000.0, rope_linear=8.0, qk_norm=True,
-               **_GEMMA)
+FAMILIES = {  # Gemma: (1 + w) and sandwich norms, GeGLU, tied embeddings scaled by sqrt(d)
+    "llama2": (4096, dict(vocab_size=32000, max_seq_len=4096)),
+    "llama3": (4096, dict(vocab_size=128256, max_seq_len=131072, rope_theta=5e5, rope_scaling=8.0)),
+    "mistral": (4096, dict(vocab_size=32768, max_seq_len=32768, rope_theta=1e6)),
+    "qwen3": (4096, dict(vocab_size=151936, max_seq_len=40960, rope_theta=1e6, norm_eps=1e-6,
+                         qk_norm=True)),
+    "gemma2": (8192, _GEMMA | dict(vocab_size=256000, max_seq_len=8192, sliding_window=4096,
+                                   global_every=2, attn_softcap=50.0, final_softcap=30.0)),
+    "gemma3": (4096, _GEMMA | dict(vocab_size=262208, max_seq_len=131072, sliding_window=1024,
+                                   global_every=6, rope_theta=1e6, rope_local_theta=1e4,
+                                   rope_linear=8.0, qk_norm=True)),
+}
+SHAPE = ("d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff")
+SIZES = {  # name: (description, family, shape, other fields)
+    "llama2-7b": ("Llama 2 7B", "llama2", (4096, 32, 32, 32, 128, 11008)),
+    "llama3.1-8b": ("Llama 3.1 8B (rope scaling 8x)", "llama3", (4096, 32, 32, 8, 128, 14336)),
+    "llama3.2-1b": ("Llama 3.2 1B (tied embeddings, rope scaling 32x)", "llama3",
+                    (2048, 16, 32, 8, 64, 8192), dict(tie_embeddings=True, rope_scaling=32.0)),
+    "llama3.1-70b": ("Llama 3.1 70B", "llama3", (8192, 80, 64, 8, 128, 28672)),
+    "mistral-7b": ("Mistral 7B v0.3 (vocab 32768)", "mistral", (4096, 32, 32, 8, 128, 14336)),
+    "qwen3-0.6b": ("Qwen3 0.6B (tied embeddings, q/k norm)", "qwen3",
+                   (1024, 28, 16, 8, 128, 3072), dict(tie_embeddings=True)),
+    "qwen3-8b": ("Qwen3 8B (q/k norm)", "qwen3", (4096, 36, 32, 8, 128, 12288)),
+    "gemma2-2b": ("Gemma 2 2B", "gemma2", (2304, 26, 8, 4, 256, 9216)),
+    "gemma2-9b": ("Gemma 2 9B", "gemma2", (3584, 42, 16, 8, 256, 14336)),
+    "gemma2-27b": ("Gemma 2 27B", "gemma2", (4608, 46, 32, 16, 128, 36864),
+                   dict(query_scale=144.0)),
+    "gemma3-1b": ("Gemma 3 1B (text)", "gemma3", (1152, 26, 4, 1, 256, 6912), dict(
+        vocab_size=262144, max_seq_len=32768, sliding_window=512, rope_linear=0.0)),
+    "gemma3-4b": ("Gemma 3 4B, its text model", "gemma3", (2560, 34, 8, 4, 256, 10240)),
+    "gemma3-12b": ("Gemma 3 12B, its text model", "gemma3", (3840, 48, 16, 8, 256, 15360)),
+    "gemma3-27b": ("Gemma 3 27B, its text model", "gemma3", (5376, 62, 32, 16, 128, 21504),
+                   dict(query_scale=168.0)),
+}
 
 
-def _gemma(run: str, family: dict, seq_len: int, **shape) -> Config:
-    return _big(ModelConfig(**family | shape), run, seq_len)
+def _big(name: str, family: str, shape: tuple, fields=()) -> Config:
+    seq_len, base = FAMILIES[family]
+    return Config(model=ModelConfig(**base | dict(zip(SHAPE, shape)) | dict(fields),
+                                    dtype="bfloat16"),
+                  train=TrainConfig(steps=100_000, batch_size=256, seq_len=seq_len, lr=3e-4,
+                                    warmup_steps=2000, eval_every=1000, sample_tokens=0),
+                  checkpoint=CheckpointConfig(every=1000), run_dir=f"runs/{name}")
 
 
 PRESETS: dict[str, tuple[str, Config]] = {
@@ -171,107 +190,29 @@ PRESETS: dict[str, tuple[str, Config]] = {
                                               n_heads=4, n_kv_heads=4, head_dim=64, d_ff=1024),
                             train=TrainConfig(batch_size=8, seq_len=256),
                             run_dir="runs/bench-parity")),
-    "llama2-7b": ("Llama 2 7B", _big(_LLAMA2_7B, "llama2-7b")),
-    "llama3.1-8b": ("Llama 3.1 8B (rope scaling 8x)", _big(_LLAMA31_8B, "llama3.1-8b")),
-    "llama3.2-1b": ("Llama 3.2 1B (tied embeddings, rope scaling 32x)", _big(dataclasses.replace(
-        _LLAMA31_8B, d_model=2048, n_layers=16, head_dim=64, d_ff=8192, tie_embeddings=True,
-        rope_scaling=32.0), "llama3.2-1b")),
-    "llama3.1-70b": ("Llama 3.1 70B", _big(dataclasses.replace(
-        _LLAMA31_8B, d_model=8192, n_layers=80, n_heads=64, d_ff=28672), "llama3.1-70b")),
-    "mistral-7b": ("Mistral 7B v0.3 (vocab 32768)", _big(ModelConfig(
-        vocab_size=32768, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8, head_dim=128,
-        d_ff=14336, max_seq_len=32768, rope_theta=1_000_000.0, norm_eps=1e-5), "mistral-7b")),
-    "qwen3-0.6b": ("Qwen3 0.6B (tied embeddings, q/k norm)", _big(ModelConfig(
-        d_model=1024, n_layers=28, n_heads=16, d_ff=3072, tie_embeddings=True, **_QWEN3),
-        "qwen3-0.6b")),
-    "qwen3-8b": ("Qwen3 8B (q/k norm)", _big(ModelConfig(
-        d_model=4096, n_layers=36, n_heads=32, d_ff=12288, **_QWEN3), "qwen3-8b")),
-    "gemma2-2b": ("Gemma 2 2B", _gemma("gemma2-2b", _GEMMA2, 8192, d_model=2304, n_layers=26,
-                                       n_heads=8, n_kv_heads=4, d_ff=9216)),
-    "gemma2-9b": ("Gemma 2 9B", _gemma("gemma2-9b", _GEMMA2, 8192, d_model=3584, n_layers=42,
-                                       n_heads=16, n_kv_heads=8, d_ff=14336)),
-    "gemma2-27b": ("Gemma 2 27B", _gemma("gemma2-27b", _GEMMA2, 8192, d_model=4608,
-                                         n_layers=46, n_heads=32, n_kv_heads=16, head_dim=128,
-                                         d_ff=36864, query_scale=144.0)),
-    "gemma3-1b": ("Gemma 3 1B (text)", _gemma("gemma3-1b", _GEMMA3, 4096, vocab_size=262144,
-                                              d_model=1152, n_layers=26, n_heads=4,
-                                              n_kv_heads=1, d_ff=6912, max_seq_len=32768,
-                                              sliding_window=512, rope_linear=0.0)),
-    "gemma3-4b": ("Gemma 3 4B, its text model", _gemma(
-        "gemma3-4b", _GEMMA3, 4096, d_model=2560, n_layers=34, n_heads=8, n_kv_heads=4,
-        d_ff=10240)),
-    "gemma3-12b": ("Gemma 3 12B, its text model", _gemma(
-        "gemma3-12b", _GEMMA3, 4096, d_model=3840, n_layers=48, n_heads=16, n_kv_heads=8,
-        d_ff=15360)),
-    "gemma3-27b": ("Gemma 3 27B, its text model", _gemma(
-        "gemma3-27b", _GEMMA3, 4096, d_model=5376, n_layers=62, n_heads=32, n_kv_heads=16,
-        head_dim=128, d_ff=21504, query_scale=168.0)),
+    **{name: (about, _big(name, *rest)) for name, (about, *rest) in SIZES.items()},
     # `tiny` with Gemma 2's knobs; its window (128) is half the training sequence.
     "tiny-gemma": ("`tiny` as Gemma 2: local/global layers, soft-caps, sandwich norms, GeGLU",
-                   Config(model=ModelConfig(**_GEMMA2 | dict(
+                   Config(model=ModelConfig(**FAMILIES["gemma2"][1] | dict(
                        vocab_size=4096, head_dim=64, query_scale=0.0, max_seq_len=2048,
                        sliding_window=128)), run_dir="runs/tiny-gemma")),
     # `make sft`: tools/sft_demo.py writes the data; the model is the `make train` run's.
-    "tiny-sft": ("fine-tune runs/tiny on the generated instruction set: the `make sft` demo",
-                 Config(train=TrainConfig(steps=150, batch_size=16, seq_len=128, lr=2e-3,
-                                          warmup_steps=10, eval_every=50, sample_tokens=32,
-                                          temperature=0.0, log_every=10),
-                        data=DataConfig(format="sft", path="data/sft-demo/train.jsonl"),
-                        checkpoint=CheckpointConfig(every=50), run_dir="runs/tiny-sft",
-                        init_from="runs/tiny")),
+    "tiny-sft": (  # SFT
+        "fine-tune runs/tiny on the generated instruction set: the `make sft` demo",
+        Config(train=TrainConfig(steps=150, seq_len=128, warmup_steps=10, eval_every=50,
+                                 sample_tokens=32, temperature=0.0),
+               data=DataConfig(format="sft", path="data/sft-demo/train.jsonl"),
+               checkpoint=CheckpointConfig(every=50), run_dir="runs/tiny-sft",
+               init_from="runs/tiny")),
     # The HuggingFace flow (`make finetune-hf`): the model, tokenizer and chat template come
     # from --init-from-hf; the learning rate suits a pretrained 0.5-8B model, not the demo.
-    "hf-sft": ("fine-tune --init-from-hf on your chat JSONL (--data.path): `make finetune-hf`",
-               Config(train=TrainConfig(steps=200, batch_size=16, seq_len=1024, lr=2e-5,
-                                        warmup_steps=10, eval_every=50, sample_tokens=64,
-                                        temperature=0.0, log_every=10),
-                      data=DataConfig(format="sft", path="data/chat.jsonl"),
-                      checkpoint=CheckpointConfig(every=100), run_dir="runs/finetune-hf")),
+    "hf-sft": (  # SFT
+        "fine-tune --init-from-hf on your chat JSONL (--data.path): `make finetune-hf`",
+        Config(train=TrainConfig(steps=200, seq_len=1024, lr=2e-5, warmup_steps=10,
+                                 eval_every=50, sample_tokens=64, temperature=0.0),
+               data=DataConfig(format="sft", path="data/chat.jsonl"),
+               checkpoint=CheckpointConfig(every=100), run_dir="runs/finetune-hf")),
 }
-
-
-
-
-
-def validate(cfg: Config, n_devices: int) -> None:
-    """Every check that needs no compilation, so a bad launch fails in a second."""
-    m, t = cfg.model, cfg.train
-    train.check_ranges(cfg)
-    mesh = resolve(cfg.mesh, n_devices, max(1, math.prod(cfg.mesh.dcn())))
-    if mesh.expert * mesh.dcn_expert != 1:
-        raise ConfigError(f"--mesh.expert {mesh.expert}: the dense model has no experts; "
-                          "keep it 1 (use train_moe.py for expert parallelism).")
-    train.check_sizes(mesh, {"tensor": [
-        ("--model.n-heads", m.n_heads), ("--model.n-kv-heads", m.n_kv_heads),
-        ("--model.d-ff", m.d_ff), ("--model.vocab-size", m.vocab_size)],
-        "fsdp": [("--model.d-model", m.d_model)]})
-    if m.n_heads % m.n_kv_heads:
-        raise ConfigError(f"--model.n-heads {m.n_heads} is not a multiple of --model.n-kv-heads "
-                          f"{m.n_kv_heads} (each key/value head serves a whole group).")
-    if m.head_dim % 2:
-        raise ConfigError(f"--model.head-dim {m.head_dim} must be even (RoPE rotates pairs).")
-    train.check_batch(t.batch_size, t.microbatches, mesh)
-    if t.seq_len > m.max_seq_len:
-        raise ConfigError(f"--train.seq-len {t.seq_len} exceeds the model's maximum "
-                          f"--model.max-seq-len {m.max_seq_len}.")
-    if t.seq_len % min(m.loss_chunk, t.seq_len):
-        raise ConfigError(f"--train.seq-len {t.seq_len} is not a multiple of --model.loss-chunk "
-                          f"{m.loss_chunk}.")
-    train.check_profile(t.profile_steps, t.steps)
-    train.check_qk_clip("--train.qk-clip-threshold", t.qk_clip_threshold, m.qk_norm)
-    if t.qk_clip_threshold and (m.attn_softcap or m.query_scale):
-        raise ConfigError(f"--train.qk-clip-threshold {t.qk_clip_threshold} with Gemma's "
-                          "attention (--model.attn-softcap, --model.query-scale): the soft-cap "
-                          "already bounds the logits. Set --train.qk-clip-threshold 0.")
-    if m.global_every and not m.sliding_window:
-        raise ConfigError(f"--model.global-every {m.global_every} without "
-                          "--model.sliding-window: the layers between the global ones are the "
-                          "windowed ones. Give the window, or --model.global-every 0.")
-    d = cfg.data
-    if d.format == "sft" and d.pack and m.attention == "cudnn":  # SFT
-        raise ConfigError("--model.attention cudnn cannot mask packed SFT rows (JAX's cuDNN "
-                          "path takes causal and length masks only); use --model.attention "
-                          "auto or xla, or --data.no-pack.")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -318,7 +259,6 @@ def _param_table(cfg: ModelConfig) -> dict:
     return table
 
 
-
 def param_specs(cfg: ModelConfig) -> dict:
     return train.table_specs(_param_table(cfg))
 
@@ -333,71 +273,12 @@ def init_params(cfg: ModelConfig, key: jax.Array, mesh=None) -> dict:
     return jax.jit(partial(_init, cfg), out_shardings=out)(key)
 
 
-def count_params(cfg: ModelConfig) -> int:
-    return train.table_count(_param_table(cfg))
-
-
-def train_state(cfg: Config, mesh) -> train.TrainState:
-    """{params, opt_state, step} of this model and optimiser on `mesh` (see common/train.py)."""
-    return train.TrainState(partial(_init, cfg.model), param_specs(cfg.model),
-                            make_optimizer(cfg.train), mesh)
-
-
-
 # ----------------------------------------------------------------------------------------------
 # 3. Model
 # ----------------------------------------------------------------------------------------------
 
 
-def constrain(x, spec: P):
-    """Pin an activation's sharding when a mesh is set (jax.set_mesh); a no-op without one."""
-    if jax.sharding.get_abstract_mesh().empty:
-        return x
-    return jax.lax.with_sharding_constraint(x, spec)
-
-
-ACT_BTD = P(BATCH_AXES, None, None)  # activations between blocks: batch-sharded, d replicated
-# While a batch has fewer tokens than the vocabulary, the loss is vocabulary-parallel: the
-# unembedding split on V over fsdp too and the hidden states gathered over fsdp instead
-# ([B, T, D] is then smaller than [D, V]), so no device holds the whole weight or its float32
-# gradient; the logsumexp and dh add up over the V shards. Larger batches gather the weight.
-VOCAB_DV, LOSS_BTD = P(None, ("tensor", "fsdp")), P("data", None, None)
-
-
-def rms_norm(x, w, eps):
-    # Statistics in float32 whatever the compute dtype: bfloat16 squares lose the small values.
-    x32 = x.astype(jnp.float32)
-    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return (y * w).astype(x.dtype)
-
-
-def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
-    """theta^(-2i/H), with Llama 3.1's rescaling when rope_scaling > 0: wavelengths longer than
-    original_max_len / low_freq_factor are slowed by `factor`, shorter than
-    original_max_len / high_freq_factor kept, and the band between interpolated smoothly."""
-    H = cfg.head_dim
-    inv = 1.0 / cfg.rope_theta ** (np.arange(0, H, 2, dtype=np.float64) / H)
-    if cfg.rope_scaling > 0:
-        wavelen = 2 * np.pi / inv
-        lo = cfg.rope_original_max_len / cfg.rope_low_freq_factor
-        hi = cfg.rope_original_max_len / cfg.rope_high_freq_factor
-        smooth = ((cfg.rope_original_max_len / wavelen - cfg.rope_low_freq_factor)
-                  / (cfg.rope_high_freq_factor - cfg.rope_low_freq_factor))
-        mid = (1 - smooth) * inv / cfg.rope_scaling + smooth * inv
-        inv = np.where(wavelen < hi, inv, np.where(wavelen > lo, inv / cfg.rope_scaling, mid))
-    return inv.astype(np.float32)
-
-
-def apply_rope(x_BTNH, pos_BT, inv_freq):
-    """Rotate the two halves of each head (the HuggingFace layout: its q/k weights load as-is)."""
-    ang_BTh = pos_BT[..., None].astype(jnp.float32) * inv_freq
-    cos, sin = jnp.cos(ang_BTh)[:, :, None, :], jnp.sin(ang_BTh)[:, :, None, :]
-    x1, x2 = jnp.split(x_BTNH.astype(jnp.float32), 2, axis=-1)
-    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    return out.astype(x_BTNH.dtype)
-
-
-def block(x_BTD, lp: dict, pos_BT, inv_freq, cfg: ModelConfig, segment_ids=None,
+def block(x_BTD, lp: dict, cfg: ModelConfig, *, pos_BT, inv_freq, segment_ids=None,
           max_logits: bool = False, is_global=True):
     """One transformer block; returns (x, stats: with max_logits the heads' largest logit).
     With a sliding window, `is_global` (traced: the layers are scanned) picks the layer's
@@ -437,11 +318,54 @@ def block(x_BTD, lp: dict, pos_BT, inv_freq, cfg: ModelConfig, segment_ids=None,
     return constrain(x_BTD, ACT_BTD), stats
 
 
+def constrain(x, spec: P):
+    """Pin an activation's sharding when a mesh is set (jax.set_mesh); a no-op without one."""
+    if jax.sharding.get_abstract_mesh().empty:
+        return x
+    return jax.lax.with_sharding_constraint(x, spec)
+
+
+ACT_BTD = P(BATCH_AXES, None, None)  # activations between blocks: batch-sharded, d replicated
+
+
+def rms_norm(x, w, eps):
+    # Statistics in float32 whatever the compute dtype: bfloat16 squares lose the small values.
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (y * w).astype(x.dtype)
+
+
+def apply_rope(x_BTNH, pos_BT, inv_freq):
+    """Rotate the two halves of each head (the HuggingFace layout: its q/k weights load as-is)."""
+    ang_BTh = pos_BT[..., None].astype(jnp.float32) * inv_freq
+    cos, sin = jnp.cos(ang_BTh)[:, :, None, :], jnp.sin(ang_BTh)[:, :, None, :]
+    x1, x2 = jnp.split(x_BTNH.astype(jnp.float32), 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x_BTNH.dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
+    """theta^(-2i/H), with Llama 3.1's rescaling when rope_scaling > 0: wavelengths longer than
+    original_max_len / low_freq_factor are slowed by `factor`, shorter than
+    original_max_len / high_freq_factor kept, and the band between interpolated smoothly."""
+    H = cfg.head_dim
+    inv = 1.0 / cfg.rope_theta ** (np.arange(0, H, 2, dtype=np.float64) / H)
+    if cfg.rope_scaling > 0:
+        wavelen = 2 * np.pi / inv
+        lo = cfg.rope_original_max_len / cfg.rope_low_freq_factor
+        hi = cfg.rope_original_max_len / cfg.rope_high_freq_factor
+        smooth = ((cfg.rope_original_max_len / wavelen - cfg.rope_low_freq_factor)
+                  / (cfg.rope_high_freq_factor - cfg.rope_low_freq_factor))
+        mid = (1 - smooth) * inv / cfg.rope_scaling + smooth * inv
+        inv = np.where(wavelen < hi, inv, np.where(wavelen > lo, inv / cfg.rope_scaling, mid))
+    return inv.astype(np.float32)
+
+
 REMAT_POLICIES = {"full": jax.checkpoint_policies.nothing_saveable,
                   "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
 
 
-def hidden(params: dict, tokens_BT, cfg: ModelConfig, segment_ids=None, positions=None,
+def hidden(params: dict, tokens_BT, cfg: ModelConfig, *, segment_ids=None, positions=None,
            max_logits: bool = False):
     """Token ids -> (final-normed hidden states [B, T, D] in the compute dtype, per-layer
     stats: with max_logits, "max_logit" [L, N], each head's largest attention logit).
@@ -470,7 +394,8 @@ def hidden(params: dict, tokens_BT, cfg: ModelConfig, segment_ids=None, position
         inv_freq = np.stack([rope_inv_freq(local), inv_freq])
 
     def layer(x, xs):
-        return block(x, xs[0], pos_BT, inv_freq, cfg, segment_ids, max_logits, xs[1])
+        return block(x, xs[0], cfg, pos_BT=pos_BT, inv_freq=inv_freq, segment_ids=segment_ids,
+                     max_logits=max_logits, is_global=xs[1])
 
     if cfg.remat != "none":
         # Inside a rolled scan the recomputation cannot be merged away; unrolled, XLA would
@@ -488,40 +413,17 @@ def unembedding(params: dict, cfg: ModelConfig):
     return params["embed"].T if cfg.tie_embeddings else params["unembed"]
 
 
-def forward(params: dict, tokens_BT, cfg: ModelConfig, segment_ids=None, positions=None):
-    """Logits [B, T, V] in float32. Training never builds these whole: see `loss_sums`.
+def forward(params: dict, tokens_BT, cfg: ModelConfig, *, segment_ids=None, positions=None):
+    """Logits [B, T, V] in float32. Training never builds these whole: see `loss_fn`.
     Packed rows pass segment ids and positions (see `hidden`)."""
-    h = hidden(params, tokens_BT, cfg, segment_ids, positions)[0]
+    h = hidden(params, tokens_BT, cfg, segment_ids=segment_ids, positions=positions)[0]
     return _softcap(jnp.einsum("btd,dv->btv", h, unembedding(params, cfg).astype(h.dtype),
                                preferred_element_type=jnp.float32), cfg.final_softcap)
-
 
 
 # ----------------------------------------------------------------------------------------------
 # 4. Loss and train step
 # ----------------------------------------------------------------------------------------------
-
-
-def loss_sums(params: dict, batch, cfg: ModelConfig, z_loss: float = 0.0,
-              max_logits: bool = False):
-    """(objective, cross-entropy, `hidden`'s stats), the first two summed over the batch's
-    targets times their weights:
-
-        ce = sum_t w_t (logsumexp(l_t) - l_t[y_t]),   objective = ce + z_loss sum_t w_t lse_t^2
-
-    for logits l_t = h_t W_unembed. The z term (PaLM) keeps the softmax normaliser near 1.
-    The [B, T, V] logits never exist at once: the sequence is cut into chunks of
-    `loss_chunk` positions (with a 128k vocabulary, gigabytes become megabytes), and with
-    loss_impl "fused" each chunk's gradient is made with its loss (`_ce_fused`).
-    """
-    inputs, targets, weights, segment_ids, positions = split_batch(batch)
-    h_BTD, stats = hidden(params, inputs, cfg, segment_ids, positions, max_logits)
-    w_DV = unembedding(params, cfg).astype(h_BTD.dtype)
-    if targets.size <= cfg.vocab_size:
-        h_BTD, w_DV = constrain(h_BTD, LOSS_BTD), constrain(w_DV, VOCAB_DV)
-    ce_impl = _ce_fused if cfg.loss_impl == "fused" else _ce_remat
-    return *ce_impl(h_BTD, w_DV, targets, weights, cfg.loss_chunk, z_loss, cfg.final_softcap,
-                    not cfg.scan_layers), stats
 
 
 def train_step(state: dict, batch, *, cfg: Config, tx):
@@ -531,13 +433,10 @@ def train_step(state: dict, batch, *, cfg: Config, tx):
     different numbers of trained tokens (SFT). With --train.qk-clip-threshold tau, heads
     whose logits exceeded tau have their query and key projections scaled down after the
     update (MuonClip, see common/train.py `qk_clip`)."""
-    n, tau = loss_weight(batch), cfg.train.qk_clip_threshold
-
-    def mean_loss(p, mb):
-        obj, ce, stats = loss_sums(p, mb, cfg.model, cfg.train.z_loss, max_logits=tau > 0)
-        return obj / n, stats | {"ce": ce / n}
-
-    grads, aux = train.accumulate(jax.grad(mean_loss, has_aux=True), state["params"], batch,
+    tau = cfg.train.qk_clip_threshold
+    loss = partial(loss_fn, cfg=cfg.model, n=loss_weight(batch), z_loss=cfg.train.z_loss,
+                   max_logits=tau > 0)
+    grads, aux = train.accumulate(jax.grad(loss, has_aux=True), state["params"], batch,
                                   cfg.train.microbatches, BATCH_AXES)
     clip = partial(train.qk_clip, max_LN=aux.get("max_logit"), tau=tau) if tau > 0 else None
     new, metrics = train.update(tx, grads, state, aux["ce"], after=clip)
@@ -546,17 +445,66 @@ def train_step(state: dict, batch, *, cfg: Config, tx):
                                      "lr": make_schedule(cfg.train)(state["step"])}
 
 
-def loss_fn(params, batch, cfg: ModelConfig, z_loss: float = 0.0):
-    """Mean next-token cross-entropy (+ z_loss * mean logsumexp^2) over the batch's trained
-    targets (all of them in pre-training). Returns (objective, ce)."""
-    obj, ce, _ = loss_sums(params, batch, cfg, z_loss)
-    n = loss_weight(batch)
-    return obj / n, ce / n
+# While a batch has fewer tokens than the vocabulary, the loss is vocabulary-parallel: the
+# unembedding split on V over fsdp too and the hidden states gathered over fsdp instead
+# ([B, T, D] is then smaller than [D, V]), so no device holds the whole weight or its float32
+# gradient; the logsumexp and dh add up over the V shards. Larger batches gather the weight.
+VOCAB_DV, LOSS_BTD = P(None, ("tensor", "fsdp")), P("data", None, None)
 
 
-def eval_sums(params, batch, *, cfg: ModelConfig):
-    """(weighted cross-entropy sum, weight sum): added up over a held-out split."""
-    return loss_sums(params, batch, cfg)[1], loss_weight(batch)
+def loss_fn(params, batch, cfg: ModelConfig, *, n=None, z_loss: float = 0.0,
+            max_logits: bool = False):
+    """The objective: the batch's targets' cross-entropy, each times its weight, over n
+
+        ce = sum_t w_t (lse_t - l_t[y_t]) / n,   objective = ce + z_loss sum_t w_t lse_t^2 / n
+
+    for logits l_t = h_t W_unembed and lse_t = logsumexp(l_t); n defaults to the batch's
+    total weight (`loss_weight`), so both are means. The z term (PaLM) keeps the softmax
+    normaliser near 1. Returns (objective, {"ce": ce, `hidden`'s stats}).
+    The [B, T, V] logits never exist at once: `cross_entropy` takes `loss_chunk` positions
+    at a time (with a 128k vocabulary, gigabytes become megabytes), and with loss_impl
+    "fused" each chunk's gradient is made with its loss (`_ce_fused`).
+    """
+    inputs, targets, weights, segment_ids, positions = split_batch(batch)
+    h_BTD, stats = hidden(params, inputs, cfg, segment_ids=segment_ids, positions=positions,
+                          max_logits=max_logits)
+    w_DV = unembedding(params, cfg).astype(h_BTD.dtype)
+    if targets.size <= cfg.vocab_size:
+        h_BTD, w_DV = constrain(h_BTD, LOSS_BTD), constrain(w_DV, VOCAB_DV)
+    scan = _ce_fused if cfg.loss_impl == "fused" else _ce_remat
+    obj, ce = scan(partial(cross_entropy, z_loss=z_loss, cap=cfg.final_softcap), h_BTD, w_DV,
+                   targets, weights, cfg.loss_chunk, not cfg.scan_layers)
+    n = loss_weight(batch) if n is None else n
+    return obj / n, stats | {"ce": ce / n}
+
+
+def cross_entropy(h_BCD, w_DV, t_BC, wt_BC, *, z_loss: float, cap: float, grad: bool):
+    """One chunk's (objective, cross-entropy) sums, and with `grad` the objective's gradient
+    (dh, dW). Weights wt_BC (None = all 1) scale each target's terms and gradient alike.
+
+    For p = softmax(l), d(lse - l[y])/dl = p - onehot(y) and d(lse^2)/dl = 2 lse p: both are
+    known the moment the chunk's logits are, so no logits need be kept or rebuilt.
+    """
+    logits = _softcap(jnp.einsum("bcd,dv->bcv", h_BCD, w_DV,
+                                 preferred_element_type=jnp.float32), cap)
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    hot = jax.nn.one_hot(t_BC, w_DV.shape[1], dtype=logits.dtype)
+    tgt = jnp.sum(logits * hot, axis=-1)   # not a gather: the vocabulary is split (VOCAB_DV)
+    ce_BC, z_BC = lse - tgt, lse * lse
+    if wt_BC is not None:
+        ce_BC, z_BC = ce_BC * wt_BC, z_BC * wt_BC
+    ce = jnp.sum(ce_BC)
+    sums = ce + z_loss * jnp.sum(z_BC), ce
+    if not grad:
+        return sums
+    dl = jnp.exp(logits - lse[..., None]) * (1.0 + 2.0 * z_loss * lse)[..., None] - hot
+    dl = dl if wt_BC is None else dl * wt_BC[..., None]
+    dl = dl * (1.0 - jnp.square(logits / cap)) if cap else dl   # d(c tanh(z/c))/dz
+    dh_BCD = jnp.einsum("bcv,dv->bcd", dl.astype(w_DV.dtype), w_DV,
+                        preferred_element_type=jnp.float32).astype(h_BCD.dtype)
+    dw_DV = jnp.einsum("bcd,bcv->dv", h_BCD, dl.astype(h_BCD.dtype),
+                       preferred_element_type=jnp.float32)
+    return sums, (dh_BCD, dw_DV)
 
 
 def split_batch(batch):
@@ -580,6 +528,11 @@ def loss_weight(batch):
     return batch.shape[0] * (batch.shape[1] - 1)
 
 
+def eval_sums(params, batch, *, cfg: ModelConfig):
+    """(weighted cross-entropy sum, weight sum): added up over a held-out split."""
+    return loss_fn(params, batch, cfg, n=1)[1]["ce"], loss_weight(batch)
+
+
 def make_schedule(t: TrainConfig):
     return train.lr_schedule(t.schedule, t.lr, t.warmup_steps, t.steps, t.min_lr_ratio,
                              t.decay_fraction)
@@ -598,6 +551,16 @@ def make_optimizer(t: TrainConfig):
                            muon_dtype=t.muon_dtype)
 
 
+def train_state(cfg: Config, mesh) -> train.TrainState:
+    """{params, opt_state, step} of this model and optimiser on `mesh` (see common/train.py)."""
+    return train.TrainState(partial(_init, cfg.model), param_specs(cfg.model),
+                            make_optimizer(cfg.train), mesh)
+
+
+def count_params(cfg: ModelConfig) -> int:
+    return train.table_count(_param_table(cfg))
+
+
 def _chunked(chunk: int, *xs_BT):
     def cut(x):
         if x is None:
@@ -612,86 +575,47 @@ def _softcap(logits, cap: float):
     return cap * jnp.tanh(logits / cap) if cap else logits   # Gemma 2's final soft-cap
 
 
-def _ce_remat(h_BTD, w_DV, t_BT, wt_BT, chunk: int, z_loss: float, cap: float = 0.0,
-              unroll: bool = False):
-    """Cross-entropy over sequence chunks, each chunk's logits rebuilt in the backward pass."""
-    h_nBCD, t_nBC, wt_nBC = _chunked(chunk, h_BTD, t_BT, wt_BT)
-
-    @partial(jax.checkpoint, prevent_cse=False)
-    def one(carry, xs):
-        h_BCD, t_BC, wt_BC = xs
-        logits = _softcap(jnp.einsum("bcd,dv->bcv", h_BCD, w_DV,
-                                     preferred_element_type=jnp.float32), cap)
-        lse = jax.nn.logsumexp(logits, axis=-1)
-        ce = lse - jnp.sum(logits * jax.nn.one_hot(t_BC, logits.shape[-1]), axis=-1)
-        z = lse * lse
-        if wt_BC is not None:
-            ce, z = ce * wt_BC, z * wt_BC
-        return (carry[0] + jnp.sum(ce), carry[1] + jnp.sum(z)), None
-
+def _ce_remat(ce_fn, h_BTD, w_DV, t_BT, wt_BT, chunk: int, unroll: bool = False):
+    """ce_fn's sums over the sequence's chunks, each chunk's logits rebuilt in the backward."""
+    one = jax.checkpoint(lambda h_BCD, t_BC, wt_BC: ce_fn(h_BCD, w_DV, t_BC, wt_BC, grad=False),
+                         prevent_cse=False)
     zero = jnp.zeros((), jnp.float32)
-    (ce, z), _ = jax.lax.scan(one, (zero, zero), (h_nBCD, t_nBC, wt_nBC), unroll=unroll)
-    return ce + z_loss * z, ce
+    sums, _ = jax.lax.scan(lambda acc, xs: (jax.tree.map(jnp.add, acc, one(*xs)), None),
+                           (zero, zero), _chunked(chunk, h_BTD, t_BT, wt_BT), unroll=unroll)
+    return sums
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
-def _ce_fused(h_BTD, w_DV, t_BT, wt_BT, chunk: int, z_loss: float, cap: float = 0.0,
-              unroll: bool = False):
-    """Cross-entropy whose gradient is made in the same pass as the loss, chunk by chunk.
+@partial(jax.custom_vjp, nondiff_argnums=(0, 5, 6))
+def _ce_fused(ce_fn, h_BTD, w_DV, t_BT, wt_BT, chunk: int, unroll: bool = False):
+    """ce_fn's sums over the sequence's chunks, each chunk's gradient made with its sums.
 
-    For logits l, p = softmax(l) and target t, d(ce)/dl = p - onehot(t) and
-    d(lse^2)/dl = 2 lse p: both are known the moment a chunk's logits are, so each chunk
-    leaves only its dh = dl W^T and adds h^T dl to dW, and no logits are kept or rebuilt.
-    Against `_ce_remat` this saves the second unembedding matmul, which dominates the
-    step when the vocabulary is large. Only the objective is differentiated; the returned
-    cross-entropy is a report. Per-token weights wt_BT (None = all 1) scale each target's
-    terms and their gradient alike; they are data, never differentiated.
+    Each chunk leaves only its dh and adds to dW. Against `_ce_remat` this saves the second
+    unembedding matmul, which dominates the step when the vocabulary is large. Only the
+    objective is differentiated; the cross-entropy is a report. Weights are data.
     """
-    return _ce_fused_fwd(h_BTD, w_DV, t_BT, wt_BT, chunk, z_loss, cap, unroll)[0]
+    return _ce_fused_fwd(ce_fn, h_BTD, w_DV, t_BT, wt_BT, chunk, unroll)[0]
 
 
-def _ce_fused_fwd(h_BTD, w_DV, t_BT, wt_BT, chunk, z_loss, cap=0.0, unroll=False):
-    h_nBCD, t_nBC, wt_nBC = _chunked(chunk, h_BTD, t_BT, wt_BT)
-    V = w_DV.shape[1]
-
-    def one(carry, xs):
-        obj, ce, dw_DV = carry
-        h_BCD, t_BC, wt_BC = xs
-        logits = _softcap(jnp.einsum("bcd,dv->bcv", h_BCD, w_DV,
-                                     preferred_element_type=jnp.float32), cap)
-        lse = jax.nn.logsumexp(logits, axis=-1)
-        hot = jax.nn.one_hot(t_BC, V, dtype=logits.dtype)
-        tgt = jnp.sum(logits * hot, axis=-1)   # not a gather: the vocabulary is split (VOCAB_DV)
-        p = jnp.exp(logits - lse[..., None])
-        dl = p * (1.0 + 2.0 * z_loss * lse)[..., None] - hot
-        ce_BC, z_BC = lse - tgt, lse * lse
-        if wt_BC is not None:
-            dl, ce_BC, z_BC = dl * wt_BC[..., None], ce_BC * wt_BC, z_BC * wt_BC
-        dl = dl * (1.0 - jnp.square(logits / cap)) if cap else dl   # d(c tanh(z/c))/dz
-        dh_BCD = jnp.einsum("bcv,dv->bcd", dl.astype(w_DV.dtype), w_DV,
-                            preferred_element_type=jnp.float32).astype(h_BCD.dtype)
-        dw_DV = dw_DV + jnp.einsum("bcd,bcv->dv", h_BCD, dl.astype(h_BCD.dtype),
-                                   preferred_element_type=jnp.float32)
-        ce_i = jnp.sum(ce_BC)
-        return (obj + ce_i + z_loss * jnp.sum(z_BC), ce + ce_i, dw_DV), dh_BCD
+def _ce_fused_fwd(ce_fn, h_BTD, w_DV, t_BT, wt_BT, chunk, unroll=False):
+    def one(acc, xs):
+        (obj, ce), (dh_BCD, dw_DV) = ce_fn(xs[0], w_DV, *xs[1:], grad=True)
+        return (acc[0] + obj, acc[1] + ce, acc[2] + dw_DV), dh_BCD
 
     zero = jnp.zeros((), jnp.float32)
     (obj, ce, dw_DV), dh_nBCD = jax.lax.scan(
-        one, (zero, zero, jnp.zeros(w_DV.shape, jnp.float32)), (h_nBCD, t_nBC, wt_nBC),
-        unroll=unroll)
+        one, (zero, zero, jnp.zeros(w_DV.shape, jnp.float32)),
+        _chunked(chunk, h_BTD, t_BT, wt_BT), unroll=unroll)
     dh_BTD = dh_nBCD.swapaxes(0, 1).reshape(h_BTD.shape)
     return (obj, ce), (dh_BTD, dw_DV.astype(w_DV.dtype))
 
 
-def _ce_fused_bwd(chunk, z_loss, cap, unroll, res, g):
+def _ce_fused_bwd(ce_fn, chunk, unroll, res, g):
     dh_BTD, dw_DV = res
-    g_obj = g[0]
-    return ((g_obj * dh_BTD).astype(dh_BTD.dtype), (g_obj * dw_DV).astype(dw_DV.dtype), None,
+    return ((g[0] * dh_BTD).astype(dh_BTD.dtype), (g[0] * dw_DV).astype(dw_DV.dtype), None,
             None)
 
 
 _ce_fused.defvjp(_ce_fused_fwd, _ce_fused_bwd)
-
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
@@ -715,6 +639,46 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     attn = 2 * 2 * keys * N * H
     return 3.0 * (2 * matmul_weights + attn)
 
+
+
+def validate(cfg: Config, n_devices: int) -> None:
+    """Every check that needs no compilation, so a bad launch fails in a second."""
+    m, t = cfg.model, cfg.train
+    train.check_ranges(cfg)
+    mesh = resolve(cfg.mesh, n_devices, max(1, math.prod(cfg.mesh.dcn())))
+    if mesh.expert * mesh.dcn_expert != 1:
+        raise ConfigError(f"--mesh.expert {mesh.expert}: the dense model has no experts; "
+                          "keep it 1 (use train_moe.py for expert parallelism).")
+    train.check_sizes(mesh, {"tensor": [
+        ("--model.n-heads", m.n_heads), ("--model.n-kv-heads", m.n_kv_heads),
+        ("--model.d-ff", m.d_ff), ("--model.vocab-size", m.vocab_size)],
+        "fsdp": [("--model.d-model", m.d_model)]})
+    if m.n_heads % m.n_kv_heads:
+        raise ConfigError(f"--model.n-heads {m.n_heads} is not a multiple of --model.n-kv-heads "
+                          f"{m.n_kv_heads} (each key/value head serves a whole group).")
+    if m.head_dim % 2:
+        raise ConfigError(f"--model.head-dim {m.head_dim} must be even (RoPE rotates pairs).")
+    train.check_batch(t.batch_size, t.microbatches, mesh)
+    if t.seq_len > m.max_seq_len:
+        raise ConfigError(f"--train.seq-len {t.seq_len} exceeds the model's maximum "
+                          f"--model.max-seq-len {m.max_seq_len}.")
+    if t.seq_len % min(m.loss_chunk, t.seq_len):
+        raise ConfigError(f"--train.seq-len {t.seq_len} is not a multiple of --model.loss-chunk "
+                          f"{m.loss_chunk}.")
+    train.check_profile(t.profile_steps, t.steps)
+    train.check_qk_clip("--train.qk-clip-threshold", t.qk_clip_threshold, m.qk_norm)
+    if t.qk_clip_threshold and (m.attn_softcap or m.query_scale):
+        raise ConfigError(f"--train.qk-clip-threshold {t.qk_clip_threshold} with Gemma's "
+                          "attention (--model.attn-softcap, --model.query-scale): the soft-cap "
+                          "already bounds the logits. Set --train.qk-clip-threshold 0.")
+    if m.global_every and not m.sliding_window:
+        raise ConfigError(f"--model.global-every {m.global_every} without "
+                          "--model.sliding-window: the layers between the global ones are the "
+                          "windowed ones. Give the window, or --model.global-every 0.")
+    if cfg.data.format == "sft" and cfg.data.pack and m.attention == "cudnn":  # SFT
+        raise ConfigError("--model.attention cudnn cannot mask packed SFT rows (JAX's cuDNN "
+                          "path takes causal and length masks only); use --model.attention "
+                          "auto or xla, or --data.no-pack.")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -826,7 +790,8 @@ def train_loop(cfg: Config, mesh, st: train.TrainState, step_fn) -> dict:
 
 def sample(params, prompts: list[list[int]], cfg: Config, mesh, key, n_valid: int):
     """--train.sample-tokens tokens after each prompt, at --train.temperature (0 = greedy)."""
-    return train.sample(lambda p, tokens, *seg_pos: forward(p, tokens, cfg.model, *seg_pos),
+    return train.sample(lambda p, tokens, seg=None, pos=None: forward(
+                            p, tokens, cfg.model, segment_ids=seg, positions=pos),
                         params, prompts, n_new=cfg.train.sample_tokens,
                         max_len=min(cfg.train.seq_len, cfg.model.max_seq_len),
                         temperature=cfg.train.temperature, n_valid=n_valid, mesh=mesh,
@@ -866,68 +831,80 @@ def init_data_config(cfg: Config) -> DataConfig:
 # 6. HuggingFace in and out
 # ----------------------------------------------------------------------------------------------
 
-# HuggingFace rotates the two halves of each head, as `apply_rope` does, so its q_proj and
-# k_proj load as they are. (Meta's original Llama code rotates interleaved pairs; HF permuted
-# the rows of those weights once, at conversion, so every HF checkpoint is in the halves
-# layout. A checkpoint in Meta's own format would need that permutation; we read HF only.)
+# HuggingFace rotates the two halves of each head, as `apply_rope` does, so its q_proj, k_proj
+# load as they are. (Meta's Llama code rotates interleaved pairs; HF permuted those weights' rows
+# once, at conversion, so every HF checkpoint is in the halves layout; we read HF only.)
 HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                     "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                     "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
 GEMMA = ("gemma2", "gemma3_text")
 # What transformers assumes for a key that config.json leaves out (its config classes).
-_HF_DEFAULTS = {
-    "llama": dict(rms_norm_eps=1e-6, max_position_embeddings=2048),
-    "mistral": dict(rms_norm_eps=1e-6, max_position_embeddings=131072, num_key_value_heads=8,
-                    sliding_window=4096),
-    "qwen2": dict(rms_norm_eps=1e-6, max_position_embeddings=32768, num_key_value_heads=32),
-    "qwen3": dict(rms_norm_eps=1e-6, max_position_embeddings=32768, num_key_value_heads=32,
-                  head_dim=128),
-    "gemma2": dict(rms_norm_eps=1e-6, max_position_embeddings=8192, num_key_value_heads=4,
-                   head_dim=256, query_pre_attn_scalar=256, sliding_window=4096,
-                   attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
-                   tie_word_embeddings=True),
-    "gemma3_text": dict(rms_norm_eps=1e-6, max_position_embeddings=131072, num_key_value_heads=4,
-                        head_dim=256, query_pre_attn_scalar=256, sliding_window=4096,
-                        sliding_window_pattern=6, rope_theta=1_000_000.0,
-                        rope_local_base_freq=10_000.0, tie_word_embeddings=True),
+_GEMMA_HF = dict(num_key_value_heads=4, head_dim=256, query_pre_attn_scalar=256,
+                 sliding_window=4096, tie_word_embeddings=True)
+_HF_DEFAULTS = {mt: dict(rms_norm_eps=1e-6) | d for mt, d in {
+    "llama": dict(max_position_embeddings=2048),
+    "mistral": dict(max_position_embeddings=131072, num_key_value_heads=8, sliding_window=4096),
+    "qwen2": dict(max_position_embeddings=32768, num_key_value_heads=32),
+    "qwen3": dict(max_position_embeddings=32768, num_key_value_heads=32, head_dim=128),
+    "gemma2": _GEMMA_HF | dict(max_position_embeddings=8192, attn_logit_softcapping=50.0,
+                               final_logit_softcapping=30.0),
+    "gemma3_text": _GEMMA_HF | dict(max_position_embeddings=131072, sliding_window_pattern=6,
+                                    rope_theta=1_000_000.0, rope_local_base_freq=10_000.0),
+}.items()}
+# config.json keys that are our fields as they stand (Gemma's: only in Gemma's files).
+HF_KEYS = {"vocab_size": "vocab_size", "hidden_size": "d_model", "head_dim": "head_dim",
+           "intermediate_size": "d_ff", "num_hidden_layers": "n_layers", "rms_norm_eps": "norm_eps",
+           "num_attention_heads": "n_heads", "num_key_value_heads": "n_kv_heads",
+           "max_position_embeddings": "max_seq_len", "tie_word_embeddings": "tie_embeddings"}
+GEMMA_KEYS = {"sliding_window": "sliding_window", "attn_logit_softcapping": "attn_softcap",
+              "final_logit_softcapping": "final_softcap", "query_pre_attn_scalar": "query_scale"}
+LLAMA3_ROPE = {"factor": "rope_scaling", "low_freq_factor": "rope_low_freq_factor",
+               "high_freq_factor": "rope_high_freq_factor",
+               "original_max_position_embeddings": "rope_original_max_len"}
+# The knobs a family implies (config.json does not spell them); the others are off.
+_GEMMA_KNOBS = dict(norm_plus_one=True, sandwich_norm=True, embed_scale=True, gelu=True)
+HF_KNOBS = {"llama": {}, "mistral": {}, "qwen2": dict(qkv_bias=True), "qwen3": dict(qk_norm=True),
+            "gemma2": _GEMMA_KNOBS, "gemma3_text": _GEMMA_KNOBS | dict(qk_norm=True)}
+# What transformers itself writes into each family's config.json, beyond our fields.
+_GELU_TANH = dict(hidden_act="gelu_pytorch_tanh", hidden_activation="gelu_pytorch_tanh",
+                  attention_bias=False)
+HF_CONSTANTS = {"llama": dict(attention_bias=False, mlp_bias=False, pretraining_tp=1),
+                "mistral": dict(sliding_window=None),
+                "qwen2": dict(use_sliding_window=False, sliding_window=None),
+                "qwen3": dict(use_sliding_window=False, sliding_window=None, attention_bias=False),
+                "gemma2": _GELU_TANH, "gemma3_text": _GELU_TANH}
+# Our parameters as HuggingFace tensors (name, layout: common/hf.py). HF's nn.Linear keeps
+# [out, in], ours [in, out] with the heads split out: a transpose and a reshape, stacked on l.
+# Atoms: l layers, d model, n query heads, k key/value heads, h head width, f MLP, v vocabulary.
+HF_NAMES = {
+    "embed": ("model.embed_tokens.weight", "v d -> v d"),
+    "unembed": ("lm_head.weight", "v d -> d v"), "final_norm": ("model.norm.weight", "d -> d"),
+    "attn_norm": ("input_layernorm.weight", "d -> l d"),
+    "wq": ("self_attn.q_proj.weight", "(n h) d -> l d n h"),
+    "wk": ("self_attn.k_proj.weight", "(k h) d -> l d k h"),
+    "wv": ("self_attn.v_proj.weight", "(k h) d -> l d k h"),
+    "wo": ("self_attn.o_proj.weight", "d (n h) -> l n h d"),
+    "mlp_norm": ("post_attention_layernorm.weight", "d -> l d"),
+    "w_gate": ("mlp.gate_proj.weight", "f d -> l d f"),
+    "w_up": ("mlp.up_proj.weight", "f d -> l d f"),
+    "w_down": ("mlp.down_proj.weight", "d f -> l f d"),
+    "bq": ("self_attn.q_proj.bias", "(n h) -> l n h"),
+    "bk": ("self_attn.k_proj.bias", "(k h) -> l k h"),
+    "bv": ("self_attn.v_proj.bias", "(k h) -> l k h"),
+    "q_norm": ("self_attn.q_norm.weight", "h -> l h"),
+    "k_norm": ("self_attn.k_norm.weight", "h -> l h"),
+    # Gemma's sandwich: its post_attention_layernorm is the attention's output norm
+    "attn_post_norm": ("post_attention_layernorm.weight", "d -> l d"),
+    "mlp_post_norm": ("post_feedforward_layernorm.weight", "d -> l d"),
 }
+GEMMA_MLP_NORM = ("pre_feedforward_layernorm.weight", "d -> l d")
 
 
 def hf_mapping(cfg: ModelConfig) -> dict:
-    """Our parameter tree, each leaf as (HuggingFace tensor name, layout): see common/hf.py.
-
-    HF's nn.Linear keeps [out, in]; ours are [in, out] with the heads split out, so every
-    projection is a transpose plus a reshape, and per-layer tensors stack on l.
-    Atoms: l layers, d model, n query heads, k key/value heads, h head width, f MLP, v vocab.
-    """
-    lay = "model.layers.{l}."
-    layers = {
-        "attn_norm": (lay + "input_layernorm.weight", "d -> l d"),
-        "wq": (lay + "self_attn.q_proj.weight", "(n h) d -> l d n h"),
-        "wk": (lay + "self_attn.k_proj.weight", "(k h) d -> l d k h"),
-        "wv": (lay + "self_attn.v_proj.weight", "(k h) d -> l d k h"),
-        "wo": (lay + "self_attn.o_proj.weight", "d (n h) -> l n h d"),
-        "mlp_norm": (lay + "post_attention_layernorm.weight", "d -> l d"),
-        "w_gate": (lay + "mlp.gate_proj.weight", "f d -> l d f"),
-        "w_up": (lay + "mlp.up_proj.weight", "f d -> l d f"),
-        "w_down": (lay + "mlp.down_proj.weight", "d f -> l f d"),
-    }
-    if cfg.qkv_bias:
-        layers |= {"bq": (lay + "self_attn.q_proj.bias", "(n h) -> l n h"),
-                   "bk": (lay + "self_attn.k_proj.bias", "(k h) -> l k h"),
-                   "bv": (lay + "self_attn.v_proj.bias", "(k h) -> l k h")}
-    if cfg.qk_norm:
-        layers |= {"q_norm": (lay + "self_attn.q_norm.weight", "h -> l h"),
-                   "k_norm": (lay + "self_attn.k_norm.weight", "h -> l h")}
-    if cfg.sandwich_norm:  # Gemma: its post_attention_layernorm is the attention's output norm
-        layers |= {"attn_post_norm": (lay + "post_attention_layernorm.weight", "d -> l d"),
-                   "mlp_norm": (lay + "pre_feedforward_layernorm.weight", "d -> l d"),
-                   "mlp_post_norm": (lay + "post_feedforward_layernorm.weight", "d -> l d")}
-    tree = {"embed": ("model.embed_tokens.weight", "v d -> v d"), "layers": layers,
-            "final_norm": ("model.norm.weight", "d -> d")}
-    if not cfg.tie_embeddings:
-        tree["unembed"] = ("lm_head.weight", "v d -> d v")
-    return tree
+    """`_param_table`'s tree, each leaf as its (HuggingFace tensor name, layout)."""
+    names = HF_NAMES | ({"mlp_norm": GEMMA_MLP_NORM} if cfg.sandwich_norm else {})
+    return {k: {n: ("model.layers.{l}." + names[n][0], names[n][1]) for n in v}
+            if k == "layers" else names[k] for k, v in _param_table(cfg).items()}
 
 
 def _hf_sizes(cfg: ModelConfig) -> dict:
@@ -944,57 +921,53 @@ def config_from_hf(c: dict, where: str = "config.json") -> ModelConfig:
                          f"({', '.join(HF_ARCHITECTURES)}); mixture-of-experts models (mixtral, "
                          "qwen3_moe) belong to train_moe.py.")
     c = _HF_DEFAULTS[mt] | c
-
-    def unsupported(what: str):
-        return hf.HFError(f"{where}: {what} is not implemented here, so this {mt} model "
-                          "cannot be loaded faithfully.")
-
-    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                "num_attention_heads"):
-        if key not in c:
-            raise hf.HFError(f"{where} has no {key!r}; it is not a complete {mt} config.")
+    unsupported = lambda what: hf.HFError(f"{where}: {what} is not implemented here, so this "
+                                          f"{mt} model cannot be loaded faithfully.")
+    if lacking := [k for k in ("vocab_size", "hidden_size", "intermediate_size",
+                               "num_hidden_layers", "num_attention_heads") if k not in c]:
+        raise hf.HFError(f"{where} has no {lacking[0]!r}; it is not a complete {mt} config.")
     gemma = mt in GEMMA
-    act = c.get("hidden_activation") or c.get("hidden_act") if gemma else c.get("hidden_act")
-    if (act or "silu") != ("gelu_pytorch_tanh" if gemma else "silu"):
-        raise unsupported(f"hidden activation {act!r} (only {'gelu_pytorch_tanh' if gemma else 'silu'})")
+    act, want = ((c.get("hidden_activation") or c.get("hidden_act"), "gelu_pytorch_tanh")
+                 if gemma else (c.get("hidden_act"), "silu"))
+    if (act or "silu") != want:
+        raise unsupported(f"hidden activation {act!r} (only {want})")
     if c.get("attention_bias") or c.get("mlp_bias"):
         raise unsupported("attention_bias / mlp_bias (biases on every projection)")
     if c.get("partial_rotary_factor", 1.0) != 1.0:
         raise unsupported(f"partial_rotary_factor {c['partial_rotary_factor']}")
     if c.get("use_bidirectional_attention"):
         raise unsupported("use_bidirectional_attention (an encoder, not a causal decoder)")
-    rope, g = c.get("rope_parameters") or {}, {}
+    # Each value in its field's type (HF writes 256 for a float); absent, null or 0: the default.
+    typed = lambda d, keys: {k: type(getattr(ModelConfig, k))(d[key]) for key, k in keys.items()
+                             if d.get(key)}
+    f = typed(c, HF_KEYS | (GEMMA_KEYS if gemma else {}))
+    f = dict(n_kv_heads=f["n_heads"], head_dim=f["d_model"] // f["n_heads"]) | f | HF_KNOBS[mt]
+    rope = c.get("rope_parameters") or {}
     if mt == "gemma3_text":  # global and local RoPE: per layer type (transformers 5), or 4.x keys
         per_type = "full_attention" in rope
         local = hf.rope_parameters({"rope_parameters": rope.get("sliding_attention", {})}
                                    if per_type else {}, c["rope_local_base_freq"], where)
         if local[1] != "default":
             raise unsupported(f"rope type {local[1]!r} on the sliding-window layers")
-        g["rope_local_theta"] = local[0]
+        f["rope_local_theta"] = local[0]
         c = c | {"rope_parameters": rope["full_attention"]} if per_type else c
-    theta, kind, rope = hf.rope_parameters(c, 10_000.0, where)
-    scaling = {}
+    f["rope_theta"], kind, rope = hf.rope_parameters(c, 10_000.0, where)
     if kind == "llama3":
-        lacking = {"factor", "low_freq_factor", "high_freq_factor"} - set(rope)
-        if lacking:
+        if lacking := {"factor", "low_freq_factor", "high_freq_factor"} - set(rope):
             raise hf.HFError(f"{where}: rope type 'llama3' without {', '.join(sorted(lacking))}.")
-        scaling = dict(rope_scaling=float(rope["factor"]),
-                       rope_low_freq_factor=float(rope["low_freq_factor"]),
-                       rope_high_freq_factor=float(rope["high_freq_factor"]),
-                       rope_original_max_len=int(rope.get("original_max_position_embeddings",
-                                                          c["max_position_embeddings"])))
+        f |= typed({"original_max_position_embeddings": c["max_position_embeddings"]} | rope,
+                   LLAMA3_ROPE)
     elif kind == "linear" and "factor" in rope and mt != "gemma2":  # Gemma 2's would go local too
-        scaling = dict(rope_linear=float(rope["factor"]))
+        f["rope_linear"] = float(rope["factor"])
     elif kind != "default":
         raise unsupported(f"rope type {kind!r} (only the default, 'linear' and 'llama3')")
     # A sliding window of W tokens changes nothing on sequences of at most W tokens, and we
     # train no longer ones: the window becomes the model's maximum length.
-    window = (c.get("sliding_window") if mt == "mistral" or c.get("use_sliding_window")
-              else None)
-    max_len = c["max_position_embeddings"] if window is None else min(
-        c["max_position_embeddings"], window)
-    if gemma:
-        max_len, L = c["max_position_embeddings"], c["num_hidden_layers"]
+    window = c.get("sliding_window") if mt == "mistral" or c.get("use_sliding_window") else None
+    if window is not None and not gemma:
+        f["max_seq_len"] = min(f["max_seq_len"], window)
+    if gemma:  # every n-th layer global, the others windowed
+        L = c["num_hidden_layers"]
         every = 2 if mt == "gemma2" else c.get("_sliding_window_pattern",
                                                    c["sliding_window_pattern"])
         kinds = c.get("layer_types") or ["sliding_attention" if (i + 1) % every else
@@ -1003,19 +976,8 @@ def config_from_hf(c: dict, where: str = "config.json") -> ModelConfig:
         if kinds != ["full_attention" if n and (i + 1) % n == 0 else "sliding_attention"
                      for i in range(L)]:
             raise unsupported(f"layer_types {kinds} (only every n-th layer global)")
-        g |= dict(sliding_window=c.get("sliding_window") or 0, global_every=n,
-                  attn_softcap=c.get("attn_logit_softcapping") or 0.0,
-                  final_softcap=c.get("final_logit_softcapping") or 0.0,
-                  query_scale=float(c["query_pre_attn_scalar"]), norm_plus_one=True,
-                  sandwich_norm=True, embed_scale=True, gelu=True)
-    n_heads = c["num_attention_heads"]
-    return ModelConfig(
-        vocab_size=c["vocab_size"], d_model=c["hidden_size"], n_layers=c["num_hidden_layers"],
-        n_heads=n_heads, n_kv_heads=c.get("num_key_value_heads") or n_heads,
-        head_dim=c.get("head_dim") or c["hidden_size"] // n_heads, d_ff=c["intermediate_size"],
-        max_seq_len=max_len, rope_theta=theta, norm_eps=float(c["rms_norm_eps"]),
-        tie_embeddings=bool(c.get("tie_word_embeddings", False)), qkv_bias=mt == "qwen2",
-        qk_norm=mt in ("qwen3", "gemma3_text"), **scaling, **g)
+        f["global_every"] = n
+    return ModelConfig(**f)
 
 
 def config_to_hf(cfg: ModelConfig, model_type: str = "", dtype: str = "float32") -> dict:
@@ -1026,10 +988,8 @@ def config_to_hf(cfg: ModelConfig, model_type: str = "", dtype: str = "float32")
                         "qwen3" if cfg.qk_norm else "qwen2" if cfg.qkv_bias else "llama")
     if mt not in HF_ARCHITECTURES:
         raise hf.HFError(f"model_type {mt!r}: choose one of {', '.join(HF_ARCHITECTURES)}.")
-    want = dict(qkv_bias=mt == "qwen2", qk_norm=mt in ("qwen3", "gemma3_text"),
-                **{k: mt in GEMMA for k in ("norm_plus_one", "sandwich_norm", "embed_scale",
-                                            "gelu")})
-    bad = {k: getattr(cfg, k) for k, v in want.items() if getattr(cfg, k) != v}
+    bad = {k: getattr(cfg, k) for k in ("qkv_bias", "qk_norm", *_GEMMA_KNOBS)
+           if getattr(cfg, k) != HF_KNOBS[mt].get(k, False)}
     may = dict(sliding_window=GEMMA, attn_softcap=GEMMA, final_softcap=GEMMA,
                query_scale=GEMMA, rope_local_theta=("gemma3_text",),
                rope_linear=[m for m in HF_ARCHITECTURES if m != "gemma2"])  # Gemma 2: one RoPE
@@ -1044,39 +1004,25 @@ def config_to_hf(cfg: ModelConfig, model_type: str = "", dtype: str = "float32")
     if cfg.rope_linear:
         rope |= {"rope_type": "linear", "factor": cfg.rope_linear}
     if cfg.rope_scaling > 0:
-        rope = {"rope_type": "llama3", "rope_theta": cfg.rope_theta, "factor": cfg.rope_scaling,
-                "low_freq_factor": cfg.rope_low_freq_factor,
-                "high_freq_factor": cfg.rope_high_freq_factor,
-                "original_max_position_embeddings": cfg.rope_original_max_len}
+        rope = {"rope_type": "llama3", "rope_theta": cfg.rope_theta} | {
+            key: getattr(cfg, k) for key, k in LLAMA3_ROPE.items()}
     L = cfg.n_layers
-    c = dict(architectures=[HF_ARCHITECTURES[mt]], model_type=mt, vocab_size=cfg.vocab_size,
-             hidden_size=cfg.d_model, intermediate_size=cfg.d_ff, num_hidden_layers=L,
-             num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_kv_heads,
-             head_dim=cfg.head_dim, hidden_act="silu", max_position_embeddings=cfg.max_seq_len,
-             rms_norm_eps=cfg.norm_eps, tie_word_embeddings=cfg.tie_embeddings,
+    c = dict(architectures=[HF_ARCHITECTURES[mt]], model_type=mt, hidden_act="silu",
+             **{key: getattr(cfg, k) for key, k in HF_KEYS.items()},
              rope_parameters=rope, rope_theta=cfg.rope_theta,
              rope_scaling={k: v for k, v in rope.items() if k != "rope_theta"}
              if cfg.rope_scaling > 0 or cfg.rope_linear else None,
              attention_dropout=0.0, initializer_range=0.02, use_cache=True, dtype=dtype,
-             torch_dtype=dtype)
-    if mt == "llama":
-        c |= dict(attention_bias=False, mlp_bias=False, pretraining_tp=1)
-    if mt == "mistral":
-        c |= dict(sliding_window=None)
+             torch_dtype=dtype) | HF_CONSTANTS[mt]
     if mt in ("qwen2", "qwen3"):
-        c |= dict(use_sliding_window=False, sliding_window=None, max_window_layers=L,
-                  layer_types=["full_attention"] * L)
-    if mt == "qwen3":
-        c |= dict(attention_bias=False)
+        c |= dict(max_window_layers=L, layer_types=["full_attention"] * L)
     if mt in GEMMA:
         n = cfg.global_every
-        c |= dict(hidden_act="gelu_pytorch_tanh", hidden_activation="gelu_pytorch_tanh",
-                  query_pre_attn_scalar=int(cfg.query_scale or cfg.head_dim),
-                  sliding_window=cfg.sliding_window or None, sliding_window_pattern=n or L + 1,
-                  layer_types=["full_attention" if not cfg.sliding_window or n and (i + 1) % n == 0
-                               else "sliding_attention" for i in range(L)],
-                  attn_logit_softcapping=cfg.attn_softcap or None,
-                  final_logit_softcapping=cfg.final_softcap or None, attention_bias=False)
+        c |= {key: getattr(cfg, k) or None for key, k in GEMMA_KEYS.items()} | dict(
+            query_pre_attn_scalar=int(cfg.query_scale or cfg.head_dim),
+            sliding_window_pattern=n or L + 1,
+            layer_types=["full_attention" if not cfg.sliding_window or n and (i + 1) % n == 0
+                         else "sliding_attention" for i in range(L)])
     if mt == "gemma3_text":  # transformers 5 reads rope_parameters per layer type, 4.x the rest
         local = cfg.rope_local_theta or cfg.rope_theta
         c |= dict(rope_local_base_freq=local, rope_parameters={

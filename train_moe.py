@@ -932,17 +932,47 @@ def loss_fn(params, batch_BT1, cfg: ModelConfig, t: TrainConfig = TrainConfig())
     for logits l_t = h_t W_unembed, lse_t = logsumexp(l_t), over all B*T targets, and each
     layer l's router losses (see `router`). Returns (loss, {"ce": ce, routing stats [L]}).
     No [B, T, V] logits: train_dense.py's `_ce_fused` makes each `loss_chunk` positions'
-    gradient with their loss, so no logits are kept or rebuilt for the backward pass."""
+    gradient with their loss (`cross_entropy`), so no logits are kept or rebuilt for the
+    backward pass."""
     inputs, targets = batch_BT1[:, :-1], batch_BT1[:, 1:]
     h_BTD, stats = hidden(params, inputs, cfg, max_logits=t.qk_clip_threshold > 0)
     w_DV = unembedding(params, cfg).astype(h_BTD.dtype)
     if targets.size <= cfg.vocab_size:
         h_BTD, w_DV = constrain(h_BTD, LOSS_BTD), constrain(w_DV, VOCAB_DV)
-    obj, ce = _ce_fused(h_BTD, w_DV, targets, None, cfg.loss_chunk, t.z_loss, 0.0,
-                        not cfg.scan_layers)
+    obj, ce = _ce_fused(partial(cross_entropy, z_loss=t.z_loss, cap=0.0), h_BTD, w_DV, targets,
+                        None, cfg.loss_chunk, not cfg.scan_layers)
     n = targets.size
     return (obj / n + t.load_balance_loss * jnp.mean(stats["aux_loss"]) + t.router_z_loss
             * jnp.mean(stats["router_z"])), {"ce": ce / n, **stats}
+
+
+def cross_entropy(h_BCD, w_DV, t_BC, wt_BC, *, z_loss: float, cap: float, grad: bool):
+    """One chunk's (objective, cross-entropy) sums, and with `grad` the objective's gradient
+    (dh, dW). Weights wt_BC (None = all 1) scale each target's terms and gradient alike.
+
+    For p = softmax(l), d(lse - l[y])/dl = p - onehot(y) and d(lse^2)/dl = 2 lse p: both are
+    known the moment the chunk's logits are, so no logits need be kept or rebuilt.
+    """
+    logits = _softcap(jnp.einsum("bcd,dv->bcv", h_BCD, w_DV,
+                                 preferred_element_type=jnp.float32), cap)
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    hot = jax.nn.one_hot(t_BC, w_DV.shape[1], dtype=logits.dtype)
+    tgt = jnp.sum(logits * hot, axis=-1)   # not a gather: the vocabulary is split (VOCAB_DV)
+    ce_BC, z_BC = lse - tgt, lse * lse
+    if wt_BC is not None:
+        ce_BC, z_BC = ce_BC * wt_BC, z_BC * wt_BC
+    ce = jnp.sum(ce_BC)
+    sums = ce + z_loss * jnp.sum(z_BC), ce
+    if not grad:
+        return sums
+    dl = jnp.exp(logits - lse[..., None]) * (1.0 + 2.0 * z_loss * lse)[..., None] - hot
+    dl = dl if wt_BC is None else dl * wt_BC[..., None]
+    dl = dl * (1.0 - jnp.square(logits / cap)) if cap else dl   # d(c tanh(z/c))/dz
+    dh_BCD = jnp.einsum("bcv,dv->bcd", dl.astype(w_DV.dtype), w_DV,
+                        preferred_element_type=jnp.float32).astype(h_BCD.dtype)
+    dw_DV = jnp.einsum("bcd,bcv->dv", h_BCD, dl.astype(h_BCD.dtype),
+                       preferred_element_type=jnp.float32)
+    return sums, (dh_BCD, dw_DV)
 
 
 def _chunked(chunk: int, *xs_BT):
@@ -959,59 +989,33 @@ def _softcap(logits, cap: float):
     return cap * jnp.tanh(logits / cap) if cap else logits   # Gemma 2's final soft-cap
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
-def _ce_fused(h_BTD, w_DV, t_BT, wt_BT, chunk: int, z_loss: float, cap: float = 0.0,
-              unroll: bool = False):
-    """Cross-entropy whose gradient is made in the same pass as the loss, chunk by chunk.
+@partial(jax.custom_vjp, nondiff_argnums=(0, 5, 6))
+def _ce_fused(ce_fn, h_BTD, w_DV, t_BT, wt_BT, chunk: int, unroll: bool = False):
+    """ce_fn's sums over the sequence's chunks, each chunk's gradient made with its sums.
 
-    For logits l, p = softmax(l) and target t, d(ce)/dl = p - onehot(t) and
-    d(lse^2)/dl = 2 lse p: both are known the moment a chunk's logits are, so each chunk
-    leaves only its dh = dl W^T and adds h^T dl to dW, and no logits are kept or rebuilt.
-    Against `_ce_remat` this saves the second unembedding matmul, which dominates the
-    step when the vocabulary is large. Only the objective is differentiated; the returned
-    cross-entropy is a report. Per-token weights wt_BT (None = all 1) scale each target's
-    terms and their gradient alike; they are data, never differentiated.
+    Each chunk leaves only its dh and adds to dW. Against `_ce_remat` this saves the second
+    unembedding matmul, which dominates the step when the vocabulary is large. Only the
+    objective is differentiated; the cross-entropy is a report. Weights are data.
     """
-    return _ce_fused_fwd(h_BTD, w_DV, t_BT, wt_BT, chunk, z_loss, cap, unroll)[0]
+    return _ce_fused_fwd(ce_fn, h_BTD, w_DV, t_BT, wt_BT, chunk, unroll)[0]
 
 
-def _ce_fused_fwd(h_BTD, w_DV, t_BT, wt_BT, chunk, z_loss, cap=0.0, unroll=False):
-    h_nBCD, t_nBC, wt_nBC = _chunked(chunk, h_BTD, t_BT, wt_BT)
-    V = w_DV.shape[1]
-
-    def one(carry, xs):
-        obj, ce, dw_DV = carry
-        h_BCD, t_BC, wt_BC = xs
-        logits = _softcap(jnp.einsum("bcd,dv->bcv", h_BCD, w_DV,
-                                     preferred_element_type=jnp.float32), cap)
-        lse = jax.nn.logsumexp(logits, axis=-1)
-        hot = jax.nn.one_hot(t_BC, V, dtype=logits.dtype)
-        tgt = jnp.sum(logits * hot, axis=-1)   # not a gather: the vocabulary is split (VOCAB_DV)
-        p = jnp.exp(logits - lse[..., None])
-        dl = p * (1.0 + 2.0 * z_loss * lse)[..., None] - hot
-        ce_BC, z_BC = lse - tgt, lse * lse
-        if wt_BC is not None:
-            dl, ce_BC, z_BC = dl * wt_BC[..., None], ce_BC * wt_BC, z_BC * wt_BC
-        dl = dl * (1.0 - jnp.square(logits / cap)) if cap else dl   # d(c tanh(z/c))/dz
-        dh_BCD = jnp.einsum("bcv,dv->bcd", dl.astype(w_DV.dtype), w_DV,
-                            preferred_element_type=jnp.float32).astype(h_BCD.dtype)
-        dw_DV = dw_DV + jnp.einsum("bcd,bcv->dv", h_BCD, dl.astype(h_BCD.dtype),
-                                   preferred_element_type=jnp.float32)
-        ce_i = jnp.sum(ce_BC)
-        return (obj + ce_i + z_loss * jnp.sum(z_BC), ce + ce_i, dw_DV), dh_BCD
+def _ce_fused_fwd(ce_fn, h_BTD, w_DV, t_BT, wt_BT, chunk, unroll=False):
+    def one(acc, xs):
+        (obj, ce), (dh_BCD, dw_DV) = ce_fn(xs[0], w_DV, *xs[1:], grad=True)
+        return (acc[0] + obj, acc[1] + ce, acc[2] + dw_DV), dh_BCD
 
     zero = jnp.zeros((), jnp.float32)
     (obj, ce, dw_DV), dh_nBCD = jax.lax.scan(
-        one, (zero, zero, jnp.zeros(w_DV.shape, jnp.float32)), (h_nBCD, t_nBC, wt_nBC),
-        unroll=unroll)
+        one, (zero, zero, jnp.zeros(w_DV.shape, jnp.float32)),
+        _chunked(chunk, h_BTD, t_BT, wt_BT), unroll=unroll)
     dh_BTD = dh_nBCD.swapaxes(0, 1).reshape(h_BTD.shape)
     return (obj, ce), (dh_BTD, dw_DV.astype(w_DV.dtype))
 
 
-def _ce_fused_bwd(chunk, z_loss, cap, unroll, res, g):
+def _ce_fused_bwd(ce_fn, chunk, unroll, res, g):
     dh_BTD, dw_DV = res
-    g_obj = g[0]
-    return ((g_obj * dh_BTD).astype(dh_BTD.dtype), (g_obj * dw_DV).astype(dw_DV.dtype), None,
+    return ((g[0] * dh_BTD).astype(dh_BTD.dtype), (g[0] * dw_DV).astype(dw_DV.dtype), None,
             None)
 
 

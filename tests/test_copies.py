@@ -20,7 +20,7 @@ SAME_SOURCE = {
     "init_params": (td, tm, tg), "count_params": (td, tm, tg), "unembedding": (td, tm, tg),
     "cli": (td, tm, tg), "make_schedule": (td, tm),
     # The MoE trainer's loss is dense's fused chunked cross-entropy, soft-cap included.
-    "_chunked": (td, tm), "_softcap": (td, tm), "_ce_fused": (td, tm),
+    "_chunked": (td, tm), "_softcap": (td, tm), "cross_entropy": (td, tm), "_ce_fused": (td, tm),
     "_ce_fused_fwd": (td, tm), "_ce_fused_bwd": (td, tm),
     # train_grpo.py's policy is train_dense.py's model, and its HF loading half is dense's;
     # dense's parameter table, HF names and config reading also carry the Gemma knobs, which

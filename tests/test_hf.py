@@ -415,7 +415,8 @@ def test_init_from_hf_train_and_export(data_path, tmp_path, knobs):
     # The first step's loss is the published model's, not a fresh init's (ln 512 = 6.24).
     batch = batch_rows(load_dataset(DataConfig(path=data_path)).train, seed=0, step=0,
                        batch_size=8, seq_len=32)
-    want = float(td.loss_fn(published, batch, train.with_source_model(cfg, td.config_from_hf).model)[1])
+    model = train.with_source_model(cfg, td.config_from_hf).model
+    want = float(td.loss_fn(published, batch, model)[1]["ce"])
     first = json.loads(open(tmp_path / "run" / "metrics.jsonl").readline())
     assert first["step"] == 1 and first["loss"] == pytest.approx(want, rel=1e-5)
     assert abs(want - np.log(512)) > 0.5
