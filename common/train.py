@@ -6,7 +6,8 @@ tables to specs and weights; the checks of flags; AdamW and its schedules; Train
 ({params, opt_state, step}, sharded, fresh or abstract, a step jitted with donation and a
 guard against non-finite updates); peak FLOPs and MFU; dry-run and bench reports; sampling;
 Run and Loop (a run directory, and the loop's logging, evals, checkpoints and SIGTERM); the
-export-hf driver and the command line. It knows no model: it reads no ModelConfig field.
+steps of export-hf and the command line. It knows no model: it reads no ModelConfig field
+and calls no trainer function (the trainer hands it data: tables, configs, logits).
 """
 from __future__ import annotations
 
@@ -628,19 +629,18 @@ def draw(key, z_BV, temperature, top_k: int, top_p: float):
 
 
 class Sampler:
-    """Decoding n_new tokens after each prompt with full forwards (no KV cache: this is a peek
-    at the model, not an inference server), in buffers of a fixed size (one compile). The
-    trainer runs its own forward on the rows each step and hands back the logits:
+    """n_new tokens after each prompt, decoded with full forwards (no KV cache: a peek at the
+    model, not an inference server) in buffers of a fixed size. The trainer's forward makes
+    each step's logits:
 
         s = Sampler(prompts, n_new=..., ...)
-        for rows in s:                            # (tokens[, segment_ids, positions])
-            s.add(logits_fn(params, *rows))       # [B, T, V]
-        s.completions()                           # the new tokens of each prompt
+        for rows in s:                          # (tokens[, segment_ids, positions])
+            s.add(logits_fn(params, *rows))     # [B, T, V]: the next token is drawn
+        s.completions()                         # the new tokens of each prompt
 
-    Only the first `n_valid` ids are drawn: the model's vocabulary may be padded past the
-    tokenizer's. Prompts of different lengths are left-padded: the padding is a segment of
-    its own, which no prompt attends to, and each prompt's positions start at 0 as they did
-    in training (equal lengths need neither: the rows are the tokens alone)."""
+    Only the first `n_valid` ids are drawn: the vocabulary may be padded past the tokenizer's.
+    Prompts of different lengths are left-padded: the padding is a segment of its own, which
+    no prompt attends to, and each prompt's positions start at 0 as they did in training."""
 
     def __init__(self, prompts: list[list[int]], *, n_new: int, max_len: int,
                  temperature: float, n_valid: int, mesh, batch_axes, key):
