@@ -1052,8 +1052,7 @@ def load_hf(path: str, mesh=None) -> tuple[ModelConfig, dict]:
     as our ModelConfig and float32 parameters placed with their `param_specs` on `mesh`."""
     ckpt = hf.Checkpoint(path)
     cfg = config_from_hf(ckpt.config, ckpt.config_file)
-    return cfg, train.hf_params(ckpt, mesh, _param_table(cfg), hf_mapping(cfg), _hf_sizes(cfg),
-                                cfg.tie_embeddings)
+    return cfg, train.hf_params(ckpt, mesh, _param_table(cfg), hf_mapping(cfg), _hf_sizes(cfg))
 
 
 def config_to_hf(cfg: ModelConfig, model_type: str = "", dtype: str = "float32") -> dict:

@@ -1549,8 +1549,7 @@ def load_hf(path: str, mesh=None) -> tuple[ModelConfig, dict]:
     come inside the layers, as `with_buffers` puts them: `forward` reads them there."""
     ckpt = hf.Checkpoint(path)
     cfg, mt = config_from_hf(ckpt.config, ckpt.config_file), ckpt.config["model_type"]
-    return cfg, train.hf_params(ckpt, mesh, _hf_table(cfg), hf_mapping(cfg, mt), _hf_sizes(cfg),
-                                cfg.tie_embeddings)
+    return cfg, train.hf_params(ckpt, mesh, _hf_table(cfg), hf_mapping(cfg, mt), _hf_sizes(cfg))
 
 
 def save_hf(params: dict, cfg: ModelConfig, path: str, *, model_type: str = "",

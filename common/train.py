@@ -998,21 +998,20 @@ def hf_origin(saved: dict) -> str:
     return saved.get("init_from_hf") or ""
 
 
-def hf_params(ckpt: hf.Checkpoint, mesh, table: dict, mapping: dict, sizes: dict,
-              tied: bool = False) -> dict:
+def hf_params(ckpt: hf.Checkpoint, mesh, table: dict, mapping: dict, sizes: dict) -> dict:
     """The float32 parameters of an opened HuggingFace folder, placed as the parameter `table`
     says on `mesh` (default the first device); `mapping` and `sizes` are the family's names and
-    layouts (common/hf.py), `tied`: the embeddings are. Each device reads only its own block."""
+    layouts (common/hf.py). Each device reads only its own block."""
     mesh = mesh or make_mesh(MeshConfig(fsdp=1), jax.devices()[:1])
     check_divides(table, mesh, ckpt.path)
     mt = ckpt.config["model_type"]
-    # Some exports keep lm_head.weight although it is tied; older ones saved rotary tables.
+    # Some exports keep lm_head.weight although it is tied (so the mapping has none); older
+    # ones saved rotary tables.
     # Layers past num_hidden_layers are DeepSeek-V3's multi-token-prediction module, which
     # predicts a second token ahead and is not part of the model we train.
     extra = lambda n: (m := re.match(r"model\.layers\.(\d+)\.", n)) and int(m[1]) >= (
         ckpt.config["num_hidden_layers"])
-    ignore = lambda n: (tied and n == "lm_head.weight") or (
-        n.endswith("rotary_emb.inv_freq")) or extra(n)
+    ignore = lambda n: n == "lm_head.weight" or n.endswith("rotary_emb.inv_freq") or extra(n)
     if skipped := sorted(n for n in ckpt.names() if extra(n)):
         log(f"{ckpt.path}: {len(skipped)} tensors of layers past num_hidden_layers (a multi-"
             f"token-prediction module) are not loaded, e.g. {skipped[0]}")
