@@ -723,7 +723,7 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
 
 
 def main(cfg: Config) -> dict:
-    hf_config, model = train.model_source(cfg)  # --init-from-hf's, or --init-from's
+    hf_config, model = train.model_source(cfg)  # --init-from-hf's config, --init-from's model
     cfg = train.with_model(cfg, config_from_hf(*hf_config) if hf_config else model)
     train.start(cfg.quiet)
     devices = train.devices(cfg.compile_topology, cfg.compile_slices, cfg.dry_run)
@@ -1112,7 +1112,7 @@ def save_hf(params: dict, cfg: ModelConfig, path: str, *, model_type: str = "",
 # --init-from's (common/data.py `run_tokenizer` follows the chain).
 def export_hf(run_dir: str, out: str, step: int = -1, dtype: train.ExportDtype = "float32",
               model_type: Literal[("", *HF_ARCHITECTURES)] = "", max_shard_gb: float = 5.0):
-    with train.run_config(run_dir) as saved:
+    with train.run_config(run_dir) as saved:  # unreadable: a ConfigError naming it
         cfg = Config(model=ModelConfig(**saved["model"]), train=TrainConfig(**saved["train"]),
                      data=DataConfig(**saved["data"]), run_dir=run_dir)
     ex = train.export(run_dir, step, saved, {"params": _param_table(cfg.model)}, dtype,

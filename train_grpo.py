@@ -715,7 +715,7 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
 
 def main(cfg: Config) -> dict:
     train.start(cfg.quiet)
-    hf_config, model = train.model_source(cfg)  # --init-from-hf's, or --init-from's
+    hf_config, model = train.model_source(cfg)  # --init-from-hf's config, --init-from's model
     cfg = train.with_model(cfg, config_from_hf(*hf_config) if hf_config else model)
     tok = make_tokenizer(cfg)
     task = validate(cfg, jax.device_count(), tok)
@@ -1100,7 +1100,7 @@ def save_hf(params: dict, cfg: ModelConfig, path: str, *, model_type: str = "",
 # export-hf: the policy, and the tokenizer of the model it started from (the demo's has none).
 def export_hf(run_dir: str, out: str, step: int = -1, dtype: train.ExportDtype = "float32",
               model_type: Literal[("", *HF_ARCHITECTURES)] = "", max_shard_gb: float = 5.0):
-    with train.run_config(run_dir) as saved:
+    with train.run_config(run_dir) as saved:  # unreadable: a ConfigError naming it
         model = ModelConfig(**saved["model"])
     ex = train.export(run_dir, step, saved, {"params": _param_table(model)}, dtype, max_shard_gb,
                       tokenizer_run=saved.get("init_from", ""))

@@ -1126,7 +1126,7 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
 
 
 def main(cfg: Config) -> dict:
-    hf_config, model = train.model_source(cfg)  # --init-from-hf's, or --init-from's
+    hf_config, model = train.model_source(cfg)  # --init-from-hf's config, --init-from's model
     cfg = train.with_model(cfg, config_from_hf(*hf_config) if hf_config else model)
     train.start(cfg.quiet)
     devices = train.devices(cfg.compile_topology, cfg.compile_slices, cfg.dry_run)
@@ -1207,8 +1207,8 @@ def train_loop(cfg: Config, mesh, st: train.TrainState, step_fn) -> dict:
         run.ckpt.wait()
         if tc.sample_tokens > 0:  # one prompt: this forward has no segments to left-pad with
             prompt, params = ds.encode(tc.sample_prompt), weights(state)
-            s = train.Sampler([prompt], n_new=tc.sample_tokens, max_len=min(tc.seq_len,
-                              mc.max_seq_len), temperature=tc.temperature, n_valid=ds.vocab_size,
+            s = train.Sampler([prompt], n_new=tc.sample_tokens, temperature=tc.temperature,
+                              max_len=min(tc.seq_len, mc.max_seq_len), n_valid=ds.vocab_size,
                               mesh=mesh, batch_axes=MOE_BATCH, key=jax.random.key(tc.seed + 7))
             logits = jax.jit(lambda p, tokens: forward(p, tokens, mc))
             for (tokens,) in s:
@@ -1566,7 +1566,7 @@ def save_hf(params: dict, cfg: ModelConfig, path: str, *, model_type: str = "",
 # export-hf: a run's checkpoint, router biases included, as a HuggingFace folder.
 def export_hf(run_dir: str, out: str, step: int = -1, dtype: train.ExportDtype = "float32",
               model_type: Literal[("", *HF_ARCHITECTURES)] = "", max_shard_gb: float = 5.0):
-    with train.run_config(run_dir) as saved:
+    with train.run_config(run_dir) as saved:  # unreadable: a ConfigError naming it
         cfg = Config(model=ModelConfig(**saved["model"]), train=TrainConfig(**saved["train"]),
                      data=DataConfig(**saved["data"]), run_dir=run_dir)
     ex = train.export(run_dir, step, saved, {"params": _param_table(cfg.model), "buffers":
