@@ -668,6 +668,9 @@ class Sampler:
         """The next token of each row, drawn from the logits at the position before it."""
         self.buf, self.key = _next_token(self.buf, logits_BTV, self.i, self.key,
                                          n_valid=self.n_valid, temperature=self.temperature)
+        # One step at a time: many collective programs in flight at once deadlock the CPU's
+        # cross-process collectives (2 processes, 96 tokens hung).
+        self.buf.block_until_ready()
 
     def completions(self) -> list[list[int]]:
         out = fetch(self.buf)
