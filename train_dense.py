@@ -687,7 +687,8 @@ def validate(cfg: Config, n_devices: int) -> None:
 
 
 def main(cfg: Config) -> dict:
-    cfg = train.with_source_model(cfg, config_from_hf)
+    hf_config, model = train.model_source(cfg)  # --init-from-hf's config, --init-from's model
+    cfg = train.with_model(cfg, config_from_hf(*hf_config) if hf_config else model)
     train.start(cfg.quiet)
     devices = train.devices(cfg.compile_topology, cfg.compile_slices, cfg.dry_run)
     validate(cfg, len(devices))
@@ -790,12 +791,18 @@ def train_loop(cfg: Config, mesh, st: train.TrainState, step_fn) -> dict:
 
 def sample(params, prompts: list[list[int]], cfg: Config, mesh, key, n_valid: int):
     """--train.sample-tokens tokens after each prompt, at --train.temperature (0 = greedy)."""
-    return train.sample(lambda p, tokens, seg=None, pos=None: forward(
-                            p, tokens, cfg.model, segment_ids=seg, positions=pos),
-                        params, prompts, n_new=cfg.train.sample_tokens,
-                        max_len=min(cfg.train.seq_len, cfg.model.max_seq_len),
-                        temperature=cfg.train.temperature, n_valid=n_valid, mesh=mesh,
-                        batch_axes=BATCH_AXES, key=key)
+    t, m = cfg.train, cfg.model
+    buf, seg, pos, width = train.prompt_rows(prompts, n_new=t.sample_tokens, mesh=mesh,
+                                             max_len=min(t.seq_len, m.max_seq_len),
+                                             batch_axes=BATCH_AXES)
+
+    @jax.jit
+    def decode(params, buf, seg, pos, key):  # every new token in one program
+        def one(i, carry):
+            z_BTV = forward(params, carry[0], m, segment_ids=seg, positions=pos)
+            return train.next_token(z_BTV, *carry, i, temperature=t.temperature, n_valid=n_valid)
+        return jax.lax.fori_loop(width, width + t.sample_tokens, one, (buf, key))[0]
+    return train.completions(decode(params, buf, seg, pos, key), len(prompts), width)
 
 
 def sft_samples(params, ds: SFTDataset, cfg: Config, mesh, key) -> list[dict]:
@@ -1034,8 +1041,9 @@ def config_to_hf(cfg: ModelConfig, model_type: str = "", dtype: str = "float32")
 def load_hf(path: str, mesh=None) -> tuple[ModelConfig, dict]:
     """A HuggingFace folder (config.json and safetensors, one file or sharded with an index)
     as our ModelConfig and float32 parameters placed with their `param_specs` on `mesh`."""
-    return train.load_hf(path, mesh, config_from_hf, _param_table, lambda c, _: hf_mapping(c),
-                         _hf_sizes)
+    ckpt = hf.Checkpoint(path)
+    cfg = config_from_hf(ckpt.config, ckpt.config_file)
+    return cfg, train.hf_params(ckpt, mesh, _param_table(cfg), hf_mapping(cfg), _hf_sizes(cfg))
 
 
 def save_hf(params: dict, cfg: ModelConfig, path: str, *, model_type: str = "",
@@ -1044,20 +1052,22 @@ def save_hf(params: dict, cfg: ModelConfig, path: str, *, model_type: str = "",
     """`params` as a HuggingFace folder that transformers (and vLLM) load: config.json, and
     safetensors shards of at most `max_shard_bytes` with their index. `base_config` (the
     config.json the run started from) keeps its other keys: token ids, chat settings."""
-    base = {k: v for k, v in (base_config or {}).items() if k not in hf.CONTRADICTING}
     c = config_to_hf(cfg, model_type or (base_config or {}).get("model_type", ""), dtype)
-    return hf.save(path, params, hf_mapping(cfg), _hf_sizes(cfg), base | c, dtype=dtype,
+    return hf.save(path, params, hf_mapping(cfg), _hf_sizes(cfg), c, base_config, dtype=dtype,
                    max_shard_bytes=max_shard_bytes)
 
 
 # export-hf: a run's checkpoint as a HuggingFace folder; an SFT run's tokenizer is its
-# --init-from's (run_tokenizer follows the chain).
-export_hf = train.export_command(
-    HF_ARCHITECTURES, read=lambda saved, run_dir: Config(
-        model=ModelConfig(**saved["model"]), train=TrainConfig(**saved["train"]),
-        data=DataConfig(**saved["data"]), run_dir=run_dir),
-    table=lambda c: _param_table(c.model), tokenizer=lambda c: run_tokenizer(c.run_dir),
-    save=lambda params, c, out, base, **kw: save_hf(params, c.model, out, base_config=base, **kw))
+# --init-from's (common/data.py `run_tokenizer` follows the chain).
+def export_hf(run_dir: str, out: str, step: int = -1, dtype: train.ExportDtype = "float32",
+              model_type: Literal[("", *HF_ARCHITECTURES)] = "", max_shard_gb: float = 5.0):
+    with train.run_config(run_dir) as saved:  # unreadable: a ConfigError naming it
+        cfg = Config(model=ModelConfig(**saved["model"]), train=TrainConfig(**saved["train"]),
+                     data=DataConfig(**saved["data"]), run_dir=run_dir)
+    ex = train.export(run_dir, step, saved, {"params": _param_table(cfg.model)}, dtype,
+                      max_shard_gb, tokenizer_run=run_dir)
+    return ex.written(save_hf(ex.params, cfg.model, out, model_type=model_type, **ex.hf_args), out)
+export_hf.__doc__ = train.EXPORT_HF_DOC
 
 
 def cli(args=None) -> Config:

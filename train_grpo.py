@@ -715,7 +715,8 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
 
 def main(cfg: Config) -> dict:
     train.start(cfg.quiet)
-    cfg = train.with_source_model(cfg, config_from_hf)
+    hf_config, model = train.model_source(cfg)  # --init-from-hf's config, --init-from's model
+    cfg = train.with_model(cfg, config_from_hf(*hf_config) if hf_config else model)
     tok = make_tokenizer(cfg)
     task = validate(cfg, jax.device_count(), tok)
     mesh = make_mesh(cfg.mesh)
@@ -1049,8 +1050,9 @@ def config_from_hf(c: dict, where: str = "config.json") -> ModelConfig:
 def load_hf(path: str, mesh=None) -> tuple[ModelConfig, dict]:
     """A HuggingFace folder (config.json and safetensors, one file or sharded with an index)
     as our ModelConfig and float32 parameters placed with their `param_specs` on `mesh`."""
-    return train.load_hf(path, mesh, config_from_hf, _param_table, lambda c, _: hf_mapping(c),
-                         _hf_sizes)
+    ckpt = hf.Checkpoint(path)
+    cfg = config_from_hf(ckpt.config, ckpt.config_file)
+    return cfg, train.hf_params(ckpt, mesh, _param_table(cfg), hf_mapping(cfg), _hf_sizes(cfg))
 
 
 def config_to_hf(cfg: ModelConfig, model_type: str = "", dtype: str = "float32") -> dict:
@@ -1090,20 +1092,20 @@ def save_hf(params: dict, cfg: ModelConfig, path: str, *, model_type: str = "",
     """`params` as a HuggingFace folder that transformers (and vLLM) load: config.json, and
     safetensors shards of at most `max_shard_bytes` with their index. `base_config` (the
     config.json the run started from) keeps its other keys: token ids, chat settings."""
-    base = {k: v for k, v in (base_config or {}).items() if k not in hf.CONTRADICTING}
     c = config_to_hf(cfg, model_type or (base_config or {}).get("model_type", ""), dtype)
-    return hf.save(path, params, hf_mapping(cfg), _hf_sizes(cfg), base | c, dtype=dtype,
+    return hf.save(path, params, hf_mapping(cfg), _hf_sizes(cfg), c, base_config, dtype=dtype,
                    max_shard_bytes=max_shard_bytes)
 
 
 # export-hf: the policy, and the tokenizer of the model it started from (the demo's has none).
-export_hf = train.export_command(
-    HF_ARCHITECTURES, read=lambda saved, run_dir: Config(
-        model=ModelConfig(**saved["model"]), init_from=saved.get("init_from", ""),
-        init_from_hf=saved.get("init_from_hf", ""), run_dir=run_dir),
-    table=lambda c: _param_table(c.model), tokenizer=lambda c: run_tokenizer(
-        c.init_from, lambda d: read_run_config(d, "--init-from", True)) if c.init_from else None,
-    save=lambda params, c, out, base, **kw: save_hf(params, c.model, out, base_config=base, **kw))
+def export_hf(run_dir: str, out: str, step: int = -1, dtype: train.ExportDtype = "float32",
+              model_type: Literal[("", *HF_ARCHITECTURES)] = "", max_shard_gb: float = 5.0):
+    with train.run_config(run_dir) as saved:  # unreadable: a ConfigError naming it
+        model = ModelConfig(**saved["model"])
+    ex = train.export(run_dir, step, saved, {"params": _param_table(model)}, dtype, max_shard_gb,
+                      tokenizer_run=saved.get("init_from", ""))
+    return ex.written(save_hf(ex.params, model, out, model_type=model_type, **ex.hf_args), out)
+export_hf.__doc__ = train.EXPORT_HF_DOC
 
 
 def cli(args=None) -> Config:

@@ -1101,7 +1101,8 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
 
 
 def main(cfg: Config) -> dict:
-    cfg = train.with_source_model(cfg, config_from_hf)
+    hf_config, model = train.model_source(cfg)  # --init-from-hf's config, --init-from's model
+    cfg = train.with_model(cfg, config_from_hf(*hf_config) if hf_config else model)
     train.start(cfg.quiet)
     devices = train.devices(cfg.compile_topology, cfg.compile_slices, cfg.dry_run)
     validate(cfg, len(devices))
@@ -1180,12 +1181,19 @@ def train_loop(cfg: Config, mesh, st: train.TrainState, step_fn) -> dict:
 
         run.ckpt.wait()
         if tc.sample_tokens > 0:  # one prompt: this forward has no segments to left-pad with
-            prompt = ds.encode(tc.sample_prompt)
-            out = train.sample(lambda p, t: forward(p, t, mc), weights(state), [prompt],
-                               n_new=tc.sample_tokens, max_len=min(tc.seq_len, mc.max_seq_len),
-                               temperature=tc.temperature, n_valid=ds.vocab_size, mesh=mesh,
-                               batch_axes=MOE_BATCH, key=jax.random.key(tc.seed + 7))[0]
-            log("sample:\n" + ds.decode(prompt + out))
+            prompt, params = ds.encode(tc.sample_prompt), weights(state)
+            buf, _, _, width = train.prompt_rows(
+                [prompt], n_new=tc.sample_tokens, max_len=min(tc.seq_len, mc.max_seq_len),
+                mesh=mesh, batch_axes=MOE_BATCH)
+
+            @jax.jit
+            def decode(params, buf, key):  # every new token in one program
+                def one(i, carry):
+                    return train.next_token(forward(params, carry[0], mc), *carry, i,
+                                            temperature=tc.temperature, n_valid=ds.vocab_size)
+                return jax.lax.fori_loop(width, width + tc.sample_tokens, one, (buf, key))[0]
+            new = train.completions(decode(params, buf, jax.random.key(tc.seed + 7)), 1, width)
+            log("sample:\n" + ds.decode(prompt + new[0]))
         logged = [r for r in run.metrics_log.records if "load_max" in r]
         routing = "-" if not logged else (
             f"expert shares {min(logged[-1]['load_min']):.3f}-{max(logged[-1]['load_max']):.3f} "
@@ -1508,7 +1516,9 @@ def load_hf(path: str, mesh=None) -> tuple[ModelConfig, dict]:
     as our ModelConfig and float32 parameters placed with their `param_specs` on `mesh`,
     every device reading only its own experts' blocks. With sigmoid routing the router biases
     come inside the layers, as `with_buffers` puts them: `forward` reads them there."""
-    return train.load_hf(path, mesh, config_from_hf, _hf_table, hf_mapping, _hf_sizes)
+    ckpt = hf.Checkpoint(path)
+    cfg, mt = config_from_hf(ckpt.config, ckpt.config_file), ckpt.config["model_type"]
+    return cfg, train.hf_params(ckpt, mesh, _hf_table(cfg), hf_mapping(cfg, mt), _hf_sizes(cfg))
 
 
 def save_hf(params: dict, cfg: ModelConfig, path: str, *, model_type: str = "",
@@ -1517,21 +1527,21 @@ def save_hf(params: dict, cfg: ModelConfig, path: str, *, model_type: str = "",
     """`params` (the router biases inside, as `load_hf` gives them) as a HuggingFace folder:
     config.json, and safetensors shards of at most `max_shard_bytes` with their index.
     `base_config` (the config.json the run started from) keeps its other keys."""
-    base = {k: v for k, v in (base_config or {}).items() if k not in hf.CONTRADICTING}
     mt = _model_type(cfg, model_type or (base_config or {}).get("model_type", ""))
-    return hf.save(path, params, hf_mapping(cfg, mt), _hf_sizes(cfg),
-                   base | config_to_hf(cfg, mt, dtype), dtype=dtype,
-                   max_shard_bytes=max_shard_bytes)
+    return hf.save(path, params, hf_mapping(cfg, mt), _hf_sizes(cfg), config_to_hf(cfg, mt, dtype),
+                   base_config, dtype=dtype, max_shard_bytes=max_shard_bytes)
 
 
 # export-hf: a run's checkpoint, router biases included, as a HuggingFace folder.
-export_hf = train.export_command(
-    HF_ARCHITECTURES, read=lambda saved, run_dir: Config(
-        model=ModelConfig(**saved["model"]), train=TrainConfig(**saved["train"]),
-        data=DataConfig(**saved["data"]), run_dir=run_dir),
-    table=lambda c: _param_table(c.model), buffers=lambda c: _buffer_table(c.model),
-    tokenizer=lambda c: load_dataset(c.data).tokenizer_path,
-    save=lambda params, c, out, base, **kw: save_hf(params, c.model, out, base_config=base, **kw))
+def export_hf(run_dir: str, out: str, step: int = -1, dtype: train.ExportDtype = "float32",
+              model_type: Literal[("", *HF_ARCHITECTURES)] = "", max_shard_gb: float = 5.0):
+    with train.run_config(run_dir) as saved:  # unreadable: a ConfigError naming it
+        cfg = Config(model=ModelConfig(**saved["model"]), train=TrainConfig(**saved["train"]),
+                     data=DataConfig(**saved["data"]), run_dir=run_dir)
+    ex = train.export(run_dir, step, saved, {"params": _param_table(cfg.model), "buffers":
+                      _buffer_table(cfg.model)}, dtype, max_shard_gb, data=cfg.data)
+    return ex.written(save_hf(ex.params, cfg.model, out, model_type=model_type, **ex.hf_args), out)
+export_hf.__doc__ = train.EXPORT_HF_DOC
 
 
 def cli(args=None) -> Config:

@@ -177,6 +177,7 @@ class Checkpoint:
 
     def __init__(self, path: str):
         self.path, self.config, self._maps = path, read_config(path), {}
+        self.config_file = os.path.join(path, CONFIG)
         index, weight_map = os.path.join(path, INDEX), None
         if os.path.isfile(index):
             with open(index) as f:
@@ -401,12 +402,13 @@ def _write_file(file: str, tensors: list[tuple[str, tuple, np.dtype, Callable]])
     os.replace(file + ".tmp", file)
 
 
-def save(path: str, params, mapping, sizes: dict, config: dict, *, dtype: str = "float32",
-         max_shard_bytes: int = 5 * 2**30) -> list[str]:
-    """Writes `params` as a HuggingFace folder: config.json, and the tensors in shards of at
-    most `max_shard_bytes` (one `model.safetensors` if they fit, else numbered files and the
-    index). Returns the files written. The folder must be new or empty: stale shards of
-    another model beside ours would be read as part of it."""
+def save(path: str, params, mapping, sizes: dict, config: dict, base: dict | None = None, *,
+         dtype: str = "float32", max_shard_bytes: int = 5 * 2**30) -> list[str]:
+    """Writes `params` as a HuggingFace folder: config.json (`config` over the keys of `base`,
+    the config.json the run started from, that do not contradict it), and the tensors in
+    shards of at most `max_shard_bytes` (one `model.safetensors` if they fit, else numbered
+    files and the index). Returns the files written. The folder must be new or empty: stale
+    shards of another model beside ours would be read as part of it."""
     if jax.process_count() > 1:
         raise HFError("save_hf writes from one process; export from a single host "
                       "(export-hf restores the checkpoint there).")
@@ -475,7 +477,8 @@ def save(path: str, params, mapping, sizes: dict, config: dict, *, dtype: str = 
         write_json(os.path.join(path, INDEX), {
             "metadata": {"total_size": total * out_dtype.itemsize, "total_parameters": total},
             "weight_map": {t[0]: n for n, shard in zip(names, shards) for t in shard}})
-    write_json(os.path.join(path, CONFIG), config)
+    base = {k: v for k, v in (base or {}).items() if k not in CONTRADICTING}
+    write_json(os.path.join(path, CONFIG), base | config)
     return names + ([INDEX] if len(shards) > 1 else []) + [CONFIG]
 
 

@@ -6,7 +6,8 @@ tables to specs and weights; the checks of flags; AdamW and its schedules; Train
 ({params, opt_state, step}, sharded, fresh or abstract, a step jitted with donation and a
 guard against non-finite updates); peak FLOPs and MFU; dry-run and bench reports; sampling;
 Run and Loop (a run directory, and the loop's logging, evals, checkpoints and SIGTERM); the
-export-hf driver and the command line. It knows no model: it reads no ModelConfig field.
+steps of export-hf and the command line. It knows no model: it reads no ModelConfig field
+and calls no trainer function (the trainer hands it data: tables, configs, logits).
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import re
 import sys
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Literal
 
 import jax
@@ -32,7 +34,7 @@ from common.config import ConfigError, check_ranges, compute_fields, may_change
 from common.checkpoint import (CheckpointConfig, CheckpointError, Checkpointer,
                                ConfigConflictError, PreemptionGuard, check_run_config,
                                read_run_config, run_path)
-from common.data import DataError
+from common.data import DataError, load_dataset, run_tokenizer
 from common.mesh import MeshConfig, MeshError, describe, make_mesh, tpu_topology_devices
 
 log = observe.say  # process 0 prints; the others keep quiet
@@ -402,33 +404,38 @@ def restore_params(run_dir: str, abstract_params, flag: str = "--init-from") -> 
     return params
 
 
-def with_source_model(cfg, config_from_hf: Callable, prog: str = "train_dense.py"):
-    """cfg with the model its run starts from: with --init-from-hf the one that folder's
-    config.json describes (read by the trainer's config_from_hf), with --init-from that
-    trained run's (written by `prog`). The model's `how` fields (common/config.py) stay this
-    run's flags either way."""
+def model_source(cfg, prog: str = "train_dense.py") -> tuple[tuple[dict, str] | None, object]:
+    """What the run's model comes from: ((--init-from-hf's config.json, its path), None), which
+    the trainer's config_from_hf reads; or (None, cfg.model with the fields that --init-from's
+    run, written by `prog`, saved); or (None, None): a fresh model. See `with_model`."""
     run, folder = getattr(cfg, "init_from", ""), getattr(cfg, "init_from_hf", "")
     if run and folder:
         raise ConfigError(f"--init-from {run} and --init-from-hf {folder}: start from one or "
                           "the other.")
     if folder:
-        shape = config_from_hf(hf.read_config(folder), os.path.join(folder, hf.CONFIG))
-    elif run:
-        saved = read_run_config(run, "--init-from", trained=True).get("model", {})
-        # A knob this file lacks is fine while it is off (falsy): train_grpo.py's policy is
-        # train_dense.py's model without the Gemma knobs.
-        unknown = {k: v for k, v in saved.items()
-                   if k not in {f.name for f in dataclasses.fields(cfg.model)}}
-        if any(unknown.values()):
-            raise ConfigError(f"--init-from {run}: its model sets fields this file does not "
-                              f"have ({ {k: v for k, v in unknown.items() if v} }); was it "
-                              f"written by {prog}?")
-        shape = dataclasses.replace(cfg.model, **{k: v for k, v in saved.items()
-                                                  if k not in unknown})
-    else:
+        return (hf.read_config(folder), os.path.join(folder, hf.CONFIG)), None
+    if not run:
+        return None, None
+    saved = read_run_config(run, "--init-from", trained=True).get("model", {})
+    # A knob this file lacks is fine while it is off (falsy): train_grpo.py's policy is
+    # train_dense.py's model without the Gemma knobs.
+    unknown = {k: v for k, v in saved.items()
+               if k not in {f.name for f in dataclasses.fields(cfg.model)}}
+    if any(unknown.values()):
+        raise ConfigError(f"--init-from {run}: its model sets fields this file does not "
+                          f"have ({ {k: v for k, v in unknown.items() if v} }); was it "
+                          f"written by {prog}?")
+    return None, dataclasses.replace(cfg.model, **{k: v for k, v in saved.items()
+                                                   if k not in unknown})
+
+
+def with_model(cfg, model):
+    """cfg with the model its run starts from (None: its own), whose `how` fields
+    (common/config.py) stay this run's flags."""
+    if model is None:
         return cfg
     return dataclasses.replace(cfg, model=dataclasses.replace(
-        shape, **{f: getattr(cfg.model, f) for f in compute_fields(type(cfg.model))}))
+        model, **{f: getattr(cfg.model, f) for f in compute_fields(type(cfg.model))}))
 
 
 # --- FLOPs and MFU ----------------------------------------------------------------------------
@@ -621,41 +628,43 @@ def draw(key, z_BV, temperature, top_k: int, top_p: float):
     return jnp.where(temperature > 0, drawn, jnp.argmax(z_BV, axis=-1)).astype(jnp.int32)
 
 
-def sample(logits_fn, params, prompts: list[list[int]], *, n_new: int, max_len: int,
-           temperature: float, n_valid: int, mesh, batch_axes, key) -> list[list[int]]:
-    """Decode n_new tokens after each prompt with full forwards (no KV cache: this is a peek
-    at the model, not an inference server), jitted once for a fixed-size buffer.
-    logits_fn(params, tokens[, segment_ids, positions]) -> [B, T, V] logits. Only the first
-    `n_valid` ids are drawn: the model's vocabulary may be padded past the tokenizer's.
-    Prompts of different lengths are left-padded: the padding is a segment of its own, which
-    no prompt attends to, and each prompt's positions start at 0 as they did in training."""
+def prompt_rows(prompts: list[list[int]], *, n_new: int, max_len: int, mesh, batch_axes):
+    """(tokens, segment_ids, positions, width): the prompts left-padded to one width in a
+    buffer with room for n_new tokens, placed over the batch axes, for a decode loop that
+    fills column i with `next_token` from the logits at i - 1 (full forwards, no KV cache: a
+    peek at the model, not an inference server). The padding is a segment of its own, which
+    no prompt attends to, and each prompt's positions start at 0 as they did in training;
+    segment_ids and positions are None when every prompt has the same length."""
     keep = max(1, max_len - n_new)
     prompts = [list(p)[-keep:] for p in prompts]
-    width = max(len(p) for p in prompts)
+    width = max(map(len, prompts))
     shards = math.prod(mesh.shape[a] for a in batch_axes)  # whole rows per batch shard: the
-    B = -(-len(prompts) // shards) * shards                 # activation constraints stay even
+    B = -(-len(prompts) // shards) * shards                 # activations split evenly
     buf = np.zeros((B, width + n_new), np.int32)
-    seg = np.ones_like(buf)
-    pos = np.zeros_like(buf)
+    seg, pos = np.ones_like(buf), np.zeros_like(buf)
     for i in range(B):
         p = prompts[min(i, len(prompts) - 1)]  # spare rows repeat the last prompt
         pad = width - len(p)
         buf[i, pad:width], seg[i, :pad] = p, 0
         pos[i, pad:] = np.arange(buf.shape[1] - pad)
-    ragged = any(len(p) != width for p in prompts)
+    if all(len(p) == width for p in prompts):
+        return put(buf, mesh, batch_axes), None, None, width
+    return *put((buf, seg, pos), mesh, batch_axes), width
 
-    @jax.jit
-    def run(params, buf, seg, pos, key):
-        def one(i, carry):
-            buf, key = carry
-            logits = logits_fn(params, buf, *((seg, pos) if ragged else ()))[:, i - 1, :n_valid]
-            key, sub = jax.random.split(key)
-            nxt = draw(sub, logits / temperature if temperature else logits, temperature, 0, 1.0)
-            return buf.at[:, i].set(nxt.astype(buf.dtype)), key
-        return jax.lax.fori_loop(width, width + n_new, one, (buf, key))[0]
 
-    out = fetch(run(params, *(put(x, mesh, batch_axes) for x in (buf, seg, pos)), key))
-    return [out[i, width:].tolist() for i in range(len(prompts))]
+def next_token(logits_BTV, buf, key, i, *, temperature: float, n_valid: int):
+    """(buf with column i drawn from the logits at i - 1, the next key); only the first
+    n_valid ids are drawn: the vocabulary may be padded past the tokenizer's."""
+    logits = logits_BTV[:, i - 1, :n_valid]
+    key, sub = jax.random.split(key)
+    nxt = draw(sub, logits / temperature if temperature else logits, temperature, 0, 1.0)
+    return buf.at[:, i].set(nxt.astype(buf.dtype)), key
+
+
+def completions(buf, n: int, width: int) -> list[list[int]]:
+    """The new tokens of each of the n prompts in a decoded `prompt_rows` buffer."""
+    out = fetch(buf)
+    return [out[i, width:].tolist() for i in range(n)]
 
 
 # --- A run directory opened for training, and the loop's mechanics ----------------------------
@@ -880,71 +889,85 @@ class Loop:
 # --- export-hf and the command line -----------------------------------------------------------
 
 
-def export_command(model_types, *, read: Callable[[dict, str], object],
-                   table: Callable[[object], dict], save: Callable,
-                   tokenizer: Callable[[object], str | None],
-                   buffers: Callable[[object], dict] | None = None) -> Callable:
-    """A trainer's `export-hf`: a run's checkpoint as a HuggingFace folder.
+ExportDtype = Literal["float32", "bfloat16"]
+# A trainer's `export_hf(run_dir, out, step, dtype, model_type, max_shard_gb)`: what tyro shows.
+EXPORT_HF_DOC = """\
+Write a run's checkpoint as a HuggingFace folder (config.json, safetensors, tokenizer).
 
-    read(saved config.json, run_dir) -> the run's Config; table(cfg) -> its parameter table;
-    buffers(cfg) -> its buffer table (state outside the gradients, saved with the weights);
-    save(params, cfg, out, base_config, model_type=, dtype=, max_shard_bytes=) -> the files
-    written; tokenizer(cfg) -> the tokenizer file the run trained with, or None. The
-    parameters are read split over every local device (fsdp) when the model's sizes allow. A
-    run started from a HuggingFace folder keeps that folder's config keys and tokenizer files.
-    """
-    def export_hf(run_dir: str, out: str, step: int = -1,
-                  dtype: Literal["float32", "bfloat16"] = "float32", model_type: str = "",
-                  max_shard_gb: float = 5.0) -> list[str]:
-        """Write a run's checkpoint as a HuggingFace folder (config.json, safetensors, tokenizer).
+Args:
+    run_dir: The run directory: its config.json and checkpoints/.
+    out: The folder to create (new or empty).
+    step: The checkpoint to export; -1 = the latest.
+    dtype: Of the weights written (checkpoints hold float32).
+    model_type: The family; "" = the run's source's, else the one its knobs say.
+    max_shard_gb: The largest safetensors file.
+"""
 
-        Args:
-            run_dir: The run directory: its config.json and checkpoints/.
-            out: The folder to create (new or empty).
-            step: The checkpoint to export; -1 = the latest.
-            dtype: Of the weights written (checkpoints hold float32).
-            model_type: The family; "" = the run's source's, else the one its knobs say.
-            max_shard_gb: The largest safetensors file.
-        """
-        path = run_path(run_dir, "config.json")
-        saved = read_run_config(run_dir, "--run-dir")
-        try:
-            cfg = read(saved, run_dir)
-        except (KeyError, TypeError) as e:
-            raise ConfigError(f"{path} is not a run config this trainer reads ({e}).") from None
-        extra = buffers(cfg) if buffers else {}
-        tables = {"params": table(cfg)} | ({"buffers": extra} if extra else {})
-        mesh = make_mesh(MeshConfig(fsdp=len(jax.devices())))
-        try:
-            check_divides(join(table(cfg), extra), mesh, run_dir)
-        except ConfigError:
-            mesh = make_mesh(MeshConfig(fsdp=1), jax.devices()[:1])
-        abstract = jax.tree.map(
-            lambda e, sh: jax.ShapeDtypeStruct(e[0], jnp.float32, sharding=sh), tables,
-            named(mesh, table_specs(tables)), is_leaf=is_entry)
-        with Checkpointer(run_dir, CheckpointConfig(restore_step=step)) as ckpt:
-            at = ckpt.resume_step()
-            if at is None:
-                raise CheckpointError(f"--run-dir {run_dir} has no checkpoint to export.")
-            state = ckpt.restore(at, abstract, partial=True)
-        src = hf_origin(saved)
-        try:  # the data may be gone: then the export ships no tokenizer
-            tok = None if src else tokenizer(cfg)
-        except (FileNotFoundError, ValueError, OSError):
-            tok = None
-        base, tokenizer_dir = hf.export_extras(src, tok if tok and os.path.isfile(tok) else None)
-        files = save(join(state["params"], state.get("buffers", {})), cfg, out, base,
-                     model_type=model_type, dtype=dtype, max_shard_bytes=int(max_shard_gb * 2**30))
-        if tokenizer_dir:
-            files += hf.copy_tokenizer(tokenizer_dir, out)
+
+@contextlib.contextmanager
+def run_config(run_dir: str):
+    """export-hf: the run's saved config.json, for the trainer to read its configs from inside
+    the block; a key it lacks or one it does not know (KeyError, TypeError) is a ConfigError."""
+    saved = read_run_config(run_dir, "--run-dir")
+    try:
+        yield saved
+    except (KeyError, TypeError) as e:
+        raise ConfigError(f"{run_path(run_dir, 'config.json')} is not a run config this trainer "
+                          f"reads ({e}).") from None
+
+
+@dataclasses.dataclass
+class Export:
+    """A run's checkpoint on its way to a HuggingFace folder (see `export`): the trainer's
+    save_hf(params, model, out, model_type=..., **hf_args) writes it, `written` reports."""
+    run_dir: str
+    step: int                   # the checkpoint's
+    params: dict                # float32, the buffers joined in
+    hf_args: dict               # base_config (the source's keys, or the tokenizer's ids), dtype
+    tokenizer_dir: str | None   # the folder to copy tokenizer files from
+
+    def written(self, files: list[str], out: str) -> list[str]:
+        """save_hf wrote `files` to `out`: the tokenizer joins them; one line says what."""
+        if self.tokenizer_dir:
+            files += hf.copy_tokenizer(self.tokenizer_dir, out)
         size = sum(os.path.getsize(os.path.join(out, f)) for f in files)
-        print(f"export-hf: step {at} of {run_dir} -> {out} ({len(files)} files, {size / 1e9:.2f} "
-              f"GB, {dtype}): {', '.join(files)}", flush=True)
+        print(f"export-hf: step {self.step} of {self.run_dir} -> {out} ({len(files)} files, "
+              f"{size / 1e9:.2f} GB, {self.hf_args['dtype']}): {', '.join(files)}", flush=True)
         return files
 
-    # tyro offers, and checks, the trainer's own families.
-    export_hf.__annotations__["model_type"] = Literal[("", *model_types)]
-    return export_hf
+
+def export(run_dir: str, step: int, saved: dict, tables: dict, dtype: str, max_shard_gb: float,
+           *, tokenizer_run: str = "", data=None) -> Export:
+    """The checkpoint `step` (-1 the latest) of the run whose config.json is `saved`, shaped
+    by `tables` ({"params": table[, "buffers": table]}) and read split over every local device
+    (fsdp) when the model's sizes allow; what its export keeps: a run started from a
+    HuggingFace folder keeps that folder's config keys and tokenizer files, else the tokenizer
+    of the run `tokenizer_run` (following its --init-from) or of the data config `data` ships."""
+    tables = {k: v for k, v in tables.items() if v}  # no buffers: none saved
+    mesh = make_mesh(MeshConfig(fsdp=len(jax.devices())))
+    try:
+        check_divides(tables, mesh, run_dir)
+    except ConfigError:
+        mesh = make_mesh(MeshConfig(fsdp=1), jax.devices()[:1])
+    abstract = jax.tree.map(
+        lambda e, sh: jax.ShapeDtypeStruct(e[0], jnp.float32, sharding=sh), tables,
+        named(mesh, table_specs(tables)), is_leaf=is_entry)
+    with Checkpointer(run_dir, CheckpointConfig(restore_step=step)) as ckpt:
+        at = ckpt.resume_step()
+        if at is None:
+            raise CheckpointError(f"--run-dir {run_dir} has no checkpoint to export.")
+        state = ckpt.restore(at, abstract, partial=True)
+    src, tok = hf_origin(saved), None
+    try:  # the data may be gone: then the export ships no tokenizer
+        if not src and tokenizer_run:
+            tok = run_tokenizer(tokenizer_run, lambda d: read_run_config(d, "--init-from", True))
+        elif not src and data is not None:
+            tok = load_dataset(data).tokenizer_path
+    except (FileNotFoundError, ValueError, OSError):
+        tok = None
+    base, tokenizer_dir = hf.export_extras(src, tok if tok and os.path.isfile(tok) else None)
+    return Export(run_dir, at, join(state["params"], state.get("buffers", {})), dict(
+        base_config=base, dtype=dtype, max_shard_bytes=int(max_shard_gb * 2**30)), tokenizer_dir)
 
 
 def hf_origin(saved: dict) -> str:
@@ -960,29 +983,25 @@ def hf_origin(saved: dict) -> str:
     return saved.get("init_from_hf") or ""
 
 
-def load_hf(path: str, mesh, config_from_hf: Callable, table: Callable, mapping: Callable,
-            sizes: Callable):
-    """(ModelConfig, float32 parameters) of a HuggingFace folder: config_from_hf(config.json)
-    gives the model, table(model) its parameter table (whose specs place each tensor on
-    `mesh`, default the first device), mapping(model, model_type) and sizes(model) the
-    family's names and layouts (common/hf.py). Each device reads only its own block."""
-    ckpt = hf.Checkpoint(path)
-    cfg = config_from_hf(ckpt.config, os.path.join(path, hf.CONFIG))
+def hf_params(ckpt: hf.Checkpoint, mesh, table: dict, mapping: dict, sizes: dict) -> dict:
+    """The float32 parameters of an opened HuggingFace folder, placed as the parameter `table`
+    says on `mesh` (default the first device); `mapping` and `sizes` are the family's names and
+    layouts (common/hf.py). Each device reads only its own block."""
     mesh = mesh or make_mesh(MeshConfig(fsdp=1), jax.devices()[:1])
-    check_divides(table(cfg), mesh, path)
+    check_divides(table, mesh, ckpt.path)
     mt = ckpt.config["model_type"]
-    # Some exports keep lm_head.weight although it is tied; older ones saved rotary tables.
+    # Some exports keep lm_head.weight although it is tied (so the mapping has none); older
+    # ones saved rotary tables.
     # Layers past num_hidden_layers are DeepSeek-V3's multi-token-prediction module, which
     # predicts a second token ahead and is not part of the model we train.
     extra = lambda n: (m := re.match(r"model\.layers\.(\d+)\.", n)) and int(m[1]) >= (
         ckpt.config["num_hidden_layers"])
-    ignore = lambda n: (getattr(cfg, "tie_embeddings", False) and n == "lm_head.weight") or (
-        n.endswith("rotary_emb.inv_freq")) or extra(n)
+    ignore = lambda n: n == "lm_head.weight" or n.endswith("rotary_emb.inv_freq") or extra(n)
     if skipped := sorted(n for n in ckpt.names() if extra(n)):
-        log(f"{path}: {len(skipped)} tensors of layers past num_hidden_layers (a multi-token-"
-            f"prediction module) are not loaded, e.g. {skipped[0]}")
-    return cfg, hf.load(ckpt, mapping(cfg, mt), sizes(cfg), named(mesh, table_specs(table(cfg))),
-                        what=f"{mt} model of this config", ignore=ignore)
+        log(f"{ckpt.path}: {len(skipped)} tensors of layers past num_hidden_layers (a multi-"
+            f"token-prediction module) are not loaded, e.g. {skipped[0]}")
+    return hf.load(ckpt, mapping, sizes, named(mesh, table_specs(table)),
+                   what=f"{mt} model of this config", ignore=ignore)
 
 
 def cli(presets: dict, args: list[str] | None = None):

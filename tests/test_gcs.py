@@ -108,6 +108,5 @@ def test_init_from_and_export_read_a_bucket(gcs, data_path, tmp_path):
                     jax.tree.leaves(jax.device_get(params))):
         np.testing.assert_array_equal(a, b)
     with pytest.raises(FileNotFoundError, match="not a train_dense.py run directory"):
-        train.with_source_model(dataclasses.replace(config(tmp_path / "x", data_path, steps=2),
-                                                    init_from=f"{gcs}/nothing-here"),
-                                td.config_from_hf)
+        train.model_source(dataclasses.replace(config(tmp_path / "x", data_path, steps=2),
+                                               init_from=f"{gcs}/nothing-here"))

@@ -475,7 +475,7 @@ def test_init_from_a_gemma_run_is_refused(dense_run, tmp_path):
     cfg = grpo_config(tmp_path / "g", 0, init_from=str(tmp_path / "gemma"))
     with pytest.raises(train.ConfigError, match=r"sets fields this file does not have \(.*"
                                                 r"'sliding_window': 128\}\); was it written"):
-        train.with_source_model(cfg, tg.config_from_hf)
+        train.model_source(cfg)
 
 
 @pytest.mark.parametrize("change,flag", [

@@ -35,7 +35,8 @@ def hf_tokenizer(path):
 
 
 def with_source(cfg):
-    return train.with_source_model(cfg, tg.config_from_hf)
+    hf_config, model = train.model_source(cfg)
+    return train.with_model(cfg, tg.config_from_hf(*hf_config) if hf_config else model)
 
 
 def fixture(name):
