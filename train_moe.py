@@ -327,22 +327,6 @@ def _layer_table(cfg: ModelConfig, L: int, moe: bool) -> dict:
     return {k: ((L, *shape), P(None, *spec), s) for k, (shape, spec, s, on) in rows.items() if on}
 
 
-def _buffer_table(cfg: ModelConfig) -> dict:
-    """State that is not trained: with sigmoid routing, each MoE layer's per-expert bias on
-    the scores that choose the experts (DeepSeek-V3's e_score_correction_bias), replicated
-    like the router's expert axis. Moved by `balance_biases`, never by a gradient."""
-    if not cfg.sigmoid_routing:
-        return {}
-    return {"layers": {"router_bias": ((cfg.n_layers - cfg.first_k_dense, cfg.n_experts),
-                                       P(None, None), 0.0)}}
-
-
-def with_buffers(params: dict, buffers: dict) -> dict:
-    """The model's weights with the buffers joined into their stacks: what `forward` reads.
-    The buffers pass through stop_gradient: no gradient is taken of them."""
-    return train.join(params, jax.tree.map(jax.lax.stop_gradient, buffers))
-
-
 def param_specs(cfg: ModelConfig) -> dict:
     return train.table_specs(_param_table(cfg))
 
@@ -908,6 +892,22 @@ def router(h_BTD, w_DE, cfg: ModelConfig, b_E=None, bias_E=None):
     stats = {"aux_loss": aux, "router_z": z, "load_min": jnp.min(load_E),
              "load_max": jnp.max(load_E), "load": load_E}
     return gate_BTR, expert_BTR.astype(jnp.int32), stats
+
+
+def _buffer_table(cfg: ModelConfig) -> dict:
+    """State that is not trained: with sigmoid routing, each MoE layer's per-expert bias on
+    the scores that choose the experts (DeepSeek-V3's e_score_correction_bias), replicated
+    like the router's expert axis. Moved by `balance_biases`, never by a gradient."""
+    if not cfg.sigmoid_routing:
+        return {}
+    return {"layers": {"router_bias": ((cfg.n_layers - cfg.first_k_dense, cfg.n_experts),
+                                       P(None, None), 0.0)}}
+
+
+def with_buffers(params: dict, buffers: dict) -> dict:
+    """The model's weights with the buffers joined into their stacks: what `forward` reads.
+    The buffers pass through stop_gradient: no gradient is taken of them."""
+    return train.join(params, jax.tree.map(jax.lax.stop_gradient, buffers))
 
 
 def balance_biases(bias_LE, load_LE, rate: float):
