@@ -62,6 +62,7 @@ from common.train import ConfigError, log, named, need
 # 1. Config
 # ----------------------------------------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class ModelConfig:
     vocab_size: int = 4096
@@ -259,6 +260,7 @@ PRESETS: dict[str, tuple[str, Config]] = {
 # 2. Parameters and their shardings
 # ----------------------------------------------------------------------------------------------
 
+
 def _param_table(cfg: ModelConfig) -> dict:
     """The one definition of the parameter tree: name -> (shape, PartitionSpec, init std).
     Per-layer weights are stacked on a leading L axis so the layers run under lax.scan, and
@@ -344,6 +346,7 @@ def init_params(cfg: ModelConfig, key: jax.Array, mesh=None) -> dict:
 # ----------------------------------------------------------------------------------------------
 # 3. Model
 # ----------------------------------------------------------------------------------------------
+
 
 def block(x_BTD, lp: dict, pos_BT, inv_freq, cfg: ModelConfig, max_logits: bool = False,
           is_global=True):
@@ -537,6 +540,7 @@ def forward(params: dict, tokens_BT, cfg: ModelConfig):
 # ----------------------------------------------------------------------------------------------
 # 4. Loss and train step
 # ----------------------------------------------------------------------------------------------
+
 
 def train_step(state: dict, batch_BT1, *, cfg: Config, tx):
     """One optimiser step on a global batch [B, T+1] -> (new state, metrics). The gradient and
@@ -812,6 +816,7 @@ def _validate_deepseek(m: ModelConfig, t: TrainConfig) -> None:
 # ----------------------------------------------------------------------------------------------
 # 5. Experts: routing and dispatch
 # ----------------------------------------------------------------------------------------------
+
 
 def moe(h_BTD, lp: dict, cfg: ModelConfig):
     """The MoE block on normed activations: (output [B,T,D], routing stats)."""
@@ -1099,6 +1104,7 @@ def experts(x_BTD, expert_BTR, gate_BTR, w: dict, cfg: ModelConfig, peers: int =
 # 6. Main and the training loop
 # ----------------------------------------------------------------------------------------------
 
+
 def main(cfg: Config) -> dict:
     cfg = train.with_source_model(cfg, config_from_hf)
     train.start(cfg.quiet)
@@ -1226,6 +1232,7 @@ def bench(cfg: Config, mesh, batch) -> dict:
 # ----------------------------------------------------------------------------------------------
 # 7. HuggingFace in and out
 # ----------------------------------------------------------------------------------------------
+
 # As in train_dense.py: HF rotates the two halves of each head, as `apply_rope` does, so no
 # weight is permuted (DeepSeek's pairs: rope_interleave). The experts are stored one tensor
 # per expert and per layer.
