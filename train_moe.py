@@ -289,10 +289,9 @@ def _layer_table(cfg: ModelConfig, L: int, moe: bool) -> dict:
                          cfg.qk_rope_head_dim, cfg.v_head_dim)
     Fd, Fs, q_latent = cfg.dense_d_ff, cfg.n_shared_experts * F, bool(C and Qr)
     std, out_std = 0.02, 0.02 / math.sqrt(2 * cfg.n_layers)
-    # One expert (the benchmark's dense twin) cannot be split; the expert axis then only
-    # splits the batch.
-    ex = "expert" if E > 1 else None
+    ex = "expert" if E > 1 else None  # one expert (the dense twin): the axis only splits the batch
     bias = moe and cfg.moe_bias  # b_down is whole on every tensor shard: `experts` adds it on one
+    qk_norm, biased = moe and cfg.qk_norm, moe and cfg.attn_bias
     rows = {
         "attn_norm": ((D,), (None,), None, True), "mlp_norm": ((D,), (None,), None, True),
         "wq": ((D, N, Hn + Hr if C else H), ("fsdp", "tensor", None), std, not q_latent),
@@ -316,12 +315,10 @@ def _layer_table(cfg: ModelConfig, L: int, moe: bool) -> dict:
         "shared_gate": ((D, Fs), ("fsdp", "tensor"), std, moe and Fs),
         "shared_up": ((D, Fs), ("fsdp", "tensor"), std, moe and Fs),
         "shared_down": ((Fs, D), ("tensor", "fsdp"), out_std, moe and Fs),
-        "q_norm": ((H,), (None,), None, moe and cfg.qk_norm),
-        "k_norm": ((H,), (None,), None, moe and cfg.qk_norm),
-        "bq": ((N, H), ("tensor", None), 0.0, moe and cfg.attn_bias),
-        "bk": ((K, H), ("tensor", None), 0.0, moe and cfg.attn_bias),
-        "bv": ((K, H), ("tensor", None), 0.0, moe and cfg.attn_bias),
-        "bo": ((D,), (None,), 0.0, moe and cfg.attn_bias),
+        "q_norm": ((H,), (None,), None, qk_norm), "k_norm": ((H,), (None,), None, qk_norm),
+        "bq": ((N, H), ("tensor", None), 0.0, biased), "bo": ((D,), (None,), 0.0, biased),
+        "bk": ((K, H), ("tensor", None), 0.0, biased),
+        "bv": ((K, H), ("tensor", None), 0.0, biased),
         "sinks": ((N,), ("tensor",), 0.0, moe and cfg.attn_sinks),
         "b_router": ((E,), (None,), 0.0, bias), "b_gate": ((E, F), (ex, "tensor"), 0.0, bias),
         "b_up": ((E, F), (ex, "tensor"), 0.0, bias), "b_down": ((E, D), (ex, None), 0.0, bias),
@@ -751,12 +748,10 @@ def validate(cfg: Config, n_devices: int) -> None:
     train.check_sizes(mesh, {"expert": [("--model.n-experts", m.n_experts)], "tensor": [
         ("--model.n-heads", m.n_heads), ("--model.n-kv-heads", m.n_kv_heads),
         ("--model.d-ff", m.d_ff), ("--model.dense-d-ff", m.dense_d_ff),
-        ("--model.vocab-size", m.vocab_size)],
-        "fsdp": [("--model.d-model", m.d_model)]})
+        ("--model.vocab-size", m.vocab_size)], "fsdp": [("--model.d-model", m.d_model)]})
     need(m.n_heads % m.n_kv_heads == 0, f"--model.n-heads {m.n_heads} is not a multiple of "
          f"--model.n-kv-heads {m.n_kv_heads} (each key/value head serves a whole group).")
-    need(m.head_dim % 2 == 0, f"--model.head-dim {m.head_dim} must be even (RoPE rotates "
-         "pairs).")
+    need(m.head_dim % 2 == 0, f"--model.head-dim {m.head_dim} must be even (RoPE rotates pairs).")
     need(m.sliding_window or not m.global_every, f"--model.global-every {m.global_every} "
          "without --model.sliding-window: the layers between the global ones are the windowed "
          "ones. Give the window, or --model.global-every 0.")
@@ -802,9 +797,8 @@ def _validate_deepseek(m: ModelConfig, t: TrainConfig) -> None:
     need(m.sigmoid_routing or not (m.n_group or m.routed_scale or t.router_bias_rate),
          "--model.n-group, --model.routed-scale and --train.router-bias-rate are DeepSeek's "
          "sigmoid routing: add --model.sigmoid-routing.")
-    need(not (m.sigmoid_routing and m.moe_bias), "--model.sigmoid-routing with --model.moe-"
-         "bias: GPT-OSS's router bias and DeepSeek's choice bias are different models; pick "
-         "one.")
+    need(not (m.sigmoid_routing and m.moe_bias), "--model.sigmoid-routing with --model.moe-bias: "
+         "GPT-OSS's router bias and DeepSeek's choice bias are different models; pick one.")
     need(0 <= m.first_k_dense < m.n_layers and bool(m.first_k_dense) == bool(m.dense_d_ff),
          f"--model.first-k-dense {m.first_k_dense} --model.dense-d-ff {m.dense_d_ff}: give "
          f"both (dense layers and their width) or neither, with fewer dense layers than "
