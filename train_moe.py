@@ -179,19 +179,17 @@ _DEEPSEEK_BALANCE = dict(router_bias_rate=1e-3, load_balance_loss=1e-4, router_z
 
 def _big(model: ModelConfig, run: str) -> Config:
     balance = _DEEPSEEK_BALANCE if model.sigmoid_routing else dict(load_balance_loss=1e-3)
-    return Config(model=dataclasses.replace(model, dtype="bfloat16"),
-                  train=TrainConfig(steps=100_000, batch_size=256, seq_len=4096, lr=3e-4,
-                                    warmup_steps=2000, log_every=10, eval_every=1000,
-                                    sample_tokens=0, **balance),
-                  checkpoint=CheckpointConfig(every=1000), run_dir=f"runs/{run}")
+    return Config(model=dataclasses.replace(model, dtype="bfloat16"), train=TrainConfig(
+        steps=100_000, batch_size=256, seq_len=4096, lr=3e-4, warmup_steps=2000, log_every=10,
+        eval_every=1000, sample_tokens=0, **balance), checkpoint=CheckpointConfig(every=1000),
+        run_dir=f"runs/{run}")
 
 
 _QWEN3_MOE = dict(rope_theta=1_000_000.0, norm_eps=1e-6, qk_norm=True)
 # GPT-OSS (OpenAI 2025): windows of 128 on every second layer, sinks, biases, YaRN, clamped
 # SwiGLU experts; the released config.json's values.
-_GPT_OSS = dict(sliding_window=128, global_every=2, attn_sinks=True, attn_bias=True,
-                moe_bias=True, swiglu_limit=7.0, yarn_factor=32.0, yarn_truncate=False,
-                rope_theta=150_000.0)
+_GPT_OSS = dict(sliding_window=128, global_every=2, attn_sinks=True, attn_bias=True, moe_bias=True,
+                swiglu_limit=7.0, yarn_factor=32.0, yarn_truncate=False, rope_theta=150_000.0)
 # DeepSeek's MLA (V2-Lite's, V3's, Kimi K2's); V3 and K2 share the block, from their released
 # config.json: a query latent, 8 of the routed experts plus one shared, sigmoid scores, YaRN
 # with mscale 1.
@@ -361,8 +359,7 @@ def block(x_BTD, lp: dict, pos_BT, inv_freq, cfg: ModelConfig, max_logits: bool 
         if cfg.attn_bias:
             q, k, v = q + w("bq"), k + w("bk"), v + w("bv")
         if cfg.qk_norm:
-            q, k = (rms_norm(q, lp["q_norm"], cfg.norm_eps),
-                    rms_norm(k, lp["k_norm"], cfg.norm_eps))
+            q, k = rms_norm(q, lp["q_norm"], cfg.norm_eps), rms_norm(k, lp["k_norm"], cfg.norm_eps)
         q, k = apply_rope(q, pos_BT, inv_freq), apply_rope(k, pos_BT, inv_freq)
     o = jnp.einsum("btnh,nhd->btd", attention(q, k, v, lp, cfg, is_global), w("wo"))
     x_BTD = constrain(x_BTD + (o + w("bo") if cfg.attn_bias else o), ACT_BTD)
@@ -418,8 +415,7 @@ def mla(h_BTD, lp: dict, pos_BT, inv_freq, cfg: ModelConfig):
              if cfg.rope_interleave else (lambda x: x))
     k_rope = apply_rope(pairs(kv[:, :, None, C:]), pos_BT, inv_freq)
     q = jnp.concatenate([q[..., :Hn], apply_rope(pairs(q[..., Hn:]), pos_BT, inv_freq)], axis=-1)
-    k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rope, (*k_nope.shape[:3],
-                                                            k_rope.shape[-1]))], axis=-1)
+    k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rope, k_nope.shape[:3] + k_rope.shape[3:])], -1)
     return q, k, v
 
 
@@ -557,14 +553,12 @@ def train_step(state: dict, batch_BT1, *, cfg: Config, tx):
     if buffers and cfg.train.router_bias_rate:
         bias = buffers["layers"]["router_bias"]
         moved = balance_biases(bias, aux["load"], cfg.train.router_bias_rate)
-        new["buffers"] = {"layers": {"router_bias": jnp.where(metrics["nonfinite"], bias,
-                                                              moved)}}
+        new["buffers"] = {"layers": {"router_bias": jnp.where(metrics["nonfinite"], bias, moved)}}
     if tau > 0:
         metrics["max_attn_logit"] = jnp.max(max_LN)
     return new, metrics | {"loss": aux["ce"], "lr": make_schedule(cfg.train)(state["step"]),
-                           "aux_loss": jnp.mean(aux["aux_loss"]),
-                           "router_z": jnp.mean(aux["router_z"]), "load_min": aux["load_min"],
-                           "load_max": aux["load_max"], "dropped": jnp.mean(aux["dropped"])}
+                           "load_min": aux["load_min"], "load_max": aux["load_max"]} | {
+        k: jnp.mean(aux[k]) for k in ("aux_loss", "router_z", "dropped")}
 
 
 def loss_fn(params, batch_BT1, cfg: ModelConfig, t: TrainConfig = TrainConfig()):
@@ -723,8 +717,7 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
         Hqv = Hq + Hv
     Kd = cfg.first_k_dense
     mlp = D * cfg.n_experts + (cfg.top_k + cfg.n_shared_experts) * 3 * D * cfg.d_ff
-    matmul_weights = L * attn + (L - Kd) * mlp + Kd * 3 * D * cfg.dense_d_ff + \
-        D * cfg.vocab_size
+    matmul_weights = L * attn + (L - Kd) * mlp + Kd * 3 * D * cfg.dense_d_ff + D * cfg.vocab_size
     W, n = cfg.sliding_window, cfg.global_every   # a window layer reads min(T, W) keys
     n_global = (L // n if n else 0) if W else L
     keys = n_global * seq_len + (L - n_global) * min(seq_len, W or seq_len)
@@ -963,8 +956,7 @@ def _tile_layout(sizes_G, M: int, tile: int):
     group_M = jnp.searchsorted(end_G, row_M, side="right")     # G for rows past the groups
     g_M = jnp.minimum(group_M, G - 1)
     within_M = row_M - (end_G - sizes_G)[g_M]
-    dest_M = jnp.where(group_M < G, (tile_end_G - tiles_G)[g_M] * tile + within_M,
-                       n_tiles * tile)
+    dest_M = jnp.where(group_M < G, (tile_end_G - tiles_G)[g_M] * tile + within_M, n_tiles * tile)
     group_n = jnp.minimum(jnp.searchsorted(tile_end_G, jnp.arange(n_tiles), side="right"), G - 1)
     return dest_M, group_n, n_tiles
 
@@ -1438,9 +1430,8 @@ def config_from_hf(c: dict, where: str = "config.json") -> ModelConfig:
                   attn_sinks=True, moe_bias=True)
     elif fam == "deepseek_v3":  # one group = none; head_dim: the rotated part's
         G, Kd = c.get("n_group") or 1, m["first_k_dense"]
-        m |= dict(head_dim=m["qk_rope_head_dim"], sigmoid_routing=True,
-                  seq_aux=bool(c.get("seq_aux", True)), n_group=G if G > 1 else 0,
-                  topk_group=c["topk_group"] if G > 1 else 0,
+        m |= dict(head_dim=m["qk_rope_head_dim"], sigmoid_routing=True, n_group=G if G > 1 else 0,
+                  seq_aux=bool(c.get("seq_aux", True)), topk_group=c["topk_group"] if G > 1 else 0,
                   yarn_mscale_all_dim=float(rope.get("mscale_all_dim") or 0),
                   dense_d_ff=c["intermediate_size"] if Kd else 0)
     return ModelConfig(**m)
