@@ -1374,11 +1374,8 @@ def config_from_hf(c: dict, where: str = "config.json") -> ModelConfig:
     # read before the defaults (which spell it num_experts) are merged in.
     qwen_experts = c.get("num_experts", c.get("num_local_experts"))
     c = _HF_DEFAULTS[fam] | c
-
-    def unsupported(what: str):
-        return hf.HFError(f"{where}: {what} is not implemented by train_moe.py, so this {mt} "
-                          "model cannot be loaded faithfully.")
-
+    unsupported = lambda what: hf.HFError(f"{where}: {what} is not implemented by train_moe.py, "
+                                          f"so this {mt} model cannot be loaded faithfully.")
     wide = "intermediate_size" if mt in ("mixtral", "gpt_oss") else "moe_intermediate_size"
     for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", wide):
         if key not in c:
