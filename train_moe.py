@@ -7,10 +7,10 @@ expert parallelism.
     python train_moe.py export-hf --run-dir runs/tiny-moe --out hf/tiny-moe
 
 Sections, in reading order: 1 config and presets, 2 parameters and their shardings, 3 model
-(attention, MLA, router, dispatch to the experts, grouped matmul), 4 loss and train step, 5
-main and the training loop, 6 HuggingFace in and out; what no model changes (state,
-optimiser, MFU, dry run, bench, the loop's mechanics, the command line) is written once in
-common/train.py. Shapes are suffixed on tensor names: B batch, T sequence, D model
+(the block, attention, MLA), 4 loss and train step, 5 experts (router, dispatch, grouped
+matmul), 6 main and the training loop, 7 HuggingFace in and out; what no model changes
+(state, optimiser, MFU, dry run, bench, the loop's mechanics, the command line) is written
+once in common/train.py. Shapes are suffixed on tensor names: B batch, T sequence, D model
 width, N query heads, K key/value heads, H head width, V vocabulary, L layers, E experts,
 F expert MLP width, R experts chosen per token (top-k), A = tokens x R assignments, M rows of
 a grouped matmul, G groups, X experts held by one device, P devices on the expert axis,
@@ -57,9 +57,6 @@ from common.data import DataConfig, get_batch, load_dataset
 from common.mesh import BATCH_AXES, MeshConfig, describe, make_mesh, resolve, target_platform
 from common.train import ConfigError, log, named, need
 
-# The batch is split over data and fsdp, as in the dense trainer, and over expert: the devices
-# of one expert group each hold other tokens, which the all-to-all sends to their experts.
-MOE_BATCH = BATCH_AXES + ("expert",)
 
 # ----------------------------------------------------------------------------------------------
 # 1. Config
@@ -182,19 +179,17 @@ _DEEPSEEK_BALANCE = dict(router_bias_rate=1e-3, load_balance_loss=1e-4, router_z
 
 def _big(model: ModelConfig, run: str) -> Config:
     balance = _DEEPSEEK_BALANCE if model.sigmoid_routing else dict(load_balance_loss=1e-3)
-    return Config(model=dataclasses.replace(model, dtype="bfloat16"),
-                  train=TrainConfig(steps=100_000, batch_size=256, seq_len=4096, lr=3e-4,
-                                    warmup_steps=2000, log_every=10, eval_every=1000,
-                                    sample_tokens=0, **balance),
-                  checkpoint=CheckpointConfig(every=1000), run_dir=f"runs/{run}")
+    return Config(model=dataclasses.replace(model, dtype="bfloat16"), train=TrainConfig(
+        steps=100_000, batch_size=256, seq_len=4096, lr=3e-4, warmup_steps=2000, log_every=10,
+        eval_every=1000, sample_tokens=0, **balance), checkpoint=CheckpointConfig(every=1000),
+        run_dir=f"runs/{run}")
 
 
 _QWEN3_MOE = dict(rope_theta=1_000_000.0, norm_eps=1e-6, qk_norm=True)
 # GPT-OSS (OpenAI 2025): windows of 128 on every second layer, sinks, biases, YaRN, clamped
 # SwiGLU experts; the released config.json's values.
-_GPT_OSS = dict(sliding_window=128, global_every=2, attn_sinks=True, attn_bias=True,
-                moe_bias=True, swiglu_limit=7.0, yarn_factor=32.0, yarn_truncate=False,
-                rope_theta=150_000.0)
+_GPT_OSS = dict(sliding_window=128, global_every=2, attn_sinks=True, attn_bias=True, moe_bias=True,
+                swiglu_limit=7.0, yarn_factor=32.0, yarn_truncate=False, rope_theta=150_000.0)
 # DeepSeek's MLA (V2-Lite's, V3's, Kimi K2's); V3 and K2 share the block, from their released
 # config.json: a query latent, 8 of the routed experts plus one shared, sigmoid scores, YaRN
 # with mscale 1.
@@ -259,85 +254,6 @@ PRESETS: dict[str, tuple[str, Config]] = {
      for name, (about, shape, knobs) in _RELEASED.items()}
 
 
-def validate(cfg: Config, n_devices: int) -> None:
-    """Every check that needs no compilation, so a bad launch fails in a second."""
-    m, t = cfg.model, cfg.train
-    train.check_ranges(cfg)
-    mesh = resolve(cfg.mesh, n_devices, max(1, math.prod(cfg.mesh.dcn())))
-    need(m.n_experts >= 2, f"--model.n-experts {m.n_experts}: a mixture needs at least 2 "
-         "experts; one expert is a dense MLP, which train_dense.py trains (with --model.d-ff "
-         "for its width).")
-    need(1 <= m.top_k <= m.n_experts, f"--model.top-k {m.top_k} must be between 1 and "
-         f"--model.n-experts {m.n_experts}: each token picks top-k distinct experts.")
-    need(m.capacity_factor >= 0, f"--model.capacity-factor {m.capacity_factor}: use 0 for "
-         "dropless routing or a positive factor (1.25 is usual) for capacity mode.")
-    need(m.gmm_tile >= 1, f"--model.gmm-tile {m.gmm_tile} must be >= 1.")
-    # A device of the expert axis holds n_experts / expert whole experts.
-    train.check_sizes(mesh, {"expert": [("--model.n-experts", m.n_experts)], "tensor": [
-        ("--model.n-heads", m.n_heads), ("--model.n-kv-heads", m.n_kv_heads),
-        ("--model.d-ff", m.d_ff), ("--model.dense-d-ff", m.dense_d_ff),
-        ("--model.vocab-size", m.vocab_size)],
-        "fsdp": [("--model.d-model", m.d_model)]})
-    need(m.n_heads % m.n_kv_heads == 0, f"--model.n-heads {m.n_heads} is not a multiple of "
-         f"--model.n-kv-heads {m.n_kv_heads} (each key/value head serves a whole group).")
-    need(m.head_dim % 2 == 0, f"--model.head-dim {m.head_dim} must be even (RoPE rotates "
-         "pairs).")
-    need(m.sliding_window or not m.global_every, f"--model.global-every {m.global_every} "
-         "without --model.sliding-window: the layers between the global ones are the windowed "
-         "ones. Give the window, or --model.global-every 0.")
-    train.check_batch(t.batch_size, t.microbatches, mesh, MOE_BATCH)
-    need(t.seq_len <= m.max_seq_len, f"--train.seq-len {t.seq_len} exceeds the model's maximum "
-         f"--model.max-seq-len {m.max_seq_len}.")
-    need(t.seq_len % min(m.loss_chunk, t.seq_len) == 0, f"--train.seq-len {t.seq_len} is not a "
-         f"multiple of --model.loss-chunk {m.loss_chunk}.")
-    train.check_profile(t.profile_steps, t.steps)
-    train.check_qk_clip("--train.qk-clip-threshold", t.qk_clip_threshold, m.qk_norm)
-    _validate_deepseek(m, t)
-
-
-def _validate_deepseek(m: ModelConfig, t: TrainConfig) -> None:
-    if m.kv_lora_rank:
-        clash = [f for f in ("qk_norm", "attn_bias", "attn_sinks", "sliding_window") if
-                 getattr(m, f)]
-        need(not clash, f"--model.kv-lora-rank {m.kv_lora_rank} (MLA) with --model."
-             f"{clash[0].replace('_', '-') if clash else ''}: MLA is DeepSeek's attention, "
-             "which has none of those; turn it off.")
-        need(m.n_kv_heads == m.n_heads, f"--model.n-kv-heads {m.n_kv_heads} with MLA: MLA "
-             f"builds a key and a value for each query head; set it to --model.n-heads "
-             f"{m.n_heads}.")
-        need(m.qk_rope_head_dim >= 2 and m.qk_rope_head_dim % 2 == 0, f"--model.qk-rope-head-"
-             f"dim {m.qk_rope_head_dim} must be even and positive (RoPE rotates pairs).")
-        need(m.v_head_dim <= m.qk_nope_head_dim + m.qk_rope_head_dim, f"--model.v-head-dim "
-             f"{m.v_head_dim} exceeds the query width {m.qk_nope_head_dim + m.qk_rope_head_dim}"
-             " (nope + rope), to which the values are padded; narrow it.")
-        need(not m.yarn_factor or m.yarn_mscale_all_dim, "--model.yarn-factor with MLA needs "
-             "--model.yarn-mscale-all-dim (DeepSeek-V3: 1.0): the logits' YaRN correction.")
-        need(not t.qk_clip_threshold, "--train.qk-clip-threshold with MLA: QK-clip here "
-             "scales wq and wk, which MLA does not have. Set it to 0.")
-    need(m.kv_lora_rank or not (m.yarn_mscale_all_dim or m.rope_interleave), "--model.yarn-"
-         "mscale-all-dim and --model.rope-interleave are MLA's (--model.kv-lora-rank > 0); "
-         "turn them off.")
-    need(not m.n_group or (m.n_experts % m.n_group == 0 and 1 <= m.topk_group <= m.n_group and
-                           m.top_k <= m.topk_group * (m.n_experts // m.n_group) and
-                           m.n_experts >= 2 * m.n_group),
-         f"--model.n-group {m.n_group} --model.topk-group {m.topk_group}: the groups must "
-         f"split --model.n-experts {m.n_experts} evenly, at least 2 experts each (each group "
-         f"is ranked by its best two), and the chosen groups must hold --model.top-k "
-         f"{m.top_k} experts.")
-    need(m.sigmoid_routing or not (m.n_group or m.routed_scale or t.router_bias_rate),
-         "--model.n-group, --model.routed-scale and --train.router-bias-rate are DeepSeek's "
-         "sigmoid routing: add --model.sigmoid-routing.")
-    need(not (m.sigmoid_routing and m.moe_bias), "--model.sigmoid-routing with --model.moe-"
-         "bias: GPT-OSS's router bias and DeepSeek's choice bias are different models; pick "
-         "one.")
-    need(0 <= m.first_k_dense < m.n_layers and bool(m.first_k_dense) == bool(m.dense_d_ff),
-         f"--model.first-k-dense {m.first_k_dense} --model.dense-d-ff {m.dense_d_ff}: give "
-         f"both (dense layers and their width) or neither, with fewer dense layers than "
-         f"--model.n-layers {m.n_layers}.")
-    need(not (t.qk_clip_threshold and m.first_k_dense), "--train.qk-clip-threshold with "
-         "--model.first-k-dense: the clip reads the MoE layers' logits only. Set it to 0.")
-
-
 # ----------------------------------------------------------------------------------------------
 # 2. Parameters and their shardings
 # ----------------------------------------------------------------------------------------------
@@ -371,10 +287,9 @@ def _layer_table(cfg: ModelConfig, L: int, moe: bool) -> dict:
                          cfg.qk_rope_head_dim, cfg.v_head_dim)
     Fd, Fs, q_latent = cfg.dense_d_ff, cfg.n_shared_experts * F, bool(C and Qr)
     std, out_std = 0.02, 0.02 / math.sqrt(2 * cfg.n_layers)
-    # One expert (the benchmark's dense twin) cannot be split; the expert axis then only
-    # splits the batch.
-    ex = "expert" if E > 1 else None
+    ex = "expert" if E > 1 else None  # one expert (the dense twin): the axis only splits the batch
     bias = moe and cfg.moe_bias  # b_down is whole on every tensor shard: `experts` adds it on one
+    qk_norm, biased = moe and cfg.qk_norm, moe and cfg.attn_bias
     rows = {
         "attn_norm": ((D,), (None,), None, True), "mlp_norm": ((D,), (None,), None, True),
         "wq": ((D, N, Hn + Hr if C else H), ("fsdp", "tensor", None), std, not q_latent),
@@ -398,33 +313,15 @@ def _layer_table(cfg: ModelConfig, L: int, moe: bool) -> dict:
         "shared_gate": ((D, Fs), ("fsdp", "tensor"), std, moe and Fs),
         "shared_up": ((D, Fs), ("fsdp", "tensor"), std, moe and Fs),
         "shared_down": ((Fs, D), ("tensor", "fsdp"), out_std, moe and Fs),
-        "q_norm": ((H,), (None,), None, moe and cfg.qk_norm),
-        "k_norm": ((H,), (None,), None, moe and cfg.qk_norm),
-        "bq": ((N, H), ("tensor", None), 0.0, moe and cfg.attn_bias),
-        "bk": ((K, H), ("tensor", None), 0.0, moe and cfg.attn_bias),
-        "bv": ((K, H), ("tensor", None), 0.0, moe and cfg.attn_bias),
-        "bo": ((D,), (None,), 0.0, moe and cfg.attn_bias),
+        "q_norm": ((H,), (None,), None, qk_norm), "k_norm": ((H,), (None,), None, qk_norm),
+        "bq": ((N, H), ("tensor", None), 0.0, biased), "bo": ((D,), (None,), 0.0, biased),
+        "bk": ((K, H), ("tensor", None), 0.0, biased),
+        "bv": ((K, H), ("tensor", None), 0.0, biased),
         "sinks": ((N,), ("tensor",), 0.0, moe and cfg.attn_sinks),
         "b_router": ((E,), (None,), 0.0, bias), "b_gate": ((E, F), (ex, "tensor"), 0.0, bias),
         "b_up": ((E, F), (ex, "tensor"), 0.0, bias), "b_down": ((E, D), (ex, None), 0.0, bias),
     }
     return {k: ((L, *shape), P(None, *spec), s) for k, (shape, spec, s, on) in rows.items() if on}
-
-
-def _buffer_table(cfg: ModelConfig) -> dict:
-    """State that is not trained: with sigmoid routing, each MoE layer's per-expert bias on
-    the scores that choose the experts (DeepSeek-V3's e_score_correction_bias), replicated
-    like the router's expert axis. Moved by `balance_biases`, never by a gradient."""
-    if not cfg.sigmoid_routing:
-        return {}
-    return {"layers": {"router_bias": ((cfg.n_layers - cfg.first_k_dense, cfg.n_experts),
-                                       P(None, None), 0.0)}}
-
-
-def with_buffers(params: dict, buffers: dict) -> dict:
-    """The model's weights with the buffers joined into their stacks: what `forward` reads.
-    The buffers pass through stop_gradient: no gradient is taken of them."""
-    return train.join(params, jax.tree.map(jax.lax.stop_gradient, buffers))
 
 
 def param_specs(cfg: ModelConfig) -> dict:
@@ -441,28 +338,85 @@ def init_params(cfg: ModelConfig, key: jax.Array, mesh=None) -> dict:
     return jax.jit(partial(_init, cfg), out_shardings=out)(key)
 
 
-def count_params(cfg: ModelConfig) -> int:
-    return train.table_count(_param_table(cfg))
-
-
-def count_active_params(cfg: ModelConfig) -> int:
-    """Parameters one token uses: all of them but the n_experts - top_k experts it skips."""
-    per_expert = 3 * cfg.d_model * cfg.d_ff + (2 * cfg.d_ff + cfg.d_model) * cfg.moe_bias
-    unused = (cfg.n_layers - cfg.first_k_dense) * (cfg.n_experts - cfg.top_k) * per_expert
-    return count_params(cfg) - unused
-
-
-def train_state(cfg: Config, mesh) -> train.TrainState:
-    """{params, opt_state, step; with sigmoid routing buffers: the router biases} on `mesh`."""
-    bt = _buffer_table(cfg.model)
-    buffers = (lambda: train.table_init(bt, jax.random.key(0)), train.table_specs(bt))
-    return train.TrainState(partial(_init, cfg.model), param_specs(cfg.model),
-                            make_optimizer(cfg.train), mesh, buffers=buffers if bt else None)
-
-
 # ----------------------------------------------------------------------------------------------
 # 3. Model
 # ----------------------------------------------------------------------------------------------
+
+
+def block(x_BTD, lp: dict, pos_BT, inv_freq, cfg: ModelConfig, max_logits: bool = False,
+          is_global=True):
+    """One layer: attention, then the experts, or a dense SwiGLU in a first_k_dense layer
+    (whose stack has no router); the dense layers' stats are empty."""
+    dt = x_BTD.dtype
+    w = weights(lp, dt, cfg)
+    h = rms_norm(x_BTD, lp["attn_norm"], cfg.norm_eps)
+    if cfg.kv_lora_rank:
+        q, k, v = mla(h, lp, pos_BT, inv_freq, cfg)
+    else:
+        q = jnp.einsum("btd,dnh->btnh", h, w("wq"))
+        k = jnp.einsum("btd,dkh->btkh", h, w("wk"))
+        v = jnp.einsum("btd,dkh->btkh", h, w("wv"))
+        if cfg.attn_bias:
+            q, k, v = q + w("bq"), k + w("bk"), v + w("bv")
+        if cfg.qk_norm:
+            q, k = rms_norm(q, lp["q_norm"], cfg.norm_eps), rms_norm(k, lp["k_norm"], cfg.norm_eps)
+        q, k = apply_rope(q, pos_BT, inv_freq), apply_rope(k, pos_BT, inv_freq)
+    o = jnp.einsum("btnh,nhd->btd", attention(q, k, v, lp, cfg, is_global), w("wo"))
+    x_BTD = constrain(x_BTD + (o + w("bo") if cfg.attn_bias else o), ACT_BTD)
+    h = rms_norm(x_BTD, lp["mlp_norm"], cfg.norm_eps)
+    if "w_router" not in lp:
+        y_BTD = swiglu(h, {"w_" + k: w("mlp_" + k) for k in PROJ})
+        return constrain(x_BTD + y_BTD, ACT_BTD), {}
+    y_BTD, stats = moe(h, lp, cfg)
+    if max_logits:  # for QK-clip: each head's largest attention logit
+        stats["max_logit"] = train.max_logits(q, k)
+    return constrain(x_BTD + y_BTD, ACT_BTD), stats
+
+
+def attention(q_BTNH, k_BTKH, v_BTKV, lp: dict, cfg: ModelConfig, is_global):
+    """One layer's attention by the compile target's kernel (common/attention.py), with
+    GPT-OSS's sinks and window; `is_global` (traced) picks the layer's kind. YaRN's
+    temperature scales q and k alike: here their logits, by its square (DeepSeek's YaRN leaves
+    the rotation unscaled and multiplies the logits by mscale(factor, mscale_all_dim)^2).
+    MLA's values are narrower than its queries (V 128, H 192): every kernel takes that."""
+    temp = yarn_mscale(cfg.yarn_factor, cfg.yarn_mscale_all_dim or 1.0) ** 2
+    full = partial(attend, q_BTNH, k_BTKH, v_BTKV, impl=cfg.attention, sinks_N=lp.get("sinks"),
+                   scale=temp / math.sqrt(q_BTNH.shape[-1]), batch_axes=MOE_BATCH)
+    W = cfg.sliding_window if cfg.sliding_window < q_BTNH.shape[1] else 0  # else: all in reach
+    return jax.lax.cond(is_global, full, partial(full, window=W)) if W else full()
+
+
+def mla(h_BTD, lp: dict, pos_BT, inv_freq, cfg: ModelConfig):
+    """Multi-head latent attention's queries, keys and values (DeepSeek-V2, sec. 2.1):
+
+        c_kv = RMSNorm(h W_kv_a[:C]),   [k_nope_n, v_n] = c_kv W_kv_b   (per head n)
+        k_rope = RoPE(h W_kv_a[C:])     one rotated key for all heads
+        q_n = [q_nope, RoPE(q_rope)] of h W_q, or of RMSNorm(h W_q_a) W_q_b with q_lora_rank
+        k_n = [k_nope_n, k_rope]
+
+    Training materialises every head's key and value, as below. Decoding would instead cache
+    only c_kv and k_rope (C + Hr numbers a token, not 2 N H) and absorb the up-projections:
+    q_nope W_k_b^T is a query in latent space, and W_v_b folds into W_o. With rope_interleave
+    the rotated dims are taken as pairs (2i, 2i+1) and come out in halves, as transformers
+    does: the order within a head is the same for q and k, so q.k is unchanged by it."""
+    dt = h_BTD.dtype
+    w = weights(lp, dt, cfg)
+    C, Hn, eps = cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.norm_eps
+    if cfg.q_lora_rank:
+        c_q = rms_norm(jnp.einsum("btd,dc->btc", h_BTD, w("wq_a")), lp["q_norm_a"], eps)
+        q = jnp.einsum("btc,cnh->btnh", c_q, w("wq_b"))
+    else:
+        q = jnp.einsum("btd,dnh->btnh", h_BTD, w("wq"))
+    kv = jnp.einsum("btd,dc->btc", h_BTD, w("wkv_a"))
+    c_kv = rms_norm(kv[..., :C], lp["kv_norm"], eps)
+    kv_b = jnp.einsum("btc,cnh->btnh", c_kv, w("wkv_b"))
+    k_nope, v = kv_b[..., :Hn], kv_b[..., Hn:]
+    pairs = ((lambda x: jnp.concatenate([x[..., 0::2], x[..., 1::2]], -1))
+             if cfg.rope_interleave else (lambda x: x))
+    k_rope = apply_rope(pairs(kv[:, :, None, C:]), pos_BT, inv_freq)
+    q = jnp.concatenate([q[..., :Hn], apply_rope(pairs(q[..., Hn:]), pos_BT, inv_freq)], axis=-1)
+    k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rope, k_nope.shape[:3] + k_rope.shape[3:])], -1)
+    return q, k, v
 
 
 def constrain(x, spec: P):
@@ -472,6 +426,9 @@ def constrain(x, spec: P):
     return jax.lax.with_sharding_constraint(x, spec)
 
 
+# The batch is split over data and fsdp, as in the dense trainer, and over expert: the devices
+# of one expert group each hold other tokens, which the all-to-all sends to their experts.
+MOE_BATCH = BATCH_AXES + ("expert",)
 ACT_BTD = P(MOE_BATCH, None, None)  # activations between blocks: batch-sharded, d replicated
 # A small batch's loss is vocabulary-parallel (train_dense.py's VOCAB_DV): V over fsdp, expert.
 VOCAB_DV, LOSS_BTD = P(None, ("tensor", "fsdp", "expert")), P("data", None, None)
@@ -526,51 +483,352 @@ def apply_rope(x_BTNH, pos_BT, inv_freq):
     return out.astype(x_BTNH.dtype)
 
 
-def mla(h_BTD, lp: dict, pos_BT, inv_freq, cfg: ModelConfig):
-    """Multi-head latent attention's queries, keys and values (DeepSeek-V2, sec. 2.1):
+REMAT_POLICIES = {"full": jax.checkpoint_policies.nothing_saveable,
+                  "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
 
-        c_kv = RMSNorm(h W_kv_a[:C]),   [k_nope_n, v_n] = c_kv W_kv_b   (per head n)
-        k_rope = RoPE(h W_kv_a[C:])     one rotated key for all heads
-        q_n = [q_nope, RoPE(q_rope)] of h W_q, or of RMSNorm(h W_q_a) W_q_b with q_lora_rank
-        k_n = [k_nope_n, k_rope]
 
-    Training materialises every head's key and value, as below. Decoding would instead cache
-    only c_kv and k_rope (C + Hr numbers a token, not 2 N H) and absorb the up-projections:
-    q_nope W_k_b^T is a query in latent space, and W_v_b folds into W_o. With rope_interleave
-    the rotated dims are taken as pairs (2i, 2i+1) and come out in halves, as transformers
-    does: the order within a head is the same for q and k, so q.k is unchanged by it."""
+def hidden(params: dict, tokens_BT, cfg: ModelConfig, max_logits: bool = False):
+    """Token ids -> (final-normed hidden states [B, T, D], per-layer routing stats [L], and
+    with max_logits each head's largest attention logit, "max_logit" [L, N])."""
+    dt = jnp.dtype(cfg.dtype)
+    # Every token is looked up in each device's fsdp shard of d (the ids are small), then the
+    # rows go to their batch shards: gathering the table instead would put all of it, and
+    # its whole gradient, on every device (2 GiB each for a 128k vocabulary at d 8192).
+    tokens = constrain(tokens_BT, P(None, None))
+    x = constrain(jnp.take(params["embed"].astype(dt), tokens, axis=0), P(None, None, "fsdp"))
+    x = constrain(x, ACT_BTD)
+    pos_BT = jnp.broadcast_to(jnp.arange(tokens_BT.shape[1]), tokens_BT.shape)
+    inv_freq = rope_inv_freq(cfg)
+    L, W, n, Kd = cfg.n_layers, cfg.sliding_window, cfg.global_every, cfg.first_k_dense
+    is_global_L = (np.arange(L) + 1) % n == 0 if W and n else np.full(L, not W)
+
+    def layer(x, xs):
+        return block(x, xs[0], pos_BT, inv_freq, cfg, max_logits, xs[1])
+
+    if cfg.remat != "none":
+        # Inside a rolled scan the recomputation cannot be merged away; unrolled, XLA would
+        # merge it into the forward pass (and keep every activation) unless prevented.
+        layer = jax.checkpoint(layer, policy=REMAT_POLICIES[cfg.remat],
+                               prevent_cse=not cfg.scan_layers)
+    # Unrolled (--model.no-scan-layers), each layer is compiled on its own.
+    if Kd:  # the dense layers come first, as their own stack
+        x, _ = jax.lax.scan(layer, x, (params["dense_layers"], jnp.asarray(is_global_L[:Kd])),
+                            unroll=not cfg.scan_layers)
+    x, stats = jax.lax.scan(layer, x, (params["layers"], jnp.asarray(is_global_L[Kd:])),
+                            unroll=not cfg.scan_layers)
+    return rms_norm(x, params["final_norm"], cfg.norm_eps), stats
+
+
+def unembedding(params: dict, cfg: ModelConfig):
+    return params["embed"].T if cfg.tie_embeddings else params["unembed"]
+
+
+def forward(params: dict, tokens_BT, cfg: ModelConfig):
+    """Logits [B, T, V] in float32. Training never builds these whole: see `loss_fn`."""
+    h, _ = hidden(params, tokens_BT, cfg)
+    return jnp.einsum("btd,dv->btv", h, unembedding(params, cfg).astype(h.dtype),
+                      preferred_element_type=jnp.float32)
+
+
+# ----------------------------------------------------------------------------------------------
+# 4. Loss and train step
+# ----------------------------------------------------------------------------------------------
+
+
+def train_step(state: dict, batch_BT1, *, cfg: Config, tx):
+    """One optimiser step on a global batch [B, T+1] -> (new state, metrics). The gradient and
+    its aux (ce, routing stats) are the microbatches' mean; with --train.qk-clip-threshold,
+    heads whose logits exceeded it are clipped after the update (common/train.py `qk_clip`).
+    With sigmoid routing the router biases (state["buffers"]) read the step's load, unless
+    the step is skipped as non-finite."""
+    M, tau = cfg.train.microbatches, cfg.train.qk_clip_threshold
+    buffers = state.get("buffers", {})
+    grad_fn = jax.grad(lambda p, b: loss_fn(with_buffers(p, buffers), b, cfg.model, cfg.train),
+                       has_aux=True)
+    grads, aux = train.accumulate(grad_fn, state["params"], batch_BT1, M, MOE_BATCH)
+    max_LN = aux.pop("max_logit", None)  # the microbatches' largest, not their mean
+    grads, aux = jax.tree.map(lambda x: x / M, (grads, aux))
+    clip = partial(train.qk_clip, max_LN=max_LN, tau=tau) if tau > 0 else None
+    new, metrics = train.update(tx, grads, state, aux["ce"], after=clip)
+    if buffers and cfg.train.router_bias_rate:
+        bias = buffers["layers"]["router_bias"]
+        moved = balance_biases(bias, aux["load"], cfg.train.router_bias_rate)
+        new["buffers"] = {"layers": {"router_bias": jnp.where(metrics["nonfinite"], bias, moved)}}
+    if tau > 0:
+        metrics["max_attn_logit"] = jnp.max(max_LN)
+    return new, metrics | {"loss": aux["ce"], "lr": make_schedule(cfg.train)(state["step"]),
+                           "load_min": aux["load_min"], "load_max": aux["load_max"]} | {
+        k: jnp.mean(aux[k]) for k in ("aux_loss", "router_z", "dropped")}
+
+
+def loss_fn(params, batch_BT1, cfg: ModelConfig, t: TrainConfig = TrainConfig()):
+    """The objective on token windows [B, T+1], every next token a target:
+
+        loss = ce + z_loss * mean_t lse_t^2
+               + load_balance_loss * mean_l aux_l + router_z_loss * mean_l router_z_l,
+        ce = mean_t (lse_t - l_t[y_t])
+
+    for logits l_t = h_t W_unembed, lse_t = logsumexp(l_t), over all B*T targets, and each
+    layer l's router losses (see `router`). Returns (loss, {"ce": ce, routing stats [L]}).
+    No [B, T, V] logits: train_dense.py's `_ce_fused` makes each `loss_chunk` positions'
+    gradient with their loss (`cross_entropy`), so no logits are kept or rebuilt for the
+    backward pass."""
+    inputs, targets = batch_BT1[:, :-1], batch_BT1[:, 1:]
+    h_BTD, stats = hidden(params, inputs, cfg, max_logits=t.qk_clip_threshold > 0)
+    w_DV = unembedding(params, cfg).astype(h_BTD.dtype)
+    if targets.size <= cfg.vocab_size:
+        h_BTD, w_DV = constrain(h_BTD, LOSS_BTD), constrain(w_DV, VOCAB_DV)
+    obj, ce = _ce_fused(partial(cross_entropy, z_loss=t.z_loss, cap=0.0), h_BTD, w_DV, targets,
+                        None, cfg.loss_chunk, not cfg.scan_layers)
+    n = targets.size
+    return (obj / n + t.load_balance_loss * jnp.mean(stats["aux_loss"]) + t.router_z_loss
+            * jnp.mean(stats["router_z"])), {"ce": ce / n, **stats}
+
+
+def cross_entropy(h_BCD, w_DV, t_BC, wt_BC, *, z_loss: float, cap: float, grad: bool):
+    """One chunk's (objective, cross-entropy) sums, and with `grad` the objective's gradient
+    (dh, dW). Weights wt_BC (None = all 1) scale each target's terms and gradient alike.
+
+    For p = softmax(l), d(lse - l[y])/dl = p - onehot(y) and d(lse^2)/dl = 2 lse p: both are
+    known the moment the chunk's logits are, so no logits need be kept or rebuilt.
+    """
+    logits = _softcap(jnp.einsum("bcd,dv->bcv", h_BCD, w_DV,
+                                 preferred_element_type=jnp.float32), cap)
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    hot = jax.nn.one_hot(t_BC, w_DV.shape[1], dtype=logits.dtype)
+    tgt = jnp.sum(logits * hot, axis=-1)   # not a gather: the vocabulary is split (VOCAB_DV)
+    ce_BC, z_BC = lse - tgt, lse * lse
+    if wt_BC is not None:
+        ce_BC, z_BC = ce_BC * wt_BC, z_BC * wt_BC
+    ce = jnp.sum(ce_BC)
+    sums = ce + z_loss * jnp.sum(z_BC), ce
+    if not grad:
+        return sums
+    dl = jnp.exp(logits - lse[..., None]) * (1.0 + 2.0 * z_loss * lse)[..., None] - hot
+    dl = dl if wt_BC is None else dl * wt_BC[..., None]
+    dl = dl * (1.0 - jnp.square(logits / cap)) if cap else dl   # d(c tanh(z/c))/dz
+    dh_BCD = jnp.einsum("bcv,dv->bcd", dl.astype(w_DV.dtype), w_DV,
+                        preferred_element_type=jnp.float32).astype(h_BCD.dtype)
+    dw_DV = jnp.einsum("bcd,bcv->dv", h_BCD, dl.astype(h_BCD.dtype),
+                       preferred_element_type=jnp.float32)
+    return sums, (dh_BCD, dw_DV)
+
+
+def make_schedule(t: TrainConfig):
+    return train.lr_schedule(t.schedule, t.lr, t.warmup_steps, t.steps, t.min_lr_ratio,
+                             t.decay_fraction)
+
+
+# Muon's matrices: name -> (input axes, output axes); [L] and [L, E] axes are batches of
+# separate matrices (one per layer and expert). The router keeps AdamW, as in Kimi K2.
+MUON_DIMS = {"wq": ((1,), (2, 3)), "wk": ((1,), (2, 3)), "wv": ((1,), (2, 3)),
+             "wo": ((1, 2), (3,)), "w_gate": ((2,), (3,)), "w_up": ((2,), (3,)),
+             "w_down": ((2,), (3,)), "wq_a": ((1,), (2,)), "wq_b": ((1,), (2, 3)),
+             "wkv_a": ((1,), (2,)), "wkv_b": ((1,), (2, 3)),
+             **{k: ((1,), (2,)) for k in ("shared_gate", "shared_up", "shared_down",
+                                          "mlp_gate", "mlp_up", "mlp_down")}}
+
+
+def make_optimizer(t: TrainConfig):
+    return train.optimizer(t.optimizer, make_schedule(t), b1=t.b1, b2=t.b2,
+                           weight_decay=t.weight_decay, clip_norm=t.clip_norm,
+                           decayed={"embed", "unembed", "w_router", *MUON_DIMS},
+                           muon_dims=MUON_DIMS, muon_dtype=t.muon_dtype)
+
+
+def train_state(cfg: Config, mesh) -> train.TrainState:
+    """{params, opt_state, step; with sigmoid routing buffers: the router biases} on `mesh`."""
+    bt = _buffer_table(cfg.model)
+    buffers = (lambda: train.table_init(bt, jax.random.key(0)), train.table_specs(bt))
+    return train.TrainState(partial(_init, cfg.model), param_specs(cfg.model),
+                            make_optimizer(cfg.train), mesh, buffers=buffers if bt else None)
+
+
+def count_params(cfg: ModelConfig) -> int:
+    return train.table_count(_param_table(cfg))
+
+
+def count_active_params(cfg: ModelConfig) -> int:
+    """Parameters one token uses: all of them but the n_experts - top_k experts it skips."""
+    per_expert = 3 * cfg.d_model * cfg.d_ff + (2 * cfg.d_ff + cfg.d_model) * cfg.moe_bias
+    unused = (cfg.n_layers - cfg.first_k_dense) * (cfg.n_experts - cfg.top_k) * per_expert
+    return count_params(cfg) - unused
+
+
+def _chunked(chunk: int, *xs_BT):
+    def cut(x):
+        if x is None:
+            return None
+        B, T = x.shape[:2]
+        C = min(chunk, T)
+        return x.reshape(B, T // C, C, *x.shape[2:]).swapaxes(0, 1)
+    return [cut(x) for x in xs_BT]
+
+
+def _softcap(logits, cap: float):
+    return cap * jnp.tanh(logits / cap) if cap else logits   # Gemma 2's final soft-cap
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(0, 5, 6))
+def _ce_fused(ce_fn, h_BTD, w_DV, t_BT, wt_BT, chunk: int, unroll: bool = False):
+    """ce_fn's sums over the sequence's chunks, each chunk's gradient made with its sums.
+
+    Each chunk leaves only its dh and adds to dW. Against `_ce_remat` this saves the second
+    unembedding matmul, which dominates the step when the vocabulary is large. Only the
+    objective is differentiated; the cross-entropy is a report. Weights are data.
+    """
+    return _ce_fused_fwd(ce_fn, h_BTD, w_DV, t_BT, wt_BT, chunk, unroll)[0]
+
+
+def _ce_fused_fwd(ce_fn, h_BTD, w_DV, t_BT, wt_BT, chunk, unroll=False):
+    def one(acc, xs):
+        (obj, ce), (dh_BCD, dw_DV) = ce_fn(xs[0], w_DV, *xs[1:], grad=True)
+        return (acc[0] + obj, acc[1] + ce, acc[2] + dw_DV), dh_BCD
+
+    zero = jnp.zeros((), jnp.float32)
+    (obj, ce, dw_DV), dh_nBCD = jax.lax.scan(
+        one, (zero, zero, jnp.zeros(w_DV.shape, jnp.float32)),
+        _chunked(chunk, h_BTD, t_BT, wt_BT), unroll=unroll)
+    dh_BTD = dh_nBCD.swapaxes(0, 1).reshape(h_BTD.shape)
+    return (obj, ce), (dh_BTD, dw_DV.astype(w_DV.dtype))
+
+
+def _ce_fused_bwd(ce_fn, chunk, unroll, res, g):
+    dh_BTD, dw_DV = res
+    return ((g[0] * dh_BTD).astype(dh_BTD.dtype), (g[0] * dw_DV).astype(dw_DV.dtype), None,
+            None)
+
+
+_ce_fused.defvjp(_ce_fused_fwd, _ce_fused_bwd)
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """Training FLOPs per token on the *active* parameters: 3x the forward, which is 2 per
+    weight of every matmul a token goes through (q, k, v, o, the router, top_k experts' gate,
+    up and down, the unembedding) plus attention's 2 * 2 * T * N * H per layer (PaLM app. B).
+    Sorting, gathers, all-to-alls and capacity padding are overhead: MFU counts useful work."""
+    D, N, K, H, L = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.n_layers
+    attn, Hqv = D * N * H + 2 * D * K * H + N * H * D, 2 * H   # Hqv: q.k and p.v widths
+    if cfg.kv_lora_rank:   # MLA: the latents' down- and up-projections, keys and values
+        C, Qr, Hr, Hv = cfg.kv_lora_rank, cfg.q_lora_rank, cfg.qk_rope_head_dim, cfg.v_head_dim
+        Hq = cfg.qk_nope_head_dim + Hr
+        attn = ((D * Qr + Qr * N * Hq) if Qr else D * N * Hq) + D * (C + Hr) + \
+            C * N * (cfg.qk_nope_head_dim + Hv) + N * Hv * D
+        Hqv = Hq + Hv
+    Kd = cfg.first_k_dense
+    mlp = D * cfg.n_experts + (cfg.top_k + cfg.n_shared_experts) * 3 * D * cfg.d_ff
+    matmul_weights = L * attn + (L - Kd) * mlp + Kd * 3 * D * cfg.dense_d_ff + D * cfg.vocab_size
+    W, n = cfg.sliding_window, cfg.global_every   # a window layer reads min(T, W) keys
+    n_global = (L // n if n else 0) if W else L
+    keys = n_global * seq_len + (L - n_global) * min(seq_len, W or seq_len)
+    return 3.0 * (2 * matmul_weights + 2 * keys * N * Hqv)   # + attention's
+
+
+def validate(cfg: Config, n_devices: int) -> None:
+    """Every check that needs no compilation, so a bad launch fails in a second."""
+    m, t = cfg.model, cfg.train
+    train.check_ranges(cfg)
+    mesh = resolve(cfg.mesh, n_devices, max(1, math.prod(cfg.mesh.dcn())))
+    need(m.n_experts >= 2, f"--model.n-experts {m.n_experts}: a mixture needs at least 2 "
+         "experts; one expert is a dense MLP, which train_dense.py trains (with --model.d-ff "
+         "for its width).")
+    need(1 <= m.top_k <= m.n_experts, f"--model.top-k {m.top_k} must be between 1 and "
+         f"--model.n-experts {m.n_experts}: each token picks top-k distinct experts.")
+    need(m.capacity_factor >= 0, f"--model.capacity-factor {m.capacity_factor}: use 0 for "
+         "dropless routing or a positive factor (1.25 is usual) for capacity mode.")
+    need(m.gmm_tile >= 1, f"--model.gmm-tile {m.gmm_tile} must be >= 1.")
+    # A device of the expert axis holds n_experts / expert whole experts.
+    train.check_sizes(mesh, {"expert": [("--model.n-experts", m.n_experts)], "tensor": [
+        ("--model.n-heads", m.n_heads), ("--model.n-kv-heads", m.n_kv_heads),
+        ("--model.d-ff", m.d_ff), ("--model.dense-d-ff", m.dense_d_ff),
+        ("--model.vocab-size", m.vocab_size)], "fsdp": [("--model.d-model", m.d_model)]})
+    need(m.n_heads % m.n_kv_heads == 0, f"--model.n-heads {m.n_heads} is not a multiple of "
+         f"--model.n-kv-heads {m.n_kv_heads} (each key/value head serves a whole group).")
+    need(m.head_dim % 2 == 0, f"--model.head-dim {m.head_dim} must be even (RoPE rotates pairs).")
+    need(m.sliding_window or not m.global_every, f"--model.global-every {m.global_every} "
+         "without --model.sliding-window: the layers between the global ones are the windowed "
+         "ones. Give the window, or --model.global-every 0.")
+    train.check_batch(t.batch_size, t.microbatches, mesh, MOE_BATCH)
+    need(t.seq_len <= m.max_seq_len, f"--train.seq-len {t.seq_len} exceeds the model's maximum "
+         f"--model.max-seq-len {m.max_seq_len}.")
+    need(t.seq_len % min(m.loss_chunk, t.seq_len) == 0, f"--train.seq-len {t.seq_len} is not a "
+         f"multiple of --model.loss-chunk {m.loss_chunk}.")
+    train.check_profile(t.profile_steps, t.steps)
+    train.check_qk_clip("--train.qk-clip-threshold", t.qk_clip_threshold, m.qk_norm)
+    _validate_deepseek(m, t)
+
+
+def _validate_deepseek(m: ModelConfig, t: TrainConfig) -> None:
+    if m.kv_lora_rank:
+        clash = [f for f in ("qk_norm", "attn_bias", "attn_sinks", "sliding_window") if
+                 getattr(m, f)]
+        need(not clash, f"--model.kv-lora-rank {m.kv_lora_rank} (MLA) with --model."
+             f"{clash[0].replace('_', '-') if clash else ''}: MLA is DeepSeek's attention, "
+             "which has none of those; turn it off.")
+        need(m.n_kv_heads == m.n_heads, f"--model.n-kv-heads {m.n_kv_heads} with MLA: MLA "
+             f"builds a key and a value for each query head; set it to --model.n-heads "
+             f"{m.n_heads}.")
+        need(m.qk_rope_head_dim >= 2 and m.qk_rope_head_dim % 2 == 0, f"--model.qk-rope-head-"
+             f"dim {m.qk_rope_head_dim} must be even and positive (RoPE rotates pairs).")
+        need(m.v_head_dim <= m.qk_nope_head_dim + m.qk_rope_head_dim, f"--model.v-head-dim "
+             f"{m.v_head_dim} exceeds the query width {m.qk_nope_head_dim + m.qk_rope_head_dim}"
+             " (nope + rope), to which the values are padded; narrow it.")
+        need(not m.yarn_factor or m.yarn_mscale_all_dim, "--model.yarn-factor with MLA needs "
+             "--model.yarn-mscale-all-dim (DeepSeek-V3: 1.0): the logits' YaRN correction.")
+        need(not t.qk_clip_threshold, "--train.qk-clip-threshold with MLA: QK-clip here "
+             "scales wq and wk, which MLA does not have. Set it to 0.")
+    need(m.kv_lora_rank or not (m.yarn_mscale_all_dim or m.rope_interleave), "--model.yarn-"
+         "mscale-all-dim and --model.rope-interleave are MLA's (--model.kv-lora-rank > 0); "
+         "turn them off.")
+    need(not m.n_group or (m.n_experts % m.n_group == 0 and 1 <= m.topk_group <= m.n_group and
+                           m.top_k <= m.topk_group * (m.n_experts // m.n_group) and
+                           m.n_experts >= 2 * m.n_group),
+         f"--model.n-group {m.n_group} --model.topk-group {m.topk_group}: the groups must "
+         f"split --model.n-experts {m.n_experts} evenly, at least 2 experts each (each group "
+         f"is ranked by its best two), and the chosen groups must hold --model.top-k "
+         f"{m.top_k} experts.")
+    need(m.sigmoid_routing or not (m.n_group or m.routed_scale or t.router_bias_rate),
+         "--model.n-group, --model.routed-scale and --train.router-bias-rate are DeepSeek's "
+         "sigmoid routing: add --model.sigmoid-routing.")
+    need(not (m.sigmoid_routing and m.moe_bias), "--model.sigmoid-routing with --model.moe-bias: "
+         "GPT-OSS's router bias and DeepSeek's choice bias are different models; pick one.")
+    need(0 <= m.first_k_dense < m.n_layers and bool(m.first_k_dense) == bool(m.dense_d_ff),
+         f"--model.first-k-dense {m.first_k_dense} --model.dense-d-ff {m.dense_d_ff}: give "
+         f"both (dense layers and their width) or neither, with fewer dense layers than "
+         f"--model.n-layers {m.n_layers}.")
+    need(not (t.qk_clip_threshold and m.first_k_dense), "--train.qk-clip-threshold with "
+         "--model.first-k-dense: the clip reads the MoE layers' logits only. Set it to 0.")
+
+
+# ----------------------------------------------------------------------------------------------
+# 5. Experts: routing and dispatch
+# ----------------------------------------------------------------------------------------------
+
+
+def moe(h_BTD, lp: dict, cfg: ModelConfig):
+    """The MoE block on normed activations: (output [B,T,D], routing stats)."""
+    gate_BTR, expert_BTR, stats = router(h_BTD, lp["w_router"], cfg, lp.get("b_router"),
+                                         lp.get("router_bias"))
+    ws = {k: lp[k] for k in ("w_gate", "w_up", "w_down", "b_gate", "b_up", "b_down") if k in lp}
     dt = h_BTD.dtype
-    w = weights(lp, dt, cfg)
-    C, Hn, eps = cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.norm_eps
-    if cfg.q_lora_rank:
-        c_q = rms_norm(jnp.einsum("btd,dc->btc", h_BTD, w("wq_a")), lp["q_norm_a"], eps)
-        q = jnp.einsum("btc,cnh->btnh", c_q, w("wq_b"))
-    else:
-        q = jnp.einsum("btd,dnh->btnh", h_BTD, w("wq"))
-    kv = jnp.einsum("btd,dc->btc", h_BTD, w("wkv_a"))
-    c_kv = rms_norm(kv[..., :C], lp["kv_norm"], eps)
-    kv_b = jnp.einsum("btc,cnh->btnh", c_kv, w("wkv_b"))
-    k_nope, v = kv_b[..., :Hn], kv_b[..., Hn:]
-    pairs = ((lambda x: jnp.concatenate([x[..., 0::2], x[..., 1::2]], -1))
-             if cfg.rope_interleave else (lambda x: x))
-    k_rope = apply_rope(pairs(kv[:, :, None, C:]), pos_BT, inv_freq)
-    q = jnp.concatenate([q[..., :Hn], apply_rope(pairs(q[..., Hn:]), pos_BT, inv_freq)], axis=-1)
-    k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rope, (*k_nope.shape[:3],
-                                                            k_rope.shape[-1]))], axis=-1)
-    return q, k, v
-
-
-def attention(q_BTNH, k_BTKH, v_BTKV, lp: dict, cfg: ModelConfig, is_global):
-    """One layer's attention by the compile target's kernel (common/attention.py), with
-    GPT-OSS's sinks and window; `is_global` (traced) picks the layer's kind. YaRN's
-    temperature scales q and k alike: here their logits, by its square (DeepSeek's YaRN leaves
-    the rotation unscaled and multiplies the logits by mscale(factor, mscale_all_dim)^2).
-    MLA's values are narrower than its queries (V 128, H 192): every kernel takes that."""
-    temp = yarn_mscale(cfg.yarn_factor, cfg.yarn_mscale_all_dim or 1.0) ** 2
-    full = partial(attend, q_BTNH, k_BTKH, v_BTKV, impl=cfg.attention, sinks_N=lp.get("sinks"),
-                   scale=temp / math.sqrt(q_BTNH.shape[-1]), batch_axes=MOE_BATCH)
-    W = cfg.sliding_window if cfg.sliding_window < q_BTNH.shape[1] else 0  # else: all in reach
-    return jax.lax.cond(is_global, full, partial(full, window=W)) if W else full()
+    if cfg.n_experts == 1:
+        # The dense twin of `bench`: one expert, weight exactly 1, routing is the identity.
+        y = swiglu(h_BTD, {k: a[0].astype(dt) for k, a in ws.items()}, cfg)
+        return constrain(y, ACT_BTD), stats | {"dropped": jnp.zeros((), jnp.float32)}
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        y, dropped = experts(h_BTD, expert_BTR, gate_BTR, ws, cfg)
+    else:  # each weight as its table shards it, less the layer axis
+        act, spec = P(MOE_BATCH, None, None), param_specs(cfg)["layers"]
+        y, dropped = jax.shard_map(
+            partial(experts, cfg=cfg, peers=mesh.shape["expert"], sharded=True),
+            in_specs=(act, act, act, {k: P(*spec[k][1:]) for k in ws}),
+            out_specs=(act, P(MOE_BATCH)),
+        )(h_BTD, expert_BTR, gate_BTR, ws)
+    n_assign = h_BTD.shape[0] * h_BTD.shape[1] * cfg.top_k
+    if cfg.n_shared_experts:  # DeepSeek's shared experts: one wider SwiGLU every token uses
+        y = y + swiglu(h_BTD, {"w_" + k: lp["shared_" + k].astype(dt) for k in PROJ})
+    return y, stats | {"dropped": jnp.sum(dropped) / n_assign}
 
 
 def router(h_BTD, w_DE, cfg: ModelConfig, b_E=None, bias_E=None):
@@ -628,6 +886,22 @@ def router(h_BTD, w_DE, cfg: ModelConfig, b_E=None, bias_E=None):
     return gate_BTR, expert_BTR.astype(jnp.int32), stats
 
 
+def _buffer_table(cfg: ModelConfig) -> dict:
+    """State that is not trained: with sigmoid routing, each MoE layer's per-expert bias on
+    the scores that choose the experts (DeepSeek-V3's e_score_correction_bias), replicated
+    like the router's expert axis. Moved by `balance_biases`, never by a gradient."""
+    if not cfg.sigmoid_routing:
+        return {}
+    return {"layers": {"router_bias": ((cfg.n_layers - cfg.first_k_dense, cfg.n_experts),
+                                       P(None, None), 0.0)}}
+
+
+def with_buffers(params: dict, buffers: dict) -> dict:
+    """The model's weights with the buffers joined into their stacks: what `forward` reads.
+    The buffers pass through stop_gradient: no gradient is taken of them."""
+    return train.join(params, jax.tree.map(jax.lax.stop_gradient, buffers))
+
+
 def balance_biases(bias_LE, load_LE, rate: float):
     """Auxiliary-loss-free balancing (DeepSeek-V3, sec. 2.1.2): after each step a bias rises by
     `rate` if its expert took less than the even share of its layer's assignments, falls if
@@ -682,8 +956,7 @@ def _tile_layout(sizes_G, M: int, tile: int):
     group_M = jnp.searchsorted(end_G, row_M, side="right")     # G for rows past the groups
     g_M = jnp.minimum(group_M, G - 1)
     within_M = row_M - (end_G - sizes_G)[g_M]
-    dest_M = jnp.where(group_M < G, (tile_end_G - tiles_G)[g_M] * tile + within_M,
-                       n_tiles * tile)
+    dest_M = jnp.where(group_M < G, (tile_end_G - tiles_G)[g_M] * tile + within_M, n_tiles * tile)
     group_n = jnp.minimum(jnp.searchsorted(tile_end_G, jnp.arange(n_tiles), side="right"), G - 1)
     return dest_M, group_n, n_tiles
 
@@ -813,290 +1086,8 @@ def experts(x_BTD, expert_BTR, gate_BTR, w: dict, cfg: ModelConfig, peers: int =
     return y_nD.astype(dt).reshape(B, T, D), dropped.reshape(1)
 
 
-def moe(h_BTD, lp: dict, cfg: ModelConfig):
-    """The MoE block on normed activations: (output [B,T,D], routing stats)."""
-    gate_BTR, expert_BTR, stats = router(h_BTD, lp["w_router"], cfg, lp.get("b_router"),
-                                         lp.get("router_bias"))
-    ws = {k: lp[k] for k in ("w_gate", "w_up", "w_down", "b_gate", "b_up", "b_down") if k in lp}
-    dt = h_BTD.dtype
-    if cfg.n_experts == 1:
-        # The dense twin of `bench`: one expert, weight exactly 1, routing is the identity.
-        y = swiglu(h_BTD, {k: a[0].astype(dt) for k, a in ws.items()}, cfg)
-        return constrain(y, ACT_BTD), stats | {"dropped": jnp.zeros((), jnp.float32)}
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty:
-        y, dropped = experts(h_BTD, expert_BTR, gate_BTR, ws, cfg)
-    else:  # each weight as its table shards it, less the layer axis
-        act, spec = P(MOE_BATCH, None, None), param_specs(cfg)["layers"]
-        y, dropped = jax.shard_map(
-            partial(experts, cfg=cfg, peers=mesh.shape["expert"], sharded=True),
-            in_specs=(act, act, act, {k: P(*spec[k][1:]) for k in ws}),
-            out_specs=(act, P(MOE_BATCH)),
-        )(h_BTD, expert_BTR, gate_BTR, ws)
-    n_assign = h_BTD.shape[0] * h_BTD.shape[1] * cfg.top_k
-    if cfg.n_shared_experts:  # DeepSeek's shared experts: one wider SwiGLU every token uses
-        y = y + swiglu(h_BTD, {"w_" + k: lp["shared_" + k].astype(dt) for k in PROJ})
-    return y, stats | {"dropped": jnp.sum(dropped) / n_assign}
-
-
-def block(x_BTD, lp: dict, pos_BT, inv_freq, cfg: ModelConfig, max_logits: bool = False,
-          is_global=True):
-    """One layer: attention, then the experts, or a dense SwiGLU in a first_k_dense layer
-    (whose stack has no router); the dense layers' stats are empty."""
-    dt = x_BTD.dtype
-    w = weights(lp, dt, cfg)
-    h = rms_norm(x_BTD, lp["attn_norm"], cfg.norm_eps)
-    if cfg.kv_lora_rank:
-        q, k, v = mla(h, lp, pos_BT, inv_freq, cfg)
-    else:
-        q = jnp.einsum("btd,dnh->btnh", h, w("wq"))
-        k = jnp.einsum("btd,dkh->btkh", h, w("wk"))
-        v = jnp.einsum("btd,dkh->btkh", h, w("wv"))
-        if cfg.attn_bias:
-            q, k, v = q + w("bq"), k + w("bk"), v + w("bv")
-        if cfg.qk_norm:
-            q, k = (rms_norm(q, lp["q_norm"], cfg.norm_eps),
-                    rms_norm(k, lp["k_norm"], cfg.norm_eps))
-        q, k = apply_rope(q, pos_BT, inv_freq), apply_rope(k, pos_BT, inv_freq)
-    o = jnp.einsum("btnh,nhd->btd", attention(q, k, v, lp, cfg, is_global), w("wo"))
-    x_BTD = constrain(x_BTD + (o + w("bo") if cfg.attn_bias else o), ACT_BTD)
-    h = rms_norm(x_BTD, lp["mlp_norm"], cfg.norm_eps)
-    if "w_router" not in lp:
-        y_BTD = swiglu(h, {"w_" + k: w("mlp_" + k) for k in PROJ})
-        return constrain(x_BTD + y_BTD, ACT_BTD), {}
-    y_BTD, stats = moe(h, lp, cfg)
-    if max_logits:  # for QK-clip: each head's largest attention logit
-        stats["max_logit"] = train.max_logits(q, k)
-    return constrain(x_BTD + y_BTD, ACT_BTD), stats
-
-
-REMAT_POLICIES = {"full": jax.checkpoint_policies.nothing_saveable,
-                  "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
-
-
-def hidden(params: dict, tokens_BT, cfg: ModelConfig, max_logits: bool = False):
-    """Token ids -> (final-normed hidden states [B, T, D], per-layer routing stats [L], and
-    with max_logits each head's largest attention logit, "max_logit" [L, N])."""
-    dt = jnp.dtype(cfg.dtype)
-    # Every token is looked up in each device's fsdp shard of d (the ids are small), then the
-    # rows go to their batch shards: gathering the table instead would put all of it, and
-    # its whole gradient, on every device (2 GiB each for a 128k vocabulary at d 8192).
-    tokens = constrain(tokens_BT, P(None, None))
-    x = constrain(jnp.take(params["embed"].astype(dt), tokens, axis=0), P(None, None, "fsdp"))
-    x = constrain(x, ACT_BTD)
-    pos_BT = jnp.broadcast_to(jnp.arange(tokens_BT.shape[1]), tokens_BT.shape)
-    inv_freq = rope_inv_freq(cfg)
-    L, W, n, Kd = cfg.n_layers, cfg.sliding_window, cfg.global_every, cfg.first_k_dense
-    is_global_L = (np.arange(L) + 1) % n == 0 if W and n else np.full(L, not W)
-
-    def layer(x, xs):
-        return block(x, xs[0], pos_BT, inv_freq, cfg, max_logits, xs[1])
-
-    if cfg.remat != "none":
-        # Inside a rolled scan the recomputation cannot be merged away; unrolled, XLA would
-        # merge it into the forward pass (and keep every activation) unless prevented.
-        layer = jax.checkpoint(layer, policy=REMAT_POLICIES[cfg.remat],
-                               prevent_cse=not cfg.scan_layers)
-    # Unrolled (--model.no-scan-layers), each layer is compiled on its own.
-    if Kd:  # the dense layers come first, as their own stack
-        x, _ = jax.lax.scan(layer, x, (params["dense_layers"], jnp.asarray(is_global_L[:Kd])),
-                            unroll=not cfg.scan_layers)
-    x, stats = jax.lax.scan(layer, x, (params["layers"], jnp.asarray(is_global_L[Kd:])),
-                            unroll=not cfg.scan_layers)
-    return rms_norm(x, params["final_norm"], cfg.norm_eps), stats
-
-
-def unembedding(params: dict, cfg: ModelConfig):
-    return params["embed"].T if cfg.tie_embeddings else params["unembed"]
-
-
-def forward(params: dict, tokens_BT, cfg: ModelConfig):
-    """Logits [B, T, V] in float32. Training never builds these whole: see `loss_fn`."""
-    h, _ = hidden(params, tokens_BT, cfg)
-    return jnp.einsum("btd,dv->btv", h, unembedding(params, cfg).astype(h.dtype),
-                      preferred_element_type=jnp.float32)
-
-
 # ----------------------------------------------------------------------------------------------
-# 4. Loss and train step
-# ----------------------------------------------------------------------------------------------
-
-
-def loss_fn(params, batch_BT1, cfg: ModelConfig, t: TrainConfig = TrainConfig()):
-    """The objective on token windows [B, T+1], every next token a target:
-
-        loss = ce + z_loss * mean_t lse_t^2
-               + load_balance_loss * mean_l aux_l + router_z_loss * mean_l router_z_l,
-        ce = mean_t (lse_t - l_t[y_t])
-
-    for logits l_t = h_t W_unembed, lse_t = logsumexp(l_t), over all B*T targets, and each
-    layer l's router losses (see `router`). Returns (loss, {"ce": ce, routing stats [L]}).
-    No [B, T, V] logits: train_dense.py's `_ce_fused` makes each `loss_chunk` positions'
-    gradient with their loss (`cross_entropy`), so no logits are kept or rebuilt for the
-    backward pass."""
-    inputs, targets = batch_BT1[:, :-1], batch_BT1[:, 1:]
-    h_BTD, stats = hidden(params, inputs, cfg, max_logits=t.qk_clip_threshold > 0)
-    w_DV = unembedding(params, cfg).astype(h_BTD.dtype)
-    if targets.size <= cfg.vocab_size:
-        h_BTD, w_DV = constrain(h_BTD, LOSS_BTD), constrain(w_DV, VOCAB_DV)
-    obj, ce = _ce_fused(partial(cross_entropy, z_loss=t.z_loss, cap=0.0), h_BTD, w_DV, targets,
-                        None, cfg.loss_chunk, not cfg.scan_layers)
-    n = targets.size
-    return (obj / n + t.load_balance_loss * jnp.mean(stats["aux_loss"]) + t.router_z_loss
-            * jnp.mean(stats["router_z"])), {"ce": ce / n, **stats}
-
-
-def cross_entropy(h_BCD, w_DV, t_BC, wt_BC, *, z_loss: float, cap: float, grad: bool):
-    """One chunk's (objective, cross-entropy) sums, and with `grad` the objective's gradient
-    (dh, dW). Weights wt_BC (None = all 1) scale each target's terms and gradient alike.
-
-    For p = softmax(l), d(lse - l[y])/dl = p - onehot(y) and d(lse^2)/dl = 2 lse p: both are
-    known the moment the chunk's logits are, so no logits need be kept or rebuilt.
-    """
-    logits = _softcap(jnp.einsum("bcd,dv->bcv", h_BCD, w_DV,
-                                 preferred_element_type=jnp.float32), cap)
-    lse = jax.nn.logsumexp(logits, axis=-1)
-    hot = jax.nn.one_hot(t_BC, w_DV.shape[1], dtype=logits.dtype)
-    tgt = jnp.sum(logits * hot, axis=-1)   # not a gather: the vocabulary is split (VOCAB_DV)
-    ce_BC, z_BC = lse - tgt, lse * lse
-    if wt_BC is not None:
-        ce_BC, z_BC = ce_BC * wt_BC, z_BC * wt_BC
-    ce = jnp.sum(ce_BC)
-    sums = ce + z_loss * jnp.sum(z_BC), ce
-    if not grad:
-        return sums
-    dl = jnp.exp(logits - lse[..., None]) * (1.0 + 2.0 * z_loss * lse)[..., None] - hot
-    dl = dl if wt_BC is None else dl * wt_BC[..., None]
-    dl = dl * (1.0 - jnp.square(logits / cap)) if cap else dl   # d(c tanh(z/c))/dz
-    dh_BCD = jnp.einsum("bcv,dv->bcd", dl.astype(w_DV.dtype), w_DV,
-                        preferred_element_type=jnp.float32).astype(h_BCD.dtype)
-    dw_DV = jnp.einsum("bcd,bcv->dv", h_BCD, dl.astype(h_BCD.dtype),
-                       preferred_element_type=jnp.float32)
-    return sums, (dh_BCD, dw_DV)
-
-
-def _chunked(chunk: int, *xs_BT):
-    def cut(x):
-        if x is None:
-            return None
-        B, T = x.shape[:2]
-        C = min(chunk, T)
-        return x.reshape(B, T // C, C, *x.shape[2:]).swapaxes(0, 1)
-    return [cut(x) for x in xs_BT]
-
-
-def _softcap(logits, cap: float):
-    return cap * jnp.tanh(logits / cap) if cap else logits   # Gemma 2's final soft-cap
-
-
-@partial(jax.custom_vjp, nondiff_argnums=(0, 5, 6))
-def _ce_fused(ce_fn, h_BTD, w_DV, t_BT, wt_BT, chunk: int, unroll: bool = False):
-    """ce_fn's sums over the sequence's chunks, each chunk's gradient made with its sums.
-
-    Each chunk leaves only its dh and adds to dW. Against `_ce_remat` this saves the second
-    unembedding matmul, which dominates the step when the vocabulary is large. Only the
-    objective is differentiated; the cross-entropy is a report. Weights are data.
-    """
-    return _ce_fused_fwd(ce_fn, h_BTD, w_DV, t_BT, wt_BT, chunk, unroll)[0]
-
-
-def _ce_fused_fwd(ce_fn, h_BTD, w_DV, t_BT, wt_BT, chunk, unroll=False):
-    def one(acc, xs):
-        (obj, ce), (dh_BCD, dw_DV) = ce_fn(xs[0], w_DV, *xs[1:], grad=True)
-        return (acc[0] + obj, acc[1] + ce, acc[2] + dw_DV), dh_BCD
-
-    zero = jnp.zeros((), jnp.float32)
-    (obj, ce, dw_DV), dh_nBCD = jax.lax.scan(
-        one, (zero, zero, jnp.zeros(w_DV.shape, jnp.float32)),
-        _chunked(chunk, h_BTD, t_BT, wt_BT), unroll=unroll)
-    dh_BTD = dh_nBCD.swapaxes(0, 1).reshape(h_BTD.shape)
-    return (obj, ce), (dh_BTD, dw_DV.astype(w_DV.dtype))
-
-
-def _ce_fused_bwd(ce_fn, chunk, unroll, res, g):
-    dh_BTD, dw_DV = res
-    return ((g[0] * dh_BTD).astype(dh_BTD.dtype), (g[0] * dw_DV).astype(dw_DV.dtype), None,
-            None)
-
-
-_ce_fused.defvjp(_ce_fused_fwd, _ce_fused_bwd)
-
-
-def train_step(state: dict, batch_BT1, *, cfg: Config, tx):
-    """One optimiser step on a global batch [B, T+1] -> (new state, metrics). The gradient and
-    its aux (ce, routing stats) are the microbatches' mean; with --train.qk-clip-threshold,
-    heads whose logits exceeded it are clipped after the update (common/train.py `qk_clip`).
-    With sigmoid routing the router biases (state["buffers"]) read the step's load, unless
-    the step is skipped as non-finite."""
-    M, tau = cfg.train.microbatches, cfg.train.qk_clip_threshold
-    buffers = state.get("buffers", {})
-    grad_fn = jax.grad(lambda p, b: loss_fn(with_buffers(p, buffers), b, cfg.model, cfg.train),
-                       has_aux=True)
-    grads, aux = train.accumulate(grad_fn, state["params"], batch_BT1, M, MOE_BATCH)
-    max_LN = aux.pop("max_logit", None)  # the microbatches' largest, not their mean
-    grads, aux = jax.tree.map(lambda x: x / M, (grads, aux))
-    clip = partial(train.qk_clip, max_LN=max_LN, tau=tau) if tau > 0 else None
-    new, metrics = train.update(tx, grads, state, aux["ce"], after=clip)
-    if buffers and cfg.train.router_bias_rate:
-        bias = buffers["layers"]["router_bias"]
-        moved = balance_biases(bias, aux["load"], cfg.train.router_bias_rate)
-        new["buffers"] = {"layers": {"router_bias": jnp.where(metrics["nonfinite"], bias,
-                                                              moved)}}
-    if tau > 0:
-        metrics["max_attn_logit"] = jnp.max(max_LN)
-    return new, metrics | {"loss": aux["ce"], "lr": make_schedule(cfg.train)(state["step"]),
-                           "aux_loss": jnp.mean(aux["aux_loss"]),
-                           "router_z": jnp.mean(aux["router_z"]), "load_min": aux["load_min"],
-                           "load_max": aux["load_max"], "dropped": jnp.mean(aux["dropped"])}
-
-
-def make_schedule(t: TrainConfig):
-    return train.lr_schedule(t.schedule, t.lr, t.warmup_steps, t.steps, t.min_lr_ratio,
-                             t.decay_fraction)
-
-
-# Muon's matrices: name -> (input axes, output axes); [L] and [L, E] axes are batches of
-# separate matrices (one per layer and expert). The router keeps AdamW, as in Kimi K2.
-MUON_DIMS = {"wq": ((1,), (2, 3)), "wk": ((1,), (2, 3)), "wv": ((1,), (2, 3)),
-             "wo": ((1, 2), (3,)), "w_gate": ((2,), (3,)), "w_up": ((2,), (3,)),
-             "w_down": ((2,), (3,)), "wq_a": ((1,), (2,)), "wq_b": ((1,), (2, 3)),
-             "wkv_a": ((1,), (2,)), "wkv_b": ((1,), (2, 3)),
-             **{k: ((1,), (2,)) for k in ("shared_gate", "shared_up", "shared_down",
-                                          "mlp_gate", "mlp_up", "mlp_down")}}
-
-
-def make_optimizer(t: TrainConfig):
-    return train.optimizer(t.optimizer, make_schedule(t), b1=t.b1, b2=t.b2,
-                           weight_decay=t.weight_decay, clip_norm=t.clip_norm,
-                           decayed={"embed", "unembed", "w_router", *MUON_DIMS},
-                           muon_dims=MUON_DIMS, muon_dtype=t.muon_dtype)
-
-
-def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
-    """Training FLOPs per token on the *active* parameters: 3x the forward, which is 2 per
-    weight of every matmul a token goes through (q, k, v, o, the router, top_k experts' gate,
-    up and down, the unembedding) plus attention's 2 * 2 * T * N * H per layer (PaLM app. B).
-    Sorting, gathers, all-to-alls and capacity padding are overhead: MFU counts useful work."""
-    D, N, K, H, L = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.n_layers
-    attn, Hqv = D * N * H + 2 * D * K * H + N * H * D, 2 * H   # Hqv: q.k and p.v widths
-    if cfg.kv_lora_rank:   # MLA: the latents' down- and up-projections, keys and values
-        C, Qr, Hr, Hv = cfg.kv_lora_rank, cfg.q_lora_rank, cfg.qk_rope_head_dim, cfg.v_head_dim
-        Hq = cfg.qk_nope_head_dim + Hr
-        attn = ((D * Qr + Qr * N * Hq) if Qr else D * N * Hq) + D * (C + Hr) + \
-            C * N * (cfg.qk_nope_head_dim + Hv) + N * Hv * D
-        Hqv = Hq + Hv
-    Kd = cfg.first_k_dense
-    mlp = D * cfg.n_experts + (cfg.top_k + cfg.n_shared_experts) * 3 * D * cfg.d_ff
-    matmul_weights = L * attn + (L - Kd) * mlp + Kd * 3 * D * cfg.dense_d_ff + \
-        D * cfg.vocab_size
-    W, n = cfg.sliding_window, cfg.global_every   # a window layer reads min(T, W) keys
-    n_global = (L // n if n else 0) if W else L
-    keys = n_global * seq_len + (L - n_global) * min(seq_len, W or seq_len)
-    return 3.0 * (2 * matmul_weights + 2 * keys * N * Hqv)   # + attention's
-
-
-# ----------------------------------------------------------------------------------------------
-# 5. Main and the training loop
+# 6. Main and the training loop
 # ----------------------------------------------------------------------------------------------
 
 
@@ -1233,7 +1224,7 @@ def bench(cfg: Config, mesh, batch) -> dict:
 
 
 # ----------------------------------------------------------------------------------------------
-# 6. HuggingFace in and out
+# 7. HuggingFace in and out
 # ----------------------------------------------------------------------------------------------
 
 # As in train_dense.py: HF rotates the two halves of each head, as `apply_rope` does, so no
@@ -1391,11 +1382,8 @@ def config_from_hf(c: dict, where: str = "config.json") -> ModelConfig:
     # read before the defaults (which spell it num_experts) are merged in.
     qwen_experts = c.get("num_experts", c.get("num_local_experts"))
     c = _HF_DEFAULTS[fam] | c
-
-    def unsupported(what: str):
-        return hf.HFError(f"{where}: {what} is not implemented by train_moe.py, so this {mt} "
-                          "model cannot be loaded faithfully.")
-
+    unsupported = lambda what: hf.HFError(f"{where}: {what} is not implemented by train_moe.py, "
+                                          f"so this {mt} model cannot be loaded faithfully.")
     wide = "intermediate_size" if mt in ("mixtral", "gpt_oss") else "moe_intermediate_size"
     for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", wide):
         if key not in c:
@@ -1447,9 +1435,8 @@ def config_from_hf(c: dict, where: str = "config.json") -> ModelConfig:
                   attn_sinks=True, moe_bias=True)
     elif fam == "deepseek_v3":  # one group = none; head_dim: the rotated part's
         G, Kd = c.get("n_group") or 1, m["first_k_dense"]
-        m |= dict(head_dim=m["qk_rope_head_dim"], sigmoid_routing=True,
-                  seq_aux=bool(c.get("seq_aux", True)), n_group=G if G > 1 else 0,
-                  topk_group=c["topk_group"] if G > 1 else 0,
+        m |= dict(head_dim=m["qk_rope_head_dim"], sigmoid_routing=True, n_group=G if G > 1 else 0,
+                  seq_aux=bool(c.get("seq_aux", True)), topk_group=c["topk_group"] if G > 1 else 0,
                   yarn_mscale_all_dim=float(rope.get("mscale_all_dim") or 0),
                   dense_d_ff=c["intermediate_size"] if Kd else 0)
     return ModelConfig(**m)
