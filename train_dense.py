@@ -1,4 +1,5 @@
-"""Dense decoder-only transformer (Llama 2/3, Mistral, Qwen2/3): pre-training in one file.
+"""Dense decoder-only transformer (Llama 2/3, Mistral, Qwen2/3, Gemma 2/3): pre-training and
+fine-tuning in one file; what no model changes (state, reports, the loop, the CLI) is in common/.
 
     python train_dense.py tiny                                   # the `make train` run
     python train_dense.py llama3.1-8b --mesh.fsdp 8 --train.steps 1000
@@ -6,37 +7,30 @@
     python train_dense.py tiny --init-from-hf ~/hf/Llama-3.2-1B --data.path data/mine
     python train_dense.py export-hf --run-dir runs/tiny --out hf/tiny
 
-Sections, in reading order: 1 config and presets, 2 parameters and their shardings, 3 model,
-4 loss and train step, 5 main and the training loop, 6 HuggingFace in and out. What no model
-changes (jitting with donation, state, MFU, dry-run and bench reports, the loop's logging,
-evals and checkpoints, the command line) is written once in common/train.py. Lines ending in
-"# SFT" (with their brackets and blocks) serve fine-tuning only: a pre-training fork deletes them.
-Shapes are suffixed on tensor names: B batch, T sequence, S key sequence, D model width,
-N query heads, K key/value heads, H head width, F MLP width, V vocabulary, L layers.
+Lines ending in "# SFT" (with their brackets and blocks) serve fine-tuning only: a pre-training
+fork deletes them. Shapes are suffixed on tensor names: B batch, T sequence, S key sequence,
+D model width, N query heads, K key/value heads, H head width, F MLP width, V vocabulary, L layers.
 """
 from __future__ import annotations
 
-import dataclasses
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Literal
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from common import hf, train
 from common.attention import attend, check_kernel, choose
 from common.config import how, knob, resumable
 from common.checkpoint import CheckpointConfig, read_run_config
-from common.data import DataConfig, get_batch, load_dataset
+from common.data import DataConfig, get_batch, load_dataset, run_tokenizer as data_run_tokenizer
 from common.data import SFTDataset, held_out_batches  # SFT
-from common.data import run_tokenizer as data_run_tokenizer
 from common.mesh import BATCH_AXES, MeshConfig, describe, make_mesh, resolve
-from common.train import ConfigError, log, named
+from common.train import ConfigError, log, named, need  # ConfigError: need's, for callers
 
 # ----------------------------------------------------------------------------------------------
 # 1. Config
@@ -62,8 +56,7 @@ class ModelConfig:
     tie_embeddings: bool = False
     qkv_bias: bool = False        # Qwen2
     qk_norm: bool = False         # Qwen3: RMSNorm on each head of q and k before RoPE
-    # Gemma 2 / 3. Each knob's off value is falsy and leaves the Llama block bit for bit (a
-    # trainer without these knobs, train_grpo.py, accepts a run whose knobs are all off).
+    # Gemma 2 / 3. Off = falsy = the Llama block bit for bit (train_grpo.py takes runs with all off)
     sliding_window: int = 0       # local layers see the last W tokens, themselves included
     global_every: int = 0         # with a window: layers n-1, 2n-1, ... are global; 0 = none
     rope_local_theta: float = 0.0  # the local layers' RoPE base (Gemma 3: 10k); 0 = rope_theta
@@ -186,10 +179,8 @@ PRESETS: dict[str, tuple[str, Config]] = {
     "tiny": ("~5M parameters on the embedded corpus: the `make train` default", Config()),
     # The model ../shared/bench/peer_maxtext.sh runs in MaxText, for side-by-side speed.
     "bench-parity": ("MaxText comparison model: d 256, 4 layers, vocab 32000, seq 256, batch 8",
-                     Config(model=ModelConfig(vocab_size=32000, d_model=256, n_layers=4,
-                                              n_heads=4, n_kv_heads=4, head_dim=64, d_ff=1024),
-                            train=TrainConfig(batch_size=8, seq_len=256),
-                            run_dir="runs/bench-parity")),
+                     Config(ModelConfig(vocab_size=32000, n_kv_heads=4, d_ff=1024),
+                            TrainConfig(batch_size=8), run_dir="runs/bench-parity")),
     **{name: (about, _big(name, *rest)) for name, (about, *rest) in SIZES.items()},
     # `tiny` with Gemma 2's knobs; its window (128) is half the training sequence.
     "tiny-gemma": ("`tiny` as Gemma 2: local/global layers, soft-caps, sandwich norms, GeGLU",
@@ -200,10 +191,9 @@ PRESETS: dict[str, tuple[str, Config]] = {
     "tiny-sft": (  # SFT
         "fine-tune runs/tiny on the generated instruction set: the `make sft` demo",
         Config(train=TrainConfig(steps=150, seq_len=128, warmup_steps=10, eval_every=50,
-                                 sample_tokens=32, temperature=0.0),
+                                 sample_tokens=32, temperature=0.0), init_from="runs/tiny",
                data=DataConfig(format="sft", path="data/sft-demo/train.jsonl"),
-               checkpoint=CheckpointConfig(every=50), run_dir="runs/tiny-sft",
-               init_from="runs/tiny")),
+               checkpoint=CheckpointConfig(every=50), run_dir="runs/tiny-sft")),
     # The HuggingFace flow (`make finetune-hf`): the model, tokenizer and chat template come
     # from --init-from-hf; the learning rate suits a pretrained 0.5-8B model, not the demo.
     "hf-sft": (  # SFT
@@ -222,55 +212,32 @@ PRESETS: dict[str, tuple[str, Config]] = {
 
 def _param_table(cfg: ModelConfig) -> dict:
     """The one definition of the parameter tree: name -> (shape, PartitionSpec, init std).
-
-    Per-layer weights are stacked on a leading L axis so the layers run under lax.scan.
-    Init std: 0.02, scaled by 1/sqrt(2L) on the two projections that write into the residual
-    stream (GPT-2), so its variance does not grow with depth. std None = ones (norms),
-    0.0 = zeros (biases).
-    """
+    Per-layer weights are stacked on a leading L axis so the layers run under lax.scan. Init std
+    0.02, times 1/sqrt(2L) on the two projections that write into the residual stream (GPT-2)
+    so that its variance does not grow with depth; None = ones (norms), 0.0 = zeros (biases)."""
     L, D, N, K, H, F, V = (cfg.n_layers, cfg.d_model, cfg.n_heads, cfg.n_kv_heads,
                            cfg.head_dim, cfg.d_ff, cfg.vocab_size)
     std, out_std = 0.02, 0.02 / math.sqrt(2 * L)
     one = 0.0 if cfg.norm_plus_one else None   # a (1 + w) gain starts at w = 0
-    layers = {
-        "attn_norm": ((L, D), P(None, None), one),
-        "wq": ((L, D, N, H), P(None, "fsdp", "tensor", None), std),
-        "wk": ((L, D, K, H), P(None, "fsdp", "tensor", None), std),
-        "wv": ((L, D, K, H), P(None, "fsdp", "tensor", None), std),
-        "wo": ((L, N, H, D), P(None, "tensor", None, "fsdp"), out_std),
-        "mlp_norm": ((L, D), P(None, None), one),
-        "w_gate": ((L, D, F), P(None, "fsdp", "tensor"), std),
-        "w_up": ((L, D, F), P(None, "fsdp", "tensor"), std),
-        "w_down": ((L, F, D), P(None, "tensor", "fsdp"), out_std),
+    bias, qk, sw = cfg.qkv_bias, cfg.qk_norm, cfg.sandwich_norm
+    rows = {  # name: (shape and spec after the L axis, init std, whether this model has it)
+        "attn_norm": ((D,), (None,), one, True), "mlp_norm": ((D,), (None,), one, True),
+        "wq": ((D, N, H), ("fsdp", "tensor", None), std, True),
+        "wk": ((D, K, H), ("fsdp", "tensor", None), std, True),
+        "wv": ((D, K, H), ("fsdp", "tensor", None), std, True),
+        "wo": ((N, H, D), ("tensor", None, "fsdp"), out_std, True),
+        "w_gate": ((D, F), ("fsdp", "tensor"), std, True),
+        "w_up": ((D, F), ("fsdp", "tensor"), std, True),
+        "w_down": ((F, D), ("tensor", "fsdp"), out_std, True),
+        "bq": ((N, H), ("tensor", None), 0.0, bias), "bk": ((K, H), ("tensor", None), 0.0, bias),
+        "bv": ((K, H), ("tensor", None), 0.0, bias),
+        "q_norm": ((H,), (None,), one, qk), "k_norm": ((H,), (None,), one, qk),
+        "attn_post_norm": ((D,), (None,), one, sw), "mlp_post_norm": ((D,), (None,), one, sw),
     }
-    if cfg.qkv_bias:
-        layers |= {"bq": ((L, N, H), P(None, "tensor", None), 0.0),
-                   "bk": ((L, K, H), P(None, "tensor", None), 0.0),
-                   "bv": ((L, K, H), P(None, "tensor", None), 0.0)}
-    if cfg.qk_norm:
-        layers |= {"q_norm": ((L, H), P(None, None), one), "k_norm": ((L, H), P(None, None), one)}
-    if cfg.sandwich_norm:
-        layers |= {"attn_post_norm": ((L, D), P(None, None), one),
-                   "mlp_post_norm": ((L, D), P(None, None), one)}
-    table = {"embed": ((V, D), P("tensor", "fsdp"), std), "layers": layers,
-             "final_norm": ((D,), P(None), one)}
-    if not cfg.tie_embeddings:
-        table["unembed"] = ((D, V), P("fsdp", "tensor"), std)
-    return table
-
-
-def param_specs(cfg: ModelConfig) -> dict:
-    return train.table_specs(_param_table(cfg))
-
-
-def _init(cfg: ModelConfig, key: jax.Array) -> dict:
-    return train.table_init(_param_table(cfg), key)
-
-
-def init_params(cfg: ModelConfig, key: jax.Array, mesh=None) -> dict:
-    """Float32 master weights, each created directly in its shards (never whole on one device)."""
-    out = named(mesh, param_specs(cfg)) if mesh is not None else None
-    return jax.jit(partial(_init, cfg), out_shardings=out)(key)
+    layers = {k: ((L, *s), P(None, *p), i) for k, (s, p, i, on) in rows.items() if on}
+    unembed = {} if cfg.tie_embeddings else {"unembed": ((D, V), P("fsdp", "tensor"), std)}
+    return {"embed": ((V, D), P("tensor", "fsdp"), std), "layers": layers,
+            "final_norm": ((D,), P(None), one)} | unembed
 
 
 # ----------------------------------------------------------------------------------------------
@@ -389,8 +356,7 @@ def hidden(params: dict, tokens_BT, cfg: ModelConfig, *, segment_ids=None, posit
     L, W, n = cfg.n_layers, cfg.sliding_window, cfg.global_every
     is_global_L = (np.arange(L) + 1) % n == 0 if W and n else np.full(L, not W)
     if W:  # [local, global] frequencies: Gemma 3's local layers have their own base, unscaled
-        local = dataclasses.replace(cfg, rope_theta=cfg.rope_local_theta or cfg.rope_theta,
-                                    rope_scaling=0.0)
+        local = replace(cfg, rope_theta=cfg.rope_local_theta or cfg.rope_theta, rope_scaling=0.0)
         inv_freq = np.stack([rope_inv_freq(local), inv_freq])
 
     def layer(x, xs):
@@ -551,6 +517,20 @@ def make_optimizer(t: TrainConfig):
                            muon_dtype=t.muon_dtype)
 
 
+def param_specs(cfg: ModelConfig) -> dict:
+    return train.table_specs(_param_table(cfg))
+
+
+def _init(cfg: ModelConfig, key: jax.Array) -> dict:
+    return train.table_init(_param_table(cfg), key)
+
+
+def init_params(cfg: ModelConfig, key: jax.Array, mesh=None) -> dict:
+    """Float32 master weights, each created directly in its shards (never whole on one device)."""
+    out = named(mesh, param_specs(cfg)) if mesh is not None else None
+    return jax.jit(partial(_init, cfg), out_shardings=out)(key)
+
+
 def train_state(cfg: Config, mesh) -> train.TrainState:
     """{params, opt_state, step} of this model and optimiser on `mesh` (see common/train.py)."""
     return train.TrainState(partial(_init, cfg.model), param_specs(cfg.model),
@@ -640,45 +620,37 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     return 3.0 * (2 * matmul_weights + attn)
 
 
-
 def validate(cfg: Config, n_devices: int) -> None:
     """Every check that needs no compilation, so a bad launch fails in a second."""
     m, t = cfg.model, cfg.train
     train.check_ranges(cfg)
     mesh = resolve(cfg.mesh, n_devices, max(1, math.prod(cfg.mesh.dcn())))
-    if mesh.expert * mesh.dcn_expert != 1:
-        raise ConfigError(f"--mesh.expert {mesh.expert}: the dense model has no experts; "
-                          "keep it 1 (use train_moe.py for expert parallelism).")
+    need(mesh.expert * mesh.dcn_expert == 1, f"--mesh.expert {mesh.expert}: the dense model has "
+         "no experts; keep it 1 (use train_moe.py for expert parallelism).")
     train.check_sizes(mesh, {"tensor": [
         ("--model.n-heads", m.n_heads), ("--model.n-kv-heads", m.n_kv_heads),
         ("--model.d-ff", m.d_ff), ("--model.vocab-size", m.vocab_size)],
         "fsdp": [("--model.d-model", m.d_model)]})
-    if m.n_heads % m.n_kv_heads:
-        raise ConfigError(f"--model.n-heads {m.n_heads} is not a multiple of --model.n-kv-heads "
-                          f"{m.n_kv_heads} (each key/value head serves a whole group).")
-    if m.head_dim % 2:
-        raise ConfigError(f"--model.head-dim {m.head_dim} must be even (RoPE rotates pairs).")
+    need(m.n_heads % m.n_kv_heads == 0, f"--model.n-heads {m.n_heads} is not a multiple of "
+         f"--model.n-kv-heads {m.n_kv_heads} (each key/value head serves a whole group).")
+    need(m.head_dim % 2 == 0, f"--model.head-dim {m.head_dim} must be even (RoPE rotates pairs).")
     train.check_batch(t.batch_size, t.microbatches, mesh)
-    if t.seq_len > m.max_seq_len:
-        raise ConfigError(f"--train.seq-len {t.seq_len} exceeds the model's maximum "
-                          f"--model.max-seq-len {m.max_seq_len}.")
-    if t.seq_len % min(m.loss_chunk, t.seq_len):
-        raise ConfigError(f"--train.seq-len {t.seq_len} is not a multiple of --model.loss-chunk "
-                          f"{m.loss_chunk}.")
+    need(t.seq_len <= m.max_seq_len, f"--train.seq-len {t.seq_len} exceeds the model's maximum "
+         f"--model.max-seq-len {m.max_seq_len}.")
+    need(t.seq_len % min(m.loss_chunk, t.seq_len) == 0, f"--train.seq-len {t.seq_len} is not a "
+         f"multiple of --model.loss-chunk {m.loss_chunk}.")
     train.check_profile(t.profile_steps, t.steps)
     train.check_qk_clip("--train.qk-clip-threshold", t.qk_clip_threshold, m.qk_norm)
-    if t.qk_clip_threshold and (m.attn_softcap or m.query_scale):
-        raise ConfigError(f"--train.qk-clip-threshold {t.qk_clip_threshold} with Gemma's "
-                          "attention (--model.attn-softcap, --model.query-scale): the soft-cap "
-                          "already bounds the logits. Set --train.qk-clip-threshold 0.")
-    if m.global_every and not m.sliding_window:
-        raise ConfigError(f"--model.global-every {m.global_every} without "
-                          "--model.sliding-window: the layers between the global ones are the "
-                          "windowed ones. Give the window, or --model.global-every 0.")
-    if cfg.data.format == "sft" and cfg.data.pack and m.attention == "cudnn":  # SFT
-        raise ConfigError("--model.attention cudnn cannot mask packed SFT rows (JAX's cuDNN "
-                          "path takes causal and length masks only); use --model.attention "
-                          "auto or xla, or --data.no-pack.")
+    need(not (t.qk_clip_threshold and (m.attn_softcap or m.query_scale)), "--train.qk-clip-"
+         f"threshold {t.qk_clip_threshold} with Gemma's attention (--model.attn-softcap, "
+         "--model.query-scale): the soft-cap already bounds the logits. Set "
+         "--train.qk-clip-threshold 0.")
+    need(m.sliding_window or not m.global_every, f"--model.global-every {m.global_every} "
+         "without --model.sliding-window: the layers between the global ones are the windowed "
+         "ones. Give the window, or --model.global-every 0.")
+    need(not (cfg.data.format == "sft" and cfg.data.pack and m.attention == "cudnn"),  # SFT
+         "--model.attention cudnn cannot mask packed SFT rows (JAX's cuDNN path takes causal "
+         "and length masks only); use --model.attention auto or xla, or --data.no-pack.")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -718,14 +690,14 @@ def main(cfg: Config) -> dict:
 
 
 def train_loop(cfg: Config, mesh, st: train.TrainState, step_fn) -> dict:
-    tc, mc = cfg.train, cfg.model
-    ds = load_dataset(init_data_config(cfg), seq_len=tc.seq_len)
+    tc, mc, data, sft = cfg.train, cfg.model, cfg.data, False
+    data, sft = init_data_config(cfg), cfg.data.format == "sft"  # SFT
+    ds = load_dataset(data, seq_len=tc.seq_len)
     if cfg.init_from_hf and (note := hf.check_tokenizer(
             cfg.init_from_hf, ds.tokenizer_path, f"--data.path {cfg.data.path!r}")):
         log(note)
     train.check_vocab(ds.vocab_size, mc.vocab_size)
-    sft = isinstance(ds, SFTDataset)  # SFT
-    batch_sh = NamedSharding(mesh, P(BATCH_AXES, None))
+    batch_sh = named(mesh, P(BATCH_AXES, None))
     batch = partial(get_batch, batch_size=tc.batch_size, seq_len=tc.seq_len, sharding=batch_sh)
     sums_fn = jax.jit(partial(eval_sums, cfg=mc))
     key = jax.random.key(tc.seed + 7)
@@ -733,11 +705,9 @@ def train_loop(cfg: Config, mesh, st: train.TrainState, step_fn) -> dict:
     def evaluate(params) -> dict:
         """Held-out loss. SFT: over the whole split, each trained token once, and answers to
         the first --train.eval-samples held-out prompts."""
-        if sft:
+        batches = (batch(ds.eval, seed=cfg.data.seed + 1, step=i) for i in range(tc.eval_batches))
+        if sft:  # SFT
             batches = held_out_batches(ds.eval, tc.batch_size, batch_sh)
-        else:
-            batches = (batch(ds.eval, seed=cfg.data.seed + 1, step=i)
-                       for i in range(tc.eval_batches))
         ce, n = np.sum(jax.device_get([sums_fn(params, b) for b in batches]), axis=0)
         out, line = {"eval_loss": float(ce / n)}, f"eval_loss {ce / n:.3f}"
         if sft and (samples := sft_samples(params, ds, cfg, mesh, key)):  # SFT
@@ -784,8 +754,10 @@ def train_loop(cfg: Config, mesh, st: train.TrainState, step_fn) -> dict:
             out = sample(state["params"], [prompt], cfg, mesh, key, ds.vocab_size)[0]
             log("sample:\n" + ds.decode(prompt + out))
         end = int(jax.device_get(state["step"]))
-        return loop.summary(end, f"{tc.batch_size} x {tc.seq_len}") | {"state": state} | (
-            {"packing": {"train": ds.train.stats, "eval": ds.eval.stats}} if sft else {})  # SFT
+        out = loop.summary(end, f"{tc.batch_size} x {tc.seq_len}") | {"state": state}
+        if sft:  # SFT
+            out["packing"] = {"train": ds.train.stats, "eval": ds.eval.stats}
+        return out
 
 
 def sample(params, prompts: list[list[int]], cfg: Config, mesh, key, n_valid: int):
@@ -798,7 +770,7 @@ def sample(params, prompts: list[list[int]], cfg: Config, mesh, key, n_valid: in
                         batch_axes=BATCH_AXES, key=key)
 
 
-def sft_samples(params, ds: SFTDataset, cfg: Config, mesh, key) -> list[dict]:
+def sft_samples(params, ds: SFTDataset, cfg: Config, mesh, key) -> list[dict]:  # SFT
     """Answers to the first --train.eval-samples held-out prompts (greedy at --train.temperature
     0), cut at EOS, beside the answers in the data. One batch: the prompts are decoded
     together."""
@@ -816,7 +788,7 @@ def run_tokenizer(run_dir: str) -> str:
     return data_run_tokenizer(run_dir, lambda d: read_run_config(d, "--init-from", True))
 
 
-def init_data_config(cfg: Config) -> DataConfig:
+def init_data_config(cfg: Config) -> DataConfig:  # SFT
     """SFT: without --data.tokenizer, tokenize as --init-from's run did (a path resolved here,
     not stored: the embedded corpus's cache path differs between machines and Pythons), or
     with --init-from-hf's tokenizer.json (as transformers does; its chat template with it)."""
@@ -824,7 +796,7 @@ def init_data_config(cfg: Config) -> DataConfig:
         return cfg.data
     tok = (hf.tokenizer(cfg.init_from_hf, prefer_json=True)[0] if cfg.init_from_hf
            else run_tokenizer(cfg.init_from))
-    return dataclasses.replace(cfg.data, tokenizer=tok)
+    return replace(cfg.data, tokenizer=tok)
 
 
 # ----------------------------------------------------------------------------------------------
