@@ -328,11 +328,11 @@ REMAT_POLICIES = {"full": jax.checkpoint_policies.nothing_saveable,
 def hidden(params: dict, tokens_BT, cfg: ModelConfig, *, segment_ids=None, positions=None,
            max_logits: bool = False):
     """Token ids -> (final-normed hidden states [B, T, D] in the compute dtype, per-layer stats:
-    with max_logits, "max_logit" [L, N], each head's largest attention logit). Packed rows
-    (several examples in one row) pass `segment_ids` [B, T], equal within an example, so that
-    attention stays inside each example (a block-diagonal causal mask), and `positions` [B, T],
-    restarting at 0 in each example, for RoPE. Without them: one sequence per row, positions
-    0..T-1."""
+    with max_logits, "max_logit" [L, N], each head's largest attention logit).
+    Packed rows (several examples in one row) pass `segment_ids` [B, T], equal within an
+    example, so that attention stays inside each example (a block-diagonal causal mask), and
+    `positions` [B, T], restarting at 0 in each example, for RoPE. Without them: one sequence
+    per row, positions 0..T-1."""
     dt = jnp.dtype(cfg.dtype)
     # Every token is looked up in each device's fsdp shard of d (the ids are small), then the
     # rows go to their batch shards: gathering the table instead would put all of it, and
