@@ -1,4 +1,5 @@
-"""Dense decoder-only transformer (Llama 2/3, Mistral, Qwen2/3): pre-training in one file.
+"""Dense decoder-only transformer (Llama 2/3, Mistral, Qwen2/3, Gemma 2/3): pre-training and
+fine-tuning in one file; what no model changes (state, reports, the loop, the CLI) is in common/.
 
     python train_dense.py tiny                                   # the `make train` run
     python train_dense.py llama3.1-8b --mesh.fsdp 8 --train.steps 1000
@@ -6,43 +7,33 @@
     python train_dense.py tiny --init-from-hf ~/hf/Llama-3.2-1B --data.path data/mine
     python train_dense.py export-hf --run-dir runs/tiny --out hf/tiny
 
-Sections, in reading order: 1 config and presets, 2 parameters and their shardings, 3 model,
-4 loss and train step, 5 main and the training loop, 6 HuggingFace in and out. What no model
-changes (jitting with donation, state, MFU, dry-run and bench reports, the loop's logging,
-evals and checkpoints, the command line) is written once in common/train.py. Lines ending in
-"# SFT" (with their brackets and blocks) serve fine-tuning only: a pre-training fork deletes them.
-Shapes are suffixed on tensor names: B batch, T sequence, S key sequence, D model width,
-N query heads, K key/value heads, H head width, F MLP width, V vocabulary, L layers.
-"""
+Lines ending in "# SFT" (with their brackets and blocks) serve fine-tuning only: a pre-training
+fork deletes them. Tensor names end in their shapes: B batch, T sequence, S key sequence, D model
+width, N query heads, K key/value heads, H head width, F MLP width, V vocabulary, L layers."""
 from __future__ import annotations
 
-import dataclasses
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Literal
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from common import hf, train
 from common.attention import attend, check_kernel, choose
 from common.config import how, knob, resumable
 from common.checkpoint import CheckpointConfig, read_run_config
-from common.data import DataConfig, get_batch, load_dataset
+from common.data import DataConfig, get_batch, load_dataset, run_tokenizer as data_run_tokenizer
 from common.data import SFTDataset, held_out_batches  # SFT
-from common.data import run_tokenizer as data_run_tokenizer
 from common.mesh import BATCH_AXES, MeshConfig, describe, make_mesh, resolve
-from common.train import ConfigError, log, named
+from common.train import ConfigError, log, named, need  # ConfigError: need's, for callers
 
 # ----------------------------------------------------------------------------------------------
 # 1. Config
 # ----------------------------------------------------------------------------------------------
-
-
 @dataclass(frozen=True)
 class ModelConfig:
     vocab_size: int = 4096
@@ -62,8 +53,7 @@ class ModelConfig:
     tie_embeddings: bool = False
     qkv_bias: bool = False        # Qwen2
     qk_norm: bool = False         # Qwen3: RMSNorm on each head of q and k before RoPE
-    # Gemma 2 / 3. Each knob's off value is falsy and leaves the Llama block bit for bit (a
-    # trainer without these knobs, train_grpo.py, accepts a run whose knobs are all off).
+    # Gemma 2 / 3. Off = falsy = the Llama block bit for bit (train_grpo.py takes runs with all off)
     sliding_window: int = 0       # local layers see the last W tokens, themselves included
     global_every: int = 0         # with a window: layers n-1, 2n-1, ... are global; 0 = none
     rope_local_theta: float = 0.0  # the local layers' RoPE base (Gemma 3: 10k); 0 = rope_theta
@@ -186,10 +176,8 @@ PRESETS: dict[str, tuple[str, Config]] = {
     "tiny": ("~5M parameters on the embedded corpus: the `make train` default", Config()),
     # The model ../shared/bench/peer_maxtext.sh runs in MaxText, for side-by-side speed.
     "bench-parity": ("MaxText comparison model: d 256, 4 layers, vocab 32000, seq 256, batch 8",
-                     Config(model=ModelConfig(vocab_size=32000, d_model=256, n_layers=4,
-                                              n_heads=4, n_kv_heads=4, head_dim=64, d_ff=1024),
-                            train=TrainConfig(batch_size=8, seq_len=256),
-                            run_dir="runs/bench-parity")),
+                     Config(ModelConfig(vocab_size=32000, n_kv_heads=4, d_ff=1024),
+                            TrainConfig(batch_size=8), run_dir="runs/bench-parity")),
     **{name: (about, _big(name, *rest)) for name, (about, *rest) in SIZES.items()},
     # `tiny` with Gemma 2's knobs; its window (128) is half the training sequence.
     "tiny-gemma": ("`tiny` as Gemma 2: local/global layers, soft-caps, sandwich norms, GeGLU",
@@ -200,10 +188,9 @@ PRESETS: dict[str, tuple[str, Config]] = {
     "tiny-sft": (  # SFT
         "fine-tune runs/tiny on the generated instruction set: the `make sft` demo",
         Config(train=TrainConfig(steps=150, seq_len=128, warmup_steps=10, eval_every=50,
-                                 sample_tokens=32, temperature=0.0),
+                                 sample_tokens=32, temperature=0.0), init_from="runs/tiny",
                data=DataConfig(format="sft", path="data/sft-demo/train.jsonl"),
-               checkpoint=CheckpointConfig(every=50), run_dir="runs/tiny-sft",
-               init_from="runs/tiny")),
+               checkpoint=CheckpointConfig(every=50), run_dir="runs/tiny-sft")),
     # The HuggingFace flow (`make finetune-hf`): the model, tokenizer and chat template come
     # from --init-from-hf; the learning rate suits a pretrained 0.5-8B model, not the demo.
     "hf-sft": (  # SFT
@@ -218,71 +205,44 @@ PRESETS: dict[str, tuple[str, Config]] = {
 # ----------------------------------------------------------------------------------------------
 # 2. Parameters and their shardings
 # ----------------------------------------------------------------------------------------------
-
-
 def _param_table(cfg: ModelConfig) -> dict:
     """The one definition of the parameter tree: name -> (shape, PartitionSpec, init std).
-
-    Per-layer weights are stacked on a leading L axis so the layers run under lax.scan.
-    Init std: 0.02, scaled by 1/sqrt(2L) on the two projections that write into the residual
-    stream (GPT-2), so its variance does not grow with depth. std None = ones (norms),
-    0.0 = zeros (biases).
-    """
+    Per-layer weights are stacked on a leading L axis so the layers run under lax.scan. Init std
+    0.02, times 1/sqrt(2L) on the two projections that write into the residual stream (GPT-2)
+    so that its variance does not grow with depth; None = ones (norms), 0.0 = zeros (biases)."""
     L, D, N, K, H, F, V = (cfg.n_layers, cfg.d_model, cfg.n_heads, cfg.n_kv_heads,
                            cfg.head_dim, cfg.d_ff, cfg.vocab_size)
     std, out_std = 0.02, 0.02 / math.sqrt(2 * L)
     one = 0.0 if cfg.norm_plus_one else None   # a (1 + w) gain starts at w = 0
-    layers = {
-        "attn_norm": ((L, D), P(None, None), one),
-        "wq": ((L, D, N, H), P(None, "fsdp", "tensor", None), std),
-        "wk": ((L, D, K, H), P(None, "fsdp", "tensor", None), std),
-        "wv": ((L, D, K, H), P(None, "fsdp", "tensor", None), std),
-        "wo": ((L, N, H, D), P(None, "tensor", None, "fsdp"), out_std),
-        "mlp_norm": ((L, D), P(None, None), one),
-        "w_gate": ((L, D, F), P(None, "fsdp", "tensor"), std),
-        "w_up": ((L, D, F), P(None, "fsdp", "tensor"), std),
-        "w_down": ((L, F, D), P(None, "tensor", "fsdp"), out_std),
+    bias, qk, sw = cfg.qkv_bias, cfg.qk_norm, cfg.sandwich_norm
+    rows = {  # name: (shape and spec after the L axis, init std, whether this model has it)
+        "attn_norm": ((D,), (None,), one, True), "mlp_norm": ((D,), (None,), one, True),
+        "wq": ((D, N, H), ("fsdp", "tensor", None), std, True),
+        "wk": ((D, K, H), ("fsdp", "tensor", None), std, True),
+        "wv": ((D, K, H), ("fsdp", "tensor", None), std, True),
+        "wo": ((N, H, D), ("tensor", None, "fsdp"), out_std, True),
+        "w_gate": ((D, F), ("fsdp", "tensor"), std, True),
+        "w_up": ((D, F), ("fsdp", "tensor"), std, True),
+        "w_down": ((F, D), ("tensor", "fsdp"), out_std, True),
+        "bq": ((N, H), ("tensor", None), 0.0, bias), "bk": ((K, H), ("tensor", None), 0.0, bias),
+        "bv": ((K, H), ("tensor", None), 0.0, bias),
+        "q_norm": ((H,), (None,), one, qk), "k_norm": ((H,), (None,), one, qk),
+        "attn_post_norm": ((D,), (None,), one, sw), "mlp_post_norm": ((D,), (None,), one, sw),
     }
-    if cfg.qkv_bias:
-        layers |= {"bq": ((L, N, H), P(None, "tensor", None), 0.0),
-                   "bk": ((L, K, H), P(None, "tensor", None), 0.0),
-                   "bv": ((L, K, H), P(None, "tensor", None), 0.0)}
-    if cfg.qk_norm:
-        layers |= {"q_norm": ((L, H), P(None, None), one), "k_norm": ((L, H), P(None, None), one)}
-    if cfg.sandwich_norm:
-        layers |= {"attn_post_norm": ((L, D), P(None, None), one),
-                   "mlp_post_norm": ((L, D), P(None, None), one)}
-    table = {"embed": ((V, D), P("tensor", "fsdp"), std), "layers": layers,
-             "final_norm": ((D,), P(None), one)}
-    if not cfg.tie_embeddings:
-        table["unembed"] = ((D, V), P("fsdp", "tensor"), std)
-    return table
-
-
-def param_specs(cfg: ModelConfig) -> dict:
-    return train.table_specs(_param_table(cfg))
-
-
-def _init(cfg: ModelConfig, key: jax.Array) -> dict:
-    return train.table_init(_param_table(cfg), key)
-
-
-def init_params(cfg: ModelConfig, key: jax.Array, mesh=None) -> dict:
-    """Float32 master weights, each created directly in its shards (never whole on one device)."""
-    out = named(mesh, param_specs(cfg)) if mesh is not None else None
-    return jax.jit(partial(_init, cfg), out_shardings=out)(key)
+    layers = {k: ((L, *s), P(None, *p), i) for k, (s, p, i, on) in rows.items() if on}
+    unembed = {} if cfg.tie_embeddings else {"unembed": ((D, V), P("fsdp", "tensor"), std)}
+    return {"embed": ((V, D), P("tensor", "fsdp"), std), "layers": layers,
+            "final_norm": ((D,), P(None), one)} | unembed
 
 
 # ----------------------------------------------------------------------------------------------
 # 3. Model
 # ----------------------------------------------------------------------------------------------
-
-
 def block(x_BTD, lp: dict, cfg: ModelConfig, *, pos_BT, inv_freq, segment_ids=None,
           max_logits: bool = False, is_global=True):
-    """One transformer block; returns (x, stats: with max_logits the heads' largest logit).
-    With a sliding window, `is_global` (traced: the layers are scanned) picks the layer's
-    kind; inv_freq is then [2, H/2], the local and the global frequencies."""
+    """One transformer block; returns (x, stats: with max_logits the heads' largest logit). With
+    a sliding window, `is_global` (traced: the layers are scanned) picks the layer's kind;
+    inv_freq is then [2, H/2], the local and the global frequencies."""
     dt = x_BTD.dtype
     spec = param_specs(cfg)["layers"]
     # f32 master weights, compute-dtype matmuls. The cast copy keeps the master's sharding, so
@@ -367,14 +327,12 @@ REMAT_POLICIES = {"full": jax.checkpoint_policies.nothing_saveable,
 
 def hidden(params: dict, tokens_BT, cfg: ModelConfig, *, segment_ids=None, positions=None,
            max_logits: bool = False):
-    """Token ids -> (final-normed hidden states [B, T, D] in the compute dtype, per-layer
-    stats: with max_logits, "max_logit" [L, N], each head's largest attention logit).
-
+    """Token ids -> (final-normed hidden states [B, T, D] in the compute dtype, per-layer stats:
+    with max_logits, "max_logit" [L, N], each head's largest attention logit).
     Packed rows (several examples in one row) pass `segment_ids` [B, T], equal within an
-    example, so that attention stays inside each example (a block-diagonal causal mask),
-    and `positions` [B, T], restarting at 0 in each example, for RoPE. Without them: one
-    sequence per row, positions 0..T-1.
-    """
+    example, so that attention stays inside each example (a block-diagonal causal mask), and
+    `positions` [B, T], restarting at 0 in each example, for RoPE. Without them: one sequence
+    per row, positions 0..T-1."""
     dt = jnp.dtype(cfg.dtype)
     # Every token is looked up in each device's fsdp shard of d (the ids are small), then the
     # rows go to their batch shards: gathering the table instead would put all of it, and
@@ -389,8 +347,7 @@ def hidden(params: dict, tokens_BT, cfg: ModelConfig, *, segment_ids=None, posit
     L, W, n = cfg.n_layers, cfg.sliding_window, cfg.global_every
     is_global_L = (np.arange(L) + 1) % n == 0 if W and n else np.full(L, not W)
     if W:  # [local, global] frequencies: Gemma 3's local layers have their own base, unscaled
-        local = dataclasses.replace(cfg, rope_theta=cfg.rope_local_theta or cfg.rope_theta,
-                                    rope_scaling=0.0)
+        local = replace(cfg, rope_theta=cfg.rope_local_theta or cfg.rope_theta, rope_scaling=0.0)
         inv_freq = np.stack([rope_inv_freq(local), inv_freq])
 
     def layer(x, xs):
@@ -414,8 +371,8 @@ def unembedding(params: dict, cfg: ModelConfig):
 
 
 def forward(params: dict, tokens_BT, cfg: ModelConfig, *, segment_ids=None, positions=None):
-    """Logits [B, T, V] in float32. Training never builds these whole: see `loss_fn`.
-    Packed rows pass segment ids and positions (see `hidden`)."""
+    """Logits [B, T, V] in float32. Training never builds these whole: see `loss_fn`. Packed
+    rows pass segment ids and positions (see `hidden`)."""
     h = hidden(params, tokens_BT, cfg, segment_ids=segment_ids, positions=positions)[0]
     return _softcap(jnp.einsum("btd,dv->btv", h, unembedding(params, cfg).astype(h.dtype),
                                preferred_element_type=jnp.float32), cfg.final_softcap)
@@ -424,15 +381,13 @@ def forward(params: dict, tokens_BT, cfg: ModelConfig, *, segment_ids=None, posi
 # ----------------------------------------------------------------------------------------------
 # 4. Loss and train step
 # ----------------------------------------------------------------------------------------------
-
-
 def train_step(state: dict, batch, *, cfg: Config, tx):
-    """One optimiser step on a global batch (tokens [B, T+1], or packed SFT rows); returns
-    the new state and metrics. Every microbatch divides its sums by the whole batch's
-    weight, so their gradients add up to the gradient of the batch mean even when they hold
-    different numbers of trained tokens (SFT). With --train.qk-clip-threshold tau, heads
-    whose logits exceeded tau have their query and key projections scaled down after the
-    update (MuonClip, see common/train.py `qk_clip`)."""
+    """One optimiser step on a global batch (tokens [B, T+1], or packed SFT rows); returns the
+    new state and metrics. Every microbatch divides its sums by the whole batch's weight, so
+    their gradients add up to the gradient of the batch mean even when they hold different
+    numbers of trained tokens (SFT). With --train.qk-clip-threshold tau, heads whose logits
+    exceeded tau have their query and key projections scaled down after the update (MuonClip,
+    see common/train.py `qk_clip`)."""
     tau = cfg.train.qk_clip_threshold
     loss = partial(loss_fn, cfg=cfg.model, n=loss_weight(batch), z_loss=cfg.train.z_loss,
                    max_logits=tau > 0)
@@ -458,13 +413,12 @@ def loss_fn(params, batch, cfg: ModelConfig, *, n=None, z_loss: float = 0.0,
 
         ce = sum_t w_t (lse_t - l_t[y_t]) / n,   objective = ce + z_loss sum_t w_t lse_t^2 / n
 
-    for logits l_t = h_t W_unembed and lse_t = logsumexp(l_t); n defaults to the batch's
-    total weight (`loss_weight`), so both are means. The z term (PaLM) keeps the softmax
-    normaliser near 1. Returns (objective, {"ce": ce, `hidden`'s stats}).
-    The [B, T, V] logits never exist at once: `cross_entropy` takes `loss_chunk` positions
-    at a time (with a 128k vocabulary, gigabytes become megabytes), and with loss_impl
-    "fused" each chunk's gradient is made with its loss (`_ce_fused`).
-    """
+    for logits l_t = h_t W_unembed and lse_t = logsumexp(l_t); n defaults to the batch's total
+    weight (`loss_weight`), so both are means. The z term (PaLM) keeps the softmax normaliser
+    near 1. Returns (objective, {"ce": ce, `hidden`'s stats}). The [B, T, V] logits never exist
+    at once: `cross_entropy` takes `loss_chunk` positions at a time (with a 128k vocabulary,
+    gigabytes become megabytes), and with loss_impl "fused" each chunk's gradient is made with
+    its loss (`_ce_fused`)."""
     inputs, targets, weights, segment_ids, positions = split_batch(batch)
     h_BTD, stats = hidden(params, inputs, cfg, segment_ids=segment_ids, positions=positions,
                           max_logits=max_logits)
@@ -508,12 +462,10 @@ def cross_entropy(h_BCD, w_DV, t_BC, wt_BC, *, z_loss: float, cap: float, grad: 
 
 
 def split_batch(batch):
-    """(inputs, targets, weights, segment_ids, positions) of a batch, each [B, T] or None.
-
-    A pre-training batch is token windows [B, T+1]: every next token is a target, weight 1.
-    SFT: a batch is a dict of packed rows (common/data.py, `Packed`): its weights are 0 on
-    prompts and padding, and packed rows carry segment ids and per-example positions.
-    """
+    """(inputs, targets, weights, segment_ids, positions) of a batch, each [B, T] or None. A
+    pre-training batch is token windows [B, T+1]: every next token is a target, weight 1. SFT: a
+    batch is a dict of packed rows (common/data.py, `Packed`): its weights are 0 on prompts and
+    padding, and packed rows carry segment ids and per-example positions."""
     if isinstance(batch, dict):  # SFT
         return (batch["inputs"], batch["targets"], batch["weights"], batch.get("segment_ids"),
                 batch.get("positions"))
@@ -526,11 +478,6 @@ def loss_weight(batch):
     if isinstance(batch, dict):  # SFT
         return jnp.sum(batch["weights"])
     return batch.shape[0] * (batch.shape[1] - 1)
-
-
-def eval_sums(params, batch, *, cfg: ModelConfig):
-    """(weighted cross-entropy sum, weight sum): added up over a held-out split."""
-    return loss_fn(params, batch, cfg, n=1)[1]["ce"], loss_weight(batch)
 
 
 def make_schedule(t: TrainConfig):
@@ -549,6 +496,20 @@ def make_optimizer(t: TrainConfig):
                            weight_decay=t.weight_decay, clip_norm=t.clip_norm,
                            decayed={"embed", "unembed", *MUON_DIMS}, muon_dims=MUON_DIMS,
                            muon_dtype=t.muon_dtype)
+
+
+def param_specs(cfg: ModelConfig) -> dict:
+    return train.table_specs(_param_table(cfg))
+
+
+def _init(cfg: ModelConfig, key: jax.Array) -> dict:
+    return train.table_init(_param_table(cfg), key)
+
+
+def init_params(cfg: ModelConfig, key: jax.Array, mesh=None) -> dict:
+    """Float32 master weights, each created directly in its shards (never whole on one device)."""
+    out = named(mesh, param_specs(cfg)) if mesh is not None else None
+    return jax.jit(partial(_init, cfg), out_shardings=out)(key)
 
 
 def train_state(cfg: Config, mesh) -> train.TrainState:
@@ -619,16 +580,13 @@ _ce_fused.defvjp(_ce_fused_fwd, _ce_fused_bwd)
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
-    """Training FLOPs per token: 3x the forward (backward is twice the forward).
-
-    Forward, per token: 2 FLOPs per weight of every matmul (q, k, v, o, gate, up, down in each
-    layer, and the unembedding; the embedding lookup is no matmul), plus attention's two
-    [T, T] products, q.k and p.v, 2 * 2 * T * N * H per layer. T is the full sequence, as in
-    PaLM's appendix B: the causal mask's skipped half is not subtracted (XLA computes it).
-    A sliding-window layer reads min(T, W) keys per query instead (its blocks compute 2W, of
-    which half are masked: the same convention). Remat's recomputation is not counted: MFU
-    measures useful work.
-    """
+    """Training FLOPs per token: 3x the forward (backward is twice the forward). Forward, per
+    token: 2 FLOPs per weight of every matmul (q, k, v, o, gate, up, down in each layer, and the
+    unembedding; the embedding lookup is no matmul), plus attention's two [T, T] products, q.k
+    and p.v, 2 * 2 * T * N * H per layer. T is the full sequence, as in PaLM's appendix B: the
+    causal mask's skipped half is not subtracted (XLA computes it). A sliding-window layer reads
+    min(T, W) keys per query instead (its blocks compute 2W, of which half are masked: the same
+    convention). Remat's recomputation is not counted: MFU measures useful work."""
     D, N, K, H, F, L = (cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ff,
                         cfg.n_layers)
     per_layer = D * N * H + 2 * D * K * H + N * H * D + 3 * D * F
@@ -640,71 +598,59 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     return 3.0 * (2 * matmul_weights + attn)
 
 
-
 def validate(cfg: Config, n_devices: int) -> None:
     """Every check that needs no compilation, so a bad launch fails in a second."""
     m, t = cfg.model, cfg.train
     train.check_ranges(cfg)
     mesh = resolve(cfg.mesh, n_devices, max(1, math.prod(cfg.mesh.dcn())))
-    if mesh.expert * mesh.dcn_expert != 1:
-        raise ConfigError(f"--mesh.expert {mesh.expert}: the dense model has no experts; "
-                          "keep it 1 (use train_moe.py for expert parallelism).")
+    need(mesh.expert * mesh.dcn_expert == 1, f"--mesh.expert {mesh.expert}: the dense model has "
+         "no experts; keep it 1 (use train_moe.py for expert parallelism).")
     train.check_sizes(mesh, {"tensor": [
         ("--model.n-heads", m.n_heads), ("--model.n-kv-heads", m.n_kv_heads),
         ("--model.d-ff", m.d_ff), ("--model.vocab-size", m.vocab_size)],
         "fsdp": [("--model.d-model", m.d_model)]})
-    if m.n_heads % m.n_kv_heads:
-        raise ConfigError(f"--model.n-heads {m.n_heads} is not a multiple of --model.n-kv-heads "
-                          f"{m.n_kv_heads} (each key/value head serves a whole group).")
-    if m.head_dim % 2:
-        raise ConfigError(f"--model.head-dim {m.head_dim} must be even (RoPE rotates pairs).")
+    need(m.n_heads % m.n_kv_heads == 0, f"--model.n-heads {m.n_heads} is not a multiple of "
+         f"--model.n-kv-heads {m.n_kv_heads} (each key/value head serves a whole group).")
+    need(m.head_dim % 2 == 0, f"--model.head-dim {m.head_dim} must be even (RoPE rotates pairs).")
     train.check_batch(t.batch_size, t.microbatches, mesh)
-    if t.seq_len > m.max_seq_len:
-        raise ConfigError(f"--train.seq-len {t.seq_len} exceeds the model's maximum "
-                          f"--model.max-seq-len {m.max_seq_len}.")
-    if t.seq_len % min(m.loss_chunk, t.seq_len):
-        raise ConfigError(f"--train.seq-len {t.seq_len} is not a multiple of --model.loss-chunk "
-                          f"{m.loss_chunk}.")
+    need(t.seq_len <= m.max_seq_len, f"--train.seq-len {t.seq_len} exceeds the model's maximum "
+         f"--model.max-seq-len {m.max_seq_len}.")
+    need(t.seq_len % min(m.loss_chunk, t.seq_len) == 0, f"--train.seq-len {t.seq_len} is not a "
+         f"multiple of --model.loss-chunk {m.loss_chunk}.")
     train.check_profile(t.profile_steps, t.steps)
     train.check_qk_clip("--train.qk-clip-threshold", t.qk_clip_threshold, m.qk_norm)
-    if t.qk_clip_threshold and (m.attn_softcap or m.query_scale):
-        raise ConfigError(f"--train.qk-clip-threshold {t.qk_clip_threshold} with Gemma's "
-                          "attention (--model.attn-softcap, --model.query-scale): the soft-cap "
-                          "already bounds the logits. Set --train.qk-clip-threshold 0.")
-    if m.global_every and not m.sliding_window:
-        raise ConfigError(f"--model.global-every {m.global_every} without "
-                          "--model.sliding-window: the layers between the global ones are the "
-                          "windowed ones. Give the window, or --model.global-every 0.")
-    if cfg.data.format == "sft" and cfg.data.pack and m.attention == "cudnn":  # SFT
-        raise ConfigError("--model.attention cudnn cannot mask packed SFT rows (JAX's cuDNN "
-                          "path takes causal and length masks only); use --model.attention "
-                          "auto or xla, or --data.no-pack.")
+    need(not (t.qk_clip_threshold and (m.attn_softcap or m.query_scale)), "--train.qk-clip-"
+         f"threshold {t.qk_clip_threshold} with Gemma's attention (--model.attn-softcap, "
+         "--model.query-scale): the soft-cap already bounds the logits. Set "
+         "--train.qk-clip-threshold 0.")
+    need(m.sliding_window or not m.global_every, f"--model.global-every {m.global_every} "
+         "without --model.sliding-window: the layers between the global ones are the windowed "
+         "ones. Give the window, or --model.global-every 0.")
+    need(not (cfg.data.format == "sft" and cfg.data.pack and m.attention == "cudnn"),  # SFT
+         "--model.attention cudnn cannot mask packed SFT rows (JAX's cuDNN path takes causal "
+         "and length masks only); use --model.attention auto or xla, or --data.no-pack.")
 
 
 # ----------------------------------------------------------------------------------------------
 # 5. Main and the training loop
 # ----------------------------------------------------------------------------------------------
-
-
 def main(cfg: Config) -> dict:
     hf_config, model = train.model_source(cfg)  # --init-from-hf's config, --init-from's model
     cfg = train.with_model(cfg, config_from_hf(*hf_config) if hf_config else model)
     train.start(cfg.quiet)
     devices = train.devices(cfg.compile_topology, cfg.compile_slices, cfg.dry_run)
     validate(cfg, len(devices))
-    mesh = make_mesh(cfg.mesh, devices)
-    tc = cfg.train
+    mesh, tc, m, pf = make_mesh(cfg.mesh, devices), cfg.train, cfg.model, devices[0].platform
     st = train_state(cfg, mesh)
     step_fn = st.jit(partial(train_step, cfg=cfg, tx=st.tx))
-    m, pf = cfg.model, devices[0].platform
     check_kernel(m.attention, pf, tc.seq_len)
     kernel = choose(m.attention, pf, dtype=m.dtype, T=tc.seq_len, H=m.head_dim, V=m.head_dim,
                     cap=m.attn_softcap, segments=cfg.data.format == "sft" and cfg.data.pack)
     log(f"model {count_params(m) / 1e6:.1f}M parameters, {kernel} attention | mesh "
         f"{describe(mesh)} | {len(devices)} {pf} devices, {jax.process_count()} process(es)")
     # Random tokens for --dry-run and --bench: no data, no checkpoints.
-    tokens = np.random.default_rng(0).integers(0, cfg.model.vocab_size,
-                                               (tc.batch_size, tc.seq_len + 1), np.int32)
+    tokens = np.random.default_rng(0).integers(0, m.vocab_size, (tc.batch_size, tc.seq_len + 1),
+                                               dtype=np.int32)
     if cfg.dry_run:
         return train.dry_run(step_fn, st.abstract(), train.put(tokens, mesh, BATCH_AXES, True),
                              mesh, count_params(m), attention=kernel)
@@ -713,32 +659,30 @@ def main(cfg: Config) -> dict:
             return train.bench(step_fn, st.fresh(jax.random.key(tc.seed)),
                                train.put(tokens, mesh, BATCH_AXES), cfg.bench,
                                tokens_per_step=tc.batch_size * tc.seq_len,
-                               flops_per_token=flops_per_token(cfg.model, tc.seq_len),
+                               flops_per_token=flops_per_token(m, tc.seq_len),
                                peak=train.peak_flops_per_device(tc.peak_tflops))
         return train_loop(cfg, mesh, st, step_fn)
 
 
 def train_loop(cfg: Config, mesh, st: train.TrainState, step_fn) -> dict:
-    tc, mc = cfg.train, cfg.model
-    ds = load_dataset(init_data_config(cfg), seq_len=tc.seq_len)
+    tc, mc, data, sft = cfg.train, cfg.model, cfg.data, False
+    data, sft = init_data_config(cfg), cfg.data.format == "sft"  # SFT
+    ds = load_dataset(data, seq_len=tc.seq_len)
     if cfg.init_from_hf and (note := hf.check_tokenizer(
             cfg.init_from_hf, ds.tokenizer_path, f"--data.path {cfg.data.path!r}")):
         log(note)
     train.check_vocab(ds.vocab_size, mc.vocab_size)
-    sft = isinstance(ds, SFTDataset)  # SFT
-    batch_sh = NamedSharding(mesh, P(BATCH_AXES, None))
+    batch_sh = named(mesh, P(BATCH_AXES, None))
     batch = partial(get_batch, batch_size=tc.batch_size, seq_len=tc.seq_len, sharding=batch_sh)
-    sums_fn = jax.jit(partial(eval_sums, cfg=mc))
+    # A held-out batch's (weighted cross-entropy, weight) sums, added up over the split.
+    sums_fn = jax.jit(lambda p, b: (loss_fn(p, b, mc, n=1)[1]["ce"], loss_weight(b)))
     key = jax.random.key(tc.seed + 7)
 
     def evaluate(params) -> dict:
-        """Held-out loss. SFT: over the whole split, each trained token once, and answers to
-        the first --train.eval-samples held-out prompts."""
-        if sft:
+        """Held-out loss (SFT: the whole split, each trained token once; held-out answers too)."""
+        batches = (batch(ds.eval, seed=cfg.data.seed + 1, step=i) for i in range(tc.eval_batches))
+        if sft:  # SFT
             batches = held_out_batches(ds.eval, tc.batch_size, batch_sh)
-        else:
-            batches = (batch(ds.eval, seed=cfg.data.seed + 1, step=i)
-                       for i in range(tc.eval_batches))
         ce, n = np.sum(jax.device_get([sums_fn(params, b) for b in batches]), axis=0)
         out, line = {"eval_loss": float(ce / n)}, f"eval_loss {ce / n:.3f}"
         if sft and (samples := sft_samples(params, ds, cfg, mesh, key)):  # SFT
@@ -755,12 +699,10 @@ def train_loop(cfg: Config, mesh, st: train.TrainState, step_fn) -> dict:
             f"To keep its weights under new settings: a new --run-dir with --init-from "
             f"{cfg.run_dir}.")) as run:
         state, start = run.resume(st.abstract())
-        if state is None and cfg.init_from_hf:
-            state = st.from_params(load_hf(cfg.init_from_hf, mesh)[1])
-        elif state is None and cfg.init_from:
-            state = st.from_params(train.restore_params(cfg.init_from, st.abstract()["params"]))
-        elif state is None:
-            state = st.fresh(jax.random.key(tc.seed))
+        if state is None:  # a new run: from --init-from-hf, --init-from, or random weights
+            state = (st.from_params(load_hf(cfg.init_from_hf, mesh)[1]) if cfg.init_from_hf else
+                     st.from_params(train.restore_params(cfg.init_from, st.abstract()["params"]))
+                     if cfg.init_from else st.fresh(jax.random.key(tc.seed)))
         loop = train.Loop(run, start, tc.steps, log_every=tc.log_every,
                           eval_every=tc.eval_every, tokens_per_step=tc.batch_size * tc.seq_len,
                           max_bad_steps=tc.max_bad_steps, peak_tflops=tc.peak_tflops,
@@ -785,8 +727,10 @@ def train_loop(cfg: Config, mesh, st: train.TrainState, step_fn) -> dict:
             out = sample(state["params"], [prompt], cfg, mesh, key, ds.vocab_size)[0]
             log("sample:\n" + ds.decode(prompt + out))
         end = int(jax.device_get(state["step"]))
-        return loop.summary(end, f"{tc.batch_size} x {tc.seq_len}") | {"state": state} | (
-            {"packing": {"train": ds.train.stats, "eval": ds.eval.stats}} if sft else {})  # SFT
+        out = loop.summary(end, f"{tc.batch_size} x {tc.seq_len}") | {"state": state}
+        if sft:  # SFT
+            out["packing"] = {"train": ds.train.stats, "eval": ds.eval.stats}
+        return out
 
 
 def sample(params, prompts: list[list[int]], cfg: Config, mesh, key, n_valid: int):
@@ -805,10 +749,9 @@ def sample(params, prompts: list[list[int]], cfg: Config, mesh, key, n_valid: in
     return train.completions(decode(params, buf, seg, pos, key), len(prompts), width)
 
 
-def sft_samples(params, ds: SFTDataset, cfg: Config, mesh, key) -> list[dict]:
+def sft_samples(params, ds: SFTDataset, cfg: Config, mesh, key) -> list[dict]:  # SFT
     """Answers to the first --train.eval-samples held-out prompts (greedy at --train.temperature
-    0), cut at EOS, beside the answers in the data. One batch: the prompts are decoded
-    together."""
+    0), cut at EOS, beside the answers in the data; the prompts are decoded as one batch."""
     examples = ds.eval_examples[:cfg.train.eval_samples]
     if not examples or cfg.train.sample_tokens < 1:
         return []
@@ -823,24 +766,22 @@ def run_tokenizer(run_dir: str) -> str:
     return data_run_tokenizer(run_dir, lambda d: read_run_config(d, "--init-from", True))
 
 
-def init_data_config(cfg: Config) -> DataConfig:
+def init_data_config(cfg: Config) -> DataConfig:  # SFT
     """SFT: without --data.tokenizer, tokenize as --init-from's run did (a path resolved here,
-    not stored: the embedded corpus's cache path differs between machines and Pythons), or
-    with --init-from-hf's tokenizer.json (as transformers does; its chat template with it)."""
+    not stored: the embedded corpus's cache path differs between machines and Pythons), or with
+    --init-from-hf's tokenizer.json (as transformers does; its chat template with it)."""
     if cfg.data.format != "sft" or cfg.data.tokenizer or not (cfg.init_from or cfg.init_from_hf):
         return cfg.data
     tok = (hf.tokenizer(cfg.init_from_hf, prefer_json=True)[0] if cfg.init_from_hf
            else run_tokenizer(cfg.init_from))
-    return dataclasses.replace(cfg.data, tokenizer=tok)
+    return replace(cfg.data, tokenizer=tok)
 
 
 # ----------------------------------------------------------------------------------------------
 # 6. HuggingFace in and out
 # ----------------------------------------------------------------------------------------------
-
-# HuggingFace rotates the two halves of each head, as `apply_rope` does, so its q_proj, k_proj
-# load as they are. (Meta's Llama code rotates interleaved pairs; HF permuted those weights' rows
-# once, at conversion, so every HF checkpoint is in the halves layout; we read HF only.)
+# HuggingFace rotates the two halves of each head, as `apply_rope` does: its q_proj, k_proj load
+# as they are (Meta's code rotates interleaved pairs; HF permuted those rows once, at conversion).
 HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                     "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                     "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
@@ -881,37 +822,34 @@ HF_CONSTANTS = {"llama": dict(attention_bias=False, mlp_bias=False, pretraining_
                 "qwen3": dict(use_sliding_window=False, sliding_window=None, attention_bias=False),
                 "gemma2": _GELU_TANH, "gemma3_text": _GELU_TANH}
 # Our parameters as HuggingFace tensors (name, layout: common/hf.py). HF's nn.Linear keeps
-# [out, in], ours [in, out] with the heads split out: a transpose and a reshape, stacked on l.
-# Atoms: l layers, d model, n query heads, k key/value heads, h head width, f MLP, v vocabulary.
-HF_NAMES = {
-    "embed": ("model.embed_tokens.weight", "v d -> v d"),
-    "unembed": ("lm_head.weight", "v d -> d v"), "final_norm": ("model.norm.weight", "d -> d"),
-    "attn_norm": ("input_layernorm.weight", "d -> l d"),
-    "wq": ("self_attn.q_proj.weight", "(n h) d -> l d n h"),
-    "wk": ("self_attn.k_proj.weight", "(k h) d -> l d k h"),
-    "wv": ("self_attn.v_proj.weight", "(k h) d -> l d k h"),
-    "wo": ("self_attn.o_proj.weight", "d (n h) -> l n h d"),
-    "mlp_norm": ("post_attention_layernorm.weight", "d -> l d"),
-    "w_gate": ("mlp.gate_proj.weight", "f d -> l d f"),
-    "w_up": ("mlp.up_proj.weight", "f d -> l d f"),
-    "w_down": ("mlp.down_proj.weight", "d f -> l f d"),
-    "bq": ("self_attn.q_proj.bias", "(n h) -> l n h"),
-    "bk": ("self_attn.k_proj.bias", "(k h) -> l k h"),
-    "bv": ("self_attn.v_proj.bias", "(k h) -> l k h"),
-    "q_norm": ("self_attn.q_norm.weight", "h -> l h"),
-    "k_norm": ("self_attn.k_norm.weight", "h -> l h"),
-    # Gemma's sandwich: its post_attention_layernorm is the attention's output norm
-    "attn_post_norm": ("post_attention_layernorm.weight", "d -> l d"),
-    "mlp_post_norm": ("post_feedforward_layernorm.weight", "d -> l d"),
-}
-GEMMA_MLP_NORM = ("pre_feedforward_layernorm.weight", "d -> l d")
+# [out, in], ours [in, out] with the heads split out: a transpose and a reshape, then stacked
+# on l. Atoms: l layers, d model, n query heads, k key/value heads, h head width, f MLP, v vocab.
+HF_TOP = {"embed": ("model.embed_tokens.weight", "v d -> v d"),
+          "unembed": ("lm_head.weight", "v d -> d v"),
+          "final_norm": ("model.norm.weight", "d -> d")}
+HF_LAYER = {"attn_norm": ("input_layernorm.weight", "d -> d"),
+            "mlp_norm": ("post_attention_layernorm.weight", "d -> d"),
+            # Gemma's sandwich: its post_attention_layernorm is the attention's output norm
+            "attn_post_norm": ("post_attention_layernorm.weight", "d -> d"),
+            "mlp_post_norm": ("post_feedforward_layernorm.weight", "d -> d")} | {
+    k: ("self_attn." + name, layout) for k, (name, layout) in dict(
+        wq=("q_proj.weight", "(n h) d -> d n h"), wk=("k_proj.weight", "(k h) d -> d k h"),
+        wv=("v_proj.weight", "(k h) d -> d k h"), wo=("o_proj.weight", "d (n h) -> n h d"),
+        bq=("q_proj.bias", "(n h) -> n h"), bk=("k_proj.bias", "(k h) -> k h"),
+        bv=("v_proj.bias", "(k h) -> k h"), q_norm=("q_norm.weight", "h -> h"),
+        k_norm=("k_norm.weight", "h -> h")).items()} | {
+    k: ("mlp." + name, layout) for k, (name, layout) in dict(
+        w_gate=("gate_proj.weight", "f d -> d f"), w_up=("up_proj.weight", "f d -> d f"),
+        w_down=("down_proj.weight", "d f -> f d")).items()}
 
 
 def hf_mapping(cfg: ModelConfig) -> dict:
     """`_param_table`'s tree, each leaf as its (HuggingFace tensor name, layout)."""
-    names = HF_NAMES | ({"mlp_norm": GEMMA_MLP_NORM} if cfg.sandwich_norm else {})
-    return {k: {n: ("model.layers.{l}." + names[n][0], names[n][1]) for n in v}
-            if k == "layers" else names[k] for k, v in _param_table(cfg).items()}
+    names = HF_LAYER | ({"mlp_norm": ("pre_feedforward_layernorm.weight", "d -> d")}
+                        if cfg.sandwich_norm else {})  # Gemma's
+    layer = lambda n: ("model.layers.{l}." + names[n][0], names[n][1].replace("-> ", "-> l "))
+    return {k: {n: layer(n) for n in v} if k == "layers" else HF_TOP[k]
+            for k, v in _param_table(cfg).items()}
 
 
 def _hf_sizes(cfg: ModelConfig) -> dict:
@@ -951,13 +889,11 @@ def config_from_hf(c: dict, where: str = "config.json") -> ModelConfig:
     f = dict(n_kv_heads=f["n_heads"], head_dim=f["d_model"] // f["n_heads"]) | f | HF_KNOBS[mt]
     rope = c.get("rope_parameters") or {}
     if mt == "gemma3_text":  # global and local RoPE: per layer type (transformers 5), or 4.x keys
-        per_type = "full_attention" in rope
-        local = hf.rope_parameters({"rope_parameters": rope.get("sliding_attention", {})}
-                                   if per_type else {}, c["rope_local_base_freq"], where)
-        if local[1] != "default":
-            raise unsupported(f"rope type {local[1]!r} on the sliding-window layers")
-        f["rope_local_theta"] = local[0]
-        c = c | {"rope_parameters": rope["full_attention"]} if per_type else c
+        local = {"rope_parameters": rope.get("sliding_attention", {})}
+        f["rope_local_theta"], kind, _ = hf.rope_parameters(local, c["rope_local_base_freq"], where)
+        if kind != "default":
+            raise unsupported(f"rope type {kind!r} on the sliding-window layers")
+        c = c | {"rope_parameters": rope["full_attention"]} if "full_attention" in rope else c
     f["rope_theta"], kind, rope = hf.rope_parameters(c, 10_000.0, where)
     if kind == "llama3":
         if lacking := {"factor", "low_freq_factor", "high_freq_factor"} - set(rope):
@@ -968,20 +904,17 @@ def config_from_hf(c: dict, where: str = "config.json") -> ModelConfig:
         f["rope_linear"] = float(rope["factor"])
     elif kind != "default":
         raise unsupported(f"rope type {kind!r} (only the default, 'linear' and 'llama3')")
-    # A sliding window of W tokens changes nothing on sequences of at most W tokens, and we
-    # train no longer ones: the window becomes the model's maximum length.
+    # A window changes nothing on sequences no longer than itself: it becomes the maximum length.
     window = c.get("sliding_window") if mt == "mistral" or c.get("use_sliding_window") else None
     if window is not None and not gemma:
         f["max_seq_len"] = min(f["max_seq_len"], window)
     if gemma:  # every n-th layer global, the others windowed
-        L = c["num_hidden_layers"]
-        every = 2 if mt == "gemma2" else c.get("_sliding_window_pattern",
-                                                   c["sliding_window_pattern"])
-        kinds = c.get("layer_types") or ["sliding_attention" if (i + 1) % every else
-                                         "full_attention" for i in range(L)]
+        types = lambda n: ["full_attention" if n and (i + 1) % n == 0 else "sliding_attention"
+                           for i in range(c["num_hidden_layers"])]
+        kinds = c.get("layer_types") or types(2 if mt == "gemma2" else c.get(
+            "_sliding_window_pattern", c["sliding_window_pattern"]))
         n = kinds.index("full_attention") + 1 if "full_attention" in kinds else 0
-        if kinds != ["full_attention" if n and (i + 1) % n == 0 else "sliding_attention"
-                     for i in range(L)]:
+        if kinds != types(n):
             raise unsupported(f"layer_types {kinds} (only every n-th layer global)")
         f["global_every"] = n
     return ModelConfig(**f)
@@ -997,9 +930,8 @@ def config_to_hf(cfg: ModelConfig, model_type: str = "", dtype: str = "float32")
         raise hf.HFError(f"model_type {mt!r}: choose one of {', '.join(HF_ARCHITECTURES)}.")
     bad = {k: getattr(cfg, k) for k in ("qkv_bias", "qk_norm", *_GEMMA_KNOBS)
            if getattr(cfg, k) != HF_KNOBS[mt].get(k, False)}
-    may = dict(sliding_window=GEMMA, attn_softcap=GEMMA, final_softcap=GEMMA,
-               query_scale=GEMMA, rope_local_theta=("gemma3_text",),
-               rope_linear=[m for m in HF_ARCHITECTURES if m != "gemma2"])  # Gemma 2: one RoPE
+    may = dict.fromkeys(GEMMA_KEYS.values(), GEMMA) | dict(  # rope_linear: Gemma 2 has one RoPE
+        rope_local_theta=("gemma3_text",), rope_linear=set(HF_ARCHITECTURES) - {"gemma2"})
     bad |= {k: getattr(cfg, k) for k, ok in may.items() if getattr(cfg, k) and mt not in ok
             or k == "query_scale" and getattr(cfg, k) % 1}   # HF's query_pre_attn_scalar: an int
     if bad:
@@ -1007,9 +939,8 @@ def config_to_hf(cfg: ModelConfig, model_type: str = "", dtype: str = "float32")
                          "are qwen2's, q/k norms qwen3's and gemma3_text's, (1 + w) and "
                          "sandwich norms, GeGLU, the embedding scale, windows and soft-caps "
                          "Gemma's, a local or linear RoPE gemma3_text's.")
-    rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
-    if cfg.rope_linear:
-        rope |= {"rope_type": "linear", "factor": cfg.rope_linear}
+    rope = {"rope_type": "default", "rope_theta": cfg.rope_theta} | (
+        {"rope_type": "linear", "factor": cfg.rope_linear} if cfg.rope_linear else {})
     if cfg.rope_scaling > 0:
         rope = {"rope_type": "llama3", "rope_theta": cfg.rope_theta} | {
             key: getattr(cfg, k) for key, k in LLAMA3_ROPE.items()}
@@ -1032,9 +963,8 @@ def config_to_hf(cfg: ModelConfig, model_type: str = "", dtype: str = "float32")
                          else "sliding_attention" for i in range(L)])
     if mt == "gemma3_text":  # transformers 5 reads rope_parameters per layer type, 4.x the rest
         local = cfg.rope_local_theta or cfg.rope_theta
-        c |= dict(rope_local_base_freq=local, rope_parameters={
-            "full_attention": rope, "sliding_attention": {"rope_type": "default",
-                                                          "rope_theta": local}})
+        c |= dict(rope_local_base_freq=local, rope_parameters={"full_attention": rope,
+                  "sliding_attention": {"rope_type": "default", "rope_theta": local}})
     return c
 
 

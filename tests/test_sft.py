@@ -452,9 +452,6 @@ def test_without_sft_drops_marked_lines_their_brackets_and_blocks():
     assert without_sft(src) == "a = 1\n\np = {\n    'a': 1,\n}\n"
 
 
-@pytest.mark.xfail(strict=True, reason="train_loop's SFT lines (sft = ..., `if sft:` in "
-                   "evaluate, the final sample's `not sft`, the summary's packing term) and "
-                   "sft_samples are not marked yet")
 def test_a_pretraining_fork_deletes_the_sft_lines_and_still_trains(tmp_path):
     """The module docstring's promise: train_dense.py less its `# SFT` lines trains `tiny`."""
     import subprocess
@@ -474,7 +471,7 @@ def test_a_pretraining_fork_deletes_the_sft_lines_and_still_trains(tmp_path):
                         "--train.steps", "2", "--train.batch-size", "2", "--train.seq-len", "32",
                         "--train.log-every", "1", "--train.eval-every", "2",
                         "--train.eval-batches", "1", "--train.sample-tokens", "4",
-                        "--checkpoint.every", "0"], cwd=root, capture_output=True, text=True,
-                       timeout=300)
+                        "--checkpoint.every", "0"], cwd=root, env=env, capture_output=True,
+                       text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "step 2 |" in r.stdout and "eval_loss" in r.stdout and "sample:" in r.stdout
