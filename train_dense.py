@@ -25,8 +25,8 @@ from jax.sharding import PartitionSpec as P
 from common import hf, train
 from common.attention import attend, check_kernel, choose
 from common.config import how, knob, resumable
-from common.checkpoint import CheckpointConfig, read_run_config
-from common.data import DataConfig, get_batch, load_dataset, run_tokenizer as data_run_tokenizer
+from common.checkpoint import CheckpointConfig
+from common.data import DataConfig, get_batch, load_dataset, run_tokenizer
 from common.data import SFTDataset, held_out_batches  # SFT
 from common.mesh import BATCH_AXES, MeshConfig, describe, make_mesh, resolve
 from common.train import ConfigError, log, named, need  # ConfigError: need's, for callers
@@ -736,9 +736,8 @@ def train_loop(cfg: Config, mesh, st: train.TrainState, step_fn) -> dict:
 def sample(params, prompts: list[list[int]], cfg: Config, mesh, key, n_valid: int):
     """--train.sample-tokens tokens after each prompt, at --train.temperature (0 = greedy)."""
     t, m = cfg.train, cfg.model
-    buf, seg, pos, width = train.prompt_rows(prompts, n_new=t.sample_tokens, mesh=mesh,
-                                             max_len=min(t.seq_len, m.max_seq_len),
-                                             batch_axes=BATCH_AXES)
+    buf, seg, pos, width = train.prompt_rows(prompts, t.sample_tokens,
+                                             min(t.seq_len, m.max_seq_len), mesh, BATCH_AXES)
 
     @jax.jit
     def decode(params, buf, seg, pos, key):  # every new token in one program
@@ -761,20 +760,14 @@ def sft_samples(params, ds: SFTDataset, cfg: Config, mesh, key) -> list[dict]:  
              "expected": cut(ex.answer.tolist())} for ex, out in zip(examples, outs)]
 
 
-def run_tokenizer(run_dir: str) -> str:
-    """The sentencepiece model the run in `run_dir` tokenized with (see common/data.py)."""
-    return data_run_tokenizer(run_dir, lambda d: read_run_config(d, "--init-from", True))
-
-
 def init_data_config(cfg: Config) -> DataConfig:  # SFT
     """SFT: without --data.tokenizer, tokenize as --init-from's run did (a path resolved here,
     not stored: the embedded corpus's cache path differs between machines and Pythons), or with
     --init-from-hf's tokenizer.json (as transformers does; its chat template with it)."""
     if cfg.data.format != "sft" or cfg.data.tokenizer or not (cfg.init_from or cfg.init_from_hf):
         return cfg.data
-    tok = (hf.tokenizer(cfg.init_from_hf, prefer_json=True)[0] if cfg.init_from_hf
-           else run_tokenizer(cfg.init_from))
-    return replace(cfg.data, tokenizer=tok)
+    return replace(cfg.data, tokenizer=hf.tokenizer(cfg.init_from_hf, prefer_json=True)[0]
+                   if cfg.init_from_hf else run_tokenizer(cfg.init_from))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -987,8 +980,7 @@ def save_hf(params: dict, cfg: ModelConfig, path: str, *, model_type: str = "",
                    max_shard_bytes=max_shard_bytes)
 
 
-# export-hf: a run's checkpoint as a HuggingFace folder; an SFT run's tokenizer is its
-# --init-from's (common/data.py `run_tokenizer` follows the chain).
+# export-hf: an SFT run's tokenizer is its --init-from's (common/data.py `run_tokenizer`).
 def export_hf(run_dir: str, out: str, step: int = -1, dtype: train.ExportDtype = "float32",
               model_type: Literal[("", *HF_ARCHITECTURES)] = "", max_shard_gb: float = 5.0):
     with train.run_config(run_dir) as saved:  # unreadable: a ConfigError naming it

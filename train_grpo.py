@@ -35,7 +35,7 @@ from jax.sharding import PartitionSpec as P
 from common import hf, observe, train
 from common.attention import attend
 from common.config import how, knob, resumable
-from common.checkpoint import CheckpointConfig, read_run_config
+from common.checkpoint import CheckpointConfig
 from common.data import (CharTokenizer, ChatTemplate, PretrainedTokenizer, decode_completions,
                          encode_completions, encode_prompts, open_tokenizer, run_tokenizer)
 from common.mesh import BATCH_AXES, MeshConfig, describe, make_mesh, resolve
@@ -926,7 +926,7 @@ def make_tokenizer(cfg: Config):
         return CharTokenizer()
     # Pre-training or SFT: the file the dense run (or the run it fine-tuned) tokenized with.
     # The dense model saw documents separated by EOS: after one, a document begins.
-    path = run_tokenizer(cfg.init_from, lambda d: read_run_config(d, "--init-from", True))
+    path = run_tokenizer(cfg.init_from)
     eos = open_tokenizer(path).eos_id()
     return PretrainedTokenizer(path, eos, eos)
 

@@ -1174,8 +1174,7 @@ def train_loop(cfg: Config, mesh, st: train.TrainState, step_fn) -> dict:
         if tc.sample_tokens > 0:  # one prompt: this forward has no segments to left-pad with
             prompt, params = ds.encode(tc.sample_prompt), weights(state)
             buf, _, _, width = train.prompt_rows(
-                [prompt], n_new=tc.sample_tokens, max_len=min(tc.seq_len, mc.max_seq_len),
-                mesh=mesh, batch_axes=MOE_BATCH)
+                [prompt], tc.sample_tokens, min(tc.seq_len, mc.max_seq_len), mesh, MOE_BATCH)
 
             @jax.jit
             def decode(params, buf, key):  # every new token in one program

@@ -46,6 +46,7 @@ import numpy as np
 import sentencepiece as spm
 import tyro
 
+from common.checkpoint import read_run_config
 from common.config import knob
 from common.observe import is_remote, note, progress
 
@@ -1190,15 +1191,15 @@ def tokenizer_path(cfg: DataConfig) -> str:
     return os.path.join(folder, "tokenizer.model")
 
 
-def run_tokenizer(run_dir: str, read_config: Callable[[str], dict]) -> str:
+def run_tokenizer(run_dir: str) -> str:
     """The sentencepiece model the train_dense.py run in `run_dir` tokenized with, following
     its --init-from when it was a fine-tune that named none (an SFT config holds no
-    tokenizer of its own). `read_config(run_dir)` returns a run's saved config.json."""
-    saved = read_config(run_dir)
+    tokenizer of its own)."""
+    saved = read_run_config(run_dir, "--init-from", True)
     known = {f.name for f in fields(DataConfig)}
     theirs = DataConfig(**{k: v for k, v in saved.get("data", {}).items() if k in known})
     if theirs.format == "sft" and not theirs.tokenizer and saved.get("init_from"):
-        return run_tokenizer(saved["init_from"], read_config)
+        return run_tokenizer(saved["init_from"])
     return tokenizer_path(theirs)
 
 

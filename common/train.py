@@ -628,7 +628,7 @@ def draw(key, z_BV, temperature, top_k: int, top_p: float):
     return jnp.where(temperature > 0, drawn, jnp.argmax(z_BV, axis=-1)).astype(jnp.int32)
 
 
-def prompt_rows(prompts: list[list[int]], *, n_new: int, max_len: int, mesh, batch_axes):
+def prompt_rows(prompts: list[list[int]], n_new: int, max_len: int, mesh, batch_axes):
     """(tokens, segment_ids, positions, width): the prompts left-padded to one width in a
     buffer with room for n_new tokens, placed over the batch axes, for a decode loop that
     fills column i with `next_token` from the logits at i - 1 (full forwards, no KV cache: a
@@ -960,7 +960,7 @@ def export(run_dir: str, step: int, saved: dict, tables: dict, dtype: str, max_s
     src, tok = hf_origin(saved), None
     try:  # the data may be gone: then the export ships no tokenizer
         if not src and tokenizer_run:
-            tok = run_tokenizer(tokenizer_run, lambda d: read_run_config(d, "--init-from", True))
+            tok = run_tokenizer(tokenizer_run)
         elif not src and data is not None:
             tok = load_dataset(data).tokenizer_path
     except (FileNotFoundError, ValueError, OSError):

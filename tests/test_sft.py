@@ -394,12 +394,12 @@ def test_a_fine_tune_of_a_fine_tune_finds_the_pretraining_tokenizer(tokenizer, t
     pre = run("pre", data=D.DataConfig(path=os.path.dirname(tokenizer)))
     first = run("sft1", data=D.DataConfig(format="sft", path="a.jsonl"), init_from=pre)
     second = run("sft2", data=D.DataConfig(format="sft", path="b.jsonl"), init_from=first)
-    assert td.run_tokenizer(second) == tokenizer
+    assert D.run_tokenizer(second) == tokenizer
     named = run("sft3", data=D.DataConfig(format="sft", path="c.jsonl", tokenizer="t.model"),
                 init_from=first)
-    assert td.run_tokenizer(named) == "t.model"
+    assert D.run_tokenizer(named) == "t.model"
     with pytest.raises(FileNotFoundError, match="--init-from .*nowhere.*not a train_dense.py run"):
-        td.run_tokenizer(str(tmp_path / "nowhere"))
+        D.run_tokenizer(str(tmp_path / "nowhere"))
 
 
 def test_bad_input_on_the_command_line_exits_2_naming_the_line(tokenizer, tmp_path):
