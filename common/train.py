@@ -19,7 +19,6 @@ import re
 import sys
 import time
 from collections.abc import Callable
-from functools import partial
 from typing import Literal
 
 import jax
