@@ -53,7 +53,7 @@ class ModelConfig:
     tie_embeddings: bool = False
     qkv_bias: bool = False        # Qwen2
     qk_norm: bool = False         # Qwen3: RMSNorm on each head of q and k before RoPE
-    # Gemma 2 / 3. Off = falsy = the Llama block bit for bit (train_grpo.py takes runs with all off)
+    # Gemma 2 / 3. Off = falsy = the Llama block bit for bit
     sliding_window: int = 0       # local layers see the last W tokens, themselves included
     global_every: int = 0         # with a window: layers n-1, 2n-1, ... are global; 0 = none
     rope_local_theta: float = 0.0  # the local layers' RoPE base (Gemma 3: 10k); 0 = rope_theta
@@ -580,13 +580,10 @@ _ce_fused.defvjp(_ce_fused_fwd, _ce_fused_bwd)
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
-    """Training FLOPs per token: 3x the forward (backward is twice the forward). Forward, per
-    token: 2 FLOPs per weight of every matmul (q, k, v, o, gate, up, down in each layer, and the
-    unembedding; the embedding lookup is no matmul), plus attention's two [T, T] products, q.k
-    and p.v, 2 * 2 * T * N * H per layer. T is the full sequence, as in PaLM's appendix B: the
-    causal mask's skipped half is not subtracted (XLA computes it). A sliding-window layer reads
-    min(T, W) keys per query instead (its blocks compute 2W, of which half are masked: the same
-    convention). Remat's recomputation is not counted: MFU measures useful work."""
+    """Training FLOPs per token, 3x the forward (PaLM, appendix B): 2 per matmul weight (not the
+    embedding lookup) and 2 * 2 * T * N * H per layer for q.k and p.v over the whole sequence
+    (the causal half is not subtracted: XLA computes it), min(T, W) keys on windowed layers.
+    Remat's recomputation is not counted: MFU measures useful work."""
     D, N, K, H, F, L = (cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ff,
                         cfg.n_layers)
     per_layer = D * N * H + 2 * D * K * H + N * H * D + 3 * D * F
@@ -603,6 +600,20 @@ def validate(cfg: Config, n_devices: int) -> None:
     m, t = cfg.model, cfg.train
     train.check_ranges(cfg)
     mesh = resolve(cfg.mesh, n_devices, max(1, math.prod(cfg.mesh.dcn())))
+    check_model(m, mesh, "--train.qk-clip-threshold", t.qk_clip_threshold)
+    train.check_batch(t.batch_size, t.microbatches, mesh)
+    need(t.seq_len <= m.max_seq_len, f"--train.seq-len {t.seq_len} exceeds the model's maximum "
+         f"--model.max-seq-len {m.max_seq_len}.")
+    need(t.seq_len % min(m.loss_chunk, t.seq_len) == 0, f"--train.seq-len {t.seq_len} is not a "
+         f"multiple of --model.loss-chunk {m.loss_chunk}.")
+    train.check_profile(t.profile_steps, t.steps)
+    need(not (cfg.data.format == "sft" and cfg.data.pack and m.attention == "cudnn"),  # SFT
+         "--model.attention cudnn cannot mask packed SFT rows (JAX's cuDNN path takes causal "
+         "and length masks only); use --model.attention auto or xla, or --data.no-pack.")
+
+
+def check_model(m: ModelConfig, mesh, clip_flag: str, tau: float) -> None:
+    """The model's shape against the mesh, its knobs together, QK-clip (`tau`) on it."""
     need(mesh.expert * mesh.dcn_expert == 1, f"--mesh.expert {mesh.expert}: the dense model has "
          "no experts; keep it 1 (use train_moe.py for expert parallelism).")
     train.check_sizes(mesh, {"tensor": [
@@ -612,23 +623,13 @@ def validate(cfg: Config, n_devices: int) -> None:
     need(m.n_heads % m.n_kv_heads == 0, f"--model.n-heads {m.n_heads} is not a multiple of "
          f"--model.n-kv-heads {m.n_kv_heads} (each key/value head serves a whole group).")
     need(m.head_dim % 2 == 0, f"--model.head-dim {m.head_dim} must be even (RoPE rotates pairs).")
-    train.check_batch(t.batch_size, t.microbatches, mesh)
-    need(t.seq_len <= m.max_seq_len, f"--train.seq-len {t.seq_len} exceeds the model's maximum "
-         f"--model.max-seq-len {m.max_seq_len}.")
-    need(t.seq_len % min(m.loss_chunk, t.seq_len) == 0, f"--train.seq-len {t.seq_len} is not a "
-         f"multiple of --model.loss-chunk {m.loss_chunk}.")
-    train.check_profile(t.profile_steps, t.steps)
-    train.check_qk_clip("--train.qk-clip-threshold", t.qk_clip_threshold, m.qk_norm)
-    need(not (t.qk_clip_threshold and (m.attn_softcap or m.query_scale)), "--train.qk-clip-"
-         f"threshold {t.qk_clip_threshold} with Gemma's attention (--model.attn-softcap, "
-         "--model.query-scale): the soft-cap already bounds the logits. Set "
-         "--train.qk-clip-threshold 0.")
     need(m.sliding_window or not m.global_every, f"--model.global-every {m.global_every} "
          "without --model.sliding-window: the layers between the global ones are the windowed "
          "ones. Give the window, or --model.global-every 0.")
-    need(not (cfg.data.format == "sft" and cfg.data.pack and m.attention == "cudnn"),  # SFT
-         "--model.attention cudnn cannot mask packed SFT rows (JAX's cuDNN path takes causal "
-         "and length masks only); use --model.attention auto or xla, or --data.no-pack.")
+    train.check_qk_clip(clip_flag, tau, m.qk_norm)
+    need(not (tau and (m.attn_softcap or m.query_scale)), f"{clip_flag} {tau} with Gemma's "
+         "attention (--model.attn-softcap, --model.query-scale): the soft-cap already bounds "
+         f"the logits. Set {clip_flag} 0.")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -648,10 +649,9 @@ def main(cfg: Config) -> dict:
                     cap=m.attn_softcap, segments=cfg.data.format == "sft" and cfg.data.pack)
     log(f"model {count_params(m) / 1e6:.1f}M parameters, {kernel} attention | mesh "
         f"{describe(mesh)} | {len(devices)} {pf} devices, {jax.process_count()} process(es)")
-    # Random tokens for --dry-run and --bench: no data, no checkpoints.
     tokens = np.random.default_rng(0).integers(0, m.vocab_size, (tc.batch_size, tc.seq_len + 1),
                                                dtype=np.int32)
-    if cfg.dry_run:
+    if cfg.dry_run:  # on random tokens, as --bench: no data read, no checkpoint written
         return train.dry_run(step_fn, st.abstract(), train.put(tokens, mesh, BATCH_AXES, True),
                              mesh, count_params(m), attention=kernel)
     with jax.set_mesh(mesh):

@@ -6,24 +6,19 @@
     python train_grpo.py tiny --init-from-hf ~/hf/Qwen3-0.6B  # from a HuggingFace folder
     python train_grpo.py tiny --bench 10            # time the policy update; --dry-run: memory
 
-The loop (Shao et al. 2024, "DeepSeekMath", section 4.1): draw a batch of prompts, sample G
-completions of each on the device (prefill, then decode with a preallocated KV cache), score
-each completion with plain-Python reward functions, normalise the rewards within each group of
-G into advantages, and take `mu` clipped policy-gradient steps on that batch against the
-log-probabilities recorded while sampling. The policy is train_dense.py's model, copied here
-(sections 2-3) and held identical to it by tests/test_copies.py and tests/test_grpo.py.
-
-Sections: 1 config and presets, 2 parameters, 3 model (both as in train_dense.py, plus padding
-masks and a KV cache), 4 rollouts, 5 task and rewards, 6 advantages, loss and train step, 7 main
-and the training loop, 8 HuggingFace in. The plumbing no model changes is common/train.py's.
-Shapes: B batch (rollouts), T sequence, S key sequence (the KV cache), P prompt, N new
-(completion) tokens, D model, H head, K key/value heads, V vocabulary.
+The loop (Shao et al. 2024, "DeepSeekMath", section 4.1): draw prompts, sample G completions of
+each on the device (prefill, then decode with a preallocated KV cache), score them with
+plain-Python reward functions, normalise the rewards within each group into advantages, and
+take `mu` clipped policy-gradient steps against the log-probs recorded while sampling. The policy
+is train_dense.py's model, Gemma's knobs included, held to it by tests/test_copies.py and
+tests/test_grpo.py. Shapes: B batch (rollouts), T sequence, S key sequence (the KV cache), P
+prompt, N new (completion) tokens, D model, H head, K key/value heads, V vocabulary.
 """
 from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Literal
 
@@ -41,16 +36,13 @@ from common.data import (CharTokenizer, ChatTemplate, PretrainedTokenizer, decod
 from common.mesh import BATCH_AXES, MeshConfig, describe, make_mesh, resolve
 from common.task import (Row, Task, columns, exact, format_reward, left_pad, load_task,
                          problems, prompt_width, score)
-from common.train import ConfigError, fetch, log, named
+from common.train import ConfigError, fetch, log, named, need
 
 # ----------------------------------------------------------------------------------------------
 # 1. Config
 # ----------------------------------------------------------------------------------------------
-
-
 @dataclass(frozen=True)
 class ModelConfig:
-    """train_dense.py's ModelConfig, field for field: a dense checkpoint's config loads as-is."""
     vocab_size: int = 4096
     d_model: int = 256
     n_layers: int = 4
@@ -68,16 +60,26 @@ class ModelConfig:
     tie_embeddings: bool = False
     qkv_bias: bool = False        # Qwen2
     qk_norm: bool = False         # Qwen3: RMSNorm on each head of q and k before RoPE
+    # Gemma 2 / 3. Off = falsy = the Llama block bit for bit
+    sliding_window: int = 0       # local layers see the last W tokens, themselves included
+    global_every: int = 0         # with a window: layers n-1, 2n-1, ... are global; 0 = none
+    rope_local_theta: float = 0.0  # the local layers' RoPE base (Gemma 3: 10k); 0 = rope_theta
+    rope_linear: float = 0.0      # global layers' positions divided by this (Gemma 3 4B+: 8)
+    attn_softcap: float = 0.0     # Gemma 2: logits -> c tanh(logits / c) (attention, final)
+    final_softcap: float = 0.0
+    query_scale: float = 0.0      # logits scaled by query_scale^-1/2 (query_pre_attn_scalar); 0 = H
+    norm_plus_one: bool = False   # RMSNorm gains stored as w, applied as (1 + w)
+    sandwich_norm: bool = False   # norms after attention and MLP too, before the residual adds
+    embed_scale: bool = False     # embeddings times sqrt(d_model), rounded to the compute dtype
+    gelu: bool = False            # GeGLU with tanh-approximated GELU instead of SwiGLU
     # How to compute, not what: these may change when a run is resumed.
     dtype: Literal["float32", "bfloat16"] = how("float32")  # activations and matmuls (weights f32)
     # auto: splash on TPU, cuDNN on GPU where it applies, else blocked (common/attention.py)
     attention: Literal["auto", "splash", "cudnn", "blocked", "xla", "einsum"] = how("auto")
     remat: Literal["full", "dots", "none"] = how("full")  # what the backward pass may keep
     scan_layers: bool = how(True)
-    loss_chunk: int = how(256)    # unused here: train_dense's cross-entropy knobs, kept so
-    loss_impl: Literal["fused", "remat"] = how("fused")  # that a dense config.json loads unchanged
-
-
+    loss_chunk: int = how(256)    # sequence positions per cross-entropy chunk (bounds [B,T,V])
+    loss_impl: Literal["fused", "remat"] = how("fused")  # gradient made with the loss, or rebuilt
 
 
 @dataclass(frozen=True)
@@ -181,7 +183,6 @@ PRESETS: dict[str, tuple[str, Config]] = {
 }
 
 
-
 # Clip ranges from the papers, used when --grpo.eps-low/--grpo.eps-high are -1.
 # PPO/GRPO: 0.2 both ways. DAPO's clip-higher: 0.2 / 0.28 (Yu et al. 2025, section 3.1).
 # GSPO: 3e-4 / 4e-4, since a sequence-level ratio is a geometric mean of token ratios and
@@ -200,85 +201,83 @@ def validate(cfg: Config, n_devices: int, tok) -> Task:
     m, g, w, t = cfg.model, cfg.grpo, cfg.warm, cfg.task
     train.check_ranges(cfg)
     mesh = resolve(cfg.mesh, n_devices, max(1, math.prod(cfg.mesh.dcn())))
-    if mesh.expert * mesh.dcn_expert != 1:
-        raise ConfigError(f"--mesh.expert {mesh.expert}: the dense model has no experts; "
-                          "keep it 1.")
-    train.check_sizes(mesh, {"tensor": [
-        ("--model.n-heads", m.n_heads), ("--model.n-kv-heads", m.n_kv_heads),
-        ("--model.d-ff", m.d_ff), ("--model.vocab-size", m.vocab_size)],
-        "fsdp": [("--model.d-model", m.d_model)]})
-    if m.n_heads % m.n_kv_heads:
-        raise ConfigError(f"--model.n-heads {m.n_heads} is not a multiple of --model.n-kv-heads "
-                          f"{m.n_kv_heads} (each key/value head serves a whole group).")
-    if m.head_dim % 2:
-        raise ConfigError(f"--model.head-dim {m.head_dim} must be even (RoPE rotates pairs).")
+    check_model(m, mesh, "--grpo.qk-clip-threshold", g.qk_clip_threshold)
     train.check_vocab(tok.vocab_size, m.vocab_size)
-    if g.group_size < 2:
-        raise ConfigError(f"--grpo.group-size {g.group_size}: advantages compare the completions "
-                          "of one prompt with each other, so a group needs at least 2.")
+    need(g.group_size >= 2, f"--grpo.group-size {g.group_size}: advantages compare the "
+         "completions of one prompt with each other, so a group needs at least 2.")
     shards, rows = train.batch_shards(mesh), g.prompts_per_step * g.group_size
     train.check_batch(rows, g.microbatches, mesh, flag="--grpo", what=(
         f"--grpo.prompts-per-step {g.prompts_per_step} x --grpo.group-size {g.group_size}"))
     for flag, v in [("--task.eval-prompts", t.eval_prompts), ("--warm.batch-size", w.batch_size)]:
-        if v % shards:
-            raise ConfigError(f"{flag} {v} is not divisible by the {shards} batch shards "
-                              f"(data x fsdp); use a multiple of {shards}.")
-    if not t.path and not 1 <= t.min_digits <= t.max_digits:
-        raise ConfigError(f"--task.min-digits {t.min_digits} / --task.max-digits {t.max_digits}: "
-                          "need 1 <= min <= max.")
+        need(v % shards == 0, f"{flag} {v} is not divisible by the {shards} batch shards "
+             f"(data x fsdp); use a multiple of {shards}.")
+    need(t.path or 1 <= t.min_digits <= t.max_digits, f"--task.min-digits {t.min_digits} / "
+         f"--task.max-digits {t.max_digits}: need 1 <= min <= max.")
     task = make_task(cfg, tok)  # a bad prompts or rewards file stops here
-    if w.max_steps > 0 and not task.answer_tokens:
-        raise ConfigError(f"--warm.max-steps {w.max_steps}: the warm start fine-tunes on each "
-                          f"prompt's 'answer', and --task.path {t.path} has none; pass "
-                          "--warm.max-steps 0 (a pretrained policy needs no warm start).")
-    need = task.answer_tokens  # the longest answer + EOS: the warm start's target
-    if (w.max_steps > 0 or not t.path) and g.max_new_tokens < need:
-        raise ConfigError(f"--grpo.max-new-tokens {g.max_new_tokens} cannot hold the longest "
-                          f"answer and its end-of-sequence token ({need} tokens); raise it.")
-    if task.width + g.max_new_tokens > m.max_seq_len:
-        raise ConfigError(f"prompt ({task.width}) + --grpo.max-new-tokens "
-                          f"({g.max_new_tokens}) exceed --model.max-seq-len {m.max_seq_len}.")
+    need(w.max_steps <= 0 or task.answer_tokens, f"--warm.max-steps {w.max_steps}: the warm "
+         f"start fine-tunes on each prompt's 'answer', and --task.path {t.path} has none; pass "
+         "--warm.max-steps 0 (a pretrained policy needs no warm start).")
+    n = task.answer_tokens  # the longest answer + EOS: the warm start's target
+    need((w.max_steps <= 0 and t.path) or g.max_new_tokens >= n, f"--grpo.max-new-tokens "
+         f"{g.max_new_tokens} cannot hold the longest answer and its end-of-sequence token "
+         f"({n} tokens); raise it.")
+    need(task.width + g.max_new_tokens <= m.max_seq_len, f"prompt ({task.width}) + "
+         f"--grpo.max-new-tokens ({g.max_new_tokens}) exceed --model.max-seq-len {m.max_seq_len}.")
     train.check_profile(g.profile_steps, g.steps, "--grpo")
-    train.check_qk_clip("--grpo.qk-clip-threshold", g.qk_clip_threshold, m.qk_norm)
     return task
+
+
+def check_model(m: ModelConfig, mesh, clip_flag: str, tau: float) -> None:
+    """The model's shape against the mesh, its knobs together, QK-clip (`tau`) on it."""
+    need(mesh.expert * mesh.dcn_expert == 1, f"--mesh.expert {mesh.expert}: the dense model has "
+         "no experts; keep it 1 (use train_moe.py for expert parallelism).")
+    train.check_sizes(mesh, {"tensor": [
+        ("--model.n-heads", m.n_heads), ("--model.n-kv-heads", m.n_kv_heads),
+        ("--model.d-ff", m.d_ff), ("--model.vocab-size", m.vocab_size)],
+        "fsdp": [("--model.d-model", m.d_model)]})
+    need(m.n_heads % m.n_kv_heads == 0, f"--model.n-heads {m.n_heads} is not a multiple of "
+         f"--model.n-kv-heads {m.n_kv_heads} (each key/value head serves a whole group).")
+    need(m.head_dim % 2 == 0, f"--model.head-dim {m.head_dim} must be even (RoPE rotates pairs).")
+    need(m.sliding_window or not m.global_every, f"--model.global-every {m.global_every} "
+         "without --model.sliding-window: the layers between the global ones are the windowed "
+         "ones. Give the window, or --model.global-every 0.")
+    train.check_qk_clip(clip_flag, tau, m.qk_norm)
+    need(not (tau and (m.attn_softcap or m.query_scale)), f"{clip_flag} {tau} with Gemma's "
+         "attention (--model.attn-softcap, --model.query-scale): the soft-cap already bounds "
+         f"the logits. Set {clip_flag} 0.")
 
 
 # ----------------------------------------------------------------------------------------------
 # 2. Parameters and their shardings (train_dense.py's; tests/test_copies.py keeps them equal)
 # ----------------------------------------------------------------------------------------------
-
-
 def _param_table(cfg: ModelConfig) -> dict:
     """The one definition of the parameter tree: name -> (shape, PartitionSpec, init std).
-    Per-layer weights are stacked on a leading L axis so the layers run under lax.scan.
-    Init std: 0.02, scaled by 1/sqrt(2L) on the two projections that write into the residual
-    stream (GPT-2), so its variance does not grow with depth. std None = ones (norms), 0.0 =
-    zeros (biases)."""
+    Per-layer weights are stacked on a leading L axis so the layers run under lax.scan. Init std
+    0.02, times 1/sqrt(2L) on the two projections that write into the residual stream (GPT-2)
+    so that its variance does not grow with depth; None = ones (norms), 0.0 = zeros (biases)."""
     L, D, N, K, H, F, V = (cfg.n_layers, cfg.d_model, cfg.n_heads, cfg.n_kv_heads,
                            cfg.head_dim, cfg.d_ff, cfg.vocab_size)
     std, out_std = 0.02, 0.02 / math.sqrt(2 * L)
-    layers = {
-        "attn_norm": ((L, D), P(None, None), None),
-        "wq": ((L, D, N, H), P(None, "fsdp", "tensor", None), std),
-        "wk": ((L, D, K, H), P(None, "fsdp", "tensor", None), std),
-        "wv": ((L, D, K, H), P(None, "fsdp", "tensor", None), std),
-        "wo": ((L, N, H, D), P(None, "tensor", None, "fsdp"), out_std),
-        "mlp_norm": ((L, D), P(None, None), None),
-        "w_gate": ((L, D, F), P(None, "fsdp", "tensor"), std),
-        "w_up": ((L, D, F), P(None, "fsdp", "tensor"), std),
-        "w_down": ((L, F, D), P(None, "tensor", "fsdp"), out_std),
+    one = 0.0 if cfg.norm_plus_one else None   # a (1 + w) gain starts at w = 0
+    bias, qk, sw = cfg.qkv_bias, cfg.qk_norm, cfg.sandwich_norm
+    rows = {  # name: (shape and spec after the L axis, init std, whether this model has it)
+        "attn_norm": ((D,), (None,), one, True), "mlp_norm": ((D,), (None,), one, True),
+        "wq": ((D, N, H), ("fsdp", "tensor", None), std, True),
+        "wk": ((D, K, H), ("fsdp", "tensor", None), std, True),
+        "wv": ((D, K, H), ("fsdp", "tensor", None), std, True),
+        "wo": ((N, H, D), ("tensor", None, "fsdp"), out_std, True),
+        "w_gate": ((D, F), ("fsdp", "tensor"), std, True),
+        "w_up": ((D, F), ("fsdp", "tensor"), std, True),
+        "w_down": ((F, D), ("tensor", "fsdp"), out_std, True),
+        "bq": ((N, H), ("tensor", None), 0.0, bias), "bk": ((K, H), ("tensor", None), 0.0, bias),
+        "bv": ((K, H), ("tensor", None), 0.0, bias),
+        "q_norm": ((H,), (None,), one, qk), "k_norm": ((H,), (None,), one, qk),
+        "attn_post_norm": ((D,), (None,), one, sw), "mlp_post_norm": ((D,), (None,), one, sw),
     }
-    if cfg.qkv_bias:
-        layers |= {"bq": ((L, N, H), P(None, "tensor", None), 0.0),
-                   "bk": ((L, K, H), P(None, "tensor", None), 0.0),
-                   "bv": ((L, K, H), P(None, "tensor", None), 0.0)}
-    if cfg.qk_norm:
-        layers |= {"q_norm": ((L, H), P(None, None), None), "k_norm": ((L, H), P(None, None), None)}
-    table = {"embed": ((V, D), P("tensor", "fsdp"), std), "layers": layers,
-             "final_norm": ((D,), P(None), None)}
-    if not cfg.tie_embeddings:
-        table["unembed"] = ((D, V), P("fsdp", "tensor"), std)
-    return table
+    layers = {k: ((L, *s), P(None, *p), i) for k, (s, p, i, on) in rows.items() if on}
+    unembed = {} if cfg.tie_embeddings else {"unembed": ((D, V), P("fsdp", "tensor"), std)}
+    return {"embed": ((V, D), P("tensor", "fsdp"), std), "layers": layers,
+            "final_norm": ((D,), P(None), one)} | unembed
 
 
 def param_specs(cfg: ModelConfig) -> dict:
@@ -307,8 +306,6 @@ def train_state(cfg: Config, mesh, tx, ref: bool = False) -> train.TrainState:
 # ----------------------------------------------------------------------------------------------
 # 3. Model (train_dense.py's, plus a padding mask, shifted positions and a KV cache)
 # ----------------------------------------------------------------------------------------------
-
-
 def constrain(x, spec: P):
     """Pin an activation's sharding when a mesh is set (jax.set_mesh); a no-op without one."""
     if jax.sharding.get_abstract_mesh().empty:
@@ -353,21 +350,26 @@ def apply_rope(x_BTNH, pos_BT, inv_freq):
     return out.astype(x_BTNH.dtype)
 
 
-def block(x_BTD, lp: dict, pos_BT, inv_freq, cfg: ModelConfig, mask_BTS=None, kv=None,
-          index=None, max_logits: bool = False):
-    """One transformer block. With `kv` (this layer's cache, k and v [B, S, K, H]) the new
-    keys and values are written at column `index` and the queries attend over the whole
-    cache; returns (x, (kv, stats: with max_logits the heads' largest logit))."""
+def block(x_BTD, lp: dict, cfg: ModelConfig, *, pos_BT, inv_freq, mask_BTS=None, kv=None,
+          index=0, max_logits: bool = False, is_global=True):
+    """train_dense.py's block (tests/test_grpo.py holds the two equal) with a padding mask and
+    a KV cache: with `kv` (this layer's k and v [B, S, K, H]) the new keys and values are
+    written at column `index` and the queries attend over the whole cache; returns
+    (x, (kv, stats: with max_logits the heads' largest logit))."""
     dt = x_BTD.dtype
     w = lambda name: lp[name].astype(dt)   # f32 master weights, compute-dtype matmuls
-    h = rms_norm(x_BTD, lp["attn_norm"], cfg.norm_eps)
+    norm = lambda x, name: rms_norm(x, 1.0 + lp[name] if cfg.norm_plus_one else lp[name],
+                                    cfg.norm_eps)
+    h = norm(x_BTD, "attn_norm")
     q = jnp.einsum("btd,dnh->btnh", h, w("wq"))
     k = jnp.einsum("btd,dkh->btkh", h, w("wk"))
     v = jnp.einsum("btd,dkh->btkh", h, w("wv"))
     if cfg.qkv_bias:
         q, k, v = q + w("bq"), k + w("bk"), v + w("bv")
     if cfg.qk_norm:
-        q, k = rms_norm(q, lp["q_norm"], cfg.norm_eps), rms_norm(k, lp["k_norm"], cfg.norm_eps)
+        q, k = norm(q, "q_norm"), norm(k, "k_norm")
+    if cfg.sliding_window:
+        inv_freq = jnp.where(is_global, inv_freq[1], inv_freq[0])
     q, k = apply_rope(q, pos_BT, inv_freq), apply_rope(k, pos_BT, inv_freq)
     if kv is not None:
         # Keys are cached after RoPE, so a cached key never needs its position again.
@@ -376,12 +378,23 @@ def block(x_BTD, lp: dict, pos_BT, inv_freq, cfg: ModelConfig, mask_BTS=None, kv
         kv = (k, v)
     stats = {"max_logit": train.max_logits(q, k, mask_BTS)} if max_logits else {}
     # The mask: left padding and a cache's empty tail, which XLA's masked softmax takes.
-    o = attend(q, k, v, impl=cfg.attention, scale=cfg.head_dim**-0.5, mask_BTS=mask_BTS)
-    x_BTD = x_BTD + jnp.einsum("btnh,nhd->btd", o, w("wo"))
-    h = rms_norm(x_BTD, lp["mlp_norm"], cfg.norm_eps)
+    full = partial(attend, q, k, v, impl=cfg.attention, mask_BTS=mask_BTS,
+                   scale=(cfg.query_scale or cfg.head_dim) ** -0.5, cap=cfg.attn_softcap)
+    W = cfg.sliding_window if cfg.sliding_window < k.shape[1] else 0  # else: all within reach
+    if W and mask_BTS is not None:  # the window as a mask, the queries at columns index..
+        near_TS = (index + jnp.arange(q.shape[1]))[:, None] - jnp.arange(k.shape[1]) < W
+        local = partial(full, mask_BTS=mask_BTS & near_TS)
+    else:
+        local = partial(full, window=W)
+    o = jax.lax.cond(is_global, full, local) if W else full()
+    o = jnp.einsum("btnh,nhd->btd", o, w("wo"))
+    x_BTD = x_BTD + (norm(o, "attn_post_norm") if cfg.sandwich_norm else o)
+    h = norm(x_BTD, "mlp_norm")
     g = jnp.einsum("btd,df->btf", h, w("w_gate"))
     u = jnp.einsum("btd,df->btf", h, w("w_up"))
-    x_BTD = x_BTD + jnp.einsum("btf,fd->btd", jax.nn.silu(g) * u, w("w_down"))
+    act = jax.nn.gelu(g, approximate=True) if cfg.gelu else jax.nn.silu(g)
+    y = jnp.einsum("btf,fd->btd", act * u, w("w_down"))
+    x_BTD = x_BTD + (norm(y, "mlp_post_norm") if cfg.sandwich_norm else y)
     return constrain(x_BTD, ACT_BTD), (kv, stats)
 
 
@@ -389,34 +402,44 @@ REMAT_POLICIES = {"full": jax.checkpoint_policies.nothing_saveable,
                   "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
 
 
-def hidden(params: dict, tokens_BT, cfg: ModelConfig, pos_BT=None, mask_BTS=None, cache=None,
-           index=0, max_logits: bool = False):
+def hidden(params: dict, tokens_BT, cfg: ModelConfig, *, positions=None, mask_BTS=None,
+           cache=None, index=0, max_logits: bool = False):
     """Token ids -> (final-normed hidden states [B, T, D] in the compute dtype, KV cache, stats):
     train_dense.py's `hidden` with the defaults. Left-padded rows pass positions counted from
     their first real token and a mask that hides the padding. With `cache` (keys and values
     [L, B, S, K, H]) the tokens sit at columns index..index+T-1 and are written in."""
     # Gather the table's fsdp shards first (as FSDP does for every weight), in the compute
     # dtype: a lookup into a table split on d makes XLA replicate the whole result.
-    embed = constrain(params["embed"].astype(jnp.dtype(cfg.dtype)), P("tensor", None))
+    dt = jnp.dtype(cfg.dtype)
+    embed = constrain(params["embed"].astype(dt), P("tensor", None))
     x = constrain(jnp.take(embed, tokens_BT, axis=0), ACT_BTD)
-    if pos_BT is None:
-        pos_BT = jnp.broadcast_to(jnp.arange(tokens_BT.shape[1]), tokens_BT.shape)
-    inv_freq = rope_inv_freq(cfg)
+    x = x * jnp.asarray(math.sqrt(cfg.d_model), dt) if cfg.embed_scale else x
+    pos_BT = (jnp.broadcast_to(jnp.arange(tokens_BT.shape[1]), tokens_BT.shape)
+              if positions is None else positions)
+    inv_freq = rope_inv_freq(cfg) / (cfg.rope_linear or 1.0)
+    L, W, n = cfg.n_layers, cfg.sliding_window, cfg.global_every
+    is_global_L = (np.arange(L) + 1) % n == 0 if W and n else np.full(L, not W)
+    if W:  # [local, global] frequencies: Gemma 3's local layers have their own base, unscaled
+        local = replace(cfg, rope_theta=cfg.rope_local_theta or cfg.rope_theta, rope_scaling=0.0)
+        inv_freq = np.stack([rope_inv_freq(local), inv_freq])
 
     def layer(x, xs):
-        return block(x, xs[0], pos_BT, inv_freq, cfg, mask_BTS, xs[1], index, max_logits)
+        return block(x, xs[0], cfg, pos_BT=pos_BT, inv_freq=inv_freq, mask_BTS=mask_BTS,
+                     kv=xs[1], index=index, max_logits=max_logits, is_global=xs[2])
 
     if cfg.remat != "none" and cache is None:  # decoding keeps no activations for a backward
         # Inside a rolled scan the recomputation cannot be merged away; unrolled, XLA would
         # merge it into the forward pass (and keep every activation) unless prevented.
         layer = jax.checkpoint(layer, policy=REMAT_POLICIES[cfg.remat],
                                prevent_cse=not cfg.scan_layers)
-    xs = (params["layers"], None if cache is None else (cache["k"], cache["v"]))
+    xs = (params["layers"], None if cache is None else (cache["k"], cache["v"]),
+          jnp.asarray(is_global_L))
     # Unrolled (--model.no-scan-layers), each layer is compiled on its own.
     x, (kv, stats) = jax.lax.scan(layer, x, xs, unroll=not cfg.scan_layers)
     if cache is not None:
         cache = {"k": constrain(kv[0], CACHE_LBSKH), "v": constrain(kv[1], CACHE_LBSKH)}
-    return rms_norm(x, params["final_norm"], cfg.norm_eps), cache, stats
+    gain = 1.0 + params["final_norm"] if cfg.norm_plus_one else params["final_norm"]
+    return rms_norm(x, gain, cfg.norm_eps), cache, stats
 
 
 def unembedding(params: dict, cfg: ModelConfig):
@@ -424,13 +447,18 @@ def unembedding(params: dict, cfg: ModelConfig):
 
 
 def logits_of(params: dict, h_BTD, cfg: ModelConfig):
-    return jnp.einsum("btd,dv->btv", h_BTD, unembedding(params, cfg).astype(h_BTD.dtype),
-                      preferred_element_type=jnp.float32)
+    return _softcap(jnp.einsum("btd,dv->btv", h_BTD, unembedding(params, cfg).astype(
+        h_BTD.dtype), preferred_element_type=jnp.float32), cfg.final_softcap)
 
 
-def forward(params: dict, tokens_BT, cfg: ModelConfig, pos_BT=None, mask_BTS=None):
-    """Logits [B, T, V] in float32 (train_dense.py's `forward` when pos and mask are None)."""
-    return logits_of(params, hidden(params, tokens_BT, cfg, pos_BT, mask_BTS)[0], cfg)
+def _softcap(logits, cap: float):
+    return cap * jnp.tanh(logits / cap) if cap else logits   # Gemma 2's final soft-cap
+
+
+def forward(params: dict, tokens_BT, cfg: ModelConfig, *, positions=None, mask_BTS=None):
+    """Logits [B, T, V] in float32 (train_dense.py's `forward` without positions and mask)."""
+    h = hidden(params, tokens_BT, cfg, positions=positions, mask_BTS=mask_BTS)[0]
+    return logits_of(params, h, cfg)
 
 
 def padded_positions(valid_BS):
@@ -451,17 +479,18 @@ def init_cache(cfg: ModelConfig, B: int, S: int) -> dict:
     return {"k": zeros(), "v": zeros()}
 
 
-def forward_cached(params: dict, tokens_BT, cache: dict, index, pos_BT, mask_BTS, cfg: ModelConfig):
+def forward_cached(params: dict, tokens_BT, cfg: ModelConfig, *, cache: dict, index, positions,
+                   mask_BTS):
     """Logits of T new tokens at columns index..index+T-1 of a preallocated KV cache, and the
     cache with their keys and values written in (prefill: the prompt at 0; decoding: T = 1)."""
-    h_BTD, cache, _ = hidden(params, tokens_BT, cfg, pos_BT, mask_BTS, cache, index)
+    h_BTD, cache, _ = hidden(params, tokens_BT, cfg, positions=positions, mask_BTS=mask_BTS,
+                             cache=cache, index=index)
     return logits_of(params, h_BTD, cfg), cache
 
 
 # ----------------------------------------------------------------------------------------------
 # 4. Rollouts: prefill, then decode with the KV cache until EOS or the token budget
 # ----------------------------------------------------------------------------------------------
-
 def policy_logits(logits_BV, temperature, n_valid: int):
     """The sampling policy's logits: ids past the tokenizer's vocabulary (the model's may be
     padded) are impossible, and the temperature divides. The loss scores tokens under this
@@ -481,8 +510,9 @@ def rollout(params, prompt_BP, valid_BP, key, temperature, *, cfg: ModelConfig, 
     S = Pw + max_new
     valid_BS = jnp.concatenate([valid_BP, jnp.ones((B, max_new), bool)], axis=1)
     pos_BS = padded_positions(valid_BS)
-    logits_BPV, cache = forward_cached(params, prompt_BP, init_cache(cfg, B, S), 0,
-                                       pos_BS[:, :Pw], padded_mask(valid_BS, 0, Pw), cfg)
+    logits_BPV, cache = forward_cached(params, prompt_BP, cfg, cache=init_cache(cfg, B, S),
+                                       index=0, positions=pos_BS[:, :Pw],
+                                       mask_BTS=padded_mask(valid_BS, 0, Pw))
     safe_t = jnp.where(temperature > 0, temperature, 1.0)
 
     def cond(c):
@@ -497,9 +527,9 @@ def rollout(params, prompt_BP, valid_BP, key, temperature, *, cfg: ModelConfig, 
         live_B = ~c["done_B"]
         tok_B = jnp.where(live_B, tok_B, pad_id)
         col = Pw + i
-        pos_B1 = jax.lax.dynamic_slice_in_dim(pos_BS, col, 1, axis=1)
-        logits_B1V, cache = forward_cached(params, tok_B[:, None], c["cache"], col, pos_B1,
-                                           padded_mask(valid_BS, col, 1), cfg)
+        logits_B1V, cache = forward_cached(
+            params, tok_B[:, None], cfg, cache=c["cache"], index=col, mask_BTS=padded_mask(
+                valid_BS, col, 1), positions=jax.lax.dynamic_slice_in_dim(pos_BS, col, 1, axis=1))
         return {"i": i + 1, "key": key, "cache": cache, "logits_BV": logits_B1V[:, 0],
                 "done_B": c["done_B"] | (tok_B == eos_id),
                 "tokens_BN": c["tokens_BN"].at[:, i].set(tok_B),
@@ -523,8 +553,9 @@ def completion_logps(params, prompt_BP, valid_BP, completion_BN, cfg: ModelConfi
     Pw = prompt_BP.shape[1]
     tokens_BT = jnp.concatenate([prompt_BP, completion_BN], axis=1)[:, :-1]
     valid_BT = jnp.concatenate([valid_BP, jnp.ones_like(completion_BN, bool)], axis=1)[:, :-1]
-    h_BTD, _, stats = hidden(params, tokens_BT, cfg, padded_positions(valid_BT),
-                             padded_mask(valid_BT, 0, tokens_BT.shape[1]), max_logits=max_logits)
+    h_BTD, _, stats = hidden(params, tokens_BT, cfg, positions=padded_positions(valid_BT),
+                             mask_BTS=padded_mask(valid_BT, 0, tokens_BT.shape[1]),
+                             max_logits=max_logits)
     z_BNV = policy_logits(logits_of(params, h_BTD[:, Pw - 1:], cfg), temperature, n_valid)
     logp_BNV = jax.nn.log_softmax(z_BNV, axis=-1)
     logp_BN = jnp.take_along_axis(logp_BNV, completion_BN[..., None], axis=-1)[..., 0]
@@ -535,8 +566,6 @@ def completion_logps(params, prompt_BP, valid_BP, completion_BN, cfg: ModelConfi
 # ----------------------------------------------------------------------------------------------
 # 5. Task and rewards (the demo's problems and character tokenizer are in common/)
 # ----------------------------------------------------------------------------------------------
-
-
 def make_task(cfg: Config, tok) -> Task:
     """--task.path's prompts and --task.rewards (common/task.py), or the addition demo."""
     t, g = cfg.task, cfg.grpo
@@ -564,8 +593,6 @@ def make_task(cfg: Config, tok) -> Task:
 # ----------------------------------------------------------------------------------------------
 # 6. Advantages, loss and train step
 # ----------------------------------------------------------------------------------------------
-
-
 def group_advantages(rewards_B: np.ndarray, group_size: int, scale: bool) -> np.ndarray:
     """A_i = (r_i - mean(r_group)) / (std(r_group) + 1e-4) (Shao et al. 2024, eq. 4 with
     outcome supervision), or r_i - mean(r_group) without the std (Liu et al. 2025,
@@ -699,20 +726,24 @@ def flops_per_step(cfg: Config, width: int) -> tuple[int, float]:
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
-    """Training FLOPs per token, 3x the forward: train_dense.py's count (PaLM appendix B)."""
+    """Training FLOPs per token, 3x the forward (PaLM, appendix B): 2 per matmul weight (not the
+    embedding lookup) and 2 * 2 * T * N * H per layer for q.k and p.v over the whole sequence
+    (the causal half is not subtracted: XLA computes it), min(T, W) keys on windowed layers.
+    Remat's recomputation is not counted: MFU measures useful work."""
     D, N, K, H, F, L = (cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ff,
                         cfg.n_layers)
     per_layer = D * N * H + 2 * D * K * H + N * H * D + 3 * D * F
     matmul_weights = L * per_layer + D * cfg.vocab_size
-    attn = L * 2 * 2 * seq_len * N * H
+    W, n = cfg.sliding_window, cfg.global_every
+    n_global = (L // n if n else 0) if W else L
+    keys = n_global * seq_len + (L - n_global) * min(seq_len, W or seq_len)
+    attn = 2 * 2 * keys * N * H
     return 3.0 * (2 * matmul_weights + attn)
 
 
 # ----------------------------------------------------------------------------------------------
 # 7. Main and the training loop
 # ----------------------------------------------------------------------------------------------
-
-
 def main(cfg: Config) -> dict:
     train.start(cfg.quiet)
     hf_config, model = train.model_source(cfg)  # --init-from-hf's config, --init-from's model
@@ -945,51 +976,76 @@ def initial_params(cfg: Config, mesh, tok) -> dict:
 # ----------------------------------------------------------------------------------------------
 # 8. HuggingFace in and out (--init-from-hf, export-hf): train_dense.py's section 6
 # ----------------------------------------------------------------------------------------------
-
-# The parameter tree is train_dense.py's, so its name mapping and config translation are too
-# (tests/test_copies.py holds them equal); the file handling is common/hf.py's.
+# HuggingFace rotates the two halves of each head, as `apply_rope` does: its q_proj, k_proj load
+# as they are (Meta's code rotates interleaved pairs; HF permuted those rows once, at conversion).
 HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                    "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+                    "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                    "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
+GEMMA = ("gemma2", "gemma3_text")
 # What transformers assumes for a key that config.json leaves out (its config classes).
-_HF_DEFAULTS = {
-    "llama": dict(rms_norm_eps=1e-6, max_position_embeddings=2048),
-    "mistral": dict(rms_norm_eps=1e-6, max_position_embeddings=131072, num_key_value_heads=8,
-                    sliding_window=4096),
-    "qwen2": dict(rms_norm_eps=1e-6, max_position_embeddings=32768, num_key_value_heads=32),
-    "qwen3": dict(rms_norm_eps=1e-6, max_position_embeddings=32768, num_key_value_heads=32,
-                  head_dim=128),
-}
+_GEMMA_HF = dict(num_key_value_heads=4, head_dim=256, query_pre_attn_scalar=256,
+                 sliding_window=4096, tie_word_embeddings=True)
+_HF_DEFAULTS = {mt: dict(rms_norm_eps=1e-6) | d for mt, d in {
+    "llama": dict(max_position_embeddings=2048),
+    "mistral": dict(max_position_embeddings=131072, num_key_value_heads=8, sliding_window=4096),
+    "qwen2": dict(max_position_embeddings=32768, num_key_value_heads=32),
+    "qwen3": dict(max_position_embeddings=32768, num_key_value_heads=32, head_dim=128),
+    "gemma2": _GEMMA_HF | dict(max_position_embeddings=8192, attn_logit_softcapping=50.0,
+                               final_logit_softcapping=30.0),
+    "gemma3_text": _GEMMA_HF | dict(max_position_embeddings=131072, sliding_window_pattern=6,
+                                    rope_theta=1_000_000.0, rope_local_base_freq=10_000.0),
+}.items()}
+# config.json keys that are our fields as they stand (Gemma's: only in Gemma's files).
+HF_KEYS = {"vocab_size": "vocab_size", "hidden_size": "d_model", "head_dim": "head_dim",
+           "intermediate_size": "d_ff", "num_hidden_layers": "n_layers", "rms_norm_eps": "norm_eps",
+           "num_attention_heads": "n_heads", "num_key_value_heads": "n_kv_heads",
+           "max_position_embeddings": "max_seq_len", "tie_word_embeddings": "tie_embeddings"}
+GEMMA_KEYS = {"sliding_window": "sliding_window", "attn_logit_softcapping": "attn_softcap",
+              "final_logit_softcapping": "final_softcap", "query_pre_attn_scalar": "query_scale"}
+LLAMA3_ROPE = {"factor": "rope_scaling", "low_freq_factor": "rope_low_freq_factor",
+               "high_freq_factor": "rope_high_freq_factor",
+               "original_max_position_embeddings": "rope_original_max_len"}
+# The knobs a family implies (config.json does not spell them); the others are off.
+_GEMMA_KNOBS = dict(norm_plus_one=True, sandwich_norm=True, embed_scale=True, gelu=True)
+HF_KNOBS = {"llama": {}, "mistral": {}, "qwen2": dict(qkv_bias=True), "qwen3": dict(qk_norm=True),
+            "gemma2": _GEMMA_KNOBS, "gemma3_text": _GEMMA_KNOBS | dict(qk_norm=True)}
+# What transformers itself writes into each family's config.json, beyond our fields.
+_GELU_TANH = dict(hidden_act="gelu_pytorch_tanh", hidden_activation="gelu_pytorch_tanh",
+                  attention_bias=False)
+HF_CONSTANTS = {"llama": dict(attention_bias=False, mlp_bias=False, pretraining_tp=1),
+                "mistral": dict(sliding_window=None),
+                "qwen2": dict(use_sliding_window=False, sliding_window=None),
+                "qwen3": dict(use_sliding_window=False, sliding_window=None, attention_bias=False),
+                "gemma2": _GELU_TANH, "gemma3_text": _GELU_TANH}
+# Our parameters as HuggingFace tensors (name, layout: common/hf.py). HF's nn.Linear keeps
+# [out, in], ours [in, out] with the heads split out: a transpose and a reshape, then stacked
+# on l. Atoms: l layers, d model, n query heads, k key/value heads, h head width, f MLP, v vocab.
+HF_TOP = {"embed": ("model.embed_tokens.weight", "v d -> v d"),
+          "unembed": ("lm_head.weight", "v d -> d v"),
+          "final_norm": ("model.norm.weight", "d -> d")}
+HF_LAYER = {"attn_norm": ("input_layernorm.weight", "d -> d"),
+            "mlp_norm": ("post_attention_layernorm.weight", "d -> d"),
+            # Gemma's sandwich: its post_attention_layernorm is the attention's output norm
+            "attn_post_norm": ("post_attention_layernorm.weight", "d -> d"),
+            "mlp_post_norm": ("post_feedforward_layernorm.weight", "d -> d")} | {
+    k: ("self_attn." + name, layout) for k, (name, layout) in dict(
+        wq=("q_proj.weight", "(n h) d -> d n h"), wk=("k_proj.weight", "(k h) d -> d k h"),
+        wv=("v_proj.weight", "(k h) d -> d k h"), wo=("o_proj.weight", "d (n h) -> n h d"),
+        bq=("q_proj.bias", "(n h) -> n h"), bk=("k_proj.bias", "(k h) -> k h"),
+        bv=("v_proj.bias", "(k h) -> k h"), q_norm=("q_norm.weight", "h -> h"),
+        k_norm=("k_norm.weight", "h -> h")).items()} | {
+    k: ("mlp." + name, layout) for k, (name, layout) in dict(
+        w_gate=("gate_proj.weight", "f d -> d f"), w_up=("up_proj.weight", "f d -> d f"),
+        w_down=("down_proj.weight", "d f -> f d")).items()}
 
 
 def hf_mapping(cfg: ModelConfig) -> dict:
-    """Our parameter tree, each leaf as (HuggingFace tensor name, layout): see common/hf.py.
-    HF's nn.Linear keeps [out, in]; ours are [in, out] with the heads split out, so every
-    projection is a transpose plus a reshape, and per-layer tensors stack on l. Atoms: l
-    layers, d model, n query heads, k key/value heads, h head width, f MLP, v vocabulary."""
-    lay = "model.layers.{l}."
-    layers = {
-        "attn_norm": (lay + "input_layernorm.weight", "d -> l d"),
-        "wq": (lay + "self_attn.q_proj.weight", "(n h) d -> l d n h"),
-        "wk": (lay + "self_attn.k_proj.weight", "(k h) d -> l d k h"),
-        "wv": (lay + "self_attn.v_proj.weight", "(k h) d -> l d k h"),
-        "wo": (lay + "self_attn.o_proj.weight", "d (n h) -> l n h d"),
-        "mlp_norm": (lay + "post_attention_layernorm.weight", "d -> l d"),
-        "w_gate": (lay + "mlp.gate_proj.weight", "f d -> l d f"),
-        "w_up": (lay + "mlp.up_proj.weight", "f d -> l d f"),
-        "w_down": (lay + "mlp.down_proj.weight", "d f -> l f d"),
-    }
-    if cfg.qkv_bias:
-        layers |= {"bq": (lay + "self_attn.q_proj.bias", "(n h) -> l n h"),
-                   "bk": (lay + "self_attn.k_proj.bias", "(k h) -> l k h"),
-                   "bv": (lay + "self_attn.v_proj.bias", "(k h) -> l k h")}
-    if cfg.qk_norm:
-        layers |= {"q_norm": (lay + "self_attn.q_norm.weight", "h -> l h"),
-                   "k_norm": (lay + "self_attn.k_norm.weight", "h -> l h")}
-    tree = {"embed": ("model.embed_tokens.weight", "v d -> v d"), "layers": layers,
-            "final_norm": ("model.norm.weight", "d -> d")}
-    if not cfg.tie_embeddings:
-        tree["unembed"] = ("lm_head.weight", "v d -> d v")
-    return tree
+    """`_param_table`'s tree, each leaf as its (HuggingFace tensor name, layout)."""
+    names = HF_LAYER | ({"mlp_norm": ("pre_feedforward_layernorm.weight", "d -> d")}
+                        if cfg.sandwich_norm else {})  # Gemma's
+    layer = lambda n: ("model.layers.{l}." + names[n][0], names[n][1].replace("-> ", "-> l "))
+    return {k: {n: layer(n) for n in v} if k == "layers" else HF_TOP[k]
+            for k, v in _param_table(cfg).items()}
 
 
 def _hf_sizes(cfg: ModelConfig) -> dict:
@@ -1006,45 +1062,106 @@ def config_from_hf(c: dict, where: str = "config.json") -> ModelConfig:
                          f"({', '.join(HF_ARCHITECTURES)}); mixture-of-experts models (mixtral, "
                          "qwen3_moe) belong to train_moe.py.")
     c = _HF_DEFAULTS[mt] | c
-
-    def unsupported(what: str):
-        return hf.HFError(f"{where}: {what} is not implemented here, so this {mt} model "
-                          "cannot be loaded faithfully.")
-
+    unsupported = lambda what: hf.HFError(f"{where}: {what} is not implemented here, so this "
+                                          f"{mt} model cannot be loaded faithfully.")
     if lacking := [k for k in ("vocab_size", "hidden_size", "intermediate_size",
                                "num_hidden_layers", "num_attention_heads") if k not in c]:
         raise hf.HFError(f"{where} has no {lacking[0]!r}; it is not a complete {mt} config.")
-    if c.get("hidden_act", "silu") != "silu":
-        raise unsupported(f"hidden_act {c['hidden_act']!r} (only silu)")
+    gemma = mt in GEMMA
+    act, want = ((c.get("hidden_activation") or c.get("hidden_act"), "gelu_pytorch_tanh")
+                 if gemma else (c.get("hidden_act"), "silu"))
+    if (act or "silu") != want:
+        raise unsupported(f"hidden activation {act!r} (only {want})")
     if c.get("attention_bias") or c.get("mlp_bias"):
         raise unsupported("attention_bias / mlp_bias (biases on every projection)")
     if c.get("partial_rotary_factor", 1.0) != 1.0:
         raise unsupported(f"partial_rotary_factor {c['partial_rotary_factor']}")
-    theta, kind, rope = hf.rope_parameters(c, 10_000.0, where)
-    scaling = {}
+    if c.get("use_bidirectional_attention"):
+        raise unsupported("use_bidirectional_attention (an encoder, not a causal decoder)")
+    # Each value in its field's type (HF writes 256 for a float); absent, null or 0: the default.
+    typed = lambda d, keys: {k: type(getattr(ModelConfig, k))(d[key]) for key, k in keys.items()
+                             if d.get(key)}
+    f = typed(c, HF_KEYS | (GEMMA_KEYS if gemma else {}))
+    f = dict(n_kv_heads=f["n_heads"], head_dim=f["d_model"] // f["n_heads"]) | f | HF_KNOBS[mt]
+    rope = c.get("rope_parameters") or {}
+    if mt == "gemma3_text":  # global and local RoPE: per layer type (transformers 5), or 4.x keys
+        local = {"rope_parameters": rope.get("sliding_attention", {})}
+        f["rope_local_theta"], kind, _ = hf.rope_parameters(local, c["rope_local_base_freq"], where)
+        if kind != "default":
+            raise unsupported(f"rope type {kind!r} on the sliding-window layers")
+        c = c | {"rope_parameters": rope["full_attention"]} if "full_attention" in rope else c
+    f["rope_theta"], kind, rope = hf.rope_parameters(c, 10_000.0, where)
     if kind == "llama3":
         if lacking := {"factor", "low_freq_factor", "high_freq_factor"} - set(rope):
             raise hf.HFError(f"{where}: rope type 'llama3' without {', '.join(sorted(lacking))}.")
-        scaling = dict(rope_scaling=float(rope["factor"]),
-                       rope_low_freq_factor=float(rope["low_freq_factor"]),
-                       rope_high_freq_factor=float(rope["high_freq_factor"]),
-                       rope_original_max_len=int(rope.get("original_max_position_embeddings",
-                                                          c["max_position_embeddings"])))
+        f |= typed({"original_max_position_embeddings": c["max_position_embeddings"]} | rope,
+                   LLAMA3_ROPE)
+    elif kind == "linear" and "factor" in rope and mt != "gemma2":  # Gemma 2's would go local too
+        f["rope_linear"] = float(rope["factor"])
     elif kind != "default":
-        raise unsupported(f"rope type {kind!r} (only the default and 'llama3')")
-    # A sliding window of W tokens changes nothing on sequences of at most W tokens, and we
-    # train no longer ones: the window becomes the model's maximum length.
+        raise unsupported(f"rope type {kind!r} (only the default, 'linear' and 'llama3')")
+    # A window changes nothing on sequences no longer than itself: it becomes the maximum length.
     window = c.get("sliding_window") if mt == "mistral" or c.get("use_sliding_window") else None
-    max_len = c["max_position_embeddings"]
-    max_len = max_len if window is None else min(max_len, window)
-    n_heads = c["num_attention_heads"]
-    return ModelConfig(
-        vocab_size=c["vocab_size"], d_model=c["hidden_size"], n_layers=c["num_hidden_layers"],
-        n_heads=n_heads, n_kv_heads=c.get("num_key_value_heads") or n_heads,
-        head_dim=c.get("head_dim") or c["hidden_size"] // n_heads, d_ff=c["intermediate_size"],
-        max_seq_len=max_len, rope_theta=theta, norm_eps=float(c["rms_norm_eps"]),
-        tie_embeddings=bool(c.get("tie_word_embeddings", False)), qkv_bias=mt == "qwen2",
-        qk_norm=mt == "qwen3", **scaling)
+    if window is not None and not gemma:
+        f["max_seq_len"] = min(f["max_seq_len"], window)
+    if gemma:  # every n-th layer global, the others windowed
+        types = lambda n: ["full_attention" if n and (i + 1) % n == 0 else "sliding_attention"
+                           for i in range(c["num_hidden_layers"])]
+        kinds = c.get("layer_types") or types(2 if mt == "gemma2" else c.get(
+            "_sliding_window_pattern", c["sliding_window_pattern"]))
+        n = kinds.index("full_attention") + 1 if "full_attention" in kinds else 0
+        if kinds != types(n):
+            raise unsupported(f"layer_types {kinds} (only every n-th layer global)")
+        f["global_every"] = n
+    return ModelConfig(**f)
+
+
+def config_to_hf(cfg: ModelConfig, model_type: str = "", dtype: str = "float32") -> dict:
+    """A config.json for `cfg` that transformers 4.4x and 5.x both read (each finds its own
+    spelling of the rope settings). model_type "" picks the family from the knobs."""
+    gemma = cfg.sandwich_norm
+    mt = model_type or ("gemma3_text" if gemma and cfg.qk_norm else "gemma2" if gemma else
+                        "qwen3" if cfg.qk_norm else "qwen2" if cfg.qkv_bias else "llama")
+    if mt not in HF_ARCHITECTURES:
+        raise hf.HFError(f"model_type {mt!r}: choose one of {', '.join(HF_ARCHITECTURES)}.")
+    bad = {k: getattr(cfg, k) for k in ("qkv_bias", "qk_norm", *_GEMMA_KNOBS)
+           if getattr(cfg, k) != HF_KNOBS[mt].get(k, False)}
+    may = dict.fromkeys(GEMMA_KEYS.values(), GEMMA) | dict(  # rope_linear: Gemma 2 has one RoPE
+        rope_local_theta=("gemma3_text",), rope_linear=set(HF_ARCHITECTURES) - {"gemma2"})
+    bad |= {k: getattr(cfg, k) for k, ok in may.items() if getattr(cfg, k) and mt not in ok
+            or k == "query_scale" and getattr(cfg, k) % 1}   # HF's query_pre_attn_scalar: an int
+    if bad:
+        raise hf.HFError(f"model_type {mt!r} does not fit this model ({bad}): q/k/v biases "
+                         "are qwen2's, q/k norms qwen3's and gemma3_text's, (1 + w) and "
+                         "sandwich norms, GeGLU, the embedding scale, windows and soft-caps "
+                         "Gemma's, a local or linear RoPE gemma3_text's.")
+    rope = {"rope_type": "default", "rope_theta": cfg.rope_theta} | (
+        {"rope_type": "linear", "factor": cfg.rope_linear} if cfg.rope_linear else {})
+    if cfg.rope_scaling > 0:
+        rope = {"rope_type": "llama3", "rope_theta": cfg.rope_theta} | {
+            key: getattr(cfg, k) for key, k in LLAMA3_ROPE.items()}
+    L = cfg.n_layers
+    c = dict(architectures=[HF_ARCHITECTURES[mt]], model_type=mt, hidden_act="silu",
+             **{key: getattr(cfg, k) for key, k in HF_KEYS.items()},
+             rope_parameters=rope, rope_theta=cfg.rope_theta,
+             rope_scaling={k: v for k, v in rope.items() if k != "rope_theta"}
+             if cfg.rope_scaling > 0 or cfg.rope_linear else None,
+             attention_dropout=0.0, initializer_range=0.02, use_cache=True, dtype=dtype,
+             torch_dtype=dtype) | HF_CONSTANTS[mt]
+    if mt in ("qwen2", "qwen3"):
+        c |= dict(max_window_layers=L, layer_types=["full_attention"] * L)
+    if mt in GEMMA:
+        n = cfg.global_every
+        c |= {key: getattr(cfg, k) or None for key, k in GEMMA_KEYS.items()} | dict(
+            query_pre_attn_scalar=int(cfg.query_scale or cfg.head_dim),
+            sliding_window_pattern=n or L + 1,
+            layer_types=["full_attention" if not cfg.sliding_window or n and (i + 1) % n == 0
+                         else "sliding_attention" for i in range(L)])
+    if mt == "gemma3_text":  # transformers 5 reads rope_parameters per layer type, 4.x the rest
+        local = cfg.rope_local_theta or cfg.rope_theta
+        c |= dict(rope_local_base_freq=local, rope_parameters={"full_attention": rope,
+                  "sliding_attention": {"rope_type": "default", "rope_theta": local}})
+    return c
 
 
 def load_hf(path: str, mesh=None) -> tuple[ModelConfig, dict]:
@@ -1053,37 +1170,6 @@ def load_hf(path: str, mesh=None) -> tuple[ModelConfig, dict]:
     ckpt = hf.Checkpoint(path)
     cfg = config_from_hf(ckpt.config, ckpt.config_file)
     return cfg, train.hf_params(ckpt, mesh, _param_table(cfg), hf_mapping(cfg), _hf_sizes(cfg))
-
-
-def config_to_hf(cfg: ModelConfig, model_type: str = "", dtype: str = "float32") -> dict:
-    """train_dense.py's config.json for the policy's families (tests/test_grpo_hf.py holds the
-    two equal): transformers 4.4x and 5.x each find their spelling of the rope settings."""
-    mt = model_type or ("qwen3" if cfg.qk_norm else "qwen2" if cfg.qkv_bias else "llama")
-    if mt not in HF_ARCHITECTURES or (cfg.qkv_bias, cfg.qk_norm) != (mt == "qwen2", mt == "qwen3"):
-        raise hf.HFError(f"model_type {mt!r} does not fit this model (q/k/v biases are qwen2's, "
-                         f"q/k norms qwen3's): choose one of {', '.join(HF_ARCHITECTURES)}.")
-    rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
-    if cfg.rope_scaling > 0:
-        rope |= {"rope_type": "llama3", "factor": cfg.rope_scaling,
-                 "low_freq_factor": cfg.rope_low_freq_factor,
-                 "high_freq_factor": cfg.rope_high_freq_factor,
-                 "original_max_position_embeddings": cfg.rope_original_max_len}
-    L = cfg.n_layers
-    c = dict(architectures=[HF_ARCHITECTURES[mt]], model_type=mt, vocab_size=cfg.vocab_size,
-             hidden_size=cfg.d_model, intermediate_size=cfg.d_ff, num_hidden_layers=L,
-             num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_kv_heads,
-             head_dim=cfg.head_dim, hidden_act="silu", max_position_embeddings=cfg.max_seq_len,
-             rms_norm_eps=cfg.norm_eps, tie_word_embeddings=cfg.tie_embeddings,
-             rope_parameters=rope, rope_theta=cfg.rope_theta,
-             rope_scaling={k: v for k, v in rope.items() if k != "rope_theta"}
-             if cfg.rope_scaling > 0 else None,
-             attention_dropout=0.0, initializer_range=0.02, use_cache=True, dtype=dtype,
-             torch_dtype=dtype)
-    qwen = dict(use_sliding_window=False, sliding_window=None, max_window_layers=L,
-                layer_types=["full_attention"] * L)
-    return c | {"llama": dict(attention_bias=False, mlp_bias=False, pretraining_tp=1),
-                "mistral": dict(sliding_window=None), "qwen2": qwen,
-                "qwen3": qwen | dict(attention_bias=False)}[mt]
 
 
 def save_hf(params: dict, cfg: ModelConfig, path: str, *, model_type: str = "",

@@ -45,10 +45,10 @@ def _allowed(t, s, causal: bool, window: int):
 
 
 def reference(q_BTNH, k_BSKH, v_BSKV, *, scale: float, causal: bool = True, window: int = 0,
-              cap: float = 0.0, sinks_N=None, segment_ids=None):
+              cap: float = 0.0, sinks_N=None, segment_ids=None, mask_BTS=None):
     """Attention as one softmax over the [T, S] scores (module docstring). With S > T the
     queries are the last T positions (a KV cache's prefix before them): causal is then
-    s <= t + S - T. segment_ids [B, T] needs S == T."""
+    s <= t + S - T. segment_ids [B, T] needs S == T; mask_BTS (True = may attend) is and-ed in."""
     _check(q_BTNH, k_BSKH, v_BSKV)
     B, T, N, H = q_BTNH.shape
     S, K = k_BSKH.shape[1:3]
@@ -62,6 +62,8 @@ def reference(q_BTNH, k_BSKH, v_BSKV, *, scale: float, causal: bool = True, wind
         if S != T:
             raise ValueError(f"segment_ids need as many keys as queries, got S={S}, T={T}")
         ok = ok & (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None, None]
+    if mask_BTS is not None:
+        ok = ok & mask_BTS[:, None, None]
     ok = jnp.broadcast_to(ok, s_BKGTS.shape)
     if sinks_N is not None:   # one more logit per row, always allowed, dropped after the softmax
         sink = jnp.broadcast_to(sinks_N.astype(F32).reshape(K, G, 1, 1), (B, K, G, T, 1))
@@ -284,8 +286,11 @@ def attend(q_BTNH, k_BSKH, v_BSKV, *, impl: str = "auto", scale: float, causal: 
     `reference`'s function (tests/test_attention.py holds them to it). mask_BTS (True = may
     attend) replaces causal/window/segments where the pattern is not one of those."""
     if mask_BTS is not None:  # a KV cache's tail, left padding: XLA's masked softmax
-        if cap or sinks_N is not None or segment_ids is not None:
-            raise ValueError("attend: an explicit mask_BTS takes no soft-cap, sinks or segments")
+        if window or sinks_N is not None or segment_ids is not None:
+            raise ValueError("attend: an explicit mask_BTS takes no window, sinks or segments")
+        if cap:  # beyond jax.nn's softmax: the same one, soft-capped
+            return reference(q_BTNH, k_BSKH, v_BSKV, scale=scale, causal=False, cap=cap,
+                             mask_BTS=mask_BTS)
         return jax.nn.dot_product_attention(q_BTNH, k_BSKH, v_BSKV, mask=mask_BTS[:, None],
                                             scale=scale, implementation="xla")
     T, H = q_BTNH.shape[1], q_BTNH.shape[3]

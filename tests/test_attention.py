@@ -252,8 +252,13 @@ def test_attend_computes_the_reference_whatever_it_runs(impl):
     for kw in ({}, dict(window=5), dict(cap=2.0, segment_ids=packed(40))):
         want = A.reference(q, k, v, scale=0.5, **kw)
         assert_close(A.attend(q, k, v, impl=impl, scale=0.5, **kw), want)
-    with pytest.raises(ValueError, match="mask_BTS takes no soft-cap"):
-        A.attend(q, k, v, scale=0.5, cap=2.0, mask_BTS=np.ones((2, 40, 40), bool))
+    t = np.arange(40)  # an explicit mask (GRPO's padding and KV cache): here a causal window
+    mask = np.broadcast_to((t[:, None] >= t) & (t[:, None] - t < 5), (2, 40, 40))
+    for cap in (0.0, 2.0):  # jax.nn's masked softmax, or the reference's soft-capped one
+        assert_close(A.attend(q, k, v, impl=impl, scale=0.5, cap=cap, mask_BTS=mask),
+                     A.reference(q, k, v, scale=0.5, window=5, cap=cap))
+    with pytest.raises(ValueError, match="mask_BTS takes no window"):
+        A.attend(q, k, v, scale=0.5, window=5, mask_BTS=mask)
 
 
 @pytest.mark.parametrize("impl,platform,T,ok", [

@@ -25,6 +25,14 @@ SMALL = tg.ModelConfig(vocab_size=16, d_model=32, n_layers=2, n_heads=4, n_kv_he
 # Every knob on at once: Qwen2 biases, Qwen3 q/k norm, tied embeddings, Llama 3.1 rope scaling.
 KNOBS = dataclasses.replace(SMALL, qkv_bias=True, qk_norm=True, tie_embeddings=True,
                             rope_scaling=8.0, rope_original_max_len=16)
+# Gemma 2's knobs (a window shorter than the tests' rows, soft-caps, (1 + w) and sandwich
+# norms, GeGLU, the embedding scale), then Gemma 3's (q/k norms, a local RoPE base, linear
+# scaling on the global layers, no soft-caps).
+GEMMA2 = dataclasses.replace(SMALL, sliding_window=4, global_every=2, attn_softcap=3.0,
+                             final_softcap=2.5, query_scale=12.0, norm_plus_one=True,
+                             sandwich_norm=True, embed_scale=True, gelu=True, tie_embeddings=True)
+GEMMA3 = dataclasses.replace(GEMMA2, attn_softcap=0.0, final_softcap=0.0, qk_norm=True,
+                             rope_local_theta=100.0, rope_linear=2.0)
 
 
 def put(x, mesh):
@@ -59,12 +67,10 @@ def left_padded(lengths, width, vocab, seed=0):
 
 
 def test_model_config_and_parameter_tree_equal_train_dense():
-    """Same fields with the same defaults, less dense's Gemma knobs (off when falsy), so a
-    dense config.json with them off loads as a tg.ModelConfig."""
+    """Same fields with the same defaults, so a dense run's config.json loads as the policy's."""
     f = lambda cls: [(x.name, x.default) for x in dataclasses.fields(cls)]
-    assert f(tg.ModelConfig) == [(k, v) for k, v in f(td.ModelConfig) if k in {
-        x.name for x in dataclasses.fields(tg.ModelConfig)}]
-    for m in (SMALL, KNOBS):
+    assert f(tg.ModelConfig) == f(td.ModelConfig)
+    for m in (SMALL, KNOBS, GEMMA2, GEMMA3):
         assert tg.param_specs(m) == td.param_specs(dense(m))
         a = jax.eval_shape(partial(tg._init, m), jax.random.key(3))
         b = jax.eval_shape(partial(td._init, dense(m)), jax.random.key(3))
@@ -75,21 +81,27 @@ def test_model_config_and_parameter_tree_equal_train_dense():
                 str(jax.make_jaxpr(partial(td._init, dense(m)))(jax.random.key(3))))
 
 
+MODELS = {"knobs": KNOBS, "gemma2": GEMMA2, "gemma3": GEMMA3}
+
+
+@pytest.mark.parametrize("knobs", MODELS)
 @pytest.mark.parametrize("attention,scan", [("xla", True), ("einsum", False)])
-def test_copied_forward_equals_train_dense(attention, scan):
-    m = dataclasses.replace(KNOBS, attention=attention, scan_layers=scan)
+def test_copied_forward_equals_train_dense(attention, scan, knobs):
+    m = dataclasses.replace(MODELS[knobs], attention=attention, scan_layers=scan)
     params = perturbed_params(m)
     x = np.random.default_rng(0).integers(0, m.vocab_size, (4, 12)).astype(np.int32)
     np.testing.assert_array_equal(np.asarray(jax.jit(partial(tg.forward, cfg=m))(params, x)),
                                   np.asarray(jax.jit(partial(td.forward, cfg=dense(m)))(params, x)))
 
 
+@pytest.mark.parametrize("knobs", MODELS)
 @pytest.mark.parametrize("attention,scan", [("xla", True), ("einsum", False)])
-def test_kv_cache_decode_equals_full_forward(attention, scan):
+def test_kv_cache_decode_equals_full_forward(attention, scan, knobs):
     """Prefill a left-padded prompt batch, then feed a continuation one token at a time
     through the cache: the logits at every position equal one full forward pass, and the
-    full pass on a padded row equals train_dense's forward on that row without its pads."""
-    m = dataclasses.replace(KNOBS, attention=attention, scan_layers=scan)
+    full pass on a padded row equals train_dense's forward on that row without its pads
+    (Gemma's window, counted in columns, is the same counted in positions: pads come first)."""
+    m = dataclasses.replace(MODELS[knobs], attention=attention, scan_layers=scan)
     params = perturbed_params(m)
     Pw, N = 7, 5
     prompt, valid = left_padded([7, 2, 4, 2], Pw, m.vocab_size)
@@ -99,7 +111,7 @@ def test_kv_cache_decode_equals_full_forward(attention, scan):
     S = Pw + N
     pos = tg.padded_positions(valid_S)
     fwd = jax.jit(partial(tg.forward, cfg=m))
-    full = np.asarray(fwd(params, tokens, pos_BT=pos, mask_BTS=tg.padded_mask(valid_S, 0, S)))
+    full = np.asarray(fwd(params, tokens, positions=pos, mask_BTS=tg.padded_mask(valid_S, 0, S)))
     dense_fwd = jax.jit(partial(td.forward, cfg=dense(m)))
     for r in (0, 1):  # padded == unpadded, against the dense trainer itself
         real = tokens[r, valid_S[r]]
@@ -107,13 +119,13 @@ def test_kv_cache_decode_equals_full_forward(attention, scan):
                                    rtol=1e-5, atol=1e-5)
 
     step = jax.jit(partial(tg.forward_cached, cfg=m))
-    logits, cache = step(params, prompt, tg.init_cache(m, 4, S), 0, pos[:, :Pw],
-                         tg.padded_mask(valid_S, 0, Pw))
+    logits, cache = step(params, prompt, cache=tg.init_cache(m, 4, S), index=0,
+                         positions=pos[:, :Pw], mask_BTS=tg.padded_mask(valid_S, 0, Pw))
     np.testing.assert_allclose(np.asarray(logits)[valid], full[:, :Pw][valid], rtol=1e-5, atol=1e-5)
     for i in range(N):
         col = Pw + i
-        logits, cache = step(params, cont[:, i:i + 1], cache, col, pos[:, col:col + 1],
-                             tg.padded_mask(valid_S, col, 1))
+        logits, cache = step(params, cont[:, i:i + 1], cache=cache, index=col,
+                             positions=pos[:, col:col + 1], mask_BTS=tg.padded_mask(valid_S, col, 1))
         np.testing.assert_allclose(logits[:, 0], full[:, col], rtol=1e-5, atol=1e-5)
 
 
@@ -161,7 +173,7 @@ def test_greedy_rollout_is_the_same_sharded():
     valid_S = np.concatenate([valid, np.ones((8, 8), bool)], 1)
     ref = jax.jit(partial(tg.forward, cfg=m))(
         params, np.concatenate([prompt, one["tokens_BN"]], 1),
-        pos_BT=tg.padded_positions(valid_S), mask_BTS=tg.padded_mask(valid_S, 0, 14))
+        positions=tg.padded_positions(valid_S), mask_BTS=tg.padded_mask(valid_S, 0, 14))
     want = np.asarray(ref)[:, 5:13, :14].argmax(-1)
     mask = one["mask_BN"]
     np.testing.assert_array_equal(one["tokens_BN"][mask], want[mask])
@@ -432,18 +444,19 @@ def test_resumed_equals_uninterrupted_and_logs_trl_metrics(tmp_path, capsys):
     assert steps[1]["kl"] > 0 and steps[0]["completions/max_length"] <= 3
 
 
-@pytest.fixture(scope="module")
-def dense_run(tmp_path_factory):
-    """A train_dense.py run directory holding one (untrained) checkpoint and its config."""
+@pytest.fixture(scope="module", params=["llama", "gemma2"])
+def dense_run(tmp_path_factory, request):
+    """A train_dense.py run directory holding one (untrained) checkpoint and its config: a
+    Llama-shaped model, or the same with Gemma 2's knobs."""
     root = tmp_path_factory.mktemp("dense")
+    model = dataclasses.replace(GEMMA2 if request.param == "gemma2" else SMALL, vocab_size=512)
     stdlib = sysconfig.get_paths()["stdlib"]
     files = ("argparse.py", "textwrap.py", "string.py", "shlex.py", "fnmatch.py")
     data = prepare([os.path.join(stdlib, f) for f in files], str(root / "data"), vocab_size=400)
-    cfg = td.Config(model=dense(dataclasses.replace(SMALL, vocab_size=512)),
-                    data=DataConfig(path=data), run_dir=str(root / "run"))
+    cfg = td.Config(model=dense(model), data=DataConfig(path=data), run_dir=str(root / "run"))
     check_run_config(cfg.run_dir, dataclasses.asdict(cfg))
     mesh = make_mesh(MeshConfig(fsdp=-1))
-    params = perturbed_params(dataclasses.replace(SMALL, vocab_size=512), seed=11)
+    params = perturbed_params(model, seed=11)
     with jax.set_mesh(mesh):
         state = td.train_state(cfg, mesh).from_params(jax.tree.map(jnp.copy, params))
         with Checkpointer(cfg.run_dir, CheckpointConfig()) as ckpt:
@@ -462,20 +475,11 @@ def test_init_from_a_train_dense_checkpoint(dense_run, tmp_path):
     assert saved["model"]["vocab_size"] == 512 and saved["init_from"] == dcfg.run_dir
     with pytest.raises(FileNotFoundError, match="--init-from"):
         tg.main(grpo_config(tmp_path / "h", 0, init_from=str(tmp_path / "nowhere")))
-
-
-def test_init_from_a_gemma_run_is_refused(dense_run, tmp_path):
-    """The policy has no Gemma knobs: a dense run with them off loads (above), one with a
-    window on is refused by name, not trained as a different model."""
-    saved = json.load(open(os.path.join(dense_run[0].run_dir, "config.json")))
-    assert saved["model"]["sliding_window"] == 0
-    saved["model"] |= dict(sliding_window=128, global_every=2)
-    os.makedirs(tmp_path / "gemma" / "checkpoints")
-    json.dump(saved, open(tmp_path / "gemma" / "config.json", "w"))
-    cfg = grpo_config(tmp_path / "g", 0, init_from=str(tmp_path / "gemma"))
-    with pytest.raises(train.ConfigError, match=r"sets fields this file does not have \(.*"
-                                                r"'sliding_window': 128\}\); was it written"):
-        train.model_source(cfg)
+    if dcfg.model.sliding_window:  # a Gemma run is GRPO-trained, its knobs kept
+        out = tg.main(grpo_config(tmp_path / "t", 1, init_from=dcfg.run_dir))
+        assert out["state"]["params"]["layers"]["attn_post_norm"].shape == (2, 32)
+        assert np.isfinite(out["eval"][-1][1]) and json.load(open(
+            tmp_path / "t" / "config.json"))["model"]["global_every"] == 2
 
 
 @pytest.mark.parametrize("change,flag", [
