@@ -84,12 +84,10 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class TaskConfig:
-    """Your prompts and rewards (--task.path, common/task.py), or by default the demo: addition
-    with the sum written backwards, 12+345= -> 753 (357 reversed). Reversed, the answer
-    comes least significant digit first, so each digit depends only on the two operand digits
-    of its column and the carry from the digit just written: a causal model can compute it
-    left to right, and a model of ~1M parameters learns it on a CPU in minutes (Lee et al.
-    2023, "Teaching Arithmetic to Small Transformers")."""
+    """Your prompts and rewards (--task.path, common/task.py), or the demo: sums written
+    backwards, 12+345= -> 753. Least significant digit first, each digit needs only its column
+    and the carry just written, so a ~1M-parameter causal model learns it on a CPU in minutes
+    (Lee et al. 2023, "Teaching Arithmetic to Small Transformers")."""
     min_digits: int = 1           # each operand has min_digits..max_digits digits
     max_digits: int = 3
     eval_prompts: int = 256       # fixed held-out prompts, greedy-decoded every --grpo.eval-every
@@ -137,9 +135,8 @@ class GRPOConfig:
 
 @dataclass(frozen=True)
 class WarmStartConfig:
-    """Supervised fine-tuning on correct worked examples before GRPO: from random weights the
-    reward is zero for every completion, every group's advantages are zero and GRPO has no
-    gradient; it needs a policy that is sometimes right."""
+    """SFT on correct examples first: from random weights every reward and advantage is zero
+    and GRPO has no gradient; it needs a policy that is sometimes right."""
     max_steps: int = knob(1500, ">= 0")  # 0 = no warm start
     target_reward: float = knob(0.2, ">= 0")  # stop at this sampled (not greedy) reward: low,
     check_every: int = 20         # so that GRPO has room (0.3 left some seeds no gain to find)
@@ -194,57 +191,6 @@ PAPER_EPS = {"grpo": (0.2, 0.2), "bnpo": (0.2, 0.2), "dr_grpo": (0.2, 0.2),
 def clip_range(g: GRPOConfig) -> tuple[float, float]:
     lo, hi = PAPER_EPS[g.loss]
     return (lo if g.eps_low < 0 else g.eps_low), (hi if g.eps_high < 0 else g.eps_high)
-
-
-def validate(cfg: Config, n_devices: int, tok) -> Task:
-    """Every check that needs no compilation, so a bad launch fails in a second; the task."""
-    m, g, w, t = cfg.model, cfg.grpo, cfg.warm, cfg.task
-    train.check_ranges(cfg)
-    mesh = resolve(cfg.mesh, n_devices, max(1, math.prod(cfg.mesh.dcn())))
-    check_model(m, mesh, "--grpo.qk-clip-threshold", g.qk_clip_threshold)
-    train.check_vocab(tok.vocab_size, m.vocab_size)
-    need(g.group_size >= 2, f"--grpo.group-size {g.group_size}: advantages compare the "
-         "completions of one prompt with each other, so a group needs at least 2.")
-    shards, rows = train.batch_shards(mesh), g.prompts_per_step * g.group_size
-    train.check_batch(rows, g.microbatches, mesh, flag="--grpo", what=(
-        f"--grpo.prompts-per-step {g.prompts_per_step} x --grpo.group-size {g.group_size}"))
-    for flag, v in [("--task.eval-prompts", t.eval_prompts), ("--warm.batch-size", w.batch_size)]:
-        need(v % shards == 0, f"{flag} {v} is not divisible by the {shards} batch shards "
-             f"(data x fsdp); use a multiple of {shards}.")
-    need(t.path or 1 <= t.min_digits <= t.max_digits, f"--task.min-digits {t.min_digits} / "
-         f"--task.max-digits {t.max_digits}: need 1 <= min <= max.")
-    task = make_task(cfg, tok)  # a bad prompts or rewards file stops here
-    need(w.max_steps <= 0 or task.answer_tokens, f"--warm.max-steps {w.max_steps}: the warm "
-         f"start fine-tunes on each prompt's 'answer', and --task.path {t.path} has none; pass "
-         "--warm.max-steps 0 (a pretrained policy needs no warm start).")
-    n = task.answer_tokens  # the longest answer + EOS: the warm start's target
-    need((w.max_steps <= 0 and t.path) or g.max_new_tokens >= n, f"--grpo.max-new-tokens "
-         f"{g.max_new_tokens} cannot hold the longest answer and its end-of-sequence token "
-         f"({n} tokens); raise it.")
-    need(task.width + g.max_new_tokens <= m.max_seq_len, f"prompt ({task.width}) + "
-         f"--grpo.max-new-tokens ({g.max_new_tokens}) exceed --model.max-seq-len {m.max_seq_len}.")
-    train.check_profile(g.profile_steps, g.steps, "--grpo")
-    return task
-
-
-def check_model(m: ModelConfig, mesh, clip_flag: str, tau: float) -> None:
-    """The model's shape against the mesh, its knobs together, QK-clip (`tau`) on it."""
-    need(mesh.expert * mesh.dcn_expert == 1, f"--mesh.expert {mesh.expert}: the dense model has "
-         "no experts; keep it 1 (use train_moe.py for expert parallelism).")
-    train.check_sizes(mesh, {"tensor": [
-        ("--model.n-heads", m.n_heads), ("--model.n-kv-heads", m.n_kv_heads),
-        ("--model.d-ff", m.d_ff), ("--model.vocab-size", m.vocab_size)],
-        "fsdp": [("--model.d-model", m.d_model)]})
-    need(m.n_heads % m.n_kv_heads == 0, f"--model.n-heads {m.n_heads} is not a multiple of "
-         f"--model.n-kv-heads {m.n_kv_heads} (each key/value head serves a whole group).")
-    need(m.head_dim % 2 == 0, f"--model.head-dim {m.head_dim} must be even (RoPE rotates pairs).")
-    need(m.sliding_window or not m.global_every, f"--model.global-every {m.global_every} "
-         "without --model.sliding-window: the layers between the global ones are the windowed "
-         "ones. Give the window, or --model.global-every 0.")
-    train.check_qk_clip(clip_flag, tau, m.qk_norm)
-    need(not (tau and (m.attn_softcap or m.query_scale)), f"{clip_flag} {tau} with Gemma's "
-         "attention (--model.attn-softcap, --model.query-scale): the soft-cap already bounds "
-         f"the logits. Set {clip_flag} 0.")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -306,50 +252,6 @@ def train_state(cfg: Config, mesh, tx, ref: bool = False) -> train.TrainState:
 # ----------------------------------------------------------------------------------------------
 # 3. Model (train_dense.py's, plus a padding mask, shifted positions and a KV cache)
 # ----------------------------------------------------------------------------------------------
-def constrain(x, spec: P):
-    """Pin an activation's sharding when a mesh is set (jax.set_mesh); a no-op without one."""
-    if jax.sharding.get_abstract_mesh().empty:
-        return x
-    return jax.lax.with_sharding_constraint(x, spec)
-
-
-ACT_BTD = P(BATCH_AXES, None, None)  # activations between blocks: batch-sharded, d replicated
-CACHE_LBSKH = P(None, BATCH_AXES, None, "tensor", None)  # KV cache: rows and kv heads split
-
-
-def rms_norm(x, w, eps):
-    # Statistics in float32 whatever the compute dtype: bfloat16 squares lose the small values.
-    x32 = x.astype(jnp.float32)
-    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return (y * w).astype(x.dtype)
-
-
-def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
-    """theta^(-2i/H), with Llama 3.1's rescaling when rope_scaling > 0: wavelengths longer than
-    original_max_len / low_freq_factor are slowed by `factor`, shorter than
-    original_max_len / high_freq_factor kept, and the band between interpolated smoothly."""
-    H = cfg.head_dim
-    inv = 1.0 / cfg.rope_theta ** (np.arange(0, H, 2, dtype=np.float64) / H)
-    if cfg.rope_scaling > 0:
-        wavelen = 2 * np.pi / inv
-        lo = cfg.rope_original_max_len / cfg.rope_low_freq_factor
-        hi = cfg.rope_original_max_len / cfg.rope_high_freq_factor
-        smooth = ((cfg.rope_original_max_len / wavelen - cfg.rope_low_freq_factor)
-                  / (cfg.rope_high_freq_factor - cfg.rope_low_freq_factor))
-        mid = (1 - smooth) * inv / cfg.rope_scaling + smooth * inv
-        inv = np.where(wavelen < hi, inv, np.where(wavelen > lo, inv / cfg.rope_scaling, mid))
-    return inv.astype(np.float32)
-
-
-def apply_rope(x_BTNH, pos_BT, inv_freq):
-    """Rotate the two halves of each head (the HuggingFace layout: its q/k weights load as-is)."""
-    ang_BTh = pos_BT[..., None].astype(jnp.float32) * inv_freq
-    cos, sin = jnp.cos(ang_BTh)[:, :, None, :], jnp.sin(ang_BTh)[:, :, None, :]
-    x1, x2 = jnp.split(x_BTNH.astype(jnp.float32), 2, axis=-1)
-    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    return out.astype(x_BTNH.dtype)
-
-
 def block(x_BTD, lp: dict, cfg: ModelConfig, *, pos_BT, inv_freq, mask_BTS=None, kv=None,
           index=0, max_logits: bool = False, is_global=True):
     """train_dense.py's block (tests/test_grpo.py holds the two equal) with a padding mask and
@@ -396,6 +298,50 @@ def block(x_BTD, lp: dict, cfg: ModelConfig, *, pos_BT, inv_freq, mask_BTS=None,
     y = jnp.einsum("btf,fd->btd", act * u, w("w_down"))
     x_BTD = x_BTD + (norm(y, "mlp_post_norm") if cfg.sandwich_norm else y)
     return constrain(x_BTD, ACT_BTD), (kv, stats)
+
+
+def constrain(x, spec: P):
+    """Pin an activation's sharding when a mesh is set (jax.set_mesh); a no-op without one."""
+    if jax.sharding.get_abstract_mesh().empty:
+        return x
+    return jax.lax.with_sharding_constraint(x, spec)
+
+
+ACT_BTD = P(BATCH_AXES, None, None)  # activations between blocks: batch-sharded, d replicated
+CACHE_LBSKH = P(None, BATCH_AXES, None, "tensor", None)  # KV cache: rows and kv heads split
+
+
+def rms_norm(x, w, eps):
+    # Statistics in float32 whatever the compute dtype: bfloat16 squares lose the small values.
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (y * w).astype(x.dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
+    """theta^(-2i/H), with Llama 3.1's rescaling when rope_scaling > 0: wavelengths longer than
+    original_max_len / low_freq_factor are slowed by `factor`, shorter than
+    original_max_len / high_freq_factor kept, and the band between interpolated smoothly."""
+    H = cfg.head_dim
+    inv = 1.0 / cfg.rope_theta ** (np.arange(0, H, 2, dtype=np.float64) / H)
+    if cfg.rope_scaling > 0:
+        wavelen = 2 * np.pi / inv
+        lo = cfg.rope_original_max_len / cfg.rope_low_freq_factor
+        hi = cfg.rope_original_max_len / cfg.rope_high_freq_factor
+        smooth = ((cfg.rope_original_max_len / wavelen - cfg.rope_low_freq_factor)
+                  / (cfg.rope_high_freq_factor - cfg.rope_low_freq_factor))
+        mid = (1 - smooth) * inv / cfg.rope_scaling + smooth * inv
+        inv = np.where(wavelen < hi, inv, np.where(wavelen > lo, inv / cfg.rope_scaling, mid))
+    return inv.astype(np.float32)
+
+
+def apply_rope(x_BTNH, pos_BT, inv_freq):
+    """Rotate the two halves of each head (the HuggingFace layout: its q/k weights load as-is)."""
+    ang_BTh = pos_BT[..., None].astype(jnp.float32) * inv_freq
+    cos, sin = jnp.cos(ang_BTh)[:, :, None, :], jnp.sin(ang_BTh)[:, :, None, :]
+    x1, x2 = jnp.split(x_BTNH.astype(jnp.float32), 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x_BTNH.dtype)
 
 
 REMAT_POLICIES = {"full": jax.checkpoint_policies.nothing_saveable,
@@ -489,109 +435,7 @@ def forward_cached(params: dict, tokens_BT, cfg: ModelConfig, *, cache: dict, in
 
 
 # ----------------------------------------------------------------------------------------------
-# 4. Rollouts: prefill, then decode with the KV cache until EOS or the token budget
-# ----------------------------------------------------------------------------------------------
-def policy_logits(logits_BV, temperature, n_valid: int):
-    """The sampling policy's logits: ids past the tokenizer's vocabulary (the model's may be
-    padded) are impossible, and the temperature divides. The loss scores tokens under this
-    same distribution, so rollout-time and training-time log-probs are comparable."""
-    z = logits_BV / temperature
-    return jnp.where(jnp.arange(z.shape[-1]) < n_valid, z, train.MASKED)
-
-
-def rollout(params, prompt_BP, valid_BP, key, temperature, *, cfg: ModelConfig, max_new: int,
-            eos_id: int, pad_id: int, n_valid: int, top_k: int = 0, top_p: float = 1.0):
-    """Complete every row of a left-padded prompt batch, whole on the device: completion ids
-    [B, N] (pad after EOS), their mask (True up to and including EOS), the log-probs of the
-    drawn tokens under the temperature-scaled policy (the importance ratio's "old" policy;
-    top-k/top-p truncation is a sampling device, not part of the policy, as in TRL) and the
-    decode steps run. `temperature` is traced: greedy eval and rollouts share one compile."""
-    B, Pw = prompt_BP.shape
-    S = Pw + max_new
-    valid_BS = jnp.concatenate([valid_BP, jnp.ones((B, max_new), bool)], axis=1)
-    pos_BS = padded_positions(valid_BS)
-    logits_BPV, cache = forward_cached(params, prompt_BP, cfg, cache=init_cache(cfg, B, S),
-                                       index=0, positions=pos_BS[:, :Pw],
-                                       mask_BTS=padded_mask(valid_BS, 0, Pw))
-    safe_t = jnp.where(temperature > 0, temperature, 1.0)
-
-    def cond(c):
-        return (c["i"] < max_new) & ~jnp.all(c["done_B"])
-
-    def body(c):
-        i = c["i"]
-        key, sub = jax.random.split(c["key"])
-        z_BV = policy_logits(c["logits_BV"], safe_t, n_valid)
-        tok_B = train.draw(sub, z_BV, temperature, top_k, top_p)
-        logp_B = jnp.take_along_axis(jax.nn.log_softmax(z_BV, axis=-1), tok_B[:, None], -1)[:, 0]
-        live_B = ~c["done_B"]
-        tok_B = jnp.where(live_B, tok_B, pad_id)
-        col = Pw + i
-        logits_B1V, cache = forward_cached(
-            params, tok_B[:, None], cfg, cache=c["cache"], index=col, mask_BTS=padded_mask(
-                valid_BS, col, 1), positions=jax.lax.dynamic_slice_in_dim(pos_BS, col, 1, axis=1))
-        return {"i": i + 1, "key": key, "cache": cache, "logits_BV": logits_B1V[:, 0],
-                "done_B": c["done_B"] | (tok_B == eos_id),
-                "tokens_BN": c["tokens_BN"].at[:, i].set(tok_B),
-                "mask_BN": c["mask_BN"].at[:, i].set(live_B),
-                "logp_BN": c["logp_BN"].at[:, i].set(jnp.where(live_B, logp_B, 0.0))}
-
-    init = {"i": jnp.zeros((), jnp.int32), "key": key, "cache": cache,
-            "logits_BV": logits_BPV[:, -1], "done_B": jnp.zeros((B,), bool),
-            "tokens_BN": jnp.full((B, max_new), pad_id, jnp.int32),
-            "mask_BN": jnp.zeros((B, max_new), bool),
-            "logp_BN": jnp.zeros((B, max_new), jnp.float32)}
-    out = jax.lax.while_loop(cond, body, init)
-    return {k: out[k] for k in ("tokens_BN", "mask_BN", "logp_BN")} | {"steps": out["i"]}
-
-
-def completion_logps(params, prompt_BP, valid_BP, completion_BN, cfg: ModelConfig,
-                     temperature: float, n_valid: int, max_logits: bool = False):
-    """Log-probs [B, N] of the completion tokens, the policy's entropy at each and `hidden`'s
-    stats, from one forward over prompt + completion. Only the N completion positions are
-    unembedded: the [B, T, V] logits of the prompt are never made."""
-    Pw = prompt_BP.shape[1]
-    tokens_BT = jnp.concatenate([prompt_BP, completion_BN], axis=1)[:, :-1]
-    valid_BT = jnp.concatenate([valid_BP, jnp.ones_like(completion_BN, bool)], axis=1)[:, :-1]
-    h_BTD, _, stats = hidden(params, tokens_BT, cfg, positions=padded_positions(valid_BT),
-                             mask_BTS=padded_mask(valid_BT, 0, tokens_BT.shape[1]),
-                             max_logits=max_logits)
-    z_BNV = policy_logits(logits_of(params, h_BTD[:, Pw - 1:], cfg), temperature, n_valid)
-    logp_BNV = jax.nn.log_softmax(z_BNV, axis=-1)
-    logp_BN = jnp.take_along_axis(logp_BNV, completion_BN[..., None], axis=-1)[..., 0]
-    entropy_BN = -jnp.sum(jnp.exp(logp_BNV) * logp_BNV, axis=-1)
-    return logp_BN, entropy_BN, stats
-
-
-# ----------------------------------------------------------------------------------------------
-# 5. Task and rewards (the demo's problems and character tokenizer are in common/)
-# ----------------------------------------------------------------------------------------------
-def make_task(cfg: Config, tok) -> Task:
-    """--task.path's prompts and --task.rewards (common/task.py), or the addition demo."""
-    t, g = cfg.task, cfg.grpo
-    if t.path:  # a HuggingFace folder's chat template renders them, as its model saw chat
-        template = ChatTemplate.find(cfg.init_from_hf) if cfg.init_from_hf else None
-        return load_task(t, tok, template, g.seed)
-    mine = [f for f in ("eval_path", "rewards", "reward_weights", "format_regex") if getattr(t, f)]
-    if mine:
-        raise ConfigError(f"--task.{mine[0].replace('_', '-')} goes with --task.path (your "
-                          "prompts); the addition demo has its own rewards.")
-    # common/task.py's built-ins, logged as rewards/<name>: exactly the reversed sum (spaces
-    # aside); digits only and stopped by itself (EOS within the budget).
-    rewards = {"correctness": (exact, 1.0), "format": (format_reward("[0-9]+"), g.format_weight)}
-    top = 10 ** t.max_digits - 1  # the longest answers: 99+99 and 99+1, reversed
-
-    def rows(rng, n):  # the built-in `exact` reads each row's `answer`
-        return [Row(tok.prompt(p), {"answer": a}, p, a) for p, a in problems(rng, n, t)]
-    return Task(rows_at=lambda step, n, salt: rows(np.random.default_rng([g.seed, salt, step]), n),
-                eval_rows=rows(np.random.default_rng([t.eval_seed]), t.eval_prompts),
-                rewards=rewards, width=prompt_width(t),
-                answer_tokens=max(len(tok.encode(str(top + b)[::-1])) for b in (top, 1)) + 1,
-                show=lambda r, c: f"  {r.text}{c:<6} (expected {r.answer})")
-
-
-# ----------------------------------------------------------------------------------------------
-# 6. Advantages, loss and train step
+# 4. Advantages, loss and train step
 # ----------------------------------------------------------------------------------------------
 def group_advantages(rewards_B: np.ndarray, group_size: int, scale: bool) -> np.ndarray:
     """A_i = (r_i - mean(r_group)) / (std(r_group) + 1e-4) (Shao et al. 2024, eq. 4 with
@@ -684,7 +528,7 @@ def train_step(state: dict, batch: dict, *, cfg: Config, n_valid: int):
     clip = partial(train.qk_clip, max_LN=max_LN, tau=tau) if tau else None
     new, checks = train.update(tx, grads, state, *metrics.values(), after=clip)
     metrics |= {"max_attn_logit": jnp.max(max_LN)} if tau else {}
-    return new, metrics | checks | {"learning_rate": train.lr_schedule(
+    return new, metrics | checks | {"lr": train.lr_schedule(
         "constant", g.lr, g.warmup_steps)(state["step"])}
 
 
@@ -739,6 +583,159 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     keys = n_global * seq_len + (L - n_global) * min(seq_len, W or seq_len)
     attn = 2 * 2 * keys * N * H
     return 3.0 * (2 * matmul_weights + attn)
+
+
+def validate(cfg: Config, n_devices: int, tok) -> Task:
+    """Every check that needs no compilation, so a bad launch fails in a second; the task."""
+    m, g, w, t = cfg.model, cfg.grpo, cfg.warm, cfg.task
+    train.check_ranges(cfg)
+    mesh = resolve(cfg.mesh, n_devices, max(1, math.prod(cfg.mesh.dcn())))
+    check_model(m, mesh, "--grpo.qk-clip-threshold", g.qk_clip_threshold)
+    train.check_vocab(tok.vocab_size, m.vocab_size)
+    need(g.group_size >= 2, f"--grpo.group-size {g.group_size}: advantages compare the "
+         "completions of one prompt with each other, so a group needs at least 2.")
+    shards, rows = train.batch_shards(mesh), g.prompts_per_step * g.group_size
+    train.check_batch(rows, g.microbatches, mesh, flag="--grpo", what=(
+        f"--grpo.prompts-per-step {g.prompts_per_step} x --grpo.group-size {g.group_size}"))
+    for flag, v in [("--task.eval-prompts", t.eval_prompts), ("--warm.batch-size", w.batch_size)]:
+        need(v % shards == 0, f"{flag} {v} is not divisible by the {shards} batch shards "
+             f"(data x fsdp); use a multiple of {shards}.")
+    need(t.path or 1 <= t.min_digits <= t.max_digits, f"--task.min-digits {t.min_digits} / "
+         f"--task.max-digits {t.max_digits}: need 1 <= min <= max.")
+    task = make_task(cfg, tok)  # a bad prompts or rewards file stops here
+    need(w.max_steps <= 0 or task.answer_tokens, f"--warm.max-steps {w.max_steps}: the warm "
+         f"start fine-tunes on each prompt's 'answer', and --task.path {t.path} has none; pass "
+         "--warm.max-steps 0 (a pretrained policy needs no warm start).")
+    n = task.answer_tokens  # the longest answer + EOS: the warm start's target
+    need((w.max_steps <= 0 and t.path) or g.max_new_tokens >= n, f"--grpo.max-new-tokens "
+         f"{g.max_new_tokens} cannot hold the longest answer and its end-of-sequence token "
+         f"({n} tokens); raise it.")
+    need(task.width + g.max_new_tokens <= m.max_seq_len, f"prompt ({task.width}) + "
+         f"--grpo.max-new-tokens ({g.max_new_tokens}) exceed --model.max-seq-len {m.max_seq_len}.")
+    train.check_profile(g.profile_steps, g.steps, "--grpo")
+    return task
+
+
+def check_model(m: ModelConfig, mesh, clip_flag: str, tau: float) -> None:
+    """The model's shape against the mesh, its knobs together, QK-clip (`tau`) on it."""
+    need(mesh.expert * mesh.dcn_expert == 1, f"--mesh.expert {mesh.expert}: the dense model has "
+         "no experts; keep it 1 (use train_moe.py for expert parallelism).")
+    train.check_sizes(mesh, {"tensor": [
+        ("--model.n-heads", m.n_heads), ("--model.n-kv-heads", m.n_kv_heads),
+        ("--model.d-ff", m.d_ff), ("--model.vocab-size", m.vocab_size)],
+        "fsdp": [("--model.d-model", m.d_model)]})
+    need(m.n_heads % m.n_kv_heads == 0, f"--model.n-heads {m.n_heads} is not a multiple of "
+         f"--model.n-kv-heads {m.n_kv_heads} (each key/value head serves a whole group).")
+    need(m.head_dim % 2 == 0, f"--model.head-dim {m.head_dim} must be even (RoPE rotates pairs).")
+    need(m.sliding_window or not m.global_every, f"--model.global-every {m.global_every} "
+         "without --model.sliding-window: the layers between the global ones are the windowed "
+         "ones. Give the window, or --model.global-every 0.")
+    train.check_qk_clip(clip_flag, tau, m.qk_norm)
+    need(not (tau and (m.attn_softcap or m.query_scale)), f"{clip_flag} {tau} with Gemma's "
+         "attention (--model.attn-softcap, --model.query-scale): the soft-cap already bounds "
+         f"the logits. Set {clip_flag} 0.")
+
+
+# ----------------------------------------------------------------------------------------------
+# 5. Rollouts: prefill, then decode with the KV cache until EOS or the token budget
+# ----------------------------------------------------------------------------------------------
+def policy_logits(logits_BV, temperature, n_valid: int):
+    """The sampling policy's logits: ids past the tokenizer's vocabulary (the model's may be
+    padded) are impossible, and the temperature divides. The loss scores tokens under this
+    same distribution, so rollout-time and training-time log-probs are comparable."""
+    z = logits_BV / temperature
+    return jnp.where(jnp.arange(z.shape[-1]) < n_valid, z, train.MASKED)
+
+
+def rollout(params, prompt_BP, valid_BP, key, temperature, *, cfg: ModelConfig, max_new: int,
+            eos_id: int, pad_id: int, n_valid: int, top_k: int = 0, top_p: float = 1.0):
+    """Complete every row of a left-padded prompt batch, whole on the device: completion ids
+    [B, N] (pad after EOS), their mask (True up to and including EOS), the log-probs of the
+    drawn tokens under the temperature-scaled policy (the importance ratio's "old" policy;
+    top-k/top-p truncation is a sampling device, not part of the policy, as in TRL) and the
+    decode steps run. `temperature` is traced: greedy eval and rollouts share one compile."""
+    B, Pw = prompt_BP.shape
+    S = Pw + max_new
+    valid_BS = jnp.concatenate([valid_BP, jnp.ones((B, max_new), bool)], axis=1)
+    pos_BS = padded_positions(valid_BS)
+    logits_BPV, cache = forward_cached(params, prompt_BP, cfg, cache=init_cache(cfg, B, S),
+                                       index=0, positions=pos_BS[:, :Pw],
+                                       mask_BTS=padded_mask(valid_BS, 0, Pw))
+    safe_t = jnp.where(temperature > 0, temperature, 1.0)
+
+    def cond(c):
+        return (c["i"] < max_new) & ~jnp.all(c["done_B"])
+
+    def body(c):
+        i = c["i"]
+        key, sub = jax.random.split(c["key"])
+        z_BV = policy_logits(c["logits_BV"], safe_t, n_valid)
+        tok_B = train.draw(sub, z_BV, temperature, top_k, top_p)
+        logp_B = jnp.take_along_axis(jax.nn.log_softmax(z_BV, axis=-1), tok_B[:, None], -1)[:, 0]
+        live_B = ~c["done_B"]
+        tok_B = jnp.where(live_B, tok_B, pad_id)
+        col = Pw + i
+        logits_B1V, cache = forward_cached(
+            params, tok_B[:, None], cfg, cache=c["cache"], index=col, mask_BTS=padded_mask(
+                valid_BS, col, 1), positions=jax.lax.dynamic_slice_in_dim(pos_BS, col, 1, axis=1))
+        return {"i": i + 1, "key": key, "cache": cache, "logits_BV": logits_B1V[:, 0],
+                "done_B": c["done_B"] | (tok_B == eos_id),
+                "tokens_BN": c["tokens_BN"].at[:, i].set(tok_B),
+                "mask_BN": c["mask_BN"].at[:, i].set(live_B),
+                "logp_BN": c["logp_BN"].at[:, i].set(jnp.where(live_B, logp_B, 0.0))}
+
+    init = {"i": jnp.zeros((), jnp.int32), "key": key, "cache": cache,
+            "logits_BV": logits_BPV[:, -1], "done_B": jnp.zeros((B,), bool),
+            "tokens_BN": jnp.full((B, max_new), pad_id, jnp.int32),
+            "mask_BN": jnp.zeros((B, max_new), bool),
+            "logp_BN": jnp.zeros((B, max_new), jnp.float32)}
+    out = jax.lax.while_loop(cond, body, init)
+    return {k: out[k] for k in ("tokens_BN", "mask_BN", "logp_BN")} | {"steps": out["i"]}
+
+
+def completion_logps(params, prompt_BP, valid_BP, completion_BN, cfg: ModelConfig,
+                     temperature: float, n_valid: int, max_logits: bool = False):
+    """Log-probs [B, N] of the completion tokens, the policy's entropy at each and `hidden`'s
+    stats, from one forward over prompt + completion. Only the N completion positions are
+    unembedded: the [B, T, V] logits of the prompt are never made."""
+    Pw = prompt_BP.shape[1]
+    tokens_BT = jnp.concatenate([prompt_BP, completion_BN], axis=1)[:, :-1]
+    valid_BT = jnp.concatenate([valid_BP, jnp.ones_like(completion_BN, bool)], axis=1)[:, :-1]
+    h_BTD, _, stats = hidden(params, tokens_BT, cfg, positions=padded_positions(valid_BT),
+                             mask_BTS=padded_mask(valid_BT, 0, tokens_BT.shape[1]),
+                             max_logits=max_logits)
+    z_BNV = policy_logits(logits_of(params, h_BTD[:, Pw - 1:], cfg), temperature, n_valid)
+    logp_BNV = jax.nn.log_softmax(z_BNV, axis=-1)
+    logp_BN = jnp.take_along_axis(logp_BNV, completion_BN[..., None], axis=-1)[..., 0]
+    entropy_BN = -jnp.sum(jnp.exp(logp_BNV) * logp_BNV, axis=-1)
+    return logp_BN, entropy_BN, stats
+
+
+# ----------------------------------------------------------------------------------------------
+# 6. Task and rewards (the demo's problems and character tokenizer are in common/)
+# ----------------------------------------------------------------------------------------------
+def make_task(cfg: Config, tok) -> Task:
+    """--task.path's prompts and --task.rewards (common/task.py), or the addition demo."""
+    t, g = cfg.task, cfg.grpo
+    if t.path:  # a HuggingFace folder's chat template renders them, as its model saw chat
+        template = ChatTemplate.find(cfg.init_from_hf) if cfg.init_from_hf else None
+        return load_task(t, tok, template, g.seed)
+    mine = [f for f in ("eval_path", "rewards", "reward_weights", "format_regex") if getattr(t, f)]
+    if mine:
+        raise ConfigError(f"--task.{mine[0].replace('_', '-')} goes with --task.path (your "
+                          "prompts); the addition demo has its own rewards.")
+    # common/task.py's built-ins, logged as rewards/<name>: exactly the reversed sum (spaces
+    # aside); digits only and stopped by itself (EOS within the budget).
+    rewards = {"correctness": (exact, 1.0), "format": (format_reward("[0-9]+"), g.format_weight)}
+    top = 10 ** t.max_digits - 1  # the longest answers: 99+99 and 99+1, reversed
+
+    def rows(rng, n):  # the built-in `exact` reads each row's `answer`
+        return [Row(tok.prompt(p), {"answer": a}, p, a) for p, a in problems(rng, n, t)]
+    return Task(rows_at=lambda step, n, salt: rows(np.random.default_rng([g.seed, salt, step]), n),
+                eval_rows=rows(np.random.default_rng([t.eval_seed]), t.eval_prompts),
+                rewards=rewards, width=prompt_width(t),
+                answer_tokens=max(len(tok.encode(str(top + b)[::-1])) for b in (top, 1)) + 1,
+                show=lambda r, c: f"  {r.text}{c:<6} (expected {r.answer})")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -807,8 +804,10 @@ def train_loop(cfg: Config, mesh, tok, task: Task, st: train.TrainState, step_fn
 
     state, start = run.resume(st.abstract())
     warm = {}
-    if state is None:
-        params = initial_params(cfg, mesh, tok)
+    if state is None:  # a new run: from --init-from-hf, --init-from, or random weights
+        params = (load_hf(cfg.init_from_hf, mesh)[1] if cfg.init_from_hf else
+                  train.restore_params(cfg.init_from, st.abstract()["params"]) if cfg.init_from
+                  else init_params(cfg.model, jax.random.key(g.seed), mesh))
         if cfg.warm.max_steps > 0:
             params, warm = warm_start(cfg, mesh, tok, params, generate, task, run)
         state = st.from_params(params)
@@ -960,17 +959,6 @@ def make_tokenizer(cfg: Config):
     path = run_tokenizer(cfg.init_from)
     eos = open_tokenizer(path).eos_id()
     return PretrainedTokenizer(path, eos, eos)
-
-
-def initial_params(cfg: Config, mesh, tok) -> dict:
-    """The policy before the warm start: a HuggingFace folder's, a dense run's, or random."""
-    if cfg.init_from_hf:
-        log(f"initialised from {cfg.init_from_hf} (HuggingFace)")
-        return load_hf(cfg.init_from_hf, mesh)[1]
-    if cfg.init_from:
-        abstract = train_state(cfg, mesh, make_optimizer(cfg.grpo)).abstract()["params"]
-        return train.restore_params(cfg.init_from, abstract)
-    return init_params(cfg.model, jax.random.key(cfg.grpo.seed), mesh)
 
 
 # ----------------------------------------------------------------------------------------------
