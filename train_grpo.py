@@ -511,15 +511,8 @@ def train_step(state: dict, batch: dict, *, cfg: Config, n_valid: int):
     # DAPO divides by the whole batch's tokens; the mean over M microbatches below divides
     # by M again, so each microbatch is handed n_tokens / M.
     rows = {k: v for k, v in batch.items() if k != "n_tokens"}
-
-    def loss(params, mb):
-        logp_BN, entropy_BN, stats = completion_logps(
-            params, mb["prompt"], mb["prompt_valid"], mb["completion"], cfg.model,
-            g.temperature, n_valid, max_logits=tau > 0)
-        loss, sums = policy_loss(logp_BN, mb["old_logp"], mb["adv"], mb["mask"], g,
-                                 ref_BN=mb.get("ref_logp"), n_tokens=batch["n_tokens"] / M)
-        return loss, sums | stats | {"entropy": jnp.sum(entropy_BN * mb["mask"])}
-
+    loss = partial(loss_fn, cfg=cfg, n_valid=n_valid, n_tokens=batch["n_tokens"] / M,
+                   max_logits=tau > 0)
     grads, sums = train.accumulate(jax.grad(loss, has_aux=True), state["params"], rows, M,
                                    BATCH_AXES)
     grads, max_LN = jax.tree.map(lambda x: x / M, grads), sums.pop("max_logit", None)
@@ -532,16 +525,27 @@ def train_step(state: dict, batch: dict, *, cfg: Config, n_valid: int):
         "constant", g.lr, g.warmup_steps)(state["step"])}
 
 
+def loss_fn(params, batch: dict, cfg: Config, *, n_valid: int, n_tokens, max_logits=False):
+    """A (micro)batch of rollouts' policy loss and its masked sums: policy_loss's, the
+    policy's entropy and `hidden`'s stats (the largest attention logits, for QK-clip)."""
+    logp_BN, entropy_BN, stats = completion_logps(
+        params, batch["prompt"], batch["prompt_valid"], batch["completion"], cfg.model,
+        cfg.grpo.temperature, n_valid, max_logits=max_logits)
+    loss, sums = policy_loss(logp_BN, batch["old_logp"], batch["adv"], batch["mask"], cfg.grpo,
+                             ref_BN=batch.get("ref_logp"), n_tokens=n_tokens)
+    return loss, sums | stats | {"entropy": jnp.sum(entropy_BN * batch["mask"])}
+
+
 def sft_step(state: dict, batch: dict, *, cfg: Config, n_valid: int):
     """Warm start: cross-entropy on the answer tokens (and EOS) of correct examples."""
     tx = make_optimizer(cfg.grpo, cfg.warm)
 
-    def loss_fn(params):
+    def sft_loss(params):
         logp_BN = completion_logps(params, batch["prompt"], batch["prompt_valid"],
                                    batch["completion"], cfg.model, 1.0, n_valid)[0]
         return -jnp.sum(logp_BN * batch["mask"]) / jnp.sum(batch["mask"])
 
-    loss, grads = jax.value_and_grad(loss_fn)(state["params"])
+    loss, grads = jax.value_and_grad(sft_loss)(state["params"])
     new, checks = train.update(tx, grads, state, loss)
     return new, {"loss": loss} | checks
 
