@@ -530,9 +530,14 @@ def _build(final: str, write: Callable[[str], None]) -> bool:
     os.makedirs(parent, exist_ok=True)
     host = socket.gethostname()
     for stale in glob.glob(os.path.join(parent, glob.escape(f".{name}.tmp-{host}-") + "*")):
-        pid = stale.rsplit("-", 2)[-2]  # a build on this host that was killed: never used
-        if pid.isdigit() and not _alive(int(pid)):
+        pid = stale.rsplit("-", 2)[-2]
+        try:  # signal 0: is the process that made it alive?
+            if pid.isdigit():
+                os.kill(int(pid), 0)
+        except ProcessLookupError:  # a build on this host that was killed: never used
             shutil.rmtree(stale, ignore_errors=True)
+        except PermissionError:  # another user's, alive
+            pass
     tmp = os.path.join(parent, f".{name}.tmp-{host}-{os.getpid()}-{uuid.uuid4().hex}")
     os.mkdir(tmp)  # unlike tempfile.mkdtemp's 0700, honours the umask: others may read it
     try:
@@ -540,16 +545,6 @@ def _build(final: str, write: Callable[[str], None]) -> bool:
         return _publish(tmp, final)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's
-        pass
-    return True
 
 
 def _publish(tmp: str, final: str) -> bool:

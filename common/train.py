@@ -320,8 +320,8 @@ class TrainState:
                             shapes, self.shardings)
 
     def jit(self, step_fn):
-        """step_fn(state, batch) -> (state, metrics), jitted, the state donated (its buffers
-        are reused: a step holds one copy of the state, not two)."""
+        """step_fn(state, batch) -> (state, metrics), jitted, the state donated: a step holds
+        one copy of the state, not two."""
         return jax.jit(step_fn, donate_argnums=0, out_shardings=(self.shardings, None))
 
 
@@ -547,15 +547,13 @@ def bench(step_fn, state, batch, n_steps: int, *, tokens_per_step: int,
     touch allocations). Each step is synced here, which the training loop never does."""
     t0 = time.perf_counter()
     step = step_fn.lower(state, batch).compile()
-    compile_s = time.perf_counter() - t0
-    state, m = step(state, batch)
-    jax.block_until_ready(m)
-    times = []
-    for _ in range(n_steps):
+    compile_s, times = time.perf_counter() - t0, []
+    for _ in range(n_steps + 1):
         t0 = time.perf_counter()
         state, m = step(state, batch)
         jax.block_until_ready(m)
         times.append(time.perf_counter() - t0)
+    times = times[1:]  # the warm-up step's left out
     dt = float(np.median(times))
     tok_s = tokens_per_step / dt
     util = mfu(flops_per_token, tok_s, peak[0])
@@ -751,8 +749,7 @@ class Loop:
         self.seconds = time.perf_counter() - t_loop
 
     def log(self, metrics: dict) -> None:
-        """The step's device metrics; the previous log step's are fetched now, finished by
-        then (or nearly), so logging never stalls the device."""
+        """The step's device metrics; the previous log step's, finished by now, are fetched."""
         self._metrics = metrics
         self.run.profiler.after(self.step, metrics)
         if self._pending is not None:
@@ -830,9 +827,8 @@ class Loop:
             f"{self.flag}.max-bad-steps {self.max_bad_steps})")
 
     def summary(self, end: int, per_step: str, rows=()) -> dict:
-        """The run on one screen: how far (to step `end`), how well (the loss and eval loss,
-        when logged, and the trainer's rows), how long, how fast, and where its files are.
-        Returns the figures for the caller."""
+        """The run on one screen, and its figures for the caller: how far (to step `end`), how
+        well (the losses, when logged, and the trainer's rows), how long, how fast, where."""
         fmt, start = observe.fmt, self.start
         evals = [(s, e["eval_loss"]) for s, e in self.evals if "eval_loss" in e]
         best = min((e for _, e in evals), default=None)
@@ -894,7 +890,7 @@ class Export:
     """A run's checkpoint on its way to a HuggingFace folder (see `export`): the trainer's
     save_hf(params, model, out, model_type=..., **hf_args) writes it, `written` reports."""
     run_dir: str
-    step: int                   # the checkpoint's
+    step: int
     params: dict                # float32, the buffers joined in
     hf_args: dict               # base_config (the source's keys, or the tokenizer's ids), dtype
     tokenizer_dir: str | None   # the folder to copy tokenizer files from
