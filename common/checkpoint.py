@@ -7,20 +7,16 @@ A run directory looks like this:
     <run_dir>/checkpoints/<step>.orbax-checkpoint-tmp/   a save still in flight (or cut off)
 
 Orbax does the heavy lifting. Each process writes only the shards it holds, and a restore
-reads only the slices the *target* shardings ask for, so a checkpoint written on one mesh
-resumes on any other (a different device count, 4x2 -> 8x1, many hosts -> one CPU). A save
-writes into a temporary folder renamed to `<step>/` once every byte is down (on object
-stores, with no atomic rename, Orbax writes `<step>/` and adds `commit_success.txt` last); a
-folder with the temporary suffix, or a bucket folder without that file, is never taken for a
-checkpoint, so a save cut off by preemption or a crash never hides the last good one.
+reads only the slices the *target* shardings ask for, so a checkpoint resumes on any mesh
+(4x2 -> 8x1, many hosts -> one CPU). A save that is cut off never hides the last good one:
+it is a folder with the temporary suffix (or, in a bucket, which has no atomic rename, one
+without `commit_success.txt`), which is never taken for a checkpoint.
 
-The run directory may be a local path, a mount every host sees, or a `gs://` bucket
-(what a TPU pod uses: no shared disk). All file access goes through `etils.epath`, which
-Orbax uses too; a bucket needs `gcsfs` (`pip install '.[gcs]'`). What this module adds is
-mostly refusal (someone else's files, a changed model, a failed background save), each
-saying what is wrong and what to do.
+The run directory may be local, a mount every host sees, or a `gs://` bucket (a TPU pod has
+no shared disk); files go through `etils.epath`, as Orbax's do, and a bucket needs `gcsfs`
+(`pip install '.[gcs]'`). What this module adds is mostly refusal (someone else's files, a
+changed model, a failed background save), each saying what is wrong and what to do.
 """
-
 from __future__ import annotations
 
 import contextlib
@@ -42,28 +38,22 @@ from etils import epath
 from common.config import knob
 from common.observe import is_remote, progress
 
-# Orbax logs through absl at INFO about fifty lines per save, which drown the training log
-# once a trainer calls `logging.basicConfig(level=INFO)`. Warnings and errors still pass (a
-# failed background save is logged with its traceback, and we raise it too). Only an unset
-# level is touched, so whoever configures "absl" on purpose (`--verbosity`) still wins.
+# Orbax logs about fifty absl INFO lines per save, which drown the training log under
+# `logging.basicConfig(level=INFO)`; warnings and errors still pass. Only an unset level is
+# touched: whoever configures "absl" on purpose (`--verbosity`) still wins.
 _absl_logger = logging.getLogger("absl")
 if _absl_logger.level == logging.NOTSET:
     _absl_logger.setLevel(logging.WARNING)
 
-# The one item a checkpoint holds. A named item (rather than Orbax's unnamed default)
-# leaves room for siblings later (data-loader state, metrics) without a format change.
+# The one item a checkpoint holds: named, so that siblings (data-loader state) could join it.
 _ITEM = "state"
-# What Orbax appends to a step folder while it is being written: `12.orbax-checkpoint-tmp`
-# (older releases add `-<timestamp>`). Mirrors orbax's private `TMP_DIR_SUFFIX`.
+# A step folder being written: `12.orbax-checkpoint-tmp` (older releases add `-<timestamp>`),
+# as orbax's private TMP_DIR_SUFFIX says.
 _TMP_STEP = re.compile(r"^\d+\.orbax-checkpoint-tmp(-\d+)?$")
-# Orbax writes this into a step folder before any array data, so every step folder of
-# ours has it, even one whose arrays were later damaged.
+# Written into a step folder before any array data: every step folder of ours has it.
 _STEP_METADATA_FILE = "_CHECKPOINT_METADATA"
-# What Orbax writes last into a step folder on an object store (no atomic rename there).
-_COMMIT_FILE = "commit_success.txt"
-# Orbax's name for the manager-level metadata folder; it creates it only when asked to,
-# but it is Orbax's by right and must not make our own run directory look foreign.
-_ROOT_METADATA_DIR = "metadata"
+_COMMIT_FILE = "commit_success.txt"  # written last into a bucket's step folder
+_ROOT_METADATA_DIR = "metadata"  # Orbax's own folder, when asked for: not foreign
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,9 +184,8 @@ class Checkpointer(contextlib.AbstractContextManager):
         donated); a failed background write raises at the next `save`, `wait` or `close`."""
         if not (force or self.due(step)):
             return False
-        # Surface a failure of the previous background save now, naming *its* step,
-        # before starting another one (Orbax would otherwise raise it from inside the
-        # next save, where it reads as if this step had failed).
+        # A failure of the previous background save, named by *its* step (Orbax would raise
+        # it from inside this save, as if this step had failed).
         self.wait()
         known = self._manager.all_steps()
         if step in known:
@@ -220,10 +209,8 @@ class Checkpointer(contextlib.AbstractContextManager):
         return True
 
     def _sweep_leftovers(self) -> None:
-        """Deletes the folders of cut-off saves, once, before our first save: Orbax's own,
-        never read, and each as big as a checkpoint. A run that saves owns its directory, so
-        none can be a save in progress. One process deletes; the others never look at them.
-        """
+        """Deletes the folders of cut-off saves (each as big as a checkpoint), once, before our
+        first save: a run that saves owns its directory, so none is a save in progress."""
         swept, self._swept = self._swept, True
         if swept or jax.process_index() != 0 or not self.directory.exists():
             return
@@ -396,16 +383,12 @@ def _write_json_atomically(path: epath.Path, obj: Any) -> None:
 
 def check_run_config(run_dir: str, config: dict, may_change: frozenset[str] = frozenset(),
                      defaults: dict | None = None, keep_weights: str = "") -> None:
-    """Records the run's config on the first start and refuses a resume that changes it.
-
-    `may_change` names dotted keys or prefixes ("train.steps", "mesh") that a resume may
-    change: the step budget, the mesh (checkpoints reshard), logging. Anything else, such
-    as the model's shape or the data, would silently make the resumed run a different
-    experiment. `defaults` (the config's field defaults, nested alike) lets a run saved
-    before a field existed resume: a key absent from the saved file that is at its default
-    now is no change. `keep_weights`: how to start a new run from this one's weights (said
-    when no model key conflicts, e.g. for another optimizer, whose state a checkpoint holds).
-    """
+    """Records the run's config on the first start and refuses a resume that changes it,
+    except in `may_change`'s dotted keys or prefixes ("train.steps", "mesh"): anything else
+    (the model, the data) would silently make it a different experiment. `defaults` (the
+    field defaults, nested alike): a key absent from the saved file that is at its default now
+    is no change (the run predates the field). `keep_weights`: how to start a new run from
+    these weights, said when no model key conflicts (e.g. another optimizer)."""
     # Round-trip through JSON so that the live config compares as it will read back
     # (tuples become lists; values JSON cannot hold are recorded by their str()).
     now = json.loads(json.dumps(config, default=str))
@@ -456,18 +439,15 @@ class PreemptionGuard:
     thread may install a handler; elsewhere the guard never requests. The signal reaches
     processes at different steps while saving is collective: combine the flag across them."""
 
-    def __init__(self, signum: int = signal.SIGTERM):
-        self._signum, self._requested = signum, threading.Event()
-        self._previous, self._installed = None, False
+    def __init__(self):
+        self._requested, self._previous, self._installed = threading.Event(), None, False
 
-    @property
-    def requested(self) -> bool:
-        return self._requested.is_set()
+    requested = property(lambda self: self._requested.is_set())
 
     def __enter__(self) -> PreemptionGuard:
         if threading.current_thread() is threading.main_thread():
             try:
-                self._previous = signal.signal(self._signum, lambda *_: self._requested.set())
+                self._previous = signal.signal(signal.SIGTERM, lambda *_: self._requested.set())
                 self._installed = True
             except ValueError:
                 pass  # main thread of a sub-interpreter: signals are not ours to take
@@ -477,5 +457,5 @@ class PreemptionGuard:
         if self._installed:
             # `None` means the previous handler was installed from C, and Python cannot
             # reinstall it; the default action (terminate) is the honest fallback.
-            signal.signal(self._signum, self._previous or signal.SIG_DFL)
+            signal.signal(signal.SIGTERM, self._previous or signal.SIG_DFL)
             self._installed = False

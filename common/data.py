@@ -132,8 +132,7 @@ class Dataset(_Encodes):
 def batch_rows(tokens: np.ndarray, *, seed: int, step: int, batch_size: int, seq_len: int,
                rows: slice = slice(None)) -> np.ndarray:
     """Rows `rows` of the global batch for (seed, step): int32 [len(rows), seq_len + 1]. Every
-    process draws all batch_size starts (a few integers), so a row's content never depends on
-    how the batch is split over processes or devices."""
+    process draws all batch_size starts, so a row never depends on how the batch is split."""
     window = seq_len + 1
     if seq_len < 1 or batch_size < 1:
         raise ValueError(f"batch_size ({batch_size}) and seq_len ({seq_len}) must be >= 1")
@@ -168,9 +167,8 @@ def get_batch(tokens: np.ndarray | Packed, *, seed: int, step: int, batch_size: 
 
 def _sharded(shape: tuple, sharding: jax.sharding.Sharding, dtype,
              block: Callable[[slice, slice], np.ndarray]) -> jax.Array:
-    """The global array of `shape` laid out by `sharding`, each shard `block(rows, cols)`.
-    Each process builds only the shards of its addressable devices, so no host ever holds the
-    global array; devices that hold the same block (replicas over "tensor", say) share one."""
+    """The global array of `shape` laid out by `sharding`, each shard `block(rows, cols)`: a
+    process builds only its devices' shards, and replicas (over "tensor", say) share one."""
     # Cached by the slices' bounds: slices are unhashable before Python 3.12.
     cached = functools.cache(lambda r, c: block(slice(*r), slice(*c)))
 
@@ -184,8 +182,8 @@ def _sharded(shape: tuple, sharding: jax.sharding.Sharding, dtype,
 # --- Loading ----------------------------------------------------------------------------------
 class HFTokenizer:
     """A HuggingFace tokenizer.json (Llama 3, Qwen ship no sentencepiece model) behind the
-    sentencepiece calls this module makes, its special tokens named in the tokenizer_config.json
-    beside it. Text is encoded without added specials: documents are separated by EOS only."""
+    sentencepiece calls we make, its specials named by the tokenizer_config.json beside it.
+    Text is encoded without added specials: documents are separated by EOS only."""
 
     def __init__(self, path: str):
         try:
@@ -197,11 +195,9 @@ class HFTokenizer:
             self._tok = tokenizers.Tokenizer.from_file(path)
         except Exception as e:  # the Rust side raises a bare Exception
             raise ValueError(f"not a HuggingFace tokenizer.json ({e})") from None
-        config = Path(path).parent / "tokenizer_config.json"
-        special = json.loads(config.read_text()) if config.is_file() else {}
-        names = [special.get(k) for k in ("eos_token", "bos_token")]  # a name or {"content": name}
-        names = [t.get("content") if isinstance(t, dict) else t for t in names]
-        ids = [self._tok.token_to_id(t) if t else None for t in names]
+        special = _tokenizer_config(os.path.dirname(path))[1]
+        ids = [self._tok.token_to_id(special[k]) if special.get(k) else None
+               for k in ("eos_token", "bos_token")]
         eos, bos = (-1 if i is None else i for i in ids)  # -1: none, as in sentencepiece
         self.get_piece_size = self._tok.get_vocab_size  # sentencepiece's accessors
         self.eos_id, self.bos_id = (lambda: eos), (lambda: bos)
@@ -218,6 +214,15 @@ class HFTokenizer:
         """The ids of `text` encoded whole, and each one's (start, end) characters in it."""
         e = self._tok.encode(text, add_special_tokens=False)
         return e.ids, e.offsets
+
+
+def _tokenizer_config(folder: str) -> tuple[dict, dict[str, str]]:
+    """A HuggingFace folder's tokenizer_config.json ({} if none) and its special tokens:
+    "eos_token" -> text, whether the file gives a text or {"content": text}."""
+    file = Path(folder, "tokenizer_config.json")
+    c = json.loads(file.read_text()) if file.is_file() else {}
+    return c, {k: v.get("content") if isinstance(v, dict) else v for k, v in c.items()
+               if k.endswith("_token") and isinstance(v, (str, dict))}
 
 
 class ChatTemplate:
@@ -238,14 +243,13 @@ class ChatTemplate:
         class Generation(Extension):  # {% generation %}...{% endgeneration %}: TRL's marker
             tags = {"generation"}
 
+            _body = lambda self, caller: caller()
+
             def parse(self, parser):
                 lineno = next(parser.stream).lineno
                 body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
                 return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body
                                               ).set_lineno(lineno)
-
-            def _body(self, caller):
-                return caller()
 
         def raise_exception(message):
             raise jinja2.exceptions.TemplateError(message)
@@ -265,18 +269,13 @@ class ChatTemplate:
 
     @staticmethod
     def find(folder: str) -> ChatTemplate | None:
-        config = Path(folder) / "tokenizer_config.json"
-        c = json.loads(config.read_text()) if config.is_file() else {}
+        c, specials = _tokenizer_config(folder)
         source = c.get("chat_template")
         if isinstance(source, list):  # several named templates: the default one
             source = next((t["template"] for t in source if t.get("name") == "default"), None)
-        if (Path(folder) / "chat_template.jinja").is_file():
-            source = (Path(folder) / "chat_template.jinja").read_text()
-        if not source:
-            return None
-        specials = {k: v.get("content") if isinstance(v, dict) else v for k, v in c.items()
-                    if k.endswith("_token") and isinstance(v, (str, dict))}
-        return ChatTemplate(source, folder, specials)
+        if (jinja := Path(folder) / "chat_template.jinja").is_file():
+            source = jinja.read_text()
+        return ChatTemplate(source, folder, specials) if source else None
 
     def render(self, messages: list[dict], add_generation_prompt: bool = False,
                where: str = "") -> str:
@@ -320,9 +319,8 @@ def open_tokenizer(path: str):
 
 
 class PretrainedTokenizer(_Encodes):
-    """A pretrained model's tokenizer (sentencepiece or tokenizer.json) for prompting it:
-    `start_id` is the token after which the model saw a document begin, and each prompt
-    begins with it. pad_id is never read: pads are masked out of attention and the loss."""
+    """A pretrained model's tokenizer, for prompting it: each prompt begins with `start_id`,
+    after which the model saw documents begin. Pads are masked out, so pad_id is never read."""
     pad_id = 0
 
     def __init__(self, path: str, eos_id: int, start_id: int):
@@ -360,7 +358,6 @@ class CharTokenizer:
 
 # Prompts and completions as generation batches (train_grpo.py's rollouts and warm start)
 def encode_prompts(tok, texts: list[str], width: int):
-    """common.task's `left_pad` of each text's `tok.prompt`."""
     from common.task import left_pad  # task builds on this module
     return left_pad([tok.prompt(text) for text in texts], width, tok.pad_id)
 
@@ -393,22 +390,15 @@ def load_dataset(cfg: DataConfig, seq_len: int | None = None) -> Dataset:
     return _load_prepared(cfg.path or _stdlib_corpus(root, vocab_size=cfg.vocab_size), root)
 
 
-def _cache_root(cache_dir: str) -> str:
-    """A flag beats the environment, the environment beats the default."""
+def _cache_root(cache_dir: str) -> str:  # a flag beats the environment beats the default
     env = os.environ.get(CACHE_ENV) if cache_dir == DEFAULT_CACHE_DIR else None
     return os.path.expanduser(env or cache_dir)
 
 
 def _load_prepared(path: str, cache_root: str = "") -> Dataset:
-    remote = is_remote(path)
-    if remote:  # a bucket: sidecars and the tokenizer read whole, the token files by ranges
-        fs, root = _filesystem(path)
-        size, read = (lambda n: fs.size(f"{root}/{n}")), (lambda n: fs.cat_file(f"{root}/{n}"))
-        exists = lambda n: fs.isfile(f"{root}/{n}")
-    else:
-        size, read = (lambda n: os.path.getsize(os.path.join(path, n))), (
-            lambda n: Path(path, n).read_bytes())
-        exists = lambda n: os.path.isfile(os.path.join(path, n))
+    # Sidecars and the tokenizer are read whole, a bucket's token files by ranges.
+    remote, (fs, root) = is_remote(path), _filesystem(path)
+    read, exists = (lambda n: fs.cat_file(f"{root}/{n}")), (lambda n: fs.isfile(f"{root}/{n}"))
     tokenizer = PREPARED_FILES[0]  # or the tokenizer.json that the sidecar names
     if exists("train.json"):
         tokenizer = json.loads(read("train.json")).get("tokenizer", tokenizer)
@@ -437,7 +427,7 @@ def _load_prepared(path: str, cache_root: str = "") -> Dataset:
         meta = json.loads(read(f"{split}.json"))
         bin_path, n = os.path.join(path, f"{split}.bin"), meta["num_tokens"]
         dtype = np.dtype({"uint16": "<u2", "uint32": "<u4"}[meta["dtype"]])
-        if (got := size(f"{split}.bin")) != n * dtype.itemsize:
+        if (got := fs.size(f"{root}/{split}.bin")) != n * dtype.itemsize:
             raise ValueError(f"{bin_path} holds {got} bytes but its sidecar promises {n} "
                              f"{meta['dtype']} tokens ({n * dtype.itemsize} bytes): the file is "
                              f"truncated or stale; prepare the folder again")
@@ -455,7 +445,8 @@ def _load_prepared(path: str, cache_root: str = "") -> Dataset:
 
 
 def _filesystem(url: str):
-    """(fsspec file system, path within it) of a bucket URL; gs:// needs the gcs extra."""
+    """(fsspec file system, path within it) of a bucket URL or a local path; gs:// needs the gcs
+    extra (fsspec itself comes with Orbax)."""
     try:
         import fsspec
         return fsspec.core.url_to_fs(url)
@@ -465,12 +456,10 @@ def _filesystem(url: str):
 
 
 class RemoteTokens:
-    """A token file in a bucket, standing in for the np.memmap of a local one: len() and
-    `rows(starts, window)`, the only reads batches make. A step's rows are fetched at once,
-    one ranged request each (fsspec's cat_ranges runs them concurrently), and when a step
-    asks for its rows the next step's are fetched in the background, so that a step need not
-    wait on the network. Batches stay a pure function of (seed, step): the same bytes as a
-    local copy of the file, and nothing to save for a resume."""
+    """A token file in a bucket, standing in for a local one's np.memmap: len() and
+    `rows(starts, window)`, the only reads batches make. A step's rows are fetched at once, one
+    ranged request each (cat_ranges runs them concurrently), and the next step's in the
+    background, so that a step need not wait on the network; the bytes are a local copy's."""
 
     def __init__(self, url: str, n: int, dtype: np.dtype):
         self.url, self.n, self.dtype = url, n, np.dtype(dtype)
@@ -535,14 +524,20 @@ def _stdlib_corpus(cache_root: str, *, vocab_size: int, max_bytes: int | None = 
 
 
 def _build(final: str, write: Callable[[str], None]) -> bool:
-    """`write` a new hidden folder beside `final`, then move it there; False if `final` is taken."""
+    """`write` a new hidden folder beside `final`, then move it there (atomically: rename(2)
+    succeeds onto a missing or empty folder only); False if `final` is taken."""
     parent, name = os.path.split(final)
     os.makedirs(parent, exist_ok=True)
     host = socket.gethostname()
     for stale in glob.glob(os.path.join(parent, glob.escape(f".{name}.tmp-{host}-") + "*")):
-        pid = stale.rsplit("-", 2)[-2]  # a build on this host that was killed: never used
-        if pid.isdigit() and not _alive(int(pid)):
+        pid = stale.rsplit("-", 2)[-2]
+        try:  # signal 0: is the process that made it alive?
+            if pid.isdigit():
+                os.kill(int(pid), 0)
+        except ProcessLookupError:  # a build on this host that was killed: never used
             shutil.rmtree(stale, ignore_errors=True)
+        except PermissionError:  # another user's, alive
+            pass
     tmp = os.path.join(parent, f".{name}.tmp-{host}-{os.getpid()}-{uuid.uuid4().hex}")
     os.mkdir(tmp)  # unlike tempfile.mkdtemp's 0700, honours the umask: others may read it
     try:
@@ -552,20 +547,9 @@ def _build(final: str, write: Callable[[str], None]) -> bool:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's
-        pass
-    return True
-
-
 def _publish(tmp: str, final: str) -> bool:
-    """Atomically move the finished folder `tmp` to `final`; False if `final` is taken."""
     try:
-        os.replace(tmp, final)  # rename(2) succeeds onto a missing or empty folder only
+        os.replace(tmp, final)
         return True
     except OSError:
         if os.path.isdir(final) and os.listdir(final):
@@ -629,9 +613,8 @@ def _check_out_is_free(out: str) -> None:
 
 
 def _upload(folder: str, out: str) -> None:
-    """Copy the finished `folder` to the bucket prefix `out`. The sidecars go last, train.json
-    the very last: a trainer refuses a folder without it, so an upload cut short is never
-    trained on, and a rerun (which checks only for train.json) replaces its pieces."""
+    """Copy the finished `folder` to the bucket prefix `out`, train.json the very last: a
+    trainer refuses a folder without it, and a rerun (checking only for it) replaces the rest."""
     fs, root = _filesystem(out)
     last = ("eval.json", "train.json")
     names = sorted(os.listdir(folder), key=lambda n: (last.index(n) if n in last else -1, n))
@@ -662,8 +645,7 @@ def _expand_inputs(inputs: list[str]) -> list[str]:
 
 
 def _documents(files: list[str], field: str, errors: str = "strict") -> Iterator[str]:
-    """Every non-empty document of `files`, in order. Text is kept byte for byte (newline=""
-    keeps "\r\n"): the model sees what the user gave."""
+    """Every non-empty document of `files`, in order, byte for byte (newline="" keeps "\r\n")."""
     for path in files:
         if path.endswith(PARQUET_SUFFIXES):
             yield from filter(None, _parquet_texts(path, field))
@@ -708,8 +690,7 @@ def _parquet_texts(path: str, field: str) -> Iterator[str]:
 
 
 def jsonl_objects(path: str) -> Iterator[tuple[str, object]]:
-    """("<path>, line N", the parsed line) for each non-blank line; a line that is not UTF-8
-    or not JSON is a DataError naming the file and line."""
+    """("<path>, line N", the parsed line) for each non-blank line."""
     with open(path, "rb") as f:  # bytes: a bad encoding is reported at its very line
         for line_no, raw in enumerate(f, 1):
             where = f"{path}, line {line_no}"
@@ -822,8 +803,7 @@ def _count(n: int, noun: str) -> str:
 
 
 def _batches(docs: Iterator[str], *, max_docs: int, max_chars: int):
-    """(index of the first document, list of texts, their characters), bounded in count and
-    size."""
+    """(index of the first document, list of texts, their characters), bounded in both."""
     first, texts, chars = 0, [], 0
     for text in docs:
         texts.append(text)
@@ -845,11 +825,10 @@ def _encode(batches, model_path: str, workers: int):
             yield first, chars, sp.encode(texts, num_threads=os.cpu_count() or 1)
         return
     # spawn, not fork: this process has JAX's threads, which a fork would copy half-alive.
-    with multiprocessing.get_context("spawn").Pool(
-            workers, initializer=_worker_start, initargs=(model_path,)) as pool:
+    with multiprocessing.get_context("spawn").Pool(workers) as pool:
         pending = deque()
         for first, texts, chars in batches:
-            pending.append((first, chars, pool.apply_async(_worker_encode, (texts,))))
+            pending.append((first, chars, pool.apply_async(_worker_encode, (model_path, texts))))
             if len(pending) >= 2 * workers:
                 first, chars, result = pending.popleft()
                 yield first, chars, result.get()
@@ -857,17 +836,13 @@ def _encode(batches, model_path: str, workers: int):
             yield first, chars, result.get()
 
 
-_WORKER_TOKENIZER = None
+_worker_tokenizer = functools.cache(open_tokenizer)  # opened once in each worker process
 
 
-def _worker_start(model_path: str) -> None:
-    global _WORKER_TOKENIZER
-    _WORKER_TOKENIZER = open_tokenizer(model_path)
-
-
-def _worker_encode(texts: list[str]) -> list[np.ndarray]:
+def _worker_encode(model_path: str, texts: list[str]) -> list[np.ndarray]:
     # Arrays, not lists of ints: they cross the process boundary as one buffer each.
-    return [np.asarray(ids, np.int32) for ids in _WORKER_TOKENIZER.encode(texts, num_threads=1)]
+    sp = _worker_tokenizer(model_path)
+    return [np.asarray(ids, np.int32) for ids in sp.encode(texts, num_threads=1)]
 
 
 def _chunks(text: str) -> Iterator[str]:
@@ -1019,10 +994,10 @@ class Example:
 
 
 def tokenize_examples(examples: list[Spans], sp: spm.SentencePieceProcessor) -> list[Example]:
-    """Spans -> tokens. Neighbouring spans with the same flag are encoded as one text, so the
-    template's pieces merge as in running text, and a mask edge is always a token edge. A
-    HuggingFace chat rendering (no EOS span) is encoded whole, as transformers encodes it, and a
-    token is trained where its first character is."""
+    """Spans -> tokens. Neighbouring spans with the same flag are encoded as one text, so that
+    pieces merge as in running text and a mask edge is a token edge. A HuggingFace chat
+    rendering (no EOS span) is encoded whole, as transformers does; a token is trained where
+    its first character is."""
     if hasattr(sp, "encode_offsets") and examples and all(
             t is not EOS for spans in examples for t, _ in spans):
         return [_encode_whole(spans, sp) for spans in examples]
@@ -1114,8 +1089,7 @@ def pack_examples(examples: list[Example], seq_len: int, *, train_on: str = "com
 
 def _best_fit(lengths: list[int], seq_len: int) -> list[list[int]]:
     """The examples of each row, by best-fit decreasing: longest first, each into the row it
-    fills most tightly, else a new row. Deterministic (ties go to the lower index), and
-    within 11/9 of the fewest possible rows (plus one)."""
+    fills most tightly. Deterministic, and within 11/9 of the fewest rows (plus one)."""
     rows: list[list[int]] = []
     free: list[tuple[int, int]] = []  # (free positions, row), ascending
     for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
@@ -1169,8 +1143,8 @@ def packed_batch(packed: Packed, rows: np.ndarray,
 
 def held_out_batches(packed: Packed, batch_size: int,
                      sharding: jax.sharding.Sharding) -> Iterator[dict[str, jax.Array]]:
-    """Every row of `packed` once, in order, batch_size at a time (the last batch is filled up
-    with empty rows): an eval that sees the whole held-out split, each token once."""
+    """Every row of `packed` once, in order, batch_size at a time (the last filled up with
+    empty rows): an eval of the whole held-out split."""
     for start in range(0, packed.num_rows, batch_size):
         rows = np.arange(start, start + batch_size)
         yield packed_batch(packed, np.where(rows < packed.num_rows, rows, -1), sharding)
@@ -1192,9 +1166,8 @@ def tokenizer_path(cfg: DataConfig) -> str:
 
 
 def run_tokenizer(run_dir: str) -> str:
-    """The sentencepiece model the train_dense.py run in `run_dir` tokenized with, following
-    its --init-from when it was a fine-tune that named none (an SFT config holds no
-    tokenizer of its own)."""
+    """The tokenizer the train_dense.py run in `run_dir` used; an SFT run that named none
+    used its --init-from's."""
     saved = read_run_config(run_dir, "--init-from", True)
     known = {f.name for f in fields(DataConfig)}
     theirs = DataConfig(**{k: v for k, v in saved.get("data", {}).items() if k in known})
@@ -1204,8 +1177,8 @@ def run_tokenizer(run_dir: str) -> str:
 
 
 def load_sft(cfg: DataConfig, seq_len: int) -> SFTDataset:
-    """Read, split, tokenize and pack --data.path (and --data.eval-path) for rows of seq_len.
-    Every process does the same work and gets the same rows."""
+    """--data.path (and --data.eval-path) read, split, tokenized and packed into rows of
+    seq_len, the same on every process."""
     if not cfg.path:
         raise DataError(f"--data.format sft needs --data.path: a JSONL file with one example "
                         f"per line, {SFT_SHAPES}")

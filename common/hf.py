@@ -104,13 +104,6 @@ def _file_names(template: str, layout: Layout, sizes: dict) -> Iterator[tuple[tu
         yield idx, _name(template, dict(zip(layout.stack, idx)))
 
 
-def plan(mapping, sizes: dict[str, int]) -> dict[str, tuple[int, ...]]:
-    """Every file tensor the mapping names, with the shape it must have."""
-    leaves = [(t, parse_layout(p, sizes)) for t, p in jax.tree.leaves(mapping, is_leaf=_is_entry)]
-    return {name: layout.file_shape for template, layout in leaves
-            for _, name in _file_names(template, layout, sizes)}
-
-
 # --- Reading ----------------------------------------------------------------------------------
 def read_config(path: str) -> dict:
     file = os.path.join(path, CONFIG)
@@ -268,8 +261,11 @@ class Checkpoint:
 
 def load(ckpt: Checkpoint, mapping, sizes: dict, shardings, what: str,
          ignore: Callable[[str], bool] = lambda name: False):
-    """Our parameter tree from `ckpt`: float32 jax.Arrays with `shardings`, read block by block."""
-    ckpt.check(plan(mapping, sizes), ignore, what)
+    """Our parameter tree from `ckpt`: float32 jax.Arrays with `shardings`, read block by block.
+    First every file tensor the mapping names is checked for, with the shape it must have."""
+    leaves = [(t, parse_layout(p, sizes)) for t, p in jax.tree.leaves(mapping, is_leaf=_is_entry)]
+    ckpt.check({name: layout.file_shape for template, layout in leaves
+                for _, name in _file_names(template, layout, sizes)}, ignore, what)
 
     def one(entry, sharding):
         layout = parse_layout(entry[1], sizes)
@@ -513,33 +509,6 @@ def check_tokenizer(model_dir: str, tokenizer_path: str, data_flag: str) -> str:
                       "Tokenize it with the model's: python -m common.data prepare --input <text> "
                       f"--tokenizer {shipped[-1]} --out data/x, then --data.path data/x.")
     return ""
-
-
-def export_extras(init_from_hf: str, tokenizer_path: str | None) -> tuple[dict, str | None]:
-    """What an exported run keeps besides its weights: (config.json keys, the folder to copy
-    tokenizer files from). A run started from a HuggingFace model keeps its config (token ids,
-    chat settings) and tokenizer; one trained from scratch ships its data's tokenizer and ids."""
-    if init_from_hf and os.path.isfile(os.path.join(init_from_hf, CONFIG)):
-        return read_config(init_from_hf), init_from_hf
-    if tokenizer_path:
-        from common.data import open_tokenizer
-        tok = open_tokenizer(tokenizer_path)
-        return ({"bos_token_id": tok.bos_id() if tok.bos_id() >= 0 else None,
-                 "eos_token_id": tok.eos_id()}, os.path.dirname(tokenizer_path))
-    return {}, None
-
-
-def shape_flag_problem(args: list[str], allowed: tuple[str, ...]) -> str | None:
-    """With --init-from-hf the model's shape comes from the folder's config.json: a
-    --model.* flag outside `allowed` (how to compute) contradicts it. The reason, or None."""
-    for a in args:
-        name = a.split("=")[0]
-        field_name = name.removeprefix("--model.").replace("-", "_").removeprefix("no_")
-        if name.startswith("--model.") and field_name not in allowed:
-            flags = ", ".join("--model." + f.replace("_", "-") for f in allowed)
-            return (f"{name} conflicts with --init-from-hf: the model's shape comes from that "
-                    f"folder's config.json. Drop the flag (only {flags} may be set).")
-    return None
 
 
 def tokenizer(path: str, prefer_json: bool = False) -> tuple[str, int, int]:

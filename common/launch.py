@@ -75,10 +75,6 @@ class Group:
             p.send_signal(sig)  # a no-op for a process already reaped or gone
 
 
-def describe_exit(rc: int) -> str:
-    return f"was killed by {signal.Signals(-rc).name}" if rc < 0 else f"exited with code {rc}"
-
-
 def run(cmd: list[str], nproc: int, cpu_devices: int = 0, gpus: bool = False,
         max_restarts: int = 3) -> int:
     preempted = threading.Event()
@@ -102,6 +98,7 @@ def run(cmd: list[str], nproc: int, cpu_devices: int = 0, gpus: bool = False,
             if (failed := group.poll()) is not None:
                 break
         i, rc = failed
+        how = f"was killed by {signal.Signals(-rc).name}" if rc < 0 else f"exited with code {rc}"
         died_at = time.monotonic()
         # The survivors are blocked in collectives with a dead peer: nothing to save, and a
         # polite SIGTERM would only make them wait for a step that never completes.
@@ -116,9 +113,9 @@ def run(cmd: list[str], nproc: int, cpu_devices: int = 0, gpus: bool = False,
         if stop := (" while preempted; not restarting" if preempted.is_set() else
                     f"; restart limit ({max_restarts}) reached, giving up"
                     if attempt == max_restarts else ""):
-            print(f"launch: process {i} {describe_exit(rc)}{stop}", flush=True)
+            print(f"launch: process {i} {how}{stop}", flush=True)
             return rc if rc > 0 else 1
-        print(f"launch: process {i} {describe_exit(rc)}; restarting all {nproc} "
+        print(f"launch: process {i} {how}; restarting all {nproc} "
               f"processes (restart {attempt + 1} of {max_restarts})", flush=True)
     return 1
 

@@ -111,10 +111,6 @@ def describe(mesh: Mesh) -> str:
     return " ".join(f"{a}={mesh.shape[a]}" for a in AXES)
 
 
-def batch_shards(mesh: Mesh, axes=BATCH_AXES) -> int:
-    return math.prod(mesh.shape[a] for a in axes)
-
-
 # ----------------------------------------------------------------------------------------------
 # Ahead-of-time compilation for a TPU this machine does not have (MaxText's train_compile idea):
 # libtpu describes the named topology's devices, and XLA compiles for them from a CPU host.

@@ -108,7 +108,3 @@ def enable_compilation_cache() -> None:
     path = os.environ.get("JAX_TRAINERS_CACHE", os.path.expanduser("~/.cache/jax_trainers"))
     jax.config.update("jax_compilation_cache_dir", os.path.join(path, "xla"))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
-
-
-def is_main_process() -> bool:
-    return jax.process_index() == 0

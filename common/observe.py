@@ -60,12 +60,10 @@ def is_remote(path: str | os.PathLike) -> bool:
 
 
 class Mirror:
-    """A local folder whose files are copied, whole, to `remote` (a bucket folder).
-
-    Object stores have no append: a file that grows (metrics.jsonl, TensorBoard events) is
-    written here and re-uploaded whole once it has changed, at most every `every_s` seconds
-    (`sync()`) and at the end (`sync(force=True)`). The files are small next to a checkpoint
-    (a few hundred bytes per logged step), so each upload costs little."""
+    """A local folder whose files are copied, whole, to `remote` (a bucket folder): object
+    stores have no append, so a file that grows (metrics.jsonl, TensorBoard events) is
+    uploaded again once it has changed, at most every `every_s` seconds and at the end. The
+    files are small next to a checkpoint, so each upload costs little."""
 
     def __init__(self, remote: str, every_s: float = 30.0):
         from etils import epath  # orbax's dependency; imported here so the data CLI stays light
@@ -108,11 +106,9 @@ class Mirror:
 class progress:
     """A wait a person can see: `with progress("data: tokenizing", total=n, unit="documents") as
     p`, `p.update()` per document, prints `data: tokenizing ... 563 documents, 2.1 s`, then
-    `p.note` if set. On a terminal the line is redrawn twice a second with the count so far, the
-    elapsed time and `p.note`, so a long wait (a compile, a tokenizer in C++) is visibly alive;
-    into a file or a pipe it is one line, begun when the wait begins and ended when it ends, so
-    a log has no carriage returns. `min_s`: say nothing for waits shorter than this (a save
-    that is usually done)."""
+    `p.note` if set. A terminal's line is redrawn twice a second, so a long wait is visibly
+    alive; a log gets one line, without carriage returns. `min_s`: say nothing for waits
+    shorter than this (a save that is usually done)."""
 
     def __init__(self, what: str, *, total: int | None = None, unit: str = "", min_s: float = 0.0):
         self.what, self.total, self.unit, self.min_s = what, total, unit, min_s
@@ -196,13 +192,10 @@ def scalars(rec: dict, skip: tuple[str, ...] = ()) -> dict[str, float]:
 
 
 class MetricsLog(contextlib.AbstractContextManager):
-    """Where a trainer's log records go: metrics.jsonl, and TensorBoard when it can.
-
-    A TensorBoard writer opens on its first record with `purge_step` at that record's step: a
-    run resumed from an earlier checkpoint than its last logged step makes TensorBoard drop the
-    old curve's tail, which the resumed run is about to log again. Records counted in other
-    steps (a warm start's) go to a sibling folder, a TensorBoard run of their own, so that
-    purge never reaches them."""
+    """Where a trainer's log records go: metrics.jsonl, and TensorBoard when it can. A
+    TensorBoard writer opens with `purge_step` at its first record's step: a run resumed from
+    before its last logged step drops the old curve's tail, which it is about to log again.
+    Records counted in other steps (a warm start's) go to a TensorBoard run of their own."""
 
     def __init__(self, run_dir: str, config: dict | None = None):
         self.config, self.main = config, is_main_process()
@@ -287,11 +280,9 @@ def profile_steps_problem(steps: tuple[int, ...], flag: str, last_step: int) -> 
 
 
 class Profiler(contextlib.AbstractContextManager):
-    """A jax.profiler trace of the steps first..last (as the log numbers them) into
-    `<run_dir>/profile`, for TensorBoard's profile plugin or Perfetto (perfetto_trace.json.gz):
-    `before(step)` dispatching a step, `after(step, outputs)` it (the trace ends once step
-    `last` has finished). A resumed run that starts inside the range traces the rest of it.
-    Each process traces its own devices; with several processes, each into profile/process_<i>."""
+    """A jax.profiler trace of the steps first..last (as logged) into `<run_dir>/profile`
+    (profile/process_<i> each, with several), for TensorBoard or Perfetto: `before(step)`
+    dispatching a step, `after(step, outputs)` it. A resumed run traces the rest of the range."""
 
     def __init__(self, run_dir: str, steps: tuple[int, ...]):
         self.first, self.last = (steps[0], steps[-1]) if steps else (0, -1)

@@ -1,13 +1,9 @@
 """The training plumbing that no model changes, written once for every trainer.
 
 A trainer (train_*.py) keeps what a forker edits: config and presets, parameter table, model,
-loss, `train_step` and a short loop in plain sight. This file holds the rest: parameter
-tables to specs and weights; the checks of flags; AdamW and its schedules; TrainState
-({params, opt_state, step}, sharded, fresh or abstract, a step jitted with donation and a
-guard against non-finite updates); peak FLOPs and MFU; dry-run and bench reports; sampling;
-Run and Loop (a run directory, and the loop's logging, evals, checkpoints and SIGTERM); the
-steps of export-hf and the command line. It knows no model: it reads no ModelConfig field
-and calls no trainer function (the trainer hands it data: tables, configs, logits).
+loss, `train_step` and a short loop in plain sight. This file holds the rest, in the order of
+its sections. It knows no model: it reads no ModelConfig field and calls no trainer function
+(the trainer hands it data: tables, configs, logits).
 """
 from __future__ import annotations
 
@@ -25,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import tyro
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -33,7 +30,7 @@ from common.config import ConfigError, check_ranges, compute_fields, may_change
 from common.checkpoint import (CheckpointConfig, CheckpointError, Checkpointer,
                                ConfigConflictError, PreemptionGuard, check_run_config,
                                read_run_config, run_path)
-from common.data import DataError, load_dataset, run_tokenizer
+from common.data import DataError, load_dataset, open_tokenizer, run_tokenizer
 from common.mesh import MeshConfig, MeshError, describe, make_mesh, tpu_topology_devices
 
 log = observe.say  # process 0 prints; the others keep quiet
@@ -49,8 +46,6 @@ INPUT_ERRORS = (ConfigError, MeshError, ConfigConflictError, CheckpointError, Fi
 
 
 # --- Parameter tables: name -> (shape, PartitionSpec, init std) -------------------------------
-
-
 def is_entry(x) -> bool:
     return isinstance(x, tuple) and len(x) == 3 and isinstance(x[1], P)
 
@@ -64,14 +59,10 @@ def table_init(table: dict, key: jax.Array) -> dict:
     One key per entry, in the table's (sorted) order."""
     entries, treedef = jax.tree.flatten(table, is_leaf=is_entry)
     keys = jax.random.split(key, len(entries))
-
-    def one(entry, k):
-        shape, _, std = entry
-        if std is None:
-            return jnp.ones(shape, jnp.float32)
-        return std * jax.random.normal(k, shape, jnp.float32)
-
-    return jax.tree.unflatten(treedef, [one(e, k) for e, k in zip(entries, keys)])
+    f32 = jnp.float32
+    return jax.tree.unflatten(treedef, [
+        jnp.ones(shape, f32) if std is None else std * jax.random.normal(k, shape, f32)
+        for (shape, _, std), k in zip(entries, keys)])
 
 
 def table_count(table: dict) -> int:
@@ -112,8 +103,6 @@ def check_divides(table: dict, mesh, where: str) -> None:
 
 
 # --- Checks that need no compilation, so that a bad launch fails in a second ------------------
-
-
 def need(ok, message: str) -> None:
     """A flag check: ConfigError(message) unless ok. The message names the flag and the fix."""
     if not ok:
@@ -158,8 +147,6 @@ def check_profile(profile_steps: tuple[int, ...], steps: int, flag: str = "--tra
 
 
 # --- Optimiser --------------------------------------------------------------------------------
-
-
 def lr_schedule(kind: str, lr: float, warmup_steps: int, steps: int = 0,
                 min_lr_ratio: float = 0.1, decay_fraction: float = 0.2):
     """Learning rate at optimiser step s (0-based); step 0 already gets lr / warmup_steps.
@@ -282,8 +269,6 @@ def check_qk_clip(flag: str, tau: float, qk_norm: bool) -> None:
 
 
 # --- Training state ---------------------------------------------------------------------------
-
-
 class TrainState:
     """{params, opt_state, step} on a mesh, Adam's moments sharded like their parameter (with
     `ref`, a frozen copy of the parameters: a KL reference). `init(key)` makes the float32
@@ -335,8 +320,8 @@ class TrainState:
                             shapes, self.shardings)
 
     def jit(self, step_fn):
-        """step_fn(state, batch) -> (state, metrics), jitted, the state donated (its buffers
-        are reused: a step holds one copy of the state, not two)."""
+        """step_fn(state, batch) -> (state, metrics), jitted, the state donated: a step holds
+        one copy of the state, not two."""
         return jax.jit(step_fn, donate_argnums=0, out_shardings=(self.shardings, None))
 
 
@@ -438,7 +423,6 @@ def with_model(cfg, model):
 
 
 # --- FLOPs and MFU ----------------------------------------------------------------------------
-
 # Dense bf16 peak per chip, from the vendors' data sheets.
 PEAK_TFLOPS = {"TPU v4": 275, "TPU v5 lite": 197, "TPU v5e": 197, "TPU v5p": 459, "TPU v5": 459,
                "TPU v6 lite": 918, "TPU v6e": 918, "H100": 989, "H200": 989, "A100": 312,
@@ -484,8 +468,6 @@ def mfu_text(util: float) -> str:
 
 
 # --- Start-up, dry run and bench --------------------------------------------------------------
-
-
 def start(quiet: bool) -> None:
     """What every run does first: join the other processes, cache compiles, set the noise."""
     multislice.initialize()
@@ -565,15 +547,13 @@ def bench(step_fn, state, batch, n_steps: int, *, tokens_per_step: int,
     touch allocations). Each step is synced here, which the training loop never does."""
     t0 = time.perf_counter()
     step = step_fn.lower(state, batch).compile()
-    compile_s = time.perf_counter() - t0
-    state, m = step(state, batch)
-    jax.block_until_ready(m)
-    times = []
-    for _ in range(n_steps):
+    compile_s, times = time.perf_counter() - t0, []
+    for _ in range(n_steps + 1):
         t0 = time.perf_counter()
         state, m = step(state, batch)
         jax.block_until_ready(m)
         times.append(time.perf_counter() - t0)
+    times = times[1:]  # the warm-up step's left out
     dt = float(np.median(times))
     tok_s = tokens_per_step / dt
     util = mfu(flops_per_token, tok_s, peak[0])
@@ -667,9 +647,7 @@ def completions(buf, n: int, width: int) -> list[list[int]]:
 
 
 # --- A run directory opened for training, and the loop's mechanics ----------------------------
-
-
-class Run:
+class Run(contextlib.AbstractContextManager):
     """The run directory of a training run: config.json checked against this run's config
     (nothing saved is overwritten by a conflicting one), metrics, profiler, checkpoints.
     Closed in reverse order: the last save is waited for (and raises if it failed) first."""
@@ -688,7 +666,7 @@ class Run:
             raise CheckpointError(f"--run-dir {self.dir}: cannot write there ({e}); choose a "
                                   "directory this user can write to.") from None
         config = dataclasses.asdict(cfg)
-        if multislice.is_main_process():
+        if observe.is_main_process():
             check_run_config(self.dir, config, may_change(type(cfg)), keep_weights=keep_weights,
                              defaults=None if defaults is None else dataclasses.asdict(defaults))
         with contextlib.ExitStack() as stack:
@@ -696,9 +674,6 @@ class Run:
             self.profiler = stack.enter_context(observe.Profiler(self.dir, profile_steps))
             self.ckpt = stack.enter_context(Checkpointer(self.dir, cfg.checkpoint))
             self._stack = stack.pop_all()
-
-    def __enter__(self) -> Run:
-        return self
 
     def __exit__(self, *exc) -> None:
         self._stack.close()
@@ -724,11 +699,10 @@ class Loop:
                 loop.eval({"eval_loss": evaluate(state["params"])})
             loop.checkpoint(state)             # every --checkpoint.every, at the end, SIGTERM
 
-    Log records go to metrics.jsonl (and TensorBoard) with throughput and MFU; a log line
-    is "step N | " + show(record) + throughput. `loop.step` is the step just taken (1-based).
-    A step whose metrics say `nonfinite` (see `update`) stops the run with NonFiniteError
-    before anything of it is saved, or, within --*.max-bad-steps, is counted and skipped.
-    """
+    A log line is "step N | " + show(record) + throughput and MFU; the record goes to
+    metrics.jsonl (and TensorBoard). `loop.step` is the step just taken (1-based). A step
+    whose metrics say `nonfinite` (see `update`) stops the run with NonFiniteError before
+    anything of it is saved, or, within --*.max-bad-steps, is counted and skipped."""
 
     def __init__(self, run: Run, start: int, steps: int, *, log_every: int, eval_every: int,
                  tokens_per_step: int, flops_per_token: float, peak_tflops: float,
@@ -741,10 +715,11 @@ class Loop:
         self.step, self.stopped, self.seconds, self.compile_s = start, False, 0.0, None
         self.evals, self.first_loss, self.last_loss = [], None, None  # evals: (step, figures)
         self._pending = None    # (step, device metrics, steps covered): fetched a step late
+        self._logged = start    # the step of the last record
         self._joined = {}       # step -> eval figures, written with that step's log record
-        self._late = None       # (did any process get SIGTERM?, was the step non-finite?, its
-        #                         metrics): read a step late, when the device is done with it
-        self._since = 0
+        # (did any process get SIGTERM?, was the step non-finite?, its metrics): read a step
+        # late, when the device is done with it
+        self._late = None
 
     def compile(self, step_fn, state, batch):
         """The step compiled ahead of time (timed), unless nothing is left to train."""
@@ -765,7 +740,6 @@ class Loop:
         with PreemptionGuard() as self._guard:
             for step in range(self.start, self.steps):
                 self.step = step + 1
-                self._since += 1
                 self.run.profiler.before(self.step)
                 yield step
                 if self.stopped:
@@ -775,15 +749,14 @@ class Loop:
         self.seconds = time.perf_counter() - t_loop
 
     def log(self, metrics: dict) -> None:
-        """The step's device metrics; the previous log step's are fetched now, finished by
-        then (or nearly), so logging never stalls the device."""
+        """The step's device metrics; the previous log step's, finished by now, are fetched."""
         self._metrics = metrics
         self.run.profiler.after(self.step, metrics)
         if self._pending is not None:
             self._fetch_and_emit()
         s = self.step
         if s % self.log_every == 0 or s == self.steps or s == self.start + 1:
-            self._pending, self._since = (s, metrics, self._since), 0
+            self._pending, self._logged = (s, metrics, s - self._logged), s
 
     def _fetch_and_emit(self) -> None:
         step, metrics, n_steps = self._pending
@@ -854,9 +827,8 @@ class Loop:
             f"{self.flag}.max-bad-steps {self.max_bad_steps})")
 
     def summary(self, end: int, per_step: str, rows=()) -> dict:
-        """The run on one screen: how far (to step `end`), how well (the loss and eval loss,
-        when logged, and the trainer's rows), how long, how fast, and where its files are.
-        Returns the figures for the caller."""
+        """The run on one screen, and its figures for the caller: how far (to step `end`), how
+        well (the losses, when logged, and the trainer's rows), how long, how fast, where."""
         fmt, start = observe.fmt, self.start
         evals = [(s, e["eval_loss"]) for s, e in self.evals if "eval_loss" in e]
         best = min((e for _, e in evals), default=None)
@@ -886,8 +858,6 @@ class Loop:
 
 
 # --- export-hf and the command line -----------------------------------------------------------
-
-
 ExportDtype = Literal["float32", "bfloat16"]
 # A trainer's `export_hf(run_dir, out, step, dtype, model_type, max_shard_gb)`: what tyro shows.
 EXPORT_HF_DOC = """\
@@ -920,7 +890,7 @@ class Export:
     """A run's checkpoint on its way to a HuggingFace folder (see `export`): the trainer's
     save_hf(params, model, out, model_type=..., **hf_args) writes it, `written` reports."""
     run_dir: str
-    step: int                   # the checkpoint's
+    step: int
     params: dict                # float32, the buffers joined in
     hf_args: dict               # base_config (the source's keys, or the tokenizer's ids), dtype
     tokenizer_dir: str | None   # the folder to copy tokenizer files from
@@ -956,7 +926,7 @@ def export(run_dir: str, step: int, saved: dict, tables: dict, dtype: str, max_s
         if at is None:
             raise CheckpointError(f"--run-dir {run_dir} has no checkpoint to export.")
         state = ckpt.restore(at, abstract, partial=True)
-    src, tok = hf_origin(saved), None
+    src, tok, base, tokenizer_dir = hf_origin(saved), None, {}, None
     try:  # the data may be gone: then the export ships no tokenizer
         if not src and tokenizer_run:
             tok = run_tokenizer(tokenizer_run)
@@ -964,7 +934,13 @@ def export(run_dir: str, step: int, saved: dict, tables: dict, dtype: str, max_s
             tok = load_dataset(data).tokenizer_path
     except (FileNotFoundError, ValueError, OSError):
         tok = None
-    base, tokenizer_dir = hf.export_extras(src, tok if tok and os.path.isfile(tok) else None)
+    if src and os.path.isfile(os.path.join(src, hf.CONFIG)):  # its config: token ids, chat
+        base, tokenizer_dir = hf.read_config(src), src
+    elif tok and os.path.isfile(tok):  # one trained from scratch: its data's tokenizer and ids
+        sp = open_tokenizer(tok)
+        base = {"bos_token_id": sp.bos_id() if sp.bos_id() >= 0 else None,
+                "eos_token_id": sp.eos_id()}
+        tokenizer_dir = os.path.dirname(tok)
     return Export(run_dir, at, join(state["params"], state.get("buffers", {})), dict(
         base_config=base, dtype=dtype, max_shard_bytes=int(max_shard_gb * 2**30)), tokenizer_dir)
 
@@ -1005,12 +981,18 @@ def hf_params(ckpt: hf.Checkpoint, mesh, table: dict, mapping: dict, sizes: dict
 
 def cli(presets: dict, args: list[str] | None = None):
     """A preset by name, any field as a flag (tyro). With --init-from-hf the model's shape is
-    the folder's: a --model.* flag other than a `how` field (common/config.py) is refused."""
-    import tyro
+    the folder's config.json: a --model.* flag other than a `how` field (common/config.py)
+    would contradict it, and is refused."""
     cfg = tyro.extras.overridable_config_cli(presets, args=args)
-    if getattr(cfg, "init_from_hf", "") and (problem := hf.shape_flag_problem(
-            sys.argv[1:] if args is None else args, compute_fields(type(cfg.model)))):
-        raise ConfigError(problem)
+    allowed = compute_fields(type(cfg.model))
+    names = [a.split("=")[0] for a in (sys.argv[1:] if args is None else args)]
+    for name in names if getattr(cfg, "init_from_hf", "") else ():
+        field = name.removeprefix("--model.").replace("-", "_").removeprefix("no_")
+        if name.startswith("--model.") and field not in allowed:
+            flags = ", ".join("--model." + f.replace("_", "-") for f in allowed)
+            raise ConfigError(f"{name} conflicts with --init-from-hf: the model's shape comes "
+                              f"from that folder's config.json. Drop the flag (only {flags} may "
+                              "be set).")
     return cfg
 
 
@@ -1020,7 +1002,6 @@ def run_cli(main: Callable, cli: Callable, export: Callable | None = None) -> No
     prog = os.path.basename(sys.argv[0])
     try:
         if export is not None and sys.argv[1:2] == ["export-hf"]:
-            import tyro
             tyro.cli(export, args=sys.argv[2:], prog=f"{prog} export-hf")
         else:
             main(cli())
