@@ -1,20 +1,16 @@
 """Mixture-of-experts decoder (Mixtral, Qwen3-MoE, GPT-OSS, DeepSeek-V3, Kimi K2): dropless routing,
-expert parallelism.
+expert parallelism; what no model changes (state, optimiser, MFU, dry run, bench, the loop's
+mechanics, the command line) is in common/.
 
     python train_moe.py tiny-moe                                  # the `make train-moe` run
     python train_moe.py mixtral-8x7b --mesh.expert 8 --mesh.fsdp -1
     python train_moe.py qwen3-30b-a3b --dry-run --mesh.expert 8   # compile only, print memory
     python train_moe.py export-hf --run-dir runs/tiny-moe --out hf/tiny-moe
 
-Sections, in reading order: 1 config and presets, 2 parameters and their shardings, 3 model
-(the block, attention, MLA), 4 loss and train step, 5 experts (router, dispatch, grouped
-matmul), 6 main and the training loop, 7 HuggingFace in and out; what no model changes
-(state, optimiser, MFU, dry run, bench, the loop's mechanics, the command line) is written
-once in common/train.py. Shapes are suffixed on tensor names: B batch, T sequence, D model
-width, N query heads, K key/value heads, H head width, V vocabulary, L layers, E experts,
-F expert MLP width, R experts chosen per token (top-k), A = tokens x R assignments, M rows of
-a grouped matmul, G groups, X experts held by one device, P devices on the expert axis,
-C expert capacity.
+Tensor names end in their shapes: B batch, T sequence, D model width, N query heads, K key/value
+heads, H head width, V vocabulary, L layers, E experts, F expert MLP width, R experts chosen per
+token (top-k), A = tokens x R assignments, M rows of a grouped matmul, G groups, X experts held by
+one device, P devices on the expert axis, C expert capacity.
 
 The MoE block, per layer (Switch Transformer, Mixtral, Qwen3-MoE):
 
@@ -57,12 +53,9 @@ from common.data import DataConfig, get_batch, load_dataset
 from common.mesh import BATCH_AXES, MeshConfig, describe, make_mesh, resolve, target_platform
 from common.train import ConfigError, log, named, need
 
-
 # ----------------------------------------------------------------------------------------------
 # 1. Config
 # ----------------------------------------------------------------------------------------------
-
-
 @dataclass(frozen=True)
 class ModelConfig:
     vocab_size: int = 4096
@@ -257,17 +250,13 @@ PRESETS: dict[str, tuple[str, Config]] = {
 # ----------------------------------------------------------------------------------------------
 # 2. Parameters and their shardings
 # ----------------------------------------------------------------------------------------------
-
-
 def _param_table(cfg: ModelConfig) -> dict:
-    """The one definition of the parameter tree: name -> (shape, PartitionSpec, init std).
-    Per-layer weights are stacked on a leading L axis so the layers run under lax.scan, and
-    the experts of a layer on an E axis, split over the `expert` mesh axis: a device holds
-    whole experts. Within an expert, d is split over fsdp (gathered per layer) and the hidden
-    width over tensor, as in a dense MLP. Init std: 0.02, scaled by 1/sqrt(2L) on the two
-    projections that write into the residual stream (GPT-2). std None = ones (norms).
-    With first_k_dense, those layers are a second, shorter stack ("dense_layers", run before
-    "layers"): a scan needs every layer of a stack to have the same weights."""
+    """The one definition of the parameter tree: name -> (shape, PartitionSpec, init std; None:
+    ones). Per-layer weights are stacked on a leading L axis (for lax.scan), a layer's experts on
+    an E axis split over `expert`: a device holds whole experts, each with d over fsdp (gathered
+    per layer) and its hidden width over tensor, as a dense MLP. Std 0.02, over sqrt(2L) on the
+    two projections into the residual stream (GPT-2). The first_k_dense layers are a second,
+    shorter stack ("dense_layers", run first): a scan needs the same weights in every layer."""
     L, D, V, Kd = cfg.n_layers, cfg.d_model, cfg.vocab_size, cfg.first_k_dense
     table = {"embed": ((V, D), P("tensor", "fsdp"), 0.02),
              "layers": _layer_table(cfg, L - Kd, moe=True), "final_norm": ((D,), P(None), None)}
@@ -341,14 +330,11 @@ def init_params(cfg: ModelConfig, key: jax.Array, mesh=None) -> dict:
 # ----------------------------------------------------------------------------------------------
 # 3. Model
 # ----------------------------------------------------------------------------------------------
-
-
 def block(x_BTD, lp: dict, pos_BT, inv_freq, cfg: ModelConfig, max_logits: bool = False,
           is_global=True):
     """One layer: attention, then the experts, or a dense SwiGLU in a first_k_dense layer
     (whose stack has no router); the dense layers' stats are empty."""
-    dt = x_BTD.dtype
-    w = weights(lp, dt, cfg)
+    w = weights(lp, x_BTD.dtype, cfg)
     h = rms_norm(x_BTD, lp["attn_norm"], cfg.norm_eps)
     if cfg.kv_lora_rank:
         q, k, v = mla(h, lp, pos_BT, inv_freq, cfg)
@@ -394,13 +380,11 @@ def mla(h_BTD, lp: dict, pos_BT, inv_freq, cfg: ModelConfig):
         q_n = [q_nope, RoPE(q_rope)] of h W_q, or of RMSNorm(h W_q_a) W_q_b with q_lora_rank
         k_n = [k_nope_n, k_rope]
 
-    Training materialises every head's key and value, as below. Decoding would instead cache
-    only c_kv and k_rope (C + Hr numbers a token, not 2 N H) and absorb the up-projections:
-    q_nope W_k_b^T is a query in latent space, and W_v_b folds into W_o. With rope_interleave
-    the rotated dims are taken as pairs (2i, 2i+1) and come out in halves, as transformers
-    does: the order within a head is the same for q and k, so q.k is unchanged by it."""
-    dt = h_BTD.dtype
-    w = weights(lp, dt, cfg)
+    Training builds every head's key and value; decoding would cache only c_kv and k_rope
+    (C + Hr numbers a token, not 2 N H), W_k_b absorbed into the query and W_v_b into W_o.
+    rope_interleave takes the rotated dims as pairs (2i, 2i+1) and puts them out in halves, as
+    transformers does: the same order in q and k, so q.k is unchanged."""
+    w = weights(lp, h_BTD.dtype, cfg)
     C, Hn, eps = cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.norm_eps
     if cfg.q_lora_rank:
         c_q = rms_norm(jnp.einsum("btd,dc->btc", h_BTD, w("wq_a")), lp["q_norm_a"], eps)
@@ -502,9 +486,7 @@ def hidden(params: dict, tokens_BT, cfg: ModelConfig, max_logits: bool = False):
     L, W, n, Kd = cfg.n_layers, cfg.sliding_window, cfg.global_every, cfg.first_k_dense
     is_global_L = (np.arange(L) + 1) % n == 0 if W and n else np.full(L, not W)
 
-    def layer(x, xs):
-        return block(x, xs[0], pos_BT, inv_freq, cfg, max_logits, xs[1])
-
+    layer = lambda x, xs: block(x, xs[0], pos_BT, inv_freq, cfg, max_logits, xs[1])
     if cfg.remat != "none":
         # Inside a rolled scan the recomputation cannot be merged away; unrolled, XLA would
         # merge it into the forward pass (and keep every activation) unless prevented.
@@ -533,14 +515,11 @@ def forward(params: dict, tokens_BT, cfg: ModelConfig):
 # ----------------------------------------------------------------------------------------------
 # 4. Loss and train step
 # ----------------------------------------------------------------------------------------------
-
-
 def train_step(state: dict, batch_BT1, *, cfg: Config, tx):
     """One optimiser step on a global batch [B, T+1] -> (new state, metrics). The gradient and
-    its aux (ce, routing stats) are the microbatches' mean; with --train.qk-clip-threshold,
-    heads whose logits exceeded it are clipped after the update (common/train.py `qk_clip`).
-    With sigmoid routing the router biases (state["buffers"]) read the step's load, unless
-    the step is skipped as non-finite."""
+    its aux (ce, routing stats) are the microbatches' mean; with --train.qk-clip-threshold, heads
+    whose logits exceeded it are clipped after the update (common/train.py `qk_clip`). The router
+    biases (state["buffers"], sigmoid routing) follow the step's load unless it is skipped."""
     M, tau = cfg.train.microbatches, cfg.train.qk_clip_threshold
     buffers = state.get("buffers", {})
     grad_fn = jax.grad(lambda p, b: loss_fn(with_buffers(p, buffers), b, cfg.model, cfg.train),
@@ -562,17 +541,15 @@ def train_step(state: dict, batch_BT1, *, cfg: Config, tx):
 
 
 def loss_fn(params, batch_BT1, cfg: ModelConfig, t: TrainConfig = TrainConfig()):
-    """The objective on token windows [B, T+1], every next token a target:
+    """The objective on token windows [B, T+1], every next token a target (all B*T of them):
 
         loss = ce + z_loss * mean_t lse_t^2
                + load_balance_loss * mean_l aux_l + router_z_loss * mean_l router_z_l,
         ce = mean_t (lse_t - l_t[y_t])
 
-    for logits l_t = h_t W_unembed, lse_t = logsumexp(l_t), over all B*T targets, and each
-    layer l's router losses (see `router`). Returns (loss, {"ce": ce, routing stats [L]}).
-    No [B, T, V] logits: train_dense.py's `_ce_fused` makes each `loss_chunk` positions'
-    gradient with their loss (`cross_entropy`), so no logits are kept or rebuilt for the
-    backward pass."""
+    for logits l_t = h_t W_unembed, lse_t = logsumexp(l_t), and layer l's router losses
+    (`router`). Returns (loss, {"ce": ce, routing stats [L]}). No [B, T, V] logits: `_ce_fused`
+    makes each `loss_chunk` positions' gradient with their loss, none kept for the backward."""
     inputs, targets = batch_BT1[:, :-1], batch_BT1[:, 1:]
     h_BTD, stats = hidden(params, inputs, cfg, max_logits=t.qk_clip_threshold > 0)
     w_DV = unembedding(params, cfg).astype(h_BTD.dtype)
@@ -621,12 +598,10 @@ def make_schedule(t: TrainConfig):
 
 # Muon's matrices: name -> (input axes, output axes); [L] and [L, E] axes are batches of
 # separate matrices (one per layer and expert). The router keeps AdamW, as in Kimi K2.
-MUON_DIMS = {"wq": ((1,), (2, 3)), "wk": ((1,), (2, 3)), "wv": ((1,), (2, 3)),
-             "wo": ((1, 2), (3,)), "w_gate": ((2,), (3,)), "w_up": ((2,), (3,)),
-             "w_down": ((2,), (3,)), "wq_a": ((1,), (2,)), "wq_b": ((1,), (2, 3)),
-             "wkv_a": ((1,), (2,)), "wkv_b": ((1,), (2, 3)),
-             **{k: ((1,), (2,)) for k in ("shared_gate", "shared_up", "shared_down",
-                                          "mlp_gate", "mlp_up", "mlp_down")}}
+MUON_DIMS = {"wo": ((1, 2), (3,)), **dict.fromkeys(("w_gate", "w_up", "w_down"), ((2,), (3,))),
+             **dict.fromkeys(("wq", "wk", "wv", "wq_b", "wkv_b"), ((1,), (2, 3))),
+             **dict.fromkeys(("wq_a", "wkv_a", "shared_gate", "shared_up", "shared_down",
+                              "mlp_gate", "mlp_up", "mlp_down"), ((1,), (2,)))}
 
 
 def make_optimizer(t: TrainConfig):
@@ -803,8 +778,6 @@ def _validate_deepseek(m: ModelConfig, t: TrainConfig) -> None:
 # ----------------------------------------------------------------------------------------------
 # 5. Experts: routing and dispatch
 # ----------------------------------------------------------------------------------------------
-
-
 def moe(h_BTD, lp: dict, cfg: ModelConfig):
     """The MoE block on normed activations: (output [B,T,D], routing stats)."""
     gate_BTR, expert_BTR, stats = router(h_BTD, lp["w_router"], cfg, lp.get("b_router"),
@@ -825,10 +798,9 @@ def moe(h_BTD, lp: dict, cfg: ModelConfig):
             in_specs=(act, act, act, {k: P(*spec[k][1:]) for k in ws}),
             out_specs=(act, P(MOE_BATCH)),
         )(h_BTD, expert_BTR, gate_BTR, ws)
-    n_assign = h_BTD.shape[0] * h_BTD.shape[1] * cfg.top_k
     if cfg.n_shared_experts:  # DeepSeek's shared experts: one wider SwiGLU every token uses
         y = y + swiglu(h_BTD, {"w_" + k: lp["shared_" + k].astype(dt) for k in PROJ})
-    return y, stats | {"dropped": jnp.sum(dropped) / n_assign}
+    return y, stats | {"dropped": jnp.sum(dropped) / expert_BTR.size}  # of the assignments
 
 
 def router(h_BTD, w_DE, cfg: ModelConfig, b_E=None, bias_E=None):
@@ -865,14 +837,13 @@ def router(h_BTD, w_DE, cfg: ModelConfig, b_E=None, bias_E=None):
             choice_BTE = jnp.where(jnp.repeat(keep_BTG, E // G, axis=-1), choice_BTE, -jnp.inf)
         expert_BTR = jax.lax.top_k(choice_BTE, R)[1]
         gate_BTR = jnp.take_along_axis(scores_BTE, expert_BTR, axis=-1)
-        if cfg.norm_topk:  # HF's epsilon: all k scores may underflow to 0
-            gate_BTR = gate_BTR / (jnp.sum(gate_BTR, axis=-1, keepdims=True) + 1e-20)
-        gate_BTR = gate_BTR * (cfg.routed_scale or 1.0)
     else:
         probs_BTE = jax.nn.softmax(logits_BTE, axis=-1)
         gate_BTR, expert_BTR = jax.lax.top_k(probs_BTE, R)
-        if cfg.norm_topk:
-            gate_BTR = gate_BTR / jnp.sum(gate_BTR, axis=-1, keepdims=True)
+    if cfg.norm_topk:  # HF's epsilon: all k sigmoid scores may underflow to 0 (a softmax's
+        # sum is >= 1/E, which the epsilon leaves unchanged in float32)
+        gate_BTR = gate_BTR / (jnp.sum(gate_BTR, axis=-1, keepdims=True) + 1e-20)
+    gate_BTR = gate_BTR * (cfg.routed_scale or 1.0)
     B, T = h_BTD.shape[:2]
     count_BE = jnp.sum(jax.nn.one_hot(expert_BTR, E, dtype=jnp.float32), axis=(1, 2))
     count_E, n_tokens = jnp.sum(count_BE, axis=0), B * T
@@ -947,12 +918,9 @@ def _grouped_impl(cfg: ModelConfig, platform: str = "") -> str:
 def _tile_layout(sizes_G, M: int, tile: int):
     """Each group padded to whole tiles: (destination row of each input row, group of each
     tile, number of tiles: static, M / tile + G). Rows past sum(sizes) go out of range."""
-    G = sizes_G.shape[0]
-    n_tiles = -(-M // tile) + G
-    end_G = jnp.cumsum(sizes_G)
-    tiles_G = (sizes_G + tile - 1) // tile
-    tile_end_G = jnp.cumsum(tiles_G)
-    row_M = jnp.arange(M)
+    G, row_M = sizes_G.shape[0], jnp.arange(M)
+    n_tiles, tiles_G = -(-M // tile) + G, (sizes_G + tile - 1) // tile
+    end_G, tile_end_G = jnp.cumsum(sizes_G), jnp.cumsum(tiles_G)
     group_M = jnp.searchsorted(end_G, row_M, side="right")     # G for rows past the groups
     g_M = jnp.minimum(group_M, G - 1)
     within_M = row_M - (end_G - sizes_G)[g_M]
@@ -985,11 +953,6 @@ def grouped_mlp(x_MD, sizes_G, w, cfg: ModelConfig):
 
 def _inverse(perm):
     return jnp.zeros_like(perm).at[perm].set(jnp.arange(perm.shape[0], dtype=perm.dtype))
-
-
-def capacity(n_tokens: int, cfg: ModelConfig) -> int:
-    """Rows per expert per batch shard in capacity mode (GShard): cf x the balanced share."""
-    return max(1, math.ceil(cfg.capacity_factor * n_tokens * cfg.top_k / cfg.n_experts))
 
 
 def _dropless_exchange(x_AD, e_A, sizes_E, w, cfg: ModelConfig, peers: int, S: int):
@@ -1069,15 +1032,15 @@ def experts(x_BTD, expert_BTR, gate_BTR, w: dict, cfg: ModelConfig, peers: int =
     order_A = jnp.argsort(e_A, stable=True)
     x_AD, sorted_e_A = x_nD[order_A % n], e_A[order_A]
     sizes_E = jnp.bincount(e_A, length=cfg.n_experts).astype(jnp.int32)
-    if cfg.capacity_factor > 0:
-        y_AD, dropped = _capacity_exchange(x_AD, sorted_e_A, sizes_E, w, cfg, peers,
-                                           capacity(n, cfg))
+    dropped = jnp.zeros((), jnp.int32)
+    if cfg.capacity_factor > 0:  # C rows per expert per batch shard: cf x the even share
+        C = max(1, math.ceil(cfg.capacity_factor * n * R / cfg.n_experts))
+        y_AD, dropped = _capacity_exchange(x_AD, sorted_e_A, sizes_E, w, cfg, peers, C)
     elif peers > 1:
         y_AD = _dropless_exchange(x_AD, sorted_e_A, sizes_E, w, cfg, peers,
                                   S=n * min(cfg.n_experts // peers, R))
-        dropped = jnp.zeros((), jnp.int32)
     else:
-        y_AD, dropped = grouped_mlp(x_AD, sizes_E, w, cfg), jnp.zeros((), jnp.int32)
+        y_AD = grouped_mlp(x_AD, sizes_E, w, cfg)
     y_RnD = y_AD[_inverse(order_A)].reshape(R, n, D)
     gate_nR = gate_BTR.reshape(n, R).astype(dt)
     y_nD = jnp.einsum("rnd,nr->nd", y_RnD, gate_nR, preferred_element_type=jnp.float32)
@@ -1089,8 +1052,6 @@ def experts(x_BTD, expert_BTR, gate_BTR, w: dict, cfg: ModelConfig, peers: int =
 # ----------------------------------------------------------------------------------------------
 # 6. Main and the training loop
 # ----------------------------------------------------------------------------------------------
-
-
 def main(cfg: Config) -> dict:
     hf_config, model = train.model_source(cfg)  # --init-from-hf's config, --init-from's model
     cfg = train.with_model(cfg, config_from_hf(*hf_config) if hf_config else model)
@@ -1194,20 +1155,17 @@ def train_loop(cfg: Config, mesh, st: train.TrainState, step_fn) -> dict:
             "state": state}
 
 
-def dense_twin(cfg: Config) -> Config:
-    """The same network with each MoE block replaced by one dense SwiGLU of width
-    top_k x d_ff: the same active matmul FLOPs, without routing, sorting or exchanges."""
-    return dataclasses.replace(cfg, model=dataclasses.replace(
-        cfg.model, n_experts=1, top_k=1, d_ff=cfg.model.top_k * cfg.model.d_ff,
-        capacity_factor=0.0, n_group=0, topk_group=0))
-
-
 def bench(cfg: Config, mesh, batch) -> dict:
     """Median step time over --bench steps on random tokens, of the MoE model and (--bench-twin)
-    its dense twin, and their cost ratio per active FLOP: the price of routing and dispatch."""
-    tc, report = cfg.train, {}
+    its dense twin (each MoE block one SwiGLU top_k x d_ff wide: the same active matmul FLOPs
+    without routing, sorting or exchanges), and their cost ratio per active FLOP: the price of
+    routing and dispatch."""
+    tc, report, m = cfg.train, {}, cfg.model
+    twin = dataclasses.replace(cfg, model=dataclasses.replace(
+        m, n_experts=1, top_k=1, d_ff=m.top_k * m.d_ff, capacity_factor=0.0, n_group=0,
+        topk_group=0))
     peak = train.peak_flops_per_device(tc.peak_tflops)
-    for what, c in [("moe", cfg)] + ([("dense", dense_twin(cfg))] if cfg.bench_twin else []):
+    for what, c in [("moe", cfg)] + ([("dense", twin)] if cfg.bench_twin else []):
         log(f"bench {what} | {count_active_params(c.model) / 1e6:.2f}M active parameters; "
             "MFU on active FLOPs")
         st = train_state(c, mesh)
