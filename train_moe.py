@@ -19,18 +19,13 @@ The MoE block, per layer (Switch Transformer, Mixtral, Qwen3-MoE):
     y = sum_r g_r SwiGLU_{expert_r}(h)
 
 Dropless (the default): the (token, expert) assignments are sorted by expert and every
-expert runs on exactly its rows as one grouped matmul (`jax.lax.ragged_dot`; on the CPU a
-tiled equivalent, see `grouped_mlp`). Nothing is padded to a capacity and nothing dropped.
-Capacity mode (`--model.capacity-factor > 0`, GShard/MaxText): each expert takes at most
-C = ceil(cf * tokens * R / E) rows per batch shard, first choices first, and the rest skip
-the expert (the residual stream carries them); the dropped fraction is logged.
-
-Expert parallelism: the experts are split over the `expert` mesh axis, which also splits
-the batch. In a `shard_map`, each device sorts its own assignments by expert, sends every
-peer the rows for the experts it holds (all-to-all), runs its experts, and sends the
-results back (all-to-all). Data and fsdp sharding work as in the dense trainer: an expert
-weight is split on d over fsdp and gathered per layer, and on its hidden width over tensor.
-"""
+expert runs on exactly its rows as one grouped matmul (`grouped_mlp`): nothing is padded to a
+capacity, nothing dropped. Capacity mode (`--model.capacity-factor > 0`, GShard/MaxText): each
+expert takes at most C = ceil(cf * tokens * R / E) rows per batch shard, first choices first;
+the rest skip the expert (the residual stream carries them). Expert parallelism: the experts
+are split over the `expert` mesh axis, which also splits the batch; in a `shard_map` each
+device sorts its assignments by expert, sends each peer the rows for its experts and gets the
+results back (two all-to-alls). Data and fsdp sharding work as in train_dense.py."""
 from __future__ import annotations
 
 import dataclasses
@@ -94,7 +89,7 @@ class ModelConfig:
     qk_nope_head_dim: int = 128   # MLA: the per-head part of q and k that is not rotated
     qk_rope_head_dim: int = 64    # MLA: the rotated part; its key is one for all heads
     v_head_dim: int = 128         # MLA: the value heads' width
-    yarn_mscale_all_dim: float = 0.0  # MLA with YaRN: logits times yarn_mscale(factor, this)^2
+    yarn_mscale_all_dim: float = 0.0  # MLA with YaRN: the m of its temperature (see `attention`)
     rope_interleave: bool = False  # MLA: RoPE turns pairs (2i, 2i+1), as DeepSeek's weights do
     sigmoid_routing: bool = False  # scores sigmoid(logits); top-k chosen on scores + a bias
     routed_scale: float = 0.0     # the routed experts' output times this (routed_scaling_factor)
@@ -339,9 +334,7 @@ def block(x_BTD, lp: dict, pos_BT, inv_freq, cfg: ModelConfig, max_logits: bool 
     if cfg.kv_lora_rank:
         q, k, v = mla(h, lp, pos_BT, inv_freq, cfg)
     else:
-        q = jnp.einsum("btd,dnh->btnh", h, w("wq"))
-        k = jnp.einsum("btd,dkh->btkh", h, w("wk"))
-        v = jnp.einsum("btd,dkh->btkh", h, w("wv"))
+        q, k, v = (jnp.einsum("btd,dnh->btnh", h, w(name)) for name in ("wq", "wk", "wv"))
         if cfg.attn_bias:
             q, k, v = q + w("bq"), k + w("bk"), v + w("bv")
         if cfg.qk_norm:
@@ -362,10 +355,11 @@ def block(x_BTD, lp: dict, pos_BT, inv_freq, cfg: ModelConfig, max_logits: bool 
 def attention(q_BTNH, k_BTKH, v_BTKV, lp: dict, cfg: ModelConfig, is_global):
     """One layer's attention by the compile target's kernel (common/attention.py), with
     GPT-OSS's sinks and window; `is_global` (traced) picks the layer's kind. YaRN's
-    temperature scales q and k alike: here their logits, by its square (DeepSeek's YaRN leaves
-    the rotation unscaled and multiplies the logits by mscale(factor, mscale_all_dim)^2).
+    temperature mscale = 0.1 m ln(factor) + 1 scales q and k alike: here their logits, by its
+    square (m = 1; DeepSeek leaves the rotation unscaled and gives m = mscale_all_dim).
     MLA's values are narrower than its queries (V 128, H 192): every kernel takes that."""
-    temp = yarn_mscale(cfg.yarn_factor, cfg.yarn_mscale_all_dim or 1.0) ** 2
+    f, m = cfg.yarn_factor, cfg.yarn_mscale_all_dim or 1.0
+    temp = (0.1 * m * math.log(f) + 1.0) ** 2 if f > 1 else 1.0
     full = partial(attend, q_BTNH, k_BTKH, v_BTKV, impl=cfg.attention, sinks_N=lp.get("sinks"),
                    scale=temp / math.sqrt(q_BTNH.shape[-1]), batch_axes=MOE_BATCH)
     W = cfg.sliding_window if cfg.sliding_window < q_BTNH.shape[1] else 0  # else: all in reach
@@ -419,9 +413,8 @@ VOCAB_DV, LOSS_BTD = P(None, ("tensor", "fsdp", "expert")), P("data", None, None
 
 
 def weights(lp: dict, dt, cfg: ModelConfig):
-    """name -> the layer's f32 master weight in the compute dtype. The cast copy keeps the
-    master's sharding, so FSDP gathers it in the compute dtype and reduce-scatters its
-    gradient (not all-reduces it whole)."""
+    """name -> the layer's f32 master weight in the compute dtype, keeping the master's sharding:
+    FSDP gathers it in the compute dtype and reduce-scatters its gradient (not all-reduces)."""
     specs = param_specs(cfg)
     spec = {**specs.get("dense_layers", {}), **specs["layers"]}
     return lambda name: constrain(lp[name].astype(dt), P(*spec[name][1:]))
@@ -450,12 +443,6 @@ def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
         ramp = np.clip((np.arange(H // 2) - lo) / ((hi - lo) or 0.001), 0, 1)
         inv = inv / cfg.yarn_factor * ramp + inv * (1 - ramp)
     return inv.astype(np.float32)
-
-
-def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
-    """YaRN's attention temperature: q and k are both scaled by this (DeepSeek-V3 passes its
-    own mscale)."""
-    return 0.1 * mscale * math.log(factor) + 1.0 if factor > 1 else 1.0
 
 
 def apply_rope(x_BTNH, pos_BT, inv_freq):
@@ -493,11 +480,10 @@ def hidden(params: dict, tokens_BT, cfg: ModelConfig, max_logits: bool = False):
         layer = jax.checkpoint(layer, policy=REMAT_POLICIES[cfg.remat],
                                prevent_cse=not cfg.scan_layers)
     # Unrolled (--model.no-scan-layers), each layer is compiled on its own.
+    scan = partial(jax.lax.scan, layer, unroll=not cfg.scan_layers)
     if Kd:  # the dense layers come first, as their own stack
-        x, _ = jax.lax.scan(layer, x, (params["dense_layers"], jnp.asarray(is_global_L[:Kd])),
-                            unroll=not cfg.scan_layers)
-    x, stats = jax.lax.scan(layer, x, (params["layers"], jnp.asarray(is_global_L[Kd:])),
-                            unroll=not cfg.scan_layers)
+        x, _ = scan(x, (params["dense_layers"], jnp.asarray(is_global_L[:Kd])))
+    x, stats = scan(x, (params["layers"], jnp.asarray(is_global_L[Kd:])))
     return rms_norm(x, params["final_norm"], cfg.norm_eps), stats
 
 
@@ -806,21 +792,19 @@ def moe(h_BTD, lp: dict, cfg: ModelConfig):
 def router(h_BTD, w_DE, cfg: ModelConfig, b_E=None, bias_E=None):
     """Top-k routing and its statistics: (weights [B,T,R] f32, experts [B,T,R] int32, stats).
 
-    Switch load balancing (Fedus et al. 2021, eq. 4), with HuggingFace's and MaxText's top-k
-    convention so their coefficients carry over: aux = E * sum_e f_e * P_e, f_e the fraction
-    of tokens that chose e among their top k (the f_e sum to k), P_e the mean router
-    probability of e. Perfect balance gives k; a collapse onto k experts gives E. Its
-    gradient reaches the router through P only. Router z-loss (ST-MoE, Zoph et al. 2022):
-    mean logsumexp(logits)^2, which keeps the logits small enough for float32 softmax to stay
-    exact. `load` is each expert's share of the assignments (1/E when balanced). GPT-OSS's
-    router has a bias b_E and takes the softmax of the k chosen logits: the renormalised top k
-    of the softmax over all of them (norm_topk), the same weights.
+    Switch load balancing (Fedus et al. 2021, eq. 4) in HuggingFace's and MaxText's top-k
+    convention, so their coefficients carry over: aux = E * sum_e f_e * P_e, f_e the fraction
+    of tokens that chose e among their top k (the f_e sum to k), P_e e's mean router
+    probability: k when balanced, E when collapsed onto k experts; its gradient reaches the
+    router through P only. Router z-loss (ST-MoE): mean logsumexp(logits)^2 keeps the logits
+    small enough for a float32 softmax to stay exact. `load`: each expert's share of the
+    assignments. GPT-OSS's router has a bias b_E and softmaxes the k chosen logits: the same
+    weights as the renormalised top k of the whole softmax (norm_topk).
 
-    DeepSeek-V3 (sigmoid_routing): scores s = sigmoid(logits); the top k are chosen on
-    s + bias_E (`balance_biases` moves the bias), but weighted by s alone, renormalised
-    (norm_topk) and times routed_scale. With n_group, each token first keeps its best
-    topk_group of n_group groups of experts, ranked by the sum of their two best s + bias,
-    and chooses only among those (HF's masked -inf too). The aux loss takes P_e = s / sum(s)."""
+    DeepSeek-V3 (sigmoid_routing): scores s = sigmoid(logits), the top k chosen on s + bias_E
+    (`balance_biases`) but weighted by s alone, renormalised (norm_topk), times routed_scale.
+    With n_group a token first keeps its best topk_group of n_group groups, ranked by the sum
+    of their two best s + bias, and chooses among those. The aux loss takes P_e = s / sum(s)."""
     E, R = cfg.n_experts, cfg.top_k
     logits_BTE = jnp.einsum("btd,de->bte", h_BTD.astype(jnp.float32), w_DE)
     logits_BTE = logits_BTE if b_E is None else logits_BTE + b_E
@@ -858,18 +842,15 @@ def router(h_BTD, w_DE, cfg: ModelConfig, b_E=None, bias_E=None):
 
 
 def _buffer_table(cfg: ModelConfig) -> dict:
-    """State that is not trained: with sigmoid routing, each MoE layer's per-expert bias on
-    the scores that choose the experts (DeepSeek-V3's e_score_correction_bias), replicated
-    like the router's expert axis. Moved by `balance_biases`, never by a gradient."""
-    if not cfg.sigmoid_routing:
-        return {}
-    return {"layers": {"router_bias": ((cfg.n_layers - cfg.first_k_dense, cfg.n_experts),
-                                       P(None, None), 0.0)}}
+    """State that is not trained: with sigmoid routing, each MoE layer's bias on the scores
+    that choose the experts (DeepSeek-V3's e_score_correction_bias), moved by `balance_biases`."""
+    L = cfg.n_layers - cfg.first_k_dense
+    return {"layers": {"router_bias": ((L, cfg.n_experts), P(None, None), 0.0)}} if (
+        cfg.sigmoid_routing) else {}
 
 
 def with_buffers(params: dict, buffers: dict) -> dict:
-    """The model's weights with the buffers joined into their stacks: what `forward` reads.
-    The buffers pass through stop_gradient: no gradient is taken of them."""
+    """The weights with the buffers (under stop_gradient) joined into their stacks."""
     return train.join(params, jax.tree.map(jax.lax.stop_gradient, buffers))
 
 
@@ -895,10 +876,9 @@ def glu(g, u, cfg: ModelConfig | None = None):
 
 
 def swiglu(x, w: dict, cfg: ModelConfig | None = None, mm=jnp.matmul, at=lambda b: b):
-    """An MLP on rows x: w holds w_gate, w_up, w_down and, with moe_bias, b_gate, b_up,
-    b_down. Every dispatch path runs its experts here, differing only in how rows meet
-    weights: `mm(x, weight)` (one matmul, batched over experts, ragged or tiled) and `at(bias)`
-    (the bias of each row's expert, broadcast onto the rows)."""
+    """An MLP on rows x (w: w_gate, w_up, w_down, with moe_bias b_gate, b_up, b_down). Every
+    dispatch path runs its experts here, differing only in `mm(x, weight)` (batched over
+    experts, ragged or tiled) and `at(bias)` (each row's expert's bias, onto the rows)."""
     def proj(x, name):
         y = mm(x, w["w_" + name])
         return y + at(w["b_" + name]) if "b_" + name in w else y
@@ -908,10 +888,9 @@ def swiglu(x, w: dict, cfg: ModelConfig | None = None, mm=jnp.matmul, at=lambda 
 def _grouped_impl(cfg: ModelConfig, platform: str = "") -> str:
     if cfg.grouped_matmul != "auto":
         return cfg.grouped_matmul
-    # XLA:CPU rewrites ragged_dot into a dense matmul of every row with every group's weights,
-    # zero-masked (E times the FLOPs and memory; 2-6x slower than tiled at E=8 on a laptop
-    # CPU). TPUs, and GPUs with a grouped GEMM for the shapes and dtype, run it as one. The
-    # compile target decides, not the host: a --compile-topology dry run builds the TPU's.
+    # XLA:CPU rewrites ragged_dot as every row times every group's weights, zero-masked (E times
+    # the FLOPs; 2-6x slower than tiled at E=8 on a laptop). TPUs and GPUs run it as one grouped
+    # GEMM. The compile target decides, not the host (a --compile-topology dry run: the TPU's).
     return "tiled" if (platform or target_platform()) == "cpu" else "ragged_dot"
 
 
@@ -930,12 +909,11 @@ def _tile_layout(sizes_G, M: int, tile: int):
 
 
 def grouped_mlp(x_MD, sizes_G, w, cfg: ModelConfig):
-    """SwiGLU of expert g on its rows: x is sorted by group, sizes_G[g] rows each. Rows past
-    sum(sizes_G) (buffer padding) give zeros, or with biases values no one reads. w: as
-    `swiglu`'s, each with a leading G axis. "ragged_dot": a grouped GEMM, each row against
-    its group's weights only. "tiled" (megablocks-style, for the CPU): every group padded to
-    whole tiles of `gmm_tile` rows, each tile multiplied with its group's weights, one batched
-    matmul over tiles; the cost is at most G tiles of padding and one weight copy per tile."""
+    """SwiGLU of expert g on its sizes_G[g] rows of x (sorted by group; rows past the sum are
+    padding: zeros out, or with biases values no one reads); w as `swiglu`'s, with a leading G
+    axis. "ragged_dot": a grouped GEMM. "tiled" (megablocks-style, for the CPU): each group
+    padded to whole tiles of `gmm_tile` rows, one batched matmul over tiles, each with its
+    group's weights: at most G tiles of padding, one weight copy per tile."""
     M, D = x_MD.shape
     if _grouped_impl(cfg) == "ragged_dot":
         group_M = jnp.minimum(jnp.searchsorted(jnp.cumsum(sizes_G), jnp.arange(M), side="right"),
@@ -961,8 +939,7 @@ def _dropless_exchange(x_AD, e_A, sizes_E, w, cfg: ModelConfig, peers: int, S: i
     XLA:CPU cannot run ragged_all_to_all (JAX 0.10, 0.12), so this sends buffers of S rows
     per peer, the most one can be owed (each token's min(X, k) choices there; MaxText sizes
     them alike): dropless at up to P times the exact exchange's traffic and memory."""
-    A, D = x_AD.shape
-    X = cfg.n_experts // peers
+    (A, D), X = x_AD.shape, cfg.n_experts // peers
     sizes_PX = sizes_E.reshape(peers, X)
     send_P = jnp.sum(sizes_PX, axis=1)
     start_P = jnp.cumsum(send_P) - send_P
@@ -985,11 +962,9 @@ def _dropless_exchange(x_AD, e_A, sizes_E, w, cfg: ModelConfig, peers: int, S: i
 
 
 def _capacity_exchange(x_AD, e_A, sizes_E, w, cfg: ModelConfig, peers: int, C: int):
-    """Capacity mode: the first C rows of each expert go into an [E, C, d] buffer (the rest
-    are dropped), which is split by expert over the peers with one all-to-all and comes
-    back with another. Returns (results of the rows in sorted order, rows dropped)."""
-    A, D = x_AD.shape
-    E, X = cfg.n_experts, cfg.n_experts // peers
+    """Capacity mode: each expert's first C rows go into an [E, C, d] buffer (the rest are
+    dropped), sent to the experts' peers and back. Returns (sorted rows' results, dropped)."""
+    (A, D), E, X = x_AD.shape, cfg.n_experts, cfg.n_experts // peers
     rank_A = jnp.arange(A) - (jnp.cumsum(sizes_E) - sizes_E)[e_A]
     keep_A = rank_A < C
     slot_A = jnp.where(keep_A, e_A * C + rank_A, E * C)
@@ -1008,12 +983,10 @@ def _capacity_exchange(x_AD, e_A, sizes_E, w, cfg: ModelConfig, peers: int, C: i
 
 def experts(x_BTD, expert_BTR, gate_BTR, w: dict, cfg: ModelConfig, peers: int = 1,
             sharded: bool = False):
-    """The experts' output for this device's tokens, and how many assignments were dropped:
-    per device in `shard_map` when sharded (this device's batch shard, its X = E/P experts,
-    d split over fsdp, F over tensor), or on everything at once without a mesh. w: the
-    layer's expert weights, named as in `swiglu`."""
-    dt = x_BTD.dtype
-    B, T, D = x_BTD.shape
+    """The experts' output for this device's tokens and how many assignments were dropped: in
+    `shard_map` when sharded (a batch shard, X = E/P experts, d over fsdp, F over tensor), else
+    on everything at once. w: the layer's expert weights, named as in `swiglu`."""
+    (B, T, D), dt = x_BTD.shape, x_BTD.dtype
     R, n = cfg.top_k, B * T
     w = {k: a.astype(dt) for k, a in w.items()}
     if sharded:
@@ -1066,15 +1039,14 @@ def main(cfg: Config) -> dict:
     kernel = choose(m.attention, pf, dtype=m.dtype, T=tc.seq_len, sinks=m.attn_sinks,
                     H=m.qk_nope_head_dim + m.qk_rope_head_dim if mla else m.head_dim,
                     V=m.v_head_dim if mla else m.head_dim)
-    log(f"model {count_params(m):,} parameters, {count_active_params(m):,} active "
-        f"({m.n_experts} experts, top-{m.top_k}, "
-        f"{'dropless' if m.capacity_factor == 0 else f'capacity factor {m.capacity_factor}'}, "
-        f"{_grouped_impl(m, pf)} grouped matmul, {kernel} attention; MFU counts active FLOPs) "
-        f"| mesh {describe(mesh)} | {len(devices)} {pf} devices, {jax.process_count()} "
-        "process(es)")
+    drop = "dropless" if m.capacity_factor == 0 else f"capacity factor {m.capacity_factor}"
+    log(f"model {count_params(m):,} parameters, {count_active_params(m):,} active ({m.n_experts} "
+        f"experts, top-{m.top_k}, {drop}, {_grouped_impl(m, pf)} grouped matmul, {kernel} "
+        f"attention; MFU counts active FLOPs) | mesh {describe(mesh)} | {len(devices)} {pf} "
+        f"devices, {jax.process_count()} process(es)")
     # Random tokens for --dry-run and --bench: no data, no checkpoints.
-    tokens = np.random.default_rng(0).integers(0, m.vocab_size,
-                                               (tc.batch_size, tc.seq_len + 1), np.int32)
+    tokens = np.random.default_rng(0).integers(0, m.vocab_size, (tc.batch_size, tc.seq_len + 1),
+                                               np.int32)
     if cfg.dry_run:
         return train.dry_run(step_fn, st.abstract(), train.put(tokens, mesh, MOE_BATCH, True),
                              mesh, count_params(m), active_params=count_active_params(m),
@@ -1098,9 +1070,8 @@ def train_loop(cfg: Config, mesh, st: train.TrainState, step_fn) -> dict:
     weights = lambda s: with_buffers(s["params"], s.get("buffers", {}))  # what forward reads
 
     def evaluate(params) -> dict:
-        losses = [eval_fn(params, batch(ds.eval, seed=cfg.data.seed + 1, step=i))
-                  for i in range(tc.eval_batches)]
-        loss = float(np.mean(jax.device_get(losses)))
+        held_out = (batch(ds.eval, seed=cfg.data.seed + 1, step=i) for i in range(tc.eval_batches))
+        loss = float(np.mean(jax.device_get([eval_fn(params, b) for b in held_out])))
         log(f"eval step {loop.step} | eval_loss {loss:.3f}")
         return {"eval_loss": loss}
 
@@ -1113,11 +1084,9 @@ def train_loop(cfg: Config, mesh, st: train.TrainState, step_fn) -> dict:
 
     with train.Run(cfg, tc.profile_steps, defaults=Config()) as run:
         state, start = run.resume(st.abstract())
-        if state is None and cfg.init_from_hf:  # the router biases come with the weights
-            state = st.from_params(*train.split(load_hf(cfg.init_from_hf, mesh)[1],
-                                                _buffer_table(mc)))
-        elif state is None:
-            state = st.fresh(jax.random.key(tc.seed))
+        if state is None:  # new: --init-from-hf's weights (router biases with them), or random
+            state = (st.from_params(*train.split(load_hf(cfg.init_from_hf, mesh)[1], _buffer_table(
+                mc))) if cfg.init_from_hf else st.fresh(jax.random.key(tc.seed)))
         loop = train.Loop(run, start, tc.steps, log_every=tc.log_every,
                           eval_every=tc.eval_every, tokens_per_step=tc.batch_size * tc.seq_len,
                           flops_per_token=flops_per_token(mc, tc.seq_len),
@@ -1226,12 +1195,10 @@ _HF_FAMILY_FIELDS = {
     "gpt_oss": dict(num_local_experts="n_experts", intermediate_size="d_ff",
                     attention_bias="attn_bias", swiglu_limit="swiglu_limit"),
     "deepseek_v3": dict(n_routed_experts="n_experts", moe_intermediate_size="d_ff",
-                        norm_topk_prob="norm_topk", kv_lora_rank="kv_lora_rank",
-                        q_lora_rank="q_lora_rank", qk_nope_head_dim="qk_nope_head_dim",
-                        qk_rope_head_dim="qk_rope_head_dim", v_head_dim="v_head_dim",
-                        rope_interleave="rope_interleave", routed_scaling_factor="routed_scale",
-                        n_shared_experts="n_shared_experts", seq_aux="seq_aux",
-                        first_k_dense_replace="first_k_dense"),
+                        norm_topk_prob="norm_topk", routed_scaling_factor="routed_scale",
+                        first_k_dense_replace="first_k_dense") | {k: k for k in (
+        "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+        "rope_interleave", "n_shared_experts", "seq_aux")},
 }
 # What we write for what we do not implement, per family; reading refuses other values of
 # the keys that change the model (`config_from_hf`).
@@ -1342,9 +1309,9 @@ def config_from_hf(c: dict, where: str = "config.json") -> ModelConfig:
     unsupported = lambda what: hf.HFError(f"{where}: {what} is not implemented by train_moe.py, "
                                           f"so this {mt} model cannot be loaded faithfully.")
     wide = "intermediate_size" if mt in ("mixtral", "gpt_oss") else "moe_intermediate_size"
-    for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", wide):
-        if key not in c:
-            raise hf.HFError(f"{where} has no {key!r}; it is not a complete {mt} config.")
+    if lacking := [k for k in ("vocab_size", "hidden_size", "num_hidden_layers",
+                               "num_attention_heads", wide) if k not in c]:
+        raise hf.HFError(f"{where} has no {lacking[0]!r}; it is not a complete {mt} config.")
     only = dict(hidden_act="silu", partial_rotary_factor=1.0, decoder_sparse_step=1,
                 moe_layer_freq=1)  # the one value we implement of each
     only |= dict(swiglu_alpha=SWIGLU_ALPHA) if mt == "gpt_oss" else dict(
@@ -1364,8 +1331,7 @@ def config_from_hf(c: dict, where: str = "config.json") -> ModelConfig:
             rope.get("mscale_all_dim") and rope.get("mscale") == rope["mscale_all_dim"])):
         raise unsupported(f"rope {kind!r} {rope} (only the default, GPT-OSS's YaRN, and "
                           "DeepSeek's YaRN with mscale == mscale_all_dim)")
-    one = ModelConfig()
-    m = {f: type(getattr(one, f))(c.get(k) or 0)
+    m = {f: type(getattr(ModelConfig, f))(c.get(k) or 0)
          for k, f in (_HF_FIELDS | _HF_FAMILY_FIELDS[fam]).items()}
     # A sliding window of W tokens changes nothing on sequences of at most W tokens (GPT-OSS's
     # windows are its layers', below).
@@ -1457,9 +1423,8 @@ def _hf_table(cfg: ModelConfig) -> dict:
 
 def load_hf(path: str, mesh=None) -> tuple[ModelConfig, dict]:
     """A HuggingFace folder (config.json and safetensors, one file or sharded with an index)
-    as our ModelConfig and float32 parameters placed with their `param_specs` on `mesh`,
-    every device reading only its own experts' blocks. With sigmoid routing the router biases
-    come inside the layers, as `with_buffers` puts them: `forward` reads them there."""
+    as our ModelConfig and float32 parameters placed by `param_specs` on `mesh` (each device
+    reads only its experts' blocks), the router biases inside the layers (`with_buffers`)."""
     ckpt = hf.Checkpoint(path)
     cfg, mt = config_from_hf(ckpt.config, ckpt.config_file), ckpt.config["model_type"]
     return cfg, train.hf_params(ckpt, mesh, _hf_table(cfg), hf_mapping(cfg, mt), _hf_sizes(cfg))
@@ -1468,9 +1433,8 @@ def load_hf(path: str, mesh=None) -> tuple[ModelConfig, dict]:
 def save_hf(params: dict, cfg: ModelConfig, path: str, *, model_type: str = "",
             base_config: dict | None = None, dtype: str = "float32",
             max_shard_bytes: int = 5 * 2**30) -> list[str]:
-    """`params` (the router biases inside, as `load_hf` gives them) as a HuggingFace folder:
-    config.json, and safetensors shards of at most `max_shard_bytes` with their index.
-    `base_config` (the config.json the run started from) keeps its other keys."""
+    """`params` (router biases inside, as `load_hf` gives them) as a HuggingFace folder: config.json
+    and safetensors shards of at most `max_shard_bytes`; `base_config`'s other keys kept."""
     mt = _model_type(cfg, model_type or (base_config or {}).get("model_type", ""))
     return hf.save(path, params, hf_mapping(cfg, mt), _hf_sizes(cfg), config_to_hf(cfg, mt, dtype),
                    base_config, dtype=dtype, max_shard_bytes=max_shard_bytes)
