@@ -212,8 +212,7 @@ _RELEASED = {
     "gpt-oss-20b": ("GPT-OSS 20B (32 experts, top-4)",
                     (201088, 2880, 24, 64, 8, 64, 32, 4, 2880, 131072), _GPT_OSS),
     "gpt-oss-120b": ("GPT-OSS 120B (128 experts, top-4)",
-                     (201088, 2880, 36, 64, 8, 64, 128, 4, 2880, 131072), _GPT_OSS),
-}
+                     (201088, 2880, 36, 64, 8, 64, 128, 4, 2880, 131072), _GPT_OSS)}
 
 PRESETS: dict[str, tuple[str, Config]] = {
     # No remat: the tiny model's activations are a few MB, and recomputing them would cost a
@@ -303,8 +302,7 @@ def _layer_table(cfg: ModelConfig, L: int, moe: bool) -> dict:
         "bv": ((K, H), ("tensor", None), 0.0, biased),
         "sinks": ((N,), ("tensor",), 0.0, moe and cfg.attn_sinks),
         "b_router": ((E,), (None,), 0.0, bias), "b_gate": ((E, F), (ex, "tensor"), 0.0, bias),
-        "b_up": ((E, F), (ex, "tensor"), 0.0, bias), "b_down": ((E, D), (ex, None), 0.0, bias),
-    }
+        "b_up": ((E, F), (ex, "tensor"), 0.0, bias), "b_down": ((E, D), (ex, None), 0.0, bias)}
     return {k: ((L, *shape), P(None, *spec), s) for k, (shape, spec, s, on) in rows.items() if on}
 
 
@@ -782,8 +780,7 @@ def moe(h_BTD, lp: dict, cfg: ModelConfig):
         y, dropped = jax.shard_map(
             partial(experts, cfg=cfg, peers=mesh.shape["expert"], sharded=True),
             in_specs=(act, act, act, {k: P(*spec[k][1:]) for k in ws}),
-            out_specs=(act, P(MOE_BATCH)),
-        )(h_BTD, expert_BTR, gate_BTR, ws)
+            out_specs=(act, P(MOE_BATCH)))(h_BTD, expert_BTR, gate_BTR, ws)
     if cfg.n_shared_experts:  # DeepSeek's shared experts: one wider SwiGLU every token uses
         y = y + swiglu(h_BTD, {"w_" + k: lp["shared_" + k].astype(dt) for k in PROJ})
     return y, stats | {"dropped": jnp.sum(dropped) / expert_BTR.size}  # of the assignments
@@ -805,15 +802,14 @@ def router(h_BTD, w_DE, cfg: ModelConfig, b_E=None, bias_E=None):
     (`balance_biases`) but weighted by s alone, renormalised (norm_topk), times routed_scale.
     With n_group a token first keeps its best topk_group of n_group groups, ranked by the sum
     of their two best s + bias, and chooses among those. The aux loss takes P_e = s / sum(s)."""
-    E, R = cfg.n_experts, cfg.top_k
+    E, R, G = cfg.n_experts, cfg.top_k, cfg.n_group
     logits_BTE = jnp.einsum("btd,de->bte", h_BTD.astype(jnp.float32), w_DE)
     logits_BTE = logits_BTE if b_E is None else logits_BTE + b_E
     if cfg.sigmoid_routing:
         scores_BTE = jax.nn.sigmoid(logits_BTE)
         probs_BTE = scores_BTE / jnp.sum(scores_BTE, axis=-1, keepdims=True)
         choice_BTE = scores_BTE if bias_E is None else scores_BTE + bias_E
-        if cfg.n_group:
-            G = cfg.n_group
+        if G:
             groups = choice_BTE.reshape(*choice_BTE.shape[:2], G, E // G)
             _, best_BTg = jax.lax.top_k(jnp.sum(jax.lax.top_k(groups, 2)[0], axis=-1),
                                         cfg.topk_group)
@@ -834,11 +830,10 @@ def router(h_BTD, w_DE, cfg: ModelConfig, b_E=None, bias_E=None):
     # seq_aux (DeepSeek-V3 eqs. 17-19): f and P of each sequence, the mean over sequences
     aux = E * (jnp.mean(jnp.sum(count_BE / T * jnp.mean(probs_BTE, axis=1), axis=-1)) if
                cfg.seq_aux else jnp.sum(count_E / n_tokens * jnp.mean(probs_BTE, axis=(0, 1))))
-    z = jnp.mean(jnp.square(jax.nn.logsumexp(logits_BTE, axis=-1)))
     load_E = count_E / (n_tokens * R)
-    stats = {"aux_loss": aux, "router_z": z, "load_min": jnp.min(load_E),
-             "load_max": jnp.max(load_E), "load": load_E}
-    return gate_BTR, expert_BTR.astype(jnp.int32), stats
+    return gate_BTR, expert_BTR.astype(jnp.int32), {
+        "aux_loss": aux, "router_z": jnp.mean(jnp.square(jax.nn.logsumexp(logits_BTE, axis=-1))),
+        "load": load_E, "load_min": jnp.min(load_E), "load_max": jnp.max(load_E)}
 
 
 def _buffer_table(cfg: ModelConfig) -> dict:
@@ -953,8 +948,7 @@ def _dropless_exchange(x_AD, e_A, sizes_E, w, cfg: ModelConfig, peers: int, S: i
     local_PS = jax.vmap(lambda ends: jnp.searchsorted(ends, r_S, side="right"))(
         jnp.cumsum(rsizes_PX, axis=1))                             # X marks padding
     order_M = jnp.argsort(local_PS.reshape(-1), stable=True)
-    y_MD = grouped_mlp(recv_PSD.reshape(peers * S, D)[order_M], jnp.sum(rsizes_PX, axis=0),
-                       w, cfg)
+    y_MD = grouped_mlp(recv_PSD.reshape(peers * S, D)[order_M], jnp.sum(rsizes_PX, axis=0), w, cfg)
     back_PSD = jax.lax.all_to_all(y_MD[_inverse(order_M)].reshape(peers, S, D), "expert", 0, 0)
     # Sorted row a went to peer p = expert // X, at row a - start_P[p] of that peer's buffer.
     peer_A = e_A // X
@@ -990,20 +984,18 @@ def experts(x_BTD, expert_BTR, gate_BTR, w: dict, cfg: ModelConfig, peers: int =
     R, n = cfg.top_k, B * T
     w = {k: a.astype(dt) for k, a in w.items()}
     if sharded:
-        # FSDP: gather this layer's expert weights over fsdp in the compute dtype (half the
-        # traffic in bfloat16); autodiff turns the gather into a reduce-scatter of gradients.
-        # d is axis 1 of w_gate and w_up [X, D, F], axis 2 of w_down [X, F, D].
+        # FSDP: gather d (axis 1 of w_gate, w_up [X, D, F], 2 of w_down) in the compute dtype,
+        # half the traffic in bfloat16; autodiff turns it into a reduce-scatter of gradients.
         w |= {k: jax.lax.all_gather(w[k], "fsdp", axis=2 if k == "w_down" else 1, tiled=True)
               for k in ("w_gate", "w_up", "w_down")}
         if "b_down" in w:  # the tensor shards' outputs are summed: the down bias joins one
             w["b_down"] = jnp.where(jax.lax.axis_index("tensor") == 0, w["b_down"], 0).astype(dt)
-    x_nD = x_BTD.reshape(n, D)
     # Assignments choice-major (a = r * n + token): within an expert the sort keeps every
     # first choice ahead of every second choice, so capacity mode drops second choices
     # first (GShard's priority), and dropless mode loses nothing by it.
     e_A = expert_BTR.reshape(n, R).T.reshape(-1)
     order_A = jnp.argsort(e_A, stable=True)
-    x_AD, sorted_e_A = x_nD[order_A % n], e_A[order_A]
+    x_AD, sorted_e_A = x_BTD.reshape(n, D)[order_A % n], e_A[order_A]
     sizes_E = jnp.bincount(e_A, length=cfg.n_experts).astype(jnp.int32)
     dropped = jnp.zeros((), jnp.int32)
     if cfg.capacity_factor > 0:  # C rows per expert per batch shard: cf x the even share
@@ -1178,11 +1170,9 @@ _HF_DEFAULTS = {
                         routed_scaling_factor=2.5, kv_lora_rank=512, q_lora_rank=1536,
                         qk_rope_head_dim=64, v_head_dim=128, qk_nope_head_dim=128, n_group=8,
                         topk_group=4, first_k_dense_replace=3, norm_topk_prob=True,
-                        rope_interleave=True),
-}
-# config.json's keys that are our fields, in every family and then per family (Kimi K2 is
-# DeepSeek-V3's): written as they are, read as the field's type (null as its zero); the
-# exceptions are written out in config_from_hf and config_to_hf.
+                        rope_interleave=True)}
+# config.json's keys that are our fields, in every family and then per family (Kimi K2's: V3's),
+# written as they are, read as the field's type (null as 0); config_*_hf spell out the rest.
 _HF_FIELDS = dict(vocab_size="vocab_size", hidden_size="d_model", num_hidden_layers="n_layers",
                   num_attention_heads="n_heads", num_key_value_heads="n_kv_heads",
                   head_dim="head_dim", max_position_embeddings="max_seq_len",
@@ -1198,18 +1188,15 @@ _HF_FAMILY_FIELDS = {
                         norm_topk_prob="norm_topk", routed_scaling_factor="routed_scale",
                         first_k_dense_replace="first_k_dense") | {k: k for k in (
         "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
-        "rope_interleave", "n_shared_experts", "seq_aux")},
-}
+        "rope_interleave", "n_shared_experts", "seq_aux")}}
 # What we write for what we do not implement, per family; reading refuses other values of
 # the keys that change the model (`config_from_hf`).
-_HF_CONSTANTS = {
-    "mixtral": dict(router_jitter_noise=0.0),
-    "qwen3_moe": dict(decoder_sparse_step=1, mlp_only_layers=[], use_sliding_window=False,
-                      attention_bias=False),
-    "gpt_oss": dict(swiglu_alpha=SWIGLU_ALPHA),
-    "deepseek_v3": dict(scoring_func="sigmoid", topk_method="noaux_tc", attention_bias=False,
-                        num_nextn_predict_layers=0),
-}
+_HF_CONSTANTS = {"mixtral": dict(router_jitter_noise=0.0),
+                 "qwen3_moe": dict(decoder_sparse_step=1, mlp_only_layers=[],
+                                   use_sliding_window=False, attention_bias=False),
+                 "gpt_oss": dict(swiglu_alpha=SWIGLU_ALPHA),
+                 "deepseek_v3": dict(scoring_func="sigmoid", topk_method="noaux_tc",
+                                     attention_bias=False, num_nextn_predict_layers=0)}
 # The knobs one family's config.json says and no other's: on exactly in that family, or (the
 # second table) on only in those families. Mixtral and GPT-OSS always renormalise the top k.
 _HF_OWN = dict(attn_sinks="gpt_oss", moe_bias="gpt_oss", swiglu_limit="gpt_oss",
@@ -1218,13 +1205,9 @@ _HF_ONLY = dict(attn_bias=("gpt_oss",), sliding_window=("gpt_oss",),
                 n_shared_experts=("deepseek_v3",), first_k_dense=("deepseek_v3",),
                 yarn_factor=("gpt_oss", "deepseek_v3"))
 
-# Each weight's HuggingFace name (after model.layers.{i}. for a layer's) and layout, for the
-# weights our table has (common/hf.py; a stack's layer axis goes first on our side). Atoms: l
-# layers, e experts, d model, n query heads, k key/value heads, h head width, f expert MLP
-# width, v vocabulary; j DeepSeek's dense first layers, the MoE layers after. MLA (more atoms:
-# a = kv_lora_rank + qk_rope_head_dim, c = kv_lora_rank, r = q_lora_rank, q and x = a head's
-# query and key + value widths, w its value's, g the dense MLP's width, s the shared
-# experts'): kv_b_proj holds each head's nope key then its value, as our wkv_b.
+# Each weight's HuggingFace name (after model.layers.{i}. for a layer's) and layout (common/hf.py;
+# a stack's layer axis goes first on our side), in the atoms of `_hf_sizes`: l the MoE layers, j
+# DeepSeek's dense ones before them. kv_b_proj holds each head's nope key then its value, as wkv_b.
 _HF_TOP = {"embed": ("model.embed_tokens.weight", "v d -> v d"),
            "final_norm": ("model.norm.weight", "d -> d"),
            "unembed": ("lm_head.weight", "v d -> d v")}
@@ -1242,11 +1225,10 @@ _HF_LAYER = {"attn_norm": ("input_layernorm.weight", "d -> d"),
         wq_b=("q_b_proj.weight", "(n q) r -> r n q")).items()} | {
     k: ("mlp." + name, layout) for k, (name, layout) in dict(
         mlp_gate=("gate_proj.weight", "g d -> d g"), mlp_up=("up_proj.weight", "g d -> d g"),
-        mlp_down=("down_proj.weight", "d g -> g d"),
+        mlp_down=("down_proj.weight", "d g -> g d"), w_router=("gate.weight", "e d -> d e"),
         shared_gate=("shared_experts.gate_proj.weight", "s d -> d s"),
         shared_up=("shared_experts.up_proj.weight", "s d -> d s"),
         shared_down=("shared_experts.down_proj.weight", "d s -> s d"),
-        w_router=("gate.weight", "e d -> d e"),
         router_bias=("gate.e_score_correction_bias", "e -> e"),  # a buffer of ours
         w_gate=("experts.{e}.gate_proj.weight", "f d -> e d f"),
         w_up=("experts.{e}.up_proj.weight", "f d -> e d f"),
@@ -1268,14 +1250,12 @@ _HF_FAMILY_NAMES = {
                 "w_down": ("mlp.experts.down_proj", "e f d -> e f d"),
                 "b_gate": ("mlp.experts.gate_up_proj_bias", "e (f 2:0) -> e f"),
                 "b_up": ("mlp.experts.gate_up_proj_bias", "e (f 2:1) -> e f"),
-                "b_down": ("mlp.experts.down_proj_bias", "e d -> e d")},
-}
+                "b_down": ("mlp.experts.down_proj_bias", "e d -> e d")}}
 
 
 def hf_mapping(cfg: ModelConfig, model_type: str) -> dict:
     """Our parameter tree (the buffers too), each leaf as (HuggingFace tensor name, layout)."""
-    names = _HF_LAYER | (_HF_MLA if cfg.kv_lora_rank else {}) | _HF_FAMILY_NAMES.get(
-        model_type, {})
+    names = _HF_LAYER | (_HF_MLA if cfg.kv_lora_rank else {}) | _HF_FAMILY_NAMES.get(model_type, {})
     stacks = {"layers": ("l", f"{{l+{cfg.first_k_dense}}}"), "dense_layers": ("j", "{j}")}
 
     def entry(weight: str, l: str, i: str):
