@@ -37,7 +37,6 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from common import hf, train
@@ -178,9 +177,8 @@ _QWEN3_MOE = dict(rope_theta=1_000_000.0, norm_eps=1e-6, qk_norm=True)
 # SwiGLU experts; the released config.json's values.
 _GPT_OSS = dict(sliding_window=128, global_every=2, attn_sinks=True, attn_bias=True, moe_bias=True,
                 swiglu_limit=7.0, yarn_factor=32.0, yarn_truncate=False, rope_theta=150_000.0)
-# DeepSeek's MLA (V2-Lite's, V3's, Kimi K2's); V3 and K2 share the block, from their released
-# config.json: a query latent, 8 of the routed experts plus one shared, sigmoid scores, YaRN
-# with mscale 1.
+# DeepSeek's MLA (V2-Lite's, V3's, Kimi K2's); V3 and K2 share the block (their config.json): a
+# query latent, 8 of the routed experts plus one shared, sigmoid scores, YaRN with mscale 1.
 _MLA = dict(kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
             norm_eps=1e-6, yarn_original_max_len=4096, seq_aux=True)
 _DEEPSEEK_V3 = _MLA | dict(q_lora_rank=1536, dense_d_ff=18432, n_shared_experts=1,
@@ -470,7 +468,6 @@ def hidden(params: dict, tokens_BT, cfg: ModelConfig, max_logits: bool = False):
     inv_freq = rope_inv_freq(cfg)
     L, W, n, Kd = cfg.n_layers, cfg.sliding_window, cfg.global_every, cfg.first_k_dense
     is_global_L = (np.arange(L) + 1) % n == 0 if W and n else np.full(L, not W)
-
     layer = lambda x, xs: block(x, xs[0], pos_BT, inv_freq, cfg, max_logits, xs[1])
     if cfg.remat != "none":
         # Inside a rolled scan the recomputation cannot be merged away; unrolled, XLA would
@@ -724,9 +721,8 @@ def _validate_deepseek(m: ModelConfig, t: TrainConfig) -> None:
         need(not clash, f"--model.kv-lora-rank {m.kv_lora_rank} (MLA) with --model."
              f"{clash[0].replace('_', '-') if clash else ''}: MLA is DeepSeek's attention, "
              "which has none of those; turn it off.")
-        need(m.n_kv_heads == m.n_heads, f"--model.n-kv-heads {m.n_kv_heads} with MLA: MLA "
-             f"builds a key and a value for each query head; set it to --model.n-heads "
-             f"{m.n_heads}.")
+        need(m.n_kv_heads == m.n_heads, f"--model.n-kv-heads {m.n_kv_heads} with MLA: MLA builds a "
+             f"key and a value for each query head; set it to --model.n-heads {m.n_heads}.")
         need(m.qk_rope_head_dim >= 2 and m.qk_rope_head_dim % 2 == 0, f"--model.qk-rope-head-"
              f"dim {m.qk_rope_head_dim} must be even and positive (RoPE rotates pairs).")
         need(m.v_head_dim <= m.qk_nope_head_dim + m.qk_rope_head_dim, f"--model.v-head-dim "
@@ -742,10 +738,9 @@ def _validate_deepseek(m: ModelConfig, t: TrainConfig) -> None:
     need(not m.n_group or (m.n_experts % m.n_group == 0 and 1 <= m.topk_group <= m.n_group and
                            m.top_k <= m.topk_group * (m.n_experts // m.n_group) and
                            m.n_experts >= 2 * m.n_group),
-         f"--model.n-group {m.n_group} --model.topk-group {m.topk_group}: the groups must "
-         f"split --model.n-experts {m.n_experts} evenly, at least 2 experts each (each group "
-         f"is ranked by its best two), and the chosen groups must hold --model.top-k "
-         f"{m.top_k} experts.")
+         f"--model.n-group {m.n_group} --model.topk-group {m.topk_group}: the groups must split "
+         f"--model.n-experts {m.n_experts} evenly, at least 2 experts each (each group is ranked "
+         f"by its best two), and the chosen groups must hold --model.top-k {m.top_k} experts.")
     need(m.sigmoid_routing or not (m.n_group or m.routed_scale or t.router_bias_rate),
          "--model.n-group, --model.routed-scale and --train.router-bias-rate are DeepSeek's "
          "sigmoid routing: add --model.sigmoid-routing.")
@@ -1023,14 +1018,13 @@ def main(cfg: Config) -> dict:
     train.start(cfg.quiet)
     devices = train.devices(cfg.compile_topology, cfg.compile_slices, cfg.dry_run)
     validate(cfg, len(devices))
-    mesh, tc, m = make_mesh(cfg.mesh, devices), cfg.train, cfg.model
+    mesh, tc, m, pf = make_mesh(cfg.mesh, devices), cfg.train, cfg.model, devices[0].platform
     st = train_state(cfg, mesh)
     step_fn = st.jit(partial(train_step, cfg=cfg, tx=st.tx))
-    pf, mla = devices[0].platform, m.kv_lora_rank > 0
     check_kernel(m.attention, pf, tc.seq_len)
-    kernel = choose(m.attention, pf, dtype=m.dtype, T=tc.seq_len, sinks=m.attn_sinks,
-                    H=m.qk_nope_head_dim + m.qk_rope_head_dim if mla else m.head_dim,
-                    V=m.v_head_dim if mla else m.head_dim)
+    H, V = ((m.qk_nope_head_dim + m.qk_rope_head_dim, m.v_head_dim) if m.kv_lora_rank else
+            (m.head_dim, m.head_dim))  # query and value head widths (MLA's differ)
+    kernel = choose(m.attention, pf, dtype=m.dtype, T=tc.seq_len, sinks=m.attn_sinks, H=H, V=V)
     drop = "dropless" if m.capacity_factor == 0 else f"capacity factor {m.capacity_factor}"
     log(f"model {count_params(m):,} parameters, {count_active_params(m):,} active ({m.n_experts} "
         f"experts, top-{m.top_k}, {drop}, {_grouped_impl(m, pf)} grouped matmul, {kernel} "
@@ -1050,14 +1044,13 @@ def main(cfg: Config) -> dict:
 
 
 def train_loop(cfg: Config, mesh, st: train.TrainState, step_fn) -> dict:
-    tc, mc = cfg.train, cfg.model
-    ds = load_dataset(cfg.data)
+    tc, mc, ds = cfg.train, cfg.model, load_dataset(cfg.data)
     if cfg.init_from_hf and (note := hf.check_tokenizer(
             cfg.init_from_hf, ds.tokenizer_path, f"--data.path {cfg.data.path!r}")):
         log(note)
     train.check_vocab(ds.vocab_size, mc.vocab_size)
     batch = partial(get_batch, batch_size=tc.batch_size, seq_len=tc.seq_len,
-                    sharding=NamedSharding(mesh, P(MOE_BATCH, None)))
+                    sharding=named(mesh, P(MOE_BATCH, None)))
     eval_fn = jax.jit(lambda params, b: loss_fn(params, b, mc)[1]["ce"])  # held-out ce
     weights = lambda s: with_buffers(s["params"], s.get("buffers", {}))  # what forward reads
 
@@ -1117,14 +1110,12 @@ def train_loop(cfg: Config, mesh, st: train.TrainState, step_fn) -> dict:
 
 
 def bench(cfg: Config, mesh, batch) -> dict:
-    """Median step time over --bench steps on random tokens, of the MoE model and (--bench-twin)
-    its dense twin (each MoE block one SwiGLU top_k x d_ff wide: the same active matmul FLOPs
-    without routing, sorting or exchanges), and their cost ratio per active FLOP: the price of
-    routing and dispatch."""
+    """Median step time over --bench steps on random tokens of the MoE model and (--bench-twin) its
+    dense twin, each MoE block one SwiGLU top_k x d_ff wide (the same active matmul FLOPs without
+    routing, sorting or exchanges); their cost ratio per active FLOP is the price of dispatch."""
     tc, report, m = cfg.train, {}, cfg.model
-    twin = dataclasses.replace(cfg, model=dataclasses.replace(
-        m, n_experts=1, top_k=1, d_ff=m.top_k * m.d_ff, capacity_factor=0.0, n_group=0,
-        topk_group=0))
+    twin = dataclasses.replace(cfg, model=dataclasses.replace(m, n_experts=1, top_k=1, n_group=0,
+                               d_ff=m.top_k * m.d_ff, capacity_factor=0.0, topk_group=0))
     peak = train.peak_flops_per_device(tc.peak_tflops)
     for what, c in [("moe", cfg)] + ([("dense", twin)] if cfg.bench_twin else []):
         log(f"bench {what} | {count_active_params(c.model) / 1e6:.2f}M active parameters; "
@@ -1257,10 +1248,8 @@ def hf_mapping(cfg: ModelConfig, model_type: str) -> dict:
     """Our parameter tree (the buffers too), each leaf as (HuggingFace tensor name, layout)."""
     names = _HF_LAYER | (_HF_MLA if cfg.kv_lora_rank else {}) | _HF_FAMILY_NAMES.get(model_type, {})
     stacks = {"layers": ("l", f"{{l+{cfg.first_k_dense}}}"), "dense_layers": ("j", "{j}")}
-
-    def entry(weight: str, l: str, i: str):
-        name, (left, right) = names[weight][0], names[weight][1].split(" -> ")
-        return f"model.layers.{i}.{name}", f"{left} -> {l} {right}"
+    entry = lambda w, l, i: (f"model.layers.{i}.{names[w][0]}",  # layers stacked on l (or j)
+                             names[w][1].replace("-> ", f"-> {l} "))
     return {k: {w: entry(w, *stacks[k]) for w in v} if k in stacks else _HF_TOP[k]
             for k, v in _hf_table(cfg).items()}
 
