@@ -1,6 +1,5 @@
 """Mixture-of-experts decoder (Mixtral, Qwen3-MoE, GPT-OSS, DeepSeek-V3, Kimi K2): dropless routing,
-expert parallelism; what no model changes (state, optimiser, MFU, dry run, bench, the loop's
-mechanics, the command line) is in common/.
+expert parallelism; what no model changes (state, optimiser, MFU, the loop, the CLI) is in common/.
 
     python train_moe.py tiny-moe                                  # the `make train-moe` run
     python train_moe.py mixtral-8x7b --mesh.expert 8 --mesh.fsdp -1
@@ -18,14 +17,13 @@ The MoE block, per layer (Switch Transformer, Mixtral, Qwen3-MoE):
     experts, g = top_k(p), renormalised to sum 1 when norm_topk (Mixtral, Qwen3-MoE)
     y = sum_r g_r SwiGLU_{expert_r}(h)
 
-Dropless (the default): the (token, expert) assignments are sorted by expert and every
-expert runs on exactly its rows as one grouped matmul (`grouped_mlp`): nothing is padded to a
-capacity, nothing dropped. Capacity mode (`--model.capacity-factor > 0`, GShard/MaxText): each
-expert takes at most C = ceil(cf * tokens * R / E) rows per batch shard, first choices first;
-the rest skip the expert (the residual stream carries them). Expert parallelism: the experts
-are split over the `expert` mesh axis, which also splits the batch; in a `shard_map` each
-device sorts its assignments by expert, sends each peer the rows for its experts and gets the
-results back (two all-to-alls). Data and fsdp sharding work as in train_dense.py."""
+Dropless (the default): the (token, expert) assignments are sorted by expert and each expert
+runs on exactly its rows, one grouped matmul (`grouped_mlp`), nothing padded or dropped.
+Capacity mode (`--model.capacity-factor > 0`, GShard/MaxText): an expert takes at most
+C = ceil(cf * tokens * R / E) rows per batch shard, first choices first; the rest skip it (the
+residual stream carries them). Expert parallelism: the `expert` mesh axis splits the experts
+and the batch; in a `shard_map` each device sends each peer the rows for its experts and gets
+the results back (two all-to-alls). Data and fsdp sharding work as in train_dense.py."""
 from __future__ import annotations
 
 import dataclasses
@@ -173,8 +171,7 @@ def _big(model: ModelConfig, run: str) -> Config:
 
 
 _QWEN3_MOE = dict(rope_theta=1_000_000.0, norm_eps=1e-6, qk_norm=True)
-# GPT-OSS (OpenAI 2025): windows of 128 on every second layer, sinks, biases, YaRN, clamped
-# SwiGLU experts; the released config.json's values.
+# GPT-OSS (OpenAI 2025): its released config.json's values.
 _GPT_OSS = dict(sliding_window=128, global_every=2, attn_sinks=True, attn_bias=True, moe_bias=True,
                 swiglu_limit=7.0, yarn_factor=32.0, yarn_truncate=False, rope_theta=150_000.0)
 # DeepSeek's MLA (V2-Lite's, V3's, Kimi K2's); V3 and K2 share the block (their config.json): a
@@ -220,8 +217,7 @@ PRESETS: dict[str, tuple[str, Config]] = {
     "tiny-gptoss": ("tiny-moe with GPT-OSS's knobs (window 128 of the 256 tokens on every "
                     "second layer): `make train-moe MOE_PRESET=tiny-gptoss`", Config(
                         model=ModelConfig(remat="none", **_GPT_OSS), run_dir="runs/tiny-gptoss")),
-    # DeepSeek-V3's block at the tiny model's size: MLA, 8 experts in 4 groups (2 chosen), a
-    # shared expert, one leading dense layer, and its balancing: the bias, and a tiny aux loss.
+    # DeepSeek-V3's block at tiny-moe's size: 8 experts in 4 groups (2 chosen), its balancing.
     "tiny-deepseek": ("tiny-moe with DeepSeek-V3's knobs (MLA, sigmoid group-limited routing "
                       "with bias balancing, a shared expert, a dense first layer): "
                       "`make train-moe MOE_PRESET=tiny-deepseek`", Config(model=ModelConfig(
@@ -244,11 +240,10 @@ PRESETS: dict[str, tuple[str, Config]] = {
 # ----------------------------------------------------------------------------------------------
 def _param_table(cfg: ModelConfig) -> dict:
     """The one definition of the parameter tree: name -> (shape, PartitionSpec, init std; None:
-    ones). Per-layer weights are stacked on a leading L axis (for lax.scan), a layer's experts on
-    an E axis split over `expert`: a device holds whole experts, each with d over fsdp (gathered
-    per layer) and its hidden width over tensor, as a dense MLP. Std 0.02, over sqrt(2L) on the
-    two projections into the residual stream (GPT-2). The first_k_dense layers are a second,
-    shorter stack ("dense_layers", run first): a scan needs the same weights in every layer."""
+    ones). Layers stacked on a leading L axis (for lax.scan), a layer's experts on an E axis split
+    over `expert` (whole experts per device, d over fsdp, hidden width over tensor). Std 0.02, over
+    sqrt(2L) into the residual stream (GPT-2). The first_k_dense layers are a second, shorter
+    stack ("dense_layers", run first): a scan needs the same weights in every layer."""
     L, D, V, Kd = cfg.n_layers, cfg.d_model, cfg.vocab_size, cfg.first_k_dense
     table = {"embed": ((V, D), P("tensor", "fsdp"), 0.02),
              "layers": _layer_table(cfg, L - Kd, moe=True), "final_norm": ((D,), P(None), None)}
@@ -323,8 +318,7 @@ def init_params(cfg: ModelConfig, key: jax.Array, mesh=None) -> dict:
 # ----------------------------------------------------------------------------------------------
 def block(x_BTD, lp: dict, pos_BT, inv_freq, cfg: ModelConfig, max_logits: bool = False,
           is_global=True):
-    """One layer: attention, then the experts, or a dense SwiGLU in a first_k_dense layer
-    (whose stack has no router); the dense layers' stats are empty."""
+    """One layer: attention, then the experts (a dense SwiGLU, no stats, in first_k_dense's)."""
     w = weights(lp, x_BTD.dtype, cfg)
     h = rms_norm(x_BTD, lp["attn_norm"], cfg.norm_eps)
     if cfg.kv_lora_rank:
@@ -340,8 +334,7 @@ def block(x_BTD, lp: dict, pos_BT, inv_freq, cfg: ModelConfig, max_logits: bool 
     x_BTD = constrain(x_BTD + (o + w("bo") if cfg.attn_bias else o), ACT_BTD)
     h = rms_norm(x_BTD, lp["mlp_norm"], cfg.norm_eps)
     if "w_router" not in lp:
-        y_BTD = swiglu(h, {"w_" + k: w("mlp_" + k) for k in PROJ})
-        return constrain(x_BTD + y_BTD, ACT_BTD), {}
+        return constrain(x_BTD + swiglu(h, {"w_" + k: w("mlp_" + k) for k in PROJ}), ACT_BTD), {}
     y_BTD, stats = moe(h, lp, cfg)
     if max_logits:  # for QK-clip: each head's largest attention logit
         stats["max_logit"] = train.max_logits(q, k)
@@ -349,11 +342,10 @@ def block(x_BTD, lp: dict, pos_BT, inv_freq, cfg: ModelConfig, max_logits: bool 
 
 
 def attention(q_BTNH, k_BTKH, v_BTKV, lp: dict, cfg: ModelConfig, is_global):
-    """One layer's attention by the compile target's kernel (common/attention.py), with
-    GPT-OSS's sinks and window; `is_global` (traced) picks the layer's kind. YaRN's
-    temperature mscale = 0.1 m ln(factor) + 1 scales q and k alike: here their logits, by its
-    square (m = 1; DeepSeek leaves the rotation unscaled and gives m = mscale_all_dim).
-    MLA's values are narrower than its queries (V 128, H 192): every kernel takes that."""
+    """One layer's attention by the compile target's kernel (common/attention.py), with GPT-OSS's
+    sinks and window (`is_global`, traced, picks the layer's kind) and MLA's values narrower than
+    its queries. YaRN's temperature 0.1 m ln(factor) + 1 scales q and k alike: here their logits,
+    by its square (m = 1; DeepSeek leaves the rotation unscaled and gives m = mscale_all_dim)."""
     f, m = cfg.yarn_factor, cfg.yarn_mscale_all_dim or 1.0
     temp = (0.1 * m * math.log(f) + 1.0) ** 2 if f > 1 else 1.0
     full = partial(attend, q_BTNH, k_BTKH, v_BTKV, impl=cfg.attention, sinks_N=lp.get("sinks"),
@@ -370,10 +362,9 @@ def mla(h_BTD, lp: dict, pos_BT, inv_freq, cfg: ModelConfig):
         q_n = [q_nope, RoPE(q_rope)] of h W_q, or of RMSNorm(h W_q_a) W_q_b with q_lora_rank
         k_n = [k_nope_n, k_rope]
 
-    Training builds every head's key and value; decoding would cache only c_kv and k_rope
-    (C + Hr numbers a token, not 2 N H), W_k_b absorbed into the query and W_v_b into W_o.
-    rope_interleave takes the rotated dims as pairs (2i, 2i+1) and puts them out in halves, as
-    transformers does: the same order in q and k, so q.k is unchanged."""
+    Training builds every head's key and value; decoding would cache only c_kv and k_rope (C + Hr
+    numbers a token, not 2 N H), W_k_b absorbed into the query and W_v_b into W_o. rope_interleave
+    takes pairs (2i, 2i+1), put out in halves as transformers does: the same for q and k."""
     w = weights(lp, h_BTD.dtype, cfg)
     C, Hn, eps = cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.norm_eps
     if cfg.q_lora_rank:
@@ -400,8 +391,7 @@ def constrain(x, spec: P):
     return jax.lax.with_sharding_constraint(x, spec)
 
 
-# The batch is split over data and fsdp, as in the dense trainer, and over expert: the devices
-# of one expert group each hold other tokens, which the all-to-all sends to their experts.
+# The batch is split over data, fsdp and expert: the all-to-all takes tokens to their experts.
 MOE_BATCH = BATCH_AXES + ("expert",)
 ACT_BTD = P(MOE_BATCH, None, None)  # activations between blocks: batch-sharded, d replicated
 # A small batch's loss is vocabulary-parallel (train_dense.py's VOCAB_DV): V over fsdp, expert.
@@ -424,10 +414,9 @@ def rms_norm(x, w, eps):
 
 
 def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
-    """theta^(-2i/H); with YaRN (Peng et al. 2023, as transformers computes it) the dims that
-    turn fewer than beta_slow times over the original context are slowed by `factor`, those
-    that turn more than beta_fast times kept, and a linear ramp in the dims between. MLA
-    rotates only the qk_rope_head_dim part of each head."""
+    """theta^(-2i/H) (MLA: of the qk_rope_head_dim part); with YaRN (Peng et al. 2023, as in
+    transformers) the dims turning fewer than beta_slow times over the original context are
+    slowed by `factor`, those turning more than beta_fast times kept, a linear ramp between."""
     H = cfg.qk_rope_head_dim if cfg.kv_lora_rank else cfg.head_dim
     inv = 1.0 / cfg.rope_theta ** (np.arange(0, H, 2, dtype=np.float64) / H)
     if cfg.yarn_factor:
@@ -450,10 +439,6 @@ def apply_rope(x_BTNH, pos_BT, inv_freq):
     return out.astype(x_BTNH.dtype)
 
 
-REMAT_POLICIES = {"full": jax.checkpoint_policies.nothing_saveable,
-                  "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
-
-
 def hidden(params: dict, tokens_BT, cfg: ModelConfig, max_logits: bool = False):
     """Token ids -> (final-normed hidden states [B, T, D], per-layer routing stats [L], and
     with max_logits each head's largest attention logit, "max_logit" [L, N])."""
@@ -472,8 +457,9 @@ def hidden(params: dict, tokens_BT, cfg: ModelConfig, max_logits: bool = False):
     if cfg.remat != "none":
         # Inside a rolled scan the recomputation cannot be merged away; unrolled, XLA would
         # merge it into the forward pass (and keep every activation) unless prevented.
-        layer = jax.checkpoint(layer, policy=REMAT_POLICIES[cfg.remat],
-                               prevent_cse=not cfg.scan_layers)
+        layer = jax.checkpoint(layer, prevent_cse=not cfg.scan_layers, policy={
+            "full": jax.checkpoint_policies.nothing_saveable,
+            "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}[cfg.remat])
     # Unrolled (--model.no-scan-layers), each layer is compiled on its own.
     scan = partial(jax.lax.scan, layer, unroll=not cfg.scan_layers)
     if Kd:  # the dense layers come first, as their own stack
@@ -497,10 +483,9 @@ def forward(params: dict, tokens_BT, cfg: ModelConfig):
 # 4. Loss and train step
 # ----------------------------------------------------------------------------------------------
 def train_step(state: dict, batch_BT1, *, cfg: Config, tx):
-    """One optimiser step on a global batch [B, T+1] -> (new state, metrics). The gradient and
-    its aux (ce, routing stats) are the microbatches' mean; with --train.qk-clip-threshold, heads
-    whose logits exceeded it are clipped after the update (common/train.py `qk_clip`). The router
-    biases (state["buffers"], sigmoid routing) follow the step's load unless it is skipped."""
+    """One optimiser step on a global batch [B, T+1] -> (new state, metrics): gradient and aux the
+    microbatches' mean, heads over --train.qk-clip-threshold clipped after the update (`qk_clip`),
+    the router biases (state["buffers"]) moved by the step's load unless it is skipped."""
     M, tau = cfg.train.microbatches, cfg.train.qk_clip_threshold
     buffers = state.get("buffers", {})
     grad_fn = jax.grad(lambda p, b: loss_fn(with_buffers(p, buffers), b, cfg.model, cfg.train),
@@ -528,9 +513,8 @@ def loss_fn(params, batch_BT1, cfg: ModelConfig, t: TrainConfig = TrainConfig())
                + load_balance_loss * mean_l aux_l + router_z_loss * mean_l router_z_l,
         ce = mean_t (lse_t - l_t[y_t])
 
-    for logits l_t = h_t W_unembed, lse_t = logsumexp(l_t), and layer l's router losses
-    (`router`). Returns (loss, {"ce": ce, routing stats [L]}). No [B, T, V] logits: `_ce_fused`
-    makes each `loss_chunk` positions' gradient with their loss, none kept for the backward."""
+    for logits l_t = h_t W_unembed, lse_t = logsumexp(l_t), and layer l's router losses. Returns
+    (loss, {"ce": ce, routing stats [L]}); `_ce_fused` takes `loss_chunk` positions at a time."""
     inputs, targets = batch_BT1[:, :-1], batch_BT1[:, 1:]
     h_BTD, stats = hidden(params, inputs, cfg, max_logits=t.qk_clip_threshold > 0)
     w_DV = unembedding(params, cfg).astype(h_BTD.dtype)
@@ -659,18 +643,16 @@ _ce_fused.defvjp(_ce_fused_fwd, _ce_fused_bwd)
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
-    """Training FLOPs per token on the *active* parameters: 3x the forward, which is 2 per
-    weight of every matmul a token goes through (q, k, v, o, the router, top_k experts' gate,
-    up and down, the unembedding) plus attention's 2 * 2 * T * N * H per layer (PaLM app. B).
-    Sorting, gathers, all-to-alls and capacity padding are overhead: MFU counts useful work."""
+    """Training FLOPs per token on the *active* parameters: 3x the forward, 2 per weight of every
+    matmul a token goes through (q, k, v, o, router, top_k experts, unembedding) plus attention's
+    2 * 2 * T * N * H per layer (PaLM app. B). Sorting, exchanges and padding are overhead."""
     D, N, K, H, L = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.n_layers
     attn, Hqv = D * N * H + 2 * D * K * H + N * H * D, 2 * H   # Hqv: q.k and p.v widths
     if cfg.kv_lora_rank:   # MLA: the latents' down- and up-projections, keys and values
         C, Qr, Hr, Hv = cfg.kv_lora_rank, cfg.q_lora_rank, cfg.qk_rope_head_dim, cfg.v_head_dim
         Hq = cfg.qk_nope_head_dim + Hr
-        attn = ((D * Qr + Qr * N * Hq) if Qr else D * N * Hq) + D * (C + Hr) + \
-            C * N * (cfg.qk_nope_head_dim + Hv) + N * Hv * D
-        Hqv = Hq + Hv
+        attn, Hqv = ((D * Qr + Qr * N * Hq) if Qr else D * N * Hq) + D * (C + Hr) + \
+            C * N * (cfg.qk_nope_head_dim + Hv) + N * Hv * D, Hq + Hv
     Kd = cfg.first_k_dense
     mlp = D * cfg.n_experts + (cfg.top_k + cfg.n_shared_experts) * 3 * D * cfg.d_ff
     matmul_weights = L * attn + (L - Kd) * mlp + Kd * 3 * D * cfg.dense_d_ff + D * cfg.vocab_size
@@ -763,8 +745,7 @@ def moe(h_BTD, lp: dict, cfg: ModelConfig):
                                          lp.get("router_bias"))
     ws = {k: lp[k] for k in ("w_gate", "w_up", "w_down", "b_gate", "b_up", "b_down") if k in lp}
     dt = h_BTD.dtype
-    if cfg.n_experts == 1:
-        # The dense twin of `bench`: one expert, weight exactly 1, routing is the identity.
+    if cfg.n_experts == 1:  # `bench`'s dense twin: one expert of weight 1, routing the identity
         y = swiglu(h_BTD, {k: a[0].astype(dt) for k, a in ws.items()}, cfg)
         return constrain(y, ACT_BTD), stats | {"dropped": jnp.zeros((), jnp.float32)}
     mesh = jax.sharding.get_abstract_mesh()
@@ -792,7 +773,6 @@ def router(h_BTD, w_DE, cfg: ModelConfig, b_E=None, bias_E=None):
     small enough for a float32 softmax to stay exact. `load`: each expert's share of the
     assignments. GPT-OSS's router has a bias b_E and softmaxes the k chosen logits: the same
     weights as the renormalised top k of the whole softmax (norm_topk).
-
     DeepSeek-V3 (sigmoid_routing): scores s = sigmoid(logits), the top k chosen on s + bias_E
     (`balance_biases`) but weighted by s alone, renormalised (norm_topk), times routed_scale.
     With n_group a token first keeps its best topk_group of n_group groups, ranked by the sum
@@ -876,12 +856,11 @@ def swiglu(x, w: dict, cfg: ModelConfig | None = None, mm=jnp.matmul, at=lambda 
 
 
 def _grouped_impl(cfg: ModelConfig, platform: str = "") -> str:
-    if cfg.grouped_matmul != "auto":
-        return cfg.grouped_matmul
-    # XLA:CPU rewrites ragged_dot as every row times every group's weights, zero-masked (E times
-    # the FLOPs; 2-6x slower than tiled at E=8 on a laptop). TPUs and GPUs run it as one grouped
-    # GEMM. The compile target decides, not the host (a --compile-topology dry run: the TPU's).
-    return "tiled" if (platform or target_platform()) == "cpu" else "ragged_dot"
+    # auto: XLA:CPU rewrites ragged_dot as every row times every group's weights, zero-masked (E
+    # times the FLOPs; 2-6x slower than tiled at E=8 on a laptop); TPUs and GPUs run it as one
+    # grouped GEMM. The compile target decides, not the host (--compile-topology: the TPU's).
+    return cfg.grouped_matmul if cfg.grouped_matmul != "auto" else (
+        "tiled" if (platform or target_platform()) == "cpu" else "ragged_dot")
 
 
 def _tile_layout(sizes_G, M: int, tile: int):
@@ -899,11 +878,10 @@ def _tile_layout(sizes_G, M: int, tile: int):
 
 
 def grouped_mlp(x_MD, sizes_G, w, cfg: ModelConfig):
-    """SwiGLU of expert g on its sizes_G[g] rows of x (sorted by group; rows past the sum are
-    padding: zeros out, or with biases values no one reads); w as `swiglu`'s, with a leading G
-    axis. "ragged_dot": a grouped GEMM. "tiled" (megablocks-style, for the CPU): each group
-    padded to whole tiles of `gmm_tile` rows, one batched matmul over tiles, each with its
-    group's weights: at most G tiles of padding, one weight copy per tile."""
+    """SwiGLU of expert g on its sizes_G[g] rows of x (sorted by group; rows past the sum give
+    zeros, or with biases values no one reads); w as `swiglu`'s with a leading G axis. "tiled"
+    (megablocks-style, for the CPU): each group padded to whole tiles of `gmm_tile` rows, one
+    batched matmul over tiles: at most G tiles of padding, one weight copy per tile."""
     M, D = x_MD.shape
     if _grouped_impl(cfg) == "ragged_dot":
         group_M = jnp.minimum(jnp.searchsorted(jnp.cumsum(sizes_G), jnp.arange(M), side="right"),
@@ -924,16 +902,14 @@ def _inverse(perm):
 
 
 def _dropless_exchange(x_AD, e_A, sizes_E, w, cfg: ModelConfig, peers: int, S: int):
-    """Rows sorted by expert -> their experts on the peers of the expert axis -> back.
-    Peer p holds experts p*X .. p*X+X-1, so the sorted rows are already grouped by peer.
-    XLA:CPU cannot run ragged_all_to_all (JAX 0.10, 0.12), so this sends buffers of S rows
-    per peer, the most one can be owed (each token's min(X, k) choices there; MaxText sizes
-    them alike): dropless at up to P times the exact exchange's traffic and memory."""
+    """Rows sorted by expert (so by peer: p holds experts p*X .. p*X+X-1) -> their experts on the
+    peers of the expert axis -> back. XLA:CPU cannot run ragged_all_to_all (JAX 0.10, 0.12), so
+    this sends each peer S rows, the most it can be owed (each token's min(X, k) choices there;
+    MaxText sizes them alike): dropless at up to P times the exact exchange's traffic."""
     (A, D), X = x_AD.shape, cfg.n_experts // peers
-    sizes_PX = sizes_E.reshape(peers, X)
+    sizes_PX, r_S = sizes_E.reshape(peers, X), jnp.arange(S)
     send_P = jnp.sum(sizes_PX, axis=1)
     start_P = jnp.cumsum(send_P) - send_P
-    r_S = jnp.arange(S)
     valid_PS = r_S[None, :] < send_P[:, None]
     src_PS = jnp.minimum(start_P[:, None] + r_S[None, :], A - 1)
     send_PSD = jnp.where(valid_PS[..., None], x_AD[src_PS], 0).astype(x_AD.dtype)
@@ -1001,9 +977,8 @@ def experts(x_BTD, expert_BTR, gate_BTR, w: dict, cfg: ModelConfig, peers: int =
                                   S=n * min(cfg.n_experts // peers, R))
     else:
         y_AD = grouped_mlp(x_AD, sizes_E, w, cfg)
-    y_RnD = y_AD[_inverse(order_A)].reshape(R, n, D)
-    gate_nR = gate_BTR.reshape(n, R).astype(dt)
-    y_nD = jnp.einsum("rnd,nr->nd", y_RnD, gate_nR, preferred_element_type=jnp.float32)
+    y_nD = jnp.einsum("rnd,nr->nd", y_AD[_inverse(order_A)].reshape(R, n, D),
+                      gate_BTR.reshape(n, R).astype(dt), preferred_element_type=jnp.float32)
     if sharded:
         y_nD = jax.lax.psum(y_nD, "tensor")   # each tensor shard summed over its slice of F
     return y_nD.astype(dt).reshape(B, T, D), dropped.reshape(1)
@@ -1084,7 +1059,6 @@ def train_loop(cfg: Config, mesh, st: train.TrainState, step_fn) -> dict:
             if loop.eval_due:
                 loop.eval(evaluate(weights(state)))
             loop.checkpoint(state)
-
         run.ckpt.wait()
         if tc.sample_tokens > 0:  # one prompt: this forward has no segments to left-pad with
             prompt, params = ds.encode(tc.sample_prompt), weights(state)
@@ -1226,9 +1200,8 @@ _HF_LAYER = {"attn_norm": ("input_layernorm.weight", "d -> d"),
         w_down=("experts.{e}.down_proj.weight", "d f -> e f d")).items()}
 _HF_MLA = {"wq": ("self_attn.q_proj.weight", "(n q) d -> d n q"),
            "wo": ("self_attn.o_proj.weight", "d (n w) -> n w d")}
-# Mixtral calls the gate/up/down projections w1/w3/w2. GPT-OSS stores each layer's experts as
-# one tensor, [in, out], gate and up interleaved (gate_up_proj[..., 0::2] is the gate); MXFP4
-# checkpoints read as that too (common/hf.py).
+# GPT-OSS stores each layer's experts as one tensor, [in, out], gate and up interleaved
+# (gate_up_proj[..., 0::2] is the gate); MXFP4 checkpoints read as that too (common/hf.py).
 _HF_FAMILY_NAMES = {
     "mixtral": {"w_router": ("block_sparse_moe.gate.weight", "e d -> d e"),
                 "w_gate": ("block_sparse_moe.experts.{e}.w1.weight", "f d -> e d f"),
@@ -1271,8 +1244,7 @@ def config_from_hf(c: dict, where: str = "config.json") -> ModelConfig:
                          f"train_moe.py loads ({', '.join(HF_ARCHITECTURES)}); dense models "
                          "(llama, mistral, qwen2, qwen3) belong to train_dense.py.")
     fam = "deepseek_v3" if mt in HF_DEEPSEEK else mt
-    # transformers 5 writes Qwen3-MoE's expert count as num_local_experts, 4.x as num_experts:
-    # read before the defaults (which spell it num_experts) are merged in.
+    # transformers 5 spells Qwen3-MoE's expert count num_local_experts: read it before the defaults
     qwen_experts = c.get("num_experts", c.get("num_local_experts"))
     c = _HF_DEFAULTS[fam] | c
     unsupported = lambda what: hf.HFError(f"{where}: {what} is not implemented by train_moe.py, "
@@ -1302,8 +1274,7 @@ def config_from_hf(c: dict, where: str = "config.json") -> ModelConfig:
                           "DeepSeek's YaRN with mscale == mscale_all_dim)")
     m = {f: type(getattr(ModelConfig, f))(c.get(k) or 0)
          for k, f in (_HF_FIELDS | _HF_FAMILY_FIELDS[fam]).items()}
-    # A sliding window of W tokens changes nothing on sequences of at most W tokens (GPT-OSS's
-    # windows are its layers', below).
+    # A window of W tokens changes nothing on sequences of at most W (GPT-OSS's: per layer, below).
     window = c.get("sliding_window") if mt != "gpt_oss" and (
         mt == "mixtral" or c.get("use_sliding_window")) else None
     m |= dict(n_kv_heads=m["n_kv_heads"] or m["n_heads"], rope_theta=theta,
