@@ -318,7 +318,7 @@ def init_params(cfg: ModelConfig, key: jax.Array, mesh=None) -> dict:
 # ----------------------------------------------------------------------------------------------
 def block(x_BTD, lp: dict, pos_BT, inv_freq, cfg: ModelConfig, max_logits: bool = False,
           is_global=True):
-    """One layer: attention, then the experts (a dense SwiGLU, no stats, in first_k_dense's)."""
+    """One layer: attention, then the experts (first_k_dense layers: a dense SwiGLU, no stats)."""
     w = weights(lp, x_BTD.dtype, cfg)
     h = rms_norm(x_BTD, lp["attn_norm"], cfg.norm_eps)
     if cfg.kv_lora_rank:
@@ -649,10 +649,10 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     D, N, K, H, L = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.n_layers
     attn, Hqv = D * N * H + 2 * D * K * H + N * H * D, 2 * H   # Hqv: q.k and p.v widths
     if cfg.kv_lora_rank:   # MLA: the latents' down- and up-projections, keys and values
-        C, Qr, Hr, Hv = cfg.kv_lora_rank, cfg.q_lora_rank, cfg.qk_rope_head_dim, cfg.v_head_dim
-        Hq = cfg.qk_nope_head_dim + Hr
-        attn, Hqv = ((D * Qr + Qr * N * Hq) if Qr else D * N * Hq) + D * (C + Hr) + \
-            C * N * (cfg.qk_nope_head_dim + Hv) + N * Hv * D, Hq + Hv
+        Hn, Hr, Hv = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        C, Qr, Hq, Hqv = cfg.kv_lora_rank, cfg.q_lora_rank, Hn + Hr, Hn + Hr + Hv
+        attn = ((D * Qr + Qr * N * Hq) if Qr else D * N * Hq) + D * (C + Hr) + \
+            C * N * (Hn + Hv) + N * Hv * D
     Kd = cfg.first_k_dense
     mlp = D * cfg.n_experts + (cfg.top_k + cfg.n_shared_experts) * 3 * D * cfg.d_ff
     matmul_weights = L * attn + (L - Kd) * mlp + Kd * 3 * D * cfg.dense_d_ff + D * cfg.vocab_size
@@ -814,9 +814,8 @@ def router(h_BTD, w_DE, cfg: ModelConfig, b_E=None, bias_E=None):
 def _buffer_table(cfg: ModelConfig) -> dict:
     """State that is not trained: with sigmoid routing, each MoE layer's bias on the scores
     that choose the experts (DeepSeek-V3's e_score_correction_bias), moved by `balance_biases`."""
-    L = cfg.n_layers - cfg.first_k_dense
-    return {"layers": {"router_bias": ((L, cfg.n_experts), P(None, None), 0.0)}} if (
-        cfg.sigmoid_routing) else {}
+    L, on = cfg.n_layers - cfg.first_k_dense, cfg.sigmoid_routing
+    return {"layers": {"router_bias": ((L, cfg.n_experts), P(None, None), 0.0)}} if on else {}
 
 
 def with_buffers(params: dict, buffers: dict) -> dict:
@@ -1044,9 +1043,11 @@ def train_loop(cfg: Config, mesh, st: train.TrainState, step_fn) -> dict:
 
     with train.Run(cfg, tc.profile_steps, defaults=Config()) as run:
         state, start = run.resume(st.abstract())
-        if state is None:  # new: --init-from-hf's weights (router biases with them), or random
-            state = (st.from_params(*train.split(load_hf(cfg.init_from_hf, mesh)[1], _buffer_table(
-                mc))) if cfg.init_from_hf else st.fresh(jax.random.key(tc.seed)))
+        if state is None and cfg.init_from_hf:  # the router biases come with the weights
+            weights_and_biases = load_hf(cfg.init_from_hf, mesh)[1]
+            state = st.from_params(*train.split(weights_and_biases, _buffer_table(mc)))
+        elif state is None:
+            state = st.fresh(jax.random.key(tc.seed))
         loop = train.Loop(run, start, tc.steps, log_every=tc.log_every,
                           eval_every=tc.eval_every, tokens_per_step=tc.batch_size * tc.seq_len,
                           flops_per_token=flops_per_token(mc, tc.seq_len),
@@ -1078,9 +1079,8 @@ def train_loop(cfg: Config, mesh, st: train.TrainState, step_fn) -> dict:
             f"expert shares {min(logged[-1]['load_min']):.3f}-{max(logged[-1]['load_max']):.3f} "
             f"(even: {1 / mc.n_experts:.3f}) | aux loss {logged[-1]['aux_loss']:.3f} | router z "
             f"{logged[-1]['router_z']:.2f} (last logged step)")
-        end = int(jax.device_get(state["step"]))
-        return loop.summary(end, f"{tc.batch_size} x {tc.seq_len}", [("routing", routing)]) | {
-            "state": state}
+        return loop.summary(int(jax.device_get(state["step"])), f"{tc.batch_size} x {tc.seq_len}",
+                            [("routing", routing)]) | {"state": state}
 
 
 def bench(cfg: Config, mesh, batch) -> dict:
