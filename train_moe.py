@@ -1,20 +1,15 @@
 """Mixture-of-experts decoder (Mixtral, Qwen3-MoE, GPT-OSS, DeepSeek-V3, Kimi K2): dropless routing,
-expert parallelism.
+expert parallelism; what no model changes (state, optimiser, MFU, the loop, the CLI) is in common/.
 
     python train_moe.py tiny-moe                                  # the `make train-moe` run
     python train_moe.py mixtral-8x7b --mesh.expert 8 --mesh.fsdp -1
     python train_moe.py qwen3-30b-a3b --dry-run --mesh.expert 8   # compile only, print memory
     python train_moe.py export-hf --run-dir runs/tiny-moe --out hf/tiny-moe
 
-Sections, in reading order: 1 config and presets, 2 parameters and their shardings, 3 model
-(the block, attention, MLA), 4 loss and train step, 5 experts (router, dispatch, grouped
-matmul), 6 main and the training loop, 7 HuggingFace in and out; what no model changes
-(state, optimiser, MFU, dry run, bench, the loop's mechanics, the command line) is written
-once in common/train.py. Shapes are suffixed on tensor names: B batch, T sequence, D model
-width, N query heads, K key/value heads, H head width, V vocabulary, L layers, E experts,
-F expert MLP width, R experts chosen per token (top-k), A = tokens x R assignments, M rows of
-a grouped matmul, G groups, X experts held by one device, P devices on the expert axis,
-C expert capacity.
+Tensor names end in their shapes: B batch, T sequence, D model width, N query heads, K key/value
+heads, H head width, V vocabulary, L layers, E experts, F expert MLP width, R experts chosen per
+token (top-k), A = tokens x R assignments, M rows of a grouped matmul, G groups, X experts held by
+one device, P devices on the expert axis, C expert capacity.
 
 The MoE block, per layer (Switch Transformer, Mixtral, Qwen3-MoE):
 
@@ -22,19 +17,13 @@ The MoE block, per layer (Switch Transformer, Mixtral, Qwen3-MoE):
     experts, g = top_k(p), renormalised to sum 1 when norm_topk (Mixtral, Qwen3-MoE)
     y = sum_r g_r SwiGLU_{expert_r}(h)
 
-Dropless (the default): the (token, expert) assignments are sorted by expert and every
-expert runs on exactly its rows as one grouped matmul (`jax.lax.ragged_dot`; on the CPU a
-tiled equivalent, see `grouped_mlp`). Nothing is padded to a capacity and nothing dropped.
-Capacity mode (`--model.capacity-factor > 0`, GShard/MaxText): each expert takes at most
-C = ceil(cf * tokens * R / E) rows per batch shard, first choices first, and the rest skip
-the expert (the residual stream carries them); the dropped fraction is logged.
-
-Expert parallelism: the experts are split over the `expert` mesh axis, which also splits
-the batch. In a `shard_map`, each device sorts its own assignments by expert, sends every
-peer the rows for the experts it holds (all-to-all), runs its experts, and sends the
-results back (all-to-all). Data and fsdp sharding work as in the dense trainer: an expert
-weight is split on d over fsdp and gathered per layer, and on its hidden width over tensor.
-"""
+Dropless (the default): the (token, expert) assignments are sorted by expert and each expert
+runs on exactly its rows, one grouped matmul (`grouped_mlp`), nothing padded or dropped.
+Capacity mode (`--model.capacity-factor > 0`, GShard/MaxText): an expert takes at most
+C = ceil(cf * tokens * R / E) rows per batch shard, first choices first; the rest skip it (the
+residual stream carries them). Expert parallelism: the `expert` mesh axis splits the experts
+and the batch; in a `shard_map` each device sends each peer the rows for its experts and gets
+the results back (two all-to-alls). Data and fsdp sharding work as in train_dense.py."""
 from __future__ import annotations
 
 import dataclasses
@@ -46,7 +35,6 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from common import hf, train
@@ -57,12 +45,9 @@ from common.data import DataConfig, get_batch, load_dataset
 from common.mesh import BATCH_AXES, MeshConfig, describe, make_mesh, resolve, target_platform
 from common.train import ConfigError, log, named, need
 
-
 # ----------------------------------------------------------------------------------------------
 # 1. Config
 # ----------------------------------------------------------------------------------------------
-
-
 @dataclass(frozen=True)
 class ModelConfig:
     vocab_size: int = 4096
@@ -101,7 +86,7 @@ class ModelConfig:
     qk_nope_head_dim: int = 128   # MLA: the per-head part of q and k that is not rotated
     qk_rope_head_dim: int = 64    # MLA: the rotated part; its key is one for all heads
     v_head_dim: int = 128         # MLA: the value heads' width
-    yarn_mscale_all_dim: float = 0.0  # MLA with YaRN: logits times yarn_mscale(factor, this)^2
+    yarn_mscale_all_dim: float = 0.0  # MLA with YaRN: the m of its temperature (see `attention`)
     rope_interleave: bool = False  # MLA: RoPE turns pairs (2i, 2i+1), as DeepSeek's weights do
     sigmoid_routing: bool = False  # scores sigmoid(logits); top-k chosen on scores + a bias
     routed_scale: float = 0.0     # the routed experts' output times this (routed_scaling_factor)
@@ -186,13 +171,11 @@ def _big(model: ModelConfig, run: str) -> Config:
 
 
 _QWEN3_MOE = dict(rope_theta=1_000_000.0, norm_eps=1e-6, qk_norm=True)
-# GPT-OSS (OpenAI 2025): windows of 128 on every second layer, sinks, biases, YaRN, clamped
-# SwiGLU experts; the released config.json's values.
+# GPT-OSS (OpenAI 2025): its released config.json's values.
 _GPT_OSS = dict(sliding_window=128, global_every=2, attn_sinks=True, attn_bias=True, moe_bias=True,
                 swiglu_limit=7.0, yarn_factor=32.0, yarn_truncate=False, rope_theta=150_000.0)
-# DeepSeek's MLA (V2-Lite's, V3's, Kimi K2's); V3 and K2 share the block, from their released
-# config.json: a query latent, 8 of the routed experts plus one shared, sigmoid scores, YaRN
-# with mscale 1.
+# DeepSeek's MLA (V2-Lite's, V3's, Kimi K2's); V3 and K2 share the block (their config.json): a
+# query latent, 8 of the routed experts plus one shared, sigmoid scores, YaRN with mscale 1.
 _MLA = dict(kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
             norm_eps=1e-6, yarn_original_max_len=4096, seq_aux=True)
 _DEEPSEEK_V3 = _MLA | dict(q_lora_rank=1536, dense_d_ff=18432, n_shared_experts=1,
@@ -224,8 +207,7 @@ _RELEASED = {
     "gpt-oss-20b": ("GPT-OSS 20B (32 experts, top-4)",
                     (201088, 2880, 24, 64, 8, 64, 32, 4, 2880, 131072), _GPT_OSS),
     "gpt-oss-120b": ("GPT-OSS 120B (128 experts, top-4)",
-                     (201088, 2880, 36, 64, 8, 64, 128, 4, 2880, 131072), _GPT_OSS),
-}
+                     (201088, 2880, 36, 64, 8, 64, 128, 4, 2880, 131072), _GPT_OSS)}
 
 PRESETS: dict[str, tuple[str, Config]] = {
     # No remat: the tiny model's activations are a few MB, and recomputing them would cost a
@@ -235,8 +217,7 @@ PRESETS: dict[str, tuple[str, Config]] = {
     "tiny-gptoss": ("tiny-moe with GPT-OSS's knobs (window 128 of the 256 tokens on every "
                     "second layer): `make train-moe MOE_PRESET=tiny-gptoss`", Config(
                         model=ModelConfig(remat="none", **_GPT_OSS), run_dir="runs/tiny-gptoss")),
-    # DeepSeek-V3's block at the tiny model's size: MLA, 8 experts in 4 groups (2 chosen), a
-    # shared expert, one leading dense layer, and its balancing: the bias, and a tiny aux loss.
+    # DeepSeek-V3's block at tiny-moe's size: 8 experts in 4 groups (2 chosen), its balancing.
     "tiny-deepseek": ("tiny-moe with DeepSeek-V3's knobs (MLA, sigmoid group-limited routing "
                       "with bias balancing, a shared expert, a dense first layer): "
                       "`make train-moe MOE_PRESET=tiny-deepseek`", Config(model=ModelConfig(
@@ -257,17 +238,12 @@ PRESETS: dict[str, tuple[str, Config]] = {
 # ----------------------------------------------------------------------------------------------
 # 2. Parameters and their shardings
 # ----------------------------------------------------------------------------------------------
-
-
 def _param_table(cfg: ModelConfig) -> dict:
-    """The one definition of the parameter tree: name -> (shape, PartitionSpec, init std).
-    Per-layer weights are stacked on a leading L axis so the layers run under lax.scan, and
-    the experts of a layer on an E axis, split over the `expert` mesh axis: a device holds
-    whole experts. Within an expert, d is split over fsdp (gathered per layer) and the hidden
-    width over tensor, as in a dense MLP. Init std: 0.02, scaled by 1/sqrt(2L) on the two
-    projections that write into the residual stream (GPT-2). std None = ones (norms).
-    With first_k_dense, those layers are a second, shorter stack ("dense_layers", run before
-    "layers"): a scan needs every layer of a stack to have the same weights."""
+    """The one definition of the parameter tree: name -> (shape, PartitionSpec, init std; None:
+    ones). Layers stacked on a leading L axis (for lax.scan), a layer's experts on an E axis split
+    over `expert` (whole experts per device, d over fsdp, hidden width over tensor). Std 0.02, over
+    sqrt(2L) into the residual stream (GPT-2). The first_k_dense layers are a second, shorter
+    stack ("dense_layers", run first): a scan needs the same weights in every layer."""
     L, D, V, Kd = cfg.n_layers, cfg.d_model, cfg.vocab_size, cfg.first_k_dense
     table = {"embed": ((V, D), P("tensor", "fsdp"), 0.02),
              "layers": _layer_table(cfg, L - Kd, moe=True), "final_norm": ((D,), P(None), None)}
@@ -319,8 +295,7 @@ def _layer_table(cfg: ModelConfig, L: int, moe: bool) -> dict:
         "bv": ((K, H), ("tensor", None), 0.0, biased),
         "sinks": ((N,), ("tensor",), 0.0, moe and cfg.attn_sinks),
         "b_router": ((E,), (None,), 0.0, bias), "b_gate": ((E, F), (ex, "tensor"), 0.0, bias),
-        "b_up": ((E, F), (ex, "tensor"), 0.0, bias), "b_down": ((E, D), (ex, None), 0.0, bias),
-    }
+        "b_up": ((E, F), (ex, "tensor"), 0.0, bias), "b_down": ((E, D), (ex, None), 0.0, bias)}
     return {k: ((L, *shape), P(None, *spec), s) for k, (shape, spec, s, on) in rows.items() if on}
 
 
@@ -341,21 +316,15 @@ def init_params(cfg: ModelConfig, key: jax.Array, mesh=None) -> dict:
 # ----------------------------------------------------------------------------------------------
 # 3. Model
 # ----------------------------------------------------------------------------------------------
-
-
 def block(x_BTD, lp: dict, pos_BT, inv_freq, cfg: ModelConfig, max_logits: bool = False,
           is_global=True):
-    """One layer: attention, then the experts, or a dense SwiGLU in a first_k_dense layer
-    (whose stack has no router); the dense layers' stats are empty."""
-    dt = x_BTD.dtype
-    w = weights(lp, dt, cfg)
+    """One layer: attention, then the experts (first_k_dense layers: a dense SwiGLU, no stats)."""
+    w = weights(lp, x_BTD.dtype, cfg)
     h = rms_norm(x_BTD, lp["attn_norm"], cfg.norm_eps)
     if cfg.kv_lora_rank:
         q, k, v = mla(h, lp, pos_BT, inv_freq, cfg)
     else:
-        q = jnp.einsum("btd,dnh->btnh", h, w("wq"))
-        k = jnp.einsum("btd,dkh->btkh", h, w("wk"))
-        v = jnp.einsum("btd,dkh->btkh", h, w("wv"))
+        q, k, v = (jnp.einsum("btd,dnh->btnh", h, w(name)) for name in ("wq", "wk", "wv"))
         if cfg.attn_bias:
             q, k, v = q + w("bq"), k + w("bk"), v + w("bv")
         if cfg.qk_norm:
@@ -365,8 +334,7 @@ def block(x_BTD, lp: dict, pos_BT, inv_freq, cfg: ModelConfig, max_logits: bool 
     x_BTD = constrain(x_BTD + (o + w("bo") if cfg.attn_bias else o), ACT_BTD)
     h = rms_norm(x_BTD, lp["mlp_norm"], cfg.norm_eps)
     if "w_router" not in lp:
-        y_BTD = swiglu(h, {"w_" + k: w("mlp_" + k) for k in PROJ})
-        return constrain(x_BTD + y_BTD, ACT_BTD), {}
+        return constrain(x_BTD + swiglu(h, {"w_" + k: w("mlp_" + k) for k in PROJ}), ACT_BTD), {}
     y_BTD, stats = moe(h, lp, cfg)
     if max_logits:  # for QK-clip: each head's largest attention logit
         stats["max_logit"] = train.max_logits(q, k)
@@ -374,12 +342,12 @@ def block(x_BTD, lp: dict, pos_BT, inv_freq, cfg: ModelConfig, max_logits: bool 
 
 
 def attention(q_BTNH, k_BTKH, v_BTKV, lp: dict, cfg: ModelConfig, is_global):
-    """One layer's attention by the compile target's kernel (common/attention.py), with
-    GPT-OSS's sinks and window; `is_global` (traced) picks the layer's kind. YaRN's
-    temperature scales q and k alike: here their logits, by its square (DeepSeek's YaRN leaves
-    the rotation unscaled and multiplies the logits by mscale(factor, mscale_all_dim)^2).
-    MLA's values are narrower than its queries (V 128, H 192): every kernel takes that."""
-    temp = yarn_mscale(cfg.yarn_factor, cfg.yarn_mscale_all_dim or 1.0) ** 2
+    """One layer's attention by the compile target's kernel (common/attention.py), with GPT-OSS's
+    sinks and window (`is_global`, traced, picks the layer's kind) and MLA's values narrower than
+    its queries. YaRN's temperature 0.1 m ln(factor) + 1 scales q and k alike: here their logits,
+    by its square (m = 1; DeepSeek leaves the rotation unscaled and gives m = mscale_all_dim)."""
+    f, m = cfg.yarn_factor, cfg.yarn_mscale_all_dim or 1.0
+    temp = (0.1 * m * math.log(f) + 1.0) ** 2 if f > 1 else 1.0
     full = partial(attend, q_BTNH, k_BTKH, v_BTKV, impl=cfg.attention, sinks_N=lp.get("sinks"),
                    scale=temp / math.sqrt(q_BTNH.shape[-1]), batch_axes=MOE_BATCH)
     W = cfg.sliding_window if cfg.sliding_window < q_BTNH.shape[1] else 0  # else: all in reach
@@ -394,13 +362,10 @@ def mla(h_BTD, lp: dict, pos_BT, inv_freq, cfg: ModelConfig):
         q_n = [q_nope, RoPE(q_rope)] of h W_q, or of RMSNorm(h W_q_a) W_q_b with q_lora_rank
         k_n = [k_nope_n, k_rope]
 
-    Training materialises every head's key and value, as below. Decoding would instead cache
-    only c_kv and k_rope (C + Hr numbers a token, not 2 N H) and absorb the up-projections:
-    q_nope W_k_b^T is a query in latent space, and W_v_b folds into W_o. With rope_interleave
-    the rotated dims are taken as pairs (2i, 2i+1) and come out in halves, as transformers
-    does: the order within a head is the same for q and k, so q.k is unchanged by it."""
-    dt = h_BTD.dtype
-    w = weights(lp, dt, cfg)
+    Training builds every head's key and value; decoding would cache only c_kv and k_rope (C + Hr
+    numbers a token, not 2 N H), W_k_b absorbed into the query and W_v_b into W_o. rope_interleave
+    takes pairs (2i, 2i+1), put out in halves as transformers does: the same for q and k."""
+    w = weights(lp, h_BTD.dtype, cfg)
     C, Hn, eps = cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.norm_eps
     if cfg.q_lora_rank:
         c_q = rms_norm(jnp.einsum("btd,dc->btc", h_BTD, w("wq_a")), lp["q_norm_a"], eps)
@@ -426,8 +391,7 @@ def constrain(x, spec: P):
     return jax.lax.with_sharding_constraint(x, spec)
 
 
-# The batch is split over data and fsdp, as in the dense trainer, and over expert: the devices
-# of one expert group each hold other tokens, which the all-to-all sends to their experts.
+# The batch is split over data, fsdp and expert: the all-to-all takes tokens to their experts.
 MOE_BATCH = BATCH_AXES + ("expert",)
 ACT_BTD = P(MOE_BATCH, None, None)  # activations between blocks: batch-sharded, d replicated
 # A small batch's loss is vocabulary-parallel (train_dense.py's VOCAB_DV): V over fsdp, expert.
@@ -435,9 +399,8 @@ VOCAB_DV, LOSS_BTD = P(None, ("tensor", "fsdp", "expert")), P("data", None, None
 
 
 def weights(lp: dict, dt, cfg: ModelConfig):
-    """name -> the layer's f32 master weight in the compute dtype. The cast copy keeps the
-    master's sharding, so FSDP gathers it in the compute dtype and reduce-scatters its
-    gradient (not all-reduces it whole)."""
+    """name -> the layer's f32 master weight in the compute dtype, keeping the master's sharding:
+    FSDP gathers it in the compute dtype and reduce-scatters its gradient (not all-reduces)."""
     specs = param_specs(cfg)
     spec = {**specs.get("dense_layers", {}), **specs["layers"]}
     return lambda name: constrain(lp[name].astype(dt), P(*spec[name][1:]))
@@ -451,10 +414,9 @@ def rms_norm(x, w, eps):
 
 
 def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
-    """theta^(-2i/H); with YaRN (Peng et al. 2023, as transformers computes it) the dims that
-    turn fewer than beta_slow times over the original context are slowed by `factor`, those
-    that turn more than beta_fast times kept, and a linear ramp in the dims between. MLA
-    rotates only the qk_rope_head_dim part of each head."""
+    """theta^(-2i/H) (MLA: of the qk_rope_head_dim part); with YaRN (Peng et al. 2023, as in
+    transformers) the dims turning fewer than beta_slow times over the original context are
+    slowed by `factor`, those turning more than beta_fast times kept, a linear ramp between."""
     H = cfg.qk_rope_head_dim if cfg.kv_lora_rank else cfg.head_dim
     inv = 1.0 / cfg.rope_theta ** (np.arange(0, H, 2, dtype=np.float64) / H)
     if cfg.yarn_factor:
@@ -468,12 +430,6 @@ def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
     return inv.astype(np.float32)
 
 
-def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
-    """YaRN's attention temperature: q and k are both scaled by this (DeepSeek-V3 passes its
-    own mscale)."""
-    return 0.1 * mscale * math.log(factor) + 1.0 if factor > 1 else 1.0
-
-
 def apply_rope(x_BTNH, pos_BT, inv_freq):
     """Rotate the two halves of each head (the HuggingFace layout: its q/k weights load as-is)."""
     ang_BTh = pos_BT[..., None].astype(jnp.float32) * inv_freq
@@ -481,10 +437,6 @@ def apply_rope(x_BTNH, pos_BT, inv_freq):
     x1, x2 = jnp.split(x_BTNH.astype(jnp.float32), 2, axis=-1)
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return out.astype(x_BTNH.dtype)
-
-
-REMAT_POLICIES = {"full": jax.checkpoint_policies.nothing_saveable,
-                  "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
 
 
 def hidden(params: dict, tokens_BT, cfg: ModelConfig, max_logits: bool = False):
@@ -501,21 +453,18 @@ def hidden(params: dict, tokens_BT, cfg: ModelConfig, max_logits: bool = False):
     inv_freq = rope_inv_freq(cfg)
     L, W, n, Kd = cfg.n_layers, cfg.sliding_window, cfg.global_every, cfg.first_k_dense
     is_global_L = (np.arange(L) + 1) % n == 0 if W and n else np.full(L, not W)
-
-    def layer(x, xs):
-        return block(x, xs[0], pos_BT, inv_freq, cfg, max_logits, xs[1])
-
+    layer = lambda x, xs: block(x, xs[0], pos_BT, inv_freq, cfg, max_logits, xs[1])
     if cfg.remat != "none":
         # Inside a rolled scan the recomputation cannot be merged away; unrolled, XLA would
         # merge it into the forward pass (and keep every activation) unless prevented.
-        layer = jax.checkpoint(layer, policy=REMAT_POLICIES[cfg.remat],
-                               prevent_cse=not cfg.scan_layers)
+        layer = jax.checkpoint(layer, prevent_cse=not cfg.scan_layers, policy={
+            "full": jax.checkpoint_policies.nothing_saveable,
+            "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}[cfg.remat])
     # Unrolled (--model.no-scan-layers), each layer is compiled on its own.
+    scan = partial(jax.lax.scan, layer, unroll=not cfg.scan_layers)
     if Kd:  # the dense layers come first, as their own stack
-        x, _ = jax.lax.scan(layer, x, (params["dense_layers"], jnp.asarray(is_global_L[:Kd])),
-                            unroll=not cfg.scan_layers)
-    x, stats = jax.lax.scan(layer, x, (params["layers"], jnp.asarray(is_global_L[Kd:])),
-                            unroll=not cfg.scan_layers)
+        x, _ = scan(x, (params["dense_layers"], jnp.asarray(is_global_L[:Kd])))
+    x, stats = scan(x, (params["layers"], jnp.asarray(is_global_L[Kd:])))
     return rms_norm(x, params["final_norm"], cfg.norm_eps), stats
 
 
@@ -533,14 +482,10 @@ def forward(params: dict, tokens_BT, cfg: ModelConfig):
 # ----------------------------------------------------------------------------------------------
 # 4. Loss and train step
 # ----------------------------------------------------------------------------------------------
-
-
 def train_step(state: dict, batch_BT1, *, cfg: Config, tx):
-    """One optimiser step on a global batch [B, T+1] -> (new state, metrics). The gradient and
-    its aux (ce, routing stats) are the microbatches' mean; with --train.qk-clip-threshold,
-    heads whose logits exceeded it are clipped after the update (common/train.py `qk_clip`).
-    With sigmoid routing the router biases (state["buffers"]) read the step's load, unless
-    the step is skipped as non-finite."""
+    """One optimiser step on a global batch [B, T+1] -> (new state, metrics): gradient and aux the
+    microbatches' mean, heads over --train.qk-clip-threshold clipped after the update (`qk_clip`),
+    the router biases (state["buffers"]) moved by the step's load unless it is skipped."""
     M, tau = cfg.train.microbatches, cfg.train.qk_clip_threshold
     buffers = state.get("buffers", {})
     grad_fn = jax.grad(lambda p, b: loss_fn(with_buffers(p, buffers), b, cfg.model, cfg.train),
@@ -562,17 +507,14 @@ def train_step(state: dict, batch_BT1, *, cfg: Config, tx):
 
 
 def loss_fn(params, batch_BT1, cfg: ModelConfig, t: TrainConfig = TrainConfig()):
-    """The objective on token windows [B, T+1], every next token a target:
+    """The objective on token windows [B, T+1], every next token a target (all B*T of them):
 
         loss = ce + z_loss * mean_t lse_t^2
                + load_balance_loss * mean_l aux_l + router_z_loss * mean_l router_z_l,
         ce = mean_t (lse_t - l_t[y_t])
 
-    for logits l_t = h_t W_unembed, lse_t = logsumexp(l_t), over all B*T targets, and each
-    layer l's router losses (see `router`). Returns (loss, {"ce": ce, routing stats [L]}).
-    No [B, T, V] logits: train_dense.py's `_ce_fused` makes each `loss_chunk` positions'
-    gradient with their loss (`cross_entropy`), so no logits are kept or rebuilt for the
-    backward pass."""
+    for logits l_t = h_t W_unembed, lse_t = logsumexp(l_t), and layer l's router losses. Returns
+    (loss, {"ce": ce, routing stats [L]}); `_ce_fused` takes `loss_chunk` positions at a time."""
     inputs, targets = batch_BT1[:, :-1], batch_BT1[:, 1:]
     h_BTD, stats = hidden(params, inputs, cfg, max_logits=t.qk_clip_threshold > 0)
     w_DV = unembedding(params, cfg).astype(h_BTD.dtype)
@@ -621,12 +563,10 @@ def make_schedule(t: TrainConfig):
 
 # Muon's matrices: name -> (input axes, output axes); [L] and [L, E] axes are batches of
 # separate matrices (one per layer and expert). The router keeps AdamW, as in Kimi K2.
-MUON_DIMS = {"wq": ((1,), (2, 3)), "wk": ((1,), (2, 3)), "wv": ((1,), (2, 3)),
-             "wo": ((1, 2), (3,)), "w_gate": ((2,), (3,)), "w_up": ((2,), (3,)),
-             "w_down": ((2,), (3,)), "wq_a": ((1,), (2,)), "wq_b": ((1,), (2, 3)),
-             "wkv_a": ((1,), (2,)), "wkv_b": ((1,), (2, 3)),
-             **{k: ((1,), (2,)) for k in ("shared_gate", "shared_up", "shared_down",
-                                          "mlp_gate", "mlp_up", "mlp_down")}}
+MUON_DIMS = {"wo": ((1, 2), (3,)), **dict.fromkeys(("w_gate", "w_up", "w_down"), ((2,), (3,))),
+             **dict.fromkeys(("wq", "wk", "wv", "wq_b", "wkv_b"), ((1,), (2, 3))),
+             **dict.fromkeys(("wq_a", "wkv_a", "shared_gate", "shared_up", "shared_down",
+                              "mlp_gate", "mlp_up", "mlp_down"), ((1,), (2,)))}
 
 
 def make_optimizer(t: TrainConfig):
@@ -703,18 +643,16 @@ _ce_fused.defvjp(_ce_fused_fwd, _ce_fused_bwd)
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
-    """Training FLOPs per token on the *active* parameters: 3x the forward, which is 2 per
-    weight of every matmul a token goes through (q, k, v, o, the router, top_k experts' gate,
-    up and down, the unembedding) plus attention's 2 * 2 * T * N * H per layer (PaLM app. B).
-    Sorting, gathers, all-to-alls and capacity padding are overhead: MFU counts useful work."""
+    """Training FLOPs per token on the *active* parameters: 3x the forward, 2 per weight of every
+    matmul a token goes through (q, k, v, o, router, top_k experts, unembedding) plus attention's
+    2 * 2 * T * N * H per layer (PaLM app. B). Sorting, exchanges and padding are overhead."""
     D, N, K, H, L = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.n_layers
     attn, Hqv = D * N * H + 2 * D * K * H + N * H * D, 2 * H   # Hqv: q.k and p.v widths
     if cfg.kv_lora_rank:   # MLA: the latents' down- and up-projections, keys and values
-        C, Qr, Hr, Hv = cfg.kv_lora_rank, cfg.q_lora_rank, cfg.qk_rope_head_dim, cfg.v_head_dim
-        Hq = cfg.qk_nope_head_dim + Hr
+        Hn, Hr, Hv = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        C, Qr, Hq, Hqv = cfg.kv_lora_rank, cfg.q_lora_rank, Hn + Hr, Hn + Hr + Hv
         attn = ((D * Qr + Qr * N * Hq) if Qr else D * N * Hq) + D * (C + Hr) + \
-            C * N * (cfg.qk_nope_head_dim + Hv) + N * Hv * D
-        Hqv = Hq + Hv
+            C * N * (Hn + Hv) + N * Hv * D
     Kd = cfg.first_k_dense
     mlp = D * cfg.n_experts + (cfg.top_k + cfg.n_shared_experts) * 3 * D * cfg.d_ff
     matmul_weights = L * attn + (L - Kd) * mlp + Kd * 3 * D * cfg.dense_d_ff + D * cfg.vocab_size
@@ -765,9 +703,8 @@ def _validate_deepseek(m: ModelConfig, t: TrainConfig) -> None:
         need(not clash, f"--model.kv-lora-rank {m.kv_lora_rank} (MLA) with --model."
              f"{clash[0].replace('_', '-') if clash else ''}: MLA is DeepSeek's attention, "
              "which has none of those; turn it off.")
-        need(m.n_kv_heads == m.n_heads, f"--model.n-kv-heads {m.n_kv_heads} with MLA: MLA "
-             f"builds a key and a value for each query head; set it to --model.n-heads "
-             f"{m.n_heads}.")
+        need(m.n_kv_heads == m.n_heads, f"--model.n-kv-heads {m.n_kv_heads} with MLA: MLA builds a "
+             f"key and a value for each query head; set it to --model.n-heads {m.n_heads}.")
         need(m.qk_rope_head_dim >= 2 and m.qk_rope_head_dim % 2 == 0, f"--model.qk-rope-head-"
              f"dim {m.qk_rope_head_dim} must be even and positive (RoPE rotates pairs).")
         need(m.v_head_dim <= m.qk_nope_head_dim + m.qk_rope_head_dim, f"--model.v-head-dim "
@@ -783,10 +720,9 @@ def _validate_deepseek(m: ModelConfig, t: TrainConfig) -> None:
     need(not m.n_group or (m.n_experts % m.n_group == 0 and 1 <= m.topk_group <= m.n_group and
                            m.top_k <= m.topk_group * (m.n_experts // m.n_group) and
                            m.n_experts >= 2 * m.n_group),
-         f"--model.n-group {m.n_group} --model.topk-group {m.topk_group}: the groups must "
-         f"split --model.n-experts {m.n_experts} evenly, at least 2 experts each (each group "
-         f"is ranked by its best two), and the chosen groups must hold --model.top-k "
-         f"{m.top_k} experts.")
+         f"--model.n-group {m.n_group} --model.topk-group {m.topk_group}: the groups must split "
+         f"--model.n-experts {m.n_experts} evenly, at least 2 experts each (each group is ranked "
+         f"by its best two), and the chosen groups must hold --model.top-k {m.top_k} experts.")
     need(m.sigmoid_routing or not (m.n_group or m.routed_scale or t.router_bias_rate),
          "--model.n-group, --model.routed-scale and --train.router-bias-rate are DeepSeek's "
          "sigmoid routing: add --model.sigmoid-routing.")
@@ -803,16 +739,13 @@ def _validate_deepseek(m: ModelConfig, t: TrainConfig) -> None:
 # ----------------------------------------------------------------------------------------------
 # 5. Experts: routing and dispatch
 # ----------------------------------------------------------------------------------------------
-
-
 def moe(h_BTD, lp: dict, cfg: ModelConfig):
     """The MoE block on normed activations: (output [B,T,D], routing stats)."""
     gate_BTR, expert_BTR, stats = router(h_BTD, lp["w_router"], cfg, lp.get("b_router"),
                                          lp.get("router_bias"))
     ws = {k: lp[k] for k in ("w_gate", "w_up", "w_down", "b_gate", "b_up", "b_down") if k in lp}
     dt = h_BTD.dtype
-    if cfg.n_experts == 1:
-        # The dense twin of `bench`: one expert, weight exactly 1, routing is the identity.
+    if cfg.n_experts == 1:  # `bench`'s dense twin: one expert of weight 1, routing the identity
         y = swiglu(h_BTD, {k: a[0].astype(dt) for k, a in ws.items()}, cfg)
         return constrain(y, ACT_BTD), stats | {"dropped": jnp.zeros((), jnp.float32)}
     mesh = jax.sharding.get_abstract_mesh()
@@ -823,41 +756,35 @@ def moe(h_BTD, lp: dict, cfg: ModelConfig):
         y, dropped = jax.shard_map(
             partial(experts, cfg=cfg, peers=mesh.shape["expert"], sharded=True),
             in_specs=(act, act, act, {k: P(*spec[k][1:]) for k in ws}),
-            out_specs=(act, P(MOE_BATCH)),
-        )(h_BTD, expert_BTR, gate_BTR, ws)
-    n_assign = h_BTD.shape[0] * h_BTD.shape[1] * cfg.top_k
+            out_specs=(act, P(MOE_BATCH)))(h_BTD, expert_BTR, gate_BTR, ws)
     if cfg.n_shared_experts:  # DeepSeek's shared experts: one wider SwiGLU every token uses
         y = y + swiglu(h_BTD, {"w_" + k: lp["shared_" + k].astype(dt) for k in PROJ})
-    return y, stats | {"dropped": jnp.sum(dropped) / n_assign}
+    return y, stats | {"dropped": jnp.sum(dropped) / expert_BTR.size}  # of the assignments
 
 
 def router(h_BTD, w_DE, cfg: ModelConfig, b_E=None, bias_E=None):
     """Top-k routing and its statistics: (weights [B,T,R] f32, experts [B,T,R] int32, stats).
 
-    Switch load balancing (Fedus et al. 2021, eq. 4), with HuggingFace's and MaxText's top-k
-    convention so their coefficients carry over: aux = E * sum_e f_e * P_e, f_e the fraction
-    of tokens that chose e among their top k (the f_e sum to k), P_e the mean router
-    probability of e. Perfect balance gives k; a collapse onto k experts gives E. Its
-    gradient reaches the router through P only. Router z-loss (ST-MoE, Zoph et al. 2022):
-    mean logsumexp(logits)^2, which keeps the logits small enough for float32 softmax to stay
-    exact. `load` is each expert's share of the assignments (1/E when balanced). GPT-OSS's
-    router has a bias b_E and takes the softmax of the k chosen logits: the renormalised top k
-    of the softmax over all of them (norm_topk), the same weights.
-
-    DeepSeek-V3 (sigmoid_routing): scores s = sigmoid(logits); the top k are chosen on
-    s + bias_E (`balance_biases` moves the bias), but weighted by s alone, renormalised
-    (norm_topk) and times routed_scale. With n_group, each token first keeps its best
-    topk_group of n_group groups of experts, ranked by the sum of their two best s + bias,
-    and chooses only among those (HF's masked -inf too). The aux loss takes P_e = s / sum(s)."""
-    E, R = cfg.n_experts, cfg.top_k
+    Switch load balancing (Fedus et al. 2021, eq. 4) in HuggingFace's and MaxText's top-k
+    convention, so their coefficients carry over: aux = E * sum_e f_e * P_e, f_e the fraction
+    of tokens that chose e among their top k (the f_e sum to k), P_e e's mean router
+    probability: k when balanced, E when collapsed onto k experts; its gradient reaches the
+    router through P only. Router z-loss (ST-MoE): mean logsumexp(logits)^2 keeps the logits
+    small enough for a float32 softmax to stay exact. `load`: each expert's share of the
+    assignments. GPT-OSS's router has a bias b_E and softmaxes the k chosen logits: the same
+    weights as the renormalised top k of the whole softmax (norm_topk).
+    DeepSeek-V3 (sigmoid_routing): scores s = sigmoid(logits), the top k chosen on s + bias_E
+    (`balance_biases`) but weighted by s alone, renormalised (norm_topk), times routed_scale.
+    With n_group a token first keeps its best topk_group of n_group groups, ranked by the sum
+    of their two best s + bias, and chooses among those. The aux loss takes P_e = s / sum(s)."""
+    E, R, G = cfg.n_experts, cfg.top_k, cfg.n_group
     logits_BTE = jnp.einsum("btd,de->bte", h_BTD.astype(jnp.float32), w_DE)
     logits_BTE = logits_BTE if b_E is None else logits_BTE + b_E
     if cfg.sigmoid_routing:
         scores_BTE = jax.nn.sigmoid(logits_BTE)
         probs_BTE = scores_BTE / jnp.sum(scores_BTE, axis=-1, keepdims=True)
         choice_BTE = scores_BTE if bias_E is None else scores_BTE + bias_E
-        if cfg.n_group:
-            G = cfg.n_group
+        if G:
             groups = choice_BTE.reshape(*choice_BTE.shape[:2], G, E // G)
             _, best_BTg = jax.lax.top_k(jnp.sum(jax.lax.top_k(groups, 2)[0], axis=-1),
                                         cfg.topk_group)
@@ -865,40 +792,34 @@ def router(h_BTD, w_DE, cfg: ModelConfig, b_E=None, bias_E=None):
             choice_BTE = jnp.where(jnp.repeat(keep_BTG, E // G, axis=-1), choice_BTE, -jnp.inf)
         expert_BTR = jax.lax.top_k(choice_BTE, R)[1]
         gate_BTR = jnp.take_along_axis(scores_BTE, expert_BTR, axis=-1)
-        if cfg.norm_topk:  # HF's epsilon: all k scores may underflow to 0
-            gate_BTR = gate_BTR / (jnp.sum(gate_BTR, axis=-1, keepdims=True) + 1e-20)
-        gate_BTR = gate_BTR * (cfg.routed_scale or 1.0)
     else:
         probs_BTE = jax.nn.softmax(logits_BTE, axis=-1)
         gate_BTR, expert_BTR = jax.lax.top_k(probs_BTE, R)
-        if cfg.norm_topk:
-            gate_BTR = gate_BTR / jnp.sum(gate_BTR, axis=-1, keepdims=True)
+    if cfg.norm_topk:  # HF's epsilon: all k sigmoid scores may underflow to 0 (a softmax's
+        # sum is >= 1/E, which the epsilon leaves unchanged in float32)
+        gate_BTR = gate_BTR / (jnp.sum(gate_BTR, axis=-1, keepdims=True) + 1e-20)
+    gate_BTR = gate_BTR * (cfg.routed_scale or 1.0)
     B, T = h_BTD.shape[:2]
     count_BE = jnp.sum(jax.nn.one_hot(expert_BTR, E, dtype=jnp.float32), axis=(1, 2))
     count_E, n_tokens = jnp.sum(count_BE, axis=0), B * T
     # seq_aux (DeepSeek-V3 eqs. 17-19): f and P of each sequence, the mean over sequences
     aux = E * (jnp.mean(jnp.sum(count_BE / T * jnp.mean(probs_BTE, axis=1), axis=-1)) if
                cfg.seq_aux else jnp.sum(count_E / n_tokens * jnp.mean(probs_BTE, axis=(0, 1))))
-    z = jnp.mean(jnp.square(jax.nn.logsumexp(logits_BTE, axis=-1)))
     load_E = count_E / (n_tokens * R)
-    stats = {"aux_loss": aux, "router_z": z, "load_min": jnp.min(load_E),
-             "load_max": jnp.max(load_E), "load": load_E}
-    return gate_BTR, expert_BTR.astype(jnp.int32), stats
+    return gate_BTR, expert_BTR.astype(jnp.int32), {
+        "aux_loss": aux, "router_z": jnp.mean(jnp.square(jax.nn.logsumexp(logits_BTE, axis=-1))),
+        "load": load_E, "load_min": jnp.min(load_E), "load_max": jnp.max(load_E)}
 
 
 def _buffer_table(cfg: ModelConfig) -> dict:
-    """State that is not trained: with sigmoid routing, each MoE layer's per-expert bias on
-    the scores that choose the experts (DeepSeek-V3's e_score_correction_bias), replicated
-    like the router's expert axis. Moved by `balance_biases`, never by a gradient."""
-    if not cfg.sigmoid_routing:
-        return {}
-    return {"layers": {"router_bias": ((cfg.n_layers - cfg.first_k_dense, cfg.n_experts),
-                                       P(None, None), 0.0)}}
+    """State that is not trained: with sigmoid routing, each MoE layer's bias on the scores
+    that choose the experts (DeepSeek-V3's e_score_correction_bias), moved by `balance_biases`."""
+    L, on = cfg.n_layers - cfg.first_k_dense, cfg.sigmoid_routing
+    return {"layers": {"router_bias": ((L, cfg.n_experts), P(None, None), 0.0)}} if on else {}
 
 
 def with_buffers(params: dict, buffers: dict) -> dict:
-    """The model's weights with the buffers joined into their stacks: what `forward` reads.
-    The buffers pass through stop_gradient: no gradient is taken of them."""
+    """The weights with the buffers (under stop_gradient) joined into their stacks."""
     return train.join(params, jax.tree.map(jax.lax.stop_gradient, buffers))
 
 
@@ -924,10 +845,9 @@ def glu(g, u, cfg: ModelConfig | None = None):
 
 
 def swiglu(x, w: dict, cfg: ModelConfig | None = None, mm=jnp.matmul, at=lambda b: b):
-    """An MLP on rows x: w holds w_gate, w_up, w_down and, with moe_bias, b_gate, b_up,
-    b_down. Every dispatch path runs its experts here, differing only in how rows meet
-    weights: `mm(x, weight)` (one matmul, batched over experts, ragged or tiled) and `at(bias)`
-    (the bias of each row's expert, broadcast onto the rows)."""
+    """An MLP on rows x (w: w_gate, w_up, w_down, with moe_bias b_gate, b_up, b_down). Every
+    dispatch path runs its experts here, differing only in `mm(x, weight)` (batched over
+    experts, ragged or tiled) and `at(bias)` (each row's expert's bias, onto the rows)."""
     def proj(x, name):
         y = mm(x, w["w_" + name])
         return y + at(w["b_" + name]) if "b_" + name in w else y
@@ -935,24 +855,19 @@ def swiglu(x, w: dict, cfg: ModelConfig | None = None, mm=jnp.matmul, at=lambda 
 
 
 def _grouped_impl(cfg: ModelConfig, platform: str = "") -> str:
-    if cfg.grouped_matmul != "auto":
-        return cfg.grouped_matmul
-    # XLA:CPU rewrites ragged_dot into a dense matmul of every row with every group's weights,
-    # zero-masked (E times the FLOPs and memory; 2-6x slower than tiled at E=8 on a laptop
-    # CPU). TPUs, and GPUs with a grouped GEMM for the shapes and dtype, run it as one. The
-    # compile target decides, not the host: a --compile-topology dry run builds the TPU's.
-    return "tiled" if (platform or target_platform()) == "cpu" else "ragged_dot"
+    # auto: XLA:CPU rewrites ragged_dot as every row times every group's weights, zero-masked (E
+    # times the FLOPs; 2-6x slower than tiled at E=8 on a laptop); TPUs and GPUs run it as one
+    # grouped GEMM. The compile target decides, not the host (--compile-topology: the TPU's).
+    return cfg.grouped_matmul if cfg.grouped_matmul != "auto" else (
+        "tiled" if (platform or target_platform()) == "cpu" else "ragged_dot")
 
 
 def _tile_layout(sizes_G, M: int, tile: int):
     """Each group padded to whole tiles: (destination row of each input row, group of each
     tile, number of tiles: static, M / tile + G). Rows past sum(sizes) go out of range."""
-    G = sizes_G.shape[0]
-    n_tiles = -(-M // tile) + G
-    end_G = jnp.cumsum(sizes_G)
-    tiles_G = (sizes_G + tile - 1) // tile
-    tile_end_G = jnp.cumsum(tiles_G)
-    row_M = jnp.arange(M)
+    G, row_M = sizes_G.shape[0], jnp.arange(M)
+    n_tiles, tiles_G = -(-M // tile) + G, (sizes_G + tile - 1) // tile
+    end_G, tile_end_G = jnp.cumsum(sizes_G), jnp.cumsum(tiles_G)
     group_M = jnp.searchsorted(end_G, row_M, side="right")     # G for rows past the groups
     g_M = jnp.minimum(group_M, G - 1)
     within_M = row_M - (end_G - sizes_G)[g_M]
@@ -962,12 +877,10 @@ def _tile_layout(sizes_G, M: int, tile: int):
 
 
 def grouped_mlp(x_MD, sizes_G, w, cfg: ModelConfig):
-    """SwiGLU of expert g on its rows: x is sorted by group, sizes_G[g] rows each. Rows past
-    sum(sizes_G) (buffer padding) give zeros, or with biases values no one reads. w: as
-    `swiglu`'s, each with a leading G axis. "ragged_dot": a grouped GEMM, each row against
-    its group's weights only. "tiled" (megablocks-style, for the CPU): every group padded to
-    whole tiles of `gmm_tile` rows, each tile multiplied with its group's weights, one batched
-    matmul over tiles; the cost is at most G tiles of padding and one weight copy per tile."""
+    """SwiGLU of expert g on its sizes_G[g] rows of x (sorted by group; rows past the sum give
+    zeros, or with biases values no one reads); w as `swiglu`'s with a leading G axis. "tiled"
+    (megablocks-style, for the CPU): each group padded to whole tiles of `gmm_tile` rows, one
+    batched matmul over tiles: at most G tiles of padding, one weight copy per tile."""
     M, D = x_MD.shape
     if _grouped_impl(cfg) == "ragged_dot":
         group_M = jnp.minimum(jnp.searchsorted(jnp.cumsum(sizes_G), jnp.arange(M), side="right"),
@@ -987,23 +900,15 @@ def _inverse(perm):
     return jnp.zeros_like(perm).at[perm].set(jnp.arange(perm.shape[0], dtype=perm.dtype))
 
 
-def capacity(n_tokens: int, cfg: ModelConfig) -> int:
-    """Rows per expert per batch shard in capacity mode (GShard): cf x the balanced share."""
-    return max(1, math.ceil(cfg.capacity_factor * n_tokens * cfg.top_k / cfg.n_experts))
-
-
 def _dropless_exchange(x_AD, e_A, sizes_E, w, cfg: ModelConfig, peers: int, S: int):
-    """Rows sorted by expert -> their experts on the peers of the expert axis -> back.
-    Peer p holds experts p*X .. p*X+X-1, so the sorted rows are already grouped by peer.
-    XLA:CPU cannot run ragged_all_to_all (JAX 0.10, 0.12), so this sends buffers of S rows
-    per peer, the most one can be owed (each token's min(X, k) choices there; MaxText sizes
-    them alike): dropless at up to P times the exact exchange's traffic and memory."""
-    A, D = x_AD.shape
-    X = cfg.n_experts // peers
-    sizes_PX = sizes_E.reshape(peers, X)
+    """Rows sorted by expert (so by peer: p holds experts p*X .. p*X+X-1) -> their experts on the
+    peers of the expert axis -> back. XLA:CPU cannot run ragged_all_to_all (JAX 0.10, 0.12), so
+    this sends each peer S rows, the most it can be owed (each token's min(X, k) choices there;
+    MaxText sizes them alike): dropless at up to P times the exact exchange's traffic."""
+    (A, D), X = x_AD.shape, cfg.n_experts // peers
+    sizes_PX, r_S = sizes_E.reshape(peers, X), jnp.arange(S)
     send_P = jnp.sum(sizes_PX, axis=1)
     start_P = jnp.cumsum(send_P) - send_P
-    r_S = jnp.arange(S)
     valid_PS = r_S[None, :] < send_P[:, None]
     src_PS = jnp.minimum(start_P[:, None] + r_S[None, :], A - 1)
     send_PSD = jnp.where(valid_PS[..., None], x_AD[src_PS], 0).astype(x_AD.dtype)
@@ -1013,8 +918,7 @@ def _dropless_exchange(x_AD, e_A, sizes_E, w, cfg: ModelConfig, peers: int, S: i
     local_PS = jax.vmap(lambda ends: jnp.searchsorted(ends, r_S, side="right"))(
         jnp.cumsum(rsizes_PX, axis=1))                             # X marks padding
     order_M = jnp.argsort(local_PS.reshape(-1), stable=True)
-    y_MD = grouped_mlp(recv_PSD.reshape(peers * S, D)[order_M], jnp.sum(rsizes_PX, axis=0),
-                       w, cfg)
+    y_MD = grouped_mlp(recv_PSD.reshape(peers * S, D)[order_M], jnp.sum(rsizes_PX, axis=0), w, cfg)
     back_PSD = jax.lax.all_to_all(y_MD[_inverse(order_M)].reshape(peers, S, D), "expert", 0, 0)
     # Sorted row a went to peer p = expert // X, at row a - start_P[p] of that peer's buffer.
     peer_A = e_A // X
@@ -1022,11 +926,9 @@ def _dropless_exchange(x_AD, e_A, sizes_E, w, cfg: ModelConfig, peers: int, S: i
 
 
 def _capacity_exchange(x_AD, e_A, sizes_E, w, cfg: ModelConfig, peers: int, C: int):
-    """Capacity mode: the first C rows of each expert go into an [E, C, d] buffer (the rest
-    are dropped), which is split by expert over the peers with one all-to-all and comes
-    back with another. Returns (results of the rows in sorted order, rows dropped)."""
-    A, D = x_AD.shape
-    E, X = cfg.n_experts, cfg.n_experts // peers
+    """Capacity mode: each expert's first C rows go into an [E, C, d] buffer (the rest are
+    dropped), sent to the experts' peers and back. Returns (sorted rows' results, dropped)."""
+    (A, D), E, X = x_AD.shape, cfg.n_experts, cfg.n_experts // peers
     rank_A = jnp.arange(A) - (jnp.cumsum(sizes_E) - sizes_E)[e_A]
     keep_A = rank_A < C
     slot_A = jnp.where(keep_A, e_A * C + rank_A, E * C)
@@ -1045,42 +947,37 @@ def _capacity_exchange(x_AD, e_A, sizes_E, w, cfg: ModelConfig, peers: int, C: i
 
 def experts(x_BTD, expert_BTR, gate_BTR, w: dict, cfg: ModelConfig, peers: int = 1,
             sharded: bool = False):
-    """The experts' output for this device's tokens, and how many assignments were dropped:
-    per device in `shard_map` when sharded (this device's batch shard, its X = E/P experts,
-    d split over fsdp, F over tensor), or on everything at once without a mesh. w: the
-    layer's expert weights, named as in `swiglu`."""
-    dt = x_BTD.dtype
-    B, T, D = x_BTD.shape
+    """The experts' output for this device's tokens and how many assignments were dropped: in
+    `shard_map` when sharded (a batch shard, X = E/P experts, d over fsdp, F over tensor), else
+    on everything at once. w: the layer's expert weights, named as in `swiglu`."""
+    (B, T, D), dt = x_BTD.shape, x_BTD.dtype
     R, n = cfg.top_k, B * T
     w = {k: a.astype(dt) for k, a in w.items()}
     if sharded:
-        # FSDP: gather this layer's expert weights over fsdp in the compute dtype (half the
-        # traffic in bfloat16); autodiff turns the gather into a reduce-scatter of gradients.
-        # d is axis 1 of w_gate and w_up [X, D, F], axis 2 of w_down [X, F, D].
+        # FSDP: gather d (axis 1 of w_gate, w_up [X, D, F], 2 of w_down) in the compute dtype,
+        # half the traffic in bfloat16; autodiff turns it into a reduce-scatter of gradients.
         w |= {k: jax.lax.all_gather(w[k], "fsdp", axis=2 if k == "w_down" else 1, tiled=True)
               for k in ("w_gate", "w_up", "w_down")}
         if "b_down" in w:  # the tensor shards' outputs are summed: the down bias joins one
             w["b_down"] = jnp.where(jax.lax.axis_index("tensor") == 0, w["b_down"], 0).astype(dt)
-    x_nD = x_BTD.reshape(n, D)
     # Assignments choice-major (a = r * n + token): within an expert the sort keeps every
     # first choice ahead of every second choice, so capacity mode drops second choices
     # first (GShard's priority), and dropless mode loses nothing by it.
     e_A = expert_BTR.reshape(n, R).T.reshape(-1)
     order_A = jnp.argsort(e_A, stable=True)
-    x_AD, sorted_e_A = x_nD[order_A % n], e_A[order_A]
+    x_AD, sorted_e_A = x_BTD.reshape(n, D)[order_A % n], e_A[order_A]
     sizes_E = jnp.bincount(e_A, length=cfg.n_experts).astype(jnp.int32)
-    if cfg.capacity_factor > 0:
-        y_AD, dropped = _capacity_exchange(x_AD, sorted_e_A, sizes_E, w, cfg, peers,
-                                           capacity(n, cfg))
+    dropped = jnp.zeros((), jnp.int32)
+    if cfg.capacity_factor > 0:  # C rows per expert per batch shard: cf x the even share
+        C = max(1, math.ceil(cfg.capacity_factor * n * R / cfg.n_experts))
+        y_AD, dropped = _capacity_exchange(x_AD, sorted_e_A, sizes_E, w, cfg, peers, C)
     elif peers > 1:
         y_AD = _dropless_exchange(x_AD, sorted_e_A, sizes_E, w, cfg, peers,
                                   S=n * min(cfg.n_experts // peers, R))
-        dropped = jnp.zeros((), jnp.int32)
     else:
-        y_AD, dropped = grouped_mlp(x_AD, sizes_E, w, cfg), jnp.zeros((), jnp.int32)
-    y_RnD = y_AD[_inverse(order_A)].reshape(R, n, D)
-    gate_nR = gate_BTR.reshape(n, R).astype(dt)
-    y_nD = jnp.einsum("rnd,nr->nd", y_RnD, gate_nR, preferred_element_type=jnp.float32)
+        y_AD = grouped_mlp(x_AD, sizes_E, w, cfg)
+    y_nD = jnp.einsum("rnd,nr->nd", y_AD[_inverse(order_A)].reshape(R, n, D),
+                      gate_BTR.reshape(n, R).astype(dt), preferred_element_type=jnp.float32)
     if sharded:
         y_nD = jax.lax.psum(y_nD, "tensor")   # each tensor shard summed over its slice of F
     return y_nD.astype(dt).reshape(B, T, D), dropped.reshape(1)
@@ -1089,31 +986,27 @@ def experts(x_BTD, expert_BTR, gate_BTR, w: dict, cfg: ModelConfig, peers: int =
 # ----------------------------------------------------------------------------------------------
 # 6. Main and the training loop
 # ----------------------------------------------------------------------------------------------
-
-
 def main(cfg: Config) -> dict:
     hf_config, model = train.model_source(cfg)  # --init-from-hf's config, --init-from's model
     cfg = train.with_model(cfg, config_from_hf(*hf_config) if hf_config else model)
     train.start(cfg.quiet)
     devices = train.devices(cfg.compile_topology, cfg.compile_slices, cfg.dry_run)
     validate(cfg, len(devices))
-    mesh, tc, m = make_mesh(cfg.mesh, devices), cfg.train, cfg.model
+    mesh, tc, m, pf = make_mesh(cfg.mesh, devices), cfg.train, cfg.model, devices[0].platform
     st = train_state(cfg, mesh)
     step_fn = st.jit(partial(train_step, cfg=cfg, tx=st.tx))
-    pf, mla = devices[0].platform, m.kv_lora_rank > 0
     check_kernel(m.attention, pf, tc.seq_len)
-    kernel = choose(m.attention, pf, dtype=m.dtype, T=tc.seq_len, sinks=m.attn_sinks,
-                    H=m.qk_nope_head_dim + m.qk_rope_head_dim if mla else m.head_dim,
-                    V=m.v_head_dim if mla else m.head_dim)
-    log(f"model {count_params(m):,} parameters, {count_active_params(m):,} active "
-        f"({m.n_experts} experts, top-{m.top_k}, "
-        f"{'dropless' if m.capacity_factor == 0 else f'capacity factor {m.capacity_factor}'}, "
-        f"{_grouped_impl(m, pf)} grouped matmul, {kernel} attention; MFU counts active FLOPs) "
-        f"| mesh {describe(mesh)} | {len(devices)} {pf} devices, {jax.process_count()} "
-        "process(es)")
+    H, V = ((m.qk_nope_head_dim + m.qk_rope_head_dim, m.v_head_dim) if m.kv_lora_rank else
+            (m.head_dim, m.head_dim))  # query and value head widths (MLA's differ)
+    kernel = choose(m.attention, pf, dtype=m.dtype, T=tc.seq_len, sinks=m.attn_sinks, H=H, V=V)
+    drop = "dropless" if m.capacity_factor == 0 else f"capacity factor {m.capacity_factor}"
+    log(f"model {count_params(m):,} parameters, {count_active_params(m):,} active ({m.n_experts} "
+        f"experts, top-{m.top_k}, {drop}, {_grouped_impl(m, pf)} grouped matmul, {kernel} "
+        f"attention; MFU counts active FLOPs) | mesh {describe(mesh)} | {len(devices)} {pf} "
+        f"devices, {jax.process_count()} process(es)")
     # Random tokens for --dry-run and --bench: no data, no checkpoints.
-    tokens = np.random.default_rng(0).integers(0, m.vocab_size,
-                                               (tc.batch_size, tc.seq_len + 1), np.int32)
+    tokens = np.random.default_rng(0).integers(0, m.vocab_size, (tc.batch_size, tc.seq_len + 1),
+                                               np.int32)
     if cfg.dry_run:
         return train.dry_run(step_fn, st.abstract(), train.put(tokens, mesh, MOE_BATCH, True),
                              mesh, count_params(m), active_params=count_active_params(m),
@@ -1125,21 +1018,19 @@ def main(cfg: Config) -> dict:
 
 
 def train_loop(cfg: Config, mesh, st: train.TrainState, step_fn) -> dict:
-    tc, mc = cfg.train, cfg.model
-    ds = load_dataset(cfg.data)
+    tc, mc, ds = cfg.train, cfg.model, load_dataset(cfg.data)
     if cfg.init_from_hf and (note := hf.check_tokenizer(
             cfg.init_from_hf, ds.tokenizer_path, f"--data.path {cfg.data.path!r}")):
         log(note)
     train.check_vocab(ds.vocab_size, mc.vocab_size)
     batch = partial(get_batch, batch_size=tc.batch_size, seq_len=tc.seq_len,
-                    sharding=NamedSharding(mesh, P(MOE_BATCH, None)))
+                    sharding=named(mesh, P(MOE_BATCH, None)))
     eval_fn = jax.jit(lambda params, b: loss_fn(params, b, mc)[1]["ce"])  # held-out ce
     weights = lambda s: with_buffers(s["params"], s.get("buffers", {}))  # what forward reads
 
     def evaluate(params) -> dict:
-        losses = [eval_fn(params, batch(ds.eval, seed=cfg.data.seed + 1, step=i))
-                  for i in range(tc.eval_batches)]
-        loss = float(np.mean(jax.device_get(losses)))
+        held_out = (batch(ds.eval, seed=cfg.data.seed + 1, step=i) for i in range(tc.eval_batches))
+        loss = float(np.mean(jax.device_get([eval_fn(params, b) for b in held_out])))
         log(f"eval step {loop.step} | eval_loss {loss:.3f}")
         return {"eval_loss": loss}
 
@@ -1153,8 +1044,8 @@ def train_loop(cfg: Config, mesh, st: train.TrainState, step_fn) -> dict:
     with train.Run(cfg, tc.profile_steps, defaults=Config()) as run:
         state, start = run.resume(st.abstract())
         if state is None and cfg.init_from_hf:  # the router biases come with the weights
-            state = st.from_params(*train.split(load_hf(cfg.init_from_hf, mesh)[1],
-                                                _buffer_table(mc)))
+            weights_and_biases = load_hf(cfg.init_from_hf, mesh)[1]
+            state = st.from_params(*train.split(weights_and_biases, _buffer_table(mc)))
         elif state is None:
             state = st.fresh(jax.random.key(tc.seed))
         loop = train.Loop(run, start, tc.steps, log_every=tc.log_every,
@@ -1169,7 +1060,6 @@ def train_loop(cfg: Config, mesh, st: train.TrainState, step_fn) -> dict:
             if loop.eval_due:
                 loop.eval(evaluate(weights(state)))
             loop.checkpoint(state)
-
         run.ckpt.wait()
         if tc.sample_tokens > 0:  # one prompt: this forward has no segments to left-pad with
             prompt, params = ds.encode(tc.sample_prompt), weights(state)
@@ -1189,25 +1079,19 @@ def train_loop(cfg: Config, mesh, st: train.TrainState, step_fn) -> dict:
             f"expert shares {min(logged[-1]['load_min']):.3f}-{max(logged[-1]['load_max']):.3f} "
             f"(even: {1 / mc.n_experts:.3f}) | aux loss {logged[-1]['aux_loss']:.3f} | router z "
             f"{logged[-1]['router_z']:.2f} (last logged step)")
-        end = int(jax.device_get(state["step"]))
-        return loop.summary(end, f"{tc.batch_size} x {tc.seq_len}", [("routing", routing)]) | {
-            "state": state}
-
-
-def dense_twin(cfg: Config) -> Config:
-    """The same network with each MoE block replaced by one dense SwiGLU of width
-    top_k x d_ff: the same active matmul FLOPs, without routing, sorting or exchanges."""
-    return dataclasses.replace(cfg, model=dataclasses.replace(
-        cfg.model, n_experts=1, top_k=1, d_ff=cfg.model.top_k * cfg.model.d_ff,
-        capacity_factor=0.0, n_group=0, topk_group=0))
+        return loop.summary(int(jax.device_get(state["step"])), f"{tc.batch_size} x {tc.seq_len}",
+                            [("routing", routing)]) | {"state": state}
 
 
 def bench(cfg: Config, mesh, batch) -> dict:
-    """Median step time over --bench steps on random tokens, of the MoE model and (--bench-twin)
-    its dense twin, and their cost ratio per active FLOP: the price of routing and dispatch."""
-    tc, report = cfg.train, {}
+    """Median step time over --bench steps on random tokens of the MoE model and (--bench-twin) its
+    dense twin, each MoE block one SwiGLU top_k x d_ff wide (the same active matmul FLOPs without
+    routing, sorting or exchanges); their cost ratio per active FLOP is the price of dispatch."""
+    tc, report, m = cfg.train, {}, cfg.model
+    twin = dataclasses.replace(cfg, model=dataclasses.replace(m, n_experts=1, top_k=1, n_group=0,
+                               d_ff=m.top_k * m.d_ff, capacity_factor=0.0, topk_group=0))
     peak = train.peak_flops_per_device(tc.peak_tflops)
-    for what, c in [("moe", cfg)] + ([("dense", dense_twin(cfg))] if cfg.bench_twin else []):
+    for what, c in [("moe", cfg)] + ([("dense", twin)] if cfg.bench_twin else []):
         log(f"bench {what} | {count_active_params(c.model) / 1e6:.2f}M active parameters; "
             "MFU on active FLOPs")
         st = train_state(c, mesh)
@@ -1251,11 +1135,9 @@ _HF_DEFAULTS = {
                         routed_scaling_factor=2.5, kv_lora_rank=512, q_lora_rank=1536,
                         qk_rope_head_dim=64, v_head_dim=128, qk_nope_head_dim=128, n_group=8,
                         topk_group=4, first_k_dense_replace=3, norm_topk_prob=True,
-                        rope_interleave=True),
-}
-# config.json's keys that are our fields, in every family and then per family (Kimi K2 is
-# DeepSeek-V3's): written as they are, read as the field's type (null as its zero); the
-# exceptions are written out in config_from_hf and config_to_hf.
+                        rope_interleave=True)}
+# config.json's keys that are our fields, in every family and then per family (Kimi K2's: V3's),
+# written as they are, read as the field's type (null as 0); config_*_hf spell out the rest.
 _HF_FIELDS = dict(vocab_size="vocab_size", hidden_size="d_model", num_hidden_layers="n_layers",
                   num_attention_heads="n_heads", num_key_value_heads="n_kv_heads",
                   head_dim="head_dim", max_position_embeddings="max_seq_len",
@@ -1268,23 +1150,18 @@ _HF_FAMILY_FIELDS = {
     "gpt_oss": dict(num_local_experts="n_experts", intermediate_size="d_ff",
                     attention_bias="attn_bias", swiglu_limit="swiglu_limit"),
     "deepseek_v3": dict(n_routed_experts="n_experts", moe_intermediate_size="d_ff",
-                        norm_topk_prob="norm_topk", kv_lora_rank="kv_lora_rank",
-                        q_lora_rank="q_lora_rank", qk_nope_head_dim="qk_nope_head_dim",
-                        qk_rope_head_dim="qk_rope_head_dim", v_head_dim="v_head_dim",
-                        rope_interleave="rope_interleave", routed_scaling_factor="routed_scale",
-                        n_shared_experts="n_shared_experts", seq_aux="seq_aux",
-                        first_k_dense_replace="first_k_dense"),
-}
+                        norm_topk_prob="norm_topk", routed_scaling_factor="routed_scale",
+                        first_k_dense_replace="first_k_dense") | {k: k for k in (
+        "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+        "rope_interleave", "n_shared_experts", "seq_aux")}}
 # What we write for what we do not implement, per family; reading refuses other values of
 # the keys that change the model (`config_from_hf`).
-_HF_CONSTANTS = {
-    "mixtral": dict(router_jitter_noise=0.0),
-    "qwen3_moe": dict(decoder_sparse_step=1, mlp_only_layers=[], use_sliding_window=False,
-                      attention_bias=False),
-    "gpt_oss": dict(swiglu_alpha=SWIGLU_ALPHA),
-    "deepseek_v3": dict(scoring_func="sigmoid", topk_method="noaux_tc", attention_bias=False,
-                        num_nextn_predict_layers=0),
-}
+_HF_CONSTANTS = {"mixtral": dict(router_jitter_noise=0.0),
+                 "qwen3_moe": dict(decoder_sparse_step=1, mlp_only_layers=[],
+                                   use_sliding_window=False, attention_bias=False),
+                 "gpt_oss": dict(swiglu_alpha=SWIGLU_ALPHA),
+                 "deepseek_v3": dict(scoring_func="sigmoid", topk_method="noaux_tc",
+                                     attention_bias=False, num_nextn_predict_layers=0)}
 # The knobs one family's config.json says and no other's: on exactly in that family, or (the
 # second table) on only in those families. Mixtral and GPT-OSS always renormalise the top k.
 _HF_OWN = dict(attn_sinks="gpt_oss", moe_bias="gpt_oss", swiglu_limit="gpt_oss",
@@ -1293,13 +1170,9 @@ _HF_ONLY = dict(attn_bias=("gpt_oss",), sliding_window=("gpt_oss",),
                 n_shared_experts=("deepseek_v3",), first_k_dense=("deepseek_v3",),
                 yarn_factor=("gpt_oss", "deepseek_v3"))
 
-# Each weight's HuggingFace name (after model.layers.{i}. for a layer's) and layout, for the
-# weights our table has (common/hf.py; a stack's layer axis goes first on our side). Atoms: l
-# layers, e experts, d model, n query heads, k key/value heads, h head width, f expert MLP
-# width, v vocabulary; j DeepSeek's dense first layers, the MoE layers after. MLA (more atoms:
-# a = kv_lora_rank + qk_rope_head_dim, c = kv_lora_rank, r = q_lora_rank, q and x = a head's
-# query and key + value widths, w its value's, g the dense MLP's width, s the shared
-# experts'): kv_b_proj holds each head's nope key then its value, as our wkv_b.
+# Each weight's HuggingFace name (after model.layers.{i}. for a layer's) and layout (common/hf.py;
+# a stack's layer axis goes first on our side), in the atoms of `_hf_sizes`: l the MoE layers, j
+# DeepSeek's dense ones before them. kv_b_proj holds each head's nope key then its value, as wkv_b.
 _HF_TOP = {"embed": ("model.embed_tokens.weight", "v d -> v d"),
            "final_norm": ("model.norm.weight", "d -> d"),
            "unembed": ("lm_head.weight", "v d -> d v")}
@@ -1317,20 +1190,18 @@ _HF_LAYER = {"attn_norm": ("input_layernorm.weight", "d -> d"),
         wq_b=("q_b_proj.weight", "(n q) r -> r n q")).items()} | {
     k: ("mlp." + name, layout) for k, (name, layout) in dict(
         mlp_gate=("gate_proj.weight", "g d -> d g"), mlp_up=("up_proj.weight", "g d -> d g"),
-        mlp_down=("down_proj.weight", "d g -> g d"),
+        mlp_down=("down_proj.weight", "d g -> g d"), w_router=("gate.weight", "e d -> d e"),
         shared_gate=("shared_experts.gate_proj.weight", "s d -> d s"),
         shared_up=("shared_experts.up_proj.weight", "s d -> d s"),
         shared_down=("shared_experts.down_proj.weight", "d s -> s d"),
-        w_router=("gate.weight", "e d -> d e"),
         router_bias=("gate.e_score_correction_bias", "e -> e"),  # a buffer of ours
         w_gate=("experts.{e}.gate_proj.weight", "f d -> e d f"),
         w_up=("experts.{e}.up_proj.weight", "f d -> e d f"),
         w_down=("experts.{e}.down_proj.weight", "d f -> e f d")).items()}
 _HF_MLA = {"wq": ("self_attn.q_proj.weight", "(n q) d -> d n q"),
            "wo": ("self_attn.o_proj.weight", "d (n w) -> n w d")}
-# Mixtral calls the gate/up/down projections w1/w3/w2. GPT-OSS stores each layer's experts as
-# one tensor, [in, out], gate and up interleaved (gate_up_proj[..., 0::2] is the gate); MXFP4
-# checkpoints read as that too (common/hf.py).
+# GPT-OSS stores each layer's experts as one tensor, [in, out], gate and up interleaved
+# (gate_up_proj[..., 0::2] is the gate); MXFP4 checkpoints read as that too (common/hf.py).
 _HF_FAMILY_NAMES = {
     "mixtral": {"w_router": ("block_sparse_moe.gate.weight", "e d -> d e"),
                 "w_gate": ("block_sparse_moe.experts.{e}.w1.weight", "f d -> e d f"),
@@ -1343,19 +1214,15 @@ _HF_FAMILY_NAMES = {
                 "w_down": ("mlp.experts.down_proj", "e f d -> e f d"),
                 "b_gate": ("mlp.experts.gate_up_proj_bias", "e (f 2:0) -> e f"),
                 "b_up": ("mlp.experts.gate_up_proj_bias", "e (f 2:1) -> e f"),
-                "b_down": ("mlp.experts.down_proj_bias", "e d -> e d")},
-}
+                "b_down": ("mlp.experts.down_proj_bias", "e d -> e d")}}
 
 
 def hf_mapping(cfg: ModelConfig, model_type: str) -> dict:
     """Our parameter tree (the buffers too), each leaf as (HuggingFace tensor name, layout)."""
-    names = _HF_LAYER | (_HF_MLA if cfg.kv_lora_rank else {}) | _HF_FAMILY_NAMES.get(
-        model_type, {})
+    names = _HF_LAYER | (_HF_MLA if cfg.kv_lora_rank else {}) | _HF_FAMILY_NAMES.get(model_type, {})
     stacks = {"layers": ("l", f"{{l+{cfg.first_k_dense}}}"), "dense_layers": ("j", "{j}")}
-
-    def entry(weight: str, l: str, i: str):
-        name, (left, right) = names[weight][0], names[weight][1].split(" -> ")
-        return f"model.layers.{i}.{name}", f"{left} -> {l} {right}"
+    entry = lambda w, l, i: (f"model.layers.{i}.{names[w][0]}",  # layers stacked on l (or j)
+                             names[w][1].replace("-> ", f"-> {l} "))
     return {k: {w: entry(w, *stacks[k]) for w in v} if k in stacks else _HF_TOP[k]
             for k, v in _hf_table(cfg).items()}
 
@@ -1377,16 +1244,15 @@ def config_from_hf(c: dict, where: str = "config.json") -> ModelConfig:
                          f"train_moe.py loads ({', '.join(HF_ARCHITECTURES)}); dense models "
                          "(llama, mistral, qwen2, qwen3) belong to train_dense.py.")
     fam = "deepseek_v3" if mt in HF_DEEPSEEK else mt
-    # transformers 5 writes Qwen3-MoE's expert count as num_local_experts, 4.x as num_experts:
-    # read before the defaults (which spell it num_experts) are merged in.
+    # transformers 5 spells Qwen3-MoE's expert count num_local_experts: read it before the defaults
     qwen_experts = c.get("num_experts", c.get("num_local_experts"))
     c = _HF_DEFAULTS[fam] | c
     unsupported = lambda what: hf.HFError(f"{where}: {what} is not implemented by train_moe.py, "
                                           f"so this {mt} model cannot be loaded faithfully.")
     wide = "intermediate_size" if mt in ("mixtral", "gpt_oss") else "moe_intermediate_size"
-    for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", wide):
-        if key not in c:
-            raise hf.HFError(f"{where} has no {key!r}; it is not a complete {mt} config.")
+    if lacking := [k for k in ("vocab_size", "hidden_size", "num_hidden_layers",
+                               "num_attention_heads", wide) if k not in c]:
+        raise hf.HFError(f"{where} has no {lacking[0]!r}; it is not a complete {mt} config.")
     only = dict(hidden_act="silu", partial_rotary_factor=1.0, decoder_sparse_step=1,
                 moe_layer_freq=1)  # the one value we implement of each
     only |= dict(swiglu_alpha=SWIGLU_ALPHA) if mt == "gpt_oss" else dict(
@@ -1406,11 +1272,9 @@ def config_from_hf(c: dict, where: str = "config.json") -> ModelConfig:
             rope.get("mscale_all_dim") and rope.get("mscale") == rope["mscale_all_dim"])):
         raise unsupported(f"rope {kind!r} {rope} (only the default, GPT-OSS's YaRN, and "
                           "DeepSeek's YaRN with mscale == mscale_all_dim)")
-    one = ModelConfig()
-    m = {f: type(getattr(one, f))(c.get(k) or 0)
+    m = {f: type(getattr(ModelConfig, f))(c.get(k) or 0)
          for k, f in (_HF_FIELDS | _HF_FAMILY_FIELDS[fam]).items()}
-    # A sliding window of W tokens changes nothing on sequences of at most W tokens (GPT-OSS's
-    # windows are its layers', below).
+    # A window of W tokens changes nothing on sequences of at most W (GPT-OSS's: per layer, below).
     window = c.get("sliding_window") if mt != "gpt_oss" and (
         mt == "mixtral" or c.get("use_sliding_window")) else None
     m |= dict(n_kv_heads=m["n_kv_heads"] or m["n_heads"], rope_theta=theta,
@@ -1499,9 +1363,8 @@ def _hf_table(cfg: ModelConfig) -> dict:
 
 def load_hf(path: str, mesh=None) -> tuple[ModelConfig, dict]:
     """A HuggingFace folder (config.json and safetensors, one file or sharded with an index)
-    as our ModelConfig and float32 parameters placed with their `param_specs` on `mesh`,
-    every device reading only its own experts' blocks. With sigmoid routing the router biases
-    come inside the layers, as `with_buffers` puts them: `forward` reads them there."""
+    as our ModelConfig and float32 parameters placed by `param_specs` on `mesh` (each device
+    reads only its experts' blocks), the router biases inside the layers (`with_buffers`)."""
     ckpt = hf.Checkpoint(path)
     cfg, mt = config_from_hf(ckpt.config, ckpt.config_file), ckpt.config["model_type"]
     return cfg, train.hf_params(ckpt, mesh, _hf_table(cfg), hf_mapping(cfg, mt), _hf_sizes(cfg))
@@ -1510,9 +1373,8 @@ def load_hf(path: str, mesh=None) -> tuple[ModelConfig, dict]:
 def save_hf(params: dict, cfg: ModelConfig, path: str, *, model_type: str = "",
             base_config: dict | None = None, dtype: str = "float32",
             max_shard_bytes: int = 5 * 2**30) -> list[str]:
-    """`params` (the router biases inside, as `load_hf` gives them) as a HuggingFace folder:
-    config.json, and safetensors shards of at most `max_shard_bytes` with their index.
-    `base_config` (the config.json the run started from) keeps its other keys."""
+    """`params` (router biases inside, as `load_hf` gives them) as a HuggingFace folder: config.json
+    and safetensors shards of at most `max_shard_bytes`; `base_config`'s other keys kept."""
     mt = _model_type(cfg, model_type or (base_config or {}).get("model_type", ""))
     return hf.save(path, params, hf_mapping(cfg, mt), _hf_sizes(cfg), config_to_hf(cfg, mt, dtype),
                    base_config, dtype=dtype, max_shard_bytes=max_shard_bytes)
