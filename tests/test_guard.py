@@ -141,10 +141,10 @@ TRAIN = """train.steps train.batch_size train.seq_len train.microbatches train.l
            train.sample_tokens train.temperature train.peak_tflops train.max_bad_steps: >= 0
            train.min_lr_ratio: [0, 1] | train.decay_fraction: (0, 1]
            train.b1 train.b2: [0, 1)"""
+GEMMA = """model.sliding_window model.global_every model.rope_local_theta model.rope_linear
+           model.attn_softcap model.final_softcap model.query_scale: >= 0"""
 EXPECTED = {
-    "train_dense": [MESH, CKPT, DATA, LLAMA, TRAIN, """
-        model.sliding_window model.global_every model.rope_local_theta model.rope_linear
-        model.attn_softcap model.final_softcap model.query_scale: >= 0
+    "train_dense": [MESH, CKPT, DATA, LLAMA, GEMMA, TRAIN, """
         train.eval_samples: >= 0 | compile_slices: > 0"""],
     "train_moe": [MESH, CKPT, DATA, TRAIN, """
         model.vocab_size model.d_model model.n_layers model.n_heads model.n_kv_heads
@@ -158,7 +158,7 @@ EXPECTED = {
         model.first_k_dense model.dense_d_ff: >= 0
         train.load_balance_loss train.router_z_loss train.router_bias_rate: >= 0
         compile_slices: > 0"""],
-    "train_grpo": [MESH, CKPT, LLAMA, """
+    "train_grpo": [MESH, CKPT, LLAMA, GEMMA, """
         grpo.prompts_per_step grpo.group_size grpo.max_new_tokens grpo.temperature grpo.mu
         grpo.microbatches grpo.lr grpo.clip_norm grpo.log_every grpo.eval_every: > 0
         grpo.steps grpo.top_k grpo.beta grpo.warmup_steps grpo.weight_decay
