@@ -772,7 +772,7 @@ class Loop:
                 "skipped_steps": self.bad_steps}
         rec |= self._joined.pop(step, {})
         if "loss" in rec:
-            self.first_loss = self.first_loss or rec["loss"]
+            self.first_loss = rec["loss"] if self.first_loss is None else self.first_loss
             self.last_loss = rec["loss"]
         log(f"step {step} | {self.show(rec)} | {tok_s / 1e3:.1f}k tok/s | {mfu_text(util)} | "
             f"{rec['ms_per_step']:.0f} ms/step")
