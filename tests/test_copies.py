@@ -85,3 +85,11 @@ def test_moe_rope_frequencies_without_yarn_are_the_dense_ones():
     d, m = td.ModelConfig(**FIELDS), tm.ModelConfig(**FIELDS)
     assert m.yarn_factor == 0
     np.testing.assert_array_equal(td.rope_inv_freq(d), tm.rope_inv_freq(m))
+
+
+def test_moe_hf_names_share_the_dense_entries():
+    """The HuggingFace names of what the two models share (embeddings, norms, attention)."""
+    shared = td.HF_LAYER.keys() & tm._HF_LAYER.keys() - {"w_gate", "w_up", "w_down"}  # experts'
+    assert shared >= {"attn_norm", "mlp_norm", "wq", "wk", "wv", "wo", "q_norm", "k_norm"}
+    assert {k: td.HF_LAYER[k] for k in shared} == {k: tm._HF_LAYER[k] for k in shared}
+    assert td.HF_TOP == tm._HF_TOP
