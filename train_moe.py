@@ -87,7 +87,7 @@ class ModelConfig:
     qk_rope_head_dim: int = 64    # MLA: the rotated part; its key is one for all heads
     v_head_dim: int = 128         # MLA: the value heads' width
     yarn_mscale_all_dim: float = 0.0  # MLA with YaRN: the m of its temperature (see `attention`)
-    rope_interleave: bool = False  # MLA: RoPE turns pairs (2i, 2i+1), as DeepSeek's weights do
+    rope_interleave: bool = False  # RoPE turns pairs (2i, 2i+1), as DeepSeek's and Llama 4's do
     sigmoid_routing: bool = False  # scores sigmoid(logits); top-k chosen on scores + a bias
     routed_scale: float = 0.0     # the routed experts' output times this (routed_scaling_factor)
     seq_aux: bool = False         # the aux loss per sequence, then averaged (DeepSeek-V3's)
@@ -96,6 +96,18 @@ class ModelConfig:
     n_shared_experts: int = 0     # a SwiGLU n_shared_experts x d_ff wide that every token uses
     first_k_dense: int = 0        # the first this many layers have a dense MLP, no experts
     dense_d_ff: int = 0           # that MLP's hidden width
+    # Llama 4 (its config.json's names in `_HF_FAMILY_FIELDS`): see `block` and `attention`.
+    moe_every: int = 1            # 2: the odd layers MoE, the even ones dense (dense_d_ff wide)
+    score_inputs: bool = False    # each expert's input, not its output, times the routing score
+    attn_chunk: int = 0           # local layers attend within aligned chunks this long; 0 = off
+    global_nope: bool = False     # global layers unrotated (NoPE), their queries tempered ...
+    attn_temp_scale: float = 0.0  # ... by 1 + this * log(1 + floor((t + 1) / attn_temp_floor))
+    attn_temp_floor: int = 8192
+    qk_l2_norm: bool = False      # unweighted RMSNorm of q and k after RoPE, on the RoPE layers
+    rope_scaling: float = 0.0     # Llama 3.1's RoPE scaling (train_dense.py's); 0 = off
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_len: int = 8192
     # How to compute, not what: these may change when a run is resumed.
     dtype: Literal["float32", "bfloat16"] = how("float32")  # activations and matmuls (weights f32)
     # auto: splash on TPU, cuDNN on GPU where it applies, else blocked (common/attention.py)
@@ -163,7 +175,8 @@ _DEEPSEEK_BALANCE = dict(router_bias_rate=1e-3, load_balance_loss=1e-4, router_z
 
 
 def _big(model: ModelConfig, run: str) -> Config:
-    balance = _DEEPSEEK_BALANCE if model.sigmoid_routing else dict(load_balance_loss=1e-3)
+    balance = (_DEEPSEEK_BALANCE if model.sigmoid_routing and not model.score_inputs else
+               dict(load_balance_loss=1e-3))
     return Config(model=dataclasses.replace(model, dtype="bfloat16"), train=TrainConfig(
         steps=100_000, batch_size=256, seq_len=4096, lr=3e-4, warmup_steps=2000, log_every=10,
         eval_every=1000, sample_tokens=0, **balance), checkpoint=CheckpointConfig(every=1000),
@@ -180,6 +193,11 @@ _MLA = dict(kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_
             norm_eps=1e-6, yarn_original_max_len=4096, seq_aux=True)
 _DEEPSEEK_V3 = _MLA | dict(q_lora_rank=1536, dense_d_ff=18432, n_shared_experts=1,
                            sigmoid_routing=True, yarn_mscale_all_dim=1.0)
+# Llama 4 (its config.json's): top-1 sigmoid routing of the expert's input beside a shared
+# expert; every fourth layer global and unrotated, the others in chunks of 8192 tokens.
+_LLAMA4 = dict(sigmoid_routing=True, norm_topk=False, score_inputs=True, n_shared_experts=1,
+               global_every=4, global_nope=True, attn_chunk=8192, attn_temp_scale=0.1,
+               rope_interleave=True, rope_theta=500_000.0)
 # The released models: description, shape (these fields), the family's and model's knobs.
 _SHAPE = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim",
           "n_experts", "top_k", "d_ff", "max_seq_len")
@@ -207,7 +225,14 @@ _RELEASED = {
     "gpt-oss-20b": ("GPT-OSS 20B (32 experts, top-4)",
                     (201088, 2880, 24, 64, 8, 64, 32, 4, 2880, 131072), _GPT_OSS),
     "gpt-oss-120b": ("GPT-OSS 120B (128 experts, top-4)",
-                     (201088, 2880, 36, 64, 8, 64, 128, 4, 2880, 131072), _GPT_OSS)}
+                     (201088, 2880, 36, 64, 8, 64, 128, 4, 2880, 131072), _GPT_OSS),
+    "llama4-scout-17b-16e": ("Llama 4 Scout (16 experts, top-1 + 1 shared, q/k norm)",
+                             (202048, 5120, 48, 40, 8, 128, 16, 1, 8192, 10485760), _LLAMA4 | dict(
+                                 qk_l2_norm=True, rope_scaling=16.0, rope_high_freq_factor=1.0)),
+    "llama4-maverick-17b-128e": ("Llama 4 Maverick (128 experts, top-1 + 1 shared, on every "
+                                 "second layer; dense layers between)",
+                                 (202048, 5120, 48, 40, 8, 128, 128, 1, 8192, 1048576),
+                                 _LLAMA4 | dict(moe_every=2, dense_d_ff=16384))}
 
 PRESETS: dict[str, tuple[str, Config]] = {
     # No remat: the tiny model's activations are a few MB, and recomputing them would cost a
@@ -226,6 +251,11 @@ PRESETS: dict[str, tuple[str, Config]] = {
                           sigmoid_routing=True, routed_scale=2.5, n_group=4, topk_group=2,
                           n_shared_experts=1, first_k_dense=1, dense_d_ff=512, seq_aux=True),
                           train=TrainConfig(**_DEEPSEEK_BALANCE), run_dir="runs/tiny-deepseek")),
+    "tiny-llama4": ("tiny-moe with Llama 4's knobs (top-1 + shared expert on every second layer, "
+                    "chunks of 64 tokens, layer 4 unrotated): `make train-moe MOE_PRESET=tiny-"
+                    "llama4`", Config(model=ModelConfig(remat="none", **_LLAMA4 | dict(
+                        top_k=1, moe_every=2, dense_d_ff=512, attn_chunk=64, attn_temp_floor=64,
+                        qk_l2_norm=True)), run_dir="runs/tiny-llama4")),
     # The model bench/peers/maxtext.sh runs in MaxText (Mixtral block), for side-by-side speed.
     "bench-parity-moe": ("MaxText comparison: d 256, 4 layers, 8 experts top-2, expert MLP 512, "
                          "vocab 32000, seq 256, batch 8", Config(ModelConfig(
@@ -242,16 +272,21 @@ def _param_table(cfg: ModelConfig) -> dict:
     """The one definition of the parameter tree: name -> (shape, PartitionSpec, init std; None:
     ones). Layers stacked on a leading L axis (for lax.scan), a layer's experts on an E axis split
     over `expert` (whole experts per device, d over fsdp, hidden width over tensor). Std 0.02, over
-    sqrt(2L) into the residual stream (GPT-2). The first_k_dense layers are a second, shorter
-    stack ("dense_layers", run first): a scan needs the same weights in every layer."""
-    L, D, V, Kd = cfg.n_layers, cfg.d_model, cfg.vocab_size, cfg.first_k_dense
+    sqrt(2L) into the residual stream (GPT-2). The dense layers (first_k_dense, run first, or with
+    moe_every 2 one before each MoE layer) are a second stack: a scan needs the same weights in
+    every layer."""
+    L, D, V, n_moe = cfg.n_layers, cfg.d_model, cfg.vocab_size, moe_layers(cfg)
     table = {"embed": ((V, D), P("tensor", "fsdp"), 0.02),
-             "layers": _layer_table(cfg, L - Kd, moe=True), "final_norm": ((D,), P(None), None)}
-    if Kd:
-        table["dense_layers"] = _layer_table(cfg, Kd, moe=False)
+             "layers": _layer_table(cfg, n_moe, moe=True), "final_norm": ((D,), P(None), None)}
+    if n_moe < L:
+        table["dense_layers"] = _layer_table(cfg, L - n_moe, moe=False)
     if not cfg.tie_embeddings:
         table["unembed"] = ((D, V), P("fsdp", "tensor"), 0.02)
     return table
+
+
+def moe_layers(cfg: ModelConfig) -> int:
+    return (cfg.n_layers - cfg.first_k_dense) // cfg.moe_every
 
 
 def _layer_table(cfg: ModelConfig, L: int, moe: bool) -> dict:
@@ -329,7 +364,17 @@ def block(x_BTD, lp: dict, pos_BT, inv_freq, cfg: ModelConfig, max_logits: bool 
             q, k, v = q + w("bq"), k + w("bk"), v + w("bv")
         if cfg.qk_norm:
             q, k = rms_norm(q, lp["q_norm"], cfg.norm_eps), rms_norm(k, lp["k_norm"], cfg.norm_eps)
-        q, k = apply_rope(q, pos_BT, inv_freq), apply_rope(k, pos_BT, inv_freq)
+        q, k = (halves(x) if cfg.rope_interleave else x for x in (q, k))
+        qr, kr = apply_rope(q, pos_BT, inv_freq), apply_rope(k, pos_BT, inv_freq)
+        if cfg.qk_l2_norm:
+            qr, kr = rms_norm(qr, 1.0, cfg.norm_eps), rms_norm(kr, 1.0, cfg.norm_eps)
+        if cfg.global_nope:  # Llama 4's global layers: no rotation; the temperature of
+            # Nakanishi 2025 (arXiv 2501.19399) sharpens far queries, which see more keys
+            t_BT = 1 + cfg.attn_temp_scale * jnp.log1p(
+                jnp.floor((pos_BT + 1.0) / cfg.attn_temp_floor))
+            qr = jnp.where(is_global, (q * t_BT[..., None, None]).astype(q.dtype), qr)
+            kr = jnp.where(is_global, k, kr)
+        q, k = qr, kr
     o = jnp.einsum("btnh,nhd->btd", attention(q, k, v, lp, cfg, is_global), w("wo"))
     x_BTD = constrain(x_BTD + (o + w("bo") if cfg.attn_bias else o), ACT_BTD)
     h = rms_norm(x_BTD, lp["mlp_norm"], cfg.norm_eps)
@@ -348,10 +393,22 @@ def attention(q_BTNH, k_BTKH, v_BTKV, lp: dict, cfg: ModelConfig, is_global):
     by its square (m = 1; DeepSeek leaves the rotation unscaled and gives m = mscale_all_dim)."""
     f, m = cfg.yarn_factor, cfg.yarn_mscale_all_dim or 1.0
     temp = (0.1 * m * math.log(f) + 1.0) ** 2 if f > 1 else 1.0
-    full = partial(attend, q_BTNH, k_BTKH, v_BTKV, impl=cfg.attention, sinks_N=lp.get("sinks"),
-                   scale=temp / math.sqrt(q_BTNH.shape[-1]), batch_axes=MOE_BATCH)
-    W = cfg.sliding_window if cfg.sliding_window < q_BTNH.shape[1] else 0  # else: all in reach
-    return jax.lax.cond(is_global, full, partial(full, window=W)) if W else full()
+    att = partial(attend, impl=cfg.attention, sinks_N=lp.get("sinks"),
+                  scale=temp / math.sqrt(q_BTNH.shape[-1]), batch_axes=MOE_BATCH)
+    full, T = partial(att, q_BTNH, k_BTKH, v_BTKV), q_BTNH.shape[1]
+    W = cfg.sliding_window if cfg.sliding_window < T else 0  # else: all in reach
+    C = cfg.attn_chunk if cfg.attn_chunk < T else 0
+    local = partial(full, window=W) if W else partial(in_chunks, att, C, q_BTNH, k_BTKH, v_BTKV)
+    return jax.lax.cond(is_global, full, local) if W or C else full()
+
+
+def in_chunks(att, C: int, *qkv_BTNH):
+    """Causal attention within aligned chunks of C positions (Llama 4's local layers), the
+    chunks folded into the batch: O(T C) in any kernel. The tail is padded: nothing attends it."""
+    T = qkv_BTNH[0].shape[1]
+    fold = lambda x: jnp.pad(x, ((0, 0), (0, -T % C), (0, 0), (0, 0))).reshape(-1, C, *x.shape[2:])
+    o = att(*map(fold, qkv_BTNH))
+    return o.reshape(-1, T + -T % C, *o.shape[2:])[:, :T]
 
 
 def mla(h_BTD, lp: dict, pos_BT, inv_freq, cfg: ModelConfig):
@@ -376,12 +433,17 @@ def mla(h_BTD, lp: dict, pos_BT, inv_freq, cfg: ModelConfig):
     c_kv = rms_norm(kv[..., :C], lp["kv_norm"], eps)
     kv_b = jnp.einsum("btc,cnh->btnh", c_kv, w("wkv_b"))
     k_nope, v = kv_b[..., :Hn], kv_b[..., Hn:]
-    pairs = ((lambda x: jnp.concatenate([x[..., 0::2], x[..., 1::2]], -1))
-             if cfg.rope_interleave else (lambda x: x))
+    pairs = halves if cfg.rope_interleave else (lambda x: x)
     k_rope = apply_rope(pairs(kv[:, :, None, C:]), pos_BT, inv_freq)
     q = jnp.concatenate([q[..., :Hn], apply_rope(pairs(q[..., Hn:]), pos_BT, inv_freq)], axis=-1)
     k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rope, k_nope.shape[:3] + k_rope.shape[3:])], -1)
     return q, k, v
+
+
+def halves(x):
+    """Pairs (2i, 2i+1) to halves (i, H/2 + i), as `apply_rope` rotates; q and k alike, so their
+    dot products are unchanged (Llama 4's, DeepSeek's pairs; transformers does the same)."""
+    return jnp.concatenate([x[..., 0::2], x[..., 1::2]], -1)
 
 
 def constrain(x, spec: P):
@@ -416,9 +478,16 @@ def rms_norm(x, w, eps):
 def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
     """theta^(-2i/H) (MLA: of the qk_rope_head_dim part); with YaRN (Peng et al. 2023, as in
     transformers) the dims turning fewer than beta_slow times over the original context are
-    slowed by `factor`, those turning more than beta_fast times kept, a linear ramp between."""
+    slowed by `factor`, those turning more than beta_fast times kept, a linear ramp between;
+    with rope_scaling, Llama 3.1's (train_dense.py's `rope_inv_freq`)."""
     H = cfg.qk_rope_head_dim if cfg.kv_lora_rank else cfg.head_dim
     inv = 1.0 / cfg.rope_theta ** (np.arange(0, H, 2, dtype=np.float64) / H)
+    if cfg.rope_scaling > 0:
+        lo, hi, wavelen = cfg.rope_low_freq_factor, cfg.rope_high_freq_factor, 2 * np.pi / inv
+        smooth = (cfg.rope_original_max_len / wavelen - lo) / ((hi - lo) or 1.0)
+        mid = (1 - smooth) * inv / cfg.rope_scaling + smooth * inv
+        inv = np.where(wavelen < cfg.rope_original_max_len / hi, inv, np.where(
+            wavelen > cfg.rope_original_max_len / lo, inv / cfg.rope_scaling, mid))
     if cfg.yarn_factor:
         dim = lambda turns: H * math.log(cfg.yarn_original_max_len / (turns * 2 * math.pi)) / (
             2 * math.log(cfg.rope_theta))
@@ -452,7 +521,7 @@ def hidden(params: dict, tokens_BT, cfg: ModelConfig, max_logits: bool = False):
     pos_BT = jnp.broadcast_to(jnp.arange(tokens_BT.shape[1]), tokens_BT.shape)
     inv_freq = rope_inv_freq(cfg)
     L, W, n, Kd = cfg.n_layers, cfg.sliding_window, cfg.global_every, cfg.first_k_dense
-    is_global_L = (np.arange(L) + 1) % n == 0 if W and n else np.full(L, not W)
+    is_global_L = (np.arange(L) + 1) % n == 0 if n else np.full(L, not (W or cfg.attn_chunk))
     layer = lambda x, xs: block(x, xs[0], pos_BT, inv_freq, cfg, max_logits, xs[1])
     if cfg.remat != "none":
         # Inside a rolled scan the recomputation cannot be merged away; unrolled, XLA would
@@ -464,7 +533,13 @@ def hidden(params: dict, tokens_BT, cfg: ModelConfig, max_logits: bool = False):
     scan = partial(jax.lax.scan, layer, unroll=not cfg.scan_layers)
     if Kd:  # the dense layers come first, as their own stack
         x, _ = scan(x, (params["dense_layers"], jnp.asarray(is_global_L[:Kd])))
-    x, stats = scan(x, (params["layers"], jnp.asarray(is_global_L[Kd:])))
+    if cfg.moe_every == 2:  # Llama 4 Maverick: each step a dense layer, then a MoE layer
+        g = jnp.asarray(is_global_L.reshape(-1, 2))
+        pair = lambda x, xs: layer(layer(x, (xs[0], xs[2]))[0], (xs[1], xs[3]))
+        x, stats = jax.lax.scan(pair, x, (params["dense_layers"], params["layers"], g[:, 0],
+                                          g[:, 1]), unroll=not cfg.scan_layers)
+    else:
+        x, stats = scan(x, (params["layers"], jnp.asarray(is_global_L[Kd:])))
     return rms_norm(x, params["final_norm"], cfg.norm_eps), stats
 
 
@@ -591,7 +666,7 @@ def count_params(cfg: ModelConfig) -> int:
 def count_active_params(cfg: ModelConfig) -> int:
     """Parameters one token uses: all of them but the n_experts - top_k experts it skips."""
     per_expert = 3 * cfg.d_model * cfg.d_ff + (2 * cfg.d_ff + cfg.d_model) * cfg.moe_bias
-    unused = (cfg.n_layers - cfg.first_k_dense) * (cfg.n_experts - cfg.top_k) * per_expert
+    unused = moe_layers(cfg) * (cfg.n_experts - cfg.top_k) * per_expert
     return count_params(cfg) - unused
 
 
@@ -653,10 +728,10 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
         C, Qr, Hq, Hqv = cfg.kv_lora_rank, cfg.q_lora_rank, Hn + Hr, Hn + Hr + Hv
         attn = ((D * Qr + Qr * N * Hq) if Qr else D * N * Hq) + D * (C + Hr) + \
             C * N * (Hn + Hv) + N * Hv * D
-    Kd = cfg.first_k_dense
+    Lm = moe_layers(cfg)
     mlp = D * cfg.n_experts + (cfg.top_k + cfg.n_shared_experts) * 3 * D * cfg.d_ff
-    matmul_weights = L * attn + (L - Kd) * mlp + Kd * 3 * D * cfg.dense_d_ff + D * cfg.vocab_size
-    W, n = cfg.sliding_window, cfg.global_every   # a window layer reads min(T, W) keys
+    matmul_weights = L * attn + Lm * mlp + (L - Lm) * 3 * D * cfg.dense_d_ff + D * cfg.vocab_size
+    W, n = cfg.sliding_window or cfg.attn_chunk, cfg.global_every  # a local layer: min(T, W) keys
     n_global = (L // n if n else 0) if W else L
     keys = n_global * seq_len + (L - n_global) * min(seq_len, W or seq_len)
     return 3.0 * (2 * matmul_weights + 2 * keys * N * Hqv)   # + attention's
@@ -683,16 +758,20 @@ def validate(cfg: Config, n_devices: int) -> None:
     need(m.n_heads % m.n_kv_heads == 0, f"--model.n-heads {m.n_heads} is not a multiple of "
          f"--model.n-kv-heads {m.n_kv_heads} (each key/value head serves a whole group).")
     need(m.head_dim % 2 == 0, f"--model.head-dim {m.head_dim} must be even (RoPE rotates pairs).")
-    need(m.sliding_window or not m.global_every, f"--model.global-every {m.global_every} "
-         "without --model.sliding-window: the layers between the global ones are the windowed "
-         "ones. Give the window, or --model.global-every 0.")
+    need(m.sliding_window or m.attn_chunk or m.global_nope or not m.global_every, f"--model."
+         f"global-every {m.global_every} without --model.sliding-window (or --model.attn-chunk,"
+         " --model.global-nope): the layers between the global ones are the local ones. Give "
+         "the window, or --model.global-every 0.")
+    need(not (m.sliding_window and m.attn_chunk), "--model.sliding-window with --model.attn-"
+         "chunk: a local layer has one or the other; set one to 0.")
     train.check_batch(t.batch_size, t.microbatches, mesh, MOE_BATCH)
     need(t.seq_len <= m.max_seq_len, f"--train.seq-len {t.seq_len} exceeds the model's maximum "
          f"--model.max-seq-len {m.max_seq_len}.")
     need(t.seq_len % min(m.loss_chunk, t.seq_len) == 0, f"--train.seq-len {t.seq_len} is not a "
          f"multiple of --model.loss-chunk {m.loss_chunk}.")
     train.check_profile(t.profile_steps, t.steps)
-    train.check_qk_clip("--train.qk-clip-threshold", t.qk_clip_threshold, m.qk_norm)
+    train.check_qk_clip("--train.qk-clip-threshold", t.qk_clip_threshold,
+                        m.qk_norm or m.qk_l2_norm)
     _validate_deepseek(m, t)
 
 
@@ -714,9 +793,8 @@ def _validate_deepseek(m: ModelConfig, t: TrainConfig) -> None:
              "--model.yarn-mscale-all-dim (DeepSeek-V3: 1.0): the logits' YaRN correction.")
         need(not t.qk_clip_threshold, "--train.qk-clip-threshold with MLA: QK-clip here "
              "scales wq and wk, which MLA does not have. Set it to 0.")
-    need(m.kv_lora_rank or not (m.yarn_mscale_all_dim or m.rope_interleave), "--model.yarn-"
-         "mscale-all-dim and --model.rope-interleave are MLA's (--model.kv-lora-rank > 0); "
-         "turn them off.")
+    need(m.kv_lora_rank or not m.yarn_mscale_all_dim, "--model.yarn-mscale-all-dim is MLA's "
+         "(--model.kv-lora-rank > 0); turn it off.")
     need(not m.n_group or (m.n_experts % m.n_group == 0 and 1 <= m.topk_group <= m.n_group and
                            m.top_k <= m.topk_group * (m.n_experts // m.n_group) and
                            m.n_experts >= 2 * m.n_group),
@@ -728,12 +806,17 @@ def _validate_deepseek(m: ModelConfig, t: TrainConfig) -> None:
          "sigmoid routing: add --model.sigmoid-routing.")
     need(not (m.sigmoid_routing and m.moe_bias), "--model.sigmoid-routing with --model.moe-bias: "
          "GPT-OSS's router bias and DeepSeek's choice bias are different models; pick one.")
-    need(0 <= m.first_k_dense < m.n_layers and bool(m.first_k_dense) == bool(m.dense_d_ff),
-         f"--model.first-k-dense {m.first_k_dense} --model.dense-d-ff {m.dense_d_ff}: give "
-         f"both (dense layers and their width) or neither, with fewer dense layers than "
-         f"--model.n-layers {m.n_layers}.")
-    need(not (t.qk_clip_threshold and m.first_k_dense), "--train.qk-clip-threshold with "
-         "--model.first-k-dense: the clip reads the MoE layers' logits only. Set it to 0.")
+    need(0 <= m.first_k_dense < m.n_layers and bool(m.first_k_dense or m.moe_every > 1) ==
+         bool(m.dense_d_ff), f"--model.first-k-dense {m.first_k_dense} --model.moe-every "
+         f"{m.moe_every} --model.dense-d-ff {m.dense_d_ff}: give dense layers and their width, "
+         f"or neither, with fewer dense layers than --model.n-layers {m.n_layers}.")
+    need(m.moe_every == 1 or m.moe_every == 2 and not m.first_k_dense and m.n_layers % 2 == 0,
+         f"--model.moe-every {m.moe_every}: 1 (every layer MoE) or 2 (Llama 4 Maverick's dense "
+         "and MoE layers in turn: an even --model.n-layers, no --model.first-k-dense).")
+    need(not (t.qk_clip_threshold and (m.first_k_dense or m.moe_every > 1)), "--train.qk-clip-"
+         "threshold with dense layers: the clip reads the MoE layers' logits only. Set it to 0.")
+    need(not (t.router_bias_rate and m.score_inputs), "--train.router-bias-rate with --model."
+         "score-inputs: Llama 4's routing has no choice bias to move. Set it to 0.")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -814,7 +897,7 @@ def router(h_BTD, w_DE, cfg: ModelConfig, b_E=None, bias_E=None):
 def _buffer_table(cfg: ModelConfig) -> dict:
     """State that is not trained: with sigmoid routing, each MoE layer's bias on the scores
     that choose the experts (DeepSeek-V3's e_score_correction_bias), moved by `balance_biases`."""
-    L, on = cfg.n_layers - cfg.first_k_dense, cfg.sigmoid_routing
+    L, on = moe_layers(cfg), cfg.sigmoid_routing and not cfg.score_inputs  # Llama 4: no bias
     return {"layers": {"router_bias": ((L, cfg.n_experts), P(None, None), 0.0)}} if on else {}
 
 
@@ -966,6 +1049,9 @@ def experts(x_BTD, expert_BTR, gate_BTR, w: dict, cfg: ModelConfig, peers: int =
     e_A = expert_BTR.reshape(n, R).T.reshape(-1)
     order_A = jnp.argsort(e_A, stable=True)
     x_AD, sorted_e_A = x_BTD.reshape(n, D)[order_A % n], e_A[order_A]
+    gate_nR = gate_BTR.reshape(n, R).astype(dt)
+    if cfg.score_inputs:  # Llama 4: the score scales what goes in; the outputs are summed
+        x_AD, gate_nR = x_AD * gate_nR.T.reshape(-1)[order_A, None], jnp.ones_like(gate_nR)
     sizes_E = jnp.bincount(e_A, length=cfg.n_experts).astype(jnp.int32)
     dropped = jnp.zeros((), jnp.int32)
     if cfg.capacity_factor > 0:  # C rows per expert per batch shard: cf x the even share
@@ -976,8 +1062,8 @@ def experts(x_BTD, expert_BTR, gate_BTR, w: dict, cfg: ModelConfig, peers: int =
                                   S=n * min(cfg.n_experts // peers, R))
     else:
         y_AD = grouped_mlp(x_AD, sizes_E, w, cfg)
-    y_nD = jnp.einsum("rnd,nr->nd", y_AD[_inverse(order_A)].reshape(R, n, D),
-                      gate_BTR.reshape(n, R).astype(dt), preferred_element_type=jnp.float32)
+    y_nD = jnp.einsum("rnd,nr->nd", y_AD[_inverse(order_A)].reshape(R, n, D), gate_nR,
+                      preferred_element_type=jnp.float32)
     if sharded:
         y_nD = jax.lax.psum(y_nD, "tensor")   # each tensor shard summed over its slice of F
     return y_nD.astype(dt).reshape(B, T, D), dropped.reshape(1)
@@ -1115,7 +1201,8 @@ def bench(cfg: Config, mesh, batch) -> dict:
 # per expert and per layer.
 HF_ARCHITECTURES = {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
                     "gpt_oss": "GptOssForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
-                    "kimi_k2": "DeepseekV3ForCausalLM"}  # Kimi K2: DeepSeek-V3's, renamed
+                    "kimi_k2": "DeepseekV3ForCausalLM",  # Kimi K2: DeepSeek-V3's, renamed
+                    "llama4_text": "Llama4ForCausalLM"}
 HF_DEEPSEEK = ("deepseek_v3", "kimi_k2")
 # What transformers assumes for a key that config.json leaves out (its config classes).
 _HF_DEFAULTS = {
@@ -1135,7 +1222,13 @@ _HF_DEFAULTS = {
                         routed_scaling_factor=2.5, kv_lora_rank=512, q_lora_rank=1536,
                         qk_rope_head_dim=64, v_head_dim=128, qk_nope_head_dim=128, n_group=8,
                         topk_group=4, first_k_dense_replace=3, norm_topk_prob=True,
-                        rope_interleave=True)}
+                        rope_interleave=True),
+    "llama4_text": dict(rms_norm_eps=1e-5, max_position_embeddings=131072, num_key_value_heads=8,
+                        head_dim=128, num_local_experts=16, num_experts_per_tok=1,
+                        intermediate_size=8192, intermediate_size_mlp=16384, use_qk_norm=True,
+                        interleave_moe_layer_step=1, no_rope_layer_interval=4,
+                        attention_chunk_size=8192, attn_temperature_tuning=True, floor_scale=8192,
+                        attn_scale=0.1, rope_theta=500_000.0)}
 # config.json's keys that are our fields, in every family and then per family (Kimi K2's: V3's),
 # written as they are, read as the field's type (null as 0); config_*_hf spell out the rest.
 _HF_FIELDS = dict(vocab_size="vocab_size", hidden_size="d_model", num_hidden_layers="n_layers",
@@ -1153,7 +1246,10 @@ _HF_FAMILY_FIELDS = {
                         norm_topk_prob="norm_topk", routed_scaling_factor="routed_scale",
                         first_k_dense_replace="first_k_dense") | {k: k for k in (
         "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
-        "rope_interleave", "n_shared_experts", "seq_aux")}}
+        "rope_interleave", "n_shared_experts", "seq_aux")},
+    "llama4_text": dict(num_local_experts="n_experts", intermediate_size="d_ff",
+                        interleave_moe_layer_step="moe_every", use_qk_norm="qk_l2_norm",
+                        attention_chunk_size="attn_chunk", floor_scale="attn_temp_floor")}
 # What we write for what we do not implement, per family; reading refuses other values of
 # the keys that change the model (`config_from_hf`).
 _HF_CONSTANTS = {"mixtral": dict(router_jitter_noise=0.0),
@@ -1161,14 +1257,17 @@ _HF_CONSTANTS = {"mixtral": dict(router_jitter_noise=0.0),
                                    use_sliding_window=False, attention_bias=False),
                  "gpt_oss": dict(swiglu_alpha=SWIGLU_ALPHA),
                  "deepseek_v3": dict(scoring_func="sigmoid", topk_method="noaux_tc",
-                                     attention_bias=False, num_nextn_predict_layers=0)}
-# The knobs one family's config.json says and no other's: on exactly in that family, or (the
-# second table) on only in those families. Mixtral and GPT-OSS always renormalise the top k.
-_HF_OWN = dict(attn_sinks="gpt_oss", moe_bias="gpt_oss", swiglu_limit="gpt_oss",
-               sigmoid_routing="deepseek_v3")
+                                     attention_bias=False, num_nextn_predict_layers=0),
+                 "llama4_text": dict(router_jitter_noise=0.0, attention_bias=False)}
+# The knobs some families' config.json says and no other's: on exactly in those families, or
+# (the second table) on only in those. Mixtral and GPT-OSS always renormalise the top k.
+_HF_OWN = dict(attn_sinks=("gpt_oss",), moe_bias=("gpt_oss",), swiglu_limit=("gpt_oss",),
+               sigmoid_routing=("deepseek_v3", "llama4_text"), score_inputs=("llama4_text",))
 _HF_ONLY = dict(attn_bias=("gpt_oss",), sliding_window=("gpt_oss",),
-                n_shared_experts=("deepseek_v3",), first_k_dense=("deepseek_v3",),
-                yarn_factor=("gpt_oss", "deepseek_v3"))
+                n_shared_experts=("deepseek_v3", "llama4_text"), first_k_dense=("deepseek_v3",),
+                yarn_factor=("gpt_oss", "deepseek_v3"), **dict.fromkeys((
+                    "attn_chunk", "global_nope", "attn_temp_scale", "qk_l2_norm", "rope_scaling"),
+                    ("llama4_text",)))
 
 # Each weight's HuggingFace name (after model.layers.{i}. for a layer's) and layout (common/hf.py;
 # a stack's layer axis goes first on our side), in the atoms of `_hf_sizes`: l the MoE layers, j
@@ -1214,13 +1313,25 @@ _HF_FAMILY_NAMES = {
                 "w_down": ("mlp.experts.down_proj", "e f d -> e f d"),
                 "b_gate": ("mlp.experts.gate_up_proj_bias", "e (f 2:0) -> e f"),
                 "b_up": ("mlp.experts.gate_up_proj_bias", "e (f 2:1) -> e f"),
-                "b_down": ("mlp.experts.down_proj_bias", "e d -> e d")}}
+                "b_down": ("mlp.experts.down_proj_bias", "e d -> e d")},
+    # Llama 4: gate and up in halves of one tensor per layer; dense layers under the same name.
+    "llama4_text": {k: ("feed_forward." + name, layout) for k, (name, layout) in dict(
+        w_router=("router.weight", "e d -> d e"),
+        w_gate=("experts.gate_up_proj", "e d (2:0 f) -> e d f"),
+        w_up=("experts.gate_up_proj", "e d (2:1 f) -> e d f"),
+        w_down=("experts.down_proj", "e f d -> e f d"),
+        shared_gate=("shared_expert.gate_proj.weight", "s d -> d s"),
+        shared_up=("shared_expert.up_proj.weight", "s d -> d s"),
+        shared_down=("shared_expert.down_proj.weight", "d s -> s d"),
+        mlp_gate=("gate_proj.weight", "g d -> d g"), mlp_up=("up_proj.weight", "g d -> d g"),
+        mlp_down=("down_proj.weight", "d g -> g d")).items()}}
 
 
 def hf_mapping(cfg: ModelConfig, model_type: str) -> dict:
     """Our parameter tree (the buffers too), each leaf as (HuggingFace tensor name, layout)."""
     names = _HF_LAYER | (_HF_MLA if cfg.kv_lora_rank else {}) | _HF_FAMILY_NAMES.get(model_type, {})
-    stacks = {"layers": ("l", f"{{l+{cfg.first_k_dense}}}"), "dense_layers": ("j", "{j}")}
+    stacks = ({"layers": ("l", "{l*2+1}"), "dense_layers": ("j", "{j*2}")} if cfg.moe_every == 2
+              else {"layers": ("l", f"{{l+{cfg.first_k_dense}}}"), "dense_layers": ("j", "{j}")})
     entry = lambda w, l, i: (f"model.layers.{i}.{names[w][0]}",  # layers stacked on l (or j)
                              names[w][1].replace("-> ", f"-> {l} "))
     return {k: {w: entry(w, *stacks[k]) for w in v} if k in stacks else _HF_TOP[k]
@@ -1229,10 +1340,10 @@ def hf_mapping(cfg: ModelConfig, model_type: str) -> dict:
 
 def _hf_sizes(cfg: ModelConfig) -> dict:
     C, Hn, Hr, Hv = cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
-    return dict(l=cfg.n_layers - cfg.first_k_dense, e=cfg.n_experts, d=cfg.d_model,
-                n=cfg.n_heads, k=cfg.n_kv_heads, h=cfg.head_dim, f=cfg.d_ff, v=cfg.vocab_size,
-                j=cfg.first_k_dense, a=C + Hr, c=C, r=cfg.q_lora_rank, q=Hn + Hr, x=Hn + Hv,
-                w=Hv, g=cfg.dense_d_ff, s=cfg.n_shared_experts * cfg.d_ff)
+    return dict(l=moe_layers(cfg), e=cfg.n_experts, d=cfg.d_model, n=cfg.n_heads,
+                k=cfg.n_kv_heads, h=cfg.head_dim, f=cfg.d_ff, v=cfg.vocab_size,
+                j=cfg.n_layers - moe_layers(cfg), a=C + Hr, c=C, r=cfg.q_lora_rank, q=Hn + Hr,
+                x=Hn + Hv, w=Hv, g=cfg.dense_d_ff, s=cfg.n_shared_experts * cfg.d_ff)
 
 
 def config_from_hf(c: dict, where: str = "config.json") -> ModelConfig:
@@ -1249,7 +1360,7 @@ def config_from_hf(c: dict, where: str = "config.json") -> ModelConfig:
     c = _HF_DEFAULTS[fam] | c
     unsupported = lambda what: hf.HFError(f"{where}: {what} is not implemented by train_moe.py, "
                                           f"so this {mt} model cannot be loaded faithfully.")
-    wide = "intermediate_size" if mt in ("mixtral", "gpt_oss") else "moe_intermediate_size"
+    wide = "moe_intermediate_size" if mt in ("qwen3_moe", *HF_DEEPSEEK) else "intermediate_size"
     if lacking := [k for k in ("vocab_size", "hidden_size", "num_hidden_layers",
                                "num_attention_heads", wide) if k not in c]:
         raise hf.HFError(f"{where} has no {lacking[0]!r}; it is not a complete {mt} config.")
@@ -1267,11 +1378,11 @@ def config_from_hf(c: dict, where: str = "config.json") -> ModelConfig:
     # DeepSeek's YaRN gives mscale == mscale_all_dim: transformers then leaves the rotation
     # unscaled (its factor is their ratio) and the logits times mscale(factor, all_dim)^2.
     theta, kind, rope = hf.rope_parameters(c, c["rope_theta"], where)
-    if kind not in ("default", "yarn") or kind == "yarn" and not (mt == "gpt_oss" or (
-            fam == "deepseek_v3" and not rope.get("attention_factor") and
+    if not (kind == "default" or kind == "llama3" and mt == "llama4_text" or kind == "yarn" and (
+            mt == "gpt_oss" or fam == "deepseek_v3" and not rope.get("attention_factor") and
             rope.get("mscale_all_dim") and rope.get("mscale") == rope["mscale_all_dim"])):
-        raise unsupported(f"rope {kind!r} {rope} (only the default, GPT-OSS's YaRN, and "
-                          "DeepSeek's YaRN with mscale == mscale_all_dim)")
+        raise unsupported(f"rope {kind!r} {rope} (only the default, GPT-OSS's YaRN, DeepSeek's "
+                          "YaRN with mscale == mscale_all_dim, and Llama 4's 'llama3')")
     m = {f: type(getattr(ModelConfig, f))(c.get(k) or 0)
          for k, f in (_HF_FIELDS | _HF_FAMILY_FIELDS[fam]).items()}
     # A window of W tokens changes nothing on sequences of at most W (GPT-OSS's: per layer, below).
@@ -1286,6 +1397,10 @@ def config_from_hf(c: dict, where: str = "config.json") -> ModelConfig:
                   yarn_beta_slow=float(rope.get("beta_slow") or 1),
                   yarn_truncate=bool(rope.get("truncate", True)),
                   yarn_original_max_len=rope["original_max_position_embeddings"])
+    if kind == "llama3":
+        m |= dict(rope_scaling=float(rope["factor"]), rope_low_freq_factor=float(rope[
+            "low_freq_factor"]), rope_high_freq_factor=float(rope["high_freq_factor"]),
+            rope_original_max_len=int(rope["original_max_position_embeddings"]))
     if mt == "qwen3_moe":
         m["n_experts"] = qwen_experts or c["num_experts"]
     elif mt == "gpt_oss":  # every second layer windowed, or none
@@ -1302,25 +1417,43 @@ def config_from_hf(c: dict, where: str = "config.json") -> ModelConfig:
                   seq_aux=bool(c.get("seq_aux", True)), topk_group=c["topk_group"] if G > 1 else 0,
                   yarn_mscale_all_dim=float(rope.get("mscale_all_dim") or 0),
                   dense_d_ff=c["intermediate_size"] if Kd else 0)
+    elif mt == "llama4_text":  # every n-th layer global and unrotated, chunks on the others
+        L, n, s = m["n_layers"], c["no_rope_layer_interval"], m["moe_every"]
+        rope_at = [int((i + 1) % n != 0) for i in range(L)]  # HF's no_rope_layers: 1 = RoPE
+        kinds = ["chunked_attention" if r and m["attn_chunk"] else "full_attention"
+                 for r in rope_at]
+        want = [rope_at, list(range(s - 1, L, s)), kinds]
+        if [c.get(k) or w for k, w in zip(("no_rope_layers", "moe_layers", "layer_types"),
+                                          want)] != want:
+            raise unsupported("no_rope_layers, moe_layers or layer_types other than NoPE on "
+                              "every n-th layer and MoE on every (or every second) layer")
+        m |= dict(global_every=n, global_nope=True, sigmoid_routing=True, norm_topk=False,
+                  score_inputs=True, n_shared_experts=1, rope_interleave=True,
+                  attn_temp_scale=float(c["attn_scale"]) if c["attn_temperature_tuning"] else 0.0,
+                  dense_d_ff=c["intermediate_size_mlp"] if s > 1 else 0)
     return ModelConfig(**m)
 
 
 def _model_type(cfg: ModelConfig, model_type: str) -> str:
     """The family to write: the one asked for (or the knobs'), if the knobs fit it."""
-    fam = ("qwen3_moe" if cfg.qk_norm else "gpt_oss" if cfg.attn_sinks else "deepseek_v3" if
-           cfg.kv_lora_rank else "mixtral")
+    fam = ("llama4_text" if cfg.score_inputs else "qwen3_moe" if cfg.qk_norm else "gpt_oss" if
+           cfg.attn_sinks else "deepseek_v3" if cfg.kv_lora_rank else "mixtral")
     mt = model_type or fam
     if mt not in HF_ARCHITECTURES:
         raise hf.HFError(f"model_type {mt!r}: choose one of {', '.join(HF_ARCHITECTURES)}.")
     kind = "deepseek_v3" if mt == "kimi_k2" else mt
-    if (kind != fam or any(bool(getattr(cfg, k)) != (kind == f) for k, f in _HF_OWN.items()) or
+    if (kind != fam or any(bool(getattr(cfg, k)) != (kind in f) for k, f in _HF_OWN.items()) or
             any(getattr(cfg, k) and kind not in fs for k, fs in _HF_ONLY.items()) or
-            kind in ("mixtral", "gpt_oss") and not cfg.norm_topk):
+            kind in ("mixtral", "gpt_oss") and not cfg.norm_topk or cfg.moe_every > 1 and
+            kind != "llama4_text" or kind == "llama4_text" and (cfg.norm_topk or not (
+                cfg.rope_interleave and cfg.n_shared_experts == 1 and cfg.global_nope))):
         raise hf.HFError(f"model_type {mt!r} does not fit this model: q/k norms are qwen3_moe's; "
                          "mixtral and gpt_oss always renormalise the top-k weights; sinks, "
                          "biases, windows and the clamp are gpt_oss's (and all of its); MLA, "
                          "sigmoid routing, shared experts and dense layers deepseek_v3's and "
-                         "kimi_k2's; YaRN is theirs and gpt_oss's.")
+                         "kimi_k2's; YaRN is theirs and gpt_oss's; scaled expert inputs, one "
+                         "shared expert, RoPE pairs, NoPE, chunks, moe_every and Llama 3.1's "
+                         "RoPE llama4_text's.")
     return mt
 
 
@@ -1336,10 +1469,15 @@ def config_to_hf(cfg: ModelConfig, model_type: str = "", dtype: str = "float32")
                      **({} if cfg.yarn_truncate else {"truncate": False}), **(dict(
                          mscale=cfg.yarn_mscale_all_dim, mscale_all_dim=cfg.yarn_mscale_all_dim)
                          if cfg.kv_lora_rank else {}))
+    if cfg.rope_scaling:
+        rope |= dict(rope_type="llama3", factor=cfg.rope_scaling,
+                     low_freq_factor=cfg.rope_low_freq_factor,
+                     high_freq_factor=cfg.rope_high_freq_factor,
+                     original_max_position_embeddings=cfg.rope_original_max_len)
     c = dict(architectures=[HF_ARCHITECTURES[mt]], model_type=mt) | {
         k: getattr(cfg, f) for k, f in (_HF_FIELDS | _HF_FAMILY_FIELDS[fam]).items()} | dict(
         hidden_act="silu", rope_parameters=rope, rope_theta=cfg.rope_theta,
-        rope_scaling=rope if cfg.yarn_factor else None, sliding_window=None,
+        rope_scaling=rope if cfg.yarn_factor or cfg.rope_scaling else None, sliding_window=None,
         attention_dropout=0.0, initializer_range=0.02, use_cache=True, dtype=dtype,
         torch_dtype=dtype) | _HF_CONSTANTS[fam]
     if mt == "qwen3_moe":  # intermediate_size is the width of dense layers, which it has none of
@@ -1353,6 +1491,16 @@ def config_to_hf(cfg: ModelConfig, model_type: str = "", dtype: str = "float32")
         c |= dict(head_dim=cfg.qk_rope_head_dim, intermediate_size=cfg.dense_d_ff or cfg.d_ff,
                   q_lora_rank=cfg.q_lora_rank or None, n_group=cfg.n_group or 1,
                   topk_group=cfg.topk_group or 1, routed_scaling_factor=cfg.routed_scale or 1.0)
+    elif mt == "llama4_text":
+        L, n, s = cfg.n_layers, cfg.global_every or cfg.n_layers + 1, cfg.moe_every
+        rope_at = [int((i + 1) % n != 0) for i in range(L)]  # 1: RoPE (and chunks, if any)
+        c |= dict(attention_chunk_size=cfg.attn_chunk or None, no_rope_layer_interval=n,
+                  no_rope_layers=rope_at, layer_types=["chunked_attention" if r and
+                                                       cfg.attn_chunk else "full_attention"
+                                                       for r in rope_at],
+                  moe_layers=list(range(s - 1, L, s)), intermediate_size_mlp=cfg.dense_d_ff or
+                  cfg.d_ff, attn_temperature_tuning=bool(cfg.attn_temp_scale),
+                  attn_scale=cfg.attn_temp_scale or 0.1)
     return c
 
 

@@ -22,7 +22,10 @@ stored as w in (1 + w), a sqrt(d_model) embedding scale, four norms per layer, G
 query_pre_attn_scalar that is not head_dim, windows shorter than the sequence on every second
 (Gemma 2) or third (Gemma 3) layer, tanh soft-capping of scores and logits small enough to bend
 them (Gemma 2), and q/k norms with a local RoPE base and a linearly scaled global one (Gemma 3). GPT-OSS adds sinks
-away from zero, biases everywhere, one window layer and one full, YaRN and its clamped SwiGLU.
+away from zero, biases everywhere, one window layer and one full, YaRN and its clamped SwiGLU. Llama 4 adds
+MoE on every second layer with the scores on the experts' inputs and a shared expert, chunked
+attention, an unrotated layer whose query temperature rises within the 16 tokens, the L2 q/k
+norm and RoPE in pairs.
 """
 from __future__ import annotations
 
@@ -123,6 +126,18 @@ FAMILIES = {
     "kimi_k2": ("deepseek_v3", dict(_DEEPSEEK, n_group=1, topk_group=1,
                                     routed_scaling_factor=2.827, rope_parameters=dict(
                                         _DEEPSEEK["rope_parameters"], beta_fast=1.0)), None),
+    # Llama 4: four layers, MoE on the odd ones (top-2 of 4, the scores scaling the experts'
+    # inputs, a shared expert), dense ones of their own width between; layer 3 unrotated with
+    # its query temperature already rising (floor_scale 4), the others in chunks of 5 of the
+    # 16 tokens with the L2 q/k norm; RoPE in pairs, scaled as Llama 3.1's.
+    "llama4_text": ("llama4_text", dict(
+        vocab_size=64, hidden_size=32, intermediate_size=16, intermediate_size_mlp=40,
+        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=12,
+        num_local_experts=4, num_experts_per_tok=2, interleave_moe_layer_step=2,
+        no_rope_layer_interval=4, attention_chunk_size=5, attn_temperature_tuning=True,
+        floor_scale=4, attn_scale=0.1, use_qk_norm=True, rms_norm_eps=1e-5,
+        rope_parameters=dict(_LLAMA3_ROPE, rope_theta=100.0), max_position_embeddings=64),
+        None),
 }
 # Written as this model_type (the checkpoint is the other's, as Moonshot ships it).
 RENAMED = {"kimi_k2": "kimi_k2"}

@@ -151,7 +151,9 @@ EXPECTED = {
         model.head_dim model.n_experts model.top_k model.d_ff model.max_seq_len
         model.rope_theta model.norm_eps model.yarn_original_max_len model.yarn_beta_fast
         model.yarn_beta_slow model.qk_nope_head_dim model.qk_rope_head_dim model.v_head_dim
-        model.loss_chunk model.gmm_tile: > 0
+        model.loss_chunk model.gmm_tile model.moe_every model.attn_temp_floor
+        model.rope_low_freq_factor model.rope_high_freq_factor model.rope_original_max_len: > 0
+        model.attn_chunk model.attn_temp_scale model.rope_scaling
         model.capacity_factor model.sliding_window model.global_every model.swiglu_limit
         model.yarn_factor model.kv_lora_rank model.q_lora_rank model.yarn_mscale_all_dim
         model.routed_scale model.n_group model.topk_group model.n_shared_experts
