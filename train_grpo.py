@@ -32,7 +32,7 @@ from common.attention import attend
 from common.config import how, knob, resumable
 from common.checkpoint import CheckpointConfig
 from common.data import (CharTokenizer, ChatTemplate, PretrainedTokenizer, decode_completions,
-                         encode_completions, encode_prompts, open_tokenizer, run_tokenizer)
+                         encode_completions, open_tokenizer, run_tokenizer)
 from common.mesh import BATCH_AXES, MeshConfig, describe, make_mesh, resolve
 from common.task import (Row, Task, columns, exact, format_reward, left_pad, load_task,
                          problems, prompt_width, score)
@@ -161,7 +161,7 @@ class Config:
     bench: int = resumable(0)     # time this many policy updates on synthetic rollouts, exit
 
 
-# The demo model: ~0.4M parameters, a 16-symbol character vocabulary (section 5).
+# The demo model: ~0.4M parameters, a 16-symbol character vocabulary (common/data.py).
 _TINY_MODEL = ModelConfig(vocab_size=16, d_model=128, n_layers=2, n_heads=4, n_kv_heads=2,
                           head_dim=32, d_ff=384, max_seq_len=32, remat="none")
 
@@ -402,7 +402,7 @@ def _softcap(logits, cap: float):
 
 
 def forward(params: dict, tokens_BT, cfg: ModelConfig, *, positions=None, mask_BTS=None):
-    """Logits [B, T, V] in float32 (train_dense.py's `forward` without positions and mask)."""
+    """Logits [B, T, V] in float32 (train_dense.py's `forward`, with `hidden`'s padding)."""
     h = hidden(params, tokens_BT, cfg, positions=positions, mask_BTS=mask_BTS)[0]
     return logits_of(params, h, cfg)
 
@@ -495,9 +495,8 @@ def policy_loss(logp_BN, old_BN, adv_B, mask_BN, g: GRPOConfig, *, ref_BN=None, 
         # DAPO (Yu et al. 2025, eq. 8, token-level policy gradient): sum_{i,t} l_t over the
         # tokens of the whole rollout batch, whatever microbatch each token is in.
         loss = total / jnp.maximum(n_tokens, 1.0)
-    adv = jnp.broadcast_to(adv_BN, m.shape)
-    low = (ratio < 1 - lo) & (adv < 0)    # clipped from below: the min chose the clip
-    high = (ratio > 1 + hi) & (adv > 0)
+    low = (ratio < 1 - lo) & (adv_BN < 0)    # clipped from below: the min chose the clip
+    high = (ratio > 1 + hi) & (adv_BN > 0)
     sums |= {"clip_ratio/low_mean": jnp.sum(low * m), "clip_ratio/high_mean": jnp.sum(high * m),
              "clip_ratio/region_mean": jnp.sum((low | high) * m), "tokens": jnp.sum(m)}
     return loss, sums
