@@ -32,7 +32,7 @@ from common.attention import attend
 from common.config import how, knob, resumable
 from common.checkpoint import CheckpointConfig
 from common.data import (CharTokenizer, ChatTemplate, PretrainedTokenizer, decode_completions,
-                         encode_completions, encode_prompts, open_tokenizer, run_tokenizer)
+                         encode_completions, open_tokenizer, run_tokenizer)
 from common.mesh import BATCH_AXES, MeshConfig, describe, make_mesh, resolve
 from common.task import (Row, Task, columns, exact, format_reward, left_pad, load_task,
                          problems, prompt_width, score)
@@ -161,7 +161,7 @@ class Config:
     bench: int = resumable(0)     # time this many policy updates on synthetic rollouts, exit
 
 
-# The demo model: ~0.4M parameters, a 16-symbol character vocabulary (section 5).
+# The demo model: ~0.4M parameters, a 16-symbol character vocabulary (common/data.py).
 _TINY_MODEL = ModelConfig(vocab_size=16, d_model=128, n_layers=2, n_heads=4, n_kv_heads=2,
                           head_dim=32, d_ff=384, max_seq_len=32, remat="none")
 
@@ -402,7 +402,7 @@ def _softcap(logits, cap: float):
 
 
 def forward(params: dict, tokens_BT, cfg: ModelConfig, *, positions=None, mask_BTS=None):
-    """Logits [B, T, V] in float32 (train_dense.py's `forward` without positions and mask)."""
+    """Logits [B, T, V] in float32 (train_dense.py's `forward`, with `hidden`'s padding)."""
     h = hidden(params, tokens_BT, cfg, positions=positions, mask_BTS=mask_BTS)[0]
     return logits_of(params, h, cfg)
 
@@ -495,9 +495,8 @@ def policy_loss(logp_BN, old_BN, adv_B, mask_BN, g: GRPOConfig, *, ref_BN=None, 
         # DAPO (Yu et al. 2025, eq. 8, token-level policy gradient): sum_{i,t} l_t over the
         # tokens of the whole rollout batch, whatever microbatch each token is in.
         loss = total / jnp.maximum(n_tokens, 1.0)
-    adv = jnp.broadcast_to(adv_BN, m.shape)
-    low = (ratio < 1 - lo) & (adv < 0)    # clipped from below: the min chose the clip
-    high = (ratio > 1 + hi) & (adv > 0)
+    low = (ratio < 1 - lo) & (adv_BN < 0)    # clipped from below: the min chose the clip
+    high = (ratio > 1 + hi) & (adv_BN > 0)
     sums |= {"clip_ratio/low_mean": jnp.sum(low * m), "clip_ratio/high_mean": jnp.sum(high * m),
              "clip_ratio/region_mean": jnp.sum((low | high) * m), "tokens": jnp.sum(m)}
     return loss, sums
@@ -697,6 +696,31 @@ def rollout(params, prompt_BP, valid_BP, key, temperature, *, cfg: ModelConfig, 
     return {k: out[k] for k in ("tokens_BN", "mask_BN", "logp_BN")} | {"steps": out["i"]}
 
 
+def sampler(cfg: Config, mesh, tok, task: Task):
+    """`generate(params, rows, key, temperature)`: one completion of each prompt, sampled on the
+    device (rollouts and greedy evals share one compile), decoded and scored on the host."""
+    g = cfg.grpo
+    rollout_fn = jax.jit(partial(rollout, cfg=cfg.model, max_new=g.max_new_tokens,
+                                 eos_id=tok.eos_id, pad_id=tok.pad_id, n_valid=tok.vocab_size,
+                                 top_k=g.top_k, top_p=g.top_p))
+
+    def generate(params, items: list[Row], key, temperature: float) -> dict:
+        ids, valid = left_pad([r.ids for r in items], task.width, tok.pad_id)
+        t0 = time.perf_counter()
+        batch = train.put({"prompt": ids, "prompt_valid": valid}, mesh, BATCH_AXES)
+        out = rollout_fn(params, batch["prompt"], batch["prompt_valid"], key,
+                         jnp.float32(temperature))
+        tokens, mask = fetch(out["tokens_BN"]), fetch(out["mask_BN"])
+        seconds = time.perf_counter() - t0
+        texts, finished = decode_completions(tok, tokens, mask)
+        total, each = score(task.rewards, texts, columns(items), finished)
+        batch |= {"completion": out["tokens_BN"], "mask": out["mask_BN"],
+                  "old_logp": out["logp_BN"]}
+        return {"batch": batch, "texts": texts, "mask": mask, "finished": finished,
+                "reward": total, "rewards": each, "seconds": seconds}
+    return generate
+
+
 def completion_logps(params, prompt_BP, valid_BP, completion_BN, cfg: ModelConfig,
                      temperature: float, n_valid: int, max_logits: bool = False):
     """Log-probs [B, N] of the completion tokens, the policy's entropy at each and `hidden`'s
@@ -749,55 +773,37 @@ def main(cfg: Config) -> dict:
     train.start(cfg.quiet)
     hf_config, model = train.model_source(cfg)  # --init-from-hf's config, --init-from's model
     cfg = train.with_model(cfg, config_from_hf(*hf_config) if hf_config else model)
-    tok = make_tokenizer(cfg)
+    g, tok = cfg.grpo, make_tokenizer(cfg)
     task = validate(cfg, jax.device_count(), tok)
     mesh = make_mesh(cfg.mesh)
-    st = train_state(cfg, mesh, make_optimizer(cfg.grpo), ref=cfg.grpo.beta > 0)
+    st = train_state(cfg, mesh, make_optimizer(g), ref=g.beta > 0)
     step_fn = st.jit(partial(train_step, cfg=cfg, n_valid=tok.vocab_size))
-    lo, hi = clip_range(cfg.grpo)
+    lo, hi = clip_range(g)
     log(f"model {count_params(cfg.model) / 1e6:.2f}M parameters | mesh {describe(mesh)} | "
-        f"{jax.device_count()} {jax.devices()[0].platform} devices | loss {cfg.grpo.loss} "
-        f"(clip {1 - lo:g}..{1 + hi:g}, beta {cfg.grpo.beta:g}, mu {cfg.grpo.mu}, "
-        f"{'std-scaled' if cfg.grpo.scale_rewards else 'mean-centred'} advantages)")
+        f"{jax.device_count()} {jax.devices()[0].platform} devices | loss {g.loss} (clip "
+        f"{1 - lo:g}..{1 + hi:g}, beta {g.beta:g}, mu {g.mu}, "
+        f"{'std-scaled' if g.scale_rewards else 'mean-centred'} advantages)")
     batch = synthetic_batch(cfg, tok, task.width)  # --dry-run and --bench: one policy update on it
     if cfg.dry_run:
         return train.dry_run(step_fn, st.abstract(), train.put(batch, mesh, BATCH_AXES, True),
                              mesh, count_params(cfg.model))
-    if cfg.bench:
-        with jax.set_mesh(mesh):
-            T = batch["prompt"].shape[1] + batch["completion"].shape[1]
-            return train.bench(step_fn, st.fresh(jax.random.key(cfg.grpo.seed)),
+    with jax.set_mesh(mesh):
+        if cfg.bench:
+            T = task.width + g.max_new_tokens
+            return train.bench(step_fn, st.fresh(jax.random.key(g.seed)),
                                train.put(batch, mesh, BATCH_AXES), cfg.bench,
-                               tokens_per_step=batch["prompt"].shape[0] * T,
+                               tokens_per_step=len(batch["prompt"]) * T,
                                flops_per_token=flops_per_token(cfg.model, T),
-                               peak=train.peak_flops_per_device(cfg.grpo.peak_tflops))
-    with jax.set_mesh(mesh), train.Run(cfg, cfg.grpo.profile_steps,
-                                       defaults=Config()) as run:
-        return train_loop(cfg, mesh, tok, task, st, step_fn, run)
+                               peak=train.peak_flops_per_device(g.peak_tflops))
+        with train.Run(cfg, g.profile_steps, defaults=Config()) as run:
+            return train_loop(cfg, mesh, tok, task, st, step_fn, run)
 
 
 def train_loop(cfg: Config, mesh, tok, task: Task, st: train.TrainState, step_fn,
                run: train.Run) -> dict:
-    g, n_valid, width = cfg.grpo, tok.vocab_size, task.width
-    rollout_fn = jax.jit(partial(rollout, cfg=cfg.model, max_new=g.max_new_tokens,
-                                 eos_id=tok.eos_id, pad_id=tok.pad_id, n_valid=n_valid,
-                                 top_k=g.top_k, top_p=g.top_p))
+    g, generate, held_out = cfg.grpo, sampler(cfg, mesh, tok, task), {}
     logp_fn = jax.jit(lambda p, b: completion_logps(p, b["prompt"], b["prompt_valid"],
-                      b["completion"], cfg.model, g.temperature, n_valid)[0])
-    held_out = {}
-
-    def generate(params, items: list[Row], key, temperature: float) -> dict:
-        """One completion per prompt, decoded and scored on the host."""
-        ids, valid = left_pad([r.ids for r in items], width, tok.pad_id)
-        t0 = time.perf_counter()
-        out = rollout_fn(params, train.put(ids, mesh, BATCH_AXES),
-                         train.put(valid, mesh, BATCH_AXES), key, jnp.float32(temperature))
-        tokens, mask = fetch(out["tokens_BN"]), fetch(out["mask_BN"])
-        seconds = time.perf_counter() - t0
-        texts, finished = decode_completions(tok, tokens, mask)
-        total, each = score(task.rewards, texts, columns(items), finished)
-        return {"out": out, "prompt": ids, "valid": valid, "texts": texts, "mask": mask,
-                "finished": finished, "reward": total, "rewards": each, "seconds": seconds}
+                      b["completion"], cfg.model, g.temperature, tok.vocab_size)[0])
 
     def evaluate(params) -> dict:
         """Greedy completions of the fixed held-out prompts."""
@@ -816,7 +822,7 @@ def train_loop(cfg: Config, mesh, tok, task: Task, st: train.TrainState, step_fn
             params, warm = warm_start(cfg, mesh, tok, params, generate, task, run)
         state = st.from_params(params)
         run.ckpt.save(0, state, force=True)  # a resume never repeats the warm start
-    tokens, flops = flops_per_step(cfg, width)
+    tokens, flops = flops_per_step(cfg, task.width)
     loop = train.Loop(run, start, g.steps, log_every=1, eval_every=g.eval_every,
                       tokens_per_step=tokens, flops_per_token=flops / tokens, show=None,
                       flag="--grpo", max_bad_steps=g.max_bad_steps, peak_tflops=g.peak_tflops)
@@ -833,10 +839,8 @@ def train_loop(cfg: Config, mesh, tok, task: Task, st: train.TrainState, step_fn
         lengths = r["mask"].sum(axis=1)
         rollout_tokens, rollout_s = rollout_tokens + int(lengths.sum()), rollout_s + r["seconds"]
         adv = group_advantages(r["reward"], g.group_size, g.scale_rewards)
-        batch = train.put({"prompt": r["prompt"], "prompt_valid": r["valid"], "adv": adv,
-                           "n_tokens": np.float32(lengths.sum())}, mesh, BATCH_AXES) | {
-            "completion": r["out"]["tokens_BN"], "mask": r["out"]["mask_BN"],
-            "old_logp": r["out"]["logp_BN"]}
+        batch = r["batch"] | train.put({"adv": adv, "n_tokens": np.float32(lengths.sum())}, mesh,
+                                       BATCH_AXES)
         if cfg.model.dtype != "float32":  # the decode's bfloat16 log-probs differ from the
             batch["old_logp"] = logp_fn(state["params"], batch)  # training forward's
         if g.beta > 0:
@@ -866,17 +870,16 @@ def train_loop(cfg: Config, mesh, tok, task: Task, st: train.TrainState, step_fn
         log(task.show(row, c))
     evals = [(s, e["eval_reward"]) for s, e in loop.evals]
     best = max(evals, key=lambda e: e[1])
-    end = int(jax.device_get(state["step"])) // g.mu
-    timing = f" (warm start {observe.duration(warm['warm_start_s'])} over " \
-             f"{warm['warm_start_steps']} steps)" if warm else ""
+    end, tok_s = int(jax.device_get(state["step"])) // g.mu, rollout_tokens / max(rollout_s, 1e-9)
+    timing = (f" (warm start {observe.duration(warm['warm_start_s'])} over "
+              f"{warm['warm_start_steps']} steps)" if warm else "")
     out = loop.summary(end, f"{g.prompts_per_step} prompts x {g.group_size} completions x "
-                       f"{tokens // (g.prompts_per_step * g.group_size)} tokens", [
+                       f"{task.width + g.max_new_tokens} tokens", [
         ("held-out", f"reward {evals[0][1]:.3f} (step {evals[0][0]}) -> {evals[-1][1]:.3f} "
                      f"(step {evals[-1][0]}) | best {best[1]:.3f} (step {best[0]}), greedy"),
-        ("rollouts", f"{rollout_tokens:,} completion tokens sampled this run, "
-                     f"{rollout_tokens / max(rollout_s, 1e-9):.0f} tok/s{timing}")])
-    return out | warm | {"state": state, "eval": evals,
-                         "rollout_tokens_per_s": rollout_tokens / max(rollout_s, 1e-9)}
+        ("rollouts", f"{rollout_tokens:,} completion tokens sampled this run, {tok_s:.0f} "
+                     f"tok/s{timing}")])
+    return out | warm | {"state": state, "eval": evals, "rollout_tokens_per_s": tok_s}
 
 
 def rollout_record(r: dict, lengths: np.ndarray, group_size: int) -> dict:

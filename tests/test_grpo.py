@@ -16,7 +16,7 @@ import pytest
 import train_dense as td
 import train_grpo as tg
 from common.checkpoint import CheckpointConfig, Checkpointer, check_run_config
-from common.data import DataConfig, prepare
+from common.data import DataConfig, encode_prompts, prepare
 from common.mesh import BATCH_AXES, MeshConfig, MeshError, make_mesh
 from common import train
 
@@ -227,7 +227,7 @@ def test_task_tokens_and_decoding():
     assert tok.decode(tok.encode("12+345=")) == "12+345="
     with pytest.raises(ValueError, match="'x'"):
         tok.encode("1x2")
-    ids, valid = tg.encode_prompts(tok, ["1+2=", "12+345="], 10)
+    ids, valid = encode_prompts(tok, ["1+2=", "12+345="], 10)
     assert valid.sum(1).tolist() == [5, 8] and valid[:, -1].all() and ids[0, 5] == tok.bos_id
     comp = np.array([[5, 6, 2, 0], [5, 6, 7, 8]])
     texts, finished = tg.decode_completions(tok, comp, np.array([[1, 1, 1, 0], [1, 1, 1, 1]], bool))
@@ -361,7 +361,7 @@ def rollout_batch(cfg, seed=0):
     tok, g = tg.CharTokenizer(), cfg.grpo
     rng = np.random.default_rng(seed)
     items = tg.problems(rng, g.prompts_per_step * g.group_size, cfg.task)
-    prompt, valid = tg.encode_prompts(tok, [p for p, _ in items], tg.prompt_width(cfg.task))
+    prompt, valid = encode_prompts(tok, [p for p, _ in items], tg.prompt_width(cfg.task))
     texts = [a if rng.random() < 0.5 else a[::-1] + "1" for _, a in items]
     comp, mask = tg.encode_completions(tok, texts, g.max_new_tokens)
     reward = np.array([float(t == a) for t, (_, a) in zip(texts, items)], np.float32)

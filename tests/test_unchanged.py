@@ -31,6 +31,7 @@ import train_dense as td
 import train_grpo as tg
 import train_moe as tm
 from common import train
+from common.data import encode_prompts
 from common.mesh import BATCH_AXES, make_mesh
 
 STEPS, B, T = 16, 8, 128
@@ -126,7 +127,7 @@ def test_first_losses_of_the_grpo_warm_start_are_unchanged():
         for i in range(4):  # the warm start's own examples (train_grpo.warm_start)
             items = tg.problems(np.random.default_rng([cfg.grpo.seed, 1, i]), w.batch_size,
                                 cfg.task)
-            prompt, valid = tg.encode_prompts(tok, [p for p, _ in items], width)
+            prompt, valid = encode_prompts(tok, [p for p, _ in items], width)
             comp, mask = tg.encode_completions(tok, [a for _, a in items],
                                                cfg.grpo.max_new_tokens)
             batch = {k: train.put(v, mesh, BATCH_AXES) for k, v in (
