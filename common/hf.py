@@ -106,7 +106,8 @@ def _file_names(template: str, layout: Layout, sizes: dict) -> Iterator[tuple[tu
 
 
 # --- Reading ----------------------------------------------------------------------------------
-def read_config(path: str) -> dict:
+def read_config(path: str, text: bool = True) -> dict:
+    """config.json; of a multimodal folder (Llama 4's, Gemma 3's) its language model's part."""
     file = os.path.join(path, CONFIG)
     if not os.path.isdir(path):
         raise HFError(f"{path}: no such folder. Give the folder of a HuggingFace model (with "
@@ -120,7 +121,23 @@ def read_config(path: str) -> dict:
             raise HFError(f"{file} is not valid JSON ({e}).") from None
     if not isinstance(cfg, dict):
         raise HFError(f"{file} does not hold a JSON object.")
-    return cfg
+    return _text_part(cfg) if text else cfg
+
+
+def _text_part(cfg: dict) -> dict:
+    inner = cfg.get("text_config")
+    if not isinstance(inner, dict):
+        return cfg
+    return {k: cfg[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in cfg} | inner
+
+
+def _language_model(name: str) -> str | None:
+    """A multimodal folder's tensor as its language model names it alone (None: another tower's,
+    as vision_model.* or multi_modal_projector.*)."""
+    for outer, inner in (("language_model.", ""), ("model.language_model.", "model.")):
+        if name.startswith(outer):
+            return inner + name.removeprefix(outer)
+    return name if name == "lm_head.weight" else None
 
 
 def rope_parameters(c: dict, default_theta: float, where: str) -> tuple[float, str, dict]:
@@ -170,7 +187,8 @@ class Checkpoint:
     the tensors it is said to; tensors are memory-mapped and read only when asked."""
 
     def __init__(self, path: str):
-        self.path, self.config, self._maps = path, read_config(path), {}
+        whole = read_config(path, text=False)
+        self.path, self.config, self._maps = path, _text_part(whole), {}
         self.config_file = os.path.join(path, CONFIG)
         index, weight_map = os.path.join(path, INDEX), None
         if os.path.isfile(index):
@@ -194,6 +212,11 @@ class Checkpoint:
         if lost:
             raise HFError(f"{path}: {INDEX} places {lost[0]} in {weight_map[lost[0]]}, "
                           f"which does not hold it ({len(lost)} such tensors).")
+        self.other_towers = []  # a multimodal folder's tensors that are not its language model
+        if whole is not self.config:
+            named = {n: _language_model(n) for n in self._tensors}
+            self.other_towers = sorted(n for n, t in named.items() if t is None)
+            self._tensors = {t: self._tensors[n] for n, t in named.items() if t}
         self._mxfp4 = mxfp4_pairs(self._tensors, path)   # name -> (its blocks, its scales)
         quant = self.config.get("quantization_config") or {}
         self._block = tuple(quant.get("weight_block_size") or (128, 128))

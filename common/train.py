@@ -972,6 +972,9 @@ def hf_params(ckpt: hf.Checkpoint, mesh, table: dict, mapping: dict, sizes: dict
     extra = lambda n: (m := re.match(r"model\.layers\.(\d+)\.", n)) and int(m[1]) >= (
         ckpt.config["num_hidden_layers"])
     ignore = lambda n: n == "lm_head.weight" or n.endswith("rotary_emb.inv_freq") or extra(n)
+    if ckpt.other_towers:
+        log(f"{ckpt.path}: a multimodal folder: its language model is loaded, and not the "
+            f"{len(ckpt.other_towers)} tensors of its other towers ({ckpt.other_towers[0]}, ...)")
     if skipped := sorted(n for n in ckpt.names() if extra(n)):
         log(f"{ckpt.path}: {len(skipped)} tensors of layers past num_hidden_layers (a multi-"
             f"token-prediction module) are not loaded, e.g. {skipped[0]}")
