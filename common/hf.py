@@ -170,8 +170,9 @@ def _read_header(file: str) -> dict[str, tuple[np.dtype, tuple[int, ...], int]]:
     for name, t in header.items():
         if t.get("dtype") not in DTYPES | PACKED:
             raise HFError(f"{file}: tensor {name} has dtype {t.get('dtype')}; only "
-                          f"{', '.join(DTYPES)} load, and MXFP4 and DeepSeek's block-scaled "
-                          "F8_E4M3 (other quantized checkpoints do not).")
+                          f"{', '.join(DTYPES)} load, and MXFP4 and F8_E4M3 scaled by blocks "
+                          "(DeepSeek's) or channels (fbgemm's); other quantized checkpoints "
+                          "do not.")
         shape, (begin, end) = tuple(t["shape"]), t["data_offsets"]
         dtype = (DTYPES | PACKED)[t["dtype"]]
         if end - begin != math.prod(shape) * dtype.itemsize or end > size - start:
@@ -236,6 +237,8 @@ class Checkpoint:
         MXFP4 pair as an `MXFP4`, a float8 matrix and its scales as `FP8Blocks`)."""
         if name in self._mxfp4:
             return MXFP4(*(self._raw(n) for n in self._mxfp4[name]))
+        if name in self._fp8 and self._fp8[name].endswith("_scale"):
+            return FP8Channels(self._raw(name), self._raw(self._fp8[name]))
         if name in self._fp8:
             return FP8Blocks(self._raw(name), self._raw(self._fp8[name]), self._block)
         return self._raw(name)
@@ -373,18 +376,23 @@ class MXFP4(Dequantised):
 
 
 def fp8_pairs(tensors: dict, path: str, block: tuple[int, int]) -> dict[str, str]:
-    """name -> name_scale_inv of each float8 tensor: an e4m3 matrix [O, I] and one float
-    scale per block x block tile, [ceil(O / block), ceil(I / block)] (weight_block_size in
-    quantization_config; 128 x 128 in DeepSeek-V3). Any other float8 tensor fails here."""
+    """name -> its scales' name, for each float8 tensor: an e4m3 matrix [O, I] with one
+    float scale per block x block tile, name_scale_inv [ceil(O / block), ceil(I / block)]
+    (weight_block_size in quantization_config; 128 x 128 in DeepSeek-V3), or (fbgemm's, Llama 4
+    Maverick's) one per output channel, name_scale (`FP8Channels`). Any other fails here."""
     pairs = {}
     for n in sorted(n for n, t in tensors.items() if t[1] == PACKED["F8_E4M3"]):
         shape, scale = tensors[n][2], tensors.get(n + "_scale_inv", (None, None, None))
         want = tuple(-(-d // b) for d, b in zip(shape, block))
-        if len(shape) != 2 or scale[2] != want or scale[1] not in DTYPES.values():
+        if FP8Channels.scale_shape(shape, tensors.get(n + "_scale", (None, None, ()))[2]):
+            pairs[n] = n + "_scale"
+        elif len(shape) != 2 or scale[2] != want or scale[1] not in DTYPES.values():
             raise HFError(f"{path}: float8 tensor {n} {list(shape)} has no {n}_scale_inv of "
-                          f"shape {list(want)} (tiles of {block[0]} x {block[1]}): only "
-                          "block-scaled float8 matrices (DeepSeek-V3's format) are read.")
-        pairs[n] = n + "_scale_inv"
+                          f"shape {list(want)} (tiles of {block[0]} x {block[1]}), nor a "
+                          f"{n}_scale per output channel: only DeepSeek-V3's block-scaled and "
+                          "fbgemm's channel-scaled float8 are read.")
+        else:
+            pairs[n] = n + "_scale_inv"
     return pairs
 
 
@@ -399,6 +407,30 @@ class FP8Blocks(Dequantised):
         i, j = coords
         tile = self.scale[np.ix_(i // self.block[0], j // self.block[1])].astype(np.float32)
         return self.q[np.ix_(i, j)].astype(np.float32) * tile
+
+
+class FP8Channels(Dequantised):
+    """fbgemm's float8 (transformers' FbgemmFp8Linear and its Llama 4 experts): w = q * scale,
+    one float32 scale per output channel: a Linear's weight [O, I] with weight_scale [O, 1],
+    experts [E, I, O] with scales [E, 1, O], or [E, O, 1] as down_proj's are stored."""
+
+    def __init__(self, q: np.ndarray, scale: np.ndarray):
+        self.q, self.shape = q, q.shape
+        self.scale = scale.reshape(self.scale_shape(q.shape, scale.shape))
+
+    @staticmethod
+    def scale_shape(shape: tuple, scale: tuple) -> tuple | None:
+        """The scales' shape on the tensor's axes, or None if they are not one per channel."""
+        if len(shape) == 2 and scale == (shape[0], 1):
+            return scale
+        if len(shape) == 3 and scale in ((shape[0], 1, shape[2]), (shape[0], shape[2], 1)):
+            return shape[0], 1, shape[2]
+        return None
+
+    def take(self, coords: list[np.ndarray]) -> np.ndarray:
+        at = [c if n > 1 else np.zeros(1, np.int64) for c, n in zip(coords, self.scale.shape)]
+        return self.q[np.ix_(*coords)].astype(np.float32) * self.scale[np.ix_(*at)].astype(
+            np.float32)
 
 
 # --- Writing ----------------------------------------------------------------------------------

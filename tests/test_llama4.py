@@ -181,6 +181,42 @@ def test_a_multimodal_folder_loads_its_language_model(fixture, tmp_path, capsys)
     shutil.rmtree(folder)
 
 
+def test_fbgemm_float8_reads_as_its_dequantised_weights(tmp_path, monkeypatch):
+    """Maverick's FP8 release (fbgemm, as transformers loads it): the MLPs and experts as e4m3
+    with one scale per output channel (a Linear's [O, 1], gate_up_proj's [E, 1, 2F],
+    down_proj's [E, D, 1]); attention, router and norms unquantised. It must load, sharded, as
+    exactly the weights q * scale that a float32 folder of them holds."""
+    import ml_dtypes
+    f8 = np.dtype(ml_dtypes.float8_e4m3fn)
+    monkeypatch.setitem(hf.DTYPE_NAMES, f8, "F8_E4M3")   # only the test writes float8
+    src = hf.Checkpoint(os.path.join(ROOT, "tests", "fixtures", "hf", "llama4_text"))
+    quant, plain = [], []
+    for name in sorted(src.names()):
+        w = np.asarray(src.array(name), np.float32)
+        if "feed_forward" in name and "router" not in name:   # [O, I] or experts' [E, I, O]
+            scale = np.abs(w).max(axis=1, keepdims=True) / 448  # per output channel
+            q = (w / scale).astype(f8)
+            w = q.astype(np.float32) * scale
+            stored = scale.swapaxes(1, 2) if name.endswith("down_proj") else scale
+            quant += [(name, q.shape, f8, lambda q=q: q), (name + "_scale", stored.shape,
+                      np.dtype(np.float32), lambda s=stored.astype(np.float32): s)]
+        else:
+            quant.append((name, w.shape, np.dtype(np.float32), lambda w=w: w))
+        plain.append((name, w.shape, np.dtype(np.float32), lambda w=w: w))
+    for folder, tensors, extra in ((tmp_path / "fp8", quant, {"quantization_config": {
+            "quant_method": "fbgemm_fp8", "activation_scale_ub": 1200.0}}),
+                                   (tmp_path / "f32", plain, {})):
+        os.makedirs(folder)
+        hf._write_file(str(folder / hf.SINGLE), tensors)
+        hf.write_json(str(folder / hf.CONFIG), src.config | extra)
+    assert sum(t[2] == f8 for t in quant) == 16   # 2 dense MLPs, 2 shared experts, 2 x experts
+    mesh = make_mesh(MeshConfig(fsdp=2, tensor=2, expert=2))
+    _, want = tm.load_hf(str(tmp_path / "f32"))
+    _, got = tm.load_hf(str(tmp_path / "fp8"), mesh)
+    for a, b in zip(jax.tree.leaves(jax.device_get(want)), jax.tree.leaves(jax.device_get(got))):
+        np.testing.assert_array_equal(a, b)
+
+
 # ------------------------------------------------------------------------ the released models
 
 
