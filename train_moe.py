@@ -191,6 +191,8 @@ _GPT_OSS = dict(sliding_window=128, global_every=2, attn_sinks=True, attn_bias=T
 # query latent, 8 of the routed experts plus one shared, sigmoid scores, YaRN with mscale 1.
 _MLA = dict(kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
             norm_eps=1e-6, yarn_original_max_len=4096, seq_aux=True)
+_DEEPSEEK_V2 = _MLA | dict(norm_topk=False, n_shared_experts=2, first_k_dense=1,
+                           yarn_factor=40.0, yarn_mscale_all_dim=0.707, rope_interleave=True)
 _DEEPSEEK_V3 = _MLA | dict(q_lora_rank=1536, dense_d_ff=18432, n_shared_experts=1,
                            sigmoid_routing=True, yarn_mscale_all_dim=1.0)
 # Llama 4 (its config.json's): top-1 sigmoid routing of the expert's input beside a shared
@@ -208,11 +210,15 @@ _RELEASED = {
                       (151936, 2048, 48, 32, 4, 128, 128, 8, 768, 40960), _QWEN3_MOE),
     "qwen3-235b-a22b": ("Qwen3-235B-A22B (128 experts, top-8, q/k norm)",
                         (151936, 4096, 94, 64, 4, 128, 128, 8, 1536, 40960), _QWEN3_MOE),
-    # V2-Lite routes by softmax, its top 6 not renormalised, 2 shared experts, no q latent.
+    # V2 routes by softmax, its top 6 not renormalised, beside 2 shared experts; Lite has no
+    # query latent and no groups.
     "deepseek-v2-lite": ("DeepSeek-V2-Lite (64 experts top-6 + 2 shared, MLA)",
-                         (102400, 2048, 27, 16, 16, 64, 64, 6, 1408, 163840), _MLA | dict(
-                             norm_topk=False, n_shared_experts=2, first_k_dense=1,
-                             dense_d_ff=10944, yarn_factor=40.0, yarn_mscale_all_dim=0.707)),
+                         (102400, 2048, 27, 16, 16, 64, 64, 6, 1408, 163840), _DEEPSEEK_V2 | dict(
+                             dense_d_ff=10944)),
+    "deepseek-v2": ("DeepSeek-V2 (160 experts top-6 in 8 groups + 2 shared, MLA)",
+                    (102400, 5120, 60, 128, 128, 64, 160, 6, 1536, 163840), _DEEPSEEK_V2 | dict(
+                        q_lora_rank=1536, dense_d_ff=12288, routed_scale=16.0, n_group=8,
+                        topk_group=3)),
     "deepseek-v3": ("DeepSeek-V3 (256 experts top-8 in 8 groups + 1 shared, MLA; without the "
                     "multi-token-prediction module)",
                     (129280, 7168, 61, 128, 128, 64, 256, 8, 2048, 163840), _DEEPSEEK_V3 | dict(
@@ -233,6 +239,8 @@ _RELEASED = {
                                  "second layer; dense layers between)",
                                  (202048, 5120, 48, 40, 8, 128, 128, 1, 8192, 1048576),
                                  _LLAMA4 | dict(moe_every=2, dense_d_ff=16384))}
+
+_RELEASED["deepseek-r1"] = ("DeepSeek-R1 (DeepSeek-V3's model)", *_RELEASED["deepseek-v3"][1:])
 
 PRESETS: dict[str, tuple[str, Config]] = {
     # No remat: the tiny model's activations are a few MB, and recomputing them would cost a
@@ -801,9 +809,9 @@ def _validate_deepseek(m: ModelConfig, t: TrainConfig) -> None:
          f"--model.n-group {m.n_group} --model.topk-group {m.topk_group}: the groups must split "
          f"--model.n-experts {m.n_experts} evenly, at least 2 experts each (each group is ranked "
          f"by its best two), and the chosen groups must hold --model.top-k {m.top_k} experts.")
-    need(m.sigmoid_routing or not (m.n_group or m.routed_scale or t.router_bias_rate),
-         "--model.n-group, --model.routed-scale and --train.router-bias-rate are DeepSeek's "
-         "sigmoid routing: add --model.sigmoid-routing.")
+    need(m.sigmoid_routing and not m.score_inputs or not t.router_bias_rate, "--train.router-"
+         "bias-rate moves DeepSeek-V3's choice biases (Llama 4's routing has none): add "
+         "--model.sigmoid-routing, or set it to 0.")
     need(not (m.sigmoid_routing and m.moe_bias), "--model.sigmoid-routing with --model.moe-bias: "
          "GPT-OSS's router bias and DeepSeek's choice bias are different models; pick one.")
     need(0 <= m.first_k_dense < m.n_layers and bool(m.first_k_dense or m.moe_every > 1) ==
@@ -815,8 +823,6 @@ def _validate_deepseek(m: ModelConfig, t: TrainConfig) -> None:
          "and MoE layers in turn: an even --model.n-layers, no --model.first-k-dense).")
     need(not (t.qk_clip_threshold and (m.first_k_dense or m.moe_every > 1)), "--train.qk-clip-"
          "threshold with dense layers: the clip reads the MoE layers' logits only. Set it to 0.")
-    need(not (t.router_bias_rate and m.score_inputs), "--train.router-bias-rate with --model."
-         "score-inputs: Llama 4's routing has no choice bias to move. Set it to 0.")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -859,25 +865,26 @@ def router(h_BTD, w_DE, cfg: ModelConfig, b_E=None, bias_E=None):
     DeepSeek-V3 (sigmoid_routing): scores s = sigmoid(logits), the top k chosen on s + bias_E
     (`balance_biases`) but weighted by s alone, renormalised (norm_topk), times routed_scale.
     With n_group a token first keeps its best topk_group of n_group groups, ranked by the sum
-    of their two best s + bias, and chooses among those. The aux loss takes P_e = s / sum(s)."""
+    of their two best s + bias, and chooses among those (DeepSeek-V2, softmax: ranked by their
+    best probability). The aux loss takes P_e = s / sum(s)."""
     E, R, G = cfg.n_experts, cfg.top_k, cfg.n_group
     logits_BTE = jnp.einsum("btd,de->bte", h_BTD.astype(jnp.float32), w_DE)
     logits_BTE = logits_BTE if b_E is None else logits_BTE + b_E
     if cfg.sigmoid_routing:
         scores_BTE = jax.nn.sigmoid(logits_BTE)
         probs_BTE = scores_BTE / jnp.sum(scores_BTE, axis=-1, keepdims=True)
-        choice_BTE = scores_BTE if bias_E is None else scores_BTE + bias_E
-        if G:
-            groups = choice_BTE.reshape(*choice_BTE.shape[:2], G, E // G)
-            _, best_BTg = jax.lax.top_k(jnp.sum(jax.lax.top_k(groups, 2)[0], axis=-1),
-                                        cfg.topk_group)
-            keep_BTG = jnp.sum(jax.nn.one_hot(best_BTg, G, dtype=jnp.int32), axis=2) > 0
-            choice_BTE = jnp.where(jnp.repeat(keep_BTG, E // G, axis=-1), choice_BTE, -jnp.inf)
-        expert_BTR = jax.lax.top_k(choice_BTE, R)[1]
-        gate_BTR = jnp.take_along_axis(scores_BTE, expert_BTR, axis=-1)
     else:
-        probs_BTE = jax.nn.softmax(logits_BTE, axis=-1)
-        gate_BTR, expert_BTR = jax.lax.top_k(probs_BTE, R)
+        scores_BTE = probs_BTE = jax.nn.softmax(logits_BTE, axis=-1)
+    choice_BTE = scores_BTE if bias_E is None else scores_BTE + bias_E
+    if G:  # V3 ranks a group by its two best s + bias, V2 (softmax) by its best probability
+        groups = choice_BTE.reshape(*choice_BTE.shape[:2], G, E // G)
+        rank_BTG = (jnp.sum(jax.lax.top_k(groups, 2)[0], axis=-1) if cfg.sigmoid_routing else
+                    jnp.max(groups, axis=-1))
+        keep_BTG = jnp.sum(jax.nn.one_hot(jax.lax.top_k(rank_BTG, cfg.topk_group)[1], G,
+                                          dtype=jnp.int32), axis=2) > 0
+        choice_BTE = jnp.where(jnp.repeat(keep_BTG, E // G, axis=-1), choice_BTE, -jnp.inf)
+    expert_BTR = jax.lax.top_k(choice_BTE, R)[1]
+    gate_BTR = jnp.take_along_axis(scores_BTE, expert_BTR, axis=-1)
     if cfg.norm_topk:  # HF's epsilon: all k sigmoid scores may underflow to 0 (a softmax's
         # sum is >= 1/E, which the epsilon leaves unchanged in float32)
         gate_BTR = gate_BTR / (jnp.sum(gate_BTR, axis=-1, keepdims=True) + 1e-20)
@@ -1202,8 +1209,9 @@ def bench(cfg: Config, mesh, batch) -> dict:
 HF_ARCHITECTURES = {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
                     "gpt_oss": "GptOssForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
                     "kimi_k2": "DeepseekV3ForCausalLM",  # Kimi K2: DeepSeek-V3's, renamed
+                    "deepseek_v2": "DeepseekV2ForCausalLM",
                     "llama4_text": "Llama4ForCausalLM"}
-HF_DEEPSEEK = ("deepseek_v3", "kimi_k2")
+HF_DEEPSEEK = ("deepseek_v3", "kimi_k2", "deepseek_v2")
 # What transformers assumes for a key that config.json leaves out (its config classes).
 _HF_DEFAULTS = {
     "mixtral": dict(rms_norm_eps=1e-5, max_position_embeddings=131072, num_key_value_heads=8,
@@ -1223,6 +1231,11 @@ _HF_DEFAULTS = {
                         qk_rope_head_dim=64, v_head_dim=128, qk_nope_head_dim=128, n_group=8,
                         topk_group=4, first_k_dense_replace=3, norm_topk_prob=True,
                         rope_interleave=True),
+    "deepseek_v2": dict(rms_norm_eps=1e-6, max_position_embeddings=2048, rope_theta=10_000.0,
+                        num_attention_heads=32, intermediate_size=11008, n_routed_experts=64,
+                        moe_intermediate_size=1407, n_shared_experts=2, routed_scaling_factor=1.0,
+                        kv_lora_rank=512, q_lora_rank=1536, qk_rope_head_dim=64, v_head_dim=128,
+                        qk_nope_head_dim=128, first_k_dense_replace=0, topk_method="greedy"),
     "llama4_text": dict(rms_norm_eps=1e-5, max_position_embeddings=131072, num_key_value_heads=8,
                         head_dim=128, num_local_experts=16, num_experts_per_tok=1,
                         intermediate_size=8192, intermediate_size_mlp=16384, use_qk_norm=True,
@@ -1247,6 +1260,10 @@ _HF_FAMILY_FIELDS = {
                         first_k_dense_replace="first_k_dense") | {k: k for k in (
         "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
         "rope_interleave", "n_shared_experts", "seq_aux")},
+    "deepseek_v2": dict(n_routed_experts="n_experts", moe_intermediate_size="d_ff",
+                        routed_scaling_factor="routed_scale", first_k_dense_replace="first_k_dense")
+    | {k: k for k in ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+                      "v_head_dim", "n_shared_experts", "seq_aux")},
     "llama4_text": dict(num_local_experts="n_experts", intermediate_size="d_ff",
                         interleave_moe_layer_step="moe_every", use_qk_norm="qk_l2_norm",
                         attention_chunk_size="attn_chunk", floor_scale="attn_temp_floor")}
@@ -1258,14 +1275,17 @@ _HF_CONSTANTS = {"mixtral": dict(router_jitter_noise=0.0),
                  "gpt_oss": dict(swiglu_alpha=SWIGLU_ALPHA),
                  "deepseek_v3": dict(scoring_func="sigmoid", topk_method="noaux_tc",
                                      attention_bias=False, num_nextn_predict_layers=0),
+                 "deepseek_v2": dict(scoring_func="softmax", attention_bias=False, mlp_bias=False,
+                                     norm_topk_prob=False),
                  "llama4_text": dict(router_jitter_noise=0.0, attention_bias=False)}
 # The knobs some families' config.json says and no other's: on exactly in those families, or
 # (the second table) on only in those. Mixtral and GPT-OSS always renormalise the top k.
 _HF_OWN = dict(attn_sinks=("gpt_oss",), moe_bias=("gpt_oss",), swiglu_limit=("gpt_oss",),
                sigmoid_routing=("deepseek_v3", "llama4_text"), score_inputs=("llama4_text",))
 _HF_ONLY = dict(attn_bias=("gpt_oss",), sliding_window=("gpt_oss",),
-                n_shared_experts=("deepseek_v3", "llama4_text"), first_k_dense=("deepseek_v3",),
-                yarn_factor=("gpt_oss", "deepseek_v3"), **dict.fromkeys((
+                n_shared_experts=("deepseek_v3", "deepseek_v2", "llama4_text"),
+                first_k_dense=("deepseek_v3", "deepseek_v2"),
+                yarn_factor=("gpt_oss", "deepseek_v3", "deepseek_v2"), **dict.fromkeys((
                     "attn_chunk", "global_nope", "attn_temp_scale", "qk_l2_norm", "rope_scaling"),
                     ("llama4_text",)))
 
@@ -1354,7 +1374,7 @@ def config_from_hf(c: dict, where: str = "config.json") -> ModelConfig:
         raise hf.HFError(f"{where}: model_type {mt!r} is not a mixture-of-experts family that "
                          f"train_moe.py loads ({', '.join(HF_ARCHITECTURES)}); dense models "
                          "(llama, mistral, qwen2, qwen3) belong to train_dense.py.")
-    fam = "deepseek_v3" if mt in HF_DEEPSEEK else mt
+    fam = "deepseek_v3" if mt == "kimi_k2" else mt
     # transformers 5 spells Qwen3-MoE's expert count num_local_experts: read it before the defaults
     qwen_experts = c.get("num_experts", c.get("num_local_experts"))
     c = _HF_DEFAULTS[fam] | c
@@ -1367,10 +1387,14 @@ def config_from_hf(c: dict, where: str = "config.json") -> ModelConfig:
     only = dict(hidden_act="silu", partial_rotary_factor=1.0, decoder_sparse_step=1,
                 moe_layer_freq=1)  # the one value we implement of each
     only |= dict(swiglu_alpha=SWIGLU_ALPHA) if mt == "gpt_oss" else dict(
-        scoring_func="sigmoid", topk_method="noaux_tc") if fam == "deepseek_v3" else {}
+        scoring_func="sigmoid", topk_method="noaux_tc") if fam == "deepseek_v3" else dict(
+        scoring_func="softmax") if fam == "deepseek_v2" else {}
     for key, want in only.items():
         if c.get(key, want) != want:
             raise unsupported(f"{key} {c[key]!r} (only {want!r})")
+    if fam == "deepseek_v2" and c["topk_method"] not in ("greedy", "group_limited_greedy"):
+        raise unsupported(f"topk_method {c['topk_method']!r} (only 'greedy' and "
+                          "'group_limited_greedy')")
     if c.get("attention_bias") and mt != "gpt_oss":
         raise unsupported("attention_bias (biases on the attention projections)")
     if c.get("mlp_only_layers"):
@@ -1379,7 +1403,7 @@ def config_from_hf(c: dict, where: str = "config.json") -> ModelConfig:
     # unscaled (its factor is their ratio) and the logits times mscale(factor, all_dim)^2.
     theta, kind, rope = hf.rope_parameters(c, c["rope_theta"], where)
     if not (kind == "default" or kind == "llama3" and mt == "llama4_text" or kind == "yarn" and (
-            mt == "gpt_oss" or fam == "deepseek_v3" and not rope.get("attention_factor") and
+            mt == "gpt_oss" or mt in HF_DEEPSEEK and not rope.get("attention_factor") and
             rope.get("mscale_all_dim") and rope.get("mscale") == rope["mscale_all_dim"])):
         raise unsupported(f"rope {kind!r} {rope} (only the default, GPT-OSS's YaRN, DeepSeek's "
                           "YaRN with mscale == mscale_all_dim, and Llama 4's 'llama3')")
@@ -1411,12 +1435,14 @@ def config_from_hf(c: dict, where: str = "config.json") -> ModelConfig:
         windowed = W > 0 and "sliding_attention" in kinds
         m |= dict(sliding_window=W if windowed else 0, global_every=2 if windowed else 0,
                   attn_sinks=True, moe_bias=True)
-    elif fam == "deepseek_v3":  # one group = none; head_dim: the rotated part's
-        G, Kd = c.get("n_group") or 1, m["first_k_dense"]
-        m |= dict(head_dim=m["qk_rope_head_dim"], sigmoid_routing=True, n_group=G if G > 1 else 0,
+    elif mt in HF_DEEPSEEK:  # one group = none; head_dim: the rotated part's
+        v2, Kd = fam == "deepseek_v2", m["first_k_dense"]  # V2: softmax, its pairs always
+        G = c.get("n_group") or 1 if not v2 or c["topk_method"] != "greedy" else 1
+        m |= dict(head_dim=m["qk_rope_head_dim"], sigmoid_routing=not v2, n_group=G if G > 1 else 0,
                   seq_aux=bool(c.get("seq_aux", True)), topk_group=c["topk_group"] if G > 1 else 0,
                   yarn_mscale_all_dim=float(rope.get("mscale_all_dim") or 0),
                   dense_d_ff=c["intermediate_size"] if Kd else 0)
+        m |= dict(norm_topk=False, rope_interleave=True) if v2 else {}
     elif mt == "llama4_text":  # every n-th layer global and unrotated, chunks on the others
         L, n, s = m["n_layers"], c["no_rope_layer_interval"], m["moe_every"]
         rope_at = [int((i + 1) % n != 0) for i in range(L)]  # HF's no_rope_layers: 1 = RoPE
@@ -1437,7 +1463,8 @@ def config_from_hf(c: dict, where: str = "config.json") -> ModelConfig:
 def _model_type(cfg: ModelConfig, model_type: str) -> str:
     """The family to write: the one asked for (or the knobs'), if the knobs fit it."""
     fam = ("llama4_text" if cfg.score_inputs else "qwen3_moe" if cfg.qk_norm else "gpt_oss" if
-           cfg.attn_sinks else "deepseek_v3" if cfg.kv_lora_rank else "mixtral")
+           cfg.attn_sinks else "deepseek_v3" if cfg.kv_lora_rank and cfg.sigmoid_routing else
+           "deepseek_v2" if cfg.kv_lora_rank else "mixtral")
     mt = model_type or fam
     if mt not in HF_ARCHITECTURES:
         raise hf.HFError(f"model_type {mt!r}: choose one of {', '.join(HF_ARCHITECTURES)}.")
@@ -1445,13 +1472,16 @@ def _model_type(cfg: ModelConfig, model_type: str) -> str:
     if (kind != fam or any(bool(getattr(cfg, k)) != (kind in f) for k, f in _HF_OWN.items()) or
             any(getattr(cfg, k) and kind not in fs for k, fs in _HF_ONLY.items()) or
             kind in ("mixtral", "gpt_oss") and not cfg.norm_topk or cfg.moe_every > 1 and
-            kind != "llama4_text" or kind == "llama4_text" and (cfg.norm_topk or not (
+            kind != "llama4_text" or kind == "deepseek_v2" and (cfg.norm_topk or not
+                                                                cfg.rope_interleave) or
+            kind == "llama4_text" and (cfg.norm_topk or not (
                 cfg.rope_interleave and cfg.n_shared_experts == 1 and cfg.global_nope))):
         raise hf.HFError(f"model_type {mt!r} does not fit this model: q/k norms are qwen3_moe's; "
                          "mixtral and gpt_oss always renormalise the top-k weights; sinks, "
                          "biases, windows and the clamp are gpt_oss's (and all of its); MLA, "
-                         "sigmoid routing, shared experts and dense layers deepseek_v3's and "
-                         "kimi_k2's; YaRN is theirs and gpt_oss's; scaled expert inputs, one "
+                         "shared experts and dense layers deepseek_v3's, kimi_k2's and (with "
+                         "softmax routing, not renormalised, RoPE pairs) deepseek_v2's, sigmoid "
+                         "routing theirs; YaRN is theirs and gpt_oss's; scaled expert inputs, one "
                          "shared expert, RoPE pairs, NoPE, chunks, moe_every and Llama 3.1's "
                          "RoPE llama4_text's.")
     return mt
@@ -1460,7 +1490,7 @@ def _model_type(cfg: ModelConfig, model_type: str) -> str:
 def config_to_hf(cfg: ModelConfig, model_type: str = "", dtype: str = "float32") -> dict:
     """A config.json for `cfg` that transformers 4.4x and 5.x both read."""
     mt = _model_type(cfg, model_type)
-    fam = "deepseek_v3" if mt in HF_DEEPSEEK else mt
+    fam = "deepseek_v3" if mt == "kimi_k2" else mt
     rope = dict(rope_type="default", rope_theta=cfg.rope_theta)
     if cfg.yarn_factor:
         rope |= dict(rope_type="yarn", factor=cfg.yarn_factor, beta_fast=cfg.yarn_beta_fast,
@@ -1487,10 +1517,12 @@ def config_to_hf(cfg: ModelConfig, model_type: str = "", dtype: str = "float32")
         c |= dict(sliding_window=W or None, layer_types=[
             "sliding_attention" if W and (i + 1) % (cfg.global_every or L + 1) else
             "full_attention" for i in range(L)])
-    elif fam == "deepseek_v3":  # transformers' head_dim is the rotated part's
+    elif mt in HF_DEEPSEEK:  # transformers' head_dim is the rotated part's
         c |= dict(head_dim=cfg.qk_rope_head_dim, intermediate_size=cfg.dense_d_ff or cfg.d_ff,
                   q_lora_rank=cfg.q_lora_rank or None, n_group=cfg.n_group or 1,
                   topk_group=cfg.topk_group or 1, routed_scaling_factor=cfg.routed_scale or 1.0)
+        if fam == "deepseek_v2":
+            c["topk_method"] = "group_limited_greedy" if cfg.n_group else "greedy"
     elif mt == "llama4_text":
         L, n, s = cfg.n_layers, cfg.global_every or cfg.n_layers + 1, cfg.moe_every
         rope_at = [int((i + 1) % n != 0) for i in range(L)]  # 1: RoPE (and chunks, if any)

@@ -138,6 +138,13 @@ FAMILIES = {
         floor_scale=4, attn_scale=0.1, use_qk_norm=True, rms_norm_eps=1e-5,
         rope_parameters=dict(_LLAMA3_ROPE, rope_theta=100.0), max_position_embeddings=64),
         None),
+    # DeepSeek-V2: softmax routing limited to the best 2 of 4 groups (each ranked by its best
+    # probability), the top 2 not renormalised and scaled by 2, no query latent (V2-Lite's
+    # q_proj), YaRN with mscale, RoPE pairs (V2 always interleaves).
+    "deepseek_v2": ("deepseek_v2", dict(
+        {k: v for k, v in _DEEPSEEK.items() if k not in ("num_mtp_layers", "rope_interleave")},
+        q_lora_rank=None, n_group=4, topk_group=2, topk_method="group_limited_greedy",
+        norm_topk_prob=False, routed_scaling_factor=2.0), None),
 }
 # Written as this model_type (the checkpoint is the other's, as Moonshot ships it).
 RENAMED = {"kimi_k2": "kimi_k2"}

@@ -11,9 +11,10 @@ import pytest
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "tools"))
 import anatomy  # noqa: E402
 
-# file: (line budget, least model share). A family adds what it brings: Llama 4 (issue 37)
-# brought train_moe.py 148 lines: its knobs, presets, model, checks and HF names.
-BUDGETS = {"train_dense.py": (1000, 0.60), "train_moe.py": (1400 + 148, 0.65),
+# file: (line budget, least model share). A family adds what it brings to train_moe.py: Llama 4
+# (issue 37) 148 lines, its knobs, presets, model, checks and HF names; DeepSeek-V2's folders,
+# group-limited softmax routing and the V2 and R1 presets (issue 38) 32.
+BUDGETS = {"train_dense.py": (1000, 0.60), "train_moe.py": (1400 + 148 + 32, 0.65),
            "train_grpo.py": (1000, 0.60)}
 NOT_YET = {"train_grpo.py"}  # issue 31, still open for this one
 COMMON_BUDGET = 4300

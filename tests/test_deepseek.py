@@ -147,6 +147,25 @@ def test_group_limited_routing_stays_in_the_best_groups():
     assert sum(not set(e // 4) <= set(g) for e, g in zip(free, best)) > 20
 
 
+def test_softmax_group_limited_routing_ranks_groups_by_their_best_probability():
+    """DeepSeek-V2 (topk_method group_limited_greedy): the softmax's probabilities, the groups
+    ranked by their largest, the top k of the best groups' experts, not renormalised, scaled."""
+    cfg = dataclasses.replace(DS, sigmoid_routing=False, norm_topk=False, routed_scale=16.0,
+                              n_experts=16, top_k=4, n_group=4, topk_group=2)
+    gate, expert, _, _ = route(cfg, T=256)
+    h = jax.random.normal(jax.random.key(0), (1, 256, cfg.d_model))[0]   # as `route` draws
+    p = np.asarray(jax.nn.softmax(h @ (jax.random.normal(jax.random.key(1), (32, 16)) * 0.3)))
+    best = np.argsort(-p.reshape(-1, 4, 4).max(-1), -1)[:, :2]
+    keep = (np.arange(4)[None, :, None] == best[:, None, :]).any(-1)   # [T, group]
+    kept = np.where(np.repeat(keep, 4, -1), p, 0.0)
+    want = np.sort(np.argsort(-kept, -1)[:, :4], -1)
+    np.testing.assert_array_equal(np.sort(expert, -1), want)
+    np.testing.assert_allclose(gate, 16.0 * np.take_along_axis(p, expert, -1), rtol=1e-5)
+    # The V3 ranking (the sum of a group's two best) chooses otherwise: the ranking matters.
+    v3 = np.argsort(-np.sort(p.reshape(-1, 4, 4), -1)[..., -2:].sum(-1), -1)[:, :2]
+    assert (np.sort(best, -1) != np.sort(v3, -1)).any()
+
+
 def test_bias_update_moves_a_skewed_router_toward_uniform():
     cfg = dataclasses.replace(DS, n_group=0, topk_group=0)
     h = jax.random.normal(jax.random.key(0), (1, 512, cfg.d_model))
@@ -187,7 +206,8 @@ def test_mla_and_routing_refuse_bad_flags():
     with pytest.raises(ConfigError, match="n-kv-heads"):
         tm._validate_deepseek(dataclasses.replace(DS, n_kv_heads=2), tm.TrainConfig())
     with pytest.raises(ConfigError, match="sigmoid-routing"):
-        tm._validate_deepseek(dataclasses.replace(DS, sigmoid_routing=False), tm.TrainConfig())
+        tm._validate_deepseek(dataclasses.replace(DS, sigmoid_routing=False),
+                              tm.TrainConfig(router_bias_rate=1e-3))
     with pytest.raises(ConfigError, match="n-group"):
         tm._validate_deepseek(dataclasses.replace(DS, topk_group=1, top_k=3), tm.TrainConfig())
     with pytest.raises(ConfigError, match="dense-d-ff 25"):
@@ -231,9 +251,12 @@ def test_resumed_equals_uninterrupted_biases_included(data_path, tmp_path, capsy
 
 
 @pytest.mark.parametrize("name,total,active", [
-    # Published: 15.7B (2.4B active), 671B (37B) without the 14B MTP module, ~1T (32B).
+    # Published: 15.7B (2.4B active), 236B (21B), 671B (37B) without the 14B MTP module, ~1T
+    # (32B); DeepSeek-V2's and R1's also transformers' of their config.json (meta device).
     ("deepseek-v2-lite", 15_706_484_224, 2_661_150_208),
+    ("deepseek-v2", 235_741_434_880, 21_375_800_320),
     ("deepseek-v3", 671_026_404_352, 37_552_282_624),
+    ("deepseek-r1", 671_026_404_352, 37_552_282_624),
     ("kimi-k2", 1_026_408_209_408, 32_861_477_888)])
 def test_preset_parameter_counts(name, total, active):
     cfg = tm.PRESETS[name][1]

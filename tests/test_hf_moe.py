@@ -1,5 +1,5 @@
-"""HuggingFace in and out for train_moe.py: Mixtral, Qwen3-MoE, GPT-OSS, DeepSeek-V3, Kimi K2 and
-Llama 4 against transformers.
+"""HuggingFace in and out for train_moe.py: Mixtral, Qwen3-MoE, GPT-OSS, DeepSeek-V3, Kimi K2,
+Llama 4 and DeepSeek-V2 against transformers.
 
 Same fixtures and checks as tests/test_hf.py (see there), for the mixture-of-experts families:
 one tensor per expert and per layer, loaded straight onto the expert axis. Kimi K2's folder is
@@ -26,7 +26,8 @@ from common.mesh import MeshConfig, make_mesh
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIXTURES = os.path.join(ROOT, "tests", "fixtures", "hf")
-FAMILIES = ["mixtral", "qwen3_moe", "gpt_oss", "deepseek_v3", "kimi_k2", "llama4_text"]
+FAMILIES = ["mixtral", "qwen3_moe", "gpt_oss", "deepseek_v3", "kimi_k2", "llama4_text",
+            "deepseek_v2"]
 TOL = 1e-4
 BOOKKEEPING = {"transformers_version", "dtype", "torch_dtype", "bos_token_id", "eos_token_id",
                "pad_token_id", "use_cache", "initializer_range", "attention_dropout",
