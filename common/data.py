@@ -395,7 +395,7 @@ def _cache_root(cache_dir: str) -> str:  # a flag beats the environment beats th
     return os.path.expanduser(env or cache_dir)
 
 
-def _load_prepared(path: str, cache_root: str = "") -> Dataset:
+def _load_prepared(path: str, cache_root: str) -> Dataset:
     # Sidecars and the tokenizer are read whole, a bucket's token files by ranges.
     remote, (fs, root) = is_remote(path), _filesystem(path)
     read, exists = (lambda n: fs.cat_file(f"{root}/{n}")), (lambda n: fs.isfile(f"{root}/{n}"))
@@ -412,8 +412,7 @@ def _load_prepared(path: str, cache_root: str = "") -> Dataset:
                 f"or leave --data.path empty to train on the embedded corpus (the Python stdlib).")
     tokenizer_path = os.path.join(path, tokenizer)
     if remote:  # sentencepiece reads local files: a copy per bucket folder, in the cache
-        local = os.path.join(cache_root or _cache_root(DEFAULT_CACHE_DIR), "remote",
-                             path.replace("://", "/").strip("/"))
+        local = os.path.join(cache_root, "remote", path.replace("://", "/").strip("/"))
         os.makedirs(local, exist_ok=True)
         for name in (tokenizer, "tokenizer_config.json"):
             if name == tokenizer or exists(name):
