@@ -126,8 +126,7 @@ class Checkpointer(contextlib.AbstractContextManager):
 
         registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
         registry.add(_ITEM, ocp.args.StandardSave)
-        registry.add(_ITEM, ocp.args.StandardRestore)
-        registry.add(_ITEM, ocp.args.PyTreeRestore)  # partial restores (`restore(partial=True)`)
+        registry.add(_ITEM, ocp.args.PyTreeRestore)  # which may restore a part (`partial`)
         options = ocp.CheckpointManagerOptions(
             # We decide when to save (see `save`); Orbax only keeps the last `keep`.
             preservation_policy=ocp.checkpoint_managers.LatestN(n=cfg.keep),
@@ -272,12 +271,8 @@ class Checkpointer(contextlib.AbstractContextManager):
                 + f"\nFix: resume with the config the run was saved with (see {self.directory.parent / 'config.json'}), "
                 "or start a new --run-dir for the new model.")
 
-        if partial:
-            restore_args = ocp.checkpoint_utils.construct_restore_args(abstract_state)
-            args = ocp.args.PyTreeRestore(abstract_state, restore_args=restore_args,
-                                          partial_restore=True)
-        else:
-            args = ocp.args.StandardRestore(abstract_state)
+        args = ocp.args.PyTreeRestore(abstract_state, partial_restore=partial, restore_args=(
+            ocp.checkpoint_utils.construct_restore_args(abstract_state)))
         with progress(f"checkpoint: restoring step {step} from {step_dir}"):
             try:
                 restored = self._manager.restore(step, args=ocp.args.Composite(**{_ITEM: args}))
