@@ -149,7 +149,7 @@ class Checkpointer(contextlib.AbstractContextManager):
                 f"cannot open the checkpoint directory {self.directory}: {_reason(e)}. "
                 "Fix: make sure the run directory is writable, or choose another --run-dir.") from e
         # _in_flight: the step of an async save not yet known to be on disk.
-        self._in_flight, self._swept, self._closed = None, False, False
+        self._in_flight, self._swept = None, False
 
     def all_steps(self) -> list[int]:
         """Steps with a complete (committed) checkpoint on disk, ascending. Read from the
@@ -282,9 +282,6 @@ class Checkpointer(contextlib.AbstractContextManager):
 
     def close(self) -> None:
         """Waits for the last save (raising if it failed) and releases Orbax's threads."""
-        if self._closed:
-            return
-        self._closed = True
         try:
             self.wait()
         finally:

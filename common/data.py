@@ -648,25 +648,24 @@ def _documents(files: list[str], field: str, errors: str = "strict") -> Iterator
     for path in files:
         if path.endswith(PARQUET_SUFFIXES):
             yield from filter(None, _parquet_texts(path, field))
-            continue
-        if not path.endswith(JSONL_SUFFIXES):
+        elif path.endswith(JSONL_SUFFIXES):
+            for where, obj in jsonl_objects(path):
+                text = obj.get(field) if isinstance(obj, dict) else None
+                if not isinstance(text, str):
+                    what = (f"field {field!r} holds {type(text).__name__}, not a string"
+                            if isinstance(obj, dict) and field in obj
+                            else f"no field {field!r} in this line's object")
+                    raise ValueError(f"{where}: {what}; name the field that holds the text "
+                                     "with --field")
+                if text:
+                    yield text
+        else:
             try:
                 with open(path, encoding="utf-8", errors=errors, newline="") as f:
                     text = f.read()
             except UnicodeDecodeError as e:
                 raise ValueError(f"--input {path!r} is not UTF-8 text ({e.reason} at byte "
                                  f"{e.start}); convert it first, e.g. iconv -t utf-8") from None
-            if text:
-                yield text
-            continue
-        for where, obj in jsonl_objects(path):
-            text = obj.get(field) if isinstance(obj, dict) else None
-            if not isinstance(text, str):
-                what = (f"field {field!r} holds {type(text).__name__}, not a string"
-                        if isinstance(obj, dict) and field in obj
-                        else f"no field {field!r} in this line's object")
-                raise ValueError(f"{where}: {what}; name the field that holds the text with "
-                                 f"--field")
             if text:
                 yield text
 
