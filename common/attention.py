@@ -220,12 +220,7 @@ def _flash_bwd(scale, causal, window, cap, C, res, do_BTNV):
             dsinks, None)
 
 
-def _flash(scale, causal, window, cap, C, q_BTNH, k_BTKH, v_BTKV, sinks_N, seg_BT):
-    return _flash_fwd(scale, causal, window, cap, C, q_BTNH, k_BTKH, v_BTKV, sinks_N,
-                      seg_BT)[0]
-
-
-_flash = jax.custom_vjp(_flash, nondiff_argnums=(0, 1, 2, 3, 4))
+_flash = jax.custom_vjp(lambda *args: _flash_fwd(*args)[0], nondiff_argnums=(0, 1, 2, 3, 4))
 _flash.defvjp(_flash_fwd, _flash_bwd)
 
 

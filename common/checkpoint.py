@@ -26,7 +26,6 @@ import logging
 import os
 import re
 import signal
-import tempfile
 import threading
 import time
 from typing import Any
@@ -36,7 +35,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from common.config import knob
-from common.observe import is_remote, progress
+from common.observe import is_remote, progress, write_json
 
 # Orbax logs about fifty absl INFO lines per save, which drown the training log under
 # `logging.basicConfig(level=INFO)`; warnings and errors still pass. Only an unset level is
@@ -127,8 +126,7 @@ class Checkpointer(contextlib.AbstractContextManager):
 
         registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
         registry.add(_ITEM, ocp.args.StandardSave)
-        registry.add(_ITEM, ocp.args.StandardRestore)
-        registry.add(_ITEM, ocp.args.PyTreeRestore)  # partial restores (`restore(partial=True)`)
+        registry.add(_ITEM, ocp.args.PyTreeRestore)  # which may restore a part (`partial`)
         options = ocp.CheckpointManagerOptions(
             # We decide when to save (see `save`); Orbax only keeps the last `keep`.
             preservation_policy=ocp.checkpoint_managers.LatestN(n=cfg.keep),
@@ -151,7 +149,7 @@ class Checkpointer(contextlib.AbstractContextManager):
                 f"cannot open the checkpoint directory {self.directory}: {_reason(e)}. "
                 "Fix: make sure the run directory is writable, or choose another --run-dir.") from e
         # _in_flight: the step of an async save not yet known to be on disk.
-        self._in_flight, self._swept, self._closed = None, False, False
+        self._in_flight, self._swept = None, False
 
     def all_steps(self) -> list[int]:
         """Steps with a complete (committed) checkpoint on disk, ascending. Read from the
@@ -273,12 +271,8 @@ class Checkpointer(contextlib.AbstractContextManager):
                 + f"\nFix: resume with the config the run was saved with (see {self.directory.parent / 'config.json'}), "
                 "or start a new --run-dir for the new model.")
 
-        if partial:
-            restore_args = ocp.checkpoint_utils.construct_restore_args(abstract_state)
-            args = ocp.args.PyTreeRestore(abstract_state, restore_args=restore_args,
-                                          partial_restore=True)
-        else:
-            args = ocp.args.StandardRestore(abstract_state)
+        args = ocp.args.PyTreeRestore(abstract_state, partial_restore=partial, restore_args=(
+            ocp.checkpoint_utils.construct_restore_args(abstract_state)))
         with progress(f"checkpoint: restoring step {step} from {step_dir}"):
             try:
                 restored = self._manager.restore(step, args=ocp.args.Composite(**{_ITEM: args}))
@@ -288,9 +282,6 @@ class Checkpointer(contextlib.AbstractContextManager):
 
     def close(self) -> None:
         """Waits for the last save (raising if it failed) and releases Orbax's threads."""
-        if self._closed:
-            return
-        self._closed = True
         try:
             self.wait()
         finally:
@@ -363,24 +354,6 @@ def _flatten_config(config: dict, prefix: str = "") -> dict[str, Any]:
         else [(f"{prefix}{key}", value)])}
 
 
-def _write_json_atomically(path: epath.Path, obj: Any) -> None:
-    text = json.dumps(obj, indent=2, sort_keys=True) + "\n"
-    if is_remote(path):
-        path.write_text(text)  # an object is replaced whole: readers see one version or the other
-        return
-    # A unique temporary name per writer: several processes of one run may write the
-    # same file at once, and each rename is atomic, so a reader sees one whole version.
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".config.", suffix=".json.tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
-
-
 def check_run_config(run_dir: str, config: dict, may_change: frozenset[str] = frozenset(),
                      defaults: dict | None = None, keep_weights: str = "") -> None:
     """Records the run's config on the first start and refuses a resume that changes it,
@@ -396,15 +369,12 @@ def check_run_config(run_dir: str, config: dict, may_change: frozenset[str] = fr
     root.mkdir(parents=True, exist_ok=True)
     path = root / "config.json"
     if not path.exists():
-        _write_json_atomically(path, now)
+        write_json(path, now)
         return
     try:
-        saved = json.loads(path.read_text())
+        saved = read_run_config(run_dir, "--run-dir")
     except (OSError, ValueError) as e:
-        raise ConfigConflictError(f"{path} cannot be read as JSON ({e}). Fix: repair or remove "
-                                  "it, or choose a new --run-dir.") from e
-    if not isinstance(saved, dict):
-        raise ConfigConflictError(f"{path} does not hold a config (a JSON object). Fix: choose a new --run-dir.")
+        raise ConfigConflictError(f"{e} Or choose a new --run-dir.") from e
 
     old, new = _flatten_config(saved), _flatten_config(now)
     missing = "(absent)"
@@ -430,7 +400,7 @@ def check_run_config(run_dir: str, config: dict, may_change: frozenset[str] = fr
         while backup.exists():
             backup, n = root / f"config.{stamp}-{n}.json", n + 1
         path.copy(backup)
-        _write_json_atomically(path, now)
+        write_json(path, now)
 
 
 class PreemptionGuard:

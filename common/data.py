@@ -395,7 +395,7 @@ def _cache_root(cache_dir: str) -> str:  # a flag beats the environment beats th
     return os.path.expanduser(env or cache_dir)
 
 
-def _load_prepared(path: str, cache_root: str = "") -> Dataset:
+def _load_prepared(path: str, cache_root: str) -> Dataset:
     # Sidecars and the tokenizer are read whole, a bucket's token files by ranges.
     remote, (fs, root) = is_remote(path), _filesystem(path)
     read, exists = (lambda n: fs.cat_file(f"{root}/{n}")), (lambda n: fs.isfile(f"{root}/{n}"))
@@ -412,8 +412,7 @@ def _load_prepared(path: str, cache_root: str = "") -> Dataset:
                 f"or leave --data.path empty to train on the embedded corpus (the Python stdlib).")
     tokenizer_path = os.path.join(path, tokenizer)
     if remote:  # sentencepiece reads local files: a copy per bucket folder, in the cache
-        local = os.path.join(cache_root or _cache_root(DEFAULT_CACHE_DIR), "remote",
-                             path.replace("://", "/").strip("/"))
+        local = os.path.join(cache_root, "remote", path.replace("://", "/").strip("/"))
         os.makedirs(local, exist_ok=True)
         for name in (tokenizer, "tokenizer_config.json"):
             if name == tokenizer or exists(name):
@@ -649,25 +648,24 @@ def _documents(files: list[str], field: str, errors: str = "strict") -> Iterator
     for path in files:
         if path.endswith(PARQUET_SUFFIXES):
             yield from filter(None, _parquet_texts(path, field))
-            continue
-        if not path.endswith(JSONL_SUFFIXES):
+        elif path.endswith(JSONL_SUFFIXES):
+            for where, obj in jsonl_objects(path):
+                text = obj.get(field) if isinstance(obj, dict) else None
+                if not isinstance(text, str):
+                    what = (f"field {field!r} holds {type(text).__name__}, not a string"
+                            if isinstance(obj, dict) and field in obj
+                            else f"no field {field!r} in this line's object")
+                    raise ValueError(f"{where}: {what}; name the field that holds the text "
+                                     "with --field")
+                if text:
+                    yield text
+        else:
             try:
                 with open(path, encoding="utf-8", errors=errors, newline="") as f:
                     text = f.read()
             except UnicodeDecodeError as e:
                 raise ValueError(f"--input {path!r} is not UTF-8 text ({e.reason} at byte "
                                  f"{e.start}); convert it first, e.g. iconv -t utf-8") from None
-            if text:
-                yield text
-            continue
-        for where, obj in jsonl_objects(path):
-            text = obj.get(field) if isinstance(obj, dict) else None
-            if not isinstance(text, str):
-                what = (f"field {field!r} holds {type(text).__name__}, not a string"
-                        if isinstance(obj, dict) and field in obj
-                        else f"no field {field!r} in this line's object")
-                raise ValueError(f"{where}: {what}; name the field that holds the text with "
-                                 f"--field")
             if text:
                 yield text
 

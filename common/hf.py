@@ -40,6 +40,8 @@ import jax
 import ml_dtypes
 import numpy as np
 
+from common.observe import write_json
+
 INDEX, SINGLE, CONFIG = "model.safetensors.index.json", "model.safetensors", "config.json"
 # What a model folder may ship besides its weights and config; copied along on export.
 TOKENIZER_FILES = ("tokenizer.model", "tokenizer.json", "tokenizer_config.json",
@@ -532,13 +534,6 @@ def save(path: str, params, mapping, sizes: dict, config: dict, base: dict | Non
     base = {k: v for k, v in (base or {}).items() if k not in CONTRADICTING}
     write_json(os.path.join(path, CONFIG), base | config)
     return names + ([INDEX] if len(shards) > 1 else []) + [CONFIG]
-
-
-def write_json(file: str, obj) -> None:
-    with open(file + ".tmp", "w") as f:
-        json.dump(obj, f, indent=2, sort_keys=True)
-        f.write("\n")
-    os.replace(file + ".tmp", file)
 
 
 def copy_tokenizer(src: str, dst: str) -> list[str]:

@@ -22,6 +22,7 @@ import sys
 import tempfile
 import threading
 import time
+import uuid
 
 import jax
 
@@ -57,6 +58,25 @@ def note(*a, **kw) -> None:
 def is_remote(path: str | os.PathLike) -> bool:
     """Whether `path` is an object-store URL (gs://, s3://) rather than a file system path."""
     return "://" in os.fspath(path)
+
+
+def write_json(path: str | os.PathLike, obj) -> None:
+    """`obj` as indented JSON with sorted keys at `path`, a file or a bucket's object: a reader
+    sees the old version or the new one whole, never a part."""
+    text = json.dumps(obj, indent=2, sort_keys=True) + "\n"
+    if is_remote(path):  # an object is replaced whole
+        from etils import epath  # orbax's dependency; imported here so the data CLI stays light
+        epath.Path(path).write_text(text)
+        return
+    # A unique temporary name per writer: several processes of one run may write the
+    # same file at once, and each rename is atomic, so a reader sees one whole version.
+    tmp = f"{os.fspath(path)}.{uuid.uuid4().hex}.tmp"
+    try:
+        pathlib.Path(tmp).write_text(text)
+        os.replace(tmp, path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):  # replaced, else cut off: not left behind
+            os.remove(tmp)
 
 
 class Mirror:
@@ -115,7 +135,7 @@ class progress:
         self.count, self.note = 0, ""
         self.shown = not _QUIET and is_main_process()
         self.live = self.shown and sys.stdout.isatty()
-        self._stop, self._lock, self._ticker = threading.Event(), threading.Lock(), None
+        self._stop, self._ticker = threading.Event(), None
 
     def update(self, n: int = 1) -> None:
         self.count += n
@@ -130,9 +150,9 @@ class progress:
     def _tick(self) -> None:
         while not self._stop.wait(0.5):
             if (elapsed := time.perf_counter() - self.t0) >= self.min_s:
-                with self._lock:  # \x1b[K clears what a longer previous draw left on the line
-                    print(f"\r{self.what} ... {self._counts()}{elapsed:.0f} s {self.note}\x1b[K",
-                          end="", flush=True)
+                # \x1b[K clears what a longer previous draw left on the line.
+                print(f"\r{self.what} ... {self._counts()}{elapsed:.0f} s {self.note}\x1b[K",
+                      end="", flush=True)
 
     def __enter__(self) -> progress:
         self.t0 = time.perf_counter()
@@ -145,7 +165,7 @@ class progress:
 
     def __exit__(self, exc_type, exc, tb) -> None:
         self.seconds = time.perf_counter() - self.t0
-        if self._ticker is not None:
+        if self._ticker is not None:  # joined: the last line below is drawn alone
             self._stop.set()
             self._ticker.join()
         if not self.shown or (self.seconds < self.min_s and exc_type is None):
@@ -155,8 +175,7 @@ class progress:
         # Live: redraw the line; min_s > 0: nothing was printed when the wait began; else end it.
         line = (f"\r{self.what} ... {end}\x1b[K" if self.live else
                 f"{self.what} ... {end}" if self.min_s > 0 else f" {end}")
-        with self._lock:
-            print(line, flush=True)
+        print(line, flush=True)
 
 
 # --- Metrics: metrics.jsonl and TensorBoard ---------------------------------------------------
@@ -333,15 +352,14 @@ def duration(seconds: float) -> str:
     return f"{m} min {s:02d} s" if m < 60 else f"{m // 60} h {m % 60:02d} min"
 
 
-def where_rows(run_dir: str, log: MetricsLog | None = None,
-               profiler: Profiler | None = None) -> list[tuple[str, str]]:
+def where_rows(run_dir: str, log: MetricsLog, profiler: Profiler) -> list[tuple[str, str]]:
     """The summary's rows that say where a run's files are and how to look at them."""
     rows = [("checkpoints", os.path.join(run_dir, "checkpoints")),
             ("metrics", os.path.join(run_dir, "metrics.jsonl"))]
-    if log is not None and log.has_tensorboard:
+    if log.has_tensorboard:
         rows.append(("tensorboard", f"{log.tensorboard_dir}   (make tensorboard RUN={run_dir})"))
     rows.append(("plots", f"make plot RUN={run_dir}   (writes {os.path.join(run_dir, 'plots')})"))
-    if profiler is not None and profiler.traced is not None:
+    if profiler.traced is not None:
         a, b = profiler.traced
         rows.append(("profile", f"{profiler.dir}   (steps {a}-{b}; README: Seeing a run)"))
     return rows

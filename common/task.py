@@ -225,7 +225,6 @@ def format_reward(regex: str = "") -> Callable:
 
 BUILT_IN = {"exact": "the line's `answer`, exactly", "format": "stopped by itself (and "
             "matches --task.format-regex, if given)"}
-NEEDS = {"exact": "answer"}  # the field a built-in reads
 
 
 def load_rewards(specs: tuple[str, ...], weights: tuple[float, ...], format_regex: str,
@@ -253,10 +252,9 @@ def load_rewards(specs: tuple[str, ...], weights: tuple[float, ...], format_rege
         elif all(n in BUILT_IN for n in spec.split(",")):
             found = {n: exact if n == "exact" else format_reward(format_regex)
                      for n in spec.split(",")}
-            for n in found:
-                if n in NEEDS and NEEDS[n] not in fields:
-                    raise ConfigError(f"{flag} {n}: the built-in reward {n} compares with each "
-                                      f"line's {NEEDS[n]!r} field, which --task.path lacks")
+            if "exact" in found and "answer" not in fields:
+                raise ConfigError(f"{flag} exact: the built-in reward exact compares with each "
+                                  "line's 'answer' field, which --task.path lacks")
         else:
             known = "; ".join(f"{k}: {v}" for k, v in BUILT_IN.items())
             raise ConfigError(f"{flag} {spec!r}: neither FILE.py:FUNCTION[,FUNCTION...] nor a "

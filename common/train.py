@@ -520,15 +520,14 @@ def dry_run(step_fn, abstract_state, batch, mesh, n_params: int, **extra) -> dic
     mem = compiled.memory_analysis()
     report = {"params": n_params, **extra, "devices": mesh.size, "compile_s": time.perf_counter()
               - t0, "platform": mesh.devices.flat[0].platform, **xla_cost(compiled)}
+    log(f"dry run | {n_params:,} parameters | mesh {describe(mesh)} | compiled in "
+        f"{report['compile_s']:.1f} s")
     if mem is not None:
         report |= {k: int(getattr(mem, k + "_in_bytes")) for k in
                    ("argument_size", "output_size", "alias_size", "temp_size")}
         report["per_device_bytes"] = (report["argument_size"] + report["output_size"]
                                       - report["alias_size"] + report["temp_size"])
-    gib = lambda b: f"{b / 2**30:.2f} GiB"
-    log(f"dry run | {n_params:,} parameters | mesh {describe(mesh)} | compiled in "
-        f"{report['compile_s']:.1f} s")
-    if mem is not None:
+        gib = lambda b: f"{b / 2**30:.2f} GiB"
         log(f"per device: {gib(report['per_device_bytes'])} = arguments "
             f"{gib(report['argument_size'])} + outputs {gib(report['output_size'])} - donated "
             f"{gib(report['alias_size'])} + temporaries {gib(report['temp_size'])}")
@@ -714,9 +713,9 @@ class Loop:
         self.peak, self.peak_src = peak_flops_per_device(peak_tflops)
         self.step, self.stopped, self.seconds, self.compile_s = start, False, 0.0, None
         self.evals, self.first_loss, self.last_loss = [], None, None  # evals: (step, figures)
-        self._pending = None    # (step, device metrics, steps covered): fetched a step late
+        # (step, device metrics, steps covered, eval figures joined to it): fetched a step late
+        self._pending = None
         self._logged = start    # the step of the last record
-        self._joined = {}       # step -> eval figures, written with that step's log record
         # (did any process get SIGTERM?, was the step non-finite?, its metrics): read a step
         # late, when the device is done with it
         self._late = None
@@ -756,10 +755,10 @@ class Loop:
             self._fetch_and_emit()
         s = self.step
         if s % self.log_every == 0 or s == self.steps or s == self.start + 1:
-            self._pending, self._logged = (s, metrics, s - self._logged), s
+            self._pending, self._logged = (s, metrics, s - self._logged, {}), s
 
     def _fetch_and_emit(self) -> None:
-        step, metrics, n_steps = self._pending
+        step, metrics, n_steps, joined = self._pending
         # Explicit, like every fetch here: float(x) of a device array would hide a wait.
         m = jax.device_get(metrics)
         now = time.perf_counter()
@@ -770,7 +769,7 @@ class Loop:
                                 for k, v in m.items()}
         rec |= {"tokens_per_s": tok_s, "mfu": util, "ms_per_step": 1e3 * dt_s / n_steps,
                 "skipped_steps": self.bad_steps}
-        rec |= self._joined.pop(step, {})
+        rec |= joined
         if "loss" in rec:
             self.first_loss = rec["loss"] if self.first_loss is None else self.first_loss
             self.last_loss = rec["loss"]
@@ -787,7 +786,7 @@ class Loop:
         writes them itself) a record of their own."""
         self.evals.append((self.step, figures))
         if self._pending is not None and self._pending[0] == self.step:
-            self._joined[self.step] = figures
+            self._pending[3].update(figures)
         elif write:
             self.run.metrics_log.write({"step": self.step} | figures)
         return figures
