@@ -975,7 +975,8 @@ def make_tokenizer(cfg: Config):
 # as they are (Meta's code rotates interleaved pairs; HF permuted those rows once, at conversion).
 HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                     "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                    "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
+                    "gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM",
+                    "gemma3_text": "Gemma3ForCausalLM"}
 GEMMA = ("gemma2", "gemma3_text")
 # What transformers assumes for a key that config.json leaves out (its config classes).
 _GEMMA_HF = dict(num_key_value_heads=4, head_dim=256, query_pre_attn_scalar=256,
@@ -985,6 +986,7 @@ _HF_DEFAULTS = {mt: dict(rms_norm_eps=1e-6) | d for mt, d in {
     "mistral": dict(max_position_embeddings=131072, num_key_value_heads=8, sliding_window=4096),
     "qwen2": dict(max_position_embeddings=32768, num_key_value_heads=32),
     "qwen3": dict(max_position_embeddings=32768, num_key_value_heads=32, head_dim=128),
+    "gemma": _GEMMA_HF | dict(max_position_embeddings=8192, num_key_value_heads=16),
     "gemma2": _GEMMA_HF | dict(max_position_embeddings=8192, attn_logit_softcapping=50.0,
                                final_logit_softcapping=30.0),
     "gemma3_text": _GEMMA_HF | dict(max_position_embeddings=131072, sliding_window_pattern=6,
@@ -1003,7 +1005,8 @@ LLAMA3_ROPE = {"factor": "rope_scaling", "low_freq_factor": "rope_low_freq_facto
 # The knobs a family implies (config.json does not spell them); the others are off.
 _GEMMA_KNOBS = dict(norm_plus_one=True, sandwich_norm=True, embed_scale=True, gelu=True)
 HF_KNOBS = {"llama": {}, "mistral": {}, "qwen2": dict(qkv_bias=True), "qwen3": dict(qk_norm=True),
-            "gemma2": _GEMMA_KNOBS, "gemma3_text": _GEMMA_KNOBS | dict(qk_norm=True)}
+            "gemma": _GEMMA_KNOBS | dict(sandwich_norm=False), "gemma2": _GEMMA_KNOBS,
+            "gemma3_text": _GEMMA_KNOBS | dict(qk_norm=True)}
 # What transformers itself writes into each family's config.json, beyond our fields.
 _GELU_TANH = dict(hidden_act="gelu_pytorch_tanh", hidden_activation="gelu_pytorch_tanh",
                   attention_bias=False)
@@ -1011,7 +1014,7 @@ HF_CONSTANTS = {"llama": dict(attention_bias=False, mlp_bias=False, pretraining_
                 "mistral": dict(sliding_window=None),
                 "qwen2": dict(use_sliding_window=False, sliding_window=None),
                 "qwen3": dict(use_sliding_window=False, sliding_window=None, attention_bias=False),
-                "gemma2": _GELU_TANH, "gemma3_text": _GELU_TANH}
+                "gemma": _GELU_TANH, "gemma2": _GELU_TANH, "gemma3_text": _GELU_TANH}
 # Our parameters as HuggingFace tensors (name, layout: common/hf.py). HF's nn.Linear keeps
 # [out, in], ours [in, out] with the heads split out: a transpose and a reshape, then stacked
 # on l. Atoms: l layers, d model, n query heads, k key/value heads, h head width, f MLP, v vocab.
@@ -1062,10 +1065,10 @@ def config_from_hf(c: dict, where: str = "config.json") -> ModelConfig:
     if lacking := [k for k in ("vocab_size", "hidden_size", "intermediate_size",
                                "num_hidden_layers", "num_attention_heads") if k not in c]:
         raise hf.HFError(f"{where} has no {lacking[0]!r}; it is not a complete {mt} config.")
-    gemma = mt in GEMMA
+    gemma = mt in GEMMA  # Gemma 1's "gelu" means the tanh approximation, as transformers reads it
     act, want = ((c.get("hidden_activation") or c.get("hidden_act"), "gelu_pytorch_tanh")
-                 if gemma else (c.get("hidden_act"), "silu"))
-    if (act or "silu") != want:
+                 if mt.startswith("gemma") else (c.get("hidden_act"), "silu"))
+    if (act or "silu") not in (want, "gelu" if mt == "gemma" else want):
         raise unsupported(f"hidden activation {act!r} (only {want})")
     if c.get("attention_bias") or c.get("mlp_bias"):
         raise unsupported("attention_bias / mlp_bias (biases on every projection)")
@@ -1116,7 +1119,8 @@ def config_to_hf(cfg: ModelConfig, model_type: str = "", dtype: str = "float32")
     spelling of the rope settings). model_type "" picks the family from the knobs."""
     gemma = cfg.sandwich_norm
     mt = model_type or ("gemma3_text" if gemma and cfg.qk_norm else "gemma2" if gemma else
-                        "qwen3" if cfg.qk_norm else "qwen2" if cfg.qkv_bias else "llama")
+                        "gemma" if cfg.norm_plus_one else "qwen3" if cfg.qk_norm else "qwen2"
+                        if cfg.qkv_bias else "llama")
     if mt not in HF_ARCHITECTURES:
         raise hf.HFError(f"model_type {mt!r}: choose one of {', '.join(HF_ARCHITECTURES)}.")
     bad = {k: getattr(cfg, k) for k in ("qkv_bias", "qk_norm", *_GEMMA_KNOBS)
@@ -1127,9 +1131,9 @@ def config_to_hf(cfg: ModelConfig, model_type: str = "", dtype: str = "float32")
             or k == "query_scale" and getattr(cfg, k) % 1}   # HF's query_pre_attn_scalar: an int
     if bad:
         raise hf.HFError(f"model_type {mt!r} does not fit this model ({bad}): q/k/v biases "
-                         "are qwen2's, q/k norms qwen3's and gemma3_text's, (1 + w) and "
-                         "sandwich norms, GeGLU, the embedding scale, windows and soft-caps "
-                         "Gemma's, a local or linear RoPE gemma3_text's.")
+                         "are qwen2's, q/k norms qwen3's, gemma3_text's; (1 + w) norms, GeGLU, "
+                         "the embedding scale all Gemmas'; sandwich norms, windows, soft-caps "
+                         "gemma2's, gemma3_text's; a local or linear RoPE gemma3_text's.")
     rope = {"rope_type": "default", "rope_theta": cfg.rope_theta} | (
         {"rope_type": "linear", "factor": cfg.rope_linear} if cfg.rope_linear else {})
     if cfg.rope_scaling > 0:

@@ -145,6 +145,13 @@ FAMILIES = {
         {k: v for k, v in _DEEPSEEK.items() if k not in ("num_mtp_layers", "rope_interleave")},
         q_lora_rank=None, n_group=4, topk_group=2, topk_method="group_limited_greedy",
         norm_topk_prob=False, routed_scaling_factor=2.0), None),
+    # Gemma 1: (1 + w) norms, GeGLU under its legacy name "gelu" (transformers takes the tanh
+    # approximation), the sqrt(d) embedding scale, tied, multi-query (2B's), head_dim 12 != d/4.
+    "gemma": ("gemma", dict(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=1, head_dim=12, rms_norm_eps=1e-6,
+        rope_theta=10000.0, hidden_act="gelu", tie_word_embeddings=True,
+        max_position_embeddings=64), None),
 }
 # Written as this model_type (the checkpoint is the other's, as Moonshot ships it).
 RENAMED = {"kimi_k2": "kimi_k2"}

@@ -214,10 +214,12 @@ def test_training_loss_applies_the_final_soft_cap():
 # ----------------------------------------------------------------------------------------------
 # Presets
 
-COUNTS = {"gemma2-2b": 2_614_341_888, "gemma2-9b": 9_241_705_984, "gemma2-27b": 27_227_128_320,
+COUNTS = {"gemma-2b": 2_506_172_416, "gemma-7b": 8_537_680_896,  # Gemma 1
+          "gemma2-2b": 2_614_341_888, "gemma2-9b": 9_241_705_984, "gemma2-27b": 27_227_128_320,
           "gemma3-1b": 999_885_952,
           # The text models of the released 4B/12B/27B configs (vocabulary 262,208); Google's
-          # report gives their non-embedding parameters as 3,209M, 10,759M and 25,600M.
+          # report gives their non-embedding parameters as 3,209M, 10,759M and 25,600M; the
+          # Gemma 1 report 1,981,884,416 (2B) and 7,751,248,896 (7B).
           "gemma3-4b": 3_880_263_168, "gemma3-12b": 11_766_034_176,
           "gemma3-27b": 27_009_346_304}
 
@@ -228,8 +230,9 @@ def test_preset_parameter_counts(name):
     shapes = jax.eval_shape(partial(td._init, cfg), jax.random.key(0))
     assert sum(math.prod(x.shape) for x in jax.tree.leaves(shapes)) == COUNTS[name]
     non_embed = COUNTS[name] - cfg.vocab_size * cfg.d_model
-    report = {"gemma3-4b": 3209, "gemma3-12b": 10759, "gemma3-27b": 25600}.get(name)
-    assert report is None or round(non_embed / 1e6) == report
+    report = {"gemma3-4b": 3209, "gemma3-12b": 10759, "gemma3-27b": 25600,
+              "gemma-2b": 1981.884416, "gemma-7b": 7751.248896}.get(name)
+    assert report is None or round(non_embed / 1e6, 6 if name.startswith("gemma-") else 0) == report
 
 
 def test_tiny_gemma_windows_its_training_sequence():

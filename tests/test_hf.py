@@ -25,7 +25,8 @@ from common.mesh import MeshConfig, make_mesh
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIXTURES = os.path.join(ROOT, "tests", "fixtures", "hf")
-FAMILIES = ["llama2", "llama3.1", "llama3.2", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text"]
+FAMILIES = ["llama2", "llama3.1", "llama3.2", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text",
+            "gemma"]
 TOL = 1e-4  # float32, on logits that reach 3 to 50 in these fixtures
 # Bookkeeping in a config.json, not the model: left out of the key-by-key comparison.
 BOOKKEEPING = {"transformers_version", "dtype", "torch_dtype", "bos_token_id", "eos_token_id",
@@ -95,13 +96,22 @@ def test_config_mapping(loaded):
     assert g2.norm_plus_one and g2.sandwich_norm and g2.embed_scale and g2.gelu
     assert (g3.global_every, g3.rope_theta, g3.rope_local_theta, g3.rope_linear) == (
         3, 1000.0, 100.0, 2.0) and g3.qk_norm and not g3.attn_softcap
+    g1 = c["gemma"]   # Gemma 1: Gemma 2's knobs less the sandwich, caps, windows, query scale
+    assert g1.norm_plus_one and g1.embed_scale and g1.gelu and g1.tie_embeddings
+    assert not (g1.sandwich_norm or g1.sliding_window or g1.attn_softcap or g1.query_scale)
+    assert g1.n_kv_heads == 1 and g1.head_dim == 12
+    # The released Gemma 1 configs say "gelu", which transformers reads as the tanh GeGLU.
+    legacy = hf.read_config(fixture("gemma")) | {"hidden_act": "gelu"}
+    assert td.config_from_hf(legacy) == g1
 
 
 @pytest.mark.parametrize("name, mistake", [
     ("gemma2", dict(sliding_window=0)), ("gemma2", dict(attn_softcap=0.0)),
     ("gemma2", dict(final_softcap=0.0)), ("gemma2", dict(query_scale=0.0)),
     ("gemma2", dict(global_every=4)), ("gemma3_text", dict(rope_local_theta=0.0)),
-    ("gemma3_text", dict(rope_linear=0.0)), ("gemma3_text", dict(global_every=2))])
+    ("gemma3_text", dict(rope_linear=0.0)), ("gemma3_text", dict(global_every=2)),
+    ("gemma", dict(norm_plus_one=False)), ("gemma", dict(embed_scale=False)),
+    ("gemma", dict(gelu=False))])
 def test_parity_catches_gemma_mistakes(loaded, name, mistake):
     """Each Gemma knob moves the fixtures' logits far past the tolerance: a window that does
     not bite, a dropped soft-cap, a head-width query scale, the wrong layer pattern or RoPE."""
