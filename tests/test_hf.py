@@ -8,6 +8,7 @@ import dataclasses
 import json
 import os
 import shutil
+import struct
 import subprocess
 import sys
 import sysconfig
@@ -19,6 +20,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import train_dense as td
+import train_grpo as tg
 from common import hf, train
 from common.data import DataConfig, batch_rows, load_dataset, prepare
 from common.mesh import MeshConfig, make_mesh
@@ -500,3 +502,49 @@ def test_prepare_and_check_a_hf_tokenizer_json(tmp_path):
         hf.check_tokenizer(str(other), ds.tokenizer_path, "--data.path x")
     os.remove(other / "tokenizer.json")
     assert "cannot be checked" in hf.check_tokenizer(str(other), ds.tokenizer_path, "")
+
+
+def multimodal_copy(src: str, folder, model_type: str) -> str:
+    """A released multimodal folder made from a text-only one, as transformers 5.25's
+    save_pretrained writes Llama 4's and Gemma 3's: the text model's tensors under
+    language_model., a vision tower's tensor beside them, the config under text_config."""
+    os.makedirs(folder)
+    vision = "vision_model.patch_embedding.linear.weight"
+    files = sorted(f for f in os.listdir(src) if f.endswith(".safetensors"))
+    for i, file in enumerate(files):
+        with open(os.path.join(src, file), "rb") as f:
+            n = struct.unpack("<Q", f.read(8))[0]
+            header, data = json.loads(f.read(n)), f.read()
+        meta = header.pop("__metadata__", {})
+        header = {"language_model." + k: v for k, v in header.items()} | {"__metadata__": meta}
+        if i == 0:   # the vision tower's tensor, in the first file
+            header[vision] = {"dtype": "BF16", "shape": [2, 2],
+                              "data_offsets": [len(data), len(data) + 8]}
+        head = json.dumps(header).encode()
+        with open(os.path.join(folder, file), "wb") as f:
+            f.write(struct.pack("<Q", len(head)) + head + data + bytes(8 if i == 0 else 0))
+    if os.path.isfile(os.path.join(src, hf.INDEX)):
+        with open(os.path.join(src, hf.INDEX)) as f:
+            index = json.load(f)
+        index["weight_map"] = {"language_model." + k: v for k, v in index["weight_map"].items()
+                               } | {vision: files[0]}
+        with open(os.path.join(folder, hf.INDEX), "w") as f:
+            json.dump(index, f)
+    with open(os.path.join(src, "config.json")) as f:
+        text = json.load(f)
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump({"model_type": model_type, "text_config": text,
+                   "vision_config": {"hidden_size": 2}}, f)
+    return str(folder)
+
+
+def test_a_multimodal_gemma3_folder_loads_its_language_model(loaded, tmp_path, capsys):
+    """Gemma 3's 4B/12B/27B releases (model_type gemma3): the text model alone, with the
+    text-only folder's logits; the GRPO policy reads it the same way."""
+    folder = multimodal_copy(fixture("gemma3_text"), tmp_path / "gemma3", "gemma3")
+    cfg, params = td.load_hf(folder)
+    assert cfg == loaded["gemma3_text"][0]
+    assert "not the 1 tensors of its other towers" in capsys.readouterr().out
+    tokens, want = expected("gemma3_text")
+    assert max_diff(logits(params, cfg, tokens), want) < TOL
+    assert dataclasses.asdict(tg.load_hf(folder)[0]) == dataclasses.asdict(cfg)

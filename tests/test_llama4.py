@@ -4,10 +4,7 @@ full attention, the unrotated global layer's query temperature position by posit
 each knob visible in the HF fixture's logits, transformers' parameter counts, and dry runs of the
 released models on simulated devices. The logits against transformers: tests/test_hf_moe.py."""
 import dataclasses
-import json
 import os
-import shutil
-import struct
 from functools import partial
 
 import jax
@@ -20,6 +17,7 @@ from common import attention as attn
 from common import hf
 from common.mesh import MeshConfig, make_mesh
 from test_gptoss import qkv
+from test_hf import multimodal_copy
 from test_moe import assert_trees_close, loss_and_grads, perturbed_params, small_cfg, tokens
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -150,35 +148,17 @@ def test_a_multimodal_folder_loads_its_language_model(fixture, tmp_path, capsys)
     language_model., beside a vision tower, its config in text_config. The same logits as the
     text-only folder; export writes a text-only folder."""
     cfg, params, toks, want = fixture
-    src = os.path.join(ROOT, "tests", "fixtures", "hf", "llama4_text")
-    with open(os.path.join(src, "model.safetensors"), "rb") as f:
-        n = struct.unpack("<Q", f.read(8))[0]
-        header, data = json.loads(f.read(n)), f.read()
-    meta = header.pop("__metadata__", {})
-    header = {"language_model." + k: v for k, v in header.items()} | {
-        "vision_model.patch_embedding.linear.weight": {
-            "dtype": "BF16", "shape": [2, 2], "data_offsets": [len(data), len(data) + 8]},
-        "__metadata__": meta}
-    folder = tmp_path / "llama4"
-    os.makedirs(folder)
-    head = json.dumps(header).encode()
-    with open(folder / "model.safetensors", "wb") as f:
-        f.write(struct.pack("<Q", len(head)) + head + data + bytes(8))
-    with open(os.path.join(src, "config.json")) as f:
-        text = json.load(f)
-    with open(folder / "config.json", "w") as f:
-        json.dump({"model_type": "llama4", "architectures": ["Llama4ForConditionalGeneration"],
-                   "text_config": text, "vision_config": {"hidden_size": 2}}, f)
-    cfg2, params2 = tm.load_hf(str(folder))
+    folder = multimodal_copy(os.path.join(ROOT, "tests", "fixtures", "hf", "llama4_text"),
+                             tmp_path / "llama4", "llama4")
+    cfg2, params2 = tm.load_hf(folder)
     assert cfg2 == cfg
     assert "not the 1 tensors of its other towers (vision_model." in capsys.readouterr().out
     got = jax.jit(tm.forward, static_argnums=2)(params2, toks, cfg2)
     assert np.abs(np.asarray(got) - want).max() < 1e-4
-    tm.save_hf(params2, cfg2, str(tmp_path / "out"), base_config=hf.read_config(str(folder)))
+    tm.save_hf(params2, cfg2, str(tmp_path / "out"), base_config=hf.read_config(folder))
     out = hf.read_config(str(tmp_path / "out"), text=False)
     assert out["model_type"] == "llama4_text" and "text_config" not in out
     assert tm.load_hf(str(tmp_path / "out"))[0] == cfg
-    shutil.rmtree(folder)
 
 
 def test_fbgemm_float8_reads_as_its_dequantised_weights(tmp_path, monkeypatch):
