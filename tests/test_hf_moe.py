@@ -230,35 +230,46 @@ def test_multi_token_prediction_layer_is_left_out(tmp_path, capsys):
     assert "1 tensors of layers past num_hidden_layers" in capsys.readouterr().out
 
 
+def float8_folders(src: hf.Checkpoint, tmp_path, monkeypatch, quantise, quantization_config):
+    """Two folders of src's tensors: "fp8", where `quantise(name, w)` gives (e4m3 values, the
+    scales' name suffix, the scales, w as a reader must give it back) or None (kept float32),
+    and "f32", every tensor as that float32. Returns the fp8 folder's tensor list."""
+    import ml_dtypes
+    f8 = np.dtype(ml_dtypes.float8_e4m3fn)
+    monkeypatch.setitem(hf.DTYPE_NAMES, f8, "F8_E4M3")   # only the tests write float8
+    quant, plain, f32 = [], [], np.dtype(np.float32)
+    for name in sorted(src.names()):
+        w = np.asarray(src.array(name), np.float32)
+        if (got := quantise(name, w, f8)) is None:
+            quant.append((name, w.shape, f32, lambda w=w: w))
+        else:
+            q, suffix, scale, w = got
+            quant += [(name, q.shape, f8, lambda q=q: q), (name + suffix, scale.shape, f32,
+                                                           lambda s=scale.astype(f32): s)]
+        plain.append((name, w.shape, f32, lambda w=w: w))
+    for folder, tensors, extra in ((tmp_path / "fp8", quant, {"quantization_config":
+                                    quantization_config}), (tmp_path / "f32", plain, {})):
+        os.makedirs(folder)
+        hf._write_file(str(folder / hf.SINGLE), tensors)
+        hf.write_json(str(folder / hf.CONFIG), src.config | extra)
+    return quant
+
+
 def test_float8_release_reads_as_its_dequantised_weights(tmp_path, monkeypatch):
     """DeepSeek-V3's own format: every projection as e4m3 with one scale per tile (here 4 x 4,
     so that tiles straddle the heads and the per-device blocks of a sharded load). It must
     load as exactly the weights q * scale that a float32 folder of them holds."""
-    import ml_dtypes
-    f8 = np.dtype(ml_dtypes.float8_e4m3fn)
-    monkeypatch.setitem(hf.DTYPE_NAMES, f8, "F8_E4M3")   # only the test writes float8
-    src = hf.Checkpoint(fixture("deepseek_v3"))
-    quant, plain = [], []
-    for name in sorted(src.names()):
-        w = np.asarray(src.array(name), np.float32)
-        if name.endswith("proj.weight"):
-            pad = [(0, -n % 4) for n in w.shape]
-            tiles = np.pad(np.abs(w), pad).reshape(w.shape[0] // 4 + bool(w.shape[0] % 4), 4,
-                                                   -1, 4).max(axis=(1, 3)) / 448 + 1e-8
-            scale = np.repeat(np.repeat(tiles, 4, 0), 4, 1)[:w.shape[0], :w.shape[1]]
-            q = (w / scale).astype(f8)
-            w = q.astype(np.float32) * scale            # what a reader must give back
-            quant += [(name, q.shape, f8, lambda q=q: q), (name + "_scale_inv", tiles.shape,
-                      np.dtype(np.float32), lambda t=tiles.astype(np.float32): t)]
-        else:
-            quant.append((name, w.shape, np.dtype(np.float32), lambda w=w: w))
-        plain.append((name, w.shape, np.dtype(np.float32), lambda w=w: w))
-    for folder, tensors, extra in ((tmp_path / "fp8", quant, {"quantization_config": {
-            "quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [4, 4]}}),
-                                   (tmp_path / "f32", plain, {})):
-        os.makedirs(folder)
-        hf._write_file(str(folder / hf.SINGLE), tensors)
-        hf.write_json(str(folder / hf.CONFIG), src.config | extra)
+    def tiled(name, w, f8):
+        if not name.endswith("proj.weight"):
+            return None
+        pad = [(0, -n % 4) for n in w.shape]
+        tiles = np.pad(np.abs(w), pad).reshape(w.shape[0] // 4 + bool(w.shape[0] % 4), 4,
+                                               -1, 4).max(axis=(1, 3)) / 448 + 1e-8
+        scale = np.repeat(np.repeat(tiles, 4, 0), 4, 1)[:w.shape[0], :w.shape[1]]
+        q = (w / scale).astype(f8)
+        return q, "_scale_inv", tiles, q.astype(np.float32) * scale
+    float8_folders(hf.Checkpoint(fixture("deepseek_v3")), tmp_path, monkeypatch, tiled,
+                   {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [4, 4]})
     mesh = make_mesh(MeshConfig(fsdp=2, tensor=2, expert=2))
     cfg, want = tm.load_hf(str(tmp_path / "f32"))
     _, got = tm.load_hf(str(tmp_path / "fp8"), mesh)

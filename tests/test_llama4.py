@@ -18,6 +18,7 @@ from common import hf
 from common.mesh import MeshConfig, make_mesh
 from test_gptoss import qkv
 from test_hf import multimodal_copy
+from test_hf_moe import float8_folders
 from test_moe import assert_trees_close, loss_and_grads, perturbed_params, small_cfg, tokens
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -166,30 +167,18 @@ def test_fbgemm_float8_reads_as_its_dequantised_weights(tmp_path, monkeypatch):
     with one scale per output channel (a Linear's [O, 1], gate_up_proj's [E, 1, 2F],
     down_proj's [E, D, 1]); attention, router and norms unquantised. It must load, sharded, as
     exactly the weights q * scale that a float32 folder of them holds."""
-    import ml_dtypes
-    f8 = np.dtype(ml_dtypes.float8_e4m3fn)
-    monkeypatch.setitem(hf.DTYPE_NAMES, f8, "F8_E4M3")   # only the test writes float8
-    src = hf.Checkpoint(os.path.join(ROOT, "tests", "fixtures", "hf", "llama4_text"))
-    quant, plain = [], []
-    for name in sorted(src.names()):
-        w = np.asarray(src.array(name), np.float32)
-        if "feed_forward" in name and "router" not in name:   # [O, I] or experts' [E, I, O]
-            scale = np.abs(w).max(axis=1, keepdims=True) / 448  # per output channel
-            q = (w / scale).astype(f8)
-            w = q.astype(np.float32) * scale
-            stored = scale.swapaxes(1, 2) if name.endswith("down_proj") else scale
-            quant += [(name, q.shape, f8, lambda q=q: q), (name + "_scale", stored.shape,
-                      np.dtype(np.float32), lambda s=stored.astype(np.float32): s)]
-        else:
-            quant.append((name, w.shape, np.dtype(np.float32), lambda w=w: w))
-        plain.append((name, w.shape, np.dtype(np.float32), lambda w=w: w))
-    for folder, tensors, extra in ((tmp_path / "fp8", quant, {"quantization_config": {
-            "quant_method": "fbgemm_fp8", "activation_scale_ub": 1200.0}}),
-                                   (tmp_path / "f32", plain, {})):
-        os.makedirs(folder)
-        hf._write_file(str(folder / hf.SINGLE), tensors)
-        hf.write_json(str(folder / hf.CONFIG), src.config | extra)
-    assert sum(t[2] == f8 for t in quant) == 16   # 2 dense MLPs, 2 shared experts, 2 x experts
+    def per_channel(name, w, f8):
+        if "feed_forward" not in name or "router" in name:
+            return None
+        scale = np.abs(w).max(axis=1, keepdims=True) / 448   # [O, 1] or experts' [E, 1, O]
+        q = (w / scale).astype(f8)
+        return (q, "_scale", scale.swapaxes(1, 2) if name.endswith("down_proj") else scale,
+                q.astype(np.float32) * scale)
+    quant = float8_folders(hf.Checkpoint(os.path.join(ROOT, "tests", "fixtures", "hf",
+                                                      "llama4_text")), tmp_path, monkeypatch,
+                           per_channel, {"quant_method": "fbgemm_fp8",
+                                         "activation_scale_ub": 1200.0})
+    assert sum(t[0].endswith("_scale") for t in quant) == 16   # 2 dense MLPs, 2 shared, 2 x experts
     mesh = make_mesh(MeshConfig(fsdp=2, tensor=2, expert=2))
     _, want = tm.load_hf(str(tmp_path / "f32"))
     _, got = tm.load_hf(str(tmp_path / "fp8"), mesh)
