@@ -79,6 +79,10 @@ class ConfigConflictError(ValueError):
     """The run directory belongs to a run with a different config."""
 
 
+class RunConfigError(ValueError):
+    """A run's saved config.json cannot be read: not JSON, or not a JSON object."""
+
+
 def run_path(run_dir: str | os.PathLike, *parts: str) -> epath.Path:
     """`run_dir/parts...`: made absolute if local (Orbax wants that), as given if a bucket."""
     root = os.fspath(run_dir)
@@ -101,9 +105,10 @@ def read_run_config(run_dir: str | os.PathLike, what: str, trained: bool = False
     try:
         saved = json.loads(text)
     except ValueError as e:
-        raise ValueError(f"{what} {run_dir}: {path} is not valid JSON ({e}). Fix: repair or remove it.") from e
+        raise RunConfigError(f"{what} {run_dir}: {path} is not valid JSON ({e}). Fix: repair or "
+                             "remove it.") from None
     if not isinstance(saved, dict):
-        raise ValueError(f"{what} {run_dir}: {path} does not hold a config (a JSON object).")
+        raise RunConfigError(f"{what} {run_dir}: {path} does not hold a config (a JSON object).")
     return saved
 
 

@@ -28,8 +28,8 @@ from jax.sharding import PartitionSpec as P
 from common import hf, multislice, observe
 from common.config import ConfigError, check_ranges, compute_fields, may_change
 from common.checkpoint import (CheckpointConfig, CheckpointError, Checkpointer,
-                               ConfigConflictError, PreemptionGuard, check_run_config,
-                               read_run_config, run_path)
+                               ConfigConflictError, PreemptionGuard, RunConfigError,
+                               check_run_config, read_run_config, run_path)
 from common.data import DataError, load_dataset, open_tokenizer, run_tokenizer
 from common.mesh import MeshConfig, MeshError, describe, make_mesh, tpu_topology_devices
 
@@ -42,7 +42,7 @@ class NonFiniteError(RuntimeError):
 
 # Bad input of any kind: the command line prints the reason and exits 2, never a traceback.
 INPUT_ERRORS = (ConfigError, MeshError, ConfigConflictError, CheckpointError, FileNotFoundError,
-                DataError, multislice.DistributedInitError, hf.HFError)
+                DataError, multislice.DistributedInitError, hf.HFError, RunConfigError)
 
 
 # --- Parameter tables: name -> (shape, PartitionSpec, init std) -------------------------------

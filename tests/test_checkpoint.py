@@ -435,3 +435,20 @@ def test_preemption_guard_turns_sigterm_into_a_flag():
         assert signal.getsignal(signal.SIGTERM) is previous
     finally:
         signal.signal(signal.SIGTERM, original)
+
+
+@pytest.mark.parametrize("text", ['{"model": {', "[1, 2]"])
+def test_an_unreadable_run_config_exits_2_naming_it(tmp_path, text):
+    """--init-from a run whose config.json is cut short or not an object: exit 2, the file
+    named, no traceback (it was a bare ValueError the command line did not catch)."""
+    import subprocess
+    import sys
+    run = tmp_path / "run"
+    os.makedirs(run / "checkpoints")
+    (run / "config.json").write_text(text)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, "train_dense.py", "tiny", "--init-from", str(run),
+                        "--run-dir", str(tmp_path / "new")], cwd=root, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert "config.json" in r.stderr and "Traceback" not in r.stderr
