@@ -23,7 +23,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from common import hf, train
-from common.attention import attend, check_kernel, choose
+from common.attention import attend, check_kernel, choose, fold_context, from_context, to_context
 from common.config import how, knob, resumable
 from common.checkpoint import CheckpointConfig
 from common.data import DataConfig, get_batch, load_dataset, run_tokenizer
@@ -69,6 +69,7 @@ class ModelConfig:
     dtype: Literal["float32", "bfloat16"] = how("float32")  # activations and matmuls (weights f32)
     # auto: splash on TPU, cuDNN on GPU where it applies, else blocked (common/attention.py)
     attention: Literal["auto", "splash", "cudnn", "blocked", "xla", "einsum"] = how("auto")
+    context_attention: Literal["allgather", "ring"] = how("allgather")  # K/V over --mesh.context
     remat: Literal["full", "dots", "none"] = how("full")  # what the backward pass may keep
     scan_layers: bool = how(True)
     loss_chunk: int = how(256)    # sequence positions per cross-entropy chunk (bounds [B,T,V])
@@ -268,6 +269,7 @@ def block(x_BTD, lp: dict, cfg: ModelConfig, *, pos_BT, inv_freq, segment_ids=No
     stats = {"max_logit": train.max_logits(q, k, segment_ids=segment_ids)} if max_logits else {}
     # The kernel is the compile target's (common/attention.py): splash, cuDNN or blocked.
     full = partial(attend, q, k, v, impl=cfg.attention, segment_ids=segment_ids,
+                   context=cfg.context_attention,
                    scale=(cfg.query_scale or cfg.head_dim) ** -0.5, cap=cfg.attn_softcap)
     W = cfg.sliding_window if cfg.sliding_window < q.shape[1] else 0  # else: all within reach
     o = jax.lax.cond(is_global, full, partial(full, window=W)) if W else full()
@@ -289,7 +291,7 @@ def constrain(x, spec: P):
     return jax.lax.with_sharding_constraint(x, spec)
 
 
-ACT_BTD = P(BATCH_AXES, None, None)  # activations between blocks: batch-sharded, d replicated
+ACT_BTD = P(BATCH_AXES, "context", None)  # between blocks: batch and sequence split, d whole
 
 
 def rms_norm(x, w, eps):
@@ -338,6 +340,11 @@ def hidden(params: dict, tokens_BT, cfg: ModelConfig, *, segment_ids=None, posit
     `positions` [B, T], restarting at 0 in each example, for RoPE. Without them: one sequence
     per row, positions 0..T-1."""
     dt = jnp.dtype(cfg.dtype)
+    pos_BT = (jnp.broadcast_to(jnp.arange(tokens_BT.shape[1]), tokens_BT.shape)
+              if positions is None else positions)
+    # With --mesh.context the sequence is reordered for its shards (common/attention.py);
+    # the hidden states stay in that order, the loss reorders its targets to match.
+    tokens_BT, segment_ids, pos_BT = to_context(tokens_BT, segment_ids, pos_BT)
     # Every token is looked up in each device's fsdp shard of d (the ids are small), then the
     # rows go to their batch shards: gathering the table instead would put all of it, and
     # its whole gradient, on every device (2 GiB each for a 128k vocabulary at d 8192).
@@ -345,8 +352,6 @@ def hidden(params: dict, tokens_BT, cfg: ModelConfig, *, segment_ids=None, posit
     x = constrain(jnp.take(params["embed"].astype(dt), tokens, axis=0), P(None, None, "fsdp"))
     x = constrain(x, ACT_BTD)
     x = x * jnp.asarray(math.sqrt(cfg.d_model), dt) if cfg.embed_scale else x
-    pos_BT = (jnp.broadcast_to(jnp.arange(tokens_BT.shape[1]), tokens_BT.shape)
-              if positions is None else positions)
     inv_freq = rope_inv_freq(cfg) / (cfg.rope_linear or 1.0)
     L, W, n = cfg.n_layers, cfg.sliding_window, cfg.global_every
     is_global_L = (np.arange(L) + 1) % n == 0 if W and n else np.full(L, not W)
@@ -377,7 +382,8 @@ def unembedding(params: dict, cfg: ModelConfig):
 def forward(params: dict, tokens_BT, cfg: ModelConfig, *, segment_ids=None, positions=None):
     """Logits [B, T, V] in float32. Training never builds these whole: see `loss_fn`. Packed
     rows pass segment ids and positions (see `hidden`)."""
-    h = hidden(params, tokens_BT, cfg, segment_ids=segment_ids, positions=positions)[0]
+    h = from_context(hidden(params, tokens_BT, cfg, segment_ids=segment_ids,
+                            positions=positions)[0])
     return _softcap(jnp.einsum("btd,dv->btv", h, unembedding(params, cfg).astype(h.dtype),
                                preferred_element_type=jnp.float32), cfg.final_softcap)
 
@@ -408,7 +414,7 @@ def train_step(state: dict, batch, *, cfg: Config, tx):
 # unembedding split on V over fsdp too and the hidden states gathered over fsdp instead
 # ([B, T, D] is then smaller than [D, V]), so no device holds the whole weight or its float32
 # gradient; the logsumexp and dh add up over the V shards. Larger batches gather the weight.
-VOCAB_DV, LOSS_BTD = P(None, ("tensor", "fsdp")), P("data", None, None)
+VOCAB_DV, LOSS_BTD = P(None, ("tensor", "fsdp")), P(("data", "context"), None, None)
 
 
 def loss_fn(params, batch, cfg: ModelConfig, *, n=None, z_loss: float = 0.0,
@@ -426,6 +432,8 @@ def loss_fn(params, batch, cfg: ModelConfig, *, n=None, z_loss: float = 0.0,
     inputs, targets, weights, segment_ids, positions = split_batch(batch)
     h_BTD, stats = hidden(params, inputs, cfg, segment_ids=segment_ids, positions=positions,
                           max_logits=max_logits)
+    # Each context shard's positions as rows of their own: the loss's chunks stay local.
+    h_BTD, targets, weights = fold_context(h_BTD, *to_context(targets, weights))
     w_DV = unembedding(params, cfg).astype(h_BTD.dtype)
     if targets.size <= cfg.vocab_size:
         h_BTD, w_DV = constrain(h_BTD, LOSS_BTD), constrain(w_DV, VOCAB_DV)
@@ -608,8 +616,7 @@ def validate(cfg: Config, n_devices: int) -> None:
     train.check_batch(t.batch_size, t.microbatches, mesh)
     need(t.seq_len <= m.max_seq_len, f"--train.seq-len {t.seq_len} exceeds the model's maximum "
          f"--model.max-seq-len {m.max_seq_len}.")
-    need(t.seq_len % min(m.loss_chunk, t.seq_len) == 0, f"--train.seq-len {t.seq_len} is not a "
-         f"multiple of --model.loss-chunk {m.loss_chunk}.")
+    train.check_sequence(mesh, t.seq_len, m.loss_chunk, t.qk_clip_threshold)
     train.check_profile(t.profile_steps, t.steps)
     need(not (cfg.data.format == "sft" and cfg.data.pack and m.attention == "cudnn"),  # SFT
          "--model.attention cudnn cannot mask packed SFT rows (JAX's cuDNN path takes causal "

@@ -76,6 +76,7 @@ class ModelConfig:
     dtype: Literal["float32", "bfloat16"] = how("float32")  # activations and matmuls (weights f32)
     # auto: splash on TPU, cuDNN on GPU where it applies, else blocked (common/attention.py)
     attention: Literal["auto", "splash", "cudnn", "blocked", "xla", "einsum"] = how("auto")
+    context_attention: Literal["allgather", "ring"] = how("allgather")  # K/V over --mesh.context
     remat: Literal["full", "dots", "none"] = how("full")  # what the backward pass may keep
     scan_layers: bool = how(True)
     loss_chunk: int = how(256)    # sequence positions per cross-entropy chunk (bounds [B,T,V])
@@ -594,6 +595,9 @@ def validate(cfg: Config, n_devices: int, tok) -> Task:
     train.check_ranges(cfg)
     mesh = resolve(cfg.mesh, n_devices, max(1, math.prod(cfg.mesh.dcn())))
     check_model(m, mesh, "--grpo.qk-clip-threshold", g.qk_clip_threshold)
+    need(mesh.context * mesh.dcn_context == 1, f"--mesh.context {mesh.context}: rollouts decode "
+         "token by token, which a split sequence cannot; keep it 1 (train_dense.py and "
+         "train_moe.py train long sequences over it).")
     train.check_vocab(tok.vocab_size, m.vocab_size)
     need(g.group_size >= 2, f"--grpo.group-size {g.group_size}: advantages compare the "
          "completions of one prompt with each other, so a group needs at least 2.")

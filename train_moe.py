@@ -38,7 +38,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from common import hf, train
-from common.attention import attend, check_kernel, choose
+from common.attention import attend, check_kernel, choose, fold_context, from_context, to_context
 from common.config import how, knob, resumable
 from common.checkpoint import CheckpointConfig
 from common.data import DataConfig, get_batch, load_dataset
@@ -112,6 +112,7 @@ class ModelConfig:
     dtype: Literal["float32", "bfloat16"] = how("float32")  # activations and matmuls (weights f32)
     # auto: splash on TPU, cuDNN on GPU where it applies, else blocked (common/attention.py)
     attention: Literal["auto", "splash", "cudnn", "blocked", "xla", "einsum"] = how("auto")
+    context_attention: Literal["allgather", "ring"] = how("allgather")  # K/V over --mesh.context
     remat: Literal["full", "dots", "none"] = how("full")  # what the backward pass may keep
     scan_layers: bool = how(True)
     loss_chunk: int = how(256)    # sequence positions per cross-entropy chunk (bounds [B,T,V])
@@ -401,7 +402,7 @@ def attention(q_BTNH, k_BTKH, v_BTKV, lp: dict, cfg: ModelConfig, is_global):
     by its square (m = 1; DeepSeek leaves the rotation unscaled and gives m = mscale_all_dim)."""
     f, m = cfg.yarn_factor, cfg.yarn_mscale_all_dim or 1.0
     temp = (0.1 * m * math.log(f) + 1.0) ** 2 if f > 1 else 1.0
-    att = partial(attend, impl=cfg.attention, sinks_N=lp.get("sinks"),
+    att = partial(attend, impl=cfg.attention, sinks_N=lp.get("sinks"), context=cfg.context_attention,
                   scale=temp / math.sqrt(q_BTNH.shape[-1]), batch_axes=MOE_BATCH)
     full, T = partial(att, q_BTNH, k_BTKH, v_BTKV), q_BTNH.shape[1]
     W = cfg.sliding_window if cfg.sliding_window < T else 0  # else: all in reach
@@ -463,9 +464,9 @@ def constrain(x, spec: P):
 
 # The batch is split over data, fsdp and expert: the all-to-all takes tokens to their experts.
 MOE_BATCH = BATCH_AXES + ("expert",)
-ACT_BTD = P(MOE_BATCH, None, None)  # activations between blocks: batch-sharded, d replicated
+ACT_BTD = P(MOE_BATCH, "context", None)  # between blocks: batch and sequence split, d whole
 # A small batch's loss is vocabulary-parallel (train_dense.py's VOCAB_DV): V over fsdp, expert.
-VOCAB_DV, LOSS_BTD = P(None, ("tensor", "fsdp", "expert")), P("data", None, None)
+VOCAB_DV, LOSS_BTD = P(None, ("tensor", "fsdp", "expert")), P(("data", "context"), None, None)
 
 
 def weights(lp: dict, dt, cfg: ModelConfig):
@@ -520,13 +521,15 @@ def hidden(params: dict, tokens_BT, cfg: ModelConfig, max_logits: bool = False):
     """Token ids -> (final-normed hidden states [B, T, D], per-layer routing stats [L], and
     with max_logits each head's largest attention logit, "max_logit" [L, N])."""
     dt = jnp.dtype(cfg.dtype)
+    # With --mesh.context the sequence is reordered for its shards (common/attention.py).
+    tokens_BT, pos_BT = to_context(tokens_BT, jnp.broadcast_to(jnp.arange(tokens_BT.shape[1]),
+                                                               tokens_BT.shape))
     # Every token is looked up in each device's fsdp shard of d (the ids are small), then the
     # rows go to their batch shards: gathering the table instead would put all of it, and
     # its whole gradient, on every device (2 GiB each for a 128k vocabulary at d 8192).
     tokens = constrain(tokens_BT, P(None, None))
     x = constrain(jnp.take(params["embed"].astype(dt), tokens, axis=0), P(None, None, "fsdp"))
     x = constrain(x, ACT_BTD)
-    pos_BT = jnp.broadcast_to(jnp.arange(tokens_BT.shape[1]), tokens_BT.shape)
     inv_freq = rope_inv_freq(cfg)
     L, W, n, Kd = cfg.n_layers, cfg.sliding_window, cfg.global_every, cfg.first_k_dense
     is_global_L = (np.arange(L) + 1) % n == 0 if n else np.full(L, not (W or cfg.attn_chunk))
@@ -557,7 +560,7 @@ def unembedding(params: dict, cfg: ModelConfig):
 
 def forward(params: dict, tokens_BT, cfg: ModelConfig):
     """Logits [B, T, V] in float32. Training never builds these whole: see `loss_fn`."""
-    h, _ = hidden(params, tokens_BT, cfg)
+    h = from_context(hidden(params, tokens_BT, cfg)[0])
     return jnp.einsum("btd,dv->btv", h, unembedding(params, cfg).astype(h.dtype),
                       preferred_element_type=jnp.float32)
 
@@ -600,6 +603,7 @@ def loss_fn(params, batch_BT1, cfg: ModelConfig, t: TrainConfig = TrainConfig())
     (loss, {"ce": ce, routing stats [L]}); `_ce_fused` takes `loss_chunk` positions at a time."""
     inputs, targets = batch_BT1[:, :-1], batch_BT1[:, 1:]
     h_BTD, stats = hidden(params, inputs, cfg, max_logits=t.qk_clip_threshold > 0)
+    h_BTD, targets = fold_context(h_BTD, *to_context(targets))  # the loss's chunks stay local
     w_DV = unembedding(params, cfg).astype(h_BTD.dtype)
     if targets.size <= cfg.vocab_size:
         h_BTD, w_DV = constrain(h_BTD, LOSS_BTD), constrain(w_DV, VOCAB_DV)
@@ -775,8 +779,7 @@ def validate(cfg: Config, n_devices: int) -> None:
     train.check_batch(t.batch_size, t.microbatches, mesh, MOE_BATCH)
     need(t.seq_len <= m.max_seq_len, f"--train.seq-len {t.seq_len} exceeds the model's maximum "
          f"--model.max-seq-len {m.max_seq_len}.")
-    need(t.seq_len % min(m.loss_chunk, t.seq_len) == 0, f"--train.seq-len {t.seq_len} is not a "
-         f"multiple of --model.loss-chunk {m.loss_chunk}.")
+    train.check_sequence(mesh, t.seq_len, m.loss_chunk, t.qk_clip_threshold, m.attn_chunk)
     train.check_profile(t.profile_steps, t.steps)
     train.check_qk_clip("--train.qk-clip-threshold", t.qk_clip_threshold,
                         m.qk_norm or m.qk_l2_norm)
@@ -841,11 +844,11 @@ def moe(h_BTD, lp: dict, cfg: ModelConfig):
     if mesh.empty:
         y, dropped = experts(h_BTD, expert_BTR, gate_BTR, ws, cfg)
     else:  # each weight as its table shards it, less the layer axis
-        act, spec = P(MOE_BATCH, None, None), param_specs(cfg)["layers"]
+        act, spec = ACT_BTD, param_specs(cfg)["layers"]
         y, dropped = jax.shard_map(
             partial(experts, cfg=cfg, peers=mesh.shape["expert"], sharded=True),
             in_specs=(act, act, act, {k: P(*spec[k][1:]) for k in ws}),
-            out_specs=(act, P(MOE_BATCH)))(h_BTD, expert_BTR, gate_BTR, ws)
+            out_specs=(act, P((*MOE_BATCH, "context"))))(h_BTD, expert_BTR, gate_BTR, ws)
     if cfg.n_shared_experts:  # DeepSeek's shared experts: one wider SwiGLU every token uses
         y = y + swiglu(h_BTD, {"w_" + k: lp["shared_" + k].astype(dt) for k in PROJ})
     return y, stats | {"dropped": jnp.sum(dropped) / expert_BTR.size}  # of the assignments

@@ -60,7 +60,9 @@ TRAINERS = {"dense": "train_dense.py", "moe": "train_moe.py"}
 # One row per line: key=value words (shlex; quote a value with spaces). Required: name,
 # trainer (dense or moe), preset, topology, batch (per chip), seq, layers. Optional:
 # maxtext (MaxText's model_name; without it the row has no peer), ours (more flags for our
-# trainer), theirs (more MaxText key=value overrides).
+# trainer), theirs (more MaxText key=value overrides), context (C: the sequence split over C
+# chips, --mesh.context and MaxText's ici_context_parallelism; batch then counts sequences
+# per C chips).
 ROWS = [
     "name=llama8b-2k trainer=dense preset=llama3.1-8b topology=v5p-8 batch=1 seq=2048 "
     "layers=4 maxtext=llama3.1-8b",
@@ -82,7 +84,12 @@ ROWS = [
     "layers=6 maxtext=gemma3-12b",
 ]
 REQUIRED = ("name", "trainer", "preset", "topology", "batch", "seq", "layers")
-OPTIONAL = ("maxtext", "ours", "theirs")
+OPTIONAL = ("maxtext", "ours", "theirs", "context")
+# Long context (issue 34): llama3.1-8b's first 4 layers at 8k, 32k and 128k tokens on 16 v5p
+# chips, the sequence whole on one chip or split over 4 or 16: `--rows context`.
+CONTEXT_ROWS = [f"name=ctx{T // 1024}k-c{C} trainer=dense preset=llama3.1-8b topology=v5p-32 "
+                f"batch=1 seq={T} layers=4 context={C} maxtext=llama3.1-8b"
+                for T in (8192, 32768, 131072) for C in (1, 4, 16)]
 
 
 class RowError(ValueError):
@@ -122,7 +129,8 @@ def parse_row(spec: str) -> dict:
     if row["trainer"] not in TRAINERS:
         raise RowError(f"row {row['name']}: trainer is one of {', '.join(TRAINERS)}, "
                        f"not {row['trainer']!r}")
-    for k in ("batch", "seq", "layers"):
+    row.setdefault("context", "1")
+    for k in ("batch", "seq", "layers", "context"):
         if not row[k].isdigit() or int(row[k]) < 1:
             raise RowError(f"row {row['name']}: {k} is a positive whole number, "
                            f"not {row[k]!r}")
@@ -145,7 +153,8 @@ def ours_argv(row: dict, extra: str = "") -> list[str]:
     """The trainer's flags for the row: the global batch is the per-chip batch x chips,
     sharded over every chip (fsdp)."""
     return [row["preset"], "--dry-run", "--compile-topology", row["topology"],
-            "--mesh.fsdp", "-1", "--train.batch-size", str(row["batch"] * row["chips"]),
+            "--mesh.fsdp", "-1", "--mesh.context", str(row["context"]),
+            "--train.batch-size", str(row["batch"] * row["chips"] // row["context"]),
             "--train.seq-len", str(row["seq"]), "--model.n-layers", str(row["layers"]),
             "--model.no-scan-layers", *shlex.split(row.get("ours", "")), *shlex.split(extra)]
 
@@ -154,7 +163,8 @@ def maxtext_args(row: dict, extra: str = "") -> list[str]:
     """MaxText's overrides for the row; its default mesh is fsdp over every chip too."""
     return [f"compile_topology={row['topology']}", f"model_name={row['maxtext']}",
             "override_model_config=True", f"base_num_decoder_layers={row['layers']}",
-            f"per_device_batch_size={row['batch']}", f"max_target_length={row['seq']}",
+            f"per_device_batch_size={row['batch'] / row['context']:g}",
+            f"ici_context_parallelism={row['context']}", f"max_target_length={row['seq']}",
             "scan_layers=false", *shlex.split(row.get("theirs", "")), *shlex.split(extra)]
 
 
@@ -163,7 +173,8 @@ def model_flops_per_step(row: dict, extra: str = "") -> float:
     import importlib
     mod = importlib.import_module(TRAINERS[row["trainer"]].removesuffix(".py"))
     cfg = mod.cli(ours_argv(row, extra))
-    return mod.flops_per_token(cfg.model, row["seq"]) * row["batch"] * row["chips"] * row["seq"]
+    sequences = row["batch"] * row["chips"] / row["context"]
+    return mod.flops_per_token(cfg.model, row["seq"]) * sequences * row["seq"]
 
 
 def mfu(flops_per_step: float, step_s: float | None, chips: int, peak: float) -> float:
@@ -321,7 +332,8 @@ def table(results: list[dict]) -> str:
         o, m = s["ours"], s["maxtext"]
         lines.append(
             f"| {row['name']} | {row['preset']} ({row['layers']}) | {row['topology']} "
-            f"({row['chips']}) | {row['batch']} x {row['seq']} | "
+            f"({row['chips']}) | {row['batch']}{'/%d' % row['context'] if row['context'] > 1 else ''}"
+            f" x {row['seq']} | "
             f"{_pair(o['mem_gib'], m['mem_gib'], '{:.2f}')} | "
             f"{_pair(o['xla_tflop'], m['xla_tflop'], '{:.1f}')} | "
             f"{_pair(o['xla_over_model'], m['xla_over_model'], '{:.2f}')} | "
@@ -348,8 +360,9 @@ def table(results: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--rows", default="", help="comma-separated row names (default: all): "
-                    + ", ".join(shlex.split(r)[0].removeprefix("name=") for r in ROWS))
+    ap.add_argument("--rows", default="", help="comma-separated row names (default: all of "
+                    "ROWS): " + ", ".join(shlex.split(r)[0].removeprefix("name=") for r in ROWS
+                                         + CONTEXT_ROWS) + "; or context, every ctx row")
     ap.add_argument("--row", action="append", default=[], metavar="SPEC",
                     help="another row, as key=value words (see ROWS in this file)")
     ap.add_argument("--no-maxtext", action="store_true", help="ours only, no peer")
@@ -364,11 +377,15 @@ def main(argv: list[str] | None = None) -> None:
                     "loads, so both sides have one compiler) or own (its venv's)")
     args = ap.parse_args(argv)
     try:
-        rows = [parse_row(s) for s in ROWS + args.row]
-        if args.rows:
+        rows = [parse_row(s) for s in ROWS + CONTEXT_ROWS + args.row]
+        if args.rows == "context":
+            rows = rows[len(ROWS):len(ROWS) + len(CONTEXT_ROWS)]
+        elif args.rows:
             rows = select(rows, args.rows)
         elif args.row:   # only the rows given
-            rows = rows[len(ROWS):]
+            rows = rows[len(ROWS) + len(CONTEXT_ROWS):]
+        else:
+            rows = rows[:len(ROWS)]
         flops = {r["name"]: model_flops_per_step(r, args.ours_flags) for r in rows}
     except RowError as e:
         sys.exit(f"error: {e}")

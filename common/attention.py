@@ -127,31 +127,57 @@ _at = lambda x, i: jax.lax.dynamic_index_in_dim(x, i, 0, keepdims=False)
 _put = lambda x, u, i: jax.lax.dynamic_update_index_in_dim(x, u, i, 0)
 
 
-def _tile_scores(q_BKGCH, k_BKCH, i, j, seg_nBC, T, C, scale, causal, window, cap):
+def _tile_scores(q_BKGCH, k_BKCH, i, j, segs, S, C, scale, causal, window, cap, offs):
     """Logits of query tile i against key tile j, [B, K, G, C, C] float32; which may be
-    attended; and tanh(logits / cap) (the cap's derivative, in the backward) or None."""
+    attended; and tanh(logits / cap) (the cap's derivative, in the backward) or None. offs:
+    the sequence positions of the first query and the first key (None: both 0)."""
     s = jnp.einsum("bkgch,bksh->bkgcs", q_BKGCH, k_BKCH, preferred_element_type=F32) * scale
     th = jnp.tanh(s / cap) if cap else None
     s = cap * th if cap else s
-    tq_C1 = i * C + jnp.arange(C)[:, None]
-    tk_1C = j * C + jnp.arange(C)[None]
-    ok = _allowed(tq_C1, tk_1C, causal, window) & (tk_1C < T)   # padded keys: never
-    if seg_nBC is not None:
-        ok = ok & (_at(seg_nBC, i)[:, :, None] == _at(seg_nBC, j)[:, None, :])[:, None, None]
+    tq_C1, tk_1C = i * C + jnp.arange(C)[:, None], j * C + jnp.arange(C)[None]
+    pad_1C = tk_1C < S   # padded keys: never
+    if offs is not None:
+        tq_C1, tk_1C = tq_C1 + offs[0], tk_1C + offs[1]
+    ok = _allowed(tq_C1, tk_1C, causal, window) & pad_1C
+    if segs is not None:
+        ok = ok & (_at(segs[0], i)[:, :, None] == _at(segs[1], j)[:, None, :])[:, None, None]
     return s, ok, th
 
 
-def _inputs(q_BTNH, k_BTKH, v_BTKV, seg_BT, C):
+def _inputs(q_BTNH, k_BSKH, v_BSKV, segq_BT, segk_BS, C):
     B, T, N, H = q_BTNH.shape
-    K = k_BTKH.shape[2]
-    seg = None if seg_BT is None else _tiles(seg_BT[:, :, None], C)[..., 0]
-    return _tiles(q_BTNH.reshape(B, T, K, N // K, H), C), _tiles(k_BTKH, C), _tiles(v_BTKV, C), seg
+    K = k_BSKH.shape[2]
+    segs = None if segq_BT is None else tuple(_tiles(x[:, :, None], C)[..., 0]
+                                              for x in (segq_BT, segk_BS))
+    return _tiles(q_BTNH.reshape(B, T, K, N // K, H), C), _tiles(k_BSKH, C), _tiles(v_BSKV, C), segs
 
 
-def _flash_fwd(scale, causal, window, cap, C, q_BTNH, k_BTKH, v_BTKV, sinks_N, seg_BT):
+def _loop(body, carry, T, S, C, causal, window, offs):
+    """carry after body(carry, i, j) over the tile pairs that may hold an allowed (t, s).
+    Without offsets (self-attention) the pairs are known statically (`_pairs`); with them
+    (context parallelism: a shard's queries against keys elsewhere in the sequence) every
+    pair is visited and one whose position ranges exclude each other is skipped at run time."""
+    step = lambda c, ij: (body(c, *ij), None)
+    if offs is None:
+        return _over_pairs(step, carry, _pairs(T, C, causal, window))
+
+    def live(i, j):
+        q0, k0 = offs[0] + i * C, offs[1] + j * C
+        q1, k1 = q0 + jnp.minimum(C, T - i * C) - 1, k0 + jnp.minimum(C, S - j * C) - 1
+        return (k0 <= q1 if causal else True) & (q0 - k1 < window if window else True)
+
+    nq, nk = -(-T // C), -(-S // C)
+    ij = np.stack(np.meshgrid(np.arange(nq), np.arange(nk), indexing="ij"), -1).reshape(-1, 2)
+    skip = lambda c, ij: (jax.lax.cond(live(*ij), lambda c: body(c, *ij), lambda c: c, c), None)
+    return jax.lax.scan(skip, carry, (jnp.asarray(ij[:, 0]), jnp.asarray(ij[:, 1])))[0]
+
+
+def _flash_fwd(scale, causal, window, cap, C, q_BTNH, k_BSKH, v_BSKV, sinks_N, segq_BT,
+               segk_BS=None, offs=None):
     B, T, N, _ = q_BTNH.shape
-    K, V = k_BTKH.shape[2], v_BTKV.shape[3]
-    q, k, v, seg = _inputs(q_BTNH, k_BTKH, v_BTKV, seg_BT, C)
+    S, K, V = k_BSKH.shape[1], k_BSKH.shape[2], v_BSKV.shape[3]
+    segk_BS = segq_BT if segk_BS is None else segk_BS
+    q, k, v, segs = _inputs(q_BTNH, k_BSKH, v_BSKV, segq_BT, segk_BS, C)
     shape = (q.shape[0], B, K, N // K, C)
     if sinks_N is None:
         m, l = jnp.full(shape, NEG, F32), jnp.zeros(shape, F32)
@@ -159,11 +185,10 @@ def _flash_fwd(scale, causal, window, cap, C, q_BTNH, k_BTKH, v_BTKV, sinks_N, s
         m = jnp.broadcast_to(sinks_N.astype(F32).reshape(K, N // K, 1), shape)
         l = jnp.ones(shape, F32)
 
-    def step(carry, ij):   # online softmax: rescale what tile i has so far to the new max
+    def body(carry, i, j):   # online softmax: rescale what tile i has so far to the new max
         m_nBKGC, l_nBKGC, acc_nBKGCV = carry
-        i, j = ij
-        s, ok, _ = _tile_scores(_at(q, i), _at(k, j), i, j, seg, T, C, scale, causal, window,
-                                cap)
+        s, ok, _ = _tile_scores(_at(q, i), _at(k, j), i, j, segs, S, C, scale, causal, window,
+                                cap, offs)
         s = jnp.where(ok, s, NEG)
         m_old = _at(m_nBKGC, i)
         m_new = jnp.maximum(m_old, s.max(-1))
@@ -172,30 +197,31 @@ def _flash_fwd(scale, causal, window, cap, C, q_BTNH, k_BTKH, v_BTKV, sinks_N, s
         pv = jnp.einsum("bkgcs,bksv->bkgcv", p.astype(v.dtype), _at(v, j),
                         preferred_element_type=F32)
         return (_put(m_nBKGC, m_new, i), _put(l_nBKGC, a * _at(l_nBKGC, i) + p.sum(-1), i),
-                _put(acc_nBKGCV, a[..., None] * _at(acc_nBKGCV, i) + pv, i)), None
+                _put(acc_nBKGCV, a[..., None] * _at(acc_nBKGCV, i) + pv, i))
 
-    m, l, acc = _over_pairs(step, (m, l, jnp.zeros((*shape, V), F32)), pairs=_pairs(
-        T, C, causal, window))
+    m, l, acc = _loop(body, (m, l, jnp.zeros((*shape, V), F32)), T, S, C, causal, window, offs)
     l = jnp.where(l > 0, l, 1.0)   # 0 only where nothing is allowed (and no sink): output 0
-    o_BTNV = _untile(acc / l[..., None], T).reshape(B, T, N, V).astype(v_BTKV.dtype)
-    return o_BTNV, (q_BTNH, k_BTKH, v_BTKV, sinks_N, seg_BT, o_BTNV, m + jnp.log(l))
+    o_BTNV = _untile(acc / l[..., None], T).reshape(B, T, N, V).astype(v_BSKV.dtype)
+    return o_BTNV, (q_BTNH, k_BSKH, v_BSKV, sinks_N, segq_BT, segk_BS, offs, o_BTNV,
+                    m + jnp.log(l))
 
 
 def _flash_bwd(scale, causal, window, cap, C, res, do_BTNV):
     """FlashAttention-2's backward: per tile pair, P from the saved logsumexp, then
-    dV += P^T dO, dS = P (dO V^T - D) with D = rowsum(dO O), dQ += dS K, dK += dS^T Q."""
-    q_BTNH, k_BTKH, v_BTKV, sinks_N, seg_BT, o_BTNV, lse = res
+    dV += P^T dO, dS = P (dO V^T - D) with D = rowsum(dO O), dQ += dS K, dK += dS^T Q. With
+    another softmax's o and logsumexp (ring attention's, over all keys) it gives this key
+    block's share of that softmax's gradients."""
+    q_BTNH, k_BSKH, v_BSKV, sinks_N, segq_BT, segk_BS, offs, o_BTNV, lse = res
     B, T, N, H = q_BTNH.shape
-    K, V = k_BTKH.shape[2], v_BTKV.shape[3]
-    q, k, v, seg = _inputs(q_BTNH, k_BTKH, v_BTKV, seg_BT, C)
+    S, K, V = k_BSKH.shape[1], k_BSKH.shape[2], v_BSKV.shape[3]
+    q, k, v, segs = _inputs(q_BTNH, k_BSKH, v_BSKV, segq_BT, segk_BS, C)
     do, o = (_tiles(x.reshape(B, T, K, N // K, V), C) for x in (do_BTNV, o_BTNV))
     D_nBKGC = jnp.sum(do.astype(F32) * o.astype(F32), -1)   # 0 on padded rows: dO is 0 there
 
-    def step(carry, ij):
+    def body(carry, i, j):
         dq, dk, dv = carry
-        i, j = ij
         q_i, k_j, v_j, do_i = _at(q, i), _at(k, j), _at(v, j), _at(do, i)
-        s, ok, th = _tile_scores(q_i, k_j, i, j, seg, T, C, scale, causal, window, cap)
+        s, ok, th = _tile_scores(q_i, k_j, i, j, segs, S, C, scale, causal, window, cap, offs)
         p = jnp.exp(jnp.where(ok, s - _at(lse, i)[..., None], NEG))
         dv_j = jnp.einsum("bkgcs,bkgcv->bksv", p.astype(do.dtype), do_i,
                           preferred_element_type=F32)
@@ -207,17 +233,17 @@ def _flash_bwd(scale, causal, window, cap, C, res, do_BTNV):
         dq_i = jnp.einsum("bkgcs,bksh->bkgch", ds, k_j, preferred_element_type=F32)
         dk_j = jnp.einsum("bkgcs,bkgch->bksh", ds, q_i, preferred_element_type=F32)
         return (_put(dq, _at(dq, i) + dq_i, i), _put(dk, _at(dk, j) + dk_j, j),
-                _put(dv, _at(dv, j) + dv_j, j)), None
+                _put(dv, _at(dv, j) + dv_j, j))
 
     zeros = lambda x: jnp.zeros(x.shape, F32)
-    dq, dk, dv = _over_pairs(step, (zeros(q), zeros(k), zeros(v)), _pairs(T, C, causal, window))
+    dq, dk, dv = _loop(body, (zeros(q), zeros(k), zeros(v)), T, S, C, causal, window, offs)
     dsinks = None
     if sinks_N is not None:   # o = sum_s P_s v_s, each P_s falls by P_sink: d sink = -P_sink D
         p_sink = jnp.exp(sinks_N.astype(F32).reshape(K, N // K, 1) - lse)
         dsinks = -(p_sink * D_nBKGC).sum((0, 1, 4)).reshape(N).astype(sinks_N.dtype)
     return (_untile(dq, T).reshape(B, T, N, H).astype(q_BTNH.dtype),
-            _untile(dk, T).astype(k_BTKH.dtype), _untile(dv, T).astype(v_BTKV.dtype),
-            dsinks, None)
+            _untile(dk, S).astype(k_BSKH.dtype), _untile(dv, S).astype(v_BSKV.dtype),
+            dsinks, None, None, None)
 
 
 _flash = jax.custom_vjp(lambda *args: _flash_fwd(*args)[0], nondiff_argnums=(0, 1, 2, 3, 4))
@@ -238,7 +264,171 @@ def blocked(q_BTNH, k_BSKH, v_BSKV, *, scale: float, causal: bool = True, window
     if block < 1:
         raise ValueError(f"block must be a positive number of positions, got {block}")
     return _flash(float(scale), bool(causal), int(window), float(cap), min(int(block), T),
-                  q_BTNH, k_BSKH, v_BSKV, sinks_N, segment_ids)
+                  q_BTNH, k_BSKH, v_BSKV, sinks_N, segment_ids, None, None)
+
+
+# ---- context parallelism: the sequence split over the mesh's "context" axis ---------------
+# With C context shards the sequence is cut into 2C chunks and shard d holds chunks d and
+# 2C - 1 - d (load-balanced): under a causal mask a late chunk reads many keys and an early
+# one few, so each shard pairs one of each and all do the same work. The trainers reorder
+# tokens, targets, positions and segment ids so (`to_context`) before the model; everything
+# per token is indifferent to the order, attention alone reads it (`context_attention`).
+
+def context_size() -> int:
+    mesh = jax.sharding.get_abstract_mesh()
+    return 1 if mesh.empty else dict(mesh.shape).get("context", 1)
+
+
+def context_order(T: int, C: int, balanced: bool = True) -> np.ndarray:
+    """The sequence positions in the order the C context shards hold them."""
+    if C == 1 or not balanced:
+        return np.arange(T)
+    chunks = np.arange(T).reshape(2 * C, T // (2 * C))
+    return np.concatenate([np.concatenate([chunks[d], chunks[2 * C - 1 - d]]) for d in range(C)])
+
+
+def to_context(*xs_BT):
+    """[B, T, ...] arrays (None passes) in the context shards' order; the identity without a
+    context axis. `from_context` undoes it for what a user sees (logits)."""
+    C = context_size()
+    T = next(x.shape[1] for x in xs_BT if x is not None)
+    if C > 1 and T % (2 * C):
+        raise ValueError(f"a sequence of {T} tokens does not split into 2 x {C} chunks for "
+                         f"--mesh.context {C}: make the sequence length a multiple of {2 * C}")
+    order = context_order(T, C)
+    return [x if x is None or C == 1 else x[:, order] for x in xs_BT]
+
+
+def from_context(x_BT):
+    C = context_size()
+    return x_BT if C == 1 else x_BT[:, np.argsort(context_order(x_BT.shape[1], C))]
+
+
+def fold_context(*xs_BT):
+    """[B, T, ...] -> [B C, T / C, ...]: each context shard's positions as rows of their own,
+    so that a loop over sequence chunks (the loss) stays inside every shard."""
+    C = context_size()
+    return [x if x is None or C == 1 else x.reshape(x.shape[0] * C, -1, *x.shape[2:])
+            for x in xs_BT]
+
+
+def _chunk_starts(d, C: int, T: int, balanced: bool):
+    """Sequence position of each chunk shard d (traced) holds."""
+    L = T // (2 * C) if balanced else T // C
+    return [d * L, (2 * C - 1 - d) * L] if balanced else [d * L]
+
+
+def _split(x, n: int):
+    return [None] * n if x is None else jnp.split(x, n, axis=1)
+
+
+def _ring_fwd(statics, C, balanced, T, q, k, v, seg, sinks_N):
+    """Ring attention's forward on one shard: its key/value block goes round the ring (one
+    ppermute a step, sent before the step's compute so the two overlap), each visit's partial
+    softmax (o, logsumexp) merged into the queries' running one."""
+    n, d = 2 if balanced else 1, jax.lax.axis_index("context")
+    qs, sqs, starts = _split(q, n), _split(seg, n), _chunk_starts(d, C, T, balanced)
+    B, Tq, N, _ = qs[0].shape
+    K = k.shape[2]
+    lse_rows = lambda lse: _untile(lse[..., None], Tq)[..., 0].reshape(B, Tq, N, 1)
+    o, lse, kv = [None] * n, [None] * n, (k, v, seg)
+    for s in range(C):
+        nxt = jax.lax.ppermute(kv, "context", [(i, (i + 1) % C) for i in range(C)]) \
+            if s < C - 1 else None
+        kstarts = _chunk_starts((d - s) % C, C, T, balanced)
+        for a in range(n):
+            for b, (kc, vc, sc) in enumerate(zip(*(_split(x, n) for x in kv))):
+                o_ab, res = _flash_fwd(*statics, qs[a], kc, vc, None, sqs[a], sc,
+                                       jnp.stack([starts[a], kstarts[b]]))
+                o_ab, l_ab = o_ab.astype(F32), res[-1]
+                if o[a] is None:
+                    o[a], lse[a] = o_ab, l_ab
+                    continue
+                new = jnp.logaddexp(lse[a], l_ab)
+                o[a] = (o[a] * jnp.exp(lse_rows(lse[a] - new)) +
+                        o_ab * jnp.exp(lse_rows(l_ab - new)))
+                lse[a] = new
+        kv = nxt
+    if sinks_N is not None:   # one more logit per row, with no value
+        for a in range(n):
+            new = jnp.logaddexp(lse[a], sinks_N.astype(F32).reshape(K, N // K, 1))
+            o[a], lse[a] = o[a] * jnp.exp(lse_rows(lse[a] - new)), new
+    out = jnp.concatenate(o, axis=1).astype(v.dtype)
+    return out, (q, k, v, seg, sinks_N, out, lse)
+
+
+def _ring_bwd(statics, C, balanced, T, res, do):
+    """Each visiting key block's share of the gradient (`_flash_bwd` with the full softmax's
+    logsumexp); its dk, dv travel with it and are home after the C-th step."""
+    q, k, v, seg, sinks_N, out, lse = res
+    n, d = 2 if balanced else 1, jax.lax.axis_index("context")
+    qs, sqs, dos, os = (_split(x, n) for x in (q, seg, do, out))
+    starts = _chunk_starts(d, C, T, balanced)
+    dq, dsinks = [jnp.zeros(x.shape, F32) for x in qs], None
+    kv, dkv = (k, v, seg), (jnp.zeros(k.shape, F32), jnp.zeros(v.shape, F32))
+    ring = [(i, (i + 1) % C) for i in range(C)]
+    for s in range(C):
+        kstarts = _chunk_starts((d - s) % C, C, T, balanced)
+        dk, dv = [], []
+        for b, (kc, vc, sc) in enumerate(zip(*(_split(x, n) for x in kv))):
+            dk_b, dv_b = 0.0, 0.0
+            for a in range(n):
+                first = s == 0 and b == 0 and sinks_N is not None   # the sinks' term, once
+                dq_ab, dk_ab, dv_ab, ds, *_ = _flash_bwd(*statics, (
+                    qs[a], kc, vc, sinks_N if first else None, sqs[a], sc,
+                    jnp.stack([starts[a], kstarts[b]]), os[a], lse[a]), dos[a])
+                dq[a], dk_b, dv_b = dq[a] + dq_ab, dk_b + dk_ab, dv_b + dv_ab
+                dsinks = ds if dsinks is None else dsinks if ds is None else dsinks + ds
+            dk.append(dk_b)
+            dv.append(dv_b)
+        dkv = (dkv[0] + jnp.concatenate(dk, 1), dkv[1] + jnp.concatenate(dv, 1))
+        kv, dkv = (jax.lax.ppermute((kv, dkv), "context", ring) if s < C - 1 else
+                   (kv, jax.lax.ppermute(dkv, "context", ring)))
+    return (jnp.concatenate(dq, 1).astype(q.dtype), dkv[0].astype(k.dtype),
+            dkv[1].astype(v.dtype), None, dsinks)
+
+
+_ring = jax.custom_vjp(lambda *args: _ring_fwd(*args)[0], nondiff_argnums=(0, 1, 2, 3))
+_ring.defvjp(_ring_fwd, _ring_bwd)
+
+CONTEXT_IMPLS = ("allgather", "ring")
+
+
+def context_attention(q_BTNH, k_BTKH, v_BTKV, *, strategy: str = "allgather", scale: float,
+                      causal: bool = True, window: int = 0, cap: float = 0.0, sinks_N=None,
+                      segment_ids=None, batch_axes=("data", "fsdp"), balanced: bool = True,
+                      block: int = 512):
+    """`reference` on a sequence split over the mesh's context axis, in `context_order`
+    (`balanced`, else plain contiguous shards), positions global. allgather: each shard
+    gathers every key and value (MaxText's default: simple, the whole K/V's memory); ring:
+    the blocks pass from shard to shard (`_ring_fwd`), so a shard holds two at a time. Both
+    run the blocked kernel on each (query chunk, key chunk) pair, skipping the tiles the
+    causal mask or a window excludes."""
+    _check(q_BTNH, k_BTKH, v_BTKV)
+    B, T, N, H = q_BTNH.shape
+    C, n = context_size(), 2 if balanced else 1
+    if strategy not in CONTEXT_IMPLS:
+        raise ValueError(f"context attention {strategy!r}: choose one of "
+                         f"{', '.join(CONTEXT_IMPLS)}")
+    if T % (n * C) or k_BTKH.shape[1] != T:
+        raise ValueError(f"context attention: {T} queries, {k_BTKH.shape[1]} keys over "
+                         f"--mesh.context {C}: self-attention on a multiple of {n * C} tokens")
+    statics = (float(scale), bool(causal), int(window), float(cap), min(block, T // (n * C)))
+
+    def one_shard(q, k, v, seg, sinks):
+        if strategy == "ring":
+            return _ring(statics, C, balanced, T, q, k, v, seg, sinks)
+        back = np.argsort(context_order(T, C, balanced))   # gathered -> sequence order
+        k, v, sk = (None if x is None else jax.lax.all_gather(x, "context", axis=1, tiled=True)
+                    [:, back] for x in (k, v, seg))
+        starts = _chunk_starts(jax.lax.axis_index("context"), C, T, balanced)
+        return jnp.concatenate([_flash(*statics, qc, k, v, sinks, sc, sk, jnp.stack([t0, 0]))
+                                for qc, sc, t0 in zip(_split(q, n), _split(seg, n), starts)], 1)
+
+    heads = P(batch_axes, "context", "tensor", None)
+    return jax.shard_map(one_shard, in_specs=(heads, heads, heads, P(batch_axes, "context"),
+                                               P("tensor")), out_specs=heads, check_vma=False)(
+        q_BTNH, k_BTKH, v_BTKV, segment_ids, sinks_N)
 
 
 # ---- choosing the kernel: by the devices the step compiles for ----------------------------
@@ -276,10 +466,15 @@ def check_kernel(impl: str, platform: str, seq_len: int,
 
 def attend(q_BTNH, k_BSKH, v_BSKV, *, impl: str = "auto", scale: float, causal: bool = True,
            window: int = 0, cap: float = 0.0, sinks_N=None, segment_ids=None, mask_BTS=None,
-           batch_axes=("data", "fsdp")):
+           batch_axes=("data", "fsdp"), context: str = "allgather"):
     """Attention by the kernel `choose` picks for the compile target; every kernel computes
     `reference`'s function (tests/test_attention.py holds them to it). mask_BTS (True = may
-    attend) replaces causal/window/segments where the pattern is not one of those."""
+    attend) replaces causal/window/segments where the pattern is not one of those. On a mesh
+    with a context axis the sequence is split (`context_attention`, by `context`)."""
+    if context_size() > 1 and mask_BTS is None:
+        return context_attention(q_BTNH, k_BSKH, v_BSKV, strategy=context, scale=scale,
+                                 causal=causal, window=window, cap=cap, sinks_N=sinks_N,
+                                 segment_ids=segment_ids, batch_axes=batch_axes)
     if mask_BTS is not None:  # a KV cache's tail, left padding: XLA's masked softmax
         if window or sinks_N is not None or segment_ids is not None:
             raise ValueError("attend: an explicit mask_BTS takes no window, sinks or segments")

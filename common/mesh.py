@@ -1,11 +1,12 @@
-"""Device mesh: four named axes, each with a size inside a slice (ici) and across slices (dcn).
+"""Device mesh: five named axes, each with a size inside a slice (ici) and across slices (dcn).
 
-| axis   | shards                                        |
-| ------ | --------------------------------------------- |
-| data   | the batch (pure data parallel)                |
-| fsdp   | the batch and the model dimension of weights  |
-| tensor | heads, MLP hidden, vocabulary                 |
-| expert | experts and the batch (MoE only)              |
+| axis    | shards                                                           |
+| ------- | ---------------------------------------------------------------- |
+| data    | the batch (pure data parallel)                                   |
+| fsdp    | the batch and the model dimension of weights                     |
+| context | the sequence of activations (long context: common/attention.py)  |
+| tensor  | heads, MLP hidden, vocabulary                                    |
+| expert  | experts and the batch (MoE only)                                 |
 
 The mesh is validated against the device count before anything is compiled, so a wrong
 launch fails in a second with the flag to change, not after minutes of compilation.
@@ -19,7 +20,7 @@ import jax
 from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
-AXES = ("data", "fsdp", "tensor", "expert")
+AXES = ("data", "fsdp", "context", "tensor", "expert")
 _DCN_AXES = tuple("dcn_" + a for a in AXES)  # MeshConfig's field names for the dcn sizes
 BATCH_AXES = ("data", "fsdp")  # the batch dimension is split over these (plus "expert" in MoE)
 
@@ -35,10 +36,12 @@ class MeshConfig:
 
     data: int = 1
     fsdp: int = -1
+    context: int = 1
     tensor: int = 1
     expert: int = 1
     dcn_data: int = 1
     dcn_fsdp: int = 1
+    dcn_context: int = 1
     dcn_tensor: int = 1
     dcn_expert: int = 1
 

@@ -135,6 +135,20 @@ def check_batch(batch_size: int, microbatches: int, mesh: MeshConfig,
                           f"a multiple of {shards * microbatches}.")
 
 
+def check_sequence(mesh: MeshConfig, seq_len: int, loss_chunk: int, qk_clip: float,
+                   attn_chunk: int = 0) -> None:
+    """The sequence splits over --mesh.context: into two chunks per shard (the load-balanced
+    layout, common/attention.py), each shard's share into whole loss chunks."""
+    C, T = mesh.context * mesh.dcn_context, seq_len
+    need((C == 1 or T % (2 * C) == 0) and T // C % min(loss_chunk, T // C) == 0, f"--train."
+         f"seq-len {T} over --mesh.context {C}: each shard's two halves and its --model.loss-"
+         f"chunk {loss_chunk} positions must divide it; pick a multiple of both.")
+    need(C == 1 or not qk_clip, f"--train.qk-clip-threshold with --mesh.context {C}: QK-clip's "
+         "logit maxima are not taken over a split sequence yet. Set one of them off.")
+    need(C == 1 or not attn_chunk, f"--model.attn-chunk with --mesh.context {C}: the chunked "
+         "local layers fold the sequence into rows, which a split sequence cannot. Set one off.")
+
+
 def check_vocab(tokenizer_size: int, vocab_size: int) -> None:
     if tokenizer_size > vocab_size:
         raise ConfigError(f"the tokenizer has {tokenizer_size} tokens but --model.vocab-size is "

@@ -126,8 +126,8 @@ def test_a_learning_rate_of_1e4_exits_3_within_a_few_steps(data_path, tmp_path):
 # range the code widens or narrows by mistake fails below. "-1 or R": -1 has a meaning of its
 # own (the paper's clip range, the latest checkpoint, "the devices left" for a mesh axis).
 
-MESH = """mesh.data mesh.fsdp mesh.tensor mesh.expert: -1 or >= 1
-          mesh.dcn_data mesh.dcn_fsdp mesh.dcn_tensor mesh.dcn_expert: >= 1"""
+MESH = """mesh.data mesh.fsdp mesh.context mesh.tensor mesh.expert: -1 or >= 1
+          mesh.dcn_data mesh.dcn_fsdp mesh.dcn_context mesh.dcn_tensor mesh.dcn_expert: >= 1"""
 CKPT = """checkpoint.every: >= 0 | checkpoint.keep: > 0 | checkpoint.restore_step: -1 or >= 0
           bench: >= 0"""
 DATA = "data.vocab_size: > 0 | data.seed: >= 0 | data.eval_fraction: (0, 1)"
@@ -271,22 +271,25 @@ LOOP = """steps lr log_every eval_every microbatches qk_clip_threshold profile_s
           max_bad_steps"""
 RESUMABLE = {
     "train_dense": f"""train: {LOOP} eval_batches sample_tokens temperature sample_prompt eval_samples
-        model: dtype attention remat scan_layers loss_chunk loss_impl
+        model: dtype attention context_attention remat scan_layers loss_chunk loss_impl
         : quiet mesh checkpoint dry_run compile_topology compile_slices bench run_dir
         data: cache_dir""",
     "train_moe": f"""train: {LOOP} eval_batches sample_tokens temperature sample_prompt
-        model: dtype attention remat scan_layers loss_chunk grouped_matmul gmm_tile
+        model: dtype attention context_attention remat scan_layers loss_chunk grouped_matmul
+               gmm_tile
         : quiet mesh checkpoint dry_run compile_topology compile_slices bench bench_twin run_dir
         data: cache_dir""",
     "train_grpo": f"""grpo: {LOOP}
-        model: dtype attention remat scan_layers loss_chunk loss_impl
+        model: dtype attention context_attention remat scan_layers loss_chunk loss_impl
         : quiet mesh checkpoint dry_run bench run_dir warm""",
 }
 # Model fields kept from this run's flags under --init-from(-hf): how to compute, not what.
-COMPUTE = {"train_dense": "dtype attention remat scan_layers loss_chunk loss_impl",
-           "train_moe": "dtype attention remat scan_layers loss_chunk grouped_matmul gmm_tile "
-                        "capacity_factor",
-           "train_grpo": "dtype attention remat scan_layers loss_chunk loss_impl"}
+COMPUTE = {"train_dense": "dtype attention context_attention remat scan_layers loss_chunk "
+                          "loss_impl",
+           "train_moe": "dtype attention context_attention remat scan_layers loss_chunk "
+                        "grouped_matmul gmm_tile capacity_factor",
+           "train_grpo": "dtype attention context_attention remat scan_layers loss_chunk "
+                         "loss_impl"}
 
 
 @pytest.mark.parametrize("mod", [td, tm, tg], ids=lambda m: m.__name__)

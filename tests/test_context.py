@@ -1,0 +1,153 @@
+"""Context parallelism (--mesh.context): the sequence split over devices equals one device.
+
+The kernels against `reference` on random q/k/v (every knob, both strategies, both layouts,
+tiles small enough that the causal and window skipping is exercised), then the trainers' loss
+and gradients on context meshes against one device, the order a user sees restored, and the
+refusals."""
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import train_dense as td
+import train_moe as tm
+from common import attention as A
+from common.mesh import MeshConfig, make_mesh
+from tests import test_dense as dense
+from tests import test_moe as moe
+from tests.test_deepseek import DS
+from tests.test_gptoss import GPT, gpt_params
+
+B, T, N, K, H = 2, 32, 4, 2, 8
+RNG = np.random.default_rng(0)
+Q, KK, V = (jnp.asarray(RNG.normal(size=(B, T, n, H)), jnp.float32) for n in (N, K, K))
+SINKS = jnp.asarray(RNG.normal(size=(N,)), jnp.float32)
+SEG = jnp.asarray([[0] * 13 + [1] * 19, [0] * 5 + [1] * 20 + [2] * 7], jnp.int32)
+KNOBS = {"causal": {}, "window": dict(window=5), "cap+sinks": dict(cap=2.0, sinks=True),
+         "segments+window": dict(segments=True, window=9), "bidirectional": dict(causal=False)}
+
+
+def _attention(fn, knobs, order):
+    """fn's output in sequence order and a weighted sum of it to differentiate, on inputs in
+    `order` (the context shards'), every output element weighted differently."""
+    def f(q, k, v, sinks):
+        kw = {k: v for k, v in knobs.items() if k not in ("sinks", "segments")}
+        o = fn(q[:, order], k[:, order], v[:, order], scale=0.3, sinks_N=sinks if knobs.get(
+            "sinks") else None, segment_ids=SEG[:, order] if knobs.get("segments") else None, **kw)
+        o = o[:, np.argsort(order)]
+        return jnp.sum(o * jnp.cos(jnp.arange(o.size).reshape(o.shape))), o
+    return jax.jit(jax.value_and_grad(f, (0, 1, 2, 3), has_aux=True))
+
+
+@pytest.mark.parametrize("knobs", KNOBS.values(), ids=KNOBS.keys())
+@pytest.mark.parametrize("strategy", A.CONTEXT_IMPLS)
+def test_context_attention_equals_the_reference(strategy, knobs):
+    (_, want), g_want = _attention(A.reference, knobs, np.arange(T))(Q, KK, V, SINKS)
+    for mc, balanced, block in [(MeshConfig(fsdp=2, context=2, tensor=2), True, 512),
+                                (MeshConfig(fsdp=2, context=4), True, 2),
+                                (MeshConfig(context=4, tensor=2), False, 3)]:
+        fn = lambda *a, **kw: A.context_attention(*a, strategy=strategy, balanced=balanced,
+                                                  block=block, **kw)
+        with jax.set_mesh(make_mesh(mc)):
+            (_, got), g_got = _attention(fn, knobs, A.context_order(T, mc.context, balanced))(
+                Q, KK, V, SINKS)
+        np.testing.assert_allclose(got, want, atol=2e-6, err_msg=str(mc))
+        for a, b in zip(g_got, g_want):
+            np.testing.assert_allclose(a, b, atol=5e-6, err_msg=str(mc))
+
+
+def test_the_balanced_layout_gives_each_shard_an_early_and_a_late_chunk():
+    order = A.context_order(16, 4)
+    assert order.reshape(4, 4).tolist() == [[0, 1, 14, 15], [2, 3, 12, 13], [4, 5, 10, 11],
+                                           [6, 7, 8, 9]]
+    # Causal work per shard: the keys its queries may read, all equal.
+    assert len({int(np.sum(s + 1)) for s in order.reshape(4, 4)}) == 1
+    with jax.set_mesh(make_mesh(MeshConfig(fsdp=2, context=4))):
+        x = jnp.arange(32).reshape(2, 16)
+        assert (A.from_context(A.to_context(x)[0]) == x).all()
+        with pytest.raises(ValueError, match="--mesh.context 4"):
+            A.to_context(jnp.zeros((2, 12)))
+
+
+def dense_cfg(model, impl):
+    return dense.small_cfg(dataclasses.replace(model, context_attention=impl))
+
+
+@pytest.mark.parametrize("impl", A.CONTEXT_IMPLS)
+@pytest.mark.parametrize("model", [dense.SMALL, dense.GEMMA2], ids=["llama", "gemma2"])
+def test_dense_context_equals_one_device(model, impl):
+    """Causal, GQA, a sliding window (Gemma 2: 5 of 16 tokens, soft-caps) on context 2 with fsdp
+    and with tensor, and context 4."""
+    cfg = dense_cfg(model, impl)
+    params, batch = dense.perturbed_params(cfg), dense.tokens(cfg)
+    one = make_mesh(MeshConfig(fsdp=1), jax.devices()[:1])
+    ref_loss, ref_g = dense.grads_and_loss(cfg, params, batch, one)
+    for mc in (MeshConfig(fsdp=4, context=2), MeshConfig(fsdp=2, context=2, tensor=2),
+               MeshConfig(fsdp=2, context=4)):
+        loss, g = dense.grads_and_loss(cfg, params, batch, make_mesh(mc))
+        assert loss == pytest.approx(ref_loss, rel=1e-6), mc
+        for a, b in zip(jax.tree.leaves(ref_g), jax.tree.leaves(g)):
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6, err_msg=str(mc))
+
+
+def test_dense_packed_rows_and_logits_in_the_users_order():
+    """SFT's packed rows (segment ids, positions restarting per example) split over context,
+    and `forward`'s logits in sequence order, each equal to one device's."""
+    cfg = dense_cfg(dense.KNOBS, "ring")
+    params = dense.perturbed_params(cfg)
+    rng = np.random.default_rng(5)
+    seg = np.sort(rng.integers(0, 3, (8, 16)), axis=1).astype(np.int32)
+    pos = np.concatenate([np.arange(16)[None] - np.argmax(seg[:, None] == seg[:, :, None],
+                                                          axis=2)], 0).astype(np.int32)
+    toks = rng.integers(0, 256, (8, 16), dtype=np.int32)
+    batch = {"inputs": toks, "targets": np.roll(toks, -1, 1), "segment_ids": seg,
+             "positions": pos, "weights": (rng.random((8, 16)) > 0.3).astype(np.float32)}
+    loss = jax.jit(jax.value_and_grad(lambda p, b: td.loss_fn(p, b, cfg.model)[0]))
+    logits = jax.jit(lambda p, b: td.forward(p, b["inputs"], cfg.model,
+                                             segment_ids=b["segment_ids"],
+                                             positions=b["positions"]))
+    out = {}
+    for name, mesh in [("one", make_mesh(MeshConfig(fsdp=1), jax.devices()[:1])),
+                       ("context", make_mesh(MeshConfig(fsdp=2, context=4)))]:
+        with jax.set_mesh(mesh):
+            out[name] = jax.device_get((loss(params, batch), logits(params, batch)))
+    (l1, g1), z1 = out["one"]
+    (l2, g2), z2 = out["context"]
+    assert float(l2) == pytest.approx(float(l1), rel=1e-6)
+    np.testing.assert_allclose(z2, z1, atol=2e-5)
+    moe.assert_trees_close(g1, g2)
+
+
+@pytest.mark.parametrize("name,model,params", [
+    ("mixtral", moe.SMALL, lambda m: moe.perturbed_params(m)),
+    ("deepseek-mla", dataclasses.replace(DS, context_attention="ring"),
+     lambda m: moe.perturbed_params(m)),
+    ("gpt-oss-sinks-window", GPT, gpt_params)], ids=lambda x: x if isinstance(x, str) else "")
+def test_moe_context_equals_one_device(name, model, params):
+    cfg = moe.small_cfg(model, load_balance_loss=0.1, router_z_loss=0.01)
+    p, batch = params(model), moe.tokens(cfg)
+    want = moe.loss_and_grads(cfg, p, batch, make_mesh(MeshConfig(fsdp=1), jax.devices()[:1]))
+    for mc in (MeshConfig(fsdp=2, context=2, expert=2), MeshConfig(fsdp=2, context=4)):
+        got = moe.loss_and_grads(cfg, p, batch, make_mesh(mc))
+        assert got[0] == pytest.approx(want[0], rel=1e-5), mc
+        moe.assert_trees_close(got[2], want[2], rtol=2e-4, atol=2e-6)
+
+
+@pytest.mark.parametrize("argv,flags", [
+    (["--mesh.context", "4", "--train.seq-len", "36"], ["--train.seq-len 36", "--mesh.context 4"]),
+    (["--mesh.context", "2", "--train.qk-clip-threshold", "50"],
+     ["--train.qk-clip-threshold", "--mesh.context 2"]),
+])
+def test_a_sequence_the_context_cannot_split_is_refused_naming_both_flags(argv, flags):
+    cfg = td.cli(["tiny", "--mesh.fsdp", "1", *argv])
+    with pytest.raises(td.ConfigError) as e:
+        td.validate(cfg, int(argv[1]))
+    assert all(f in str(e.value) for f in flags), str(e.value)
+
+
+def test_moe_refuses_chunked_local_attention_on_a_split_sequence():
+    cfg = tm.cli(["tiny-llama4", "--mesh.fsdp", "1", "--mesh.context", "2"])
+    with pytest.raises(tm.ConfigError, match="--model.attn-chunk"):
+        tm.validate(cfg, 2)
