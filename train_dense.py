@@ -657,7 +657,8 @@ def main(cfg: Config) -> dict:
     step_fn = st.jit(partial(train_step, cfg=cfg, tx=st.tx))
     check_kernel(m.attention, pf, tc.seq_len)
     kernel = choose(m.attention, pf, dtype=m.dtype, T=tc.seq_len, H=m.head_dim, V=m.head_dim,
-                    cap=m.attn_softcap, segments=cfg.data.format == "sft" and cfg.data.pack)
+                    cap=m.attn_softcap, segments=cfg.data.format == "sft" and cfg.data.pack,
+                    context=(mesh.shape["context"], m.context_attention))
     log(f"model {count_params(m) / 1e6:.1f}M parameters, {kernel} attention | mesh "
         f"{describe(mesh)} | {len(devices)} {pf} devices, {jax.process_count()} process(es)")
     tokens = np.random.default_rng(0).integers(0, m.vocab_size, (tc.batch_size, tc.seq_len + 1),

@@ -1094,7 +1094,8 @@ def main(cfg: Config) -> dict:
     check_kernel(m.attention, pf, tc.seq_len)
     H, V = ((m.qk_nope_head_dim + m.qk_rope_head_dim, m.v_head_dim) if m.kv_lora_rank else
             (m.head_dim, m.head_dim))  # query and value head widths (MLA's differ)
-    kernel = choose(m.attention, pf, dtype=m.dtype, T=tc.seq_len, sinks=m.attn_sinks, H=H, V=V)
+    kernel = choose(m.attention, pf, dtype=m.dtype, T=tc.seq_len, sinks=m.attn_sinks, H=H, V=V,
+                    context=(mesh.shape["context"], m.context_attention))
     drop = "dropless" if m.capacity_factor == 0 else f"capacity factor {m.capacity_factor}"
     log(f"model {count_params(m):,} parameters, {count_active_params(m):,} active ({m.n_experts} "
         f"experts, top-{m.top_k}, {drop}, {_grouped_impl(m, pf)} grouped matmul, {kernel} "

@@ -115,12 +115,12 @@ def _pairs(T: int, C: int, causal: bool, window: int):
     return np.array(ij, np.int32)
 
 
-def _over_pairs(step, carry, pairs):
-    """carry after step(carry, (i, j)) over the pairs. One pair runs without a loop, so a
-    sequence of one tile compiles to the plain softmax's program."""
-    if len(pairs) == 1:
-        return step(carry, tuple(int(x) for x in pairs[0]))[0]
-    return jax.lax.scan(step, carry, (pairs[:, 0], pairs[:, 1]))[0]
+def _while(n: int, visit, carry):
+    """carry after visit(t, carry) for t = 0 .. n-1, as a while loop. The kernels' loops are
+    not scans: a scan inside a custom VJP inside a scanned layer is still linearised by JAX,
+    which then stacks every step's [C, C] scores as residuals (16 GiB a layer at 32k)."""
+    return jax.lax.while_loop(lambda tc: tc[0] < n, lambda tc: (tc[0] + 1, visit(*tc)),
+                              (jnp.int32(0), carry))[1]
 
 
 _at = lambda x, i: jax.lax.dynamic_index_in_dim(x, i, 0, keepdims=False)
@@ -157,19 +157,21 @@ def _loop(body, carry, T, S, C, causal, window, offs):
     Without offsets (self-attention) the pairs are known statically (`_pairs`); with them
     (context parallelism: a shard's queries against keys elsewhere in the sequence) every
     pair is visited and one whose position ranges exclude each other is skipped at run time."""
-    step = lambda c, ij: (body(c, *ij), None)
     if offs is None:
-        return _over_pairs(step, carry, _pairs(T, C, causal, window))
+        pairs = _pairs(T, C, causal, window)
+        if len(pairs) == 1:   # one tile: no loop, the plain softmax's program
+            return body(carry, *(int(x) for x in pairs[0]))
+        ij = jnp.asarray(pairs)
+        return _while(len(pairs), lambda t, c: body(c, ij[t, 0], ij[t, 1]), carry)
 
     def live(i, j):
         q0, k0 = offs[0] + i * C, offs[1] + j * C
         q1, k1 = q0 + jnp.minimum(C, T - i * C) - 1, k0 + jnp.minimum(C, S - j * C) - 1
         return (k0 <= q1 if causal else True) & (q0 - k1 < window if window else True)
 
-    nq, nk = -(-T // C), -(-S // C)
-    ij = np.stack(np.meshgrid(np.arange(nq), np.arange(nk), indexing="ij"), -1).reshape(-1, 2)
-    skip = lambda c, ij: (jax.lax.cond(live(*ij), lambda c: body(c, *ij), lambda c: c, c), None)
-    return jax.lax.scan(skip, carry, (jnp.asarray(ij[:, 0]), jnp.asarray(ij[:, 1])))[0]
+    nk = -(-S // C)
+    return _while(-(-T // C) * nk, lambda t, c: jax.lax.cond(
+        live(t // nk, t % nk), lambda c: body(c, t // nk, t % nk), lambda c: c, c), carry)
 
 
 def _flash_fwd(scale, causal, window, cap, C, q_BTNH, k_BSKH, v_BSKV, sinks_N, segq_BT,
@@ -437,10 +439,13 @@ IMPLS = ("auto", "splash", "cudnn", "blocked", "xla", "einsum")
 
 
 def choose(impl: str, platform: str, *, dtype, T: int, H: int, V: int, cap: float = 0.0,
-           sinks: bool = False, segments: bool = False) -> str:
+           sinks: bool = False, segments: bool = False, context=(1, "allgather")) -> str:
     """The kernel `attend` runs. `auto`: splash on TPU, cuDNN on GPU where its fused kernel
     applies (16-bit inputs, equal q/v widths up to 128, no soft-cap, sinks or segments),
-    blocked otherwise (the CPU's: one tile while T fits in a block)."""
+    blocked otherwise (the CPU's: one tile while T fits in a block). context: (the mesh's
+    context size, the strategy): over a split sequence, `context_attention`'s."""
+    if context[0] > 1:
+        return f"{context[1]} context x{context[0]} (blocked)"
     if impl != "auto":
         return impl
     if platform == "tpu" and T % 128 == 0:
