@@ -65,6 +65,11 @@ class ModelConfig:
     sandwich_norm: bool = False   # norms after attention and MLP too, before the residual adds
     embed_scale: bool = False     # embeddings times sqrt(d_model), rounded to the compute dtype
     gelu: bool = False            # GeGLU with tanh-approximated GELU instead of SwiGLU
+    # OLMo 2 / 3 (with Gemma 3's windows and RoPE bases)
+    post_norm: bool = False       # norms only after attention and MLP, none before
+    qk_norm_whole: bool = False   # the q and k norms span all heads at once ([N, H], [K, H])
+    yarn_factor: float = 0.0      # YaRN RoPE on the global layers: context stretched this much
+    yarn_original_max_len: int = 4096  # ... from this pre-training context (beta 32 and 1)
     # How to compute, not what: these may change when a run is resumed.
     dtype: Literal["float32", "bfloat16"] = how("float32")  # activations and matmuls (weights f32)
     # auto: splash on TPU, cuDNN on GPU where it applies, else blocked (common/attention.py)
@@ -141,6 +146,9 @@ FAMILIES = {  # Gemma: (1 + w) and sandwich norms, GeGLU, tied embeddings scaled
     "gemma3": (4096, _GEMMA | dict(vocab_size=262208, max_seq_len=131072, sliding_window=1024,
                                    global_every=6, rope_theta=1e6, rope_local_theta=1e4,
                                    rope_linear=8.0, qk_norm=True)),
+    "olmo3": (8192, dict(vocab_size=100278, max_seq_len=65536, rope_theta=5e5, norm_eps=1e-6,
+                         post_norm=True, qk_norm=True, qk_norm_whole=True, sliding_window=4096,
+                         global_every=4, yarn_factor=8.0, yarn_original_max_len=8192)),
 }
 SHAPE = ("d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff")
 SIZES = {  # name: (description, family, shape, other fields)
@@ -165,6 +173,8 @@ SIZES = {  # name: (description, family, shape, other fields)
     "gemma3-12b": ("Gemma 3 12B, its text model", "gemma3", (3840, 48, 16, 8, 256, 15360)),
     "gemma3-27b": ("Gemma 3 27B, its text model", "gemma3", (5376, 62, 32, 16, 128, 21504),
                    dict(query_scale=168.0)),
+    "olmo3-7b": ("OLMo 3 7B (post norms, windows, YaRN)", "olmo3", (4096, 32, 32, 32, 128, 11008)),
+    "olmo3-32b": ("OLMo 3 32B", "olmo3", (5120, 64, 40, 8, 128, 27648)),
 }
 
 
@@ -189,6 +199,11 @@ PRESETS: dict[str, tuple[str, Config]] = {
                    Config(model=ModelConfig(**FAMILIES["gemma2"][1] | dict(
                        vocab_size=4096, head_dim=64, query_scale=0.0, max_seq_len=2048,
                        sliding_window=128)), run_dir="runs/tiny-gemma")),
+    # `tiny` with OLMo 3's knobs: window 128, YaRN stretching the 256 tokens it trains on 8x.
+    "tiny-olmo3": ("`tiny` as OLMo 3: post norms, all-head q/k norms, local/global layers, YaRN",
+                   Config(model=ModelConfig(**FAMILIES["olmo3"][1] | dict(
+                       vocab_size=4096, max_seq_len=2048, sliding_window=128,
+                       yarn_original_max_len=256)), run_dir="runs/tiny-olmo3")),
     # `make sft`: tools/sft_demo.py writes the data; the model is the `make train` run's.
     "tiny-sft": (  # SFT
         "fine-tune runs/tiny on the generated instruction set: the `make sft` demo",
@@ -219,9 +234,10 @@ def _param_table(cfg: ModelConfig) -> dict:
                            cfg.head_dim, cfg.d_ff, cfg.vocab_size)
     std, out_std = 0.02, 0.02 / math.sqrt(2 * L)
     one = 0.0 if cfg.norm_plus_one else None   # a (1 + w) gain starts at w = 0
-    bias, qk, sw = cfg.qkv_bias, cfg.qk_norm, cfg.sandwich_norm
+    bias, qk, sw = cfg.qkv_bias, cfg.qk_norm, cfg.sandwich_norm or cfg.post_norm
+    pre, hs = not cfg.post_norm, ("tensor", None) if cfg.qk_norm_whole else (None,)  # q/k norms
     rows = {  # name: (shape and spec after the L axis, init std, whether this model has it)
-        "attn_norm": ((D,), (None,), one, True), "mlp_norm": ((D,), (None,), one, True),
+        "attn_norm": ((D,), (None,), one, pre), "mlp_norm": ((D,), (None,), one, pre),
         "wq": ((D, N, H), ("fsdp", "tensor", None), std, True),
         "wk": ((D, K, H), ("fsdp", "tensor", None), std, True),
         "wv": ((D, K, H), ("fsdp", "tensor", None), std, True),
@@ -231,7 +247,7 @@ def _param_table(cfg: ModelConfig) -> dict:
         "w_down": ((F, D), ("tensor", "fsdp"), out_std, True),
         "bq": ((N, H), ("tensor", None), 0.0, bias), "bk": ((K, H), ("tensor", None), 0.0, bias),
         "bv": ((K, H), ("tensor", None), 0.0, bias),
-        "q_norm": ((H,), (None,), one, qk), "k_norm": ((H,), (None,), one, qk),
+        "q_norm": ((N, H)[-len(hs):], hs, one, qk), "k_norm": ((K, H)[-len(hs):], hs, one, qk),
         "attn_post_norm": ((D,), (None,), one, sw), "mlp_post_norm": ((D,), (None,), one, sw),
     }
     layers = {k: ((L, *s), P(None, *p), i) for k, (s, p, i, on) in rows.items() if on}
@@ -253,9 +269,12 @@ def block(x_BTD, lp: dict, cfg: ModelConfig, *, pos_BT, inv_freq, segment_ids=No
     # f32 master weights, compute-dtype matmuls. The cast copy keeps the master's sharding, so
     # FSDP gathers it in the compute dtype and reduce-scatters its gradient (not all-reduces).
     w = lambda name: constrain(lp[name].astype(dt), P(*spec[name][1:]))
-    norm = lambda x, name: rms_norm(x, 1.0 + lp[name] if cfg.norm_plus_one else lp[name],
-                                    cfg.norm_eps)
-    h = norm(x_BTD, "attn_norm")
+
+    def norm(x, name):  # a gain [N, H] (OLMo's q/k norms) normalises all heads at once
+        g = 1.0 + lp[name] if cfg.norm_plus_one else lp[name]
+        return rms_norm(x.reshape(*x.shape[:-g.ndim], -1), g.ravel(), cfg.norm_eps).reshape(x.shape)
+
+    h = x_BTD if cfg.post_norm else norm(x_BTD, "attn_norm")
     q = jnp.einsum("btd,dnh->btnh", h, w("wq"))
     k = jnp.einsum("btd,dkh->btkh", h, w("wk"))
     v = jnp.einsum("btd,dkh->btkh", h, w("wv"))
@@ -266,6 +285,8 @@ def block(x_BTD, lp: dict, cfg: ModelConfig, *, pos_BT, inv_freq, segment_ids=No
     if cfg.sliding_window:
         inv_freq = jnp.where(is_global, inv_freq[1], inv_freq[0])
     q, k = apply_rope(q, pos_BT, inv_freq), apply_rope(k, pos_BT, inv_freq)
+    if cfg.yarn_factor:  # YaRN's temperature where it stretches RoPE: logits x (0.1 ln s + 1)^2
+        q = q * jnp.where(is_global, (0.1 * math.log(max(cfg.yarn_factor, 1)) + 1) ** 2, 1.0)
     stats = {"max_logit": train.max_logits(q, k, segment_ids=segment_ids)} if max_logits else {}
     # The kernel is the compile target's (common/attention.py): splash, cuDNN or blocked.
     full = partial(attend, q, k, v, impl=cfg.attention, segment_ids=segment_ids,
@@ -274,13 +295,13 @@ def block(x_BTD, lp: dict, cfg: ModelConfig, *, pos_BT, inv_freq, segment_ids=No
     W = cfg.sliding_window if cfg.sliding_window < q.shape[1] else 0  # else: all within reach
     o = jax.lax.cond(is_global, full, partial(full, window=W)) if W else full()
     o = jnp.einsum("btnh,nhd->btd", o, w("wo"))
-    x_BTD = x_BTD + (norm(o, "attn_post_norm") if cfg.sandwich_norm else o)
-    h = norm(x_BTD, "mlp_norm")
+    x_BTD = x_BTD + (norm(o, "attn_post_norm") if cfg.sandwich_norm or cfg.post_norm else o)
+    h = x_BTD if cfg.post_norm else norm(x_BTD, "mlp_norm")
     g = jnp.einsum("btd,df->btf", h, w("w_gate"))
     u = jnp.einsum("btd,df->btf", h, w("w_up"))
     act = jax.nn.gelu(g, approximate=True) if cfg.gelu else jax.nn.silu(g)
     y = jnp.einsum("btf,fd->btd", act * u, w("w_down"))
-    x_BTD = x_BTD + (norm(y, "mlp_post_norm") if cfg.sandwich_norm else y)
+    x_BTD = x_BTD + (norm(y, "mlp_post_norm") if cfg.sandwich_norm or cfg.post_norm else y)
     return constrain(x_BTD, ACT_BTD), stats
 
 
@@ -313,7 +334,9 @@ def apply_rope(x_BTNH, pos_BT, inv_freq):
 def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
     """theta^(-2i/H), with Llama 3.1's rescaling when rope_scaling > 0: wavelengths longer than
     original_max_len / low_freq_factor are slowed by `factor`, shorter than
-    original_max_len / high_freq_factor kept, and the band between interpolated smoothly."""
+    original_max_len / high_freq_factor kept, and the band between interpolated smoothly. YaRN
+    alike: dims turning over 32 times in yarn_original_max_len kept, under once slowed by
+    yarn_factor, a ramp between (its ends rounded to whole dims)."""
     H = cfg.head_dim
     inv = 1.0 / cfg.rope_theta ** (np.arange(0, H, 2, dtype=np.float64) / H)
     if cfg.rope_scaling > 0:
@@ -324,6 +347,12 @@ def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
                   / (cfg.rope_high_freq_factor - cfg.rope_low_freq_factor))
         mid = (1 - smooth) * inv / cfg.rope_scaling + smooth * inv
         inv = np.where(wavelen < hi, inv, np.where(wavelen > lo, inv / cfg.rope_scaling, mid))
+    if cfg.yarn_factor:
+        dim = lambda turns: H * math.log(cfg.yarn_original_max_len / (turns * 2 * math.pi)) / (
+            2 * math.log(cfg.rope_theta))
+        lo, hi = max(math.floor(dim(32)), 0), min(math.ceil(dim(1)), H - 1)
+        ramp = np.clip((np.arange(H // 2) - lo) / ((hi - lo) or 0.001), 0, 1)
+        inv = inv / cfg.yarn_factor * ramp + inv * (1 - ramp)
     return inv.astype(np.float32)
 
 
@@ -356,7 +385,8 @@ def hidden(params: dict, tokens_BT, cfg: ModelConfig, *, segment_ids=None, posit
     L, W, n = cfg.n_layers, cfg.sliding_window, cfg.global_every
     is_global_L = (np.arange(L) + 1) % n == 0 if W and n else np.full(L, not W)
     if W:  # [local, global] frequencies: Gemma 3's local layers have their own base, unscaled
-        local = replace(cfg, rope_theta=cfg.rope_local_theta or cfg.rope_theta, rope_scaling=0.0)
+        local = replace(cfg, rope_theta=cfg.rope_local_theta or cfg.rope_theta, rope_scaling=0.0,
+                        yarn_factor=0.0)
         inv_freq = np.stack([rope_inv_freq(local), inv_freq])
 
     def layer(x, xs):
@@ -637,6 +667,13 @@ def check_model(m: ModelConfig, mesh, clip_flag: str, tau: float) -> None:
     need(m.sliding_window or not m.global_every, f"--model.global-every {m.global_every} "
          "without --model.sliding-window: the layers between the global ones are the windowed "
          "ones. Give the window, or --model.global-every 0.")
+    need(not (m.post_norm and m.sandwich_norm), "--model.post-norm with --model.sandwich-norm: "
+         "OLMo's norms after attention and MLP replace those before, Gemma's sandwich keeps "
+         "both. Choose one.")
+    need(m.qk_norm or not m.qk_norm_whole, "--model.qk-norm-whole without --model.qk-norm: it "
+         "says how the q/k norms span the heads. Add --model.qk-norm, or drop it.")
+    need(not (m.yarn_factor and (m.rope_scaling or m.rope_linear)), "--model.yarn-factor with "
+         "--model.rope-scaling or --model.rope-linear: RoPE is stretched one way. Keep one.")
     train.check_qk_clip(clip_flag, tau, m.qk_norm)
     need(not (tau and (m.attn_softcap or m.query_scale)), f"{clip_flag} {tau} with Gemma's "
          "attention (--model.attn-softcap, --model.query-scale): the soft-cap already bounds "
@@ -790,7 +827,8 @@ def init_data_config(cfg: Config) -> DataConfig:  # SFT
 HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                     "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                     "gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM",
-                    "gemma3_text": "Gemma3ForCausalLM"}
+                    "gemma3_text": "Gemma3ForCausalLM", "olmo2": "Olmo2ForCausalLM",
+                    "olmo3": "Olmo3ForCausalLM"}
 GEMMA = ("gemma2", "gemma3_text")
 # What transformers assumes for a key that config.json leaves out (its config classes).
 _GEMMA_HF = dict(num_key_value_heads=4, head_dim=256, query_pre_attn_scalar=256,
@@ -805,6 +843,9 @@ _HF_DEFAULTS = {mt: dict(rms_norm_eps=1e-6) | d for mt, d in {
                                final_logit_softcapping=30.0),
     "gemma3_text": _GEMMA_HF | dict(max_position_embeddings=131072, sliding_window_pattern=6,
                                     rope_theta=1_000_000.0, rope_local_base_freq=10_000.0),
+    "olmo2": dict(max_position_embeddings=2048, rms_norm_eps=1e-5),
+    "olmo3": dict(max_position_embeddings=2048, rms_norm_eps=1e-5, sliding_window=4096,
+                  rope_theta=500_000.0),
 }.items()}
 # config.json keys that are our fields as they stand (Gemma's: only in Gemma's files).
 HF_KEYS = {"vocab_size": "vocab_size", "hidden_size": "d_model", "head_dim": "head_dim",
@@ -816,11 +857,13 @@ GEMMA_KEYS = {"sliding_window": "sliding_window", "attn_logit_softcapping": "att
 LLAMA3_ROPE = {"factor": "rope_scaling", "low_freq_factor": "rope_low_freq_factor",
                "high_freq_factor": "rope_high_freq_factor",
                "original_max_position_embeddings": "rope_original_max_len"}
+YARN_ROPE = {"factor": "yarn_factor", "original_max_position_embeddings": "yarn_original_max_len"}
 # The knobs a family implies (config.json does not spell them); the others are off.
 _GEMMA_KNOBS = dict(norm_plus_one=True, sandwich_norm=True, embed_scale=True, gelu=True)
 HF_KNOBS = {"llama": {}, "mistral": {}, "qwen2": dict(qkv_bias=True), "qwen3": dict(qk_norm=True),
             "gemma": _GEMMA_KNOBS | dict(sandwich_norm=False), "gemma2": _GEMMA_KNOBS,
-            "gemma3_text": _GEMMA_KNOBS | dict(qk_norm=True)}
+            "gemma3_text": _GEMMA_KNOBS | dict(qk_norm=True), **dict.fromkeys(
+                ("olmo2", "olmo3"), dict(post_norm=True, qk_norm=True, qk_norm_whole=True))}
 # What transformers itself writes into each family's config.json, beyond our fields.
 _GELU_TANH = dict(hidden_act="gelu_pytorch_tanh", hidden_activation="gelu_pytorch_tanh",
                   attention_bias=False)
@@ -828,7 +871,8 @@ HF_CONSTANTS = {"llama": dict(attention_bias=False, mlp_bias=False, pretraining_
                 "mistral": dict(sliding_window=None),
                 "qwen2": dict(use_sliding_window=False, sliding_window=None),
                 "qwen3": dict(use_sliding_window=False, sliding_window=None, attention_bias=False),
-                "gemma": _GELU_TANH, "gemma2": _GELU_TANH, "gemma3_text": _GELU_TANH}
+                "gemma": _GELU_TANH, "gemma2": _GELU_TANH, "gemma3_text": _GELU_TANH,
+                "olmo2": dict(attention_bias=False), "olmo3": dict(attention_bias=False)}
 # Our parameters as HuggingFace tensors (name, layout: common/hf.py). HF's nn.Linear keeps
 # [out, in], ours [in, out] with the heads split out: a transpose and a reshape, then stacked
 # on l. Atoms: l layers, d model, n query heads, k key/value heads, h head width, f MLP, v vocab.
@@ -853,8 +897,9 @@ HF_LAYER = {"attn_norm": ("input_layernorm.weight", "d -> d"),
 
 def hf_mapping(cfg: ModelConfig) -> dict:
     """`_param_table`'s tree, each leaf as its (HuggingFace tensor name, layout)."""
-    names = HF_LAYER | ({"mlp_norm": ("pre_feedforward_layernorm.weight", "d -> d")}
-                        if cfg.sandwich_norm else {})  # Gemma's
+    whole = {n: (HF_LAYER[n][0], f"({a} h) -> {a} h") for n, a in zip(("q_norm", "k_norm"), "nk")}
+    names = HF_LAYER | ({"mlp_norm": ("pre_feedforward_layernorm.weight", "d -> d")}  # Gemma's
+                        if cfg.sandwich_norm else {}) | (whole if cfg.qk_norm_whole else {})
     layer = lambda n: ("model.layers.{l}." + names[n][0], names[n][1].replace("-> ", "-> l "))
     return {k: {n: layer(n) for n in v} if k == "layers" else HF_TOP[k]
             for k, v in _param_table(cfg).items()}
@@ -896,35 +941,44 @@ def config_from_hf(c: dict, where: str = "config.json") -> ModelConfig:
     f = typed(c, HF_KEYS | (GEMMA_KEYS if gemma else {}))
     f = dict(n_kv_heads=f["n_heads"], head_dim=f["d_model"] // f["n_heads"]) | f | HF_KNOBS[mt]
     rope = c.get("rope_parameters") or {}
-    if mt == "gemma3_text":  # global and local RoPE: per layer type (transformers 5), or 4.x keys
+    if mt in ("gemma3_text", "olmo3"):  # global and local RoPE: per layer type, or 4.x keys
         local = {"rope_parameters": rope.get("sliding_attention", {})}
-        f["rope_local_theta"], kind, _ = hf.rope_parameters(local, c["rope_local_base_freq"], where)
+        f["rope_local_theta"], kind, _ = hf.rope_parameters(
+            local, c.get("rope_local_base_freq", c["rope_theta"]), where)
         if kind != "default":
             raise unsupported(f"rope type {kind!r} on the sliding-window layers")
         c = c | {"rope_parameters": rope["full_attention"]} if "full_attention" in rope else c
     f["rope_theta"], kind, rope = hf.rope_parameters(c, 10_000.0, where)
+    rope = {"original_max_position_embeddings": c["max_position_embeddings"]} | rope  # if absent
+    f = {k: v for k, v in f.items() if k != "rope_local_theta" or v != f["rope_theta"]}  # 1 base
     if kind == "llama3":
         if lacking := {"factor", "low_freq_factor", "high_freq_factor"} - set(rope):
             raise hf.HFError(f"{where}: rope type 'llama3' without {', '.join(sorted(lacking))}.")
-        f |= typed({"original_max_position_embeddings": c["max_position_embeddings"]} | rope,
-                   LLAMA3_ROPE)
+        f |= typed(rope, LLAMA3_ROPE)
     elif kind == "linear" and "factor" in rope and mt != "gemma2":  # Gemma 2's would go local too
         f["rope_linear"] = float(rope["factor"])
+    elif kind == "yarn" and "factor" in rope and mt != "gemma2":  # OLMo 3's: HF's defaults only
+        f |= typed(rope, YARN_ROPE)
+        want = dict(beta_fast=32, beta_slow=1, truncate=True,
+                    attention_factor=0.1 * math.log(max(f["yarn_factor"], 1)) + 1)
+        if odd := {k: v for k, v in rope.items() if k not in YARN_ROPE and v is not None
+                   and not math.isclose(v, want.get(k, math.nan))}:
+            raise unsupported(f"YaRN with {odd} (only {want})")
     elif kind != "default":
-        raise unsupported(f"rope type {kind!r} (only the default, 'linear' and 'llama3')")
+        raise unsupported(f"rope type {kind!r} (only the default, 'linear', 'llama3' and 'yarn')")
     # A window changes nothing on sequences no longer than itself: it becomes the maximum length.
     window = c.get("sliding_window") if mt == "mistral" or c.get("use_sliding_window") else None
     if window is not None and not gemma:
         f["max_seq_len"] = min(f["max_seq_len"], window)
-    if gemma:  # every n-th layer global, the others windowed
+    if gemma or mt == "olmo3":  # every n-th layer global, the others windowed
         types = lambda n: ["full_attention" if n and (i + 1) % n == 0 else "sliding_attention"
                            for i in range(c["num_hidden_layers"])]
-        kinds = c.get("layer_types") or types(2 if mt == "gemma2" else c.get(
+        kinds = c.get("layer_types") or types(dict(gemma2=2, olmo3=4).get(mt) or c.get(
             "_sliding_window_pattern", c["sliding_window_pattern"]))
         n = kinds.index("full_attention") + 1 if "full_attention" in kinds else 0
         if kinds != types(n):
             raise unsupported(f"layer_types {kinds} (only every n-th layer global)")
-        f["global_every"] = n
+        f |= dict(global_every=n, sliding_window=int(c["sliding_window"] or 0))
     return ModelConfig(**f)
 
 
@@ -932,48 +986,56 @@ def config_to_hf(cfg: ModelConfig, model_type: str = "", dtype: str = "float32")
     """A config.json for `cfg` that transformers 4.4x and 5.x both read (each finds its own
     spelling of the rope settings). model_type "" picks the family from the knobs."""
     gemma = cfg.sandwich_norm
-    mt = model_type or ("gemma3_text" if gemma and cfg.qk_norm else "gemma2" if gemma else
+    mt = model_type or (("olmo3" if cfg.sliding_window else "olmo2") if cfg.post_norm else
+                        "gemma3_text" if gemma and cfg.qk_norm else "gemma2" if gemma else
                         "gemma" if cfg.norm_plus_one else "qwen3" if cfg.qk_norm else "qwen2"
                         if cfg.qkv_bias else "llama")
     if mt not in HF_ARCHITECTURES:
         raise hf.HFError(f"model_type {mt!r}: choose one of {', '.join(HF_ARCHITECTURES)}.")
-    bad = {k: getattr(cfg, k) for k in ("qkv_bias", "qk_norm", *_GEMMA_KNOBS)
+    bad = {k: getattr(cfg, k) for k in ("qkv_bias", "qk_norm", *HF_KNOBS["olmo3"], *_GEMMA_KNOBS)
            if getattr(cfg, k) != HF_KNOBS[mt].get(k, False)}
     may = dict.fromkeys(GEMMA_KEYS.values(), GEMMA) | dict(  # rope_linear: Gemma 2 has one RoPE
-        rope_local_theta=("gemma3_text",), rope_linear=set(HF_ARCHITECTURES) - {"gemma2"})
+        sliding_window=(*GEMMA, "olmo3"), rope_local_theta=("gemma3_text", "olmo3"),
+        **dict.fromkeys(("rope_linear", "yarn_factor"), set(HF_ARCHITECTURES) - {"gemma2"}))
     bad |= {k: getattr(cfg, k) for k, ok in may.items() if getattr(cfg, k) and mt not in ok
             or k == "query_scale" and getattr(cfg, k) % 1}   # HF's query_pre_attn_scalar: an int
     if bad:
         raise hf.HFError(f"model_type {mt!r} does not fit this model ({bad}): q/k/v biases "
-                         "are qwen2's, q/k norms qwen3's, gemma3_text's; (1 + w) norms, GeGLU, "
-                         "the embedding scale all Gemmas'; sandwich norms, windows, soft-caps "
-                         "gemma2's, gemma3_text's; a local or linear RoPE gemma3_text's.")
+                         "are qwen2's; q/k norms qwen3's, gemma3_text's, OLMo's (whole, with post "
+                         "norms); (1 + w) norms, GeGLU, the embedding scale Gemmas'; sandwich "
+                         "norms, soft-caps gemma2's, gemma3_text's; windows theirs and olmo3's, "
+                         "a local RoPE gemma3_text's and olmo3's.")
     rope = {"rope_type": "default", "rope_theta": cfg.rope_theta} | (
-        {"rope_type": "linear", "factor": cfg.rope_linear} if cfg.rope_linear else {})
+        {"rope_type": "linear", "factor": cfg.rope_linear} if cfg.rope_linear else {}) | (
+        dict(rope_type="yarn", factor=cfg.yarn_factor, beta_fast=32.0, beta_slow=1.0,  # OLMo 3's
+             attention_factor=0.1 * math.log(max(cfg.yarn_factor, 1)) + 1,
+             original_max_position_embeddings=cfg.yarn_original_max_len) if cfg.yarn_factor else {})
     if cfg.rope_scaling > 0:
         rope = {"rope_type": "llama3", "rope_theta": cfg.rope_theta} | {
             key: getattr(cfg, k) for key, k in LLAMA3_ROPE.items()}
-    L = cfg.n_layers
+    L, n = cfg.n_layers, cfg.global_every
     c = dict(architectures=[HF_ARCHITECTURES[mt]], model_type=mt, hidden_act="silu",
              **{key: getattr(cfg, k) for key, k in HF_KEYS.items()},
              rope_parameters=rope, rope_theta=cfg.rope_theta,
              rope_scaling={k: v for k, v in rope.items() if k != "rope_theta"}
-             if cfg.rope_scaling > 0 or cfg.rope_linear else None,
+             if cfg.rope_scaling > 0 or cfg.rope_linear or cfg.yarn_factor else None,
              attention_dropout=0.0, initializer_range=0.02, use_cache=True, dtype=dtype,
              torch_dtype=dtype) | HF_CONSTANTS[mt]
     if mt in ("qwen2", "qwen3"):
         c |= dict(max_window_layers=L, layer_types=["full_attention"] * L)
     if mt in GEMMA:
-        n = cfg.global_every
         c |= {key: getattr(cfg, k) or None for key, k in GEMMA_KEYS.items()} | dict(
             query_pre_attn_scalar=int(cfg.query_scale or cfg.head_dim),
-            sliding_window_pattern=n or L + 1,
-            layer_types=["full_attention" if not cfg.sliding_window or n and (i + 1) % n == 0
-                         else "sliding_attention" for i in range(L)])
-    if mt == "gemma3_text":  # transformers 5 reads rope_parameters per layer type, 4.x the rest
-        local = cfg.rope_local_theta or cfg.rope_theta
-        c |= dict(rope_local_base_freq=local, rope_parameters={"full_attention": rope,
-                  "sliding_attention": {"rope_type": "default", "rope_theta": local}})
+            sliding_window_pattern=n or L + 1)
+    if mt in (*GEMMA, "olmo3"):
+        c |= dict(sliding_window=cfg.sliding_window or None, layer_types=[
+            "full_attention" if not cfg.sliding_window or n and (i + 1) % n == 0
+            else "sliding_attention" for i in range(L)])
+    if mt in ("gemma3_text", "olmo3"):  # transformers 5 reads rope_parameters per layer type
+        local = cfg.rope_local_theta or cfg.rope_theta  # 4.x Gemma 3 its local base
+        c |= dict(rope_parameters={"full_attention": rope, "sliding_attention": {
+            "rope_type": "default", "rope_theta": local}}) | (
+            {"rope_local_base_freq": local} if mt == "gemma3_text" else {})
     return c
 
 

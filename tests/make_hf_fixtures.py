@@ -21,7 +21,9 @@ and checkpoints split into several shards with an index. Gemma 2 and Gemma 3 add
 stored as w in (1 + w), a sqrt(d_model) embedding scale, four norms per layer, GELU (tanh),
 query_pre_attn_scalar that is not head_dim, windows shorter than the sequence on every second
 (Gemma 2) or third (Gemma 3) layer, tanh soft-capping of scores and logits small enough to bend
-them (Gemma 2), and q/k norms with a local RoPE base and a linearly scaled global one (Gemma 3). GPT-OSS adds sinks
+them (Gemma 2), and q/k norms with a local RoPE base and a linearly scaled global one (Gemma 3).
+OLMo 2 and 3 add norms only after attention and MLP and q/k norms over all heads at once; OLMo 3
+windows on three layers of four with their own RoPE base and YaRN on the fourth. GPT-OSS adds sinks
 away from zero, biases everywhere, one window layer and one full, YaRN and its clamped SwiGLU. Llama 4 adds
 MoE on every second layer with the scores on the experts' inputs and a shared expert, chunked
 attention, an unrotated layer whose query temperature rises within the 16 tokens, the L2 q/k
@@ -151,6 +153,25 @@ FAMILIES = {
         vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=1, head_dim=12, rms_norm_eps=1e-6,
         rope_theta=10000.0, hidden_act="gelu", tie_word_embeddings=True,
+        max_position_embeddings=64), None),
+    # OLMo 3: norms only after attention and MLP, q/k norms over all heads at once (k's over
+    # 2 kv heads), layers 0-2 slide (window 5 of 16 tokens) with their own RoPE base, layer 3
+    # is full with YaRN (released: factor 8 of 8192; here 4 of 512 with a small base, so that
+    # the ramp between kept and stretched frequencies lies inside the head) and its attention
+    # factor.
+    "olmo3": ("olmo3", dict(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=12, rms_norm_eps=1e-6,
+        sliding_window=5, rope_parameters=dict(
+            full_attention=dict(rope_type="yarn", rope_theta=100.0, factor=4.0,
+                                original_max_position_embeddings=512, beta_fast=32.0,
+                                beta_slow=1.0, attention_factor=1.1386294361119891),
+            sliding_attention=dict(rope_type="default", rope_theta=1000.0)),
+        max_position_embeddings=2048), "16KB"),
+    # OLMo 2: OLMo 3's block without windows; one RoPE for all layers.
+    "olmo2": ("olmo2", dict(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, rms_norm_eps=1e-6, rope_theta=1000.0,
         max_position_embeddings=64), None),
 }
 # Written as this model_type (the checkpoint is the other's, as Moonshot ships it).

@@ -31,7 +31,7 @@ SAME_SOURCE = {
 }
 SAME_VALUE = {name: (td, tg) for name in (
     "MUON_DIMS", "HF_ARCHITECTURES", "GEMMA", "_HF_DEFAULTS", "HF_KEYS", "GEMMA_KEYS",
-    "LLAMA3_ROPE", "HF_KNOBS", "HF_CONSTANTS", "HF_TOP", "HF_LAYER")}
+    "LLAMA3_ROPE", "YARN_ROPE", "HF_KNOBS", "HF_CONSTANTS", "HF_TOP", "HF_LAYER")}
 
 
 @pytest.mark.parametrize("name", sorted(SAME_SOURCE))

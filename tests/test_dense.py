@@ -25,6 +25,10 @@ GEMMA2 = dataclasses.replace(SMALL, n_layers=4, sliding_window=5, global_every=2
 GEMMA3 = dataclasses.replace(GEMMA2, n_layers=3, global_every=3, attn_softcap=0.0,
                              final_softcap=0.0, qk_norm=True, rope_local_theta=100.0,
                              rope_linear=2.0)
+# OLMo 3's: post norms, q/k norms over all heads, a window of 5 on layer 0, YaRN on layer 1.
+OLMO3 = dataclasses.replace(SMALL, post_norm=True, qk_norm=True, qk_norm_whole=True,
+                            sliding_window=5, global_every=2, rope_local_theta=100.0,
+                            yarn_factor=4.0, yarn_original_max_len=16)
 
 
 def small_cfg(model=SMALL, mesh=MeshConfig(fsdp=1), **train):
@@ -50,13 +54,15 @@ def perturbed_params(cfg):
 @pytest.mark.parametrize("name,count", [
     ("llama2-7b", 6_738_415_616), ("llama3.1-8b", 8_030_261_248),
     ("llama3.1-70b", 70_553_706_496), ("mistral-7b", 7_248_023_552), ("llama3.2-1b", 1_235_814_400),
-    ("qwen3-0.6b", 596_049_920), ("qwen3-8b", 8_190_735_360)])
+    ("qwen3-0.6b", 596_049_920), ("qwen3-8b", 8_190_735_360),
+    # OLMo 3: what transformers' Olmo3ForCausalLM has at the released configs' shapes.
+    ("olmo3-7b", 7_298_011_136), ("olmo3-32b", 32_233_522_176)])
 def test_preset_parameter_counts(name, count):
     assert td.count_params(td.PRESETS[name][1].model) == count
 
 
 def test_param_specs_match_params_tree():
-    for model in (SMALL, KNOBS):
+    for model in (SMALL, KNOBS, OLMO3):
         shapes = jax.eval_shape(partial(td._init, model), jax.random.key(0))
         specs = td.param_specs(model)
         assert jax.tree.structure(shapes) == jax.tree.structure(
@@ -76,8 +82,8 @@ def grads_and_loss(cfg, params, batch, mesh):
         return float(loss), jax.device_get(g)
 
 
-@pytest.mark.parametrize("model", [SMALL, KNOBS, GEMMA2, GEMMA3],
-                         ids=["llama", "all-knobs", "gemma2", "gemma3"])
+@pytest.mark.parametrize("model", [SMALL, KNOBS, GEMMA2, GEMMA3, OLMO3],
+                         ids=["llama", "all-knobs", "gemma2", "gemma3", "olmo3"])
 def test_sharded_equals_unsharded(model):
     cfg = small_cfg(model)
     params, batch = perturbed_params(cfg), tokens(cfg)
@@ -242,6 +248,24 @@ def test_bad_config_is_a_clear_error_before_compiling(mesh, train, model, flag):
     with pytest.raises((td.ConfigError, MeshError)) as e:
         td.validate(cfg, jax.device_count())
     assert flag in str(e.value)
+
+
+@pytest.mark.parametrize("flags, match", [
+    (["--model.post-norm", "--model.sandwich-norm"], "--model.post-norm with --model.sandwich"),
+    (["--model.qk-norm-whole"], "--model.qk-norm-whole without --model.qk-norm"),
+    (["--model.yarn-factor", "8", "--model.rope-scaling", "8"], "--model.yarn-factor with"),
+    (["--model.yarn-factor", "8", "--model.rope-linear", "8"], "--model.yarn-factor with")])
+def test_bad_olmo_flags(flags, match):
+    with pytest.raises(td.ConfigError, match=match):
+        td.validate(td.cli(["tiny", *flags]), 1)
+
+
+def test_tiny_olmo3_windows_and_stretches_its_training_sequence():
+    cfg = td.PRESETS["tiny-olmo3"][1]
+    td.validate(cfg, 1)
+    m = cfg.model
+    assert 0 < m.sliding_window < cfg.train.seq_len == m.yarn_original_max_len
+    assert m.post_norm and m.qk_norm_whole and m.global_every == 4
 
 
 def test_unknown_preset_is_rejected(capsys):

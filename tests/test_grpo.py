@@ -33,6 +33,10 @@ GEMMA2 = dataclasses.replace(SMALL, sliding_window=4, global_every=2, attn_softc
                              sandwich_norm=True, embed_scale=True, gelu=True, tie_embeddings=True)
 GEMMA3 = dataclasses.replace(GEMMA2, attn_softcap=0.0, final_softcap=0.0, qk_norm=True,
                              rope_local_theta=100.0, rope_linear=2.0)
+# OLMo 3's: post norms only, q/k norms over all heads, a window, YaRN on the global layer.
+OLMO3 = dataclasses.replace(SMALL, post_norm=True, qk_norm=True, qk_norm_whole=True,
+                            sliding_window=4, global_every=2, rope_local_theta=100.0,
+                            yarn_factor=4.0, yarn_original_max_len=8)
 
 
 def put(x, mesh):
@@ -70,7 +74,7 @@ def test_model_config_and_parameter_tree_equal_train_dense():
     """Same fields with the same defaults, so a dense run's config.json loads as the policy's."""
     f = lambda cls: [(x.name, x.default) for x in dataclasses.fields(cls)]
     assert f(tg.ModelConfig) == f(td.ModelConfig)
-    for m in (SMALL, KNOBS, GEMMA2, GEMMA3):
+    for m in (SMALL, KNOBS, GEMMA2, GEMMA3, OLMO3):
         assert tg.param_specs(m) == td.param_specs(dense(m))
         a = jax.eval_shape(partial(tg._init, m), jax.random.key(3))
         b = jax.eval_shape(partial(td._init, dense(m)), jax.random.key(3))
@@ -81,7 +85,7 @@ def test_model_config_and_parameter_tree_equal_train_dense():
                 str(jax.make_jaxpr(partial(td._init, dense(m)))(jax.random.key(3))))
 
 
-MODELS = {"knobs": KNOBS, "gemma2": GEMMA2, "gemma3": GEMMA3}
+MODELS = {"knobs": KNOBS, "gemma2": GEMMA2, "gemma3": GEMMA3, "olmo3": OLMO3}
 
 
 @pytest.mark.parametrize("knobs", MODELS)

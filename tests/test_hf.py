@@ -28,7 +28,7 @@ from common.mesh import MeshConfig, make_mesh
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIXTURES = os.path.join(ROOT, "tests", "fixtures", "hf")
 FAMILIES = ["llama2", "llama3.1", "llama3.2", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text",
-            "gemma"]
+            "gemma", "olmo3", "olmo2"]
 TOL = 1e-4  # float32, on logits that reach 3 to 50 in these fixtures
 # Bookkeeping in a config.json, not the model: left out of the key-by-key comparison.
 BOOKKEEPING = {"transformers_version", "dtype", "torch_dtype", "bos_token_id", "eos_token_id",
@@ -105,6 +105,13 @@ def test_config_mapping(loaded):
     # The released Gemma 1 configs say "gelu", which transformers reads as the tanh GeGLU.
     legacy = hf.read_config(fixture("gemma")) | {"hidden_act": "gelu"}
     assert td.config_from_hf(legacy) == g1
+    o3, o2 = c["olmo3"], c["olmo2"]  # OLMo: post norms, q/k norms over all heads; 3: windows
+    assert o3.post_norm and o3.qk_norm and o3.qk_norm_whole and not o3.sandwich_norm
+    assert (o3.sliding_window, o3.global_every, o3.rope_theta, o3.rope_local_theta,
+            o3.yarn_factor, o3.yarn_original_max_len) == (5, 4, 100.0, 1000.0, 4.0, 512)
+    assert loaded["olmo3"][1]["layers"]["k_norm"].shape == (4, 2, 12)  # [L, K, H]
+    assert "attn_norm" not in loaded["olmo3"][1]["layers"] and not o3.tie_embeddings
+    assert o2.post_norm and o2.qk_norm_whole and not (o2.sliding_window or o2.yarn_factor)
 
 
 @pytest.mark.parametrize("name, mistake", [
@@ -119,6 +126,17 @@ def test_parity_catches_gemma_mistakes(loaded, name, mistake):
     not bite, a dropped soft-cap, a head-width query scale, the wrong layer pattern or RoPE."""
     cfg, params = loaded[name]
     tokens, want = expected(name)
+    assert max_diff(logits(params, dataclasses.replace(cfg, **mistake), tokens), want) > 1e-2
+
+
+@pytest.mark.parametrize("mistake", [
+    dict(sliding_window=0), dict(global_every=2), dict(rope_local_theta=0.0), dict(yarn_factor=0.0),
+    dict(yarn_original_max_len=256), dict(yarn_factor=2.0)])
+def test_parity_catches_olmo3_mistakes(loaded, mistake):
+    """Each OLMo 3 knob moves the fixture's logits past the tolerance: a window that does not
+    bite, the wrong layer pattern, the local layers' RoPE base, YaRN dropped or mis-sized."""
+    cfg, params = loaded["olmo3"]
+    tokens, want = expected("olmo3")
     assert max_diff(logits(params, dataclasses.replace(cfg, **mistake), tokens), want) > 1e-2
 
 
@@ -316,7 +334,12 @@ def test_unknown_model_type(tmp_path):
 
 
 @pytest.mark.parametrize("edit,match", [
-    (lambda c: c["rope_parameters"].update(rope_type="yarn", factor=4.0), r"rope type 'yarn'"),
+    (lambda c: c["rope_parameters"].update(rope_type="dynamic", factor=4.0),
+     r"rope type 'dynamic'"),
+    (lambda c: c["rope_parameters"].update(rope_type="yarn", factor=4.0, beta_fast=16.0),
+     r"YaRN with \{'beta_fast': 16.0\}"),
+    (lambda c: c["rope_parameters"].update(rope_type="yarn", factor=4.0, mscale=0.7,
+                                           mscale_all_dim=0.7), r"YaRN with \{'mscale': 0.7"),
     (lambda c: c.update(hidden_act="gelu"), r"hidden activation 'gelu' \(only silu\)"),
     (lambda c: c.update(rope_parameters={"full_attention": c["rope_parameters"]}),
      r"rope parameters per layer type \(full_attention\)"),
@@ -344,6 +367,33 @@ def test_unsupported_options(tmp_path, edit, match):
 def test_unsupported_gemma_options(tmp_path, name, edit, match):
     with pytest.raises(hf.HFError, match=match):
         td.load_hf(copy(name, tmp_path, edit))
+
+
+@pytest.mark.parametrize("edit, match", [
+    (lambda c: c["rope_parameters"]["full_attention"].update(attention_factor=1.5),
+     r"YaRN with \{'attention_factor': 1.5\}"),
+    (lambda c: c["rope_parameters"]["sliding_attention"].update(rope_type="linear", factor=2.0),
+     r"rope type 'linear' on the sliding-window layers"),
+    (lambda c: c.update(layer_types=["full_attention", "sliding_attention"] * 2),
+     r"layer_types .* \(only every n-th layer global\)"),
+    (lambda c: c.update(attention_bias=True), r"attention_bias / mlp_bias")])
+def test_unsupported_olmo3_options(tmp_path, edit, match):
+    with pytest.raises(hf.HFError, match=match):
+        td.load_hf(copy("olmo3", tmp_path, edit))
+
+
+def test_olmo3_from_a_released_config(tmp_path):
+    """The released OLMo 3 folders spell RoPE as transformers 4.57 wrote it (rope_theta beside
+    rope_scaling, no rope_parameters): YaRN on the full layers, one base for all layers."""
+    released = {"rope_theta": 500000, "rope_scaling": {
+        "attention_factor": 1.2079441541679836, "beta_fast": 32.0, "beta_slow": 1.0,
+        "factor": 8.0, "original_max_position_embeddings": 8192, "rope_type": "yarn"}}
+    def legacy(c):
+        del c["rope_parameters"], c["layer_types"], c["head_dim"]
+        c.update(released, hidden_size=48, max_position_embeddings=65536, sliding_window=4096)
+    cfg = td.config_from_hf(hf.read_config(copy("olmo3", tmp_path, legacy)))
+    assert cfg == dataclasses.replace(td.PRESETS["olmo3-7b"][1].model, **{
+        k: getattr(cfg, k) for k in td.SHAPE + ("vocab_size", "dtype")})
 
 
 def test_gemma3_from_a_transformers_4_config(tmp_path):
