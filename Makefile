@@ -15,7 +15,7 @@ PORT   ?= 6006
 comma  := ,
 
 .DEFAULT_GOAL := help
-.PHONY: help train test test-floors test-tpu bench bench-gpu bench-window bench-parity bench-parity-moe bench-grpo bench-recovery bench-scale compile-tpu dry-run prepare clean train-moe bench-moe train-grpo \
+.PHONY: help train test test-floors test-tpu bench bench-gpu bench-context bench-window bench-parity bench-parity-moe bench-grpo bench-recovery bench-scale compile-tpu dry-run prepare clean train-moe bench-moe train-grpo \
         plot tensorboard need-run sft export-hf finetune-hf hf-fixtures
 
 help:  ## list the targets
@@ -79,6 +79,9 @@ GPU_VENV   ?= .venv-gpu
 GPU_EXTRAS ?= cuda
 bench-gpu:  ## one NVIDIA GPU: cuda extra into GPU_VENV, bench llama3.2-1b (bf16, seq 4096) and tiny-moe
 	VENV=$(GPU_VENV) EXTRAS=$(GPU_EXTRAS) PYTHON=$(PYTHON) bash bench/gpu.sh
+
+bench-context: $(VENV)/.installed  ## ring vs all-gather attention: tiny at seq 4096 split over 4 CPU devices
+	$(PY) bench/context.py $(ARGS)
 
 bench-window: $(VENV)/.installed  ## Gemma's sliding window (256) vs every key: one attention layer at seq 2048
 	$(PY) bench/window.py $(ARGS)

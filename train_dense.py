@@ -378,7 +378,8 @@ def hidden(params: dict, tokens_BT, cfg: ModelConfig, *, segment_ids=None, posit
     # rows go to their batch shards: gathering the table instead would put all of it, and
     # its whole gradient, on every device (2 GiB each for a 128k vocabulary at d 8192).
     tokens = constrain(tokens_BT, P(None, None))
-    x = constrain(jnp.take(params["embed"].astype(dt), tokens, axis=0), P(None, None, "fsdp"))
+    x = constrain(jnp.take(params["embed"].astype(dt), tokens, axis=0),
+                  P(None, None, ("fsdp", "context")))
     x = constrain(x, ACT_BTD)
     x = x * jnp.asarray(math.sqrt(cfg.d_model), dt) if cfg.embed_scale else x
     inv_freq = rope_inv_freq(cfg) / (cfg.rope_linear or 1.0)
@@ -413,7 +414,7 @@ def forward(params: dict, tokens_BT, cfg: ModelConfig, *, segment_ids=None, posi
     """Logits [B, T, V] in float32. Training never builds these whole: see `loss_fn`. Packed
     rows pass segment ids and positions (see `hidden`)."""
     h = from_context(hidden(params, tokens_BT, cfg, segment_ids=segment_ids,
-                            positions=positions)[0])
+                            positions=positions)[0], tokens_BT.shape[1])
     return _softcap(jnp.einsum("btd,dv->btv", h, unembedding(params, cfg).astype(h.dtype),
                                preferred_element_type=jnp.float32), cfg.final_softcap)
 

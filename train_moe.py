@@ -528,7 +528,8 @@ def hidden(params: dict, tokens_BT, cfg: ModelConfig, max_logits: bool = False):
     # rows go to their batch shards: gathering the table instead would put all of it, and
     # its whole gradient, on every device (2 GiB each for a 128k vocabulary at d 8192).
     tokens = constrain(tokens_BT, P(None, None))
-    x = constrain(jnp.take(params["embed"].astype(dt), tokens, axis=0), P(None, None, "fsdp"))
+    x = constrain(jnp.take(params["embed"].astype(dt), tokens, axis=0),
+                  P(None, None, ("fsdp", "context")))
     x = constrain(x, ACT_BTD)
     inv_freq = rope_inv_freq(cfg)
     L, W, n, Kd = cfg.n_layers, cfg.sliding_window, cfg.global_every, cfg.first_k_dense
@@ -560,7 +561,7 @@ def unembedding(params: dict, cfg: ModelConfig):
 
 def forward(params: dict, tokens_BT, cfg: ModelConfig):
     """Logits [B, T, V] in float32. Training never builds these whole: see `loss_fn`."""
-    h = from_context(hidden(params, tokens_BT, cfg)[0])
+    h = from_context(hidden(params, tokens_BT, cfg)[0], tokens_BT.shape[1])
     return jnp.einsum("btd,dv->btv", h, unembedding(params, cfg).astype(h.dtype),
                       preferred_element_type=jnp.float32)
 
@@ -1049,7 +1050,8 @@ def experts(x_BTD, expert_BTR, gate_BTR, w: dict, cfg: ModelConfig, peers: int =
     if sharded:
         # FSDP: gather d (axis 1 of w_gate, w_up [X, D, F], 2 of w_down) in the compute dtype,
         # half the traffic in bfloat16; autodiff turns it into a reduce-scatter of gradients.
-        w |= {k: jax.lax.all_gather(w[k], "fsdp", axis=2 if k == "w_down" else 1, tiled=True)
+        w |= {k: jax.lax.all_gather(w[k], ("fsdp", "context"), axis=2 if k == "w_down" else 1,
+                                    tiled=True)
               for k in ("w_gate", "w_up", "w_down")}
         if "b_down" in w:  # the tensor shards' outputs are summed: the down bias joins one
             w["b_down"] = jnp.where(jax.lax.axis_index("tensor") == 0, w["b_down"], 0).astype(dt)

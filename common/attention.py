@@ -291,19 +291,23 @@ def context_order(T: int, C: int, balanced: bool = True) -> np.ndarray:
 
 def to_context(*xs_BT):
     """[B, T, ...] arrays (None passes) in the context shards' order; the identity without a
-    context axis. `from_context` undoes it for what a user sees (logits)."""
+    context axis. A length that does not split into 2C chunks (a sample's growing prefix) is
+    padded at the end first: causal, no real position reads the padding. `from_context`
+    undoes both for what a user sees (logits)."""
     C = context_size()
     T = next(x.shape[1] for x in xs_BT if x is not None)
-    if C > 1 and T % (2 * C):
-        raise ValueError(f"a sequence of {T} tokens does not split into 2 x {C} chunks for "
-                         f"--mesh.context {C}: make the sequence length a multiple of {2 * C}")
-    order = context_order(T, C)
-    return [x if x is None or C == 1 else x[:, order] for x in xs_BT]
+    if C == 1:
+        return list(xs_BT)
+    pad, order = -T % (2 * C), context_order(T + -T % (2 * C), C)
+    return [None if x is None else jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+            [:, order] for x in xs_BT]
 
 
-def from_context(x_BT):
+def from_context(x_BT, T: int):
     C = context_size()
-    return x_BT if C == 1 else x_BT[:, np.argsort(context_order(x_BT.shape[1], C))]
+    if C == 1:
+        return x_BT
+    return x_BT[:, np.argsort(context_order(x_BT.shape[1], C))][:, :T]
 
 
 def fold_context(*xs_BT):

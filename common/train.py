@@ -51,7 +51,14 @@ def is_entry(x) -> bool:
 
 
 def table_specs(table: dict) -> dict:
-    return jax.tree.map(lambda e: e[1], table, is_leaf=is_entry)
+    """The table's specs, each weight's "fsdp" dimension split over the context axis too: a
+    context shard holds its share of the weights as an fsdp shard does (MaxText's rule), so a
+    sequence split over C chips costs no more weight memory per chip than C sequences."""
+    def wide(a):
+        out = tuple(n for x in (a if isinstance(a, tuple) else (a,))
+                    for n in ((x, "context") if x == "fsdp" else (x,)))
+        return out if isinstance(a, tuple) or len(out) > 1 else a
+    return jax.tree.map(lambda e: P(*map(wide, e[1])), table, is_leaf=is_entry)
 
 
 def table_init(table: dict, key: jax.Array) -> dict:
@@ -112,12 +119,13 @@ def need(ok, message: str) -> None:
 def check_sizes(mesh: MeshConfig, splits: dict[str, list[tuple[str, int]]]) -> None:
     """Each model size that a mesh axis splits ({axis: [(flag, size), ...]}) divides evenly."""
     for axis, sizes in splits.items():
-        ways = getattr(mesh, axis) * getattr(mesh, "dcn_" + axis)
+        axes = ("fsdp", "context") if axis == "fsdp" else (axis,)   # see table_specs
+        ways = math.prod(getattr(mesh, a) * getattr(mesh, "dcn_" + a) for a in axes)
         for flag, v in sizes:
             if v % ways:
-                raise ConfigError(f"{flag} {v} is not divisible by --mesh.{axis} {ways}: {axis} "
-                                  f"parallelism splits it evenly; choose a {axis} size "
-                                  f"dividing {v}.")
+                raise ConfigError(f"{flag} {v} is not divisible by "
+                                  f"{' x '.join('--mesh.' + a for a in axes)} = {ways}: {axis} "
+                                  f"parallelism splits it evenly; choose sizes dividing {v}.")
 
 
 def batch_shards(mesh: MeshConfig, axes=("data", "fsdp")) -> int:
