@@ -656,11 +656,11 @@ MUON_DIMS = {"wo": ((1, 2), (3,)), **dict.fromkeys(("w_gate", "w_up", "w_down"),
                               "mlp_gate", "mlp_up", "mlp_down"), ((1,), (2,)))}
 
 
-def make_optimizer(t: TrainConfig):
+def make_optimizer(t: TrainConfig, specs: dict | None = None):
     return train.optimizer(t.optimizer, make_schedule(t), b1=t.b1, b2=t.b2,
                            weight_decay=t.weight_decay, clip_norm=t.clip_norm,
                            decayed={"embed", "unembed", "w_router", *MUON_DIMS},
-                           muon_dims=MUON_DIMS, muon_dtype=t.muon_dtype)
+                           muon_dims=MUON_DIMS, muon_dtype=t.muon_dtype, specs=specs)
 
 
 def train_state(cfg: Config, mesh) -> train.TrainState:
@@ -668,7 +668,8 @@ def train_state(cfg: Config, mesh) -> train.TrainState:
     bt = _buffer_table(cfg.model)
     buffers = (lambda: train.table_init(bt, jax.random.key(0)), train.table_specs(bt))
     return train.TrainState(partial(_init, cfg.model), param_specs(cfg.model),
-                            make_optimizer(cfg.train), mesh, buffers=buffers if bt else None)
+                            make_optimizer(cfg.train, param_specs(cfg.model)), mesh,
+                            buffers=buffers if bt else None)
 
 
 def count_params(cfg: ModelConfig) -> int:
