@@ -200,37 +200,40 @@ def newton_schulz(x, coeffs, steps: int = 5, eps: float = 1e-8):
 
 def orthogonalise_stack(x, ins: tuple, outs: tuple, coeffs, spec: P | None = None):
     """Newton-Schulz on each matrix (ins x outs axes) of a stack; every other axis (layers,
-    experts) is a batch of separate matrices. Under a mesh each device orthogonalises only its
-    share of the batch, each matrix whole: from the parameter's layout `spec` (None: unknown)
-    one all-to-all per sharded matrix dimension moves its mesh axes onto the batch (the
-    batch axes already sharded, the experts, stay so), the replicated axes take their slice,
-    the batch's free part padded with zero matrices to a multiple of the devices over it;
-    then the same steps back, so the update comes out in `spec`."""
+    experts) is a batch of separate matrices. Under a mesh, given the parameter's layout `spec`
+    (None: unknown, so each matrix whole where XLA puts it), each device orthogonalises only
+    its share of the batch, each matrix whole: the batch axes already sharded (the experts)
+    stay so; one all-to-all per sharded matrix dimension moves its mesh axes onto the batch,
+    padded with zero matrices to a multiple of them; a replicated axis (data) takes its slice
+    where it divides what is left. Then the same steps back: the update comes out in `spec`."""
     mesh = jax.sharding.get_abstract_mesh()
-    sizes = {} if mesh.empty else {a: n for a, n in mesh.shape.items() if n > 1}
+    sizes = {} if mesh.empty or spec is None else {a: n for a, n in mesh.shape.items() if n > 1}
     entries = [*(spec or ()), *[None] * x.ndim][:x.ndim]
     on = [tuple(a for a in (e if isinstance(e, tuple) else (e,)) if a in sizes) for e in entries]
     first = lambda axes: sorted(axes, key=lambda a: not on[a])  # sharded major: clean merges
-    rest = first(a for a in range(x.ndim) if a not in ins + outs)
-    split, free, ins, outs = ([a for a in rest if on[a]], [a for a in rest if not on[a]],
-                              first(ins), first(outs))
-    order = split + free + ins + outs
-    b_ax, m_ax, n_ax = (sum((on[a] for a in g), ()) for g in (split, ins, outs))
-    r_ax = tuple(a for a in sizes if a not in b_ax + m_ax + n_ax)  # replicated: a slice
-    dims = [math.prod(x.shape[a] for a in g) for g in (split, free, ins, outs)]
-    y = x.transpose(order).reshape(dims)
-    y = jnp.pad(y, ((0, 0), (0, -dims[1] % math.prod(sizes[a] for a in m_ax + n_ax + r_ax)),
-                    (0, 0), (0, 0)))
-    stages = [(b_ax, (), m_ax, n_ax), (b_ax, m_ax, (), n_ax), (b_ax, m_ax + n_ax, (), ())]
-    stages = ([] if spec is None else stages) + [(b_ax, m_ax + n_ax + r_ax, (), ())] * bool(sizes)
+    batch = first(a for a in range(x.ndim) if a not in ins + outs)
+    ins, outs = first(ins), first(outs)
+    b_ax, m_ax, n_ax = (sum((on[a] for a in g), ()) for g in (batch, ins, outs))
+    size = lambda axes: math.prod(sizes[a] for a in axes)
+    m, n = (math.prod(x.shape[a] for a in g) for g in (ins, outs))
+    # [b-shards, the matrices of each, m, n]: the first axis keeps the batch's sharding
+    y = x.transpose(batch + ins + outs).reshape(size(b_ax), -1, m, n)
+    count = y.shape[1]
+    y = jnp.pad(y, ((0, 0), (0, -count % size(m_ax + n_ax)), (0, 0), (0, 0)))
+    r_ax, left = (), y.shape[1] // size(m_ax + n_ax)
+    for a in (a for a in sizes if a not in b_ax + m_ax + n_ax):
+        if left % sizes[a] == 0:  # never padded: a replicated pad would be whole everywhere
+            r_ax, left = r_ax + (a,), left // sizes[a]
+    stages = [(b_ax, (), m_ax, n_ax), (b_ax, m_ax, (), n_ax), (b_ax, m_ax + n_ax, (), ()),
+              (b_ax, m_ax + n_ax + r_ax, (), ())] if sizes else []
     pin = lambda v, st: jax.lax.with_sharding_constraint(v, P(*(e or None for e in st)))
     for st in stages:
         y = pin(y, st)
-    y = jax.vmap(jax.vmap(lambda v: newton_schulz(v, coeffs)))(y)
+    y = jax.vmap(lambda v: newton_schulz(v, coeffs))(y.reshape(-1, m, n)).reshape(y.shape)
     for st in reversed(stages):
         y = pin(y, st)
-    y = y[:, :dims[1]].reshape([x.shape[a] for a in order])
-    return y.transpose(np.argsort(order))
+    order = batch + ins + outs
+    return y[:, :count].reshape([x.shape[a] for a in order]).transpose(np.argsort(order))
 
 
 def scale_by_muon(muon_dims: dict, mu_dtype, specs: dict | None = None, beta: float = 0.95):
