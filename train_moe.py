@@ -665,11 +665,10 @@ def make_optimizer(t: TrainConfig, specs: dict | None = None):
 
 def train_state(cfg: Config, mesh) -> train.TrainState:
     """{params, opt_state, step; with sigmoid routing buffers: the router biases} on `mesh`."""
-    bt = _buffer_table(cfg.model)
+    bt, specs = _buffer_table(cfg.model), param_specs(cfg.model)
     buffers = (lambda: train.table_init(bt, jax.random.key(0)), train.table_specs(bt))
-    return train.TrainState(partial(_init, cfg.model), param_specs(cfg.model),
-                            make_optimizer(cfg.train, param_specs(cfg.model)), mesh,
-                            buffers=buffers if bt else None)
+    return train.TrainState(partial(_init, cfg.model), specs, make_optimizer(cfg.train, specs),
+                            mesh, buffers=buffers if bt else None)
 
 
 def count_params(cfg: ModelConfig) -> int:
