@@ -534,11 +534,11 @@ MUON_DIMS = {"wq": ((1,), (2, 3)), "wk": ((1,), (2, 3)), "wv": ((1,), (2, 3)),
              "w_down": ((1,), (2,))}
 
 
-def make_optimizer(t: TrainConfig):
+def make_optimizer(t: TrainConfig, specs: dict | None = None):
     return train.optimizer(t.optimizer, make_schedule(t), b1=t.b1, b2=t.b2,
                            weight_decay=t.weight_decay, clip_norm=t.clip_norm,
                            decayed={"embed", "unembed", *MUON_DIMS}, muon_dims=MUON_DIMS,
-                           muon_dtype=t.muon_dtype)
+                           muon_dtype=t.muon_dtype, specs=specs)
 
 
 def param_specs(cfg: ModelConfig) -> dict:
@@ -558,7 +558,7 @@ def init_params(cfg: ModelConfig, key: jax.Array, mesh=None) -> dict:
 def train_state(cfg: Config, mesh) -> train.TrainState:
     """{params, opt_state, step} of this model and optimiser on `mesh` (see common/train.py)."""
     return train.TrainState(partial(_init, cfg.model), param_specs(cfg.model),
-                            make_optimizer(cfg.train), mesh)
+                            make_optimizer(cfg.train, param_specs(cfg.model)), mesh)
 
 
 def count_params(cfg: ModelConfig) -> int:

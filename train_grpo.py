@@ -526,7 +526,7 @@ def policy_loss(logp_BN, old_BN, adv_B, mask_BN, g: GRPOConfig, *, ref_BN=None, 
 def train_step(state: dict, batch: dict, *, cfg: Config, n_valid: int):
     """One optimiser step (then QK-clip) on a rollout batch, accumulated over --grpo.microbatches;
     returns the new state and metrics (the diagnostics' means over the completion tokens)."""
-    g, tx = cfg.grpo, make_optimizer(cfg.grpo)
+    g, tx = cfg.grpo, make_optimizer(cfg.grpo, specs=param_specs(cfg.model))
     M, tau = g.microbatches, g.qk_clip_threshold
     # DAPO divides by the whole batch's tokens; the mean over M microbatches below divides
     # by M again, so each microbatch is handed n_tokens / M.
@@ -558,7 +558,7 @@ def loss_fn(params, batch: dict, cfg: Config, *, n_valid: int, n_tokens, max_log
 
 def sft_step(state: dict, batch: dict, *, cfg: Config, n_valid: int):
     """Warm start: cross-entropy on the answer tokens (and EOS) of correct examples."""
-    tx = make_optimizer(cfg.grpo, cfg.warm)
+    tx = make_optimizer(cfg.grpo, cfg.warm, param_specs(cfg.model))
 
     def sft_loss(params):
         logp_BN = completion_logps(params, batch["prompt"], batch["prompt_valid"],
@@ -575,14 +575,14 @@ MUON_DIMS = {"wq": ((1,), (2, 3)), "wk": ((1,), (2, 3)), "wv": ((1,), (2, 3)),  
              "w_down": ((1,), (2,))}
 
 
-def make_optimizer(g: GRPOConfig, warm: WarmStartConfig | None = None):
+def make_optimizer(g: GRPOConfig, warm: WarmStartConfig | None = None, specs: dict | None = None):
     """train_dense.py's optimiser (a dense run's state fits it), flat after a linear warmup:
-    GRPO's, or with `warm` the warm start's."""
+    GRPO's, or with `warm` the warm start's; `specs` (the parameters') split Muon's matrices."""
     lr, warmup = (warm.lr, warm.warmup_steps) if warm else (g.lr, g.warmup_steps)
     return train.optimizer(g.optimizer, train.lr_schedule("constant", lr, warmup), b1=g.b1,
                            b2=g.b2, weight_decay=g.weight_decay, clip_norm=g.clip_norm,
                            decayed={"embed", "unembed", *MUON_DIMS}, muon_dims=MUON_DIMS,
-                           muon_dtype=g.muon_dtype)
+                           muon_dtype=g.muon_dtype, specs=specs)
 
 
 def flops_per_step(cfg: Config, width: int) -> tuple[int, float]:
@@ -807,7 +807,7 @@ def main(cfg: Config) -> dict:
     g, tok = cfg.grpo, make_tokenizer(cfg)
     task = validate(cfg, jax.device_count(), tok)
     mesh = make_mesh(cfg.mesh)
-    st = train_state(cfg, mesh, make_optimizer(g), ref=g.beta > 0)
+    st = train_state(cfg, mesh, make_optimizer(g, specs=param_specs(cfg.model)), ref=g.beta > 0)
     step_fn = st.jit(partial(train_step, cfg=cfg, n_valid=tok.vocab_size))
     lo, hi = clip_range(g)
     log(f"model {count_params(cfg.model) / 1e6:.2f}M parameters | mesh {describe(mesh)} | "
@@ -943,7 +943,7 @@ def warm_start(cfg: Config, mesh, tok, params, generate, task: Task, run: train.
     """SFT on correct examples until the sampled (not greedy) reward reaches
     --warm.target-reward (WarmStartConfig says why)."""
     w, g = cfg.warm, cfg.grpo
-    st = train_state(cfg, mesh, make_optimizer(g, w))
+    st = train_state(cfg, mesh, make_optimizer(g, w, param_specs(cfg.model)))
     state = st.from_params(params)
     step_fn = st.jit(partial(sft_step, cfg=cfg, n_valid=tok.vocab_size))
     t0, losses = time.perf_counter(), []

@@ -657,19 +657,19 @@ MUON_DIMS = {"wo": ((1, 2), (3,)), **dict.fromkeys(("w_gate", "w_up", "w_down"),
                               "mlp_gate", "mlp_up", "mlp_down"), ((1,), (2,)))}
 
 
-def make_optimizer(t: TrainConfig):
+def make_optimizer(t: TrainConfig, specs: dict | None = None):
     return train.optimizer(t.optimizer, make_schedule(t), b1=t.b1, b2=t.b2,
                            weight_decay=t.weight_decay, clip_norm=t.clip_norm,
                            decayed={"embed", "unembed", "w_router", *MUON_DIMS},
-                           muon_dims=MUON_DIMS, muon_dtype=t.muon_dtype)
+                           muon_dims=MUON_DIMS, muon_dtype=t.muon_dtype, specs=specs)
 
 
 def train_state(cfg: Config, mesh) -> train.TrainState:
     """{params, opt_state, step; with sigmoid routing buffers: the router biases} on `mesh`."""
-    bt = _buffer_table(cfg.model)
+    bt, specs = _buffer_table(cfg.model), param_specs(cfg.model)
     buffers = (lambda: train.table_init(bt, jax.random.key(0)), train.table_specs(bt))
-    return train.TrainState(partial(_init, cfg.model), param_specs(cfg.model),
-                            make_optimizer(cfg.train), mesh, buffers=buffers if bt else None)
+    return train.TrainState(partial(_init, cfg.model), specs, make_optimizer(cfg.train, specs),
+                            mesh, buffers=buffers if bt else None)
 
 
 def count_params(cfg: ModelConfig) -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 import os
 import re
@@ -190,29 +191,100 @@ def lr_schedule(kind: str, lr: float, warmup_steps: int, steps: int = 0,
     return lambda s: base(s + 1)
 
 
+NS_COEFFS = (3.4445, -4.7750, 2.0315)  # the quintic's (Jordan et al. 2024), optax's default
+
+
+def newton_schulz(x, coeffs, steps: int = 5, eps: float = 1e-8):
+    """Orthogonalise one matrix as optax.contrib.scale_by_muon does: on the wide side,
+    Frobenius-normalised (a zero matrix stays zero), X <- aX + (b XX^T + c (XX^T)^2) X."""
+    wide = x.shape[0] <= x.shape[1]
+    x = x if wide else x.T
+    x = x / (jnp.linalg.norm(x) + eps)
+    for _ in range(steps):
+        a = x @ x.T
+        x = coeffs[0] * x + (coeffs[1] * a + coeffs[2] * a @ a) @ x
+    return x if wide else x.T
+
+
+def orthogonalise_stack(x, ins: tuple, outs: tuple, coeffs, spec: P | None = None):
+    """Newton-Schulz on each matrix (ins x outs axes) of a stack; every other axis (layers,
+    experts) is a batch of separate matrices. Under a mesh, given the parameter's layout `spec`
+    (None: unknown, so each matrix whole where XLA puts it), each device orthogonalises only
+    its share of the batch, each matrix whole: the batch axes already sharded (the experts)
+    stay so; one all-to-all per sharded matrix dimension moves its mesh axes onto the batch,
+    padded with zero matrices to a multiple of them; a replicated axis (data) takes its slice
+    where it divides what is left. Then the same steps back: the update comes out in `spec`."""
+    mesh = jax.sharding.get_abstract_mesh()
+    sizes = {} if mesh.empty or spec is None else {a: n for a, n in mesh.shape.items() if n > 1}
+    entries = [*(spec or ()), *[None] * x.ndim][:x.ndim]
+    on = [tuple(a for a in (e if isinstance(e, tuple) else (e,)) if a in sizes) for e in entries]
+    first = lambda axes: sorted(axes, key=lambda a: not on[a])  # sharded major: clean merges
+    batch = first(a for a in range(x.ndim) if a not in ins + outs)
+    ins, outs = first(ins), first(outs)
+    b_ax, m_ax, n_ax = (sum((on[a] for a in g), ()) for g in (batch, ins, outs))
+    size = lambda axes: math.prod(sizes[a] for a in axes)
+    m, n = (math.prod(x.shape[a] for a in g) for g in (ins, outs))
+    # [b-shards, the matrices of each, m, n]: the first axis keeps the batch's sharding
+    y = x.transpose(batch + ins + outs).reshape(size(b_ax), -1, m, n)
+    count = y.shape[1]
+    y = jnp.pad(y, ((0, 0), (0, -count % size(m_ax + n_ax)), (0, 0), (0, 0)))
+    r_ax, left = (), y.shape[1] // size(m_ax + n_ax)
+    for a in (a for a in sizes if a not in b_ax + m_ax + n_ax):
+        if left % sizes[a] == 0:  # never padded: a replicated pad would be whole everywhere
+            r_ax, left = r_ax + (a,), left // sizes[a]
+    stages = [(b_ax, (), m_ax, n_ax), (b_ax, m_ax, (), n_ax), (b_ax, m_ax + n_ax, (), ()),
+              (b_ax, m_ax + n_ax + r_ax, (), ())] if sizes else []
+    pin = lambda v, st: jax.lax.with_sharding_constraint(v, P(*(e or None for e in st)))
+    for st in stages:
+        y = pin(y, st)
+    y = jax.vmap(lambda v: newton_schulz(v, coeffs))(y.reshape(-1, m, n)).reshape(y.shape)
+    for st in reversed(stages):
+        y = pin(y, st)
+    order = batch + ins + outs
+    return y[:, :count].reshape([x.shape[a] for a in order]).transpose(np.argsort(order))
+
+
+def scale_by_muon(muon_dims: dict, mu_dtype, specs: dict | None = None, beta: float = 0.95):
+    """optax.contrib.scale_by_muon's Nesterov momentum and its state (checkpoints unchanged),
+    then `orthogonalise_stack` on each matrix, given its parameter's spec in `specs`."""
+    def init(params):
+        return optax.contrib.MuonState(jnp.zeros([], jnp.int32), optax.tree.zeros_like(
+            params, dtype=mu_dtype), jnp.asarray(NS_COEFFS))
+
+    def update(g, state, params=None):
+        mu = optax.tree.update_moment(g, state.mu, beta, 1)
+        count = optax.safe_increment(state.count)
+        nesterov = jax.tree.map(lambda m, u: beta * m + (1 - beta) * u,
+                                optax.tree.bias_correction(mu, beta, optax.safe_increment(count)),
+                                optax.tree.bias_correction(g, beta, count))
+        spec = lambda path: specs and functools.reduce(lambda t, k: t[k.key], path, specs)
+        u = jax.tree_util.tree_map_with_path(lambda path, x: orthogonalise_stack(
+            x, *muon_dims[path[-1].key], state.ns_coeffs.astype(x.dtype), spec(path)), nesterov)
+        return u, optax.contrib.MuonState(count, optax.tree.cast(mu, mu_dtype), state.ns_coeffs)
+    return optax.GradientTransformation(init, update)
+
+
 def optimizer(kind: str, schedule, *, b1: float, b2: float, weight_decay: float,
-              clip_norm: float, decayed: set[str], muon_dims: dict, muon_dtype: str = "float32"):
+              clip_norm: float, decayed: set[str], muon_dims: dict, muon_dtype: str = "float32",
+              specs: dict | None = None):
     """Clip by global norm, then AdamW, or Muon on the hidden matrices and AdamW on the rest.
 
     AdamW decays only the parameters whose name is in `decayed` (the matrices): decaying norm
     gains and biases only hurts. Muon (Jordan et al. 2024; Liu et al. 2025, "Muon is Scalable",
     the Moonlight recipe Kimi K2 uses): Nesterov momentum 0.95, then 5 quintic Newton-Schulz
-    steps that orthogonalise each matrix (optax.contrib.scale_by_muon; its momentum and the
-    iteration in `muon_dtype`), scaled by 0.2 sqrt(max(fan_in, fan_out)) so that the update's
-    RMS matches AdamW's and the same learning rate and weight decay serve both. `muon_dims`:
-    name -> (input axes, output axes) of the hidden matrices; every other axis (the scanned
-    layers, the experts) is a batch of separate matrices. Embeddings, unembedding, norms,
-    biases and the router are not in it and keep AdamW. Under jit each sharded matrix is
-    orthogonalised whole (XLA gathers what the matmuls need) and its update keeps the
-    parameter's sharding."""
+    steps that orthogonalise each matrix (optax.contrib.scale_by_muon's math, the momentum and
+    the iteration in `muon_dtype`), scaled by 0.2 sqrt(max(fan_in, fan_out)) so that the
+    update's RMS matches AdamW's and the same learning rate and weight decay serve both.
+    `muon_dims`: name -> (input axes, output axes) of the hidden matrices; every other axis
+    (the scanned layers, the experts) is a batch of separate matrices, split over the devices
+    (`orthogonalise_stack`, given the parameters' PartitionSpecs `specs`). Embeddings,
+    unembedding, norms, biases and the router are not in it and keep AdamW. The momentum is
+    sharded like its parameter."""
     mask = lambda params: jax.tree_util.tree_map_with_path(
         lambda path, _: path[-1].key in decayed, params)
     adam = optax.adamw(schedule, b1, b2, weight_decay=weight_decay, mask=mask)
     if kind == "adamw":
         return optax.chain(optax.clip_by_global_norm(clip_norm), adam)
-    # Called on the tree that optax.partition masks: the others are MaskedNodes (no leaves).
-    dims = lambda tree: jax.tree_util.tree_map_with_path(
-        lambda path, _: optax.contrib.MuonDimensionNumbers(*muon_dims[path[-1].key]), tree)
 
     def rms_match(updates, state, params=None):
         def scale(path, u):
@@ -221,14 +293,12 @@ def optimizer(kind: str, schedule, *, b1: float, b2: float, weight_decay: float,
             return u * (0.2 * math.sqrt(max(fan_in, fan_out)))
         return jax.tree_util.tree_map_with_path(scale, updates), state
 
-    def cast(dtype):  # the momentum's dtype is the iteration's: optax runs it in mu's dtype
+    def cast(dtype):  # the momentum's dtype is the iteration's (Nesterov's sum takes g's)
         return optax.GradientTransformation(lambda _: optax.EmptyState(), lambda u, s, p=None: (
             jax.tree.map(lambda x: x.astype(dtype), u), s))
 
     muon = optax.chain(
-        cast(jnp.dtype(muon_dtype)),
-        optax.contrib.scale_by_muon(beta=0.95, ns_steps=5, weight_dimension_numbers=dims,
-                                    mu_dtype=jnp.dtype(muon_dtype)),
+        cast(jnp.dtype(muon_dtype)), scale_by_muon(muon_dims, jnp.dtype(muon_dtype), specs),
         cast(jnp.float32), optax.GradientTransformation(lambda _: optax.EmptyState(), rms_match),
         optax.add_decayed_weights(weight_decay), optax.scale_by_learning_rate(schedule))
     labels = lambda params: jax.tree_util.tree_map_with_path(
