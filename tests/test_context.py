@@ -169,3 +169,15 @@ def test_a_run_resumed_onto_another_context_size_follows_the_uninterrupted_one(d
     for a, b in zip(jax.tree.leaves(jax.device_get(whole["state"]["params"])),
                     jax.tree.leaves(jax.device_get(split["state"]["params"]))):
         np.testing.assert_allclose(a, b, rtol=2e-3, atol=2e-5)
+
+
+def test_muon_on_a_context_mesh_equals_one_device():
+    """Muon's matrices arrive split over fsdp and context (common/train.py table_specs) and
+    are orthogonalised in shares: three steps equal one device's."""
+    cfg = dataclasses.replace(dense.small_cfg(dense.SMALL, optimizer="muon"))
+    batch, out = dense.tokens(cfg), []
+    for mc in (MeshConfig(fsdp=1), MeshConfig(fsdp=2, context=2, tensor=2)):
+        mesh = make_mesh(mc, jax.devices()[:1] if mc.context == 1 else None)
+        c = dataclasses.replace(cfg, mesh=mc)
+        out.append(dense.run_steps(c, [batch] * 3, mesh)[0])
+    moe.assert_trees_close(out[1], out[0], rtol=1e-4, atol=2e-6)
