@@ -121,11 +121,11 @@ def check_sizes(mesh: MeshConfig, splits: dict[str, list[tuple[str, int]]]) -> N
     """Each model size that a mesh axis splits ({axis: [(flag, size), ...]}) divides evenly."""
     for axis, sizes in splits.items():
         axes = ("fsdp", "context") if axis == "fsdp" else (axis,)   # see table_specs
-        ways = math.prod(getattr(mesh, a) * getattr(mesh, "dcn_" + a) for a in axes)
+        n = {a: getattr(mesh, a) * getattr(mesh, "dcn_" + a) for a in axes}
+        ways, named = math.prod(n.values()), [f"--mesh.{a} {k}" for a, k in n.items() if k > 1]
         for flag, v in sizes:
             if v % ways:
-                raise ConfigError(f"{flag} {v} is not divisible by "
-                                  f"{' x '.join('--mesh.' + a for a in axes)} = {ways}: {axis} "
+                raise ConfigError(f"{flag} {v} is not divisible by {' x '.join(named)}: {axis} "
                                   f"parallelism splits it evenly; choose sizes dividing {v}.")
 
 

@@ -336,7 +336,7 @@ def test_param_specs_match_params_tree():
     assert jax.tree.structure(shapes) == jax.tree.structure(specs, is_leaf=is_p)
     for s, spec in zip(jax.tree.leaves(shapes), jax.tree.leaves(specs, is_leaf=is_p)):
         assert len(spec) == len(s.shape)
-    assert specs["layers"]["w_gate"] == P(None, "expert", "fsdp", "tensor")
+    assert specs["layers"]["w_gate"] == P(None, "expert", ("fsdp", "context"), "tensor")
 
 
 def test_flops_per_token_hand_count():
