@@ -43,6 +43,122 @@ def test_max_logits_equal_a_plain_reference(chunk):
     assert not np.allclose(reference_max(q, k, full), reference_max(q, k, causal))
 
 
+def test_max_logits_see_windows_chunks_and_the_scale():
+    """On a local layer only the window's (or the chunk's) pairs count; on a global one all
+    causal pairs; the scale is the attention's, not 1/sqrt(H)."""
+    rng = np.random.default_rng(1)
+    q = rng.normal(size=(2, 16, 4, 8)).astype(np.float32)
+    k = rng.normal(size=(2, 16, 2, 8)).astype(np.float32)
+    k[:, 0] *= 10   # the first key dominates: a window or a chunk hides it from late queries
+    t, s = np.arange(16)[:, None], np.arange(16)[None, :]
+    causal = np.broadcast_to(s <= t, (2, 16, 16))
+    for kw, allowed in (({"window": 3}, causal & (t - s < 3)),
+                        ({"local_chunk": 5}, causal & (t // 5 == s // 5))):
+        for is_global in (False, True):
+            got = train.max_logits(jnp.asarray(q), jnp.asarray(k), chunk=4, scale=0.7 / np.sqrt(8),
+                                   is_global=jnp.asarray(is_global), **kw)
+            want = reference_max(q, k, causal if is_global else allowed) * 0.7
+            np.testing.assert_allclose(got, want, rtol=1e-5, err_msg=f"{kw} global {is_global}")
+        assert not np.allclose(reference_max(q, k, allowed), reference_max(q, k, causal))
+
+
+def spied_max_logits(monkeypatch, cfg, params, x):
+    """(the heads' largest logits the trainer records, in layer order; the largest of the scores
+    that `attend` is asked to soften, per call, in the order the layers ran): the latter from
+    the plain q.k x scale with the causal mask, window and chunks `attend` receives, in float64
+    on the host, independently of `max_logits`."""
+    seen, real = [], tm.attend
+
+    def spy(q, k, v, *, scale, window=0, **kw):
+        def host(q, k, is_window):
+            q, k = np.asarray(q, np.float64), np.asarray(k, np.float64)
+            T, N, K = q.shape[1], q.shape[2], k.shape[2]
+            t, s = np.arange(T)[:, None], np.arange(T)[None, :]
+            ok = (s <= t) & ((t - s < window) if is_window else True)
+            sc = np.einsum("btnh,bsnh->bnts", q, np.repeat(k, N // K, axis=2)) * scale
+            seen.append(np.where(ok, sc, -np.inf).max(axis=(0, 2, 3)))
+        jax.debug.callback(host, q, k, window > 0, ordered=True)
+        return real(q, k, v, scale=scale, window=window, **kw)
+
+    monkeypatch.setattr(tm, "attend", spy)
+    stats = tm.hidden(params, x, cfg, max_logits=True)[1]
+    jax.effects_barrier()
+    monkeypatch.setattr(tm, "attend", real)
+    dense = np.asarray(stats.get("max_logit_dense", np.zeros((0, cfg.n_heads))))
+    moe = np.asarray(stats["max_logit"])
+    order = (np.stack([dense, moe], 1).reshape(-1, cfg.n_heads) if cfg.moe_every == 2
+             else np.concatenate([dense, moe]))
+    return order, np.stack(seen)
+
+
+@pytest.mark.parametrize("family", ["gpt-oss", "deepseek", "llama4"])
+def test_moe_records_the_logits_its_attention_computes(monkeypatch, family):
+    """GPT-OSS: YaRN's mscale^2 on the logits, windows on alternate layers, sinks; DeepSeek: MLA
+    (YaRN's mscale_all_dim, a query latent) with a dense first layer; Llama 4: chunked local
+    layers, NoPE global ones with the query temperature, dense and MoE layers in turn."""
+    from tests.test_deepseek import DS
+    from tests.test_gptoss import GPT
+    from tests.test_llama4 import LLAMA4
+    cfg = {"gpt-oss": GPT, "deepseek": DS,
+           "llama4": dataclasses.replace(LLAMA4, qk_l2_norm=False, attn_chunk=4)}[family]
+    cfg = dataclasses.replace(cfg, scan_layers=False)   # the spy sees each layer once
+    params = test_moe.perturbed_params(cfg)
+    x = tokens(test_moe.small_cfg(cfg))[:, :-1]
+    x[:, 0] = 7   # every row opens with the same token: a strong early key
+    recorded, computed = spied_max_logits(monkeypatch, cfg, params, jnp.asarray(x))
+    np.testing.assert_allclose(recorded, computed, rtol=1e-4)
+    if family == "gpt-oss":   # YaRN's temperature: q.k / sqrt(H) alone would understate them
+        assert tm.logit_scale(cfg, cfg.head_dim) > 1.25 / np.sqrt(cfg.head_dim)   # factor 4: 1.296
+
+
+@pytest.mark.parametrize("stack,key,shout", [("layers", "max_logit", (1, 1)),
+                                             ("dense_layers", "max_logit_dense", (0, 2))],
+                         ids=["last moe layer", "dense first layer"])
+def test_mla_clip_scales_the_heads_own_parts_and_never_the_shared_rotary_key(stack, key, shout):
+    """DeepSeek's MLA with a query latent and a dense first layer (Kimi K2's shape): a shouting
+    head reaches tau after the clip, the other heads of its layer and the layers before keep
+    their logits bitwise; the query's own part and the key's take sqrt(gamma), the rotary query
+    part gamma, and the shared rotary key (wkv_a) and the values (wkv_b's last columns) nothing."""
+    from tests.test_deepseek import DS
+    params = test_moe.perturbed_params(DS)
+    l, n = shout
+    params[stack]["wq_b"][l, :, n] *= 30
+    x = jnp.asarray(tokens(test_moe.small_cfg(DS))[:, :-1])
+    tops_of = jax.jit(lambda p: {k: v for k, v in tm.hidden(p, x, DS, max_logits=True)[1].items()
+                                 if k.startswith("max_logit")})
+    before = jax.device_get(tops_of(params))
+    rest = np.ones(before[key].shape, bool)
+    rest[l, n] = False
+    quiet = max(before[key][rest].max(), *(v.max() for k, v in before.items() if k != key))
+    tau = float(np.sqrt(before[key][l, n] * quiet))
+    assert before[key][l, n] > tau > quiet
+    clipped = jax.device_get(tm.clip_heads(params, before, DS, tau))
+    after = jax.device_get(tops_of(clipped))
+    np.testing.assert_allclose(after[key][l, n], tau, rtol=1e-5)
+    rest[l + 1:] = False   # the layers after it read what the clipped head wrote
+    np.testing.assert_array_equal(after[key][rest], before[key][rest])
+    g, Hn = tau / before[key][l, n], DS.qk_nope_head_dim
+    old, new = params[stack], clipped[stack]
+    for name in set(old) - {"wq_b", "wkv_b"}:   # wkv_a: the latent and the shared rotary key
+        np.testing.assert_array_equal(new[name], old[name], err_msg=name)
+    for name, lo, hi in (("wq_b", g ** .5, g), ("wkv_b", g ** .5, 1.0)):
+        np.testing.assert_allclose(new[name][l, :, n], old[name][l, :, n] * np.where(
+            np.arange(old[name].shape[-1]) < Hn, lo, hi), rtol=1e-6, err_msg=name)
+        untouched = np.ones(old[name].shape[:1] + old[name].shape[2:3], bool)
+        untouched[l, n] = False
+        np.testing.assert_array_equal(new[name].swapaxes(1, 2)[untouched],
+                                      old[name].swapaxes(1, 2)[untouched], err_msg=name)
+    other = "dense_layers" if stack == "layers" else "layers"
+    jax.tree.map(np.testing.assert_array_equal, clipped[other], params[other])
+
+
+def test_kimi_and_deepseek_presets_take_muonclip():
+    for preset in ("kimi-k2", "deepseek-v3"):
+        cfg = tm.cli([preset, "--train.optimizer", "muon", "--train.qk-clip-threshold", "100",
+                      "--mesh.expert", "8"])
+        tm.validate(cfg, 8)
+
+
 @pytest.mark.parametrize("kv_heads,bias", [(4, False), (2, True)], ids=["mha", "gqa+bias"])
 def test_clipped_heads_reach_tau_and_the_others_are_untouched(kv_heads, bias):
     m = dataclasses.replace(SMALL, n_kv_heads=kv_heads, qkv_bias=bias)
