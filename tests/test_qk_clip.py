@@ -62,12 +62,12 @@ def test_max_logits_see_windows_chunks_and_the_scale():
         assert not np.allclose(reference_max(q, k, allowed), reference_max(q, k, causal))
 
 
-def spied_max_logits(monkeypatch, cfg, params, x):
+def spied_max_logits(monkeypatch, cfg, params, x, mod=tm):
     """(the heads' largest logits the trainer records, in layer order; the largest of the scores
     that `attend` is asked to soften, per call, in the order the layers ran): the latter from
     the plain q.k x scale with the causal mask, window and chunks `attend` receives, in float64
     on the host, independently of `max_logits`."""
-    seen, real = [], tm.attend
+    seen, real = [], mod.attend
 
     def spy(q, k, v, *, scale, window=0, **kw):
         def host(q, k, is_window):
@@ -80,15 +80,26 @@ def spied_max_logits(monkeypatch, cfg, params, x):
         jax.debug.callback(host, q, k, window > 0, ordered=True)
         return real(q, k, v, scale=scale, window=window, **kw)
 
-    monkeypatch.setattr(tm, "attend", spy)
-    stats = tm.hidden(params, x, cfg, max_logits=True)[1]
+    monkeypatch.setattr(mod, "attend", spy)
+    stats = mod.hidden(params, x, cfg, max_logits=True)[1]
     jax.effects_barrier()
-    monkeypatch.setattr(tm, "attend", real)
+    monkeypatch.setattr(mod, "attend", real)
     dense = np.asarray(stats.get("max_logit_dense", np.zeros((0, cfg.n_heads))))
     moe = np.asarray(stats["max_logit"])
-    order = (np.stack([dense, moe], 1).reshape(-1, cfg.n_heads) if cfg.moe_every == 2
-             else np.concatenate([dense, moe]))
+    order = (np.stack([dense, moe], 1).reshape(-1, cfg.n_heads)
+             if getattr(cfg, "moe_every", 1) == 2 else np.concatenate([dense, moe]))
     return order, np.stack(seen)
+
+
+def test_dense_records_the_logits_of_its_windowed_layers(monkeypatch):
+    """Mistral-style windows on alternate layers (train_dense.py; GRPO's block is its copy)."""
+    cfg = dataclasses.replace(SMALL, sliding_window=4, global_every=2, scan_layers=False)
+    params = jax.device_get(td.init_params(cfg, jax.random.key(0)))
+    params["layers"]["wk"] = params["layers"]["wk"] * 8
+    x = tokens(small_cfg(cfg))[:, :-1]
+    x[:, 0] = 7
+    recorded, computed = spied_max_logits(monkeypatch, cfg, params, jnp.asarray(x), td)
+    np.testing.assert_allclose(recorded, computed, rtol=1e-4)
 
 
 @pytest.mark.parametrize("family", ["gpt-oss", "deepseek", "llama4"])
