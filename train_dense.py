@@ -435,7 +435,7 @@ def train_step(state: dict, batch, *, cfg: Config, tx):
                    max_logits=tau > 0)
     grads, aux = train.accumulate(jax.grad(loss, has_aux=True), state["params"], batch,
                                   cfg.train.microbatches, BATCH_AXES)
-    clip = partial(train.qk_clip, max_LN=aux.get("max_logit"), tau=tau) if tau > 0 else None
+    clip = partial(train.qk_clip, tops={"layers": aux.get("max_logit")}, tau=tau) if tau else None
     new, metrics = train.update(tx, grads, state, aux["ce"], after=clip)
     clipped = {"max_attn_logit": jnp.max(aux["max_logit"])} if tau > 0 else {}
     return new, metrics | clipped | {"loss": aux["ce"],

@@ -539,7 +539,7 @@ def train_step(state: dict, batch: dict, *, cfg: Config, n_valid: int):
     grads, max_LN = jax.tree.map(lambda x: x / M, grads), sums.pop("max_logit", None)
     n = jnp.maximum(sums.pop("tokens"), 1.0)
     metrics = {k: v / n for k, v in sums.items()}  # the KL among them: checked with the update
-    clip = partial(train.qk_clip, max_LN=max_LN, tau=tau) if tau else None
+    clip = partial(train.qk_clip, tops={"layers": max_LN}, tau=tau) if tau else None
     new, checks = train.update(tx, grads, state, *metrics.values(), after=clip)
     metrics |= {"max_attn_logit": jnp.max(max_LN)} if tau else {}
     return new, metrics | checks | {"lr": train.lr_schedule(

@@ -590,9 +590,12 @@ def train_step(state: dict, batch_BT1, *, cfg: Config, tx):
     grad_fn = jax.grad(lambda p, b: loss_fn(with_buffers(p, buffers), b, cfg.model, cfg.train),
                        has_aux=True)
     grads, aux = train.accumulate(grad_fn, state["params"], batch_BT1, M, MOE_BATCH)
-    tops = {k: aux.pop(k) for k in ("max_logit", "max_logit_dense") if k in aux}  # largest, not mean
+    tops = {s: aux.pop(k) for s, k in (("layers", "max_logit"), ("dense_layers", "max_logit_dense"))
+            if k in aux}   # the microbatches' largest, not their mean
     grads, aux = jax.tree.map(lambda x: x / M, (grads, aux))
-    clip = partial(clip_heads, tops=tops, cfg=cfg.model, tau=tau) if tau > 0 else None
+    m = cfg.model   # MLA: the heads' own q/k parts and the rotary query, never the shared key
+    mla = dict(q=("wq", "wq_b"), k=("wkv_b",), nope=m.qk_nope_head_dim) if m.kv_lora_rank else {}
+    clip = partial(train.qk_clip, tops=tops, tau=tau, **mla) if tau > 0 else None
     new, metrics = train.update(tx, grads, state, aux["ce"], after=clip)
     if buffers and cfg.train.router_bias_rate:
         bias = buffers["layers"]["router_bias"]
@@ -625,15 +628,6 @@ def loss_fn(params, batch_BT1, cfg: ModelConfig, t: TrainConfig = TrainConfig())
     n = targets.size
     return (obj / n + t.load_balance_loss * jnp.mean(stats["aux_loss"]) + t.router_z_loss
             * jnp.mean(stats["router_z"])), {"ce": ce / n, **stats}
-
-
-def clip_heads(params: dict, tops: dict, cfg: ModelConfig, tau: float) -> dict:
-    """QK-clip (common/train.py `qk_clip`) on the MoE stack and the dense one; with MLA, K2's way:
-    the heads' own query and key parts and the rotary query, never the shared rotary key."""
-    mla = dict(q=("wq", "wq_b"), k=("wkv_b",), nope=cfg.qk_nope_head_dim) if cfg.kv_lora_rank else {}
-    for stack, key in (("layers", "max_logit"), ("dense_layers", "max_logit_dense")):
-        params = train.qk_clip(params, tops[key], tau, stack=stack, **mla) if key in tops else params
-    return params
 
 
 def cross_entropy(h_BCD, w_DV, t_BC, wt_BC, *, z_loss: float, cap: float, grad: bool):

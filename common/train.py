@@ -342,32 +342,32 @@ def max_logits(q_BTNH, k_BSKH, mask_BTS=None, chunk: int = 512, *, segment_ids=N
     return jnp.max(jax.lax.map(one, jnp.arange(T // C)), axis=0) * (scale or H ** -0.5)
 
 
-def qk_clip(params: dict, max_LN, tau: float, q=("wq", "bq"), k=("wk", "bk"),
-            stack: str = "layers", nope: int = 0) -> dict:
+def qk_clip(params: dict, tops: dict, tau: float, q=("wq", "bq"), k=("wk", "bk"),
+            nope: int = 0) -> dict:
     """MuonClip's QK-clip (Kimi K2 report, sec. 2.1), after an update: every head whose largest
-    logit this step, max_LN [L, N], exceeded tau has its query and key projections (weights
-    and biases in params[stack], [L, ..., heads, H]) scaled by sqrt(tau / max) each, so that
-    logit becomes tau; every other head is left exactly as it was. A key head that serves
-    several query heads (grouped-query attention) is left alone and its queries take the whole
-    factor, as K2 does with MLA's shared rotary key: scaling it would move its other heads'
-    logits too. MLA (nope > 0: the width of the heads' own part): the query's own part and the
-    key's (the first `nope` columns of q and of k's and v's joint up-projection) take sqrt(gamma)
-    each, the query's rotary part the whole gamma, and the shared rotary key and the values
-    nothing."""
-    layers = params[stack]
-    ok = jnp.isfinite(max_LN) & (max_LN > tau)   # a non-finite max: the step is skipped anyway
-    g_LN = jnp.where(ok, tau / jnp.where(ok, max_LN, 1.0), 1.0)
-    shared = not nope and layers[k[0]].shape[-2] != layers[q[0]].shape[-2]
-    root, one = jnp.sqrt(g_LN), jnp.ones_like(g_LN)
-    # name: (the factor on its first `nope` columns, on the rest); nope 0: no column is first
-    scales = {n: (root, g_LN) if nope else (g_LN if shared else root,) * 2 for n in q}
-    scales |= {n: (root, one if nope else root) for n in k if not shared}
+    logit this step, tops[stack] [L, N] for each stack of layers in params, exceeded tau has its
+    query and key projections (weights and biases, [L, ..., heads, H]) scaled by sqrt(tau / max)
+    each, so that logit becomes tau; every other head is left exactly as it was. A key head that
+    serves several query heads (grouped-query attention) is left alone and its queries take the
+    whole factor, as K2 does with MLA's shared rotary key: scaling it would move its other
+    heads' logits too. MLA (nope > 0: the width of the heads' own part): the query's own part and
+    the key's (the first `nope` columns of q and of k's and v's joint up-projection) take
+    sqrt(gamma) each, the query's rotary part the whole gamma, the shared rotary key and the
+    values nothing."""
+    def clip(layers, max_LN):
+        ok = jnp.isfinite(max_LN) & (max_LN > tau)   # non-finite: the step is skipped anyway
+        g_LN = jnp.where(ok, tau / jnp.where(ok, max_LN, 1.0), 1.0)
+        shared = not nope and layers[k[0]].shape[-2] != layers[q[0]].shape[-2]
+        root, one = jnp.sqrt(g_LN), jnp.ones_like(g_LN)
+        # name: (the factor on its first `nope` columns, on the rest); nope 0: none is first
+        scales = {n: (root, g_LN) if nope else (g_LN if shared else root,) * 2 for n in q}
+        scales |= {n: (root, one if nope else root) for n in k if not shared}
 
-    def scale(a, lo, hi):
-        f = lambda s: s.reshape(s.shape[0], *[1] * (a.ndim - 3), s.shape[1], 1)
-        return a * jnp.where(jnp.arange(a.shape[-1]) < nope, f(lo), f(hi))
-    return params | {stack: layers | {n: scale(layers[n], *s) for n, s in scales.items()
-                                      if n in layers}}
+        def scale(a, lo, hi):
+            f = lambda s: s.reshape(s.shape[0], *[1] * (a.ndim - 3), s.shape[1], 1)
+            return a * jnp.where(jnp.arange(a.shape[-1]) < nope, f(lo), f(hi))
+        return layers | {n: scale(layers[n], *s) for n, s in scales.items() if n in layers}
+    return params | {stack: clip(params[stack], m) for stack, m in tops.items()}
 
 
 def check_qk_clip(flag: str, tau: float, qk_norm: bool) -> None:

@@ -122,6 +122,9 @@ def test_moe_records_the_logits_its_attention_computes(monkeypatch, family):
         assert tm.logit_scale(cfg, cfg.head_dim) > 1.25 / np.sqrt(cfg.head_dim)   # factor 4: 1.296
 
 
+MLA = dict(q=("wq", "wq_b"), k=("wkv_b",), nope=8)   # DS's qk_nope_head_dim
+
+
 @pytest.mark.parametrize("stack,key,shout", [("layers", "max_logit", (1, 1)),
                                              ("dense_layers", "max_logit_dense", (0, 2))],
                          ids=["last moe layer", "dense first layer"])
@@ -143,7 +146,8 @@ def test_mla_clip_scales_the_heads_own_parts_and_never_the_shared_rotary_key(sta
     quiet = max(before[key][rest].max(), *(v.max() for k, v in before.items() if k != key))
     tau = float(np.sqrt(before[key][l, n] * quiet))
     assert before[key][l, n] > tau > quiet
-    clipped = jax.device_get(tm.clip_heads(params, before, DS, tau))
+    tops = {"layers": before["max_logit"], "dense_layers": before["max_logit_dense"]}
+    clipped = jax.device_get(train.qk_clip(params, tops, tau, **MLA))
     after = jax.device_get(tops_of(clipped))
     np.testing.assert_allclose(after[key][l, n], tau, rtol=1e-5)
     rest[l + 1:] = False   # the layers after it read what the clipped head wrote
@@ -187,7 +191,7 @@ def test_clipped_heads_reach_tau_and_the_others_are_untouched(kv_heads, bias):
     tau = float(np.sqrt(before[-1, 1] * before[others].max()))
     assert before[-1, 1] > tau > before[others].max()
 
-    clipped = jax.device_get(train.qk_clip(p, jnp.asarray(before), tau))
+    clipped = jax.device_get(train.qk_clip(p, {"layers": jnp.asarray(before)}, tau))
     after = np.asarray(max_of(clipped))
     np.testing.assert_allclose(after[-1, 1], tau, rtol=1e-5)
     np.testing.assert_array_equal(after[others], before[others])
@@ -220,8 +224,16 @@ def steps_of(mod, cfg, params, batch, mesh):
         return jax.device_get(state["params"]), jax.device_get(m)
 
 
-def case(mod):
-    """(config with tau = 0, params, batch, the heads' largest logits [L, N] on that batch)."""
+def case(mod, mla=False):
+    """(config with tau = 0, params, batch, the heads' largest logits {stack: [L, N]} on that
+    batch)."""
+    if mla:   # DeepSeek's MLA, a dense first layer
+        from tests.test_deepseek import DS
+        cfg = test_moe.small_cfg(DS, batch_size=16, load_balance_loss=0.0, router_bias_rate=0.0)
+        params, batch = test_moe.perturbed_params(DS), tokens(cfg)
+        m = tm.hidden(params, batch[:, :-1], DS, max_logits=True)[1]
+        return cfg, params, batch, {"layers": np.asarray(m["max_logit"]),
+                                    "dense_layers": np.asarray(m["max_logit_dense"])}
     if mod is td:
         cfg = small_cfg(dataclasses.replace(SMALL, qkv_bias=True))
         params = jax.device_get(td.init_params(cfg.model, jax.random.key(3)))
@@ -238,7 +250,7 @@ def case(mod):
         params, batch = test_grpo.perturbed_params(test_grpo.SMALL, 5), test_grpo.rollout_batch(cfg)
         m = tg.completion_logps(params, batch["prompt"], batch["prompt_valid"],
                                 batch["completion"], cfg.model, 1.0, 16, max_logits=True)[2]
-    return cfg, params, batch, np.asarray(m["max_logit"])
+    return cfg, params, batch, {"layers": np.asarray(m["max_logit"])}
 
 
 def with_tau(mod, cfg, tau, microbatches=1):
@@ -247,26 +259,31 @@ def with_tau(mod, cfg, tau, microbatches=1):
         getattr(cfg, part), qk_clip_threshold=tau, microbatches=microbatches)})
 
 
-@pytest.mark.parametrize("mod", [td, tm, tg], ids=["dense", "moe", "grpo"])
-def test_every_trainer_clips_after_the_update(mod):
+@pytest.mark.parametrize("mod,mla", [(td, False), (tm, False), (tm, True), (tg, False)],
+                         ids=["dense", "moe", "deepseek", "grpo"])
+def test_every_trainer_clips_after_the_update(mod, mla):
     """The step with tau == the step without, then qk_clip with the logits of the parameters
-    it started from; on 8 devices in 2 microbatches as on one."""
-    cfg, params, batch, max_LN = case(mod)
-    tau = float(np.median(max_LN))   # half the heads over it
+    it started from (MLA's way, every stack, for DeepSeek); on 8 devices in 2 microbatches as
+    on one."""
+    cfg, params, batch, tops = case(mod, mla)
+    every = np.concatenate([t.ravel() for t in tops.values()])
+    tau = float(np.median(every))   # half the heads over it
     one = make_mesh(MeshConfig(fsdp=1), jax.devices()[:1])
     plain, _ = steps_of(mod, cfg, params, batch, one)
-    want = jax.device_get(train.qk_clip(plain, jnp.asarray(max_LN), tau))
+    want = jax.device_get(train.qk_clip(plain, tops, tau, **(MLA if mla else {})))
     mesh = MeshConfig(fsdp=2, expert=4) if mod is tm else MeshConfig(fsdp=4, tensor=2)
     for c, m in ((with_tau(mod, cfg, tau), one),
                  (dataclasses.replace(with_tau(mod, cfg, tau, 2), mesh=mesh), make_mesh(mesh))):
         got, metrics_ = steps_of(mod, c, params, batch, m)
-        np.testing.assert_allclose(metrics_["max_attn_logit"], max_LN.max(), rtol=1e-4)
-        for name in ("wq", "wk", "wv", "bq", "bk"):
-            if name in want["layers"]:
-                np.testing.assert_allclose(got["layers"][name], want["layers"][name],
-                                           rtol=1e-4, atol=1e-5, err_msg=name)
-        changed = ~np.isclose(got["layers"]["wq"], plain["layers"]["wq"], rtol=1e-4,
-                              atol=1e-7).all(axis=(1, 3))
+        np.testing.assert_allclose(metrics_["max_attn_logit"], every.max(), rtol=1e-4)
+        for stack in tops:
+            for name in ("wq", "wk", "wv", "bq", "bk", "wq_b", "wkv_a", "wkv_b"):
+                if name in want[stack]:
+                    np.testing.assert_allclose(got[stack][name], want[stack][name], rtol=1e-4,
+                                               atol=1e-5, err_msg=f"{stack} {name}")
+        q = "wq_b" if mla else "wq"
+        changed = np.concatenate([~np.isclose(got[s][q], plain[s][q], rtol=1e-4, atol=1e-7).all(
+            axis=(1, 3)).ravel() for s in tops])
         assert 0 < changed.sum() < changed.size   # some heads clipped, some not
 
 
