@@ -253,6 +253,7 @@ def max_logit_figure(runs, log_y=False):
         tau = run.config.get("train", {}).get("qk_clip_threshold", 0)
         if fig is not None and 0 < tau < 1e6:
             fig.axes[0].axhline(tau, color=f"C{i % 10}", ls=":", label=f"{run.name}: threshold")
+            fig.axes[0].legend(fontsize="small")
     return fig
 
 
