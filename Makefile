@@ -15,7 +15,7 @@ PORT   ?= 6006
 comma  := ,
 
 .DEFAULT_GOAL := help
-.PHONY: help train test test-floors test-tpu bench bench-gpu bench-context bench-window bench-parity bench-parity-moe bench-grpo bench-recovery bench-scale compile-tpu dry-run prepare clean train-moe bench-moe train-grpo \
+.PHONY: help train test test-floors test-tpu muonclip-demo bench bench-gpu bench-context bench-window bench-parity bench-parity-moe bench-grpo bench-recovery bench-scale compile-tpu dry-run prepare clean train-moe bench-moe train-grpo \
         plot tensorboard need-run sft export-hf finetune-hf hf-fixtures
 
 help:  ## list the targets
@@ -69,6 +69,17 @@ test-tpu: $(VENV)/.installed  ## compile the training steps for a TPU slice here
 compile-tpu: $(VENV)/.installed  ## per-chip memory, est. step time and MFU on TPU slices vs MaxText (compiled here)
 	$(PY) -m pip install -q -e '.[tpu]'
 	$(PY) bench/compile_tpu.py $(ARGS)
+
+# MuonClip's reason to exist: tiny-deepseek (MLA, a dense first layer) under Muon at a learning
+# rate where its attention logits run away, plain (a threshold no logit reaches only records
+# them) and clipped at 100; both runs' largest logit and loss in one figure. docs/optimizers.md.
+MUONCLIP := tiny-deepseek --train.optimizer muon --train.lr 0.05 --train.schedule wsd \
+            --train.steps 120 --train.batch-size 8 --train.eval-every 1000
+muonclip-demo: $(VENV)/.installed  ## Muon vs MuonClip on tiny-deepseek: runs/compare-muon-muonclip/max_logit.png
+	@$(PY) -c 'import matplotlib' 2>/dev/null || $(PY) -m pip install -q matplotlib
+	$(PY) train_moe.py $(MUONCLIP) --train.qk-clip-threshold 1e9 --run-dir runs/muon $(ARGS)
+	$(PY) train_moe.py $(MUONCLIP) --train.qk-clip-threshold 100 --run-dir runs/muonclip $(ARGS)
+	$(PY) -m tools.plot runs/muon runs/muonclip
 
 bench: $(VENV)/.installed  ## tokens/s, ms/step, MFU and compile time of PRESET on synthetic tokens
 	$(PY) train_dense.py $(PRESET) --bench 10 $(ARGS)

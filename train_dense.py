@@ -287,12 +287,13 @@ def block(x_BTD, lp: dict, cfg: ModelConfig, *, pos_BT, inv_freq, segment_ids=No
     q, k = apply_rope(q, pos_BT, inv_freq), apply_rope(k, pos_BT, inv_freq)
     if cfg.yarn_factor:  # YaRN's temperature where it stretches RoPE: logits x (0.1 ln s + 1)^2
         q = q * jnp.where(is_global, (0.1 * math.log(max(cfg.yarn_factor, 1)) + 1) ** 2, 1.0)
-    stats = {"max_logit": train.max_logits(q, k, segment_ids=segment_ids)} if max_logits else {}
+    W = cfg.sliding_window if cfg.sliding_window < q.shape[1] else 0  # else: all within reach
+    stats = {"max_logit": train.max_logits(q, k, segment_ids=segment_ids, window=W,
+                                           is_global=is_global)} if max_logits else {}
     # The kernel is the compile target's (common/attention.py): splash, cuDNN or blocked.
     full = partial(attend, q, k, v, impl=cfg.attention, segment_ids=segment_ids,
                    context=cfg.context_attention,
                    scale=(cfg.query_scale or cfg.head_dim) ** -0.5, cap=cfg.attn_softcap)
-    W = cfg.sliding_window if cfg.sliding_window < q.shape[1] else 0  # else: all within reach
     o = jax.lax.cond(is_global, full, partial(full, window=W)) if W else full()
     o = jnp.einsum("btnh,nhd->btd", o, w("wo"))
     x_BTD = x_BTD + (norm(o, "attn_post_norm") if cfg.sandwich_norm or cfg.post_norm else o)
@@ -434,7 +435,7 @@ def train_step(state: dict, batch, *, cfg: Config, tx):
                    max_logits=tau > 0)
     grads, aux = train.accumulate(jax.grad(loss, has_aux=True), state["params"], batch,
                                   cfg.train.microbatches, BATCH_AXES)
-    clip = partial(train.qk_clip, max_LN=aux.get("max_logit"), tau=tau) if tau > 0 else None
+    clip = partial(train.qk_clip, tops={"layers": aux.get("max_logit")}, tau=tau) if tau else None
     new, metrics = train.update(tx, grads, state, aux["ce"], after=clip)
     clipped = {"max_attn_logit": jnp.max(aux["max_logit"])} if tau > 0 else {}
     return new, metrics | clipped | {"loss": aux["ce"],

@@ -290,11 +290,12 @@ def block(x_BTD, lp: dict, cfg: ModelConfig, *, pos_BT, inv_freq, mask_BTS=None,
         k = jax.lax.dynamic_update_slice_in_dim(kv[0], k.astype(kv[0].dtype), index, axis=1)
         v = jax.lax.dynamic_update_slice_in_dim(kv[1], v.astype(kv[1].dtype), index, axis=1)
         kv = (k, v)
-    stats = {"max_logit": train.max_logits(q, k, mask_BTS)} if max_logits else {}
+    W = cfg.sliding_window if cfg.sliding_window < k.shape[1] else 0  # else: all within reach
+    stats = {"max_logit": train.max_logits(q, k, mask_BTS, window=W, is_global=is_global)
+             } if max_logits else {}
     # The mask: left padding and a cache's empty tail, which XLA's masked softmax takes.
     full = partial(attend, q, k, v, impl=cfg.attention, mask_BTS=mask_BTS,
                    scale=(cfg.query_scale or cfg.head_dim) ** -0.5, cap=cfg.attn_softcap)
-    W = cfg.sliding_window if cfg.sliding_window < k.shape[1] else 0  # else: all within reach
     if W and mask_BTS is not None:  # the window as a mask, the queries at columns index..
         near_TS = (index + jnp.arange(q.shape[1]))[:, None] - jnp.arange(k.shape[1]) < W
         local = partial(full, mask_BTS=mask_BTS & near_TS)
@@ -538,7 +539,7 @@ def train_step(state: dict, batch: dict, *, cfg: Config, n_valid: int):
     grads, max_LN = jax.tree.map(lambda x: x / M, grads), sums.pop("max_logit", None)
     n = jnp.maximum(sums.pop("tokens"), 1.0)
     metrics = {k: v / n for k, v in sums.items()}  # the KL among them: checked with the update
-    clip = partial(train.qk_clip, max_LN=max_LN, tau=tau) if tau else None
+    clip = partial(train.qk_clip, tops={"layers": max_LN}, tau=tau) if tau else None
     new, checks = train.update(tx, grads, state, *metrics.values(), after=clip)
     metrics |= {"max_attn_logit": jnp.max(max_LN)} if tau else {}
     return new, metrics | checks | {"lr": train.lr_schedule(

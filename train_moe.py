@@ -387,28 +387,35 @@ def block(x_BTD, lp: dict, pos_BT, inv_freq, cfg: ModelConfig, max_logits: bool 
     o = jnp.einsum("btnh,nhd->btd", attention(q, k, v, lp, cfg, is_global), w("wo"))
     x_BTD = constrain(x_BTD + (o + w("bo") if cfg.attn_bias else o), ACT_BTD)
     h = rms_norm(x_BTD, lp["mlp_norm"], cfg.norm_eps)
+    W, C = (n if n < q.shape[1] else 0 for n in (cfg.sliding_window, cfg.attn_chunk))
+    # for QK-clip: each head's largest attention logit, as `attention` computes it
+    top = {"max_logit": train.max_logits(q, k, scale=logit_scale(cfg, q.shape[-1]), window=W,
+                                         local_chunk=0 if W else C, is_global=is_global)
+           } if max_logits else {}
     if "w_router" not in lp:
-        return constrain(x_BTD + swiglu(h, {"w_" + k: w("mlp_" + k) for k in PROJ}), ACT_BTD), {}
+        return constrain(x_BTD + swiglu(h, {"w_" + k: w("mlp_" + k) for k in PROJ}), ACT_BTD), top
     y_BTD, stats = moe(h, lp, cfg)
-    if max_logits:  # for QK-clip: each head's largest attention logit
-        stats["max_logit"] = train.max_logits(q, k)
-    return constrain(x_BTD + y_BTD, ACT_BTD), stats
+    return constrain(x_BTD + y_BTD, ACT_BTD), stats | top
 
 
 def attention(q_BTNH, k_BTKH, v_BTKV, lp: dict, cfg: ModelConfig, is_global):
     """One layer's attention by the compile target's kernel (common/attention.py), with GPT-OSS's
     sinks and window (`is_global`, traced, picks the layer's kind) and MLA's values narrower than
-    its queries. YaRN's temperature 0.1 m ln(factor) + 1 scales q and k alike: here their logits,
-    by its square (m = 1; DeepSeek leaves the rotation unscaled and gives m = mscale_all_dim)."""
-    f, m = cfg.yarn_factor, cfg.yarn_mscale_all_dim or 1.0
-    temp = (0.1 * m * math.log(f) + 1.0) ** 2 if f > 1 else 1.0
+    its queries."""
     att = partial(attend, impl=cfg.attention, sinks_N=lp.get("sinks"), context=cfg.context_attention,
-                  scale=temp / math.sqrt(q_BTNH.shape[-1]), batch_axes=MOE_BATCH)
+                  scale=logit_scale(cfg, q_BTNH.shape[-1]), batch_axes=MOE_BATCH)
     full, T = partial(att, q_BTNH, k_BTKH, v_BTKV), q_BTNH.shape[1]
     W = cfg.sliding_window if cfg.sliding_window < T else 0  # else: all in reach
     C = cfg.attn_chunk if cfg.attn_chunk < T else 0
     local = partial(full, window=W) if W else partial(in_chunks, att, C, q_BTNH, k_BTKH, v_BTKV)
     return jax.lax.cond(is_global, full, local) if W or C else full()
+
+
+def logit_scale(cfg: ModelConfig, H: int) -> float:
+    """1/sqrt(H) times the square of YaRN's temperature 0.1 m ln(factor) + 1, which scales q and k
+    alike (m = 1; DeepSeek leaves the rotation unscaled and gives m = mscale_all_dim)."""
+    f, m = cfg.yarn_factor, cfg.yarn_mscale_all_dim or 1.0
+    return ((0.1 * m * math.log(f) + 1.0) ** 2 if f > 1 else 1.0) / math.sqrt(H)
 
 
 def in_chunks(att, C: int, *qkv_BTNH):
@@ -543,15 +550,20 @@ def hidden(params: dict, tokens_BT, cfg: ModelConfig, max_logits: bool = False):
             "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}[cfg.remat])
     # Unrolled (--model.no-scan-layers), each layer is compiled on its own.
     scan = partial(jax.lax.scan, layer, unroll=not cfg.scan_layers)
+    dense = lambda top: {k + "_dense": v for k, v in top.items()}   # the dense layers' logits
     if Kd:  # the dense layers come first, as their own stack
-        x, _ = scan(x, (params["dense_layers"], jnp.asarray(is_global_L[:Kd])))
+        x, top = scan(x, (params["dense_layers"], jnp.asarray(is_global_L[:Kd])))
     if cfg.moe_every == 2:  # Llama 4 Maverick: each step a dense layer, then a MoE layer
+        def pair(x, xs):
+            x, top = layer(x, (xs[0], xs[2]))
+            x, stats = layer(x, (xs[1], xs[3]))
+            return x, stats | dense(top)
         g = jnp.asarray(is_global_L.reshape(-1, 2))
-        pair = lambda x, xs: layer(layer(x, (xs[0], xs[2]))[0], (xs[1], xs[3]))
         x, stats = jax.lax.scan(pair, x, (params["dense_layers"], params["layers"], g[:, 0],
                                           g[:, 1]), unroll=not cfg.scan_layers)
     else:
         x, stats = scan(x, (params["layers"], jnp.asarray(is_global_L[Kd:])))
+        stats |= dense(top) if Kd else {}
     return rms_norm(x, params["final_norm"], cfg.norm_eps), stats
 
 
@@ -578,16 +590,19 @@ def train_step(state: dict, batch_BT1, *, cfg: Config, tx):
     grad_fn = jax.grad(lambda p, b: loss_fn(with_buffers(p, buffers), b, cfg.model, cfg.train),
                        has_aux=True)
     grads, aux = train.accumulate(grad_fn, state["params"], batch_BT1, M, MOE_BATCH)
-    max_LN = aux.pop("max_logit", None)  # the microbatches' largest, not their mean
+    tops = {s: aux.pop(k) for s, k in (("layers", "max_logit"), ("dense_layers", "max_logit_dense"))
+            if k in aux}   # the microbatches' largest, not their mean
     grads, aux = jax.tree.map(lambda x: x / M, (grads, aux))
-    clip = partial(train.qk_clip, max_LN=max_LN, tau=tau) if tau > 0 else None
+    m = cfg.model   # MLA: the heads' own q/k parts and the rotary query, never the shared key
+    mla = dict(q=("wq", "wq_b"), k=("wkv_b",), nope=m.qk_nope_head_dim) if m.kv_lora_rank else {}
+    clip = partial(train.qk_clip, tops=tops, tau=tau, **mla) if tau > 0 else None
     new, metrics = train.update(tx, grads, state, aux["ce"], after=clip)
     if buffers and cfg.train.router_bias_rate:
         bias = buffers["layers"]["router_bias"]
         moved = balance_biases(bias, aux["load"], cfg.train.router_bias_rate)
         new["buffers"] = {"layers": {"router_bias": jnp.where(metrics["nonfinite"], bias, moved)}}
     if tau > 0:
-        metrics["max_attn_logit"] = jnp.max(max_LN)
+        metrics["max_attn_logit"] = jnp.max(jnp.concatenate([t.ravel() for t in tops.values()]))
     return new, metrics | {"loss": aux["ce"], "lr": make_schedule(cfg.train)(state["step"]),
                            "load_min": aux["load_min"], "load_max": aux["load_max"]} | {
         k: jnp.mean(aux[k]) for k in ("aux_loss", "router_z", "dropped")}
@@ -803,8 +818,6 @@ def _validate_deepseek(m: ModelConfig, t: TrainConfig) -> None:
              " (nope + rope), to which the values are padded; narrow it.")
         need(not m.yarn_factor or m.yarn_mscale_all_dim, "--model.yarn-factor with MLA needs "
              "--model.yarn-mscale-all-dim (DeepSeek-V3: 1.0): the logits' YaRN correction.")
-        need(not t.qk_clip_threshold, "--train.qk-clip-threshold with MLA: QK-clip here "
-             "scales wq and wk, which MLA does not have. Set it to 0.")
     need(m.kv_lora_rank or not m.yarn_mscale_all_dim, "--model.yarn-mscale-all-dim is MLA's "
          "(--model.kv-lora-rank > 0); turn it off.")
     need(not m.n_group or (m.n_experts % m.n_group == 0 and 1 <= m.topk_group <= m.n_group and
@@ -825,8 +838,6 @@ def _validate_deepseek(m: ModelConfig, t: TrainConfig) -> None:
     need(m.moe_every == 1 or m.moe_every == 2 and not m.first_k_dense and m.n_layers % 2 == 0,
          f"--model.moe-every {m.moe_every}: 1 (every layer MoE) or 2 (Llama 4 Maverick's dense "
          "and MoE layers in turn: an even --model.n-layers, no --model.first-k-dense).")
-    need(not (t.qk_clip_threshold and (m.first_k_dense or m.moe_every > 1)), "--train.qk-clip-"
-         "threshold with dense layers: the clip reads the MoE layers' logits only. Set it to 0.")
 
 
 # ----------------------------------------------------------------------------------------------

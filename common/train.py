@@ -307,12 +307,16 @@ def optimizer(kind: str, schedule, *, b1: float, b2: float, weight_decay: float,
                        optax.partition({"muon": muon, "adamw": adam}, labels))
 
 
-def max_logits(q_BTNH, k_BSKH, mask_BTS=None, chunk: int = 512, *, segment_ids=None):
-    """[N] float32: per query head, the largest pre-softmax logit q.k / sqrt(H) over the pairs
-    attention allows (causal, within each example of a packed row with segment_ids [B, T], or
-    mask_BTS), for QK-clip. Fused attention kernels never show their scores, so they are made
-    again here: q.k's FLOPs once more, without gradient, by chunks of queries, so that at most
-    [B, N, chunk, S] float32 scores (and no [T, S] mask) exist at a time."""
+def max_logits(q_BTNH, k_BSKH, mask_BTS=None, chunk: int = 512, *, segment_ids=None,
+               scale=None, window: int = 0, local_chunk: int = 0, is_global=True):
+    """[N] float32: per query head, the largest pre-softmax logit q.k x scale (default
+    1/sqrt(H)) over the pairs the attention allows: causal (or mask_BTS), within each example
+    of a packed row (segment_ids [B, T]) and, on a layer that is not `is_global` (traced), within
+    `window` positions or the same `local_chunk`, for QK-clip. These are the logits that run,
+    YaRN's temperature included through `scale` (a soft-cap is never applied: QK-clip is refused
+    where one is). Fused kernels never show their scores, so they are made again here: q.k's
+    FLOPs once more, without gradient, by chunks of queries, so that at most [B, N, chunk, S]
+    float32 scores (and no [T, S] mask) exist at a time."""
     q, k = jax.lax.stop_gradient(q_BTNH), jax.lax.stop_gradient(k_BSKH)
     B, T, N, H = q.shape
     S, K = k.shape[1], k.shape[2]
@@ -321,35 +325,49 @@ def max_logits(q_BTNH, k_BSKH, mask_BTS=None, chunk: int = 512, *, segment_ids=N
     def one(i):
         q_BCKGH = jax.lax.dynamic_slice_in_dim(q, i * C, C, axis=1).reshape(B, C, K, N // K, H)
         s = jnp.einsum("bckgh,bskh->bkgcs", q_BCKGH, k, preferred_element_type=jnp.float32)
+        t_C1, s_S = (i * C + jnp.arange(C))[:, None], jnp.arange(S)
         if mask_BTS is not None:
             a = jax.lax.dynamic_slice_in_dim(mask_BTS, i * C, C, axis=1)
         else:
-            a = (i * C + jnp.arange(C))[None, :, None] >= jnp.arange(S)
+            a = (t_C1 >= s_S)[None]
         if segment_ids is not None:
             seg_BC = jax.lax.dynamic_slice_in_dim(segment_ids, i * C, C, axis=1)
             a = a & (seg_BC[:, :, None] == segment_ids[:, None, :])
+        if window:
+            a = a & (is_global | (t_C1 - s_S < window))
+        if local_chunk:
+            a = a & (is_global | (t_C1 // local_chunk == s_S // local_chunk))
         return jnp.max(jnp.where(a[:, None, None], s, -jnp.inf), axis=(0, 3, 4)).reshape(N)
 
-    return jnp.max(jax.lax.map(one, jnp.arange(T // C)), axis=0) / math.sqrt(H)
+    return jnp.max(jax.lax.map(one, jnp.arange(T // C)), axis=0) * (scale or H ** -0.5)
 
 
-def qk_clip(params: dict, max_LN, tau: float, q=("wq", "bq"), k=("wk", "bk")) -> dict:
+def qk_clip(params: dict, tops: dict, tau: float, q=("wq", "bq"), k=("wk", "bk"),
+            nope: int = 0) -> dict:
     """MuonClip's QK-clip (Kimi K2 report, sec. 2.1), after an update: every head whose largest
-    logit this step, max_LN [L, N], exceeded tau has its query and key projections (weights
-    and biases in params["layers"], [L, ..., heads, H]) scaled by sqrt(tau / max) each, so
-    that logit becomes tau; every other head is left exactly as it was. A key head that serves
-    several query heads (grouped-query attention) is left alone and its queries take the whole
-    factor, as K2 does with MLA's shared rotary key: scaling it would move its other heads'
-    logits too."""
-    layers = params["layers"]
-    ok = jnp.isfinite(max_LN) & (max_LN > tau)   # a non-finite max: the step is skipped anyway
-    gamma_LN = jnp.where(ok, tau / jnp.where(ok, max_LN, 1.0), 1.0)
-    shared = layers[k[0]].shape[-2] != layers[q[0]].shape[-2]
-    scales = {name: gamma_LN if shared else jnp.sqrt(gamma_LN) for name in q}
-    scales |= {} if shared else {name: jnp.sqrt(gamma_LN) for name in k}
-    scale = lambda a, s: a * s.reshape(s.shape[0], *[1] * (a.ndim - 3), s.shape[1], 1)
-    return params | {"layers": layers | {n: scale(layers[n], s) for n, s in scales.items()
-                                         if n in layers}}
+    logit this step, tops[stack] [L, N] for each stack of layers in params, exceeded tau has its
+    query and key projections (weights and biases, [L, ..., heads, H]) scaled by sqrt(tau / max)
+    each, so that logit becomes tau; every other head is left exactly as it was. A key head that
+    serves several query heads (grouped-query attention) is left alone and its queries take the
+    whole factor, as K2 does with MLA's shared rotary key: scaling it would move its other
+    heads' logits too. MLA (nope > 0: the width of the heads' own part): the query's own part and
+    the key's (the first `nope` columns of q and of k's and v's joint up-projection) take
+    sqrt(gamma) each, the query's rotary part the whole gamma, the shared rotary key and the
+    values nothing."""
+    def clip(layers, max_LN):
+        ok = jnp.isfinite(max_LN) & (max_LN > tau)   # non-finite: the step is skipped anyway
+        g_LN = jnp.where(ok, tau / jnp.where(ok, max_LN, 1.0), 1.0)
+        shared = not nope and layers[k[0]].shape[-2] != layers[q[0]].shape[-2]
+        root, one = jnp.sqrt(g_LN), jnp.ones_like(g_LN)
+        # name: (the factor on its first `nope` columns, on the rest); nope 0: none is first
+        scales = {n: (root, g_LN) if nope else (g_LN if shared else root,) * 2 for n in q}
+        scales |= {n: (root, one if nope else root) for n in k if not shared}
+
+        def scale(a, lo, hi):
+            f = lambda s: s.reshape(s.shape[0], *[1] * (a.ndim - 3), s.shape[1], 1)
+            return a * jnp.where(jnp.arange(a.shape[-1]) < nope, f(lo), f(hi))
+        return layers | {n: scale(layers[n], *s) for n, s in scales.items() if n in layers}
+    return params | {stack: clip(params[stack], m) for stack, m in tops.items()}
 
 
 def check_qk_clip(flag: str, tau: float, qk_norm: bool) -> None:

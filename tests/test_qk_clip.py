@@ -43,6 +43,137 @@ def test_max_logits_equal_a_plain_reference(chunk):
     assert not np.allclose(reference_max(q, k, full), reference_max(q, k, causal))
 
 
+def test_max_logits_see_windows_chunks_and_the_scale():
+    """On a local layer only the window's (or the chunk's) pairs count; on a global one all
+    causal pairs; the scale is the attention's, not 1/sqrt(H)."""
+    rng = np.random.default_rng(1)
+    q = rng.normal(size=(2, 16, 4, 8)).astype(np.float32)
+    k = rng.normal(size=(2, 16, 2, 8)).astype(np.float32)
+    k[:, 0] *= 10   # the first key dominates: a window or a chunk hides it from late queries
+    t, s = np.arange(16)[:, None], np.arange(16)[None, :]
+    causal = np.broadcast_to(s <= t, (2, 16, 16))
+    for kw, allowed in (({"window": 3}, causal & (t - s < 3)),
+                        ({"local_chunk": 5}, causal & (t // 5 == s // 5))):
+        for is_global in (False, True):
+            got = train.max_logits(jnp.asarray(q), jnp.asarray(k), chunk=4, scale=0.7 / np.sqrt(8),
+                                   is_global=jnp.asarray(is_global), **kw)
+            want = reference_max(q, k, causal if is_global else allowed) * 0.7
+            np.testing.assert_allclose(got, want, rtol=1e-5, err_msg=f"{kw} global {is_global}")
+        assert not np.allclose(reference_max(q, k, allowed), reference_max(q, k, causal))
+
+
+def spied_max_logits(monkeypatch, cfg, params, x, mod=tm):
+    """(the heads' largest logits the trainer records, in layer order; the largest of the scores
+    that `attend` is asked to soften, per call, in the order the layers ran): the latter from
+    the plain q.k x scale with the causal mask, window and chunks `attend` receives, in float64
+    on the host, independently of `max_logits`."""
+    seen, real = [], mod.attend
+
+    def spy(q, k, v, *, scale, window=0, **kw):
+        def host(q, k, is_window):
+            q, k = np.asarray(q, np.float64), np.asarray(k, np.float64)
+            T, N, K = q.shape[1], q.shape[2], k.shape[2]
+            t, s = np.arange(T)[:, None], np.arange(T)[None, :]
+            ok = (s <= t) & ((t - s < window) if is_window else True)
+            sc = np.einsum("btnh,bsnh->bnts", q, np.repeat(k, N // K, axis=2)) * scale
+            seen.append(np.where(ok, sc, -np.inf).max(axis=(0, 2, 3)))
+        jax.debug.callback(host, q, k, window > 0, ordered=True)
+        return real(q, k, v, scale=scale, window=window, **kw)
+
+    monkeypatch.setattr(mod, "attend", spy)
+    stats = mod.hidden(params, x, cfg, max_logits=True)[1]
+    jax.effects_barrier()
+    monkeypatch.setattr(mod, "attend", real)
+    dense = np.asarray(stats.get("max_logit_dense", np.zeros((0, cfg.n_heads))))
+    moe = np.asarray(stats["max_logit"])
+    order = (np.stack([dense, moe], 1).reshape(-1, cfg.n_heads)
+             if getattr(cfg, "moe_every", 1) == 2 else np.concatenate([dense, moe]))
+    return order, np.stack(seen)
+
+
+def test_dense_records_the_logits_of_its_windowed_layers(monkeypatch):
+    """Mistral-style windows on alternate layers (train_dense.py; GRPO's block is its copy)."""
+    cfg = dataclasses.replace(SMALL, sliding_window=4, global_every=2, scan_layers=False)
+    params = jax.device_get(td.init_params(cfg, jax.random.key(0)))
+    params["layers"]["wk"] = params["layers"]["wk"] * 8
+    x = tokens(small_cfg(cfg))[:, :-1]
+    x[:, 0] = 7
+    recorded, computed = spied_max_logits(monkeypatch, cfg, params, jnp.asarray(x), td)
+    np.testing.assert_allclose(recorded, computed, rtol=1e-4)
+
+
+@pytest.mark.parametrize("family", ["gpt-oss", "deepseek", "llama4"])
+def test_moe_records_the_logits_its_attention_computes(monkeypatch, family):
+    """GPT-OSS: YaRN's mscale^2 on the logits, windows on alternate layers, sinks; DeepSeek: MLA
+    (YaRN's mscale_all_dim, a query latent) with a dense first layer; Llama 4: chunked local
+    layers, NoPE global ones with the query temperature, dense and MoE layers in turn."""
+    from tests.test_deepseek import DS
+    from tests.test_gptoss import GPT
+    from tests.test_llama4 import LLAMA4
+    cfg = {"gpt-oss": GPT, "deepseek": DS,
+           "llama4": dataclasses.replace(LLAMA4, qk_l2_norm=False, attn_chunk=4)}[family]
+    cfg = dataclasses.replace(cfg, scan_layers=False)   # the spy sees each layer once
+    params = test_moe.perturbed_params(cfg)
+    x = tokens(test_moe.small_cfg(cfg))[:, :-1]
+    x[:, 0] = 7   # every row opens with the same token: a strong early key
+    recorded, computed = spied_max_logits(monkeypatch, cfg, params, jnp.asarray(x))
+    np.testing.assert_allclose(recorded, computed, rtol=1e-4)
+    if family == "gpt-oss":   # YaRN's temperature: q.k / sqrt(H) alone would understate them
+        assert tm.logit_scale(cfg, cfg.head_dim) > 1.25 / np.sqrt(cfg.head_dim)   # factor 4: 1.296
+
+
+MLA = dict(q=("wq", "wq_b"), k=("wkv_b",), nope=8)   # DS's qk_nope_head_dim
+
+
+@pytest.mark.parametrize("stack,key,shout", [("layers", "max_logit", (1, 1)),
+                                             ("dense_layers", "max_logit_dense", (0, 2))],
+                         ids=["last moe layer", "dense first layer"])
+def test_mla_clip_scales_the_heads_own_parts_and_never_the_shared_rotary_key(stack, key, shout):
+    """DeepSeek's MLA with a query latent and a dense first layer (Kimi K2's shape): a shouting
+    head reaches tau after the clip, the other heads of its layer and the layers before keep
+    their logits bitwise; the query's own part and the key's take sqrt(gamma), the rotary query
+    part gamma, and the shared rotary key (wkv_a) and the values (wkv_b's last columns) nothing."""
+    from tests.test_deepseek import DS
+    params = test_moe.perturbed_params(DS)
+    l, n = shout
+    params[stack]["wq_b"][l, :, n] *= 30
+    x = jnp.asarray(tokens(test_moe.small_cfg(DS))[:, :-1])
+    tops_of = jax.jit(lambda p: {k: v for k, v in tm.hidden(p, x, DS, max_logits=True)[1].items()
+                                 if k.startswith("max_logit")})
+    before = jax.device_get(tops_of(params))
+    rest = np.ones(before[key].shape, bool)
+    rest[l, n] = False
+    quiet = max(before[key][rest].max(), *(v.max() for k, v in before.items() if k != key))
+    tau = float(np.sqrt(before[key][l, n] * quiet))
+    assert before[key][l, n] > tau > quiet
+    tops = {"layers": before["max_logit"], "dense_layers": before["max_logit_dense"]}
+    clipped = jax.device_get(train.qk_clip(params, tops, tau, **MLA))
+    after = jax.device_get(tops_of(clipped))
+    np.testing.assert_allclose(after[key][l, n], tau, rtol=1e-5)
+    rest[l + 1:] = False   # the layers after it read what the clipped head wrote
+    np.testing.assert_array_equal(after[key][rest], before[key][rest])
+    g, Hn = tau / before[key][l, n], DS.qk_nope_head_dim
+    old, new = params[stack], clipped[stack]
+    for name in set(old) - {"wq_b", "wkv_b"}:   # wkv_a: the latent and the shared rotary key
+        np.testing.assert_array_equal(new[name], old[name], err_msg=name)
+    for name, lo, hi in (("wq_b", g ** .5, g), ("wkv_b", g ** .5, 1.0)):
+        np.testing.assert_allclose(new[name][l, :, n], old[name][l, :, n] * np.where(
+            np.arange(old[name].shape[-1]) < Hn, lo, hi), rtol=1e-6, err_msg=name)
+        untouched = np.ones(old[name].shape[:1] + old[name].shape[2:3], bool)
+        untouched[l, n] = False
+        np.testing.assert_array_equal(new[name].swapaxes(1, 2)[untouched],
+                                      old[name].swapaxes(1, 2)[untouched], err_msg=name)
+    other = "dense_layers" if stack == "layers" else "layers"
+    jax.tree.map(np.testing.assert_array_equal, clipped[other], params[other])
+
+
+def test_kimi_and_deepseek_presets_take_muonclip():
+    for preset in ("kimi-k2", "deepseek-v3"):
+        cfg = tm.cli([preset, "--train.optimizer", "muon", "--train.qk-clip-threshold", "100",
+                      "--mesh.expert", "8"])
+        tm.validate(cfg, 8)
+
+
 @pytest.mark.parametrize("kv_heads,bias", [(4, False), (2, True)], ids=["mha", "gqa+bias"])
 def test_clipped_heads_reach_tau_and_the_others_are_untouched(kv_heads, bias):
     m = dataclasses.replace(SMALL, n_kv_heads=kv_heads, qkv_bias=bias)
@@ -60,7 +191,7 @@ def test_clipped_heads_reach_tau_and_the_others_are_untouched(kv_heads, bias):
     tau = float(np.sqrt(before[-1, 1] * before[others].max()))
     assert before[-1, 1] > tau > before[others].max()
 
-    clipped = jax.device_get(train.qk_clip(p, jnp.asarray(before), tau))
+    clipped = jax.device_get(train.qk_clip(p, {"layers": jnp.asarray(before)}, tau))
     after = np.asarray(max_of(clipped))
     np.testing.assert_allclose(after[-1, 1], tau, rtol=1e-5)
     np.testing.assert_array_equal(after[others], before[others])
@@ -93,8 +224,16 @@ def steps_of(mod, cfg, params, batch, mesh):
         return jax.device_get(state["params"]), jax.device_get(m)
 
 
-def case(mod):
-    """(config with tau = 0, params, batch, the heads' largest logits [L, N] on that batch)."""
+def case(mod, mla=False):
+    """(config with tau = 0, params, batch, the heads' largest logits {stack: [L, N]} on that
+    batch)."""
+    if mla:   # DeepSeek's MLA, a dense first layer
+        from tests.test_deepseek import DS
+        cfg = test_moe.small_cfg(DS, batch_size=16, load_balance_loss=0.0, router_bias_rate=0.0)
+        params, batch = test_moe.perturbed_params(DS), tokens(cfg)
+        m = tm.hidden(params, batch[:, :-1], DS, max_logits=True)[1]
+        return cfg, params, batch, {"layers": np.asarray(m["max_logit"]),
+                                    "dense_layers": np.asarray(m["max_logit_dense"])}
     if mod is td:
         cfg = small_cfg(dataclasses.replace(SMALL, qkv_bias=True))
         params = jax.device_get(td.init_params(cfg.model, jax.random.key(3)))
@@ -111,7 +250,7 @@ def case(mod):
         params, batch = test_grpo.perturbed_params(test_grpo.SMALL, 5), test_grpo.rollout_batch(cfg)
         m = tg.completion_logps(params, batch["prompt"], batch["prompt_valid"],
                                 batch["completion"], cfg.model, 1.0, 16, max_logits=True)[2]
-    return cfg, params, batch, np.asarray(m["max_logit"])
+    return cfg, params, batch, {"layers": np.asarray(m["max_logit"])}
 
 
 def with_tau(mod, cfg, tau, microbatches=1):
@@ -120,26 +259,31 @@ def with_tau(mod, cfg, tau, microbatches=1):
         getattr(cfg, part), qk_clip_threshold=tau, microbatches=microbatches)})
 
 
-@pytest.mark.parametrize("mod", [td, tm, tg], ids=["dense", "moe", "grpo"])
-def test_every_trainer_clips_after_the_update(mod):
+@pytest.mark.parametrize("mod,mla", [(td, False), (tm, False), (tm, True), (tg, False)],
+                         ids=["dense", "moe", "deepseek", "grpo"])
+def test_every_trainer_clips_after_the_update(mod, mla):
     """The step with tau == the step without, then qk_clip with the logits of the parameters
-    it started from; on 8 devices in 2 microbatches as on one."""
-    cfg, params, batch, max_LN = case(mod)
-    tau = float(np.median(max_LN))   # half the heads over it
+    it started from (MLA's way, every stack, for DeepSeek); on 8 devices in 2 microbatches as
+    on one."""
+    cfg, params, batch, tops = case(mod, mla)
+    every = np.concatenate([t.ravel() for t in tops.values()])
+    tau = float(np.median(every))   # half the heads over it
     one = make_mesh(MeshConfig(fsdp=1), jax.devices()[:1])
     plain, _ = steps_of(mod, cfg, params, batch, one)
-    want = jax.device_get(train.qk_clip(plain, jnp.asarray(max_LN), tau))
+    want = jax.device_get(train.qk_clip(plain, tops, tau, **(MLA if mla else {})))
     mesh = MeshConfig(fsdp=2, expert=4) if mod is tm else MeshConfig(fsdp=4, tensor=2)
     for c, m in ((with_tau(mod, cfg, tau), one),
                  (dataclasses.replace(with_tau(mod, cfg, tau, 2), mesh=mesh), make_mesh(mesh))):
         got, metrics_ = steps_of(mod, c, params, batch, m)
-        np.testing.assert_allclose(metrics_["max_attn_logit"], max_LN.max(), rtol=1e-4)
-        for name in ("wq", "wk", "wv", "bq", "bk"):
-            if name in want["layers"]:
-                np.testing.assert_allclose(got["layers"][name], want["layers"][name],
-                                           rtol=1e-4, atol=1e-5, err_msg=name)
-        changed = ~np.isclose(got["layers"]["wq"], plain["layers"]["wq"], rtol=1e-4,
-                              atol=1e-7).all(axis=(1, 3))
+        np.testing.assert_allclose(metrics_["max_attn_logit"], every.max(), rtol=1e-4)
+        for stack in tops:
+            for name in ("wq", "wk", "wv", "bq", "bk", "wq_b", "wkv_a", "wkv_b"):
+                if name in want[stack]:
+                    np.testing.assert_allclose(got[stack][name], want[stack][name], rtol=1e-4,
+                                               atol=1e-5, err_msg=f"{stack} {name}")
+        q = "wq_b" if mla else "wq"
+        changed = np.concatenate([~np.isclose(got[s][q], plain[s][q], rtol=1e-4, atol=1e-7).all(
+            axis=(1, 3)).ravel() for s in tops])
         assert 0 < changed.sum() < changed.size   # some heads clipped, some not
 
 

@@ -6,7 +6,7 @@
 
 Which figures depends on what the records hold: loss.png (train and eval loss), lr.png (learning
 rate and gradient norm), throughput.png (tokens/s and MFU, or rollout tokens/s); for train_moe.py
-expert_load.png; for train_grpo.py reward.png, kl.png, lengths.png and warm_start.png.
+expert_load.png; with --train.qk-clip-threshold max_logit.png; for train_grpo.py reward.png, kl.png, lengths.png and warm_start.png.
 matplotlib is an optional extra (`pip install -e '.[viz]'`).
 
 A resumed run logs again the steps after its checkpoint; as TensorBoard does, a record whose
@@ -242,9 +242,25 @@ def warm_start_figure(runs, log_y=False):
     return fig
 
 
+def max_logit_figure(runs, log_y=False):
+    """MuonClip (--train.qk-clip-threshold): the largest attention logit of the step, and the
+    threshold each run clipped at (a threshold past every logit only records them)."""
+    fig = _panels(runs, "attention logits", ["max_attn_logit"], [
+        dict(keys=[("max_attn_logit", "largest q.k logit")], ylabel="largest attention logit",
+             log=True),
+        dict(keys=[("loss", "train")], ylabel="cross-entropy (nats)", log=log_y)])
+    for i, run in enumerate(runs):
+        tau = run.config.get("train", {}).get("qk_clip_threshold", 0)
+        if fig is not None and 0 < tau < 1e6:
+            fig.axes[0].axhline(tau, color=f"C{i % 10}", ls=":", label=f"{run.name}: threshold")
+            fig.axes[0].legend(fontsize="small")
+    return fig
+
+
 FIGURES = {"loss": loss_figure, "lr": lr_figure, "throughput": throughput_figure,
            "expert_load": expert_load_figure, "reward": reward_figure, "kl": kl_figure,
-           "lengths": lengths_figure, "warm_start": warm_start_figure}
+           "lengths": lengths_figure, "warm_start": warm_start_figure,
+           "max_logit": max_logit_figure}
 
 
 def figures(runs: list[Run], log_y: bool = False) -> dict:
