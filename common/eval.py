@@ -294,7 +294,7 @@ def evaluate(cfg: EvalConfig) -> dict:
                           f"{', '.join(sorted(os.listdir(EVALS)))}; a standard one (hellaswag, "
                           "arc_easy, gsm8k, mmlu) needs its data on this machine and a YAML "
                           "naming them, in --include-path (docs/eval.md).")
-    lm = lm_class()(**dataclasses.asdict(cfg))
+    lm = lm_class()(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)})
     res = lm_eval.simple_evaluate(model=lm, tasks=names, task_manager=tm, limit=cfg.limit or None,
                                   num_fewshot=None if cfg.num_fewshot < 0 else cfg.num_fewshot,
                                   log_samples=False, bootstrap_iters=1000)
@@ -304,8 +304,8 @@ def evaluate(cfg: EvalConfig) -> dict:
     os.makedirs(out_dir, exist_ok=True)
     summary = {}
     for t, metrics in res["results"].items():
-        summary[t] = {k.split(",")[0]: v for k, v in metrics.items() if isinstance(v, (int, float))
-                      and "stderr" not in k}
+        summary[t] = {k.split(",")[0]: v for k, v in metrics.items() if isinstance(v, float)
+                      and "stderr" not in k}  # the metrics, not their errors or sample counts
         path = os.path.join(out_dir, f"{t}.json")
         with open(path, "w") as f:
             json.dump({"task": t, "model": cfg.run_dir or cfg.hf, "step": lm.step,
