@@ -107,6 +107,7 @@ def lm_for(name: str, tok_path: str):
 def test_text_requests_and_rolling(tmp_path):
     """Through lm-eval's request objects: a (context, continuation) text splits into the ids
     its whole encoding has; a long text's rolling log-likelihood is the sum of its windows."""
+    pytest.importorskip("lm_eval")
     from lm_eval.api.instance import Instance
     tok = tiny_hf_folder(tmp_path) + "/tokenizer.json"
     lm = lm_for("dense", tok)
