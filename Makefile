@@ -16,7 +16,7 @@ comma  := ,
 
 .DEFAULT_GOAL := help
 .PHONY: help train test test-floors test-tpu muonclip-demo bench bench-gpu bench-context bench-window bench-parity bench-parity-moe bench-grpo bench-recovery bench-scale compile-tpu dry-run prepare clean train-moe bench-moe train-grpo \
-        plot tensorboard need-run sft export-hf finetune-hf hf-fixtures
+        plot tensorboard need-run sft export-hf finetune-hf hf-fixtures eval
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-16s %s\n", $$1, $$2}'
@@ -141,6 +141,13 @@ tensorboard: need-run $(VENV)/.installed  ## TensorBoard (scalars, config, profi
 	$(PY) -m tensorboard.main --port $(PORT) $(if $(word 2,$(RUN)),--logdir_spec \
 	  $(subst $() ,$(comma),$(foreach r,$(RUN),$(notdir $(patsubst %/,%,$(r))):$(r))),--logdir $(RUN)) $(ARGS)
 
+
+# TASKS: lm-eval task names, comma-separated (nextline: ours, evals/); ARGS=--include-path DIR
+# for task YAMLs whose data are on this machine (docs/eval.md). Results: RUN/eval/<task>.json.
+TASKS ?= nextline
+eval: $(VENV)/.installed  ## score RUN (default runs/tiny) with lm-evaluation-harness on TASKS: RUN/eval/<task>.json
+	@$(PY) -c 'import lm_eval' 2>/dev/null || $(PY) -m pip install -q -e '.[eval]'
+	$(PY) -m common.eval --run-dir $(or $(RUN),runs/tiny) --tasks $(TASKS) $(ARGS)
 
 export-hf: $(VENV)/.installed  ## a run's checkpoint as a HuggingFace folder: make export-hf ARGS="--run-dir runs/tiny --out hf/tiny"
 	$(PY) train_dense.py export-hf $(ARGS)
