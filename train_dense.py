@@ -74,7 +74,7 @@ class ModelConfig:
     dtype: Literal["float32", "bfloat16"] = how("float32")  # activations and matmuls (weights f32)
     # auto: splash on TPU, cuDNN on GPU where it applies, else blocked (common/attention.py)
     attention: Literal["auto", "splash", "cudnn", "blocked", "xla", "einsum"] = how("auto")
-    context_attention: Literal["allgather", "ring"] = how("allgather")  # K/V over --mesh.context
+    context_attention: Literal["allgather", "ring", "ulysses"] = how("allgather")  # --mesh.context
     remat: Literal["full", "dots", "none"] = how("full")  # what the backward pass may keep
     scan_layers: bool = how(True)
     loss_chunk: int = how(256)    # sequence positions per cross-entropy chunk (bounds [B,T,V])
@@ -648,7 +648,8 @@ def validate(cfg: Config, n_devices: int) -> None:
     train.check_batch(t.batch_size, t.microbatches, mesh)
     need(t.seq_len <= m.max_seq_len, f"--train.seq-len {t.seq_len} exceeds the model's maximum "
          f"--model.max-seq-len {m.max_seq_len}.")
-    train.check_sequence(mesh, t.seq_len, m.loss_chunk, t.qk_clip_threshold)
+    train.check_sequence(mesh, t.seq_len, m.loss_chunk, t.qk_clip_threshold,
+                         heads=(m.context_attention, m.n_heads, m.n_kv_heads))
     train.check_profile(t.profile_steps, t.steps)
     need(not (cfg.data.format == "sft" and cfg.data.pack and m.attention == "cudnn"),  # SFT
          "--model.attention cudnn cannot mask packed SFT rows (JAX's cuDNN path takes causal "

@@ -81,7 +81,7 @@ class ModelConfig:
     dtype: Literal["float32", "bfloat16"] = how("float32")  # activations and matmuls (weights f32)
     # auto: splash on TPU, cuDNN on GPU where it applies, else blocked (common/attention.py)
     attention: Literal["auto", "splash", "cudnn", "blocked", "xla", "einsum"] = how("auto")
-    context_attention: Literal["allgather", "ring"] = how("allgather")  # K/V over --mesh.context
+    context_attention: Literal["allgather", "ring", "ulysses"] = how("allgather")  # --mesh.context
     remat: Literal["full", "dots", "none"] = how("full")  # what the backward pass may keep
     scan_layers: bool = how(True)
     loss_chunk: int = how(256)    # sequence positions per cross-entropy chunk (bounds [B,T,V])

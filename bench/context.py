@@ -43,7 +43,7 @@ def main() -> None:
             **{f"context 4, {s} (batch 1)": ["--mesh.fsdp", "1", "--mesh.context", "4",
                                              "--train.batch-size", "1",
                                              "--model.context-attention", s]
-               for s in ("allgather", "ring")}}
+               for s in ("allgather", "ring", "ulysses")}}
     print(f"tiny, seq {a.seq_len}, 4 CPU devices, {a.steps} bench steps")
     print("| layout | GiB per device (dry run) | ms/step (median) | tokens/s |")
     print("| --- | --- | --- | --- |")

@@ -14,6 +14,9 @@ and, with segment_ids [B, T] (packed rows), both carry the same id. sinks_N (GPT
 one learned logit per query head to the softmax's denominator, with no value. The softmax is
 float32, the output has v's dtype, and a row with no allowed key outputs 0, NaN-free.
 """
+import math
+from functools import partial
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -397,19 +400,40 @@ def _ring_bwd(statics, C, balanced, T, res, do):
 _ring = jax.custom_vjp(lambda *args: _ring_fwd(*args)[0], nondiff_argnums=(0, 1, 2, 3))
 _ring.defvjp(_ring_fwd, _ring_bwd)
 
-CONTEXT_IMPLS = ("allgather", "ring")
+
+
+def _ulysses(statics, C, balanced, T, kernel, q, k, v, seg, sinks_N):
+    """Ulysses (DeepSpeed-Ulysses, Jacobs et al. 2023) on one shard: an all-to-all trades the
+    sequence split for a head split, so the shard runs the whole sequence's attention for N/C
+    heads with the device's own kernel (splash on a TPU), and one more trades back. Key/value
+    heads are repeated until C divides them (GQA with fewer than C)."""
+    N, K = q.shape[2], k.shape[2]
+    r = C // math.gcd(K, C)
+    k, v = (jnp.repeat(x, r, axis=2) if r > 1 else x for x in (k, v))
+    order = context_order(T, C, balanced)
+    back = np.argsort(order)   # the gathered sequence, shard by shard -> sequence order
+    q, k, v = (jax.lax.all_to_all(x, "context", 2, 1, tiled=True)[:, back] for x in (q, k, v))
+    seg = None if seg is None else jax.lax.all_gather(seg, "context", axis=1, tiled=True)[:, back]
+    sinks = None if sinks_N is None else jax.lax.dynamic_slice_in_dim(
+        sinks_N, jax.lax.axis_index("context") * (N // C), N // C)
+    o = kernel(q, k, v, seg, sinks, **dict(zip(("scale", "causal", "window", "cap"), statics)))
+    return jax.lax.all_to_all(o[:, order], "context", 1, 2, tiled=True)
+
+
+CONTEXT_IMPLS = ("allgather", "ring", "ulysses")
 
 
 def context_attention(q_BTNH, k_BTKH, v_BTKV, *, strategy: str = "allgather", scale: float,
                       causal: bool = True, window: int = 0, cap: float = 0.0, sinks_N=None,
                       segment_ids=None, batch_axes=("data", "fsdp"), balanced: bool = True,
-                      block: int = 512):
+                      block: int = 512, impl: str = "auto"):
     """`reference` on a sequence split over the mesh's context axis, in `context_order`
     (`balanced`, else plain contiguous shards), positions global. allgather: each shard
     gathers every key and value (MaxText's default: simple, the whole K/V's memory); ring:
     the blocks pass from shard to shard (`_ring_fwd`), so a shard holds two at a time. Both
     run the blocked kernel on each (query chunk, key chunk) pair, skipping the tiles the
-    causal mask or a window excludes."""
+    causal mask or a window excludes. ulysses: the sequence whole, the heads split
+    (`_ulysses`), in `impl`'s kernel where it is splash, else the blocked one."""
     _check(q_BTNH, k_BTKH, v_BTKV)
     B, T, N, H = q_BTNH.shape
     C, n = context_size(), 2 if balanced else 1
@@ -420,8 +444,21 @@ def context_attention(q_BTNH, k_BTKH, v_BTKV, *, strategy: str = "allgather", sc
         raise ValueError(f"context attention: {T} queries, {k_BTKH.shape[1]} keys over "
                          f"--mesh.context {C}: self-attention on a multiple of {n * C} tokens")
     statics = (float(scale), bool(causal), int(window), float(cap), min(block, T // (n * C)))
+    if strategy == "ulysses":
+        kind = choose(impl, target_platform(), dtype=q_BTNH.dtype, T=T, H=H, V=v_BTKV.shape[-1],
+                      context=(C, strategy))
+        kernel = (partial(_splash_local, interpret=target_platform() != "tpu") if "splash" in
+                  kind else lambda q, k, v, seg, sinks, **kw: blocked(
+                      q, k, v, sinks_N=sinks, segment_ids=seg, block=block, **kw))
+        tp = dict(jax.sharding.get_abstract_mesh().shape).get("tensor", 1)
+        K = k_BTKH.shape[2] // tp
+        if (N // tp) % (C * K // math.gcd(K, C)):
+            raise ValueError(f"ulysses context attention: {N // tp} query and {K} key/value "
+                             f"heads a tensor shard do not split over --mesh.context {C}")
 
     def one_shard(q, k, v, seg, sinks):
+        if strategy == "ulysses":
+            return _ulysses(statics[:4], C, balanced, T, kernel, q, k, v, seg, sinks)
         if strategy == "ring":
             return _ring(statics, C, balanced, T, q, k, v, seg, sinks)
         back = np.argsort(context_order(T, C, balanced))   # gathered -> sequence order
@@ -448,8 +485,10 @@ def choose(impl: str, platform: str, *, dtype, T: int, H: int, V: int, cap: floa
     applies (16-bit inputs, equal q/v widths up to 128, no soft-cap, sinks or segments),
     blocked otherwise (the CPU's: one tile while T fits in a block). context: (the mesh's
     context size, the strategy): over a split sequence, `context_attention`'s."""
-    if context[0] > 1:
-        return f"{context[1]} context x{context[0]} (blocked)"
+    if context[0] > 1:   # Ulysses runs the whole sequence's kernel: splash where it would
+        whole = choose(impl, platform, dtype=dtype, T=T, H=H, V=V) == "splash"
+        return (f"{context[1]} context x{context[0]} "
+                f"({'splash' if whole and context[1] == 'ulysses' else 'blocked'})")
     if impl != "auto":
         return impl
     if platform == "tpu" and T % 128 == 0:
@@ -483,7 +522,7 @@ def attend(q_BTNH, k_BSKH, v_BSKV, *, impl: str = "auto", scale: float, causal: 
     if context_size() > 1 and mask_BTS is None:
         return context_attention(q_BTNH, k_BSKH, v_BSKV, strategy=context, scale=scale,
                                  causal=causal, window=window, cap=cap, sinks_N=sinks_N,
-                                 segment_ids=segment_ids, batch_axes=batch_axes)
+                                 segment_ids=segment_ids, batch_axes=batch_axes, impl=impl)
     if mask_BTS is not None:  # a KV cache's tail, left padding: XLA's masked softmax
         if window or sinks_N is not None or segment_ids is not None:
             raise ValueError("attend: an explicit mask_BTS takes no window, sinks or segments")
@@ -512,6 +551,32 @@ def attend(q_BTNH, k_BSKH, v_BSKV, *, impl: str = "auto", scale: float, causal: 
     raise ValueError(f"attention {impl!r}: choose one of {', '.join(IMPLS)}")
 
 
+def _splash_local(q, k, v, seg, sinks, *, scale, causal, window, cap, interpret):
+    """One device's splash call on [B, T, heads, H] (its share of the heads)."""
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
+    T, n = q.shape[1], q.shape[2]
+    # Blocks of 512 where T allows (MaxText's choice on v5p), at least the 128 lanes. The
+    # backward's dq has its own kernel: the fused one writes a partial dq per key block,
+    # [T / 512, N, T, H] (1 GiB per layer for 32 heads at 8k), which then are summed.
+    b = next(b for b in (512, 256, 128) if T % b == 0)
+    sizes = sk.BlockSizes(block_q=b, block_kv=b, block_kv_compute=b, block_q_dkv=b,
+                          block_kv_dkv=b, block_kv_dkv_compute=b, block_q_dq=b, block_kv_dq=b)
+    if window or not causal:
+        pattern = sm.LocalMask((T, T), (window - 1 if window else None, 0 if causal else None),
+                               offset=0)
+    else:
+        pattern = sm.CausalMask((T, T))
+    kernel = sk.make_splash_mha(sm.MultiHeadMask([pattern] * n), block_sizes=sizes,
+                                head_shards=1, q_seq_shards=1, interpret=interpret,
+                                attn_logits_soft_cap=cap or None)
+    heads_first = lambda x: x.transpose(0, 2, 1, 3)
+    run = lambda q, k, v, s: kernel(q, k, v, segment_ids=None if s is None else
+                                    sk.SegmentIds(s, s), sinks=sinks)
+    return heads_first(jax.vmap(run)(heads_first(q * scale).astype(q.dtype), heads_first(k),
+                                     heads_first(v), seg))
+
+
 def splash(q_BTNH, k_BSKH, v_BSKV, *, scale: float, causal: bool = True, window: int = 0,
            cap: float = 0.0, sinks_N=None, segment_ids=None, batch_axes=("data", "fsdp"),
            interpret: bool = False):
@@ -520,33 +585,8 @@ def splash(q_BTNH, k_BSKH, v_BSKV, *, scale: float, causal: bool = True, window:
     device's program, so under a mesh it runs in shard_map: rows split like the batch, heads
     like the weights (over "tensor"). `interpret` runs the kernel's Python on any backend (the
     CPU tests)."""
-    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
-    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
-    B, T, N, H = q_BTNH.shape
-    # Blocks of 512 where T allows (MaxText's choice on v5p), at least the 128 lanes. The
-    # backward's dq has its own kernel: the fused one writes a partial dq per key block,
-    # [T / 512, N, T, H] (1 GiB per layer for 32 heads at 8k), which then are summed.
-    b = next(b for b in (512, 256, 128) if T % b == 0)
-    sizes = sk.BlockSizes(block_q=b, block_kv=b, block_kv_compute=b, block_q_dkv=b,
-                          block_kv_dkv=b, block_kv_dkv_compute=b, block_q_dq=b, block_kv_dq=b)
-
-    def one_device(q, k, v, seg, sinks):
-        n = q.shape[2]
-        if window or not causal:
-            pattern = sm.LocalMask((T, T), (window - 1 if window else None,
-                                            0 if causal else None), offset=0)
-        else:
-            pattern = sm.CausalMask((T, T))
-        kernel = sk.make_splash_mha(sm.MultiHeadMask([pattern] * n), block_sizes=sizes,
-                                    head_shards=1, q_seq_shards=1, interpret=interpret,
-                                    attn_logits_soft_cap=cap or None)
-        heads_first = lambda x: x.transpose(0, 2, 1, 3)
-        run = lambda q, k, v, s: kernel(q, k, v, segment_ids=None if s is None else
-                                        sk.SegmentIds(s, s), sinks=sinks)
-        o = jax.vmap(run)(heads_first(q * scale).astype(q.dtype), heads_first(k),
-                          heads_first(v), seg)
-        return heads_first(o)
-
+    one_device = partial(_splash_local, scale=scale, causal=causal, window=window, cap=cap,
+                         interpret=interpret)
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return one_device(q_BTNH, k_BSKH, v_BSKV, segment_ids, sinks_N)

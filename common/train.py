@@ -145,10 +145,17 @@ def check_batch(batch_size: int, microbatches: int, mesh: MeshConfig,
 
 
 def check_sequence(mesh: MeshConfig, seq_len: int, loss_chunk: int, qk_clip: float,
-                   attn_chunk: int = 0) -> None:
+                   attn_chunk: int = 0, heads: tuple = ("allgather", 1, 1)) -> None:
     """The sequence splits over --mesh.context: into two chunks per shard (the load-balanced
-    layout, common/attention.py), each shard's share into whole loss chunks."""
+    layout, common/attention.py), each shard's share into whole loss chunks; under Ulysses
+    (heads: the strategy, query and key/value heads) a tensor shard's heads over context."""
     C, T = mesh.context * mesh.dcn_context, seq_len
+    tp = mesh.tensor * mesh.dcn_tensor
+    N, K = heads[1] // tp, max(heads[2] // tp, 1)
+    need(C == 1 or heads[0] != "ulysses" or N % (C * K // math.gcd(K, C)) == 0, "--model."
+         f"context-attention ulysses over --mesh.context {C}: a tensor shard's {N} query heads "
+         f"(--model.n-heads / --mesh.tensor {tp}) must split into {C} groups of whole key/value "
+         f"heads ({K}, repeated up to a multiple of {C}); use allgather or ring here.")
     need((C == 1 or T % (2 * C) == 0) and T // C % min(loss_chunk, T // C) == 0, f"--train."
          f"seq-len {T} over --mesh.context {C}: each shard's two halves and its --model.loss-"
          f"chunk {loss_chunk} positions must divide it; pick a multiple of both.")

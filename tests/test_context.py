@@ -45,7 +45,11 @@ def _attention(fn, knobs, order):
 @pytest.mark.parametrize("knobs", KNOBS.values(), ids=KNOBS.keys())
 @pytest.mark.parametrize("strategy", A.CONTEXT_IMPLS)
 def test_context_attention_equals_the_reference(strategy, knobs):
-    (_, want), g_want = _attention(A.reference, knobs, np.arange(T))(Q, KK, V, SINKS)
+    # Ulysses splits the heads over context: 8 query heads over 2 key/value heads, repeated
+    # until 4 context shards (x 2 tensor) divide them
+    q, sinks = (Q, SINKS) if strategy != "ulysses" else (
+        jnp.concatenate([Q, Q[:, ::-1]], 2), jnp.concatenate([SINKS, -SINKS]))
+    (_, want), g_want = _attention(A.reference, knobs, np.arange(T))(q, KK, V, sinks)
     for mc, balanced, block in [(MeshConfig(fsdp=2, context=2, tensor=2), True, 512),
                                 (MeshConfig(fsdp=2, context=4), True, 2),
                                 (MeshConfig(context=4, tensor=2), False, 3)]:
@@ -53,7 +57,7 @@ def test_context_attention_equals_the_reference(strategy, knobs):
                                                   block=block, **kw)
         with jax.set_mesh(make_mesh(mc)):
             (_, got), g_got = _attention(fn, knobs, A.context_order(T, mc.context, balanced))(
-                Q, KK, V, SINKS)
+                q, KK, V, sinks)
         np.testing.assert_allclose(got, want, atol=2e-6, err_msg=str(mc))
         for a, b in zip(g_got, g_want):
             np.testing.assert_allclose(a, b, atol=5e-6, err_msg=str(mc))
@@ -125,7 +129,9 @@ def test_dense_packed_rows_and_logits_in_the_users_order():
     ("mixtral", moe.SMALL, lambda m: moe.perturbed_params(m)),
     ("deepseek-mla", dataclasses.replace(DS, context_attention="ring"),
      lambda m: moe.perturbed_params(m)),
-    ("gpt-oss-sinks-window", GPT, gpt_params)], ids=lambda x: x if isinstance(x, str) else "")
+    ("gpt-oss-sinks-window", GPT, gpt_params),
+    ("gpt-oss-ulysses", dataclasses.replace(GPT, context_attention="ulysses"), gpt_params)],
+    ids=lambda x: x if isinstance(x, str) else "")
 def test_moe_context_equals_one_device(name, model, params):
     cfg = moe.small_cfg(model, load_balance_loss=0.1, router_z_loss=0.01)
     p, batch = params(model), moe.tokens(cfg)
@@ -136,8 +142,33 @@ def test_moe_context_equals_one_device(name, model, params):
         moe.assert_trees_close(got[2], want[2], rtol=2e-4, atol=2e-6)
 
 
+def test_ulysses_runs_splash_on_the_whole_sequence():
+    """Ulysses with the TPU's kernel (interpreted here): splash over the gathered sequence, 8
+    query heads over 2 key/value heads on 4 context shards x fsdp 2, causal, a window, packed
+    segments, == the reference in values and gradients."""
+    T2, rng = 256, np.random.default_rng(3)
+    q, k, v = (jnp.asarray(rng.normal(size=(2, T2, n, 8)), jnp.float32) for n in (8, 2, 2))
+    seg = jnp.asarray(np.repeat([[0, 1], [0, 2]], [100, 156], axis=1), jnp.int32)
+    mc, order = MeshConfig(fsdp=2, context=4), A.context_order(T2, 4)
+    for kw in ({}, {"window": 40}):
+        def loss(fn, order, q, k, v):
+            o = fn(q[:, order], k[:, order], v[:, order], scale=0.3, segment_ids=seg[:, order],
+                   **kw)[:, np.argsort(order)]
+            return jnp.sum(o * jnp.cos(jnp.arange(o.size).reshape(o.shape))), o
+        grad = lambda fn, order: jax.jit(jax.value_and_grad(
+            lambda *a: loss(fn, order, *a), (0, 1, 2), has_aux=True))(q, k, v)
+        want = grad(A.reference, np.arange(T2))
+        with jax.set_mesh(make_mesh(mc)):
+            got = grad(lambda *a, **kw: A.context_attention(*a, strategy="ulysses", impl="splash",
+                                                            **kw), order)
+        np.testing.assert_allclose(got[0][1], want[0][1], atol=2e-5, err_msg=str(kw))
+        for a, b in zip(got[1], want[1]):
+            np.testing.assert_allclose(a, b, atol=5e-5, err_msg=str(kw))
+
+
 @pytest.mark.parametrize("argv,flags", [
     (["--mesh.context", "4", "--train.seq-len", "36"], ["--train.seq-len 36", "--mesh.context 4"]),
+
     (["--mesh.context", "2", "--train.qk-clip-threshold", "50"],
      ["--train.qk-clip-threshold", "--mesh.context 2"]),
 ])
@@ -146,6 +177,15 @@ def test_a_sequence_the_context_cannot_split_is_refused_naming_both_flags(argv, 
     with pytest.raises(td.ConfigError) as e:
         td.validate(cfg, int(argv[1]))
     assert all(f in str(e.value) for f in flags), str(e.value)
+
+
+def test_ulysses_refuses_heads_the_context_cannot_split():
+    cfg = td.cli(["tiny", "--mesh.fsdp", "1", "--mesh.context", "8",   # 4 heads over 2
+                  "--model.context-attention", "ulysses"])
+    with pytest.raises(td.ConfigError, match="--model.context-attention ulysses over --mesh."
+                                             "context 8.*--model.n-heads"):
+        td.validate(cfg, 8)
+    td.validate(dataclasses.replace(cfg, mesh=MeshConfig(fsdp=1, context=2, tensor=2)), 4)
 
 
 def test_moe_refuses_chunked_local_attention_on_a_split_sequence():
