@@ -156,6 +156,12 @@ FAMILIES = {  # Gemma: (1 + w) and sandwich norms, GeGLU, tied embeddings scaled
     "gemma3": (4096, _GEMMA | dict(vocab_size=262208, max_seq_len=131072, sliding_window=1024,
                                    global_every=6, rope_theta=1e6, rope_local_theta=1e4,
                                    rope_linear=8.0, qk_norm=True)),
+    # Gemma 4: Gemma 3's windows and norms; wider global layers, K = V, proportional RoPE
+    "gemma4": (4096, _GEMMA | dict(vocab_size=262144, max_seq_len=262144, sliding_window=1024,
+                                   global_every=6, rope_theta=1e6, rope_local_theta=1e4,
+                                   qk_norm=True, norm_plus_one=False, query_scale=1.0,
+                                   final_softcap=30.0, global_head_dim=512, rope_partial=0.25,
+                                   v_norm=True, layer_scale=True)),
     "olmo3": (8192, dict(vocab_size=100278, max_seq_len=65536, rope_theta=5e5, norm_eps=1e-6,
                          post_norm=True, qk_norm=True, qk_norm_whole=True, sliding_window=4096,
                          global_every=4, yarn_factor=8.0, yarn_original_max_len=8192)),
@@ -183,6 +189,8 @@ SIZES = {  # name: (description, family, shape, other fields)
     "gemma3-12b": ("Gemma 3 12B, its text model", "gemma3", (3840, 48, 16, 8, 256, 15360)),
     "gemma3-27b": ("Gemma 3 27B, its text model", "gemma3", (5376, 62, 32, 16, 128, 21504),
                    dict(query_scale=168.0)),
+    "gemma4-31b": ("Gemma 4 31B, its text model (global layers: 512 wide, 4 K = V heads)",
+                   "gemma4", (5376, 60, 32, 16, 256, 21504), dict(global_kv_heads=4, k_eq_v=True)),
     "olmo3-7b": ("OLMo 3 7B (post norms, windows, YaRN)", "olmo3", (4096, 32, 32, 32, 128, 11008)),
     "olmo3-32b": ("OLMo 3 32B", "olmo3", (5120, 64, 40, 8, 128, 27648)),
 }
@@ -209,6 +217,14 @@ PRESETS: dict[str, tuple[str, Config]] = {
                    Config(model=ModelConfig(**FAMILIES["gemma2"][1] | dict(
                        vocab_size=4096, head_dim=64, query_scale=0.0, max_seq_len=2048,
                        sliding_window=128)), run_dir="runs/tiny-gemma")),
+    # `tiny` with Gemma 4's knobs, the 31B's and E2B's: every second layer global (twice as
+    # wide, one K = V head), per-layer inputs, the last two layers reusing the first two's K/V.
+    "tiny-gemma4": ("`tiny` as Gemma 4: wide K = V global layers, per-layer inputs, shared K/V",
+                    Config(model=ModelConfig(**FAMILIES["gemma4"][1] | dict(
+                        vocab_size=4096, head_dim=64, max_seq_len=2048, sliding_window=128,
+                        global_every=2, global_head_dim=128, global_kv_heads=1, k_eq_v=True,
+                        ple_dim=32, kv_shared=2, wide_shared_mlp=True)),
+                           run_dir="runs/tiny-gemma4")),
     # `tiny` with OLMo 3's knobs: window 128, YaRN stretching the 256 tokens it trains on 8x.
     "tiny-olmo3": ("`tiny` as OLMo 3: post norms, all-head q/k norms, local/global layers, YaRN",
                    Config(model=ModelConfig(**FAMILIES["olmo3"][1] | dict(
@@ -277,10 +293,11 @@ def _param_table(cfg: ModelConfig) -> dict:
         n, S, GH, GK = cfg.global_every, cfg.kv_shared, cfg.global_head_dim, cfg.global_kv_heads
         glob = dict(H=GH, K=GK or K, wv=not cfg.k_eq_v)
         wide = dict(F=2 * F) if cfg.wide_shared_mlp else {}
-        table |= {"layers": stack((L - S) // n * (n - 1)), "global_layers": stack(
-            (L - S) // n, **glob)} | ({"shared_layers": stack(S // n * (n - 1), kv=False, **wide),
-                                       "shared_global_layers": stack(S // n, kv=False, **wide, **glob)}
-                                      if S else {})
+        table |= {"layers": stack((L - S) // n * (n - 1)),
+                  "global_layers": stack((L - S) // n, **glob)}
+        if S:
+            table |= {"shared_layers": stack(S // n * (n - 1), kv=False, **wide),
+                      "shared_global_layers": stack(S // n, kv=False, **wide, **glob)}
     else:
         table["layers"] = stack(L)
     if ple:  # one table of L * Pd per token, and the stream's projection onto the same
@@ -624,8 +641,8 @@ MUON_DIMS = {"wq": ((1,), (2, 3)), "wk": ((1,), (2, 3)), "wv": ((1,), (2, 3)),
 def make_optimizer(t: TrainConfig, specs: dict | None = None):
     return train.optimizer(t.optimizer, make_schedule(t), b1=t.b1, b2=t.b2,
                            weight_decay=t.weight_decay, clip_norm=t.clip_norm,
-                           decayed={"embed", "unembed", *MUON_DIMS}, muon_dims=MUON_DIMS,
-                           muon_dtype=t.muon_dtype, specs=specs)
+                           decayed={"embed", "unembed", "ple_embed", "ple_proj", *MUON_DIMS},
+                           muon_dims=MUON_DIMS, muon_dtype=t.muon_dtype, specs=specs)
 
 
 def param_specs(cfg: ModelConfig) -> dict:
@@ -1006,9 +1023,10 @@ HF_LAYER = {"attn_norm": ("input_layernorm.weight", "d -> d"),
     k: ("mlp." + name, layout) for k, (name, layout) in dict(
         w_gate=("gate_proj.weight", "f d -> d f"), w_up=("up_proj.weight", "f d -> d f"),
         w_down=("down_proj.weight", "d f -> f d")).items()} | {  # Gemma 4's (o: 1)
-    "ple_gate": ("per_layer_input_gate.weight", "p d -> d p"), "layer_scale": ("layer_scalar", "o -> o"),
+    "ple_gate": ("per_layer_input_gate.weight", "p d -> d p"),
     "ple_out": ("per_layer_projection.weight", "d p -> p d"),
-    "ple_post_norm": ("post_per_layer_input_norm.weight", "d -> d")}
+    "ple_post_norm": ("post_per_layer_input_norm.weight", "d -> d"),
+    "layer_scale": ("layer_scalar", "o -> o")}
 # Gemma 4's per-layer inputs: one table [v, L p] (q = L p), the stream's projection, its norm
 HF_PLE = {"ple_embed": ("model.embed_tokens_per_layer.weight", "v q -> v q"),
           "ple_proj": ("model.per_layer_model_projection.weight", "q d -> d q"),
@@ -1124,7 +1142,8 @@ def config_from_hf(c: dict, where: str = "config.json") -> ModelConfig:
         own = {"head_dim": c["global_head_dim"]} | ({"num_key_value_heads": c[
             "num_global_key_value_heads"]} if c["attention_k_eq_v"] and c.get(
             "num_global_key_value_heads") else {})
-        per = {str(i): v for i, v in (c.get("per_layer_config") or dict.fromkeys(glob, own)).items()}
+        per = {str(i): v for i, v in (c.get("per_layer_config") or dict.fromkeys(glob, own)
+                                      ).items()}
         if sorted(per) != sorted(glob) or any(v != per[glob[0]] or set(v) - set(own) - {
                 "num_key_value_heads"} for v in per.values()):
             raise unsupported(f"per_layer_config {per} (only the global layers', all alike)")
@@ -1204,7 +1223,8 @@ def config_to_hf(cfg: ModelConfig, model_type: str = "", dtype: str = "float32")
                                                      "attn_logit_softcapping")} | dict(
             attention_k_eq_v=cfg.k_eq_v, num_kv_shared_layers=cfg.kv_shared,
             use_double_wide_mlp=cfg.wide_shared_mlp, hidden_size_per_layer_input=cfg.ple_dim,
-            vocab_size_per_layer_input=cfg.vocab_size, per_layer_config={
+            vocab_size_per_layer_input=cfg.vocab_size if cfg.ple_dim else 262144,  # HF's
+            per_layer_config={
                 str(i): {"head_dim": G} | ({"num_key_value_heads": K} if K else {})
                 for i in range(n - 1, L, n)})
     if mt in ("gemma3_text", "olmo3", "gemma4_text"):  # 5.x: rope_parameters per layer type
