@@ -456,12 +456,12 @@ def hidden(params: dict, tokens_BT, cfg: ModelConfig, *, segment_ids=None, posit
                         yarn_factor=0.0, rope_partial=0.0)
         inv_freq = [rope_inv_freq(local), inv_freq]  # Gemma 4's of two widths, one per stack
         inv_freq = inv_freq if cfg.global_head_dim else np.stack(inv_freq)
-    ple_LBTP = None
+    ple_LBTP, gain = None, lambda w: 1.0 + w if cfg.norm_plus_one else w
     if cfg.ple_dim:  # Gemma 4: each layer's own input, from its token (a second table) and
         # from the embedding (a projection), each scaled as HF does, the projection normed
         scale = lambda x, c: x * jnp.asarray(c, dt)
         pr = scale(jnp.einsum("btd,dq->btq", x, params["ple_proj"].astype(dt)), cfg.d_model ** -.5)
-        pr = rms_norm(pr.reshape(*pr.shape[:2], L, -1), params["ple_norm"], cfg.norm_eps)
+        pr = rms_norm(pr.reshape(*pr.shape[:2], L, -1), gain(params["ple_norm"]), cfg.norm_eps)
         e = scale(look(params["ple_embed"]), math.sqrt(cfg.ple_dim)).reshape(pr.shape)
         ple_LBTP = jnp.moveaxis(scale(pr + e, 2 ** -0.5), 2, 0)
     remat = lambda f: f if cfg.remat == "none" else jax.checkpoint(
@@ -477,7 +477,8 @@ def hidden(params: dict, tokens_BT, cfg: ModelConfig, *, segment_ids=None, posit
         x, stats = scan(layer, x, (params["layers"], jnp.asarray(is_global_L), ple_LBTP))
     else:  # Gemma 4: periods of n layers, n - 1 local then a global one, each kind its own
         # stack; the last kv_shared layers' periods attend over the keys and values of the
-        # last earlier layer of their kind, which the periods before carry along
+        # last earlier layer of their kind, which the periods before carry along (and remat
+        # keeps per layer, as it keeps the stream)
         def kind(is_global, keep):
             return remat(lambda x, lp, ple, kv: run(x, lp, inv_freq=inv_freq[is_global],
                                                     is_global=is_global, kv=kv, keep_kv=keep,
@@ -506,8 +507,7 @@ def hidden(params: dict, tokens_BT, cfg: ModelConfig, *, segment_ids=None, posit
             (x, _), _ = scan(partial(period, shared=kv), (x, None), (
                 by(params["shared_layers"], G - own), params["shared_global_layers"], ple[1]))
         stats = {}
-    gain = 1.0 + params["final_norm"] if cfg.norm_plus_one else params["final_norm"]
-    return rms_norm(x, gain, cfg.norm_eps), stats
+    return rms_norm(x, gain(params["final_norm"]), cfg.norm_eps), stats
 
 
 def unembedding(params: dict, cfg: ModelConfig):

@@ -443,11 +443,11 @@ def hidden(params: dict, tokens_BT, cfg: ModelConfig, *, positions=None, mask_BT
                         yarn_factor=0.0, rope_partial=0.0)
         inv_freq = [rope_inv_freq(local), inv_freq]  # Gemma 4's of two widths, one per stack
         inv_freq = inv_freq if cfg.global_head_dim else np.stack(inv_freq)
-    ple_LBTP = None
+    ple_LBTP, gain = None, lambda w: 1.0 + w if cfg.norm_plus_one else w
     if cfg.ple_dim:  # Gemma 4: each layer's own input (train_dense.py's)
         scale = lambda x, c: x * jnp.asarray(c, dt)
         pr = scale(jnp.einsum("btd,dq->btq", x, params["ple_proj"].astype(dt)), cfg.d_model ** -.5)
-        pr = rms_norm(pr.reshape(*pr.shape[:2], L, -1), params["ple_norm"], cfg.norm_eps)
+        pr = rms_norm(pr.reshape(*pr.shape[:2], L, -1), gain(params["ple_norm"]), cfg.norm_eps)
         e = scale(look(params["ple_embed"]), math.sqrt(cfg.ple_dim)).reshape(pr.shape)
         ple_LBTP = jnp.moveaxis(scale(pr + e, 2 ** -0.5), 2, 0)
     remat = lambda f: f if cfg.remat == "none" or cache is not None else jax.checkpoint(
@@ -501,8 +501,7 @@ def hidden(params: dict, tokens_BT, cfg: ModelConfig, *, positions=None, mask_BT
     if cache is not None:
         cache = {k + w: constrain(a, CACHE_LBSKH) for k, kv in new.items()
                  for w, a in zip("kv", kv)}
-    gain = 1.0 + params["final_norm"] if cfg.norm_plus_one else params["final_norm"]
-    return rms_norm(x, gain, cfg.norm_eps), cache, stats
+    return rms_norm(x, gain(params["final_norm"]), cfg.norm_eps), cache, stats
 
 
 def unembedding(params: dict, cfg: ModelConfig):
