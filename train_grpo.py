@@ -1263,7 +1263,8 @@ def config_from_hf(c: dict, where: str = "config.json") -> ModelConfig:
         raise unsupported("attention_bias / mlp_bias (biases on every projection)")
     if c.get("partial_rotary_factor", 1.0) != 1.0:
         raise unsupported(f"partial_rotary_factor {c['partial_rotary_factor']}")
-    if c.get("use_bidirectional_attention"):
+    if c.get("use_bidirectional_attention") not in (None, False, "vision"):  # Gemma 4's
+        # "vision" lets an image's tokens see each other; text stays causal
         raise unsupported("use_bidirectional_attention (an encoder, not a causal decoder)")
     # Each value in its field's type (HF writes 256 for a float); absent, null or 0: the default.
     typed = lambda d, keys: {k: type(getattr(ModelConfig, k))(d[key]) for key, k in keys.items()

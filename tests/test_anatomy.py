@@ -18,10 +18,10 @@ import anatomy  # noqa: E402
 # norms over all heads, YaRN on the global layers, their checks, presets, HF names and configs.
 # Context parallelism (issue 34): the knob, the sequence put in the shards' order, the loss
 # folded by shard, the kernel named, the embedding's shards: 9 in dense and 6 in MoE. Gemma 4
-# dense (issue 39) 200 to train_dense.py: global layers of their own shape run in periods of
+# dense (issue 39) 201 to train_dense.py: global layers of their own shape run in periods of
 # n layers (a stack per kind), K = V, proportional RoPE, v norms, layer scalars, per-layer
 # inputs, layers reusing earlier keys and values, their checks, presets, HF names and configs.
-BUDGETS = {"train_dense.py": (1000 + 8 + 62 + 9 + 200, 0.60),
+BUDGETS = {"train_dense.py": (1000 + 8 + 62 + 9 + 201, 0.60),
            "train_moe.py": (1400 + 148 + 32 + 6, 0.65),
            "train_grpo.py": (1000, 0.60)}
 NOT_YET = {"train_grpo.py"}  # issue 31, still open for this one

@@ -282,6 +282,7 @@ def copy(name, tmp_path, edit):
      r"per-layer input vocabulary unlike vocab_size"),
     (lambda c: c["rope_parameters"]["sliding_attention"].update(rope_type="proportional"),
      r"rope type 'proportional' on the sliding-window layers"),
+    (lambda c: c.update(use_bidirectional_attention="all"), r"use_bidirectional_attention"),
 ])
 def test_unsupported_gemma4_options(tmp_path, edit, match):
     with pytest.raises(hf.HFError, match=match):
@@ -290,10 +291,12 @@ def test_unsupported_gemma4_options(tmp_path, edit, match):
 
 def test_a_released_config_without_per_layer_config(tmp_path):
     """The released folders spell the global layers' shape as global_head_dim and
-    num_global_key_value_heads (transformers turns them into per_layer_config)."""
+    num_global_key_value_heads (transformers turns them into per_layer_config); the larger
+    ones let images' tokens see each other ("vision"), which leaves text causal."""
     def release(c):
         del c["per_layer_config"]
-        c.update(global_head_dim=24, num_global_key_value_heads=1)
+        c.update(global_head_dim=24, num_global_key_value_heads=1,
+                 use_bidirectional_attention="vision")
     assert td.load_hf(copy("gemma4_text", tmp_path, release))[0] == td.load_hf(
         fixture("gemma4_text"))[0]
 
