@@ -70,6 +70,16 @@ class ModelConfig:
     qk_norm_whole: bool = False   # the q and k norms span all heads at once ([N, H], [K, H])
     yarn_factor: float = 0.0      # YaRN RoPE on the global layers: context stretched this much
     yarn_original_max_len: int = 4096  # ... from this pre-training context (beta 32 and 1)
+    # Gemma 4 (with Gemma 3's windows, q/k norms and sandwich norms)
+    global_head_dim: int = 0      # global layers this wide: a stack of their own; 0 = one stack
+    global_kv_heads: int = 0      # ... with this many key/value heads; 0 = n_kv_heads
+    k_eq_v: bool = False          # ... and no value projection: values are the keys' (unnormed)
+    rope_partial: float = knob(0.0, "[0, 1]")  # global layers rotate this share of frequencies
+    v_norm: bool = False          # values RMS-normed per head, without a gain
+    layer_scale: bool = False     # each layer's output times a stored constant (HF's buffer)
+    ple_dim: int = 0              # per-layer inputs this wide: a second embedding, one per layer
+    kv_shared: int = 0            # the last n layers reuse the last earlier K/V of their kind
+    wide_shared_mlp: bool = False  # ... and their MLPs are 2 d_ff wide
     # How to compute, not what: these may change when a run is resumed.
     dtype: Literal["float32", "bfloat16"] = how("float32")  # activations and matmuls (weights f32)
     # auto: splash on TPU, cuDNN on GPU where it applies, else blocked (common/attention.py)
@@ -146,6 +156,12 @@ FAMILIES = {  # Gemma: (1 + w) and sandwich norms, GeGLU, tied embeddings scaled
     "gemma3": (4096, _GEMMA | dict(vocab_size=262208, max_seq_len=131072, sliding_window=1024,
                                    global_every=6, rope_theta=1e6, rope_local_theta=1e4,
                                    rope_linear=8.0, qk_norm=True)),
+    # Gemma 4: Gemma 3's windows and norms; wider global layers, K = V, proportional RoPE
+    "gemma4": (4096, _GEMMA | dict(vocab_size=262144, max_seq_len=262144, sliding_window=1024,
+                                   global_every=6, rope_theta=1e6, rope_local_theta=1e4,
+                                   qk_norm=True, norm_plus_one=False, query_scale=1.0,
+                                   final_softcap=30.0, global_head_dim=512, rope_partial=0.25,
+                                   v_norm=True, layer_scale=True)),
     "olmo3": (8192, dict(vocab_size=100278, max_seq_len=65536, rope_theta=5e5, norm_eps=1e-6,
                          post_norm=True, qk_norm=True, qk_norm_whole=True, sliding_window=4096,
                          global_every=4, yarn_factor=8.0, yarn_original_max_len=8192)),
@@ -173,6 +189,8 @@ SIZES = {  # name: (description, family, shape, other fields)
     "gemma3-12b": ("Gemma 3 12B, its text model", "gemma3", (3840, 48, 16, 8, 256, 15360)),
     "gemma3-27b": ("Gemma 3 27B, its text model", "gemma3", (5376, 62, 32, 16, 128, 21504),
                    dict(query_scale=168.0)),
+    "gemma4-31b": ("Gemma 4 31B, its text model (global layers: 512 wide, 4 K = V heads)",
+                   "gemma4", (5376, 60, 32, 16, 256, 21504), dict(global_kv_heads=4, k_eq_v=True)),
     "olmo3-7b": ("OLMo 3 7B (post norms, windows, YaRN)", "olmo3", (4096, 32, 32, 32, 128, 11008)),
     "olmo3-32b": ("OLMo 3 32B", "olmo3", (5120, 64, 40, 8, 128, 27648)),
 }
@@ -199,6 +217,14 @@ PRESETS: dict[str, tuple[str, Config]] = {
                    Config(model=ModelConfig(**FAMILIES["gemma2"][1] | dict(
                        vocab_size=4096, head_dim=64, query_scale=0.0, max_seq_len=2048,
                        sliding_window=128)), run_dir="runs/tiny-gemma")),
+    # `tiny` with Gemma 4's knobs, the 31B's and E2B's: every second layer global (twice as
+    # wide, one K = V head), per-layer inputs, the last two layers reusing the first two's K/V.
+    "tiny-gemma4": ("`tiny` as Gemma 4: wide K = V global layers, per-layer inputs, shared K/V",
+                    Config(model=ModelConfig(**FAMILIES["gemma4"][1] | dict(
+                        vocab_size=4096, head_dim=64, max_seq_len=2048, sliding_window=128,
+                        global_every=2, global_head_dim=128, global_kv_heads=1, k_eq_v=True,
+                        ple_dim=32, kv_shared=2, wide_shared_mlp=True)),
+                           run_dir="runs/tiny-gemma4")),
     # `tiny` with OLMo 3's knobs: window 128, YaRN stretching the 256 tokens it trains on 8x.
     "tiny-olmo3": ("`tiny` as OLMo 3: post norms, all-head q/k norms, local/global layers, YaRN",
                    Config(model=ModelConfig(**FAMILIES["olmo3"][1] | dict(
@@ -236,34 +262,62 @@ def _param_table(cfg: ModelConfig) -> dict:
     one = 0.0 if cfg.norm_plus_one else None   # a (1 + w) gain starts at w = 0
     bias, qk, sw = cfg.qkv_bias, cfg.qk_norm, cfg.sandwich_norm or cfg.post_norm
     pre, hs = not cfg.post_norm, ("tensor", None) if cfg.qk_norm_whole else (None,)  # q/k norms
-    rows = {  # name: (shape and spec after the L axis, init std, whether this model has it)
-        "attn_norm": ((D,), (None,), one, pre), "mlp_norm": ((D,), (None,), one, pre),
-        "wq": ((D, N, H), ("fsdp", "tensor", None), std, True),
-        "wk": ((D, K, H), ("fsdp", "tensor", None), std, True),
-        "wv": ((D, K, H), ("fsdp", "tensor", None), std, True),
-        "wo": ((N, H, D), ("tensor", None, "fsdp"), out_std, True),
-        "w_gate": ((D, F), ("fsdp", "tensor"), std, True),
-        "w_up": ((D, F), ("fsdp", "tensor"), std, True),
-        "w_down": ((F, D), ("tensor", "fsdp"), out_std, True),
-        "bq": ((N, H), ("tensor", None), 0.0, bias), "bk": ((K, H), ("tensor", None), 0.0, bias),
-        "bv": ((K, H), ("tensor", None), 0.0, bias),
-        "q_norm": ((N, H)[-len(hs):], hs, one, qk), "k_norm": ((K, H)[-len(hs):], hs, one, qk),
-        "attn_post_norm": ((D,), (None,), one, sw), "mlp_post_norm": ((D,), (None,), one, sw),
-    }
-    layers = {k: ((L, *s), P(None, *p), i) for k, (s, p, i, on) in rows.items() if on}
+    ple, Pd = bool(cfg.ple_dim), cfg.ple_dim
+
+    def stack(count, H=H, K=K, F=F, kv=True, wv=True):  # kv: the layer makes its own K and V
+        rows = {  # name: (shape and spec after the L axis, init std, whether this model has it)
+            "attn_norm": ((D,), (None,), one, pre), "mlp_norm": ((D,), (None,), one, pre),
+            "wq": ((D, N, H), ("fsdp", "tensor", None), std, True),
+            "wk": ((D, K, H), ("fsdp", "tensor", None), std, kv),
+            "wv": ((D, K, H), ("fsdp", "tensor", None), std, kv and wv),
+            "wo": ((N, H, D), ("tensor", None, "fsdp"), out_std, True),
+            "w_gate": ((D, F), ("fsdp", "tensor"), std, True),
+            "w_up": ((D, F), ("fsdp", "tensor"), std, True),
+            "w_down": ((F, D), ("tensor", "fsdp"), out_std, True),
+            "bq": ((N, H), ("tensor", None), 0.0, bias),
+            "bk": ((K, H), ("tensor", None), 0.0, bias and kv),
+            "bv": ((K, H), ("tensor", None), 0.0, bias and kv),
+            "q_norm": ((N, H)[-len(hs):], hs, one, qk),
+            "k_norm": ((K, H)[-len(hs):], hs, one, qk and kv),
+            "attn_post_norm": ((D,), (None,), one, sw), "mlp_post_norm": ((D,), (None,), one, sw),
+            "ple_gate": ((D, Pd), ("fsdp", None), std, ple),  # Gemma 4's per-layer input
+            "ple_out": ((Pd, D), (None, "fsdp"), out_std, ple),
+            "ple_post_norm": ((D,), (None,), one, ple),
+            "layer_scale": ((1,), (None,), None, cfg.layer_scale),
+        }
+        return {k: ((count, *s), P(None, *p), i) for k, (s, p, i, on) in rows.items() if on}
+
+    table = {"embed": ((V, D), P("tensor", "fsdp"), std), "final_norm": ((D,), P(None), one)}
+    if cfg.global_head_dim:  # Gemma 4: local and global layers of different shapes, and the
+        # last kv_shared of each without keys and values of their own: four stacks
+        n, S, GH, GK = cfg.global_every, cfg.kv_shared, cfg.global_head_dim, cfg.global_kv_heads
+        glob = dict(H=GH, K=GK or K, wv=not cfg.k_eq_v)
+        wide = dict(F=2 * F) if cfg.wide_shared_mlp else {}
+        table |= {"layers": stack((L - S) // n * (n - 1)),
+                  "global_layers": stack((L - S) // n, **glob)}
+        if S:
+            table |= {"shared_layers": stack(S // n * (n - 1), kv=False, **wide),
+                      "shared_global_layers": stack(S // n, kv=False, **wide, **glob)}
+    else:
+        table["layers"] = stack(L)
+    if ple:  # one table of L * Pd per token, and the stream's projection onto the same
+        table |= {"ple_embed": ((V, L * Pd), P("tensor", "fsdp"), std),
+                  "ple_proj": ((D, L * Pd), P("fsdp", "tensor"), std),
+                  "ple_norm": ((Pd,), P(None), one)}
     unembed = {} if cfg.tie_embeddings else {"unembed": ((D, V), P("fsdp", "tensor"), std)}
-    return {"embed": ((V, D), P("tensor", "fsdp"), std), "layers": layers,
-            "final_norm": ((D,), P(None), one)} | unembed
+    return table | unembed
 
 
 # ----------------------------------------------------------------------------------------------
 # 3. Model
 # ----------------------------------------------------------------------------------------------
 def block(x_BTD, lp: dict, cfg: ModelConfig, *, pos_BT, inv_freq, segment_ids=None,
-          max_logits: bool = False, is_global=True):
+          max_logits: bool = False, is_global=True, kv=None, keep_kv=False, ple_BTP=None):
     """One transformer block; returns (x, stats: with max_logits the heads' largest logit). With
     a sliding window, `is_global` (traced: the layers are scanned) picks the layer's kind;
-    inv_freq is then [2, H/2], the local and the global frequencies."""
+    inv_freq is then [2, H/2], the local and the global frequencies. Gemma 4: a layer without
+    keys and values of its own attends over `kv`, an earlier layer's (k, v), which stats hold
+    with `keep_kv`; ple_BTP is the layer's own input."""
     dt = x_BTD.dtype
     spec = param_specs(cfg)["layers"]
     # f32 master weights, compute-dtype matmuls. The cast copy keeps the master's sharding, so
@@ -275,16 +329,18 @@ def block(x_BTD, lp: dict, cfg: ModelConfig, *, pos_BT, inv_freq, segment_ids=No
         return rms_norm(x.reshape(*x.shape[:-g.ndim], -1), g.ravel(), cfg.norm_eps).reshape(x.shape)
 
     h = x_BTD if cfg.post_norm else norm(x_BTD, "attn_norm")
-    q = jnp.einsum("btd,dnh->btnh", h, w("wq"))
-    k = jnp.einsum("btd,dkh->btkh", h, w("wk"))
-    v = jnp.einsum("btd,dkh->btkh", h, w("wv"))
-    if cfg.qkv_bias:
-        q, k, v = q + w("bq"), k + w("bk"), v + w("bv")
-    if cfg.qk_norm:
-        q, k = norm(q, "q_norm"), norm(k, "k_norm")
-    if cfg.sliding_window:
+    if np.ndim(inv_freq) == 2:
         inv_freq = jnp.where(is_global, inv_freq[1], inv_freq[0])
-    q, k = apply_rope(q, pos_BT, inv_freq), apply_rope(k, pos_BT, inv_freq)
+    q = jnp.einsum("btd,dnh->btnh", h, w("wq")) + (w("bq") if cfg.qkv_bias else 0)
+    q = apply_rope(norm(q, "q_norm") if cfg.qk_norm else q, pos_BT, inv_freq)
+    if kv is None:  # else a Gemma 4 layer reusing an earlier layer's (kv_shared)
+        k = jnp.einsum("btd,dkh->btkh", h, w("wk"))
+        v = jnp.einsum("btd,dkh->btkh", h, w("wv")) if "wv" in lp else k  # else k_eq_v
+        if cfg.qkv_bias:
+            k, v = k + w("bk"), v + w("bv")
+        kv = (apply_rope(norm(k, "k_norm") if cfg.qk_norm else k, pos_BT, inv_freq),
+              rms_norm(v, 1.0, cfg.norm_eps) if cfg.v_norm else v)  # Gemma 4's: per head
+    k, v = kv
     if cfg.yarn_factor:  # YaRN's temperature where it stretches RoPE: logits x (0.1 ln s + 1)^2
         q = q * jnp.where(is_global, (0.1 * math.log(max(cfg.yarn_factor, 1)) + 1) ** 2, 1.0)
     W = cfg.sliding_window if cfg.sliding_window < q.shape[1] else 0  # else: all within reach
@@ -294,16 +350,23 @@ def block(x_BTD, lp: dict, cfg: ModelConfig, *, pos_BT, inv_freq, segment_ids=No
     full = partial(attend, q, k, v, impl=cfg.attention, segment_ids=segment_ids,
                    context=cfg.context_attention,
                    scale=(cfg.query_scale or cfg.head_dim) ** -0.5, cap=cfg.attn_softcap)
-    o = jax.lax.cond(is_global, full, partial(full, window=W)) if W else full()
+    pick = (lambda a, b: a() if is_global else b()) if isinstance(is_global, bool) else partial(
+        jax.lax.cond, is_global)  # a stack of one kind (Gemma 4's) knows it when traced
+    o = pick(full, partial(full, window=W)) if W else full()
     o = jnp.einsum("btnh,nhd->btd", o, w("wo"))
     x_BTD = x_BTD + (norm(o, "attn_post_norm") if cfg.sandwich_norm or cfg.post_norm else o)
     h = x_BTD if cfg.post_norm else norm(x_BTD, "mlp_norm")
+    act = lambda g: jax.nn.gelu(g, approximate=True) if cfg.gelu else jax.nn.silu(g)
     g = jnp.einsum("btd,df->btf", h, w("w_gate"))
     u = jnp.einsum("btd,df->btf", h, w("w_up"))
-    act = jax.nn.gelu(g, approximate=True) if cfg.gelu else jax.nn.silu(g)
-    y = jnp.einsum("btf,fd->btd", act * u, w("w_down"))
+    y = jnp.einsum("btf,fd->btd", act(g) * u, w("w_down"))
     x_BTD = x_BTD + (norm(y, "mlp_post_norm") if cfg.sandwich_norm or cfg.post_norm else y)
-    return constrain(x_BTD, ACT_BTD), stats
+    if cfg.ple_dim:  # Gemma 4: the layer's own input, gated by the stream, normed, added
+        g = act(jnp.einsum("btd,dp->btp", x_BTD, w("ple_gate"))) * ple_BTP
+        x_BTD = x_BTD + norm(jnp.einsum("btp,pd->btd", g, w("ple_out")), "ple_post_norm")
+    if cfg.layer_scale:  # a constant (HF's buffer), which training leaves as loaded
+        x_BTD = x_BTD * jax.lax.stop_gradient(lp["layer_scale"]).astype(dt)
+    return constrain(x_BTD, ACT_BTD), stats | ({"kv": kv} if keep_kv else {})
 
 
 def constrain(x, spec: P):
@@ -354,6 +417,8 @@ def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
         lo, hi = max(math.floor(dim(32)), 0), min(math.ceil(dim(1)), H - 1)
         ramp = np.clip((np.arange(H // 2) - lo) / ((hi - lo) or 0.001), 0, 1)
         inv = inv / cfg.yarn_factor * ramp + inv * (1 - ramp)
+    if cfg.rope_partial:  # Gemma 4's proportional RoPE: the slow rest not turned (frequency 0)
+        inv[int(cfg.rope_partial * H // 2):] = 0.0
     return inv.astype(np.float32)
 
 
@@ -379,32 +444,71 @@ def hidden(params: dict, tokens_BT, cfg: ModelConfig, *, segment_ids=None, posit
     # rows go to their batch shards: gathering the table instead would put all of it, and
     # its whole gradient, on every device (2 GiB each for a 128k vocabulary at d 8192).
     tokens = constrain(tokens_BT, P(None, None))
-    x = constrain(jnp.take(params["embed"].astype(dt), tokens, axis=0),
-                  P(None, None, ("fsdp", "context")))
-    x = constrain(x, ACT_BTD)
+    look = lambda table: constrain(constrain(jnp.take(table.astype(dt), tokens, axis=0), P(
+        None, None, ("fsdp", "context"))), ACT_BTD)
+    x = look(params["embed"])
     x = x * jnp.asarray(math.sqrt(cfg.d_model), dt) if cfg.embed_scale else x
-    inv_freq = rope_inv_freq(cfg) / (cfg.rope_linear or 1.0)
-    L, W, n = cfg.n_layers, cfg.sliding_window, cfg.global_every
+    inv_freq = rope_inv_freq(replace(cfg, head_dim=cfg.global_head_dim or cfg.head_dim)) / (
+        cfg.rope_linear or 1.0)
+    L, W, n, S = cfg.n_layers, cfg.sliding_window, cfg.global_every, cfg.kv_shared
     is_global_L = (np.arange(L) + 1) % n == 0 if W and n else np.full(L, not W)
     if W:  # [local, global] frequencies: Gemma 3's local layers have their own base, unscaled
         local = replace(cfg, rope_theta=cfg.rope_local_theta or cfg.rope_theta, rope_scaling=0.0,
-                        yarn_factor=0.0)
-        inv_freq = np.stack([rope_inv_freq(local), inv_freq])
-
-    def layer(x, xs):
-        return block(x, xs[0], cfg, pos_BT=pos_BT, inv_freq=inv_freq, segment_ids=segment_ids,
-                     max_logits=max_logits, is_global=xs[1])
-
-    if cfg.remat != "none":
+                        yarn_factor=0.0, rope_partial=0.0)
+        inv_freq = [rope_inv_freq(local), inv_freq]  # Gemma 4's of two widths, one per stack
+        inv_freq = inv_freq if cfg.global_head_dim else np.stack(inv_freq)
+    ple_LBTP, gain = None, lambda w: 1.0 + w if cfg.norm_plus_one else w
+    if cfg.ple_dim:  # Gemma 4: each layer's own input, from its token (a second table) and
+        # from the embedding (a projection), each scaled as HF does, the projection normed
+        scale = lambda x, c: x * jnp.asarray(c, dt)
+        pr = scale(jnp.einsum("btd,dq->btq", x, params["ple_proj"].astype(dt)), cfg.d_model ** -.5)
+        pr = rms_norm(pr.reshape(*pr.shape[:2], L, -1), gain(params["ple_norm"]), cfg.norm_eps)
+        e = scale(look(params["ple_embed"]), math.sqrt(cfg.ple_dim)).reshape(pr.shape)
+        ple_LBTP = jnp.moveaxis(scale(pr + e, 2 ** -0.5), 2, 0)
+    remat = lambda f: f if cfg.remat == "none" else jax.checkpoint(
         # Inside a rolled scan the recomputation cannot be merged away; unrolled, XLA would
         # merge it into the forward pass (and keep every activation) unless prevented.
-        layer = jax.checkpoint(layer, policy=REMAT_POLICIES[cfg.remat],
-                               prevent_cse=not cfg.scan_layers)
+        f, policy=REMAT_POLICIES[cfg.remat], prevent_cse=not cfg.scan_layers)
     # Unrolled (--model.no-scan-layers), each layer is compiled on its own.
-    x, stats = jax.lax.scan(layer, x, (params["layers"], jnp.asarray(is_global_L)),
-                            unroll=not cfg.scan_layers)
-    gain = 1.0 + params["final_norm"] if cfg.norm_plus_one else params["final_norm"]
-    return rms_norm(x, gain, cfg.norm_eps), stats
+    scan = partial(jax.lax.scan, unroll=not cfg.scan_layers)
+    run = partial(block, cfg=cfg, pos_BT=pos_BT, segment_ids=segment_ids, max_logits=max_logits)
+    if not cfg.global_head_dim:
+        layer = remat(lambda x, xs: run(x, xs[0], inv_freq=inv_freq, is_global=xs[1],
+                                        ple_BTP=xs[2]))
+        x, stats = scan(layer, x, (params["layers"], jnp.asarray(is_global_L), ple_LBTP))
+    else:  # Gemma 4: periods of n layers, n - 1 local then a global one, each kind its own
+        # stack; the last kv_shared layers' periods attend over the keys and values of the
+        # last earlier layer of their kind, which the periods before carry along (and remat
+        # keeps per layer, as it keeps the stream)
+        def kind(is_global, keep):
+            return remat(lambda x, lp, ple, kv: run(x, lp, inv_freq=inv_freq[is_global],
+                                                    is_global=is_global, kv=kv, keep_kv=keep,
+                                                    ple_BTP=ple))
+
+        def period(c, xs, shared=None):
+            (loc, glob, ple), (x, kv), keep = xs, c, bool(S) and shared is None
+            at = lambda i: None if ple is None else ple[i]
+
+            def local(c, a):
+                x, st = kind(False, keep)(c[0], *a, shared and shared[0])
+                return (x, st.get("kv")), None
+            (x, kv_l), _ = scan(local, (x, kv and kv[0]), (loc, at(slice(-1))))
+            x, st = kind(True, keep)(x, glob, at(-1), shared and shared[1])
+            return (x, kv and (kv_l, st["kv"])), None
+
+        own, G = (L - S) // n, L // n
+        by = lambda t, m: jax.tree.map(lambda a: a.reshape(m, -1, *a.shape[1:]), t)
+        ple = [None, None] if ple_LBTP is None else jnp.split(by(ple_LBTP, G), [own])
+        zeros = lambda K, H: (jnp.zeros((*x.shape[:2], K, H), dt),) * 2
+        kv = (zeros(cfg.n_kv_heads, cfg.head_dim), zeros(cfg.global_kv_heads or cfg.n_kv_heads,
+                                                         cfg.global_head_dim)) if S else None
+        (x, kv), _ = scan(period, (x, kv), (by(params["layers"], own), params["global_layers"],
+                                           ple[0]))
+        if S:
+            (x, _), _ = scan(partial(period, shared=kv), (x, None), (
+                by(params["shared_layers"], G - own), params["shared_global_layers"], ple[1]))
+        stats = {}
+    return rms_norm(x, gain(params["final_norm"]), cfg.norm_eps), stats
 
 
 def unembedding(params: dict, cfg: ModelConfig):
@@ -532,14 +636,14 @@ def make_schedule(t: TrainConfig):
 # Muon's matrices in the [L, ...] stacks: name -> (input axes, output axes); the rest: AdamW.
 MUON_DIMS = {"wq": ((1,), (2, 3)), "wk": ((1,), (2, 3)), "wv": ((1,), (2, 3)),
              "wo": ((1, 2), (3,)), "w_gate": ((1,), (2,)), "w_up": ((1,), (2,)),
-             "w_down": ((1,), (2,))}
+             "w_down": ((1,), (2,)), "ple_gate": ((1,), (2,)), "ple_out": ((1,), (2,))}
 
 
 def make_optimizer(t: TrainConfig, specs: dict | None = None):
     return train.optimizer(t.optimizer, make_schedule(t), b1=t.b1, b2=t.b2,
                            weight_decay=t.weight_decay, clip_norm=t.clip_norm,
-                           decayed={"embed", "unembed", *MUON_DIMS}, muon_dims=MUON_DIMS,
-                           muon_dtype=t.muon_dtype, specs=specs)
+                           decayed={"embed", "unembed", "ple_embed", "ple_proj", *MUON_DIMS},
+                           muon_dims=MUON_DIMS, muon_dtype=t.muon_dtype, specs=specs)
 
 
 def param_specs(cfg: ModelConfig) -> dict:
@@ -628,14 +732,15 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     embedding lookup) and 2 * 2 * T * N * H per layer for q.k and p.v over the whole sequence
     (the causal half is not subtracted: XLA computes it), min(T, W) keys on windowed layers.
     Remat's recomputation is not counted: MFU measures useful work."""
-    D, N, K, H, F, L = (cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ff,
-                        cfg.n_layers)
-    per_layer = D * N * H + 2 * D * K * H + N * H * D + 3 * D * F
-    matmul_weights = L * per_layer + D * cfg.vocab_size
+    D, N, H, L = cfg.d_model, cfg.n_heads, cfg.head_dim, cfg.n_layers
+    matmul_weights = D * cfg.vocab_size + L * cfg.ple_dim * D + sum(  # Gemma 4's projection
+        math.prod(e[0]) for k, stack in _param_table(cfg).items() if k.endswith("layers")
+        for name, e in stack.items() if name in MUON_DIMS)   # the layers' matrices
     W, n = cfg.sliding_window, cfg.global_every
     n_global = (L // n if n else 0) if W else L
-    keys = n_global * seq_len + (L - n_global) * min(seq_len, W or seq_len)
-    attn = 2 * 2 * keys * N * H
+    keys = n_global * seq_len * (cfg.global_head_dim or H) + (L - n_global) * min(
+        seq_len, W or seq_len) * H   # times the head width of their layers
+    attn = 2 * 2 * keys * N
     return 3.0 * (2 * matmul_weights + attn)
 
 
@@ -662,7 +767,8 @@ def check_model(m: ModelConfig, mesh, clip_flag: str, tau: float) -> None:
          "no experts; keep it 1 (use train_moe.py for expert parallelism).")
     train.check_sizes(mesh, {"tensor": [
         ("--model.n-heads", m.n_heads), ("--model.n-kv-heads", m.n_kv_heads),
-        ("--model.d-ff", m.d_ff), ("--model.vocab-size", m.vocab_size)],
+        ("--model.d-ff", m.d_ff), ("--model.vocab-size", m.vocab_size),
+        ("--model.global-kv-heads", m.global_kv_heads or m.n_kv_heads)],
         "fsdp": [("--model.d-model", m.d_model)]})
     need(m.n_heads % m.n_kv_heads == 0, f"--model.n-heads {m.n_heads} is not a multiple of "
          f"--model.n-kv-heads {m.n_kv_heads} (each key/value head serves a whole group).")
@@ -677,7 +783,21 @@ def check_model(m: ModelConfig, mesh, clip_flag: str, tau: float) -> None:
          "says how the q/k norms span the heads. Add --model.qk-norm, or drop it.")
     need(not (m.yarn_factor and (m.rope_scaling or m.rope_linear)), "--model.yarn-factor with "
          "--model.rope-scaling or --model.rope-linear: RoPE is stretched one way. Keep one.")
+    n, G, S = m.global_every, m.global_head_dim, m.kv_shared
+    need(not G or m.sliding_window and n > 1 and m.n_layers % n == 0 and G % 2 == 0, f"--model."
+         f"global-head-dim {G}: the global layers, a stack of their own, run in periods of "
+         f"--model.global-every {n} layers with --model.sliding-window; give both, the period "
+         f"dividing --model.n-layers {m.n_layers}, and an even width.")
+    need(G or not (m.global_kv_heads or m.k_eq_v or S), "--model.global-kv-heads, --model.k-eq-v "
+         "and --model.kv-shared shape Gemma 4's global stack: give --model.global-head-dim.")
+    need(m.n_heads % (m.global_kv_heads or m.n_kv_heads) == 0, f"--model.global-kv-heads "
+         f"{m.global_kv_heads} does not divide --model.n-heads {m.n_heads}.")
+    need(S % max(n, 1) == 0 and S <= m.n_layers - n and (S or not m.wide_shared_mlp),
+         f"--model.kv-shared {S}: whole periods of --model.global-every {n} layers, leaving one "
+         "that makes keys and values (and --model.wide-shared-mlp only with shared layers).")
     train.check_qk_clip(clip_flag, tau, m.qk_norm)
+    need(not (tau and G), f"{clip_flag} {tau} with --model.global-head-dim: Gemma 4's periods "
+         f"record no logits to clip. Set {clip_flag} 0.")
     need(not (tau and (m.attn_softcap or m.query_scale)), f"{clip_flag} {tau} with Gemma's "
          "attention (--model.attn-softcap, --model.query-scale): the soft-cap already bounds "
          f"the logits. Set {clip_flag} 0.")
@@ -831,8 +951,8 @@ HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM"
                     "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                     "gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM",
                     "gemma3_text": "Gemma3ForCausalLM", "olmo2": "Olmo2ForCausalLM",
-                    "olmo3": "Olmo3ForCausalLM"}
-GEMMA = ("gemma2", "gemma3_text")
+                    "olmo3": "Olmo3ForCausalLM", "gemma4_text": "Gemma4ForCausalLM"}
+GEMMA = ("gemma2", "gemma3_text", "gemma4_text")
 # What transformers assumes for a key that config.json leaves out (its config classes).
 _GEMMA_HF = dict(num_key_value_heads=4, head_dim=256, query_pre_attn_scalar=256,
                  sliding_window=4096, tie_word_embeddings=True)
@@ -849,6 +969,11 @@ _HF_DEFAULTS = {mt: dict(rms_norm_eps=1e-6) | d for mt, d in {
     "olmo2": dict(max_position_embeddings=2048, rms_norm_eps=1e-5),
     "olmo3": dict(max_position_embeddings=2048, rms_norm_eps=1e-5, sliding_window=4096,
                   rope_theta=500_000.0),
+    "gemma4_text": dict(max_position_embeddings=131072, num_key_value_heads=4, head_dim=256,
+                        sliding_window=512, sliding_window_pattern=6, tie_word_embeddings=True,
+                        rope_theta=10_000.0, global_head_dim=512, attention_k_eq_v=False,
+                        hidden_size_per_layer_input=256, vocab_size_per_layer_input=262144,
+                        num_kv_shared_layers=0, use_double_wide_mlp=False),
 }.items()}
 # config.json keys that are our fields as they stand (Gemma's: only in Gemma's files).
 HF_KEYS = {"vocab_size": "vocab_size", "hidden_size": "d_model", "head_dim": "head_dim",
@@ -866,7 +991,9 @@ _GEMMA_KNOBS = dict(norm_plus_one=True, sandwich_norm=True, embed_scale=True, ge
 HF_KNOBS = {"llama": {}, "mistral": {}, "qwen2": dict(qkv_bias=True), "qwen3": dict(qk_norm=True),
             "gemma": _GEMMA_KNOBS | dict(sandwich_norm=False), "gemma2": _GEMMA_KNOBS,
             "gemma3_text": _GEMMA_KNOBS | dict(qk_norm=True), **dict.fromkeys(
-                ("olmo2", "olmo3"), dict(post_norm=True, qk_norm=True, qk_norm_whole=True))}
+                ("olmo2", "olmo3"), dict(post_norm=True, qk_norm=True, qk_norm_whole=True)),
+            "gemma4_text": _GEMMA_KNOBS | dict(norm_plus_one=False, qk_norm=True, v_norm=True,
+                                               layer_scale=True, query_scale=1.0)}
 # What transformers itself writes into each family's config.json, beyond our fields.
 _GELU_TANH = dict(hidden_act="gelu_pytorch_tanh", hidden_activation="gelu_pytorch_tanh",
                   attention_bias=False)
@@ -875,7 +1002,9 @@ HF_CONSTANTS = {"llama": dict(attention_bias=False, mlp_bias=False, pretraining_
                 "qwen2": dict(use_sliding_window=False, sliding_window=None),
                 "qwen3": dict(use_sliding_window=False, sliding_window=None, attention_bias=False),
                 "gemma": _GELU_TANH, "gemma2": _GELU_TANH, "gemma3_text": _GELU_TANH,
-                "olmo2": dict(attention_bias=False), "olmo3": dict(attention_bias=False)}
+                "olmo2": dict(attention_bias=False), "olmo3": dict(attention_bias=False),
+                "gemma4_text": _GELU_TANH | dict(enable_moe_block=False, num_experts=None,
+                                                 top_k_experts=None, moe_intermediate_size=None)}
 # Our parameters as HuggingFace tensors (name, layout: common/hf.py). HF's nn.Linear keeps
 # [out, in], ours [in, out] with the heads split out: a transpose and a reshape, then stacked
 # on l. Atoms: l layers, d model, n query heads, k key/value heads, h head width, f MLP, v vocab.
@@ -895,22 +1024,45 @@ HF_LAYER = {"attn_norm": ("input_layernorm.weight", "d -> d"),
         k_norm=("k_norm.weight", "h -> h")).items()} | {
     k: ("mlp." + name, layout) for k, (name, layout) in dict(
         w_gate=("gate_proj.weight", "f d -> d f"), w_up=("up_proj.weight", "f d -> d f"),
-        w_down=("down_proj.weight", "d f -> f d")).items()}
+        w_down=("down_proj.weight", "d f -> f d")).items()} | {  # Gemma 4's (o: 1)
+    "ple_gate": ("per_layer_input_gate.weight", "p d -> d p"),
+    "ple_out": ("per_layer_projection.weight", "d p -> p d"),
+    "ple_post_norm": ("post_per_layer_input_norm.weight", "d -> d"),
+    "layer_scale": ("layer_scalar", "o -> o")}
+# Gemma 4's per-layer inputs: one table [v, L p] (q = L p), the stream's projection, its norm
+HF_PLE = {"ple_embed": ("model.embed_tokens_per_layer.weight", "v q -> v q"),
+          "ple_proj": ("model.per_layer_model_projection.weight", "q d -> d q"),
+          "ple_norm": ("model.per_layer_projection_norm.weight", "p -> p")}
 
 
 def hf_mapping(cfg: ModelConfig) -> dict:
-    """`_param_table`'s tree, each leaf as its (HuggingFace tensor name, layout)."""
+    """`_param_table`'s tree, each leaf as its (HuggingFace tensor name, layout). Gemma 4's
+    stacks are each kind's layers in their periods of n: local (all but every n-th), global
+    (every n-th), then the same for the kv_shared layers; the global ones of their own width
+    (j) and heads (u), the shared ones' MLPs perhaps 2 d_ff wide (w)."""
     whole = {n: (HF_LAYER[n][0], f"({a} h) -> {a} h") for n, a in zip(("q_norm", "k_norm"), "nk")}
     names = HF_LAYER | ({"mlp_norm": ("pre_feedforward_layernorm.weight", "d -> d")}  # Gemma's
                         if cfg.sandwich_norm else {}) | (whole if cfg.qk_norm_whole else {})
-    layer = lambda n: ("model.layers.{l}." + names[n][0], names[n][1].replace("-> ", "-> l "))
-    return {k: {n: layer(n) for n in v} if k == "layers" else HF_TOP[k]
+    n, F = cfg.global_every, cfg.n_layers - cfg.kv_shared
+    at = {"layers": ("l", "{l}")} if not cfg.global_head_dim else {
+        "layers": ("l", f"{{l*{n}//{n - 1}}}"), "global_layers": ("g", f"{{g*{n}+{n - 1}}}"),
+        "shared_layers": ("s", f"{{s*{n}//{n - 1}+{F}}}"),
+        "shared_global_layers": ("t", f"{{t*{n}+{F + n - 1}}}")}
+    atoms = lambda k: str.maketrans(dict(("hj", "ku") * ("global" in k) + ("fw",) * (
+        k.startswith("shared") and cfg.wide_shared_mlp)))
+    layer = lambda k, w: (f"model.layers.{at[k][1]}." + names[w][0], names[w][1].translate(
+        atoms(k)).replace("-> ", f"-> {at[k][0]} "))
+    return {k: {w: layer(k, w) for w in v} if k in at else (HF_TOP | HF_PLE)[k]
             for k, v in _param_table(cfg).items()}
 
 
 def _hf_sizes(cfg: ModelConfig) -> dict:
-    return dict(l=cfg.n_layers, d=cfg.d_model, n=cfg.n_heads, k=cfg.n_kv_heads, h=cfg.head_dim,
-                f=cfg.d_ff, v=cfg.vocab_size)
+    L, n, S = cfg.n_layers, max(cfg.global_every, 1), cfg.kv_shared
+    own = (L - S) // n if cfg.global_head_dim else 0   # Gemma 4's periods with their own K/V
+    return dict(l=L - S - own, g=own, s=S - S // n, t=S // n, d=cfg.d_model, n=cfg.n_heads,
+                k=cfg.n_kv_heads, h=cfg.head_dim, f=cfg.d_ff, v=cfg.vocab_size, o=1,
+                j=cfg.global_head_dim, u=cfg.global_kv_heads or cfg.n_kv_heads, w=2 * cfg.d_ff,
+                p=cfg.ple_dim, q=L * cfg.ple_dim)
 
 
 def config_from_hf(c: dict, where: str = "config.json") -> ModelConfig:
@@ -936,7 +1088,8 @@ def config_from_hf(c: dict, where: str = "config.json") -> ModelConfig:
         raise unsupported("attention_bias / mlp_bias (biases on every projection)")
     if c.get("partial_rotary_factor", 1.0) != 1.0:
         raise unsupported(f"partial_rotary_factor {c['partial_rotary_factor']}")
-    if c.get("use_bidirectional_attention"):
+    if c.get("use_bidirectional_attention") not in (None, False, "vision"):  # Gemma 4's
+        # "vision" lets an image's tokens see each other; text stays causal
         raise unsupported("use_bidirectional_attention (an encoder, not a causal decoder)")
     # Each value in its field's type (HF writes 256 for a float); absent, null or 0: the default.
     typed = lambda d, keys: {k: type(getattr(ModelConfig, k))(d[key]) for key, k in keys.items()
@@ -944,7 +1097,7 @@ def config_from_hf(c: dict, where: str = "config.json") -> ModelConfig:
     f = typed(c, HF_KEYS | (GEMMA_KEYS if gemma else {}))
     f = dict(n_kv_heads=f["n_heads"], head_dim=f["d_model"] // f["n_heads"]) | f | HF_KNOBS[mt]
     rope = c.get("rope_parameters") or {}
-    if mt in ("gemma3_text", "olmo3"):  # global and local RoPE: per layer type, or 4.x keys
+    if mt in ("gemma3_text", "olmo3", "gemma4_text"):  # global and local RoPE: per layer type
         local = {"rope_parameters": rope.get("sliding_attention", {})}
         f["rope_local_theta"], kind, _ = hf.rope_parameters(
             local, c.get("rope_local_base_freq", c["rope_theta"]), where)
@@ -960,6 +1113,9 @@ def config_from_hf(c: dict, where: str = "config.json") -> ModelConfig:
         f |= typed(rope, LLAMA3_ROPE)
     elif kind == "linear" and "factor" in rope and mt != "gemma2":  # Gemma 2's would go local too
         f["rope_linear"] = float(rope["factor"])
+    elif kind == "proportional" and mt == "gemma4_text":  # Gemma 4's global layers
+        part, factor = (float(rope.get(k, 1.0)) for k in ("partial_rotary_factor", "factor"))
+        f |= dict(rope_partial=part % 1.0, rope_linear=factor if factor != 1.0 else 0.0)
     elif kind == "yarn" and "factor" in rope and mt != "gemma2":  # OLMo 3's: HF's defaults only
         f |= typed(rope, YARN_ROPE)
         want = dict(beta_fast=32, beta_slow=1, truncate=True,
@@ -982,6 +1138,25 @@ def config_from_hf(c: dict, where: str = "config.json") -> ModelConfig:
         if kinds != types(n):
             raise unsupported(f"layer_types {kinds} (only every n-th layer global)")
         f |= dict(global_every=n, sliding_window=int(c["sliding_window"] or 0))
+    if mt == "gemma4_text":  # the global layers' width and heads, their own or per layer
+        if c.get("enable_moe_block"):
+            raise unsupported("enable_moe_block (26B-A4B's experts)")
+        glob = [str(i) for i, k in enumerate(kinds) if k == "full_attention"]
+        own = {"head_dim": c["global_head_dim"]} | ({"num_key_value_heads": c[
+            "num_global_key_value_heads"]} if c["attention_k_eq_v"] and c.get(
+            "num_global_key_value_heads") else {})
+        per = {str(i): v for i, v in (c.get("per_layer_config") or dict.fromkeys(glob, own)
+                                      ).items()}
+        if sorted(per) != sorted(glob) or any(v != per[glob[0]] or set(v) - set(own) - {
+                "num_key_value_heads"} for v in per.values()):
+            raise unsupported(f"per_layer_config {per} (only the global layers', all alike)")
+        if c["hidden_size_per_layer_input"] and c["vocab_size_per_layer_input"] != c["vocab_size"]:
+            raise unsupported("a per-layer input vocabulary unlike vocab_size")
+        S = c["num_kv_shared_layers"] or 0
+        f |= dict(global_head_dim=per[glob[0]].get("head_dim", f["head_dim"]), k_eq_v=bool(
+            c["attention_k_eq_v"]), global_kv_heads=per[glob[0]].get("num_key_value_heads", 0),
+                  ple_dim=c["hidden_size_per_layer_input"] or 0, kv_shared=S,
+                  wide_shared_mlp=bool(S and c["use_double_wide_mlp"]))
     return ModelConfig(**f)
 
 
@@ -989,25 +1164,32 @@ def config_to_hf(cfg: ModelConfig, model_type: str = "", dtype: str = "float32")
     """A config.json for `cfg` that transformers 4.4x and 5.x both read (each finds its own
     spelling of the rope settings). model_type "" picks the family from the knobs."""
     gemma = cfg.sandwich_norm
-    mt = model_type or (("olmo3" if cfg.sliding_window else "olmo2") if cfg.post_norm else
+    mt = model_type or ("gemma4_text" if cfg.global_head_dim else
+                        ("olmo3" if cfg.sliding_window else "olmo2") if cfg.post_norm else
                         "gemma3_text" if gemma and cfg.qk_norm else "gemma2" if gemma else
                         "gemma" if cfg.norm_plus_one else "qwen3" if cfg.qk_norm else "qwen2"
                         if cfg.qkv_bias else "llama")
     if mt not in HF_ARCHITECTURES:
         raise hf.HFError(f"model_type {mt!r}: choose one of {', '.join(HF_ARCHITECTURES)}.")
-    bad = {k: getattr(cfg, k) for k in ("qkv_bias", "qk_norm", *HF_KNOBS["olmo3"], *_GEMMA_KNOBS)
+    bad = {k: getattr(cfg, k) for k in ("qkv_bias", "qk_norm", *HF_KNOBS["olmo3"], *_GEMMA_KNOBS,
+                                        "v_norm", "layer_scale")
            if getattr(cfg, k) != HF_KNOBS[mt].get(k, False)}
     may = dict.fromkeys(GEMMA_KEYS.values(), GEMMA) | dict(  # rope_linear: Gemma 2 has one RoPE
-        sliding_window=(*GEMMA, "olmo3"), rope_local_theta=("gemma3_text", "olmo3"),
-        **dict.fromkeys(("rope_linear", "yarn_factor"), set(HF_ARCHITECTURES) - {"gemma2"}))
+        sliding_window=(*GEMMA, "olmo3"), rope_local_theta=(*GEMMA[1:], "olmo3"),
+        attn_softcap=GEMMA[:2], **dict.fromkeys(("rope_linear", "yarn_factor"), set(
+            HF_ARCHITECTURES) - {"gemma2"}), **dict.fromkeys(("global_head_dim", "k_eq_v",
+            "global_kv_heads", "rope_partial", "ple_dim", "kv_shared"), ("gemma4_text",)))
     bad |= {k: getattr(cfg, k) for k, ok in may.items() if getattr(cfg, k) and mt not in ok
             or k == "query_scale" and getattr(cfg, k) % 1}   # HF's query_pre_attn_scalar: an int
+    if mt == "gemma4_text" and (cfg.query_scale != 1.0 or not cfg.global_head_dim):
+        bad |= dict(query_scale=cfg.query_scale, global_head_dim=cfg.global_head_dim)
     if bad:
         raise hf.HFError(f"model_type {mt!r} does not fit this model ({bad}): q/k/v biases "
                          "are qwen2's; q/k norms qwen3's, gemma3_text's, OLMo's (whole, with post "
                          "norms); (1 + w) norms, GeGLU, the embedding scale Gemmas'; sandwich "
                          "norms, soft-caps gemma2's, gemma3_text's; windows theirs and olmo3's, "
-                         "a local RoPE gemma3_text's and olmo3's.")
+                         "a local RoPE gemma3_text's and olmo3's; gemma4_text needs global layers "
+                         "of their own, normed values, scaled layers, a query scale of 1.")
     rope = {"rope_type": "default", "rope_theta": cfg.rope_theta} | (
         {"rope_type": "linear", "factor": cfg.rope_linear} if cfg.rope_linear else {}) | (
         dict(rope_type="yarn", factor=cfg.yarn_factor, beta_fast=32.0, beta_slow=1.0,  # OLMo 3's
@@ -1034,7 +1216,21 @@ def config_to_hf(cfg: ModelConfig, model_type: str = "", dtype: str = "float32")
         c |= dict(sliding_window=cfg.sliding_window or None, layer_types=[
             "full_attention" if not cfg.sliding_window or n and (i + 1) % n == 0
             else "sliding_attention" for i in range(L)])
-    if mt in ("gemma3_text", "olmo3"):  # transformers 5 reads rope_parameters per layer type
+    if mt == "gemma4_text":  # no 4.x spellings; the global layers' shape per layer, as 5.x
+        G, K = cfg.global_head_dim, cfg.global_kv_heads
+        rope = dict(rope_type="proportional", partial_rotary_factor=cfg.rope_partial or 1.0,
+                    rope_theta=cfg.rope_theta) | ({"factor": cfg.rope_linear} if cfg.rope_linear
+                                                  else {})
+        c = {k: v for k, v in c.items() if k not in ("rope_theta", "rope_scaling", "hidden_act",
+                                                     "query_pre_attn_scalar",
+                                                     "attn_logit_softcapping")} | dict(
+            attention_k_eq_v=cfg.k_eq_v, num_kv_shared_layers=cfg.kv_shared,
+            use_double_wide_mlp=cfg.wide_shared_mlp, hidden_size_per_layer_input=cfg.ple_dim,
+            vocab_size_per_layer_input=cfg.vocab_size if cfg.ple_dim else 262144,  # HF's
+            per_layer_config={
+                str(i): {"head_dim": G} | ({"num_key_value_heads": K} if K else {})
+                for i in range(n - 1, L, n)})
+    if mt in ("gemma3_text", "olmo3", "gemma4_text"):  # 5.x: rope_parameters per layer type
         local = cfg.rope_local_theta or cfg.rope_theta  # 4.x Gemma 3 its local base
         c |= dict(rope_parameters={"full_attention": rope, "sliding_attention": {
             "rope_type": "default", "rope_theta": local}}) | (
@@ -1047,7 +1243,12 @@ def load_hf(path: str, mesh=None) -> tuple[ModelConfig, dict]:
     as our ModelConfig and float32 parameters placed with their `param_specs` on `mesh`."""
     ckpt = hf.Checkpoint(path)
     cfg = config_from_hf(ckpt.config, ckpt.config_file)
-    return cfg, train.hf_params(ckpt, mesh, _param_table(cfg), hf_mapping(cfg), _hf_sizes(cfg))
+    # Gemma 4's layers that reuse keys and values may carry projections that nothing reads
+    unused = lambda name: (p := name.split("."))[:2] == ["model", "layers"] and p[3:4] == [
+        "self_attn"] and p[4] in ("k_proj", "v_proj", "k_norm") and int(p[2]) >= (
+        cfg.n_layers - cfg.kv_shared)
+    return cfg, train.hf_params(ckpt, mesh, _param_table(cfg), hf_mapping(cfg), _hf_sizes(cfg),
+                                unused)
 
 
 def save_hf(params: dict, cfg: ModelConfig, path: str, *, model_type: str = "",

@@ -11,7 +11,7 @@ axis only the right side names ("l" above) stacks many file tensors, one per val
 the value into "{l}". An atom "2:0" on the left is an axis of size 2 of which this leaf is index 0:
 two leaves interleaved in one file tensor, as GPT-OSS's "e d (f 2:0)" (gate) and "(f 2:1)" (up).
 A name may offset a stacking axis, "{l+3}": a second stack of layers that starts at file layer 3,
-and stride it, "{l*2+1}": a stack of every second layer.
+and stride it, "{l*2+1}": a stack of every second layer, or "{l*6//5}": all but every sixth.
 Sizes come from a dict ({"l": 32, "n": 32, "h": 128, ...}) built from the
 model's config. Loading and saving read the same mapping, so they cannot drift apart.
 
@@ -96,9 +96,9 @@ def _is_entry(x) -> bool:
 
 
 def _name(template: str, values: dict[str, int]) -> str:
-    """The template with its "{l}", "{l+3}" and "{l*2+1}" filled in from `values`."""
-    return re.sub(r"\{(\w+)(?:\*(\d+))?(?:\+(\d+))?\}",
-                  lambda m: str(values[m[1]] * int(m[2] or 1) + int(m[3] or 0)), template)
+    """The template with its "{l}", "{l+3}", "{l*2+1}" and "{l*6//5}" filled in from `values`."""
+    return re.sub(r"\{(\w+)(?:\*(\d+))?(?://(\d+))?(?:\+(\d+))?\}", lambda m: str(
+        values[m[1]] * int(m[2] or 1) // int(m[3] or 1) + int(m[4] or 0)), template)
 
 
 def _file_names(template: str, layout: Layout, sizes: dict) -> Iterator[tuple[tuple, str]]:

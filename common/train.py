@@ -1074,10 +1074,12 @@ def hf_origin(saved: dict) -> str:
     return saved.get("init_from_hf") or ""
 
 
-def hf_params(ckpt: hf.Checkpoint, mesh, table: dict, mapping: dict, sizes: dict) -> dict:
+def hf_params(ckpt: hf.Checkpoint, mesh, table: dict, mapping: dict, sizes: dict,
+              unused=lambda name: False) -> dict:
     """The float32 parameters of an opened HuggingFace folder, placed as the parameter `table`
     says on `mesh` (default the first device); `mapping` and `sizes` are the family's names and
-    layouts (common/hf.py). Each device reads only its own block."""
+    layouts (common/hf.py), `unused` says which tensors its releases carry that its model
+    never reads. Each device reads only its own block."""
     mesh = mesh or make_mesh(MeshConfig(fsdp=1), jax.devices()[:1])
     check_divides(table, mesh, ckpt.path)
     mt = ckpt.config["model_type"]
@@ -1087,7 +1089,8 @@ def hf_params(ckpt: hf.Checkpoint, mesh, table: dict, mapping: dict, sizes: dict
     # predicts a second token ahead and is not part of the model we train.
     extra = lambda n: (m := re.match(r"model\.layers\.(\d+)\.", n)) and int(m[1]) >= (
         ckpt.config["num_hidden_layers"])
-    ignore = lambda n: n == "lm_head.weight" or n.endswith("rotary_emb.inv_freq") or extra(n)
+    ignore = lambda n: (n == "lm_head.weight" or n.endswith("rotary_emb.inv_freq") or extra(n)
+                        or unused(n))
     if ckpt.other_towers:
         log(f"{ckpt.path}: a multimodal folder: its language model is loaded, and not the "
             f"{len(ckpt.other_towers)} tensors of its other towers ({ckpt.other_towers[0]}, ...)")

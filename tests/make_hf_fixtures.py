@@ -173,6 +173,34 @@ FAMILIES = {
         vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=4, rms_norm_eps=1e-6, rope_theta=1000.0,
         max_position_embeddings=64), None),
+    # Gemma 4 as the 31B: layers 2 and 5 global (window 5 of 16 tokens on the others), twice
+    # as wide (24) with one key/value head whose keys are the values, a quarter of their
+    # frequencies turned (proportional RoPE, base 1000 here); v norms, layer scalars, a final
+    # soft-cap that bends the logits.
+    "gemma4_text": ("gemma4_text", dict(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=6,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=12, global_head_dim=24,
+        num_global_key_value_heads=1, attention_k_eq_v=True, sliding_window=5,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2,
+        rope_parameters=dict(sliding_attention=dict(rope_type="default", rope_theta=100.0),
+                             full_attention=dict(rope_type="proportional", rope_theta=1000.0,
+                                                 partial_rotary_factor=0.25)),
+        final_logit_softcapping=2.5, hidden_size_per_layer_input=0, rms_norm_eps=1e-6,
+        tie_word_embeddings=True, max_position_embeddings=64), "16KB"),
+    # Gemma 4 as E2B/E4B: per-layer inputs (8 wide per layer), the last period (layers 3-5)
+    # reusing the keys and values of layers 1 (local) and 2 (global), its MLPs twice as wide;
+    # the global layers' own width without K = V.
+    "gemma4_ple": ("gemma4_text", dict(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=6,
+        num_attention_heads=4, num_key_value_heads=1, head_dim=12, global_head_dim=16,
+        attention_k_eq_v=False, sliding_window=5, num_kv_shared_layers=3,
+        use_double_wide_mlp=True, hidden_size_per_layer_input=8, vocab_size_per_layer_input=64,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2,
+        rope_parameters=dict(sliding_attention=dict(rope_type="default", rope_theta=100.0),
+                             full_attention=dict(rope_type="proportional", rope_theta=1000.0,
+                                                 partial_rotary_factor=0.5)),
+        final_logit_softcapping=2.5, rms_norm_eps=1e-6, tie_word_embeddings=True,
+        max_position_embeddings=64), None),
 }
 # Written as this model_type (the checkpoint is the other's, as Moonshot ships it).
 RENAMED = {"kimi_k2": "kimi_k2"}
@@ -185,20 +213,23 @@ def randomize(model: torch.nn.Module, seed: int, model_type: str = "") -> None:
     that much smaller (unit-scale rows after the scale, tied logits that a soft-cap bends
     without flattening)."""
     gemma = "gemma" in model_type
+    plus_one = gemma and model_type != "gemma4_text"  # Gemma 4's gains multiply as stored
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, b in sorted(model.named_buffers()):  # DeepSeek's choice bias: a buffer
             if name.endswith("e_score_correction_bias"):
                 b.copy_(0.1 * torch.randn(b.shape, generator=g))
+            if name.endswith("layer_scalar"):  # Gemma 4's, saved with the weights
+                b.copy_(1.0 + 0.3 * torch.randn(b.shape, generator=g))
         for name, p in sorted(model.named_parameters()):
             noise = torch.randn(p.shape, generator=g, dtype=torch.float32)
             if name.endswith("sinks"):  # a logit each head's softmax weighs against its keys
                 p.copy_(1.0 + noise)
             elif name.endswith("norm.weight"):
-                p.copy_(0.3 * noise if gemma else 1.0 + 0.3 * noise)
+                p.copy_(0.3 * noise if plus_one else 1.0 + 0.3 * noise)
             elif name.endswith(".bias"):
                 p.copy_(0.5 * noise)
-            elif name.endswith("embed_tokens.weight"):
+            elif name.endswith(("embed_tokens.weight", "embed_tokens_per_layer.weight")):
                 p.copy_(noise / p.shape[-1] ** 0.5 if gemma else noise)
             else:  # [..., out, in] (a Linear, or stacked experts): unit-variance outputs
                 p.copy_(noise / p.shape[-1] ** 0.5)

@@ -144,8 +144,10 @@ TRAIN = """train.steps train.batch_size train.seq_len train.microbatches train.l
 GEMMA = """model.sliding_window model.global_every model.rope_local_theta model.rope_linear
            model.attn_softcap model.final_softcap model.query_scale: >= 0"""
 OLMO = "model.yarn_factor: >= 0 | model.yarn_original_max_len: > 0"
+GEMMA4 = """model.global_head_dim model.global_kv_heads model.ple_dim model.kv_shared: >= 0
+            model.rope_partial: [0, 1]"""
 EXPECTED = {
-    "train_dense": [MESH, CKPT, DATA, LLAMA, GEMMA, OLMO, TRAIN, """
+    "train_dense": [MESH, CKPT, DATA, LLAMA, GEMMA, OLMO, GEMMA4, TRAIN, """
         train.eval_samples: >= 0 | compile_slices: > 0"""],
     "train_moe": [MESH, CKPT, DATA, TRAIN, """
         model.vocab_size model.d_model model.n_layers model.n_heads model.n_kv_heads
@@ -161,7 +163,7 @@ EXPECTED = {
         model.first_k_dense model.dense_d_ff: >= 0
         train.load_balance_loss train.router_z_loss train.router_bias_rate: >= 0
         compile_slices: > 0"""],
-    "train_grpo": [MESH, CKPT, LLAMA, GEMMA, OLMO, """
+    "train_grpo": [MESH, CKPT, LLAMA, GEMMA, OLMO, GEMMA4, """
         grpo.prompts_per_step grpo.group_size grpo.max_new_tokens grpo.temperature grpo.mu
         grpo.microbatches grpo.lr grpo.clip_norm grpo.log_every grpo.eval_every: > 0
         grpo.steps grpo.top_k grpo.beta grpo.warmup_steps grpo.weight_decay
