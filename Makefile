@@ -91,7 +91,7 @@ GPU_EXTRAS ?= cuda
 bench-gpu:  ## one NVIDIA GPU: cuda extra into GPU_VENV, bench llama3.2-1b (bf16, seq 4096) and tiny-moe
 	VENV=$(GPU_VENV) EXTRAS=$(GPU_EXTRAS) PYTHON=$(PYTHON) bash bench/gpu.sh
 
-bench-context: $(VENV)/.installed  ## ring vs all-gather attention: tiny at seq 4096 split over 4 CPU devices
+bench-context: $(VENV)/.installed  ## ring, all-gather, Ulysses: tiny at seq 4096 split over 4 CPU devices
 	$(PY) bench/context.py $(ARGS)
 
 bench-window: $(VENV)/.installed  ## Gemma's sliding window (256) vs every key: one attention layer at seq 2048
