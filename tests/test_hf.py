@@ -28,7 +28,7 @@ from common.mesh import MeshConfig, make_mesh
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIXTURES = os.path.join(ROOT, "tests", "fixtures", "hf")
 FAMILIES = ["llama2", "llama3.1", "llama3.2", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text",
-            "gemma", "olmo3", "olmo2"]
+            "gemma", "olmo3", "olmo2", "gemma4_text", "gemma4_ple"]
 TOL = 1e-4  # float32, on logits that reach 3 to 50 in these fixtures
 # Bookkeeping in a config.json, not the model: left out of the key-by-key comparison.
 BOOKKEEPING = {"transformers_version", "dtype", "torch_dtype", "bos_token_id", "eos_token_id",
