@@ -28,6 +28,7 @@ from common.config import how, knob, resumable
 from common.checkpoint import CheckpointConfig
 from common.data import DataConfig, get_batch, load_dataset, run_tokenizer
 from common.data import SFTDataset, held_out_batches  # SFT
+from common.eval import DuringTraining
 from common.mesh import BATCH_AXES, MeshConfig, describe, make_mesh, resolve
 from common.train import ConfigError, log, named, need  # ConfigError: need's, for callers
 
@@ -114,6 +115,8 @@ class TrainConfig:
     log_every: int = resumable(10)
     eval_every: int = resumable(100)
     eval_batches: int = resumable(4)
+    eval_tasks: str = resumable("")  # lm-eval tasks scored at each eval (docs/eval.md); "" = none
+    eval_tasks_limit: int = resumable(0, ">= 0")  # examples per task; 0 = all
     sample_tokens: int = resumable(96, ">= 0")  # printed at the end; 0 = no sample
     temperature: float = resumable(0.7, ">= 0")  # of that sample; 0 = greedy
     sample_prompt: str = resumable("def")  # no trailing space: it would tokenize as a lone "▁"
@@ -849,9 +852,11 @@ def train_loop(cfg: Config, mesh, st: train.TrainState, step_fn) -> dict:
     # A held-out batch's (weighted cross-entropy, weight) sums, added up over the split.
     sums_fn = jax.jit(lambda p, b: (loss_fn(p, b, mc, n=1)[1]["ce"], loss_weight(b)))
     key = jax.random.key(tc.seed + 7)
+    tasks = DuringTraining(tc, mc, lambda p, x: forward(p, x, mc), mesh, ds.tokenizer_path)
 
     def evaluate(params) -> dict:
-        """Held-out loss (SFT: the whole split, each trained token once; held-out answers too)."""
+        """Held-out loss (SFT: the whole split, each trained token once; held-out answers
+        too), and the scores of --train.eval-tasks."""
         batches = (batch(ds.eval, seed=cfg.data.seed + 1, step=i) for i in range(tc.eval_batches))
         if sft:  # SFT
             batches = held_out_batches(ds.eval, tc.batch_size, batch_sh)
@@ -865,7 +870,7 @@ def train_loop(cfg: Config, mesh, st: train.TrainState, step_fn) -> dict:
                             f"(data: {r['expected']!r})" for i, r in enumerate(samples[:3], 1))
             out["samples"] = samples
         log(f"eval step {loop.step} | {line}")
-        return out
+        return out | tasks(params, loop.step)
 
     with train.Run(cfg, tc.profile_steps, defaults=Config(), keep_weights=(
             f"To keep its weights under new settings: a new --run-dir with --init-from "

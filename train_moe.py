@@ -42,6 +42,7 @@ from common.attention import attend, check_kernel, choose, fold_context, from_co
 from common.config import how, knob, resumable
 from common.checkpoint import CheckpointConfig
 from common.data import DataConfig, get_batch, load_dataset
+from common.eval import DuringTraining
 from common.mesh import BATCH_AXES, MeshConfig, describe, make_mesh, resolve, target_platform
 from common.train import ConfigError, log, named, need
 
@@ -146,6 +147,8 @@ class TrainConfig:
     log_every: int = resumable(10)
     eval_every: int = resumable(100)
     eval_batches: int = resumable(4)
+    eval_tasks: str = resumable("")  # lm-eval tasks scored at each eval (docs/eval.md); "" = none
+    eval_tasks_limit: int = resumable(0, ">= 0")  # examples per task; 0 = all
     sample_tokens: int = resumable(96, ">= 0")  # printed at the end; 0 = no sample
     temperature: float = resumable(0.7, ">= 0")  # of that sample; 0 = greedy
     sample_prompt: str = resumable("def")  # no trailing space: it would tokenize as a lone "▁"
@@ -1138,12 +1141,14 @@ def train_loop(cfg: Config, mesh, st: train.TrainState, step_fn) -> dict:
                     sharding=named(mesh, P(MOE_BATCH, None)))
     eval_fn = jax.jit(lambda params, b: loss_fn(params, b, mc)[1]["ce"])  # held-out ce
     weights = lambda s: with_buffers(s["params"], s.get("buffers", {}))  # what forward reads
+    dropless = dataclasses.replace(mc, capacity_factor=0.0)  # padding takes no real row's slot
+    tasks = DuringTraining(tc, mc, lambda p, x: forward(p, x, dropless), mesh, ds.tokenizer_path)
 
     def evaluate(params) -> dict:
         held_out = (batch(ds.eval, seed=cfg.data.seed + 1, step=i) for i in range(tc.eval_batches))
         loss = float(np.mean(jax.device_get([eval_fn(params, b) for b in held_out])))
         log(f"eval step {loop.step} | eval_loss {loss:.3f}")
-        return {"eval_loss": loss}
+        return {"eval_loss": loss} | tasks(params, loop.step)
 
     def show(r: dict) -> str:
         drop = f" | dropped {100 * r['dropped']:.1f}%" if mc.capacity_factor > 0 else ""

@@ -140,11 +140,20 @@ class Scorer:
                 z_BV = forward(params, x_BT)[rows, end_B + i - 1]
                 return x_BT.at[rows, end_B + i].set(jnp.argmax(z_BV, -1).astype(x_BT.dtype))
             return jax.lax.fori_loop(0, n, one, x_BT)
-        self._score, self._greedy = jax.jit(score), jax.jit(greedy, static_argnums=3)
+        # Answers replicated, so that every process of a multi-process run can read them.
+        whole = NamedSharding(mesh, P())
+        self._score = jax.jit(score, out_shardings=whole)
+        self._greedy = jax.jit(greedy, static_argnums=3, out_shardings=whole)
 
     def run(self, fn, *args):
         with jax.set_mesh(self.mesh):  # the model's sharding constraints name its axes
             return jax.device_get(fn(self.params, *args))
+
+    @staticmethod
+    def place(x: np.ndarray, sharding) -> jax.Array:
+        """The same host array on every process, as one global array (device_put of a host
+        array onto devices of other processes is not in every JAX we support)."""
+        return jax.make_array_from_callback(x.shape, sharding, lambda i: x[i])
 
     def put(self, rows: list[list[int]], width: int) -> tuple[jax.Array, np.ndarray]:
         """Rows right-padded with 0 to `width` (spare rows repeat the last), and their lengths."""
@@ -152,7 +161,7 @@ class Scorer:
         n = np.array([len(rows[min(i, len(rows) - 1)]) for i in range(self.B)])
         for i in range(self.B):
             x[i, :n[i]] = rows[min(i, len(rows) - 1)]
-        return jax.device_put(x, self.rows), n
+        return self.place(x, self.rows), n
 
     def batches(self, lengths: list[int], cap: int):
         """Indices in batches of one bucket each, longest bucket first."""
@@ -172,7 +181,7 @@ class Scorer:
             cols = np.arange(width)
             mask = (cols >= (n - k)[:, None]) & (cols < n[:, None])
             self.shapes.add(("score", *x.shape))
-            lp, hit = self.run(self._score, x, jax.device_put(mask, self.rows))
+            lp, hit = self.run(self._score, x, self.place(mask, self.rows))
             for j, i in enumerate(idx):
                 out[i] = (float(lp[j]), bool(hit[j]))
         self.requests, self.seconds = self.requests + len(pairs), self.seconds + time.perf_counter() - t0
@@ -185,7 +194,7 @@ class Scorer:
         for idx, width in self.batches([len(p) + n for p in prompts], self.max_length):
             x, lens = self.put([prompts[i] for i in idx], width)
             self.shapes.add(("generate", *x.shape, n))
-            x = self.run(self._greedy, x, jax.device_put(lens, self.vec), n)
+            x = self.run(self._greedy, x, self.place(lens, self.vec), n)
             for j, i in enumerate(idx):
                 out[i] = x[j, lens[j]:lens[j] + n].tolist()
         self.requests, self.seconds = self.requests + len(prompts), self.seconds + time.perf_counter() - t0
@@ -270,56 +279,97 @@ def lm_class():
     return JaxLM
 
 
-def evaluate(cfg: EvalConfig) -> dict:
-    """Every task of --tasks on the model: eval/<task>.json, a line each, and (for a run) one
-    record in its metrics.jsonl at the checkpoint's step. Returns {task: {metric: value}}."""
-    check_ranges(cfg)
+def task_manager(tasks: str, include_path: str = "", flag: str = "--tasks"):
+    """(lm-eval's TaskManager, the task names of `tasks`), lm-eval's presence and every name
+    checked first: a ConfigError, not a failure after training or loading."""
     # A task whose data are not on this machine fails at once instead of reaching for the Hub.
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     try:
-        import lm_eval
         from lm_eval.tasks import TaskManager
     except ImportError:
-        raise ConfigError("python -m common.eval needs lm-evaluation-harness: "
-                          "pip install -e '.[eval]' (make eval installs it).") from None
-    names = [t.strip() for t in cfg.tasks.split(",") if t.strip()]
+        raise ConfigError(f"{flag} needs lm-evaluation-harness: pip install -e '.[eval]' "
+                          "(make eval installs it).") from None
+    names = [t.strip() for t in tasks.split(",") if t.strip()]
     # lm-eval's own tasks are indexed (~10 s) only when a name is not one of ours.
-    tm = TaskManager(include_path=[EVALS, *filter(None, [cfg.include_path])],
-                     include_defaults=False)
+    paths = [EVALS, *filter(None, [include_path])]
+    tm = TaskManager(include_path=paths, include_defaults=False)
     if any(t not in tm.all_tasks for t in names):
-        tm = TaskManager(include_path=[EVALS, *filter(None, [cfg.include_path])])
+        tm = TaskManager(include_path=paths)
     if unknown := [t for t in names if t not in tm.all_tasks]:
-        raise ConfigError(f"--tasks {','.join(unknown)}: no such task here. Ours: "
+        raise ConfigError(f"{flag} {','.join(unknown)}: no such task here. Ours: "
                           f"{', '.join(sorted(os.listdir(EVALS)))}; a standard one (hellaswag, "
                           "arc_easy, gsm8k, mmlu) needs its data on this machine and a YAML "
                           "naming them, in --include-path (docs/eval.md).")
-    lm = lm_class()(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)})
-    res = lm_eval.simple_evaluate(model=lm, tasks=names, task_manager=tm, limit=cfg.limit or None,
-                                  num_fewshot=None if cfg.num_fewshot < 0 else cfg.num_fewshot,
+    return tm, names
+
+
+def run_tasks(lm, tm, names: list[str], limit: int, num_fewshot: int) -> tuple[dict, dict]:
+    """lm-eval's results for `names` on `lm`, and {task: {metric: value}} without the
+    standard errors and sample counts."""
+    import lm_eval
+    res = lm_eval.simple_evaluate(model=lm, tasks=names, task_manager=tm, limit=limit or None,
+                                  num_fewshot=None if num_fewshot < 0 else num_fewshot,
                                   log_samples=False, bootstrap_iters=1000)
+    return res, {t: {k.split(",")[0]: v for k, v in m.items() if isinstance(v, float)
+                     and "stderr" not in k} for t, m in res["results"].items()}
+
+
+def show(summary: dict, head: str = "eval") -> str:
+    return "\n".join(f"{head} {t} | " + " | ".join(f"{k} {v:.4f}" for k, v in d.items())
+                     for t, d in summary.items())
+
+
+def flat(summary: dict) -> dict:
+    """{task: {metric: v}} as metrics.jsonl's keys: lm_eval/<task>/<metric>."""
+    return {f"lm_eval/{t}/{k}": v for t, d in summary.items() for k, v in d.items()}
+
+
+class DuringTraining:
+    """--train.eval-tasks: the harness on the parameters being trained, at each eval (nothing
+    when the flag is empty). One Scorer for the whole run, so that each batch shape compiles
+    once, not once per eval; rows as `make eval` pads them, so both score a step alike."""
+
+    def __init__(self, t, m, forward, mesh, tokenizer: str):
+        """t: a trainer's TrainConfig, m: its ModelConfig, forward(params, tokens_BT)."""
+        self.on, self.limit = bool(t.eval_tasks), t.eval_tasks_limit
+        if self.on:
+            self.tm, self.names = task_manager(t.eval_tasks, flag="--train.eval-tasks")
+            self.scorer = Scorer(forward, None, mesh, t.batch_size, min(m.max_seq_len, 2048))
+            self.lm = lm_class()(self.scorer, tokenizer)
+
+    def __call__(self, params, step: int) -> dict:
+        if not self.on:
+            return {}
+        self.scorer.params, self.lm.step, t0 = params, step, time.perf_counter()
+        summary = run_tasks(self.lm, self.tm, self.names, self.limit, -1)[1]
+        log(show(summary, f"eval step {step} |") + f" | {time.perf_counter() - t0:.1f} s")
+        return flat(summary)
+
+
+def evaluate(cfg: EvalConfig) -> dict:
+    """Every task of --tasks on the model: eval/<task>.json, a line each, and (for a run) one
+    record in its metrics.jsonl at the checkpoint's step. Returns {task: {metric: value}}."""
+    check_ranges(cfg)
+    tm, names = task_manager(cfg.tasks, cfg.include_path)
+    lm = lm_class()(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)})
+    res, summary = run_tasks(lm, tm, names, cfg.limit, cfg.num_fewshot)
     sc, out_dir = lm.scorer, cfg.out or os.path.join(cfg.run_dir or cfg.hf, "eval")
     speed = {"requests": sc.requests, "seconds": round(sc.seconds, 3), "requests_per_s":
              sc.requests / max(sc.seconds, 1e-9), "programs_compiled": len(sc.shapes)}
     os.makedirs(out_dir, exist_ok=True)
-    summary = {}
     for t, metrics in res["results"].items():
-        summary[t] = {k.split(",")[0]: v for k, v in metrics.items() if isinstance(v, float)
-                      and "stderr" not in k}  # the metrics, not their errors or sample counts
         path = os.path.join(out_dir, f"{t}.json")
         with open(path, "w") as f:
             json.dump({"task": t, "model": cfg.run_dir or cfg.hf, "step": lm.step,
                        "examples": res["n-samples"].get(t), "metrics": metrics, "speed": speed,
                        "limit": cfg.limit, "num_fewshot": cfg.num_fewshot}, f, indent=1)
-        log(f"eval {t} | " + " | ".join(f"{k} {v:.4f}" for k, v in summary[t].items())
-            + f" | {path}")
+        log(show({t: summary[t]}) + f" | {path}")
     log(f"eval: {sc.requests:,} requests in {sc.seconds:.1f} s, {speed['requests_per_s']:.1f} "
         f"requests/s ({len(sc.shapes)} programs compiled, one per batch shape)")
     if cfg.run_dir:
         with MetricsLog(cfg.run_dir) as metrics_log:
-            metrics_log.write({"step": lm.step} | {f"lm_eval/{t}/{k}": v for t, d in
-                                                  summary.items() for k, v in d.items()},
-                              run="lm_eval")
+            metrics_log.write({"step": lm.step} | flat(summary), run="lm_eval")
     return summary | {"speed": speed}
 
 

@@ -186,6 +186,33 @@ def test_make_eval_end_to_end(tmp_path):
                    "lm_eval/nextline/acc_norm": out["nextline"]["acc_norm"]}
 
 
+@pytest.mark.parametrize("name", MODELS)
+def test_eval_tasks_during_training_equal_make_eval(tmp_path, name):
+    """--train.eval-tasks: the harness at each eval of a dense and an MoE run, a curve in
+    metrics.jsonl beside the loss; its last point equals `make eval` of the saved step."""
+    pytest.importorskip("lm_eval")
+    mod, m = MODELS[name]
+    run = str(tmp_path / "run")
+    mod.main(mod.Config(model=dataclasses.replace(m, vocab_size=4096), train=mod.TrainConfig(
+        steps=4, batch_size=8, seq_len=32, warmup_steps=1, eval_every=2, sample_tokens=0,
+        eval_tasks="nextline", eval_tasks_limit=12), data=DataConfig(), run_dir=run, quiet=True))
+    with open(os.path.join(run, "metrics.jsonl")) as f:
+        recs = [r for r in map(json.loads, f) if "lm_eval/nextline/acc" in r]
+    assert [r["step"] for r in recs] == [2, 4] and all("eval_loss" in r for r in recs)
+    out = ev.evaluate(ev.EvalConfig(run_dir=run, limit=12, max_length=64))["nextline"]
+    assert (recs[-1]["lm_eval/nextline/acc"], recs[-1]["lm_eval/nextline/acc_norm"]) == (
+        out["acc"], out["acc_norm"])
+
+
+def test_eval_tasks_refused_before_training(tmp_path):
+    pytest.importorskip("lm_eval")
+    with pytest.raises(ConfigError, match="--train.eval-tasks nextlin: no such task"):
+        td.main(td.Config(model=DENSE, train=td.TrainConfig(
+            steps=2, batch_size=8, seq_len=32, sample_tokens=0, eval_tasks="nextlin"),
+            data=DataConfig(vocab_size=512), run_dir=str(tmp_path / "run"), quiet=True))
+    assert not os.path.exists(tmp_path / "run" / "checkpoints")
+
+
 def test_refusals(tmp_path):
     with pytest.raises(ConfigError, match="--run-dir RUN .* or --hf FOLDER"):
         ev.load(ev.EvalConfig(), None)

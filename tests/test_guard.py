@@ -148,8 +148,9 @@ GEMMA4 = """model.global_head_dim model.global_kv_heads model.ple_dim model.kv_s
             model.rope_partial: [0, 1]"""
 EXPECTED = {
     "train_dense": [MESH, CKPT, DATA, LLAMA, GEMMA, OLMO, GEMMA4, TRAIN, """
-        train.eval_samples: >= 0 | compile_slices: > 0"""],
+        train.eval_samples train.eval_tasks_limit: >= 0 | compile_slices: > 0"""],
     "train_moe": [MESH, CKPT, DATA, TRAIN, """
+        train.eval_tasks_limit: >= 0
         model.vocab_size model.d_model model.n_layers model.n_heads model.n_kv_heads
         model.head_dim model.n_experts model.top_k model.d_ff model.max_seq_len
         model.rope_theta model.norm_eps model.yarn_original_max_len model.yarn_beta_fast
@@ -274,10 +275,12 @@ LOOP = """steps lr log_every eval_every microbatches qk_clip_threshold profile_s
           max_bad_steps"""
 RESUMABLE = {
     "train_dense": f"""train: {LOOP} eval_batches sample_tokens temperature sample_prompt eval_samples
+               eval_tasks eval_tasks_limit
         model: dtype attention context_attention remat scan_layers loss_chunk loss_impl
         : quiet mesh checkpoint dry_run compile_topology compile_slices bench run_dir
         data: cache_dir""",
     "train_moe": f"""train: {LOOP} eval_batches sample_tokens temperature sample_prompt
+               eval_tasks eval_tasks_limit
         model: dtype attention context_attention remat scan_layers loss_chunk grouped_matmul
                gmm_tile
         : quiet mesh checkpoint dry_run compile_topology compile_slices bench bench_twin run_dir
