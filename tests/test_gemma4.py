@@ -277,7 +277,8 @@ except ImportError:
 live = pytest.mark.skipif(transformers is None, reason="transformers not installed (extra: parity)")
 
 
-COUNTS = {"gemma4-31b": 30_697_345_340, "tiny-gemma4": 6_100_836}
+COUNTS = {"gemma4-31b": 30_697_345_340, "tiny-gemma4": 6_100_836,
+          "gemma4-e2b": 4_628_569_379, "gemma4-e4b": 7_463_013_418}
 
 
 @pytest.mark.parametrize("name", sorted(COUNTS))
