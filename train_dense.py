@@ -192,9 +192,9 @@ SIZES = {  # name: (description, family, shape, other fields)
                    dict(query_scale=168.0)),
     "gemma4-31b": ("Gemma 4 31B, its text model (global layers: 512 wide, 4 K = V heads)",
                    "gemma4", (5376, 60, 32, 16, 256, 21504), dict(global_kv_heads=4, k_eq_v=True)),
-    "gemma4-e2b": ("Gemma 4 E2B, its text model (per-layer inputs, 20 layers reusing K/V)", "gemma4",
+    "gemma4-e2b": ("Gemma 4 E2B, its text model (per-layer inputs, 20 layers reuse K/V)", "gemma4",
                    (1536, 35, 8, 1, 256, 6144), dict(global_every=5, wide_shared_mlp=True, **_E)),
-    "gemma4-e4b": ("Gemma 4 E4B, its text model (per-layer inputs, 18 layers reusing K/V)", "gemma4",
+    "gemma4-e4b": ("Gemma 4 E4B, its text model (per-layer inputs, 18 layers reuse K/V)", "gemma4",
                    (2560, 42, 8, 2, 256, 10240), _E | dict(kv_shared=18)),
     "olmo3-7b": ("OLMo 3 7B (post norms, windows, YaRN)", "olmo3", (4096, 32, 32, 32, 128, 11008)),
     "olmo3-32b": ("OLMo 3 32B", "olmo3", (5120, 64, 40, 8, 128, 27648)),
@@ -1145,7 +1145,7 @@ def config_from_hf(c: dict, where: str = "config.json") -> ModelConfig:
         f |= dict(global_every=n, sliding_window=int(c["sliding_window"] or 0))
     if mt == "gemma4_text":  # the global layers' width and heads, their own or per layer
         if c.get("enable_moe_block"):
-            raise unsupported("enable_moe_block (26B-A4B's experts)")
+            raise unsupported("enable_moe_block (26B-A4B's experts; train_moe.py loads it)")
         glob = [str(i) for i, k in enumerate(kinds) if k == "full_attention"]
         own = {"head_dim": c["global_head_dim"]} | ({"num_key_value_heads": c[
             "num_global_key_value_heads"]} if c["attention_k_eq_v"] and c.get(
