@@ -285,6 +285,7 @@ live = pytest.mark.skipif(transformers is None, reason="transformers not install
 
 COUNTS = {"gemma4-31b": 30_697_345_340, "tiny-gemma4": 6_100_836,
           "gemma4-e2b": 4_628_569_379, "gemma4-e4b": 7_463_013_418}
+MOE_COUNTS = {"gemma4-26b-a4b": 25_233_141_790, "tiny-gemma4-moe": 9_913_380}  # train_moe.py's
 
 
 @pytest.mark.parametrize("name", sorted(COUNTS))
@@ -293,16 +294,18 @@ def test_preset_parameter_counts(name):
 
 
 @live
-@pytest.mark.parametrize("name", sorted(COUNTS))
+@pytest.mark.parametrize("name", sorted(COUNTS) + sorted(MOE_COUNTS))
 def test_live_preset_counts_equal_transformers(name):
     """Our count is what transformers' Gemma4ForCausalLM of the exported config holds (built on
-    the meta device: no memory): its parameters, and the layer scalars it saves with them."""
-    c = td.config_to_hf(td.PRESETS[name][1].model)
+    the meta device: no memory): its parameters, and the layer scalars it saves with them. The
+    MoE presets are train_moe.py's."""
+    mod, want = (td, COUNTS[name]) if name in COUNTS else (tm, MOE_COUNTS[name])
+    c = mod.config_to_hf(mod.PRESETS[name][1].model)
     with torch.device("meta"):
         model = transformers.Gemma4ForCausalLM(transformers.Gemma4TextConfig(**c))
     n = sum(p.numel() for p in model.parameters()) + sum(
         b.numel() for k, b in model.named_buffers() if k.endswith("layer_scalar"))
-    assert n == COUNTS[name]
+    assert n == want
 
 
 # ----------------------------------------------------------------------------------------------
@@ -357,8 +360,6 @@ def test_flops_count_the_global_layers_width_and_the_per_layer_inputs():
 # Gemma 4's MoE (26B-A4B) in train_moe.py: its logits against transformers, export and reload
 # are tests/test_hf_moe.py's (the gemma4_moe fixture); here its presets, FLOPs and refusals.
 
-MOE_COUNTS = {"gemma4-26b-a4b": 25_233_141_790, "tiny-gemma4-moe": 9_913_380}
-
 
 @pytest.mark.parametrize("name", sorted(MOE_COUNTS))
 def test_moe_preset_parameter_counts(name):
@@ -367,17 +368,6 @@ def test_moe_preset_parameter_counts(name):
     assert tm.count_params(m) == MOE_COUNTS[name]
     if name == "gemma4-26b-a4b":
         assert round(tm.count_active_params(m) / 1e8) == 38 and round(MOE_COUNTS[name] / 1e8) == 252
-
-
-@live
-@pytest.mark.parametrize("name", sorted(MOE_COUNTS))
-def test_live_moe_preset_counts_equal_transformers(name):
-    c = tm.config_to_hf(tm.PRESETS[name][1].model)
-    with torch.device("meta"):
-        model = transformers.Gemma4ForCausalLM(transformers.Gemma4TextConfig(**c))
-    n = sum(p.numel() for p in model.parameters()) + sum(
-        b.numel() for k, b in model.named_buffers() if k.endswith("layer_scalar"))
-    assert n == MOE_COUNTS[name]
 
 
 def test_moe_flops_count_the_global_layers_width_and_the_dense_mlp():
