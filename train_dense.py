@@ -169,6 +169,7 @@ FAMILIES = {  # Gemma: (1 + w) and sandwich norms, GeGLU, tied embeddings scaled
                          post_norm=True, qk_norm=True, qk_norm_whole=True, sliding_window=4096,
                          global_every=4, yarn_factor=8.0, yarn_original_max_len=8192)),
 }
+_E = dict(max_seq_len=131072, sliding_window=512, ple_dim=256, kv_shared=20)  # Gemma 4 E2B/E4B
 SHAPE = ("d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff")
 SIZES = {  # name: (description, family, shape, other fields)
     "llama2-7b": ("Llama 2 7B", "llama2", (4096, 32, 32, 32, 128, 11008)),
@@ -194,6 +195,10 @@ SIZES = {  # name: (description, family, shape, other fields)
                    dict(query_scale=168.0)),
     "gemma4-31b": ("Gemma 4 31B, its text model (global layers: 512 wide, 4 K = V heads)",
                    "gemma4", (5376, 60, 32, 16, 256, 21504), dict(global_kv_heads=4, k_eq_v=True)),
+    "gemma4-e2b": ("Gemma 4 E2B, its text model (per-layer inputs, 20 layers reuse K/V)", "gemma4",
+                   (1536, 35, 8, 1, 256, 6144), dict(global_every=5, wide_shared_mlp=True, **_E)),
+    "gemma4-e4b": ("Gemma 4 E4B, its text model (per-layer inputs, 18 layers reuse K/V)", "gemma4",
+                   (2560, 42, 8, 2, 256, 10240), _E | dict(kv_shared=18)),
     "olmo3-7b": ("OLMo 3 7B (post norms, windows, YaRN)", "olmo3", (4096, 32, 32, 32, 128, 11008)),
     "olmo3-32b": ("OLMo 3 32B", "olmo3", (5120, 64, 40, 8, 128, 27648)),
 }
@@ -852,7 +857,7 @@ def train_loop(cfg: Config, mesh, st: train.TrainState, step_fn) -> dict:
     # A held-out batch's (weighted cross-entropy, weight) sums, added up over the split.
     sums_fn = jax.jit(lambda p, b: (loss_fn(p, b, mc, n=1)[1]["ce"], loss_weight(b)))
     key = jax.random.key(tc.seed + 7)
-    tasks = DuringTraining(tc, mc, lambda p, x: forward(p, x, mc), mesh, ds.tokenizer_path)
+    tasks = DuringTraining(tc, mc, forward, mesh, ds.tokenizer_path)  # --train.eval-tasks
 
     def evaluate(params) -> dict:
         """Held-out loss (SFT: the whole split, each trained token once; held-out answers
@@ -1145,7 +1150,7 @@ def config_from_hf(c: dict, where: str = "config.json") -> ModelConfig:
         f |= dict(global_every=n, sliding_window=int(c["sliding_window"] or 0))
     if mt == "gemma4_text":  # the global layers' width and heads, their own or per layer
         if c.get("enable_moe_block"):
-            raise unsupported("enable_moe_block (26B-A4B's experts)")
+            raise unsupported("enable_moe_block (26B-A4B's experts; train_moe.py loads it)")
         glob = [str(i) for i, k in enumerate(kinds) if k == "full_attention"]
         own = {"head_dim": c["global_head_dim"]} | ({"num_key_value_heads": c[
             "num_global_key_value_heads"]} if c["attention_k_eq_v"] and c.get(

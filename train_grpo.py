@@ -1316,7 +1316,7 @@ def config_from_hf(c: dict, where: str = "config.json") -> ModelConfig:
         f |= dict(global_every=n, sliding_window=int(c["sliding_window"] or 0))
     if mt == "gemma4_text":  # the global layers' width and heads, their own or per layer
         if c.get("enable_moe_block"):
-            raise unsupported("enable_moe_block (26B-A4B's experts)")
+            raise unsupported("enable_moe_block (26B-A4B's experts; train_moe.py loads it)")
         glob = [str(i) for i, k in enumerate(kinds) if k == "full_attention"]
         own = {"head_dim": c["global_head_dim"]} | ({"num_key_value_heads": c[
             "num_global_key_value_heads"]} if c["attention_k_eq_v"] and c.get(

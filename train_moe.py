@@ -109,6 +109,16 @@ class ModelConfig:
     rope_low_freq_factor: float = 1.0
     rope_high_freq_factor: float = 4.0
     rope_original_max_len: int = 8192
+    # Gemma 4 26B-A4B (with GPT-OSS's windows, Qwen3's q/k norms): see `block` and `hidden`.
+    gemma4: bool = False          # its block: sandwich norms, GeGLU, embeddings x sqrt(d), values
+    # normed, layer scalars, a normed router with per-expert scales, and beside the experts a
+    # dense GeGLU (dense_d_ff wide); logits q.k unscaled
+    rope_local_theta: float = 0.0  # the local layers' RoPE base; 0 = rope_theta
+    global_head_dim: int = 0      # the global layers this wide: a stack of their own
+    global_kv_heads: int = 0      # ... with this many key/value heads; 0 = n_kv_heads
+    k_eq_v: bool = False          # ... and no value projection: values are the keys' (unnormed)
+    rope_partial: float = knob(0.0, "[0, 1]")  # the global layers rotate this share of frequencies
+    final_softcap: float = 0.0    # logits -> c tanh(logits / c)
     # How to compute, not what: these may change when a run is resumed.
     dtype: Literal["float32", "bfloat16"] = how("float32")  # activations and matmuls (weights f32)
     # auto: splash on TPU, cuDNN on GPU where it applies, else blocked (common/attention.py)
@@ -204,6 +214,11 @@ _DEEPSEEK_V3 = _MLA | dict(q_lora_rank=1536, dense_d_ff=18432, n_shared_experts=
 _LLAMA4 = dict(sigmoid_routing=True, norm_topk=False, score_inputs=True, n_shared_experts=1,
                global_every=4, global_nope=True, attn_chunk=8192, attn_temp_scale=0.1,
                rope_interleave=True, rope_theta=500_000.0)
+# Gemma 4's MoE (its config.json's): the 31B's attention (every sixth layer global, 512 wide with
+# K = V heads, a quarter of its frequencies turned), a dense GeGLU beside the experts, soft-cap.
+_GEMMA4 = dict(gemma4=True, qk_norm=True, tie_embeddings=True, norm_eps=1e-6, sliding_window=1024,
+               global_every=6, rope_theta=1e6, rope_local_theta=1e4, global_head_dim=512,
+               k_eq_v=True, rope_partial=0.25, final_softcap=30.0)
 # The released models: description, shape (these fields), the family's and model's knobs.
 _SHAPE = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim",
           "n_experts", "top_k", "d_ff", "max_seq_len")
@@ -242,7 +257,10 @@ _RELEASED = {
     "llama4-maverick-17b-128e": ("Llama 4 Maverick (128 experts, top-1 + 1 shared, on every "
                                  "second layer; dense layers between)",
                                  (202048, 5120, 48, 40, 8, 128, 128, 1, 8192, 1048576),
-                                 _LLAMA4 | dict(moe_every=2, dense_d_ff=16384))}
+                                 _LLAMA4 | dict(moe_every=2, dense_d_ff=16384)),
+    "gemma4-26b-a4b": ("Gemma 4 26B-A4B, its text model (128 experts, top-8, beside a dense MLP)",
+                       (262144, 2816, 30, 16, 8, 256, 128, 8, 704, 262144), _GEMMA4 | dict(
+                           global_kv_heads=2, dense_d_ff=2112))}
 
 _RELEASED["deepseek-r1"] = ("DeepSeek-R1 (DeepSeek-V3's model)", *_RELEASED["deepseek-v3"][1:])
 
@@ -268,6 +286,13 @@ PRESETS: dict[str, tuple[str, Config]] = {
                     "llama4`", Config(model=ModelConfig(remat="none", **_LLAMA4 | dict(
                         top_k=1, moe_every=2, dense_d_ff=512, attn_chunk=64, attn_temp_floor=64,
                         qk_l2_norm=True)), run_dir="runs/tiny-llama4")),
+    "tiny-gemma4-moe": ("tiny-moe with Gemma 4's knobs (every second layer global, 128 wide with "
+                        "one K = V head; a dense MLP beside the experts): `make train-moe "
+                        "MOE_PRESET=tiny-gemma4-moe`", Config(model=ModelConfig(
+                            remat="none", **_GEMMA4 | dict(sliding_window=128, global_every=2,
+                                                           global_head_dim=128, global_kv_heads=1,
+                                                           dense_d_ff=512)),
+                            run_dir="runs/tiny-gemma4-moe")),
     # The model bench/peers/maxtext.sh runs in MaxText (Mixtral block), for side-by-side speed.
     "bench-parity-moe": ("MaxText comparison: d 256, 4 layers, 8 experts top-2, expert MLP 512, "
                          "vocab 32000, seq 256, batch 8", Config(ModelConfig(
@@ -292,6 +317,10 @@ def _param_table(cfg: ModelConfig) -> dict:
              "layers": _layer_table(cfg, n_moe, moe=True), "final_norm": ((D,), P(None), None)}
     if n_moe < L:
         table["dense_layers"] = _layer_table(cfg, L - n_moe, moe=False)
+    if cfg.global_head_dim:  # Gemma 4: each period's global layer, of its own shape
+        n = cfg.global_every
+        table |= {"layers": _layer_table(cfg, L - L // n, True), "global_layers": _layer_table(
+            cfg, L // n, True, glob=True)}
     if not cfg.tie_embeddings:
         table["unembed"] = ((D, V), P("fsdp", "tensor"), 0.02)
     return table
@@ -301,7 +330,7 @@ def moe_layers(cfg: ModelConfig) -> int:
     return (cfg.n_layers - cfg.first_k_dense) // cfg.moe_every
 
 
-def _layer_table(cfg: ModelConfig, L: int, moe: bool) -> dict:
+def _layer_table(cfg: ModelConfig, L: int, moe: bool, glob: bool = False) -> dict:
     """One stack of L layers: attention (GQA or MLA), then the experts or a dense MLP. A row:
     name -> (shape and spec after the L axis, init std, whether this stack has it)."""
     D, N, K, H, E, F = (cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.n_experts,
@@ -310,6 +339,8 @@ def _layer_table(cfg: ModelConfig, L: int, moe: bool) -> dict:
                          cfg.qk_rope_head_dim, cfg.v_head_dim)
     Fd, Fs, q_latent = cfg.dense_d_ff, cfg.n_shared_experts * F, bool(C and Qr)
     std, out_std = 0.02, 0.02 / math.sqrt(2 * cfg.n_layers)
+    H, K = (cfg.global_head_dim, cfg.global_kv_heads or K) if glob else (H, K)  # Gemma 4's
+    g4 = moe and cfg.gemma4
     ex = "expert" if E > 1 else None  # one expert (the dense twin): the axis only splits the batch
     bias = moe and cfg.moe_bias  # b_down is whole on every tensor shard: `experts` adds it on one
     qk_norm, biased = moe and cfg.qk_norm, moe and cfg.attn_bias
@@ -317,7 +348,7 @@ def _layer_table(cfg: ModelConfig, L: int, moe: bool) -> dict:
         "attn_norm": ((D,), (None,), None, True), "mlp_norm": ((D,), (None,), None, True),
         "wq": ((D, N, Hn + Hr if C else H), ("fsdp", "tensor", None), std, not q_latent),
         "wk": ((D, K, H), ("fsdp", "tensor", None), std, not C),
-        "wv": ((D, K, H), ("fsdp", "tensor", None), std, not C),
+        "wv": ((D, K, H), ("fsdp", "tensor", None), std, not C and not (glob and cfg.k_eq_v)),
         "wo": ((N, Hv if C else H, D), ("tensor", None, "fsdp"), out_std, True),
         # MLA (see `mla`): latents whole on each device, heads over tensor
         "wkv_a": ((D, C + Hr), ("fsdp", None), std, C), "kv_norm": ((C,), (None,), None, C),
@@ -325,9 +356,9 @@ def _layer_table(cfg: ModelConfig, L: int, moe: bool) -> dict:
         "wq_a": ((D, Qr), ("fsdp", None), std, q_latent),
         "q_norm_a": ((Qr,), (None,), None, q_latent),
         "wq_b": ((Qr, N, Hn + Hr), (None, "tensor", None), std, q_latent),
-        "mlp_gate": ((D, Fd), ("fsdp", "tensor"), std, not moe),
-        "mlp_up": ((D, Fd), ("fsdp", "tensor"), std, not moe),
-        "mlp_down": ((Fd, D), ("tensor", "fsdp"), out_std, not moe),
+        "mlp_gate": ((D, Fd), ("fsdp", "tensor"), std, not moe or g4),
+        "mlp_up": ((D, Fd), ("fsdp", "tensor"), std, not moe or g4),
+        "mlp_down": ((Fd, D), ("tensor", "fsdp"), out_std, not moe or g4),
         # The MoE stack's only: DeepSeek's dense first layers have none of the rest.
         "w_router": ((D, E), ("fsdp", None), std, moe),
         "w_gate": ((E, D, F), (ex, "fsdp", "tensor"), std, moe),
@@ -342,7 +373,11 @@ def _layer_table(cfg: ModelConfig, L: int, moe: bool) -> dict:
         "bv": ((K, H), ("tensor", None), 0.0, biased),
         "sinks": ((N,), ("tensor",), 0.0, moe and cfg.attn_sinks),
         "b_router": ((E,), (None,), 0.0, bias), "b_gate": ((E, F), (ex, "tensor"), 0.0, bias),
-        "b_up": ((E, F), (ex, "tensor"), 0.0, bias), "b_down": ((E, D), (ex, None), 0.0, bias)}
+        "b_up": ((E, F), (ex, "tensor"), 0.0, bias), "b_down": ((E, D), (ex, None), 0.0, bias),
+        **{k: ((D,), (None,), None, g4) for k in (  # Gemma 4's norms and router gain (of D)
+            "attn_post_norm", "dense_post_norm", "moe_norm", "moe_post_norm", "mlp_post_norm",
+            "router_scale")}, "expert_scale": ((E,), (None,), None, g4),
+        "layer_scale": ((1,), (None,), None, g4)}
     return {k: ((L, *shape), P(None, *spec), s) for k, (shape, spec, s, on) in rows.items() if on}
 
 
@@ -371,11 +406,13 @@ def block(x_BTD, lp: dict, pos_BT, inv_freq, cfg: ModelConfig, max_logits: bool 
     if cfg.kv_lora_rank:
         q, k, v = mla(h, lp, pos_BT, inv_freq, cfg)
     else:
-        q, k, v = (jnp.einsum("btd,dnh->btnh", h, w(name)) for name in ("wq", "wk", "wv"))
+        q, k = (jnp.einsum("btd,dnh->btnh", h, w(name)) for name in ("wq", "wk"))
+        v = jnp.einsum("btd,dnh->btnh", h, w("wv")) if "wv" in lp else k  # else Gemma 4's K = V
         if cfg.attn_bias:
             q, k, v = q + w("bq"), k + w("bk"), v + w("bv")
         if cfg.qk_norm:
             q, k = rms_norm(q, lp["q_norm"], cfg.norm_eps), rms_norm(k, lp["k_norm"], cfg.norm_eps)
+        v = rms_norm(v, 1.0, cfg.norm_eps) if cfg.gemma4 else v  # per head, without a gain
         q, k = (halves(x) if cfg.rope_interleave else x for x in (q, k))
         qr, kr = apply_rope(q, pos_BT, inv_freq), apply_rope(k, pos_BT, inv_freq)
         if cfg.qk_l2_norm:
@@ -388,6 +425,7 @@ def block(x_BTD, lp: dict, pos_BT, inv_freq, cfg: ModelConfig, max_logits: bool 
             kr = jnp.where(is_global, k, kr)
         q, k = qr, kr
     o = jnp.einsum("btnh,nhd->btd", attention(q, k, v, lp, cfg, is_global), w("wo"))
+    o = rms_norm(o, lp["attn_post_norm"], cfg.norm_eps) if cfg.gemma4 else o
     x_BTD = constrain(x_BTD + (o + w("bo") if cfg.attn_bias else o), ACT_BTD)
     h = rms_norm(x_BTD, lp["mlp_norm"], cfg.norm_eps)
     W, C = (n if n < q.shape[1] else 0 for n in (cfg.sliding_window, cfg.attn_chunk))
@@ -397,8 +435,20 @@ def block(x_BTD, lp: dict, pos_BT, inv_freq, cfg: ModelConfig, max_logits: bool 
            } if max_logits else {}
     if "w_router" not in lp:
         return constrain(x_BTD + swiglu(h, {"w_" + k: w("mlp_" + k) for k in PROJ}), ACT_BTD), top
-    y_BTD, stats = moe(h, lp, cfg)
-    return constrain(x_BTD + y_BTD, ACT_BTD), stats | top
+    if not cfg.gemma4:
+        y_BTD, stats = moe(h, lp, cfg)
+        return constrain(x_BTD + y_BTD, ACT_BTD), stats | top
+    # Gemma 4: a dense GeGLU and the experts side by side, each normed in and out, then their
+    # sum; the router reads the stream normed, times its gain over sqrt(d); the layer's scalar.
+    # (The experts' post-norm undoes any factor common to a token's k weights: renormalising
+    # them or not changes the output only through the norm's epsilon.)
+    norm = lambda x, name: rms_norm(x, lp[name], cfg.norm_eps)
+    y = norm(swiglu(h, {"w_" + k: w("mlp_" + k) for k in PROJ}, cfg), "dense_post_norm")
+    y_BTD, stats = moe(norm(x_BTD, "moe_norm"), lp, cfg, rms_norm(
+        x_BTD, lp["router_scale"] / math.sqrt(x_BTD.shape[-1]), cfg.norm_eps))
+    x_BTD = x_BTD + norm(y + norm(y_BTD, "moe_post_norm"), "mlp_post_norm")
+    return constrain(x_BTD * jax.lax.stop_gradient(lp["layer_scale"]).astype(x_BTD.dtype),
+                     ACT_BTD), stats | top
 
 
 def attention(q_BTNH, k_BTKH, v_BTKV, lp: dict, cfg: ModelConfig, is_global):
@@ -411,14 +461,18 @@ def attention(q_BTNH, k_BTKH, v_BTKV, lp: dict, cfg: ModelConfig, is_global):
     W = cfg.sliding_window if cfg.sliding_window < T else 0  # else: all in reach
     C = cfg.attn_chunk if cfg.attn_chunk < T else 0
     local = partial(full, window=W) if W else partial(in_chunks, att, C, q_BTNH, k_BTKH, v_BTKV)
+    if isinstance(is_global, bool):  # a stack of one kind (Gemma 4's)
+        return full() if is_global or not (W or C) else local()
     return jax.lax.cond(is_global, full, local) if W or C else full()
 
 
 def logit_scale(cfg: ModelConfig, H: int) -> float:
     """1/sqrt(H) times the square of YaRN's temperature 0.1 m ln(factor) + 1, which scales q and k
-    alike (m = 1; DeepSeek leaves the rotation unscaled and gives m = mscale_all_dim)."""
+    alike (m = 1; DeepSeek leaves the rotation unscaled and gives m = mscale_all_dim); Gemma 4:
+    1 (its q and k are normed)."""
     f, m = cfg.yarn_factor, cfg.yarn_mscale_all_dim or 1.0
-    return ((0.1 * m * math.log(f) + 1.0) ** 2 if f > 1 else 1.0) / math.sqrt(H)
+    return ((0.1 * m * math.log(f) + 1.0) ** 2 if f > 1 else 1.0) / (
+        1.0 if cfg.gemma4 else math.sqrt(H))
 
 
 def in_chunks(att, C: int, *qkv_BTNH):
@@ -515,6 +569,7 @@ def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
         lo, hi = max(lo, 0), min(hi, H - 1)
         ramp = np.clip((np.arange(H // 2) - lo) / ((hi - lo) or 0.001), 0, 1)
         inv = inv / cfg.yarn_factor * ramp + inv * (1 - ramp)
+    inv[int(cfg.rope_partial * H // 2) if cfg.rope_partial else H:] = 0.0  # Gemma 4's global
     return inv.astype(np.float32)
 
 
@@ -540,19 +595,35 @@ def hidden(params: dict, tokens_BT, cfg: ModelConfig, max_logits: bool = False):
     tokens = constrain(tokens_BT, P(None, None))
     x = constrain(jnp.take(params["embed"].astype(dt), tokens, axis=0),
                   P(None, None, ("fsdp", "context")))
-    x = constrain(x, ACT_BTD)
+    x = constrain(x, ACT_BTD) * (jnp.asarray(math.sqrt(cfg.d_model), dt) if cfg.gemma4 else 1)
     inv_freq = rope_inv_freq(cfg)
     L, W, n, Kd = cfg.n_layers, cfg.sliding_window, cfg.global_every, cfg.first_k_dense
     is_global_L = (np.arange(L) + 1) % n == 0 if n else np.full(L, not (W or cfg.attn_chunk))
-    layer = lambda x, xs: block(x, xs[0], pos_BT, inv_freq, cfg, max_logits, xs[1])
-    if cfg.remat != "none":
-        # Inside a rolled scan the recomputation cannot be merged away; unrolled, XLA would
-        # merge it into the forward pass (and keep every activation) unless prevented.
-        layer = jax.checkpoint(layer, prevent_cse=not cfg.scan_layers, policy={
+    # Inside a rolled scan the recomputation cannot be merged away; unrolled, XLA would merge it
+    # into the forward pass (and keep every activation) unless prevented.
+    remat = lambda f: f if cfg.remat == "none" else jax.checkpoint(
+        f, prevent_cse=not cfg.scan_layers, policy={
             "full": jax.checkpoint_policies.nothing_saveable,
             "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}[cfg.remat])
+    layer = remat(lambda x, xs: block(x, xs[0], pos_BT, inv_freq, cfg, max_logits, xs[1]))
     # Unrolled (--model.no-scan-layers), each layer is compiled on its own.
     scan = partial(jax.lax.scan, layer, unroll=not cfg.scan_layers)
+    if cfg.global_head_dim:  # Gemma 4: periods of n - 1 local layers and a global one, each
+        # kind its own stack and RoPE (the local base; the global width, partly turned)
+        local = rope_inv_freq(dataclasses.replace(cfg, rope_partial=0.0, rope_theta=(
+            cfg.rope_local_theta or cfg.rope_theta)))
+        wide = rope_inv_freq(dataclasses.replace(cfg, head_dim=cfg.global_head_dim))
+        kind = lambda inv, g: remat(lambda x, lp: block(x, lp, pos_BT, inv, cfg, max_logits, g))
+
+        def period(x, xs):
+            x, stats = jax.lax.scan(kind(local, False), x, xs[0], unroll=not cfg.scan_layers)
+            x, last = kind(wide, True)(x, xs[1])
+            return x, jax.tree.map(lambda a, b: jnp.concatenate([a, b[None]]), stats, last)
+        by = jax.tree.map(lambda a: a.reshape(L // n, n - 1, *a.shape[1:]), params["layers"])
+        x, stats = jax.lax.scan(period, x, (by, params["global_layers"]),
+                                unroll=not cfg.scan_layers)  # stats [L/n, n, ...]: layer order
+        return rms_norm(x, params["final_norm"], cfg.norm_eps), jax.tree.map(
+            lambda a: a.reshape(L, *a.shape[2:]), stats)
     dense = lambda top: {k + "_dense": v for k, v in top.items()}   # the dense layers' logits
     if Kd:  # the dense layers come first, as their own stack
         x, top = scan(x, (params["dense_layers"], jnp.asarray(is_global_L[:Kd])))
@@ -577,8 +648,8 @@ def unembedding(params: dict, cfg: ModelConfig):
 def forward(params: dict, tokens_BT, cfg: ModelConfig):
     """Logits [B, T, V] in float32. Training never builds these whole: see `loss_fn`."""
     h = from_context(hidden(params, tokens_BT, cfg)[0], tokens_BT.shape[1])
-    return jnp.einsum("btd,dv->btv", h, unembedding(params, cfg).astype(h.dtype),
-                      preferred_element_type=jnp.float32)
+    return _softcap(jnp.einsum("btd,dv->btv", h, unembedding(params, cfg).astype(h.dtype),
+                               preferred_element_type=jnp.float32), cfg.final_softcap)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -626,8 +697,8 @@ def loss_fn(params, batch_BT1, cfg: ModelConfig, t: TrainConfig = TrainConfig())
     w_DV = unembedding(params, cfg).astype(h_BTD.dtype)
     if targets.size <= cfg.vocab_size:
         h_BTD, w_DV = constrain(h_BTD, LOSS_BTD), constrain(w_DV, VOCAB_DV)
-    obj, ce = _ce_fused(partial(cross_entropy, z_loss=t.z_loss, cap=0.0), h_BTD, w_DV, targets,
-                        None, cfg.loss_chunk, not cfg.scan_layers)
+    obj, ce = _ce_fused(partial(cross_entropy, z_loss=t.z_loss, cap=cfg.final_softcap), h_BTD,
+                        w_DV, targets, None, cfg.loss_chunk, not cfg.scan_layers)
     n = targets.size
     return (obj / n + t.load_balance_loss * jnp.mean(stats["aux_loss"]) + t.router_z_loss
             * jnp.mean(stats["router_z"])), {"ce": ce / n, **stats}
@@ -765,6 +836,12 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     W, n = cfg.sliding_window or cfg.attn_chunk, cfg.global_every  # a local layer: min(T, W) keys
     n_global = (L // n if n else 0) if W else L
     keys = n_global * seq_len + (L - n_global) * min(seq_len, W or seq_len)
+    if cfg.global_head_dim:  # Gemma 4: global layers of their own width G and K/V heads (q.k and
+        # p.v 2G wide), and a dense MLP beside every layer's experts
+        G, Kg = cfg.global_head_dim, cfg.global_kv_heads or K
+        matmul_weights += n_global * (D * G * (2 * N + Kg * (2 - cfg.k_eq_v)) - attn) + \
+            L * 3 * D * cfg.dense_d_ff
+        keys += n_global * seq_len * (2 * G / Hqv - 1)
     return 3.0 * (2 * matmul_weights + 2 * keys * N * Hqv)   # + attention's
 
 
@@ -785,6 +862,7 @@ def validate(cfg: Config, n_devices: int) -> None:
     train.check_sizes(mesh, {"expert": [("--model.n-experts", m.n_experts)], "tensor": [
         ("--model.n-heads", m.n_heads), ("--model.n-kv-heads", m.n_kv_heads),
         ("--model.d-ff", m.d_ff), ("--model.dense-d-ff", m.dense_d_ff),
+        ("--model.global-kv-heads", m.global_kv_heads),
         ("--model.vocab-size", m.vocab_size)], "fsdp": [("--model.d-model", m.d_model)]})
     need(m.n_heads % m.n_kv_heads == 0, f"--model.n-heads {m.n_heads} is not a multiple of "
          f"--model.n-kv-heads {m.n_kv_heads} (each key/value head serves a whole group).")
@@ -804,6 +882,28 @@ def validate(cfg: Config, n_devices: int) -> None:
     train.check_qk_clip("--train.qk-clip-threshold", t.qk_clip_threshold,
                         m.qk_norm or m.qk_l2_norm)
     _validate_deepseek(m, t)
+    _validate_gemma4(m)
+
+
+def _validate_gemma4(m: ModelConfig) -> None:
+    n, clash = m.global_every, [f for f in (
+        "kv_lora_rank", "attn_sinks", "attn_bias", "moe_bias", "swiglu_limit", "sigmoid_routing",
+        "score_inputs", "n_shared_experts", "attn_chunk", "global_nope", "qk_l2_norm",
+        "yarn_factor", "rope_scaling", "first_k_dense") if getattr(m, f)] + ["moe_every"] * (
+        m.moe_every > 1)
+    need(not m.gemma4 or m.global_head_dim and m.sliding_window and n > 1 and m.n_layers % n == 0
+         and m.qk_norm and m.dense_d_ff and not clash, f"--model.gemma4 runs in periods of "
+         f"--model.global-every {n} layers (n - 1 local, windowed by --model.sliding-window, then"
+         f" a global one --model.global-head-dim wide) dividing --model.n-layers {m.n_layers}, "
+         "with --model.qk-norm and --model.dense-d-ff (the MLP beside the experts)"
+         + (f"; --model.{clash[0].replace('_', '-')} is not Gemma 4's" if clash else "") + ".")
+    need(m.gemma4 or not (m.global_head_dim or m.global_kv_heads or m.k_eq_v or m.rope_partial or
+                          m.rope_local_theta), "--model.global-head-dim, --model.global-kv-heads,"
+         " --model.k-eq-v, --model.rope-partial and --model.rope-local-theta are Gemma 4's: add "
+         "--model.gemma4, or turn them off.")
+    need(m.n_heads % max(m.global_kv_heads, 1) == 0 and m.global_head_dim % 2 == 0, f"--model."
+         f"global-kv-heads {m.global_kv_heads} does not divide --model.n-heads {m.n_heads}, or "
+         f"--model.global-head-dim {m.global_head_dim} is odd (RoPE rotates pairs).")
 
 
 def _validate_deepseek(m: ModelConfig, t: TrainConfig) -> None:
@@ -835,9 +935,10 @@ def _validate_deepseek(m: ModelConfig, t: TrainConfig) -> None:
          "--model.sigmoid-routing, or set it to 0.")
     need(not (m.sigmoid_routing and m.moe_bias), "--model.sigmoid-routing with --model.moe-bias: "
          "GPT-OSS's router bias and DeepSeek's choice bias are different models; pick one.")
-    need(0 <= m.first_k_dense < m.n_layers and bool(m.first_k_dense or m.moe_every > 1) ==
-         bool(m.dense_d_ff), f"--model.first-k-dense {m.first_k_dense} --model.moe-every "
-         f"{m.moe_every} --model.dense-d-ff {m.dense_d_ff}: give dense layers and their width, "
+    need(0 <= m.first_k_dense < m.n_layers and bool(m.first_k_dense or m.moe_every > 1 or
+                                                   m.gemma4) == bool(m.dense_d_ff),
+         f"--model.first-k-dense {m.first_k_dense} --model.moe-every {m.moe_every} --model."
+         f"dense-d-ff {m.dense_d_ff}: give dense layers (or Gemma 4's MLPs) and their width, "
          f"or neither, with fewer dense layers than --model.n-layers {m.n_layers}.")
     need(m.moe_every == 1 or m.moe_every == 2 and not m.first_k_dense and m.n_layers % 2 == 0,
          f"--model.moe-every {m.moe_every}: 1 (every layer MoE) or 2 (Llama 4 Maverick's dense "
@@ -847,10 +948,13 @@ def _validate_deepseek(m: ModelConfig, t: TrainConfig) -> None:
 # ----------------------------------------------------------------------------------------------
 # 5. Experts: routing and dispatch
 # ----------------------------------------------------------------------------------------------
-def moe(h_BTD, lp: dict, cfg: ModelConfig):
-    """The MoE block on normed activations: (output [B,T,D], routing stats)."""
-    gate_BTR, expert_BTR, stats = router(h_BTD, lp["w_router"], cfg, lp.get("b_router"),
+def moe(h_BTD, lp: dict, cfg: ModelConfig, route_BTD=None):
+    """The MoE block on normed activations: (output [B,T,D], routing stats). Gemma 4 routes
+    `route_BTD`, normed its own way, and scales each expert's weight by its own factor."""
+    gate_BTR, expert_BTR, stats = router(h_BTD if route_BTD is None else route_BTD,
+                                         lp["w_router"], cfg, lp.get("b_router"),
                                          lp.get("router_bias"))
+    gate_BTR = gate_BTR * lp["expert_scale"][expert_BTR] if "expert_scale" in lp else gate_BTR
     ws = {k: lp[k] for k in ("w_gate", "w_up", "w_down", "b_gate", "b_up", "b_down") if k in lp}
     dt = h_BTD.dtype
     if cfg.n_experts == 1:  # `bench`'s dense twin: one expert of weight 1, routing the identity
@@ -944,9 +1048,11 @@ SWIGLU_ALPHA = 1.702  # GPT-OSS's sigmoid gain: g sigmoid(1.702 g) approximates 
 
 
 def glu(g, u, cfg: ModelConfig | None = None):
-    """silu(g) u; with swiglu_limit (GPT-OSS) g is clamped above and u on both sides at the
-    limit, and the gate is g sigmoid(alpha g) (u + 1)."""
+    """silu(g) u (Gemma 4: gelu(g) u); with swiglu_limit (GPT-OSS) g is clamped above and u on
+    both sides at the limit, and the gate is g sigmoid(alpha g) (u + 1)."""
     c = cfg.swiglu_limit if cfg is not None else 0.0
+    if cfg is not None and cfg.gemma4:  # GeGLU, with the tanh GELU
+        return jax.nn.gelu(g, approximate=True) * u
     if not c:
         return jax.nn.silu(g) * u
     g, u = jnp.minimum(g, c), jnp.clip(u, -c, c)
@@ -1141,8 +1247,7 @@ def train_loop(cfg: Config, mesh, st: train.TrainState, step_fn) -> dict:
                     sharding=named(mesh, P(MOE_BATCH, None)))
     eval_fn = jax.jit(lambda params, b: loss_fn(params, b, mc)[1]["ce"])  # held-out ce
     weights = lambda s: with_buffers(s["params"], s.get("buffers", {}))  # what forward reads
-    dropless = dataclasses.replace(mc, capacity_factor=0.0)  # padding takes no real row's slot
-    tasks = DuringTraining(tc, mc, lambda p, x: forward(p, x, dropless), mesh, ds.tokenizer_path)
+    tasks = DuringTraining(tc, mc, forward, mesh, ds.tokenizer_path)  # --train.eval-tasks
 
     def evaluate(params) -> dict:
         held_out = (batch(ds.eval, seed=cfg.data.seed + 1, step=i) for i in range(tc.eval_batches))
@@ -1190,11 +1295,10 @@ def train_loop(cfg: Config, mesh, st: train.TrainState, step_fn) -> dict:
                 return jax.lax.fori_loop(width, width + tc.sample_tokens, one, (buf, key))[0]
             new = train.completions(decode(params, buf, jax.random.key(tc.seed + 7)), 1, width)
             log("sample:\n" + ds.decode(prompt + new[0]))
-        logged = [r for r in run.metrics_log.records if "load_max" in r]
-        routing = "-" if not logged else (
-            f"expert shares {min(logged[-1]['load_min']):.3f}-{max(logged[-1]['load_max']):.3f} "
-            f"(even: {1 / mc.n_experts:.3f}) | aux loss {logged[-1]['aux_loss']:.3f} | router z "
-            f"{logged[-1]['router_z']:.2f} (last logged step)")
+        r = ([r for r in run.metrics_log.records if "load_max" in r] or [None])[-1]
+        routing = r and (f"expert shares {min(r['load_min']):.3f}-{max(r['load_max']):.3f} "
+                         f"(even: {1 / mc.n_experts:.3f}) | aux loss {r['aux_loss']:.3f} | "
+                         f"router z {r['router_z']:.2f} (last logged step)") or "-"
         return loop.summary(int(jax.device_get(state["step"])), f"{tc.batch_size} x {tc.seq_len}",
                             [("routing", routing)]) | {"state": state}
 
@@ -1233,7 +1337,7 @@ HF_ARCHITECTURES = {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCa
                     "gpt_oss": "GptOssForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
                     "kimi_k2": "DeepseekV3ForCausalLM",  # Kimi K2: DeepSeek-V3's, renamed
                     "deepseek_v2": "DeepseekV2ForCausalLM",
-                    "llama4_text": "Llama4ForCausalLM"}
+                    "llama4_text": "Llama4ForCausalLM", "gemma4_text": "Gemma4ForCausalLM"}
 HF_DEEPSEEK = ("deepseek_v3", "kimi_k2", "deepseek_v2")
 # What transformers assumes for a key that config.json leaves out (its config classes).
 _HF_DEFAULTS = {
@@ -1264,7 +1368,10 @@ _HF_DEFAULTS = {
                         intermediate_size=8192, intermediate_size_mlp=16384, use_qk_norm=True,
                         interleave_moe_layer_step=1, no_rope_layer_interval=4,
                         attention_chunk_size=8192, attn_temperature_tuning=True, floor_scale=8192,
-                        attn_scale=0.1, rope_theta=500_000.0)}
+                        attn_scale=0.1, rope_theta=500_000.0),
+    "gemma4_text": dict(rms_norm_eps=1e-6, max_position_embeddings=131072, head_dim=256,
+                        num_key_value_heads=4, sliding_window=512, global_head_dim=512,
+                        intermediate_size=9216, hidden_size_per_layer_input=256)}
 # config.json's keys that are our fields, in every family and then per family (Kimi K2's: V3's),
 # written as they are, read as the field's type (null as 0); config_*_hf spell out the rest.
 _HF_FIELDS = dict(vocab_size="vocab_size", hidden_size="d_model", num_hidden_layers="n_layers",
@@ -1289,7 +1396,11 @@ _HF_FAMILY_FIELDS = {
                       "v_head_dim", "n_shared_experts", "seq_aux")},
     "llama4_text": dict(num_local_experts="n_experts", intermediate_size="d_ff",
                         interleave_moe_layer_step="moe_every", use_qk_norm="qk_l2_norm",
-                        attention_chunk_size="attn_chunk", floor_scale="attn_temp_floor")}
+                        attention_chunk_size="attn_chunk", floor_scale="attn_temp_floor"),
+    "gemma4_text": dict(num_experts="n_experts", top_k_experts="top_k", sliding_window=
+                        "sliding_window", moe_intermediate_size="d_ff", intermediate_size=
+                        "dense_d_ff", attention_k_eq_v="k_eq_v", final_logit_softcapping=
+                        "final_softcap", tie_word_embeddings="tie_embeddings")}
 # What we write for what we do not implement, per family; reading refuses other values of
 # the keys that change the model (`config_from_hf`).
 _HF_CONSTANTS = {"mixtral": dict(router_jitter_noise=0.0),
@@ -1300,17 +1411,23 @@ _HF_CONSTANTS = {"mixtral": dict(router_jitter_noise=0.0),
                                      attention_bias=False, num_nextn_predict_layers=0),
                  "deepseek_v2": dict(scoring_func="softmax", attention_bias=False, mlp_bias=False,
                                      norm_topk_prob=False),
-                 "llama4_text": dict(router_jitter_noise=0.0, attention_bias=False)}
+                 "llama4_text": dict(router_jitter_noise=0.0, attention_bias=False),
+                 "gemma4_text": dict(enable_moe_block=True, hidden_size_per_layer_input=0,
+                                     hidden_activation="gelu_pytorch_tanh", attention_bias=False,
+                                     vocab_size_per_layer_input=262144, num_kv_shared_layers=0,
+                                     use_double_wide_mlp=False, use_bidirectional_attention=None)}
 # The knobs some families' config.json says and no other's: on exactly in those families, or
 # (the second table) on only in those. Mixtral and GPT-OSS always renormalise the top k.
 _HF_OWN = dict(attn_sinks=("gpt_oss",), moe_bias=("gpt_oss",), swiglu_limit=("gpt_oss",),
-               sigmoid_routing=("deepseek_v3", "llama4_text"), score_inputs=("llama4_text",))
-_HF_ONLY = dict(attn_bias=("gpt_oss",), sliding_window=("gpt_oss",),
+               sigmoid_routing=("deepseek_v3", "llama4_text"), score_inputs=("llama4_text",),
+               gemma4=("gemma4_text",), global_head_dim=("gemma4_text",))
+_HF_ONLY = dict(attn_bias=("gpt_oss",), sliding_window=("gpt_oss", "gemma4_text"),
                 n_shared_experts=("deepseek_v3", "deepseek_v2", "llama4_text"),
                 first_k_dense=("deepseek_v3", "deepseek_v2"),
                 yarn_factor=("gpt_oss", "deepseek_v3", "deepseek_v2"), **dict.fromkeys((
                     "attn_chunk", "global_nope", "attn_temp_scale", "qk_l2_norm", "rope_scaling"),
-                    ("llama4_text",)))
+                    ("llama4_text",)), **dict.fromkeys(("rope_local_theta", "global_kv_heads",
+                    "k_eq_v", "rope_partial", "final_softcap"), ("gemma4_text",)))
 
 # Each weight's HuggingFace name (after model.layers.{i}. for a layer's) and layout (common/hf.py;
 # a stack's layer axis goes first on our side), in the atoms of `_hf_sizes`: l the MoE layers, j
@@ -1367,7 +1484,18 @@ _HF_FAMILY_NAMES = {
         shared_up=("shared_expert.up_proj.weight", "s d -> d s"),
         shared_down=("shared_expert.down_proj.weight", "d s -> s d"),
         mlp_gate=("gate_proj.weight", "g d -> d g"), mlp_up=("up_proj.weight", "g d -> d g"),
-        mlp_down=("down_proj.weight", "d g -> g d")).items()}}
+        mlp_down=("down_proj.weight", "d g -> g d")).items()},
+    # Gemma 4: norms around its two MLPs (dense_*, moe_*), gate and up in halves of [e, 2f, d]
+    "gemma4_text": {k: (n + ".weight" * ("norm" in k), "d -> d") for k, n in dict(
+        mlp_norm="pre_feedforward_layernorm", attn_post_norm="post_attention_layernorm",
+        dense_post_norm="post_feedforward_layernorm_1", moe_norm="pre_feedforward_layernorm_2",
+        moe_post_norm="post_feedforward_layernorm_2", mlp_post_norm="post_feedforward_layernorm",
+        router_scale="router.scale").items()} | dict(
+        w_router=("router.proj.weight", "e d -> d e"), layer_scale=("layer_scalar", "o -> o"),
+        expert_scale=("router.per_expert_scale", "e -> e"),
+        w_gate=("experts.gate_up_proj", "e (2:0 f) d -> e d f"),
+        w_up=("experts.gate_up_proj", "e (2:1 f) d -> e d f"),
+        w_down=("experts.down_proj", "e d f -> e f d"))}
 
 
 def hf_mapping(cfg: ModelConfig, model_type: str) -> dict:
@@ -1375,15 +1503,21 @@ def hf_mapping(cfg: ModelConfig, model_type: str) -> dict:
     names = _HF_LAYER | (_HF_MLA if cfg.kv_lora_rank else {}) | _HF_FAMILY_NAMES.get(model_type, {})
     stacks = ({"layers": ("l", "{l*2+1}"), "dense_layers": ("j", "{j*2}")} if cfg.moe_every == 2
               else {"layers": ("l", f"{{l+{cfg.first_k_dense}}}"), "dense_layers": ("j", "{j}")})
+    if n := cfg.global_head_dim and cfg.global_every:  # Gemma 4's local, global (t) layers,
+        stacks = {"layers": ("l", f"{{l*{n}//{n - 1}}}"),  # the latter z wide with u K/V heads
+                  "global_layers": ("t", f"{{t*{n}+{n - 1}}}")}
+    wide = lambda l: str.maketrans("hk", "zu") if l == "t" else {}
     entry = lambda w, l, i: (f"model.layers.{i}.{names[w][0]}",  # layers stacked on l (or j)
-                             names[w][1].replace("-> ", f"-> {l} "))
+                             names[w][1].translate(wide(l)).replace("-> ", f"-> {l} "))
     return {k: {w: entry(w, *stacks[k]) for w in v} if k in stacks else _HF_TOP[k]
             for k, v in _hf_table(cfg).items()}
 
 
 def _hf_sizes(cfg: ModelConfig) -> dict:
     C, Hn, Hr, Hv = cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
-    return dict(l=moe_layers(cfg), e=cfg.n_experts, d=cfg.d_model, n=cfg.n_heads,
+    t = cfg.n_layers // cfg.global_every if cfg.global_head_dim else 0  # Gemma 4's global ones
+    return dict(l=moe_layers(cfg) - t, t=t, o=1, u=cfg.global_kv_heads or cfg.n_kv_heads,
+                z=cfg.global_head_dim, e=cfg.n_experts, d=cfg.d_model, n=cfg.n_heads,
                 k=cfg.n_kv_heads, h=cfg.head_dim, f=cfg.d_ff, v=cfg.vocab_size,
                 j=cfg.n_layers - moe_layers(cfg), a=C + Hr, c=C, r=cfg.q_lora_rank, q=Hn + Hr,
                 x=Hn + Hv, w=Hv, g=cfg.dense_d_ff, s=cfg.n_shared_experts * cfg.d_ff)
@@ -1393,17 +1527,19 @@ def config_from_hf(c: dict, where: str = "config.json") -> ModelConfig:
     """Our ModelConfig from a HuggingFace config.json (as a dict). Anything that would change
     what the model computes and that we do not implement is an error, never ignored."""
     mt = c.get("model_type")
-    if mt not in HF_ARCHITECTURES:
+    if mt not in HF_ARCHITECTURES or mt == "gemma4_text" and not c.get("enable_moe_block"):
         raise hf.HFError(f"{where}: model_type {mt!r} is not a mixture-of-experts family that "
                          f"train_moe.py loads ({', '.join(HF_ARCHITECTURES)}); dense models "
-                         "(llama, mistral, qwen2, qwen3) belong to train_dense.py.")
+                         "(llama, mistral, qwen2, qwen3, gemma4_text without enable_moe_block) "
+                         "belong to train_dense.py.")
     fam = "deepseek_v3" if mt == "kimi_k2" else mt
     # transformers 5 spells Qwen3-MoE's expert count num_local_experts: read it before the defaults
     qwen_experts = c.get("num_experts", c.get("num_local_experts"))
     c = _HF_DEFAULTS[fam] | c
     unsupported = lambda what: hf.HFError(f"{where}: {what} is not implemented by train_moe.py, "
                                           f"so this {mt} model cannot be loaded faithfully.")
-    wide = "moe_intermediate_size" if mt in ("qwen3_moe", *HF_DEEPSEEK) else "intermediate_size"
+    wide = ("moe_intermediate_size" if mt in ("qwen3_moe", "gemma4_text", *HF_DEEPSEEK) else
+            "intermediate_size")
     if lacking := [k for k in ("vocab_size", "hidden_size", "num_hidden_layers",
                                "num_attention_heads", wide) if k not in c]:
         raise hf.HFError(f"{where} has no {lacking[0]!r}; it is not a complete {mt} config.")
@@ -1411,7 +1547,9 @@ def config_from_hf(c: dict, where: str = "config.json") -> ModelConfig:
                 moe_layer_freq=1)  # the one value we implement of each
     only |= dict(swiglu_alpha=SWIGLU_ALPHA) if mt == "gpt_oss" else dict(
         scoring_func="sigmoid", topk_method="noaux_tc") if fam == "deepseek_v3" else dict(
-        scoring_func="softmax") if fam == "deepseek_v2" else {}
+        scoring_func="softmax") if fam == "deepseek_v2" else dict(
+        hidden_activation="gelu_pytorch_tanh", hidden_size_per_layer_input=0,
+        num_kv_shared_layers=0) if mt == "gemma4_text" else {}
     for key, want in only.items():
         if c.get(key, want) != want:
             raise unsupported(f"{key} {c[key]!r} (only {want!r})")
@@ -1424,12 +1562,21 @@ def config_from_hf(c: dict, where: str = "config.json") -> ModelConfig:
         raise unsupported("dense MLP layers between the MoE layers (mlp_only_layers)")
     # DeepSeek's YaRN gives mscale == mscale_all_dim: transformers then leaves the rotation
     # unscaled (its factor is their ratio) and the logits times mscale(factor, all_dim)^2.
-    theta, kind, rope = hf.rope_parameters(c, c["rope_theta"], where)
+    if mt == "gemma4_text":  # RoPE per layer kind: the local layers' default, the global ones'
+        per = c.get("rope_parameters") or {}   # proportional (a share turned: `rope_partial`)
+        local, kind, _ = hf.rope_parameters({"rope_parameters": per.get("sliding_attention")},
+                                            10_000.0, where)
+        c = c | {"rope_parameters": per.get("full_attention")}
+        if kind != "default":
+            raise unsupported(f"rope type {kind!r} on the sliding-window layers")
+    theta, kind, rope = hf.rope_parameters(c, c.get("rope_theta", 1e6), where)
     if not (kind == "default" or kind == "llama3" and mt == "llama4_text" or kind == "yarn" and (
             mt == "gpt_oss" or mt in HF_DEEPSEEK and not rope.get("attention_factor") and
-            rope.get("mscale_all_dim") and rope.get("mscale") == rope["mscale_all_dim"])):
+            rope.get("mscale_all_dim") and rope.get("mscale") == rope["mscale_all_dim"]) or
+            kind == "proportional" and mt == "gemma4_text" and rope.get("factor", 1.0) == 1.0):
         raise unsupported(f"rope {kind!r} {rope} (only the default, GPT-OSS's YaRN, DeepSeek's "
-                          "YaRN with mscale == mscale_all_dim, and Llama 4's 'llama3')")
+                          "YaRN with mscale == mscale_all_dim, Llama 4's 'llama3', Gemma 4's "
+                          "'proportional')")
     m = {f: type(getattr(ModelConfig, f))(c.get(k) or 0)
          for k, f in (_HF_FIELDS | _HF_FAMILY_FIELDS[fam]).items()}
     # A window of W tokens changes nothing on sequences of at most W (GPT-OSS's: per layer, below).
@@ -1480,12 +1627,28 @@ def config_from_hf(c: dict, where: str = "config.json") -> ModelConfig:
                   score_inputs=True, n_shared_experts=1, rope_interleave=True,
                   attn_temp_scale=float(c["attn_scale"]) if c["attn_temperature_tuning"] else 0.0,
                   dense_d_ff=c["intermediate_size_mlp"] if s > 1 else 0)
+    elif mt == "gemma4_text":  # every n-th layer global, of its own shape: per layer (5.x) or not
+        kinds, L = c.get("layer_types") or [], m["n_layers"]
+        n, K = kinds.index("full_attention") + 1 if "full_attention" in kinds else 0, c.get(
+            "num_global_key_value_heads") if m["k_eq_v"] else None
+        glob = {int(i): v for i, v in (c.get("per_layer_config") or dict.fromkeys(range(
+            n - 1, L, n), {"head_dim": c["global_head_dim"]} | ({"num_key_value_heads": K} if K
+                                                                 else {}))).items()}
+        if n < 2 or kinds != (["sliding_attention"] * (n - 1) + ["full_attention"]) * (L // n) or \
+                sorted(glob) != list(range(n - 1, L, n)) or any(v != glob[n - 1] or set(v) - {
+                    "head_dim", "num_key_value_heads"} for v in glob.values()):
+            raise unsupported(f"layer_types {kinds} with per_layer_config {glob} (only every "
+                              "n-th layer global, all alike, the last one global)")
+        m |= dict(gemma4=True, qk_norm=True, global_every=n, rope_local_theta=local, rope_partial=
+                  float(rope.get("partial_rotary_factor", 1.0)) % 1.0, global_head_dim=glob[
+                      n - 1]["head_dim"], global_kv_heads=glob[n - 1].get("num_key_value_heads", 0))
     return ModelConfig(**m)
 
 
 def _model_type(cfg: ModelConfig, model_type: str) -> str:
     """The family to write: the one asked for (or the knobs'), if the knobs fit it."""
-    fam = ("llama4_text" if cfg.score_inputs else "qwen3_moe" if cfg.qk_norm else "gpt_oss" if
+    fam = ("gemma4_text" if cfg.gemma4 else "llama4_text" if cfg.score_inputs else "qwen3_moe"
+           if cfg.qk_norm else "gpt_oss" if
            cfg.attn_sinks else "deepseek_v3" if cfg.kv_lora_rank and cfg.sigmoid_routing else
            "deepseek_v2" if cfg.kv_lora_rank else "mixtral")
     mt = model_type or fam
@@ -1494,7 +1657,8 @@ def _model_type(cfg: ModelConfig, model_type: str) -> str:
     kind = "deepseek_v3" if mt == "kimi_k2" else mt
     if (kind != fam or any(bool(getattr(cfg, k)) != (kind in f) for k, f in _HF_OWN.items()) or
             any(getattr(cfg, k) and kind not in fs for k, fs in _HF_ONLY.items()) or
-            kind in ("mixtral", "gpt_oss") and not cfg.norm_topk or cfg.moe_every > 1 and
+            kind in ("mixtral", "gpt_oss", "gemma4_text") and not cfg.norm_topk or
+            cfg.moe_every > 1 and
             kind != "llama4_text" or kind == "deepseek_v2" and (cfg.norm_topk or not
                                                                 cfg.rope_interleave) or
             kind == "llama4_text" and (cfg.norm_topk or not (
@@ -1506,7 +1670,7 @@ def _model_type(cfg: ModelConfig, model_type: str) -> str:
                          "softmax routing, not renormalised, RoPE pairs) deepseek_v2's, sigmoid "
                          "routing theirs; YaRN is theirs and gpt_oss's; scaled expert inputs, one "
                          "shared expert, RoPE pairs, NoPE, chunks, moe_every and Llama 3.1's "
-                         "RoPE llama4_text's.")
+                         "RoPE llama4_text's; Gemma 4's block gemma4_text's.")
     return mt
 
 
@@ -1556,6 +1720,17 @@ def config_to_hf(cfg: ModelConfig, model_type: str = "", dtype: str = "float32")
                   moe_layers=list(range(s - 1, L, s)), intermediate_size_mlp=cfg.dense_d_ff or
                   cfg.d_ff, attn_temperature_tuning=bool(cfg.attn_temp_scale),
                   attn_scale=cfg.attn_temp_scale or 0.1)
+    elif mt == "gemma4_text":  # RoPE per layer kind, the global layers' shape per layer (5.x)
+        L, n, K = cfg.n_layers, cfg.global_every, cfg.global_kv_heads
+        c = {k: v for k, v in c.items() if k not in ("hidden_act", "rope_theta", "rope_scaling",
+                                                     "num_experts_per_tok")} | dict(
+            sliding_window=cfg.sliding_window, rope_parameters=dict(full_attention=dict(
+                rope_type="proportional", rope_theta=cfg.rope_theta, partial_rotary_factor=
+                cfg.rope_partial or 1.0), sliding_attention=dict(
+                rope_type="default", rope_theta=cfg.rope_local_theta or cfg.rope_theta)),
+            layer_types=(["sliding_attention"] * (n - 1) + ["full_attention"]) * (L // n),
+            per_layer_config={str(i): {"head_dim": cfg.global_head_dim} | (
+                {"num_key_value_heads": K} if K else {}) for i in range(n - 1, L, n)})
     return c
 
 

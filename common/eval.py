@@ -85,8 +85,7 @@ def load(cfg: EvalConfig, mesh):
                           "(python train_grpo.py export-hf --run-dir ... --out F) and pass --hf F.")
     mod = importlib.import_module("train_moe" if "n_experts" in saved["model"] else "train_dense")
     m = mod.ModelConfig(**saved["model"])
-    if hasattr(m, "capacity_factor"):  # dropless: a padded row cannot take a real one's place
-        m = dataclasses.replace(m, capacity_factor=0.0)
+    m = dropless(m)
     want = {k: v for k, v in mod.train_state(mod.Config(model=m), mesh).abstract().items()
             if k in ("params", "buffers")}  # DeepSeek's router biases are buffers
     with Checkpointer(cfg.run_dir, CheckpointConfig(restore_step=cfg.step)) as ckpt:
@@ -97,6 +96,12 @@ def load(cfg: EvalConfig, mesh):
     src = hf_origin(saved)
     tok = folder_tokenizer(src, "--init-from-hf") if src else run_tokenizer(cfg.run_dir)
     return mod, m, join(state["params"], state.get("buffers", {})), tok, step
+
+
+def dropless(m):
+    """An MoE model scores without expert capacity, so that a padded row cannot take a real
+    row's place in an expert (a dense model as it is)."""
+    return dataclasses.replace(m, capacity_factor=0.0) if hasattr(m, "capacity_factor") else m
 
 
 def folder_tokenizer(folder: str, flag: str) -> str:
@@ -331,11 +336,12 @@ class DuringTraining:
     once, not once per eval; rows as `make eval` pads them, so both score a step alike."""
 
     def __init__(self, t, m, forward, mesh, tokenizer: str):
-        """t: a trainer's TrainConfig, m: its ModelConfig, forward(params, tokens_BT)."""
+        """t: a trainer's TrainConfig, m: its ModelConfig, forward(params, tokens_BT, m)."""
         self.on, self.limit = bool(t.eval_tasks), t.eval_tasks_limit
         if self.on:
             self.tm, self.names = task_manager(t.eval_tasks, flag="--train.eval-tasks")
-            self.scorer = Scorer(forward, None, mesh, t.batch_size, min(m.max_seq_len, 2048))
+            self.scorer = Scorer(lambda p, x: forward(p, x, dropless(m)), None, mesh,
+                                 t.batch_size, min(m.max_seq_len, 2048))
             self.lm = lm_class()(self.scorer, tokenizer)
 
     def __call__(self, params, step: int) -> dict:

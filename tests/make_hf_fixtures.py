@@ -27,7 +27,8 @@ windows on three layers of four with their own RoPE base and YaRN on the fourth.
 away from zero, biases everywhere, one window layer and one full, YaRN and its clamped SwiGLU. Llama 4 adds
 MoE on every second layer with the scores on the experts' inputs and a shared expert, chunked
 attention, an unrotated layer whose query temperature rises within the 16 tokens, the L2 q/k
-norm and RoPE in pairs.
+norm and RoPE in pairs. Gemma 4's MoE adds a dense MLP beside the experts in every layer, each
+normed in and out, and a router with its own gain and per-expert scales.
 """
 from __future__ import annotations
 
@@ -55,6 +56,18 @@ _DEEPSEEK = dict(
     rope_parameters=dict(rope_type="yarn", rope_theta=100.0, factor=4.0, beta_fast=8.0,
                          beta_slow=1.0, mscale=0.707, mscale_all_dim=0.707,
                          original_max_position_embeddings=16), max_position_embeddings=64)
+
+# Gemma 4 as the 31B (gemma4_text, below), and with 26B-A4B's experts beside its MLPs (gemma4_moe)
+_GEMMA4 = dict(
+    vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=6,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=12, global_head_dim=24,
+    num_global_key_value_heads=1, attention_k_eq_v=True, sliding_window=5,
+    layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2,
+    rope_parameters=dict(sliding_attention=dict(rope_type="default", rope_theta=100.0),
+                         full_attention=dict(rope_type="proportional", rope_theta=1000.0,
+                                             partial_rotary_factor=0.25)),
+    final_logit_softcapping=2.5, hidden_size_per_layer_input=0, rms_norm_eps=1e-6,
+    tie_word_embeddings=True, max_position_embeddings=64)
 
 # name -> (model_type, config kwargs, max shard size or None for a single file)
 FAMILIES = {
@@ -177,16 +190,7 @@ FAMILIES = {
     # as wide (24) with one key/value head whose keys are the values, a quarter of their
     # frequencies turned (proportional RoPE, base 1000 here); v norms, layer scalars, a final
     # soft-cap that bends the logits.
-    "gemma4_text": ("gemma4_text", dict(
-        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=6,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=12, global_head_dim=24,
-        num_global_key_value_heads=1, attention_k_eq_v=True, sliding_window=5,
-        layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2,
-        rope_parameters=dict(sliding_attention=dict(rope_type="default", rope_theta=100.0),
-                             full_attention=dict(rope_type="proportional", rope_theta=1000.0,
-                                                 partial_rotary_factor=0.25)),
-        final_logit_softcapping=2.5, hidden_size_per_layer_input=0, rms_norm_eps=1e-6,
-        tie_word_embeddings=True, max_position_embeddings=64), "16KB"),
+    "gemma4_text": ("gemma4_text", _GEMMA4, "16KB"),
     # Gemma 4 as E2B/E4B: per-layer inputs (8 wide per layer), the last period (layers 3-5)
     # reusing the keys and values of layers 1 (local) and 2 (global), its MLPs twice as wide;
     # the global layers' own width without K = V.
@@ -201,6 +205,12 @@ FAMILIES = {
                                                  partial_rotary_factor=0.5)),
         final_logit_softcapping=2.5, rms_norm_eps=1e-6, tie_word_embeddings=True,
         max_position_embeddings=64), None),
+    # Gemma 4 as 26B-A4B: the 31B's attention (layers 2, 5 global, twice as wide, one K = V
+    # head, a quarter turned) and in every layer a dense GeGLU (24 wide) beside 8 experts
+    # (16 wide, top 2), the router's gain and per-expert scales away from 1.
+    "gemma4_moe": ("gemma4_text", dict(_GEMMA4, intermediate_size=24, moe_intermediate_size=16,
+                                       enable_moe_block=True, num_experts=8, top_k_experts=2),
+                   "16KB"),
 }
 # Written as this model_type (the checkpoint is the other's, as Moonshot ships it).
 RENAMED = {"kimi_k2": "kimi_k2"}
@@ -225,7 +235,8 @@ def randomize(model: torch.nn.Module, seed: int, model_type: str = "") -> None:
             noise = torch.randn(p.shape, generator=g, dtype=torch.float32)
             if name.endswith("sinks"):  # a logit each head's softmax weighs against its keys
                 p.copy_(1.0 + noise)
-            elif name.endswith("norm.weight"):
+            elif name.endswith(("norm.weight", "norm_1.weight", "norm_2.weight", "router.scale",
+                                "per_expert_scale")):
                 p.copy_(0.3 * noise if plus_one else 1.0 + 0.3 * noise)
             elif name.endswith(".bias"):
                 p.copy_(0.5 * noise)

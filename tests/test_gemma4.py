@@ -2,19 +2,24 @@
 written here (per-layer inputs and shared keys and values included), logits against transformers
 on two fixtures (the 31B's knobs; E2B's per-layer inputs and shared K/V), export and reload, the
 presets' sizes against transformers' own model, and the refusals. (The GRPO policy's copy:
-tests/test_grpo.py.)"""
+tests/test_grpo.py.) At the end, Gemma 4's MoE (26B-A4B) in train_moe.py: its presets' sizes,
+FLOPs, refusals and a sharded step (its logits against transformers: tests/test_hf_moe.py)."""
 import dataclasses
 import json
 import math
 import os
 import shutil
+from functools import partial
 
 import jax
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import train_dense as td
 import train_grpo as tg
+import train_moe as tm
 from common import hf
 from common.train import ConfigError
 from tests.test_hf import TOL, expected, fixture, logits, max_diff
@@ -233,7 +238,8 @@ def copy(name, tmp_path, edit):
 
 
 @pytest.mark.parametrize("edit, match", [
-    (lambda c: c.update(enable_moe_block=True), r"enable_moe_block \(26B-A4B's experts\)"),
+    (lambda c: c.update(enable_moe_block=True),
+     r"enable_moe_block \(26B-A4B's experts; train_moe.py loads it\)"),
     (lambda c: c["per_layer_config"].update({"0": {"head_dim": 24}}), r"per_layer_config"),
     (lambda c: c["per_layer_config"]["5"].update(head_dim=16), r"per_layer_config"),
     (lambda c: c.update(hidden_size_per_layer_input=4, vocab_size_per_layer_input=32),
@@ -277,7 +283,9 @@ except ImportError:
 live = pytest.mark.skipif(transformers is None, reason="transformers not installed (extra: parity)")
 
 
-COUNTS = {"gemma4-31b": 30_697_345_340, "tiny-gemma4": 6_100_836}
+COUNTS = {"gemma4-31b": 30_697_345_340, "tiny-gemma4": 6_100_836,
+          "gemma4-e2b": 4_628_569_379, "gemma4-e4b": 7_463_013_418}
+MOE_COUNTS = {"gemma4-26b-a4b": 25_233_141_790, "tiny-gemma4-moe": 9_913_380}  # train_moe.py's
 
 
 @pytest.mark.parametrize("name", sorted(COUNTS))
@@ -286,16 +294,18 @@ def test_preset_parameter_counts(name):
 
 
 @live
-@pytest.mark.parametrize("name", sorted(COUNTS))
+@pytest.mark.parametrize("name", sorted(COUNTS) + sorted(MOE_COUNTS))
 def test_live_preset_counts_equal_transformers(name):
     """Our count is what transformers' Gemma4ForCausalLM of the exported config holds (built on
-    the meta device: no memory): its parameters, and the layer scalars it saves with them."""
-    c = td.config_to_hf(td.PRESETS[name][1].model)
+    the meta device: no memory): its parameters, and the layer scalars it saves with them. The
+    MoE presets are train_moe.py's."""
+    mod, want = (td, COUNTS[name]) if name in COUNTS else (tm, MOE_COUNTS[name])
+    c = mod.config_to_hf(mod.PRESETS[name][1].model)
     with torch.device("meta"):
         model = transformers.Gemma4ForCausalLM(transformers.Gemma4TextConfig(**c))
     n = sum(p.numel() for p in model.parameters()) + sum(
         b.numel() for k, b in model.named_buffers() if k.endswith("layer_scalar"))
-    assert n == COUNTS[name]
+    assert n == want
 
 
 # ----------------------------------------------------------------------------------------------
@@ -344,3 +354,64 @@ def test_flops_count_the_global_layers_width_and_the_per_layer_inputs():
     weights = local + glob + shared + 4 * 2 * D * P + 4 * P * D + D * 4096
     attn = 4 * N * (2 * T * G + 2 * min(T, 128) * H)
     assert td.flops_per_token(m, T) == 3.0 * (2 * weights + attn)
+
+
+# ----------------------------------------------------------------------------------------------
+# Gemma 4's MoE (26B-A4B) in train_moe.py: its logits against transformers, export and reload
+# are tests/test_hf_moe.py's (the gemma4_moe fixture); here its presets, FLOPs and refusals.
+
+
+@pytest.mark.parametrize("name", sorted(MOE_COUNTS))
+def test_moe_preset_parameter_counts(name):
+    """26B-A4B: Google's 25.2B total and 3.8B active (the text model's)."""
+    m = tm.PRESETS[name][1].model
+    assert tm.count_params(m) == MOE_COUNTS[name]
+    if name == "gemma4-26b-a4b":
+        assert round(tm.count_active_params(m) / 1e8) == 38 and round(MOE_COUNTS[name] / 1e8) == 252
+
+
+def test_moe_flops_count_the_global_layers_width_and_the_dense_mlp():
+    cfg = tm.PRESETS["tiny-gemma4-moe"][1]
+    m, T = cfg.model, 256
+    D, N, H, G, K, F, Fd, E, R = 256, 4, 64, 128, 2, 256, 512, 8, 2
+    local = 2 * D * N * H + 2 * D * K * H     # layers 0, 2
+    glob = 2 * D * N * G + D * 1 * G          # layers 1, 3: one K = V head
+    mlp = D * E + R * 3 * D * F + 3 * D * Fd  # router, top-2 experts, the dense MLP beside
+    weights = 2 * local + 2 * glob + 4 * mlp + D * 4096
+    attn = 4 * N * (2 * T * G + 2 * min(T, 128) * H)  # q.k and p.v, 2 layers of each kind
+    assert tm.flops_per_token(m, T) == 3.0 * (2 * weights + attn)
+    tm.validate(cfg, 8)
+
+
+@pytest.mark.parametrize("flags, match", [
+    (["--model.global-every", "3"], "dividing --model.n-layers 4"),
+    (["--model.no-qk-norm"], "with --model.qk-norm"),
+    (["--model.dense-d-ff", "0"], "--model.dense-d-ff"),
+    (["--model.n-shared-experts", "1"], "--model.n-shared-experts is not Gemma 4's"),
+    (["--model.global-kv-heads", "3"], "does not divide --model.n-heads 4"),
+    (["--model.no-gemma4", "--model.dense-d-ff", "0"], "are Gemma 4's: add --model.gemma4"),
+    (["--train.qk-clip-threshold", "100"], "with --model.qk-norm"),
+])
+def test_bad_tiny_gemma4_moe_flags(flags, match):
+    with pytest.raises(ConfigError, match=match):
+        tm.validate(tm.cli(["tiny-gemma4-moe", *flags]), 8)
+
+
+def test_tiny_gemma4_moe_trains_sharded():
+    """Two steps of the preset, made small, on fsdp 2 x tensor 2 x expert 2: finite, falling."""
+    cfg = tm.cli(["tiny-gemma4-moe", "--model.vocab-size", "256", "--model.d-model", "64",
+                  "--model.global-head-dim", "32", "--model.head-dim", "16", "--model.d-ff", "32",
+                  "--model.dense-d-ff", "64", "--model.sliding-window", "8",
+                  "--model.global-kv-heads", "2", "--train.batch-size", "8", "--train.seq-len",
+                  "16", "--mesh.fsdp", "2", "--mesh.tensor", "2", "--mesh.expert", "2"])
+    tm.validate(cfg, 8)
+    mesh = tm.make_mesh(cfg.mesh)
+    st = tm.train_state(cfg, mesh)
+    step = st.jit(partial(tm.train_step, cfg=cfg, tx=st.tx))
+    batch = jax.device_put(np.random.default_rng(0).integers(0, 256, (8, 17)).astype(np.int32),
+                           NamedSharding(mesh, P(tm.MOE_BATCH, None)))
+    state, losses = st.fresh(jax.random.key(0)), []
+    for _ in range(3):
+        state, metrics = step(state, batch)
+        losses.append(float(metrics["loss"]))
+    assert all(np.isfinite(losses)) and losses[2] < losses[0]

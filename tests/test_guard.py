@@ -161,7 +161,8 @@ EXPECTED = {
         model.capacity_factor model.sliding_window model.global_every model.swiglu_limit
         model.yarn_factor model.kv_lora_rank model.q_lora_rank model.yarn_mscale_all_dim
         model.routed_scale model.n_group model.topk_group model.n_shared_experts
-        model.first_k_dense model.dense_d_ff: >= 0
+        model.first_k_dense model.dense_d_ff model.rope_local_theta model.global_head_dim
+        model.global_kv_heads model.final_softcap: >= 0 | model.rope_partial: [0, 1]
         train.load_balance_loss train.router_z_loss train.router_bias_rate: >= 0
         compile_slices: > 0"""],
     "train_grpo": [MESH, CKPT, LLAMA, GEMMA, OLMO, GEMMA4, """

@@ -1,5 +1,5 @@
 """HuggingFace in and out for train_moe.py: Mixtral, Qwen3-MoE, GPT-OSS, DeepSeek-V3, Kimi K2,
-Llama 4 and DeepSeek-V2 against transformers.
+Llama 4, DeepSeek-V2 and Gemma 4's MoE (26B-A4B, a gemma4_text folder) against transformers.
 
 Same fixtures and checks as tests/test_hf.py (see there), for the mixture-of-experts families:
 one tensor per expert and per layer, loaded straight onto the expert axis. Kimi K2's folder is
@@ -27,7 +27,7 @@ from common.mesh import MeshConfig, make_mesh
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIXTURES = os.path.join(ROOT, "tests", "fixtures", "hf")
 FAMILIES = ["mixtral", "qwen3_moe", "gpt_oss", "deepseek_v3", "kimi_k2", "llama4_text",
-            "deepseek_v2"]
+            "deepseek_v2", "gemma4_moe"]
 TOL = 1e-4
 BOOKKEEPING = {"transformers_version", "dtype", "torch_dtype", "bos_token_id", "eos_token_id",
                "pad_token_id", "use_cache", "initializer_range", "attention_dropout",
@@ -79,12 +79,20 @@ def test_config_mapping_and_routing_matters(loaded):
     assert (mx.n_experts, mx.top_k, mx.norm_topk, mx.qk_norm) == (4, 2, True, False)
     assert (qm.n_experts, qm.top_k, qm.norm_topk, qm.qk_norm, qm.head_dim) == (4, 3, False,
                                                                                 True, 12)
-    # Renormalising the top-k weights or not is visible at this tolerance, both ways.
+    # Renormalising the top-k weights or not is visible at this tolerance, both ways. Gemma 4
+    # norms the experts' sum, which undoes a per-token factor; its per-expert scales and its
+    # router's gain are visible instead.
     for name in FAMILIES:
         cfg, params = loaded[name]
         tokens, want = expected(name)
         flipped = dataclasses.replace(cfg, norm_topk=not cfg.norm_topk)
-        assert max_diff(logits(params, flipped, tokens), want) > 1e-2
+        assert (max_diff(logits(params, flipped, tokens), want) > 1e-2) != (name == "gemma4_moe")
+    cfg, params = loaded["gemma4_moe"]
+    tokens, want = expected("gemma4_moe")
+    for k in ("expert_scale", "router_scale"):
+        ones = {s: dict(params[s], **{k: np.ones_like(params[s][k])}) for s in (
+            "layers", "global_layers")}
+        assert max_diff(logits(params | ones, cfg, tokens), want) > 1e-2
 
 
 transformers = None
@@ -166,7 +174,8 @@ def test_live_deepseek_variants_the_fixtures_lack(tmp_path):
 @pytest.mark.parametrize("name", FAMILIES)
 def test_sharded_load_equals_one_device(name, loaded):
     cfg, one = loaded[name]
-    mesh = make_mesh(MeshConfig(fsdp=2, tensor=2, expert=2))
+    tensor = 1 if name == "gemma4_moe" else 2  # its global layers' one K/V head (26B's: 2) whole
+    mesh = make_mesh(MeshConfig(fsdp=4 // tensor, tensor=tensor, expert=2))
     cfg2, params = tm.load_hf(fixture(name), mesh)
     for x, spec in zip(jax.tree.leaves(params), jax.tree.leaves(
             train.table_specs(tm._hf_table(cfg)), is_leaf=lambda s: isinstance(s, P))):
@@ -174,7 +183,7 @@ def test_sharded_load_equals_one_device(name, loaded):
     for a, b in zip(jax.tree.leaves(host(one)), jax.tree.leaves(host(params))):
         np.testing.assert_array_equal(a, b)
     tokens, want = expected(name)
-    tokens4, want4 = np.concatenate([tokens, tokens]), np.concatenate([want, want])
+    tokens4, want4 = np.concatenate([tokens] * (4 // tensor)), np.concatenate([want] * (4 // tensor))
     assert max_diff(logits(params, cfg2, tokens4, mesh), want4) < TOL
 
 
