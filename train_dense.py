@@ -945,8 +945,8 @@ def train_loop(cfg: Config, mesh, st: train.TrainState, step_fn) -> dict:
         if sft:  # SFT
             batches = held_out_batches(ds.eval, tc.batch_size, batch_sh)
         got = jax.device_get([sums_fn(params, b, state.get("ref")) for b in batches])
-        out = {k: float(sum(g[k] for g in got) / sum(g["n"] for g in got)) for k in got[0]
-               if k != "n"}
+        out = {k: float(sum(g[k] for g in got) / sum(g["n"] for g in got))
+               for k in sorted(got[0], key=lambda k: k != "eval_loss") if k != "n"}
         line = " | ".join(f"{k} {v:.3f}" for k, v in out.items())
         if sft and (samples := sft_samples(params, ds, cfg, mesh, key)):  # SFT
             out["exact_match"] = np.mean([r["sample"] == r["expected"] for r in samples])

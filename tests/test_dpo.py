@@ -210,3 +210,35 @@ def test_bad_input_is_refused_before_compiling(tmp_path):
     assert td.cli(["tiny-dpo", "--dpo.loss", "simpo"]).dpo.loss == "simpo"
     with pytest.raises(td.ConfigError, match="--dpo.beta -1.0: must be > 0"):
         td.validate(dataclasses.replace(cfg, dpo=td.DPOConfig(beta=-1.0)), 8)
+
+
+def test_preference_tuning_from_a_pretraining_run(tokenizer, tmp_path, capsys):
+    """The loop end to end: --init-from a run, held-out figures before the first step and at
+    each eval, greedy answers, and a resume that keeps the reference."""
+    import os
+    from common.checkpoint import CheckpointConfig
+    model = dataclasses.replace(SMALL, vocab_size=512, loss_chunk=16)
+    train = dict(batch_size=8, warmup_steps=1, lr=3e-3, log_every=1, eval_batches=1,
+                 sample_tokens=4)
+    pre = td.Config(model=model, train=td.TrainConfig(steps=1, **train, seq_len=32),
+                    data=D.DataConfig(path=os.path.dirname(tokenizer)),
+                    run_dir=str(tmp_path / "pre"), checkpoint=CheckpointConfig(every=1))
+    td.main(pre)
+    rng = np.random.default_rng(0)
+    rows = [{"prompt": f"{a}+{b}=", "chosen": f"{a + b}", "rejected": f"{a + b + 1}"}
+            for a, b in rng.integers(0, 50, (40, 2))]
+    dpo = td.Config(model=model, train=td.TrainConfig(steps=2, eval_every=2, eval_samples=2,
+                                                      **train, seq_len=32),
+                    data=D.DataConfig(format="dpo", path=write_jsonl(tmp_path / "p.jsonl", rows),
+                                      eval_fraction=0.2),
+                    run_dir=str(tmp_path / "dpo"), init_from=pre.run_dir,
+                    checkpoint=CheckpointConfig(every=2))
+    out = td.main(dpo)
+    log = capsys.readouterr().out
+    assert "data: dpo train: 32 pairs in 32 rows of 32" in log
+    # Before the first step the policy is the reference: every pair a tie.
+    assert "eval step 0 | eval_loss 0.693 | accuracy 0.500 | kl_chosen 0.000" in log
+    assert [s for s, _ in out["evals"]] == [0, 2] and len(out["samples"]) == 2
+    assert out["kl_chosen"] != 0 and "held-out answers exactly right" in log
+    again = td.main(dataclasses.replace(dpo, train=dataclasses.replace(dpo.train, steps=3)))
+    assert "resumed from step 2" in capsys.readouterr().out and again["final_step"] == 3
