@@ -251,11 +251,11 @@ PRESETS: dict[str, tuple[str, Config]] = {
     # `make dpo`: tools/sft_demo.py --dpo writes the pairs; the model is the `make sft` run's.
     "tiny-dpo": (  # DPO
         "prefer right answers to corrupted ones, from runs/tiny-sft: the `make dpo` demo",
-        Config(train=TrainConfig(steps=100, seq_len=128, lr=5e-4, warmup_steps=10,
+        Config(train=TrainConfig(steps=150, seq_len=128, lr=2e-4, warmup_steps=10,
                                  eval_every=25, sample_tokens=32, temperature=0.0),
                init_from="runs/tiny-sft", data=DataConfig(format="dpo", path=(
                    "data/dpo-demo/train.jsonl")), checkpoint=CheckpointConfig(every=50),
-               run_dir="runs/tiny-dpo")),
+               dpo=DPOConfig(beta=0.5), run_dir="runs/tiny-dpo")),
     # The HuggingFace flow (`make finetune-hf`): the model, tokenizer and chat template come
     # from --init-from-hf; the learning rate suits a pretrained 0.5-8B model, not the demo.
     "hf-sft": (  # SFT
@@ -934,8 +934,9 @@ def train_loop(cfg: Config, mesh, st: train.TrainState, step_fn) -> dict:
                                          "n": loss_weight(b)})
     if dpo:  # DPO
         # the pairs' loss and figures (against `ref`: the state's), and their number
-        sums_fn = jax.jit(lambda p, b, ref: (lambda aux: {"eval_loss": aux["ce"]} | aux["dpo"] | {
-            "n": jnp.sum(jnp.max(b["weights"], axis=-1) > 0)})(dpo_loss(p, b, cfg, ref)[1]))
+        sums_fn = jax.jit(lambda p, b, ref: (lambda aux: {"eval_loss": aux["ce"]} | {
+            f"eval_{k}": v for k, v in aux["dpo"].items()} | {"n": jnp.sum(jnp.max(
+                b["weights"], axis=-1) > 0)})(dpo_loss(p, b, cfg, ref)[1]))
     key = jax.random.key(tc.seed + 7)
 
     def evaluate(params) -> dict:
@@ -974,7 +975,6 @@ def train_loop(cfg: Config, mesh, st: train.TrainState, step_fn) -> dict:
                               f"{r['grad_norm']:.2f}" + (f" | max_logit {r['max_attn_logit']:.1f}"
                                                          if tc.qk_clip_threshold else "")))
         if dpo:  # DPO
-            # the pairs' figures on each log line too
             loop.show = lambda r, show=loop.show: show(r) + "".join(
                 f" | {k} {r[k]:.3f}" for k in ("accuracy", "reward_margin", "kl_chosen") if k in r)
         if start == 0 and cfg.init_from and tc.steps > 0:  # the starting point, to compare

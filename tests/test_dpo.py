@@ -237,8 +237,8 @@ def test_preference_tuning_from_a_pretraining_run(tokenizer, tmp_path, capsys):
     log = capsys.readouterr().out
     assert "data: dpo train: 32 pairs in 32 rows of 32" in log
     # Before the first step the policy is the reference: every pair a tie.
-    assert "eval step 0 | eval_loss 0.693 | accuracy 0.500 | kl_chosen 0.000" in log
+    assert "eval step 0 | eval_loss 0.693 | eval_accuracy 0.500 | eval_kl_chosen 0.000" in log
     assert [s for s, _ in out["evals"]] == [0, 2] and len(out["samples"]) == 2
-    assert out["kl_chosen"] != 0 and "held-out answers exactly right" in log
+    assert out["eval_kl_chosen"] != 0 and "held-out answers exactly right" in log
     again = td.main(dataclasses.replace(dpo, train=dataclasses.replace(dpo.train, steps=3)))
     assert "resumed from step 2" in capsys.readouterr().out and again["final_step"] == 3
