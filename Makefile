@@ -16,7 +16,7 @@ comma  := ,
 
 .DEFAULT_GOAL := help
 .PHONY: help train test test-floors test-tpu muonclip-demo bench bench-gpu bench-context bench-window bench-parity bench-parity-moe bench-grpo bench-recovery bench-scale compile-tpu dry-run prepare clean train-moe bench-moe train-grpo \
-        plot tensorboard need-run sft export-hf finetune-hf hf-fixtures eval
+        plot tensorboard need-run sft dpo export-hf finetune-hf hf-fixtures eval
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-16s %s\n", $$1, $$2}'
@@ -34,6 +34,11 @@ sft: $(VENV)/.installed  ## fine-tune the `make train` model (trained first if m
 	@test -d runs/tiny/checkpoints || $(MAKE) --no-print-directory train PRESET=tiny ARGS=
 	$(PY) tools/sft_demo.py --out data/sft-demo
 	$(PY) train_dense.py tiny-sft $(ARGS)
+
+dpo: $(VENV)/.installed  ## DPO of the `make sft` model (made first if missing): right answers over wrong ones
+	@test -d runs/tiny-sft/checkpoints || $(MAKE) --no-print-directory sft ARGS=
+	$(PY) tools/sft_demo.py --dpo --out data/dpo-demo
+	$(PY) train_dense.py tiny-dpo $(ARGS)
 
 train-moe: $(VENV)/.installed  ## train the tiny mixture of experts (MOE_PRESET) on the embedded corpus; resumes
 	$(PY) train_moe.py $(MOE_PRESET) $(ARGS)

@@ -7,9 +7,10 @@ fine-tuning in one file; what no model changes (state, reports, the loop, the CL
     python train_dense.py tiny --init-from-hf ~/hf/Llama-3.2-1B --data.path data/mine
     python train_dense.py export-hf --run-dir runs/tiny --out hf/tiny
 
-Lines ending in "# SFT" (with their brackets and blocks) serve fine-tuning only: a pre-training
-fork deletes them. Tensor names end in their shapes: B batch, T sequence, S key sequence, D model
-width, N query heads, K key/value heads, H head width, F MLP width, V vocabulary, L layers."""
+Lines ending in "# SFT" or "# DPO" (with their brackets and blocks) serve fine-tuning or
+preference tuning only: a pre-training fork deletes them. Tensor names end in their shapes: B
+batch, T sequence, S key sequence, D model width, N query heads, K key/value heads, H head width,
+F MLP width, V vocabulary, L layers."""
 from __future__ import annotations
 
 import math
@@ -126,10 +127,20 @@ class TrainConfig:
     max_bad_steps: int = resumable(0)  # non-finite updates to skip; then stop
 
 
+@dataclass(frozen=True)  # DPO
+class DPOConfig:  # DPO
+    """--data.format dpo: preference tuning against the frozen starting model (`dpo_loss`)."""
+    loss: Literal["dpo", "ipo", "simpo"] = "dpo"
+    beta: float = 0.1             # dpo, ipo: the reward is beta log(pi / pi_ref)
+    simpo_beta: float = 2.0       # simpo: the reward is simpo_beta log(pi) / answer tokens
+    simpo_gamma: float = knob(1.0, ">= 0")  # simpo: the target reward margin
+
+
 @dataclass(frozen=True)
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    dpo: DPOConfig = field(default_factory=DPOConfig)  # DPO
     mesh: MeshConfig = resumable(MeshConfig)
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = resumable(CheckpointConfig)
@@ -245,6 +256,14 @@ PRESETS: dict[str, tuple[str, Config]] = {
                                  sample_tokens=32, temperature=0.0), init_from="runs/tiny",
                data=DataConfig(format="sft", path="data/sft-demo/train.jsonl"),
                checkpoint=CheckpointConfig(every=50), run_dir="runs/tiny-sft")),
+    # `make dpo`: tools/sft_demo.py --dpo writes the pairs; the model is the `make sft` run's.
+    "tiny-dpo": (  # DPO
+        "prefer right answers to corrupted ones, from runs/tiny-sft: the `make dpo` demo",
+        Config(train=TrainConfig(steps=150, seq_len=128, lr=2e-4, warmup_steps=10,
+                                 eval_every=25, sample_tokens=32, temperature=0.0),
+               init_from="runs/tiny-sft", data=DataConfig(format="dpo", path=(
+                   "data/dpo-demo/train.jsonl")), checkpoint=CheckpointConfig(every=50),
+               dpo=DPOConfig(beta=0.5), run_dir="runs/tiny-dpo")),
     # The HuggingFace flow (`make finetune-hf`): the model, tokenizer and chat template come
     # from --init-from-hf; the learning rate suits a pretrained 0.5-8B model, not the demo.
     "hf-sft": (  # SFT
@@ -545,11 +564,16 @@ def train_step(state: dict, batch, *, cfg: Config, tx):
     tau = cfg.train.qk_clip_threshold
     loss = partial(loss_fn, cfg=cfg.model, n=loss_weight(batch), z_loss=cfg.train.z_loss,
                    max_logits=tau > 0)
+    if cfg.data.format == "dpo":  # DPO
+        # pairs, against the frozen start; each microbatch over the whole batch's pairs
+        loss = partial(dpo_loss, cfg=cfg, ref=state.get("ref"),
+                       n=jnp.sum(jnp.max(batch["weights"], axis=-1) > 0))
     grads, aux = train.accumulate(jax.grad(loss, has_aux=True), state["params"], batch,
                                   cfg.train.microbatches, BATCH_AXES)
     clip = partial(train.qk_clip, tops={"layers": aux.get("max_logit")}, tau=tau) if tau else None
     new, metrics = train.update(tx, grads, state, aux["ce"], after=clip)
     clipped = {"max_attn_logit": jnp.max(aux["max_logit"])} if tau > 0 else {}
+    metrics |= aux.get("dpo", {})  # DPO
     return new, metrics | clipped | {"loss": aux["ce"],
                                      "lr": make_schedule(cfg.train)(state["step"])}
 
@@ -636,6 +660,56 @@ def loss_weight(batch):
     return batch.shape[0] * (batch.shape[1] - 1)
 
 
+def sequence_logps(params, batch, cfg: ModelConfig):  # DPO
+    """Each row's log-probability of its chosen (segment 1) and rejected (segment 2) answer,
+    the sums of log p(target) over their weighted targets, [B, 2], and their counts [B, 2]. The
+    logits are made `loss_chunk` positions at a time (each chunk's rebuilt in the backward)."""
+    inputs, targets, weights, segment_ids, positions = split_batch(batch)
+    h_BTD = from_context(hidden(params, inputs, cfg, segment_ids=segment_ids,
+                                positions=positions)[0], inputs.shape[1])
+    w_DV = unembedding(params, cfg).astype(h_BTD.dtype)
+
+    def chunk(_, xs):
+        z_BCV = _softcap(jnp.einsum("bcd,dv->bcv", xs[0], w_DV,
+                                    preferred_element_type=jnp.float32), cfg.final_softcap)
+        tgt = jnp.sum(z_BCV * jax.nn.one_hot(xs[1], w_DV.shape[1], dtype=z_BCV.dtype), axis=-1)
+        return None, tgt - jax.nn.logsumexp(z_BCV, axis=-1)
+    _, lp_nBC = jax.lax.scan(jax.checkpoint(chunk), None, _chunked(cfg.loss_chunk, h_BTD, targets))
+    on_BTS = (segment_ids[..., None] == jnp.arange(1, 3)) * weights[..., None]
+    lp_BT = lp_nBC.swapaxes(0, 1).reshape(targets.shape)
+    return jnp.einsum("bt,bts->bs", lp_BT, on_BTS), jnp.sum(on_BTS, axis=1)
+
+
+def dpo_loss(params, batch, cfg: Config, ref=None, n=1):  # DPO
+    """The preference objective of a batch of pairs (one to a row: common/data.py `pack_pairs`),
+    summed over pairs and divided by n. With s = log pi(answer | prompt) (`sequence_logps`), of
+    the policy and of the frozen start `ref` (no gradient), and the chosen (w) and rejected (l)
+    answers' rewards r:
+
+        dpo    r = beta (s - s_ref)    -log sigmoid(r_w - r_l)                (Rafailov 2023)
+        ipo    r = beta (s - s_ref)    ((r_w - r_l) / beta - 1 / (2 beta))^2   (Azar 2023)
+        simpo  r = simpo_beta s / |y|  -log sigmoid(r_w - r_l - simpo_gamma)   (Meng 2024)
+
+    (SimPO: length-normalised, no reference.) Returns (objective, {"ce": it, "dpo": figures}):
+    the reward margin r_w - r_l, the accuracy (the share of r_w > r_l, ties counting half: 0.5
+    while the policy is the reference) and "kl_chosen", the mean
+    over chosen answers of log pi - log pi_ref per token: the policy's drift on the chosen text
+    (an estimate of KL(pi || pi_ref) only where the text is pi's own samples)."""
+    d, m = cfg.dpo, cfg.model
+    s_BS, count_BS = sequence_logps(params, batch, m)
+    ref_BS = s_BS if ref is None else jax.lax.stop_gradient(sequence_logps(ref, batch, m)[0])
+    beta = d.simpo_beta if d.loss == "simpo" else d.beta
+    r_BS = beta * (s_BS / jnp.maximum(count_BS, 1) if d.loss == "simpo" else s_BS - ref_BS)
+    margin = r_BS[:, 0] - r_BS[:, 1]
+    loss = {"dpo": lambda: -jax.nn.log_sigmoid(margin), "simpo": lambda: -jax.nn.log_sigmoid(
+        margin - d.simpo_gamma), "ipo": lambda: (margin / beta - 0.5 / beta) ** 2}[d.loss]()
+    mean = lambda x: jnp.sum(jnp.where(count_BS[:, 0] > 0, x, 0.0)) / n  # an empty row: no pair
+    kl = (s_BS - ref_BS)[:, 0] / jnp.maximum(count_BS[:, 0], 1)
+    return mean(loss), {"ce": mean(loss), "dpo": {
+        "reward_margin": mean(margin), "accuracy": mean((margin > 0) + 0.5 * (margin == 0))} | (
+        {"kl_chosen": mean(kl)} if ref is not None else {})}
+
+
 def make_schedule(t: TrainConfig):
     return train.lr_schedule(t.schedule, t.lr, t.warmup_steps, t.steps, t.min_lr_ratio,
                              t.decay_fraction)
@@ -669,9 +743,12 @@ def init_params(cfg: ModelConfig, key: jax.Array, mesh=None) -> dict:
 
 
 def train_state(cfg: Config, mesh) -> train.TrainState:
-    """{params, opt_state, step} of this model and optimiser on `mesh` (see common/train.py)."""
+    """{params, opt_state, step} of this model and optimiser on `mesh` (see common/train.py);
+    DPO and IPO: "ref" too, the frozen start, never optimised (passed through the step)."""
+    ref = False
+    ref = cfg.data.format == "dpo" and cfg.dpo.loss != "simpo"  # DPO
     return train.TrainState(partial(_init, cfg.model), param_specs(cfg.model),
-                            make_optimizer(cfg.train, param_specs(cfg.model)), mesh)
+                            make_optimizer(cfg.train, param_specs(cfg.model)), mesh, ref=ref)
 
 
 def count_params(cfg: ModelConfig) -> int:
@@ -767,6 +844,10 @@ def validate(cfg: Config, n_devices: int) -> None:
     need(not (cfg.data.format == "sft" and cfg.data.pack and m.attention == "cudnn"),  # SFT
          "--model.attention cudnn cannot mask packed SFT rows (JAX's cuDNN path takes causal "
          "and length masks only); use --model.attention auto or xla, or --data.no-pack.")
+    need(cfg.data.format != "dpo" or (cfg.init_from or cfg.init_from_hf) and m.attention != (  # DPO
+        "cudnn") and not t.qk_clip_threshold, "--data.format dpo needs --init-from RUN_DIR or "
+         "--init-from-hf FOLDER (the model to tune, and the frozen reference), attention that "
+         "masks segments (not --model.attention cudnn) and no --train.qk-clip-threshold.")
 
 
 def check_model(m: ModelConfig, mesh, clip_flag: str, tau: float) -> None:
@@ -825,7 +906,8 @@ def main(cfg: Config) -> dict:
     step_fn = st.jit(partial(train_step, cfg=cfg, tx=st.tx))
     check_kernel(m.attention, pf, tc.seq_len)
     kernel = choose(m.attention, pf, dtype=m.dtype, T=tc.seq_len, H=m.head_dim, V=m.head_dim,
-                    cap=m.attn_softcap, segments=cfg.data.format == "sft" and cfg.data.pack,
+                    cap=m.attn_softcap, segments=cfg.data.format == "dpo"
+                    or cfg.data.format == "sft" and cfg.data.pack,
                     context=(mesh.shape["context"], m.context_attention))
     log(f"model {count_params(m) / 1e6:.1f}M parameters, {kernel} attention | mesh "
         f"{describe(mesh)} | {len(devices)} {pf} devices, {jax.process_count()} process(es)")
@@ -845,8 +927,9 @@ def main(cfg: Config) -> dict:
 
 
 def train_loop(cfg: Config, mesh, st: train.TrainState, step_fn) -> dict:
-    tc, mc, data, sft = cfg.train, cfg.model, cfg.data, False
-    data, sft = init_data_config(cfg), cfg.data.format == "sft"  # SFT
+    tc, mc, data, sft, dpo = cfg.train, cfg.model, cfg.data, False, False
+    data, sft = init_data_config(cfg), cfg.data.format != "text"  # SFT
+    dpo = cfg.data.format == "dpo"  # DPO
     ds = load_dataset(data, seq_len=tc.seq_len)
     if cfg.init_from_hf and (note := hf.check_tokenizer(
             cfg.init_from_hf, ds.tokenizer_path, f"--data.path {cfg.data.path!r}")):
@@ -854,19 +937,27 @@ def train_loop(cfg: Config, mesh, st: train.TrainState, step_fn) -> dict:
     train.check_vocab(ds.vocab_size, mc.vocab_size)
     batch_sh = named(mesh, P(BATCH_AXES, None))
     batch = partial(get_batch, batch_size=tc.batch_size, seq_len=tc.seq_len, sharding=batch_sh)
-    # A held-out batch's (weighted cross-entropy, weight) sums, added up over the split.
-    sums_fn = jax.jit(lambda p, b: (loss_fn(p, b, mc, n=1)[1]["ce"], loss_weight(b)))
+    # A held-out batch's sums: weighted cross-entropy, weight ("n"); added up over the split.
+    sums_fn = jax.jit(lambda p, b, ref: {"eval_loss": loss_fn(p, b, mc, n=1)[1]["ce"],
+                                         "n": loss_weight(b)})
+    if dpo:  # DPO
+        # the pairs' loss and figures (against `ref`: the state's), and their number
+        sums_fn = jax.jit(lambda p, b, ref: (lambda aux: {"eval_loss": aux["ce"]} | {
+            f"eval_{k}": v for k, v in aux["dpo"].items()} | {"n": jnp.sum(jnp.max(
+                b["weights"], axis=-1) > 0)})(dpo_loss(p, b, cfg, ref)[1]))
     key = jax.random.key(tc.seed + 7)
     tasks = DuringTraining(tc, mc, forward, mesh, ds.tokenizer_path)  # --train.eval-tasks
 
     def evaluate(params) -> dict:
-        """Held-out loss (SFT: the whole split, each trained token once; held-out answers
-        too), and the scores of --train.eval-tasks."""
+        """Held-out loss (SFT: the whole split, each trained token once; held-out answers too.
+        DPO: each pair once; the preference figures too), and the scores of --train.eval-tasks."""
         batches = (batch(ds.eval, seed=cfg.data.seed + 1, step=i) for i in range(tc.eval_batches))
         if sft:  # SFT
             batches = held_out_batches(ds.eval, tc.batch_size, batch_sh)
-        ce, n = np.sum(jax.device_get([sums_fn(params, b) for b in batches]), axis=0)
-        out, line = {"eval_loss": float(ce / n)}, f"eval_loss {ce / n:.3f}"
+        got = jax.device_get([sums_fn(params, b, state.get("ref")) for b in batches])
+        out = {k: float(sum(g[k] for g in got) / sum(g["n"] for g in got))
+               for k in sorted(got[0], key=lambda k: k != "eval_loss") if k != "n"}
+        line = " | ".join(f"{k} {v:.3f}" for k, v in out.items())
         if sft and (samples := sft_samples(params, ds, cfg, mesh, key)):  # SFT
             out["exact_match"] = np.mean([r["sample"] == r["expected"] for r in samples])
             line += (f" | held-out answers exactly right {100 * out['exact_match']:.0f}% of "
@@ -892,6 +983,9 @@ def train_loop(cfg: Config, mesh, st: train.TrainState, step_fn) -> dict:
                               f"loss {r['loss']:.3f} | lr {r['lr']:.1e} | grad_norm "
                               f"{r['grad_norm']:.2f}" + (f" | max_logit {r['max_attn_logit']:.1f}"
                                                          if tc.qk_clip_threshold else "")))
+        if dpo:  # DPO
+            loop.show = lambda r, show=loop.show: show(r) + "".join(
+                f" | {k} {r[k]:.3f}" for k in ("accuracy", "reward_margin", "kl_chosen") if k in r)
         if start == 0 and cfg.init_from and tc.steps > 0:  # the starting point, to compare
             loop.eval(evaluate(state["params"]))
         next_batch = partial(batch, ds.train, seed=cfg.data.seed)
@@ -943,10 +1037,10 @@ def sft_samples(params, ds: SFTDataset, cfg: Config, mesh, key) -> list[dict]:  
 
 
 def init_data_config(cfg: Config) -> DataConfig:  # SFT
-    """SFT: without --data.tokenizer, tokenize as --init-from's run did (a path resolved here,
+    """SFT, DPO: without --data.tokenizer, tokenize as --init-from's run did (a path resolved here,
     not stored: the embedded corpus's cache path differs between machines and Pythons), or with
     --init-from-hf's tokenizer.json (as transformers does; its chat template with it)."""
-    if cfg.data.format != "sft" or cfg.data.tokenizer or not (cfg.init_from or cfg.init_from_hf):
+    if cfg.data.format == "text" or cfg.data.tokenizer or not (cfg.init_from or cfg.init_from_hf):
         return cfg.data
     return replace(cfg.data, tokenizer=hf.tokenizer(cfg.init_from_hf, prefer_json=True)[0]
                    if cfg.init_from_hf else run_tokenizer(cfg.init_from))

@@ -16,7 +16,8 @@ Batch rows are windows of seq_len + 1 tokens at starts drawn from default_rng([s
 Nothing else enters, so resuming at step k needs no iterator state, and every process computes
 the same starts and reads only the rows that its own devices hold: pages of a memmap, or
 ranged requests to a bucket (`RemoteTokens`). Fine-tuning (--data.format
-sft) instead packs JSONL examples into rows, once, and picks rows by (seed, step) alike.
+sft) instead packs JSONL examples into rows, once, and picks rows by (seed, step) alike; so
+does preference tuning (--data.format dpo), a chosen and a rejected answer to each row.
 """
 from __future__ import annotations
 
@@ -87,9 +88,10 @@ class DataConfig:
     """Vocabulary of the tokenizer trained on the embedded corpus."""
     seed: int = 0
     """Batch order seed (and, for sft, the seed of the held-out split)."""
-    format: Literal["text", "sft"] = "text"
+    format: Literal["text", "sft", "dpo"] = "text"
     """text: pre-training on a prepared folder or the embedded corpus. sft: prompt/completion
-    or chat examples from the JSONL file --data.path, packed into rows (see `load_sft`)."""
+    or chat examples from the JSONL file --data.path, packed into rows (see `load_sft`). dpo:
+    preference pairs from it, one to a row (see `pack_pairs`); the sft options apply."""
     eval_path: str = ""
     """sft: a held-out JSONL file; "" = hold out --data.eval-fraction of --data.path."""
     eval_fraction: float = knob(0.05, "(0, 1)")
@@ -381,10 +383,10 @@ def decode_completions(tok, tokens_BN: np.ndarray, mask_BN: np.ndarray):
 
 def load_dataset(cfg: DataConfig, seq_len: int | None = None) -> Dataset:
     """The data of `cfg`; `seq_len` is needed only to pack SFT rows (--data.format sft)."""
-    if cfg.format == "sft":
+    if cfg.format != "text":
         if seq_len is None:
-            raise DataError("--data.format sft: this trainer does not read SFT data; "
-                            "fine-tune with train_dense.py")
+            raise DataError(f"--data.format {cfg.format}: this trainer does not read "
+                            f"fine-tuning data; fine-tune with train_dense.py")
         return load_sft(cfg, seq_len)
     root = _cache_root(cfg.cache_dir)
     return _load_prepared(cfg.path or _stdlib_corpus(root, vocab_size=cfg.vocab_size), root)
@@ -974,6 +976,36 @@ def read_sft_jsonl(path: str, flag: str = "--data.path",
             for where, obj in jsonl_file(path, flag, "example", SFT_SHAPES)]
 
 
+PAIR_SHAPES = ('{"prompt": ..., "chosen": ..., "rejected": ...} or '
+               '{"messages": [...], "chosen": ..., "rejected": ...}')
+
+
+def preference_spans(obj, where: str, template: ChatTemplate | None = None
+                     ) -> tuple[Spans, Spans]:
+    """(chosen, rejected) spans of one preference line, each rendered as `sft_spans` renders
+    the prompt with that answer as its completion, or the messages with it as a last assistant
+    turn; only that answer is trained (an earlier assistant turn is context)."""
+    for key in ("chosen", "rejected"):
+        if not isinstance(obj, dict) or not isinstance(obj.get(key), str):
+            raise DataError(f"{where}: field {key!r} is missing or not a string; each line is "
+                            f"{PAIR_SHAPES}")
+    if isinstance(obj.get("messages"), list):
+        check_messages(obj["messages"], where)
+    pair = [sft_spans({"messages": [*obj["messages"], {"role": "assistant", "content": obj[k]}]}
+                      if "messages" in obj else {"prompt": obj.get("prompt"), "completion": obj[k]},
+                      where, template) for k in ("chosen", "rejected")]
+    last = [max(i for i, (_, t) in enumerate(spans) if t and not (i and spans[i - 1][1]))
+            for spans in pair]   # where the last run of trained spans begins
+    return tuple([(x, t and i >= j) for i, (x, t) in enumerate(spans)]
+                 for spans, j in zip(pair, last))
+
+
+def read_preference_jsonl(path: str, flag: str = "--data.path",
+                          template: ChatTemplate | None = None) -> list[tuple[Spans, Spans]]:
+    return [preference_spans(obj, where, template)
+            for where, obj in jsonl_file(path, flag, "pair", PAIR_SHAPES)]
+
+
 @dataclass
 class Example:
     tokens: np.ndarray   # int32 [n]
@@ -1148,28 +1180,57 @@ def held_out_batches(packed: Packed, batch_size: int,
         yield packed_batch(packed, np.where(rows < packed.num_rows, rows, -1), sharding)
 
 
+def pack_pairs(pairs: list[tuple[Example, Example]], seq_len: int, *, overlong: str = "truncate",
+               name: str = "pairs") -> Packed:
+    """One preference pair to a row: the chosen answer's example in the first half (segment
+    1), the rejected one's in the second (segment 2), each packed as `pack_examples` packs one
+    example to a row of seq_len // 2 (truncated or dropped when longer); a pair loses both
+    halves when it loses either. Weights are 1 on each answer's targets."""
+    half = seq_len // 2
+    long = lambda ex: len(ex.tokens) - 1 > half
+    gone = lambda ex: overlong == "drop" and long(ex) or not ex.trained[1:half + 1].any()
+    kept = [p for p in pairs if not (gone(p[0]) or gone(p[1]))]
+    a, b = (pack_examples([p[i] for p in kept], half, overlong=overlong, pack=False, name=name)
+            for i in (0, 1))
+    arrays = {f: np.concatenate([getattr(a, f), getattr(b, f) * (2 if f == "segment_ids" else 1)],
+                                axis=1) for f in PACKED_FIELDS}
+    n_long = [sum(long(c) or long(r) for c, r in ps) for ps in (pairs, kept)]
+    drop = (overlong == "drop") * n_long[0]
+    stats = a.stats | dict(examples=len(pairs), rows=len(kept), seq_len=seq_len,
+                           truncated=n_long[1], dropped_overlong=drop,
+                           dropped_untrained=len(pairs) - len(kept) - drop,
+                           non_pad=(arrays["segment_ids"] > 0).mean(),
+                           trained=float((arrays["weights"] > 0).mean()))
+    return Packed(**arrays, stats=stats)
+
+
 @dataclass
 class SFTDataset(Dataset):
     """`train` and `eval` are `Packed` rows; the trainer completes `eval_examples`' prompts."""
     eval_examples: list[Example] = field(default_factory=list, repr=False)
 
 
+class PreferenceDataset(SFTDataset):
+    """`train` and `eval` are rows of pairs (`pack_pairs`); `eval_examples` the held-out
+    prompts with their chosen answers."""
+
+
 def tokenizer_path(cfg: DataConfig) -> str:
     """The sentencepiece model that a run with data config `cfg` tokenizes with."""
-    if cfg.format == "sft" and cfg.tokenizer:
+    if cfg.format != "text" and cfg.tokenizer:
         return cfg.tokenizer
-    folder = (cfg.format != "sft" and cfg.path) or _stdlib_corpus(_cache_root(cfg.cache_dir),
+    folder = (cfg.format == "text" and cfg.path) or _stdlib_corpus(_cache_root(cfg.cache_dir),
                                                                    vocab_size=cfg.vocab_size)
     return os.path.join(folder, "tokenizer.model")
 
 
 def run_tokenizer(run_dir: str) -> str:
-    """The tokenizer the train_dense.py run in `run_dir` used; an SFT run that named none
-    used its --init-from's."""
+    """The tokenizer the train_dense.py run in `run_dir` used; a fine-tune (SFT, DPO) that
+    named none used its --init-from's."""
     saved = read_run_config(run_dir, "--init-from", True)
     known = {f.name for f in fields(DataConfig)}
     theirs = DataConfig(**{k: v for k, v in saved.get("data", {}).items() if k in known})
-    if theirs.format == "sft" and not theirs.tokenizer and saved.get("init_from"):
+    if theirs.format != "text" and not theirs.tokenizer and saved.get("init_from"):
         return run_tokenizer(saved["init_from"])
     return tokenizer_path(theirs)
 
@@ -1177,9 +1238,11 @@ def run_tokenizer(run_dir: str) -> str:
 def load_sft(cfg: DataConfig, seq_len: int) -> SFTDataset:
     """--data.path (and --data.eval-path) read, split, tokenized and packed into rows of
     seq_len, the same on every process."""
+    dpo = cfg.format == "dpo"
     if not cfg.path:
-        raise DataError(f"--data.format sft needs --data.path: a JSONL file with one example "
-                        f"per line, {SFT_SHAPES}")
+        raise DataError(f"--data.format {cfg.format} needs --data.path: a JSONL file with one "
+                        f"{'pair' if dpo else 'example'} per line, "
+                        f"{PAIR_SHAPES if dpo else SFT_SHAPES}")
     if not cfg.eval_path and not 0.0 < cfg.eval_fraction < 1.0:
         raise DataError(f"--data.eval-fraction {cfg.eval_fraction}: must be strictly between "
                         f"0 and 1 (or give --data.eval-path)")
@@ -1196,9 +1259,10 @@ def load_sft(cfg: DataConfig, seq_len: int) -> SFTDataset:
     template = ChatTemplate.find(os.path.dirname(tok)) if tok.endswith(".json") else None
     if template:
         print(f"data: sft chat rendered with the chat template of {os.path.dirname(tok)}")
-    train = read_sft_jsonl(cfg.path, template=template)
+    read = read_preference_jsonl if dpo else read_sft_jsonl
+    train = read(cfg.path, template=template)
     if cfg.eval_path:
-        held = read_sft_jsonl(cfg.eval_path, "--data.eval-path", template)
+        held = read(cfg.eval_path, "--data.eval-path", template)
     elif len(train) < 2:
         raise DataError(f"--data.path {cfg.path!r} holds one example: too few to hold one out; "
                         f"add examples or give --data.eval-path")
@@ -1206,15 +1270,22 @@ def load_sft(cfg: DataConfig, seq_len: int) -> SFTDataset:
         is_eval = _held_out(len(train), cfg.eval_fraction, cfg.seed)
         held, train = [[ex for ex, e in zip(train, is_eval) if e == want] for want in (True, False)]
     rules = {k: getattr(cfg, k) for k in ("train_on", "loss_average", "overlong", "pack")}
-    eval_examples = tokenize_examples(held, sp)
-    ds = SFTDataset(
-        train=pack_examples(tokenize_examples(train, sp), seq_len, name=cfg.path, **rules),
-        eval=pack_examples(eval_examples, seq_len, name=f"{cfg.path} (held out)", **rules),
-        vocab_size=sp.get_piece_size(), tokenizer_path=tok, eval_examples=eval_examples)
+    pack = functools.partial(pack_examples, **rules)
+    tokenize = functools.partial(tokenize_examples, sp=sp)
+    if dpo:  # pairs: chosen, rejected, chosen, ... tokenized, then paired again
+        pack = functools.partial(pack_pairs, overlong=cfg.overlong)
+        tokenize = lambda pairs: list(zip(*[iter(tokenize_examples(sum(map(list, pairs), []),
+                                                                   sp))] * 2))
+    held = tokenize(held)
+    ds = (PreferenceDataset if dpo else SFTDataset)(
+        train=pack(tokenize(train), seq_len, name=cfg.path),
+        eval=pack(held, seq_len, name=f"{cfg.path} (held out)"), vocab_size=sp.get_piece_size(),
+        tokenizer_path=tok, eval_examples=[p[0] if dpo else p for p in held])
     for split in ("train", "eval"):
         s = getattr(ds, split).stats
-        print(f"data: sft {split}: {_count(s['kept'], 'example')} in {s['rows']:,} rows of "
-              f"{seq_len} ({'packed' if cfg.pack else 'one per row'}; "
+        print(f"data: {cfg.format} {split}: {_count(s['kept'], 'pair' if dpo else 'example')} in "
+              f"{s['rows']:,} rows of {seq_len} ("
+              f"{'one pair per row' if dpo else 'packed' if cfg.pack else 'one per row'}; "
               f"{100 * s['non_pad']:.1f}% of positions hold tokens, {100 * s['trained']:.1f}% "
               f"are trained targets) | of {_describe(s)}", flush=True)
     return ds

@@ -148,7 +148,8 @@ GEMMA4 = """model.global_head_dim model.global_kv_heads model.ple_dim model.kv_s
             model.rope_partial: [0, 1]"""
 EXPECTED = {
     "train_dense": [MESH, CKPT, DATA, LLAMA, GEMMA, OLMO, GEMMA4, TRAIN, """
-        train.eval_samples train.eval_tasks_limit: >= 0 | compile_slices: > 0"""],
+        train.eval_samples train.eval_tasks_limit: >= 0 | compile_slices: > 0
+        dpo.beta dpo.simpo_beta: > 0 | dpo.simpo_gamma: >= 0"""],
     "train_moe": [MESH, CKPT, DATA, TRAIN, """
         train.eval_tasks_limit: >= 0
         model.vocab_size model.d_model model.n_layers model.n_heads model.n_kv_heads

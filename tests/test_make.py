@@ -70,3 +70,9 @@ def test_cluster_targets_launch_the_named_trainer(target, trainer):
     others = {"train_dense.py", "train_moe.py", "train_grpo.py"} - {trainer}
     assert f"{trainer} some-preset" in out, out
     assert not any(o in out for o in others), out
+
+
+def test_dpo_demo_writes_pairs_and_tunes_the_sft_model():
+    out = dry("dpo")
+    assert ("/nonexistent-venv/bin/python tools/sft_demo.py --dpo --out data/dpo-demo "
+            "/nonexistent-venv/bin/python train_dense.py tiny-dpo") in out

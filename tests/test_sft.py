@@ -420,8 +420,8 @@ def test_bad_input_on_the_command_line_exits_2_naming_the_line(tokenizer, tmp_pa
 
 
 def without_sft(src: str) -> str:
-    """`src` less its SFT lines: each line whose comment is `# SFT`, the lines its open brackets
-    run on to, and the block it opens when it ends with a colon."""
+    """`src` less its SFT and DPO lines: each line whose comment is `# SFT` or `# DPO`, the lines
+    its open brackets run on to, and the block it opens when it ends with a colon."""
     depth = {}  # line -> how many brackets it leaves open
     for tok in tokenize.generate_tokens(io.StringIO(src).readline):
         if tok.type == tokenize.OP and tok.string in "([{)]}":
@@ -429,7 +429,7 @@ def without_sft(src: str) -> str:
     lines, drop = src.splitlines(keepends=True), set()
     indent = lambda s: len(s) - len(s.lstrip())
     for i, line in enumerate(lines, 1):
-        if not line.rstrip().endswith("# SFT") or i in drop:
+        if not line.rstrip().endswith(("# SFT", "# DPO")) or i in drop:
             continue
         j, open_ = i, depth.get(i, 0)
         while open_ > 0:
@@ -453,7 +453,8 @@ def test_without_sft_drops_marked_lines_their_brackets_and_blocks():
 
 
 def test_a_pretraining_fork_deletes_the_sft_lines_and_still_trains(tmp_path):
-    """The module docstring's promise: train_dense.py less its `# SFT` lines trains `tiny`."""
+    """The module docstring's promise: train_dense.py less its `# SFT` and `# DPO` lines trains
+    `tiny`."""
     import subprocess
     import sys
     from common.data import prepare

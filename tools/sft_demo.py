@@ -17,6 +17,12 @@ of three tasks, in both JSONL shapes the trainer reads:
 The answer is a function of the prompt alone, so a held-out function is as answerable as a
 trained one: the held-out loss measures what was learnt, not what was memorised. The same
 Python gives the same file.
+
+    python tools/sft_demo.py --dpo --out data/dpo-demo  # the `make dpo` preference pairs
+
+With --dpo each example becomes a pair (same prompts, same order: the same held-out split):
+its answer chosen, and rejected the answer of the next function of the same task whose answer
+differs (right for another signature, wrong for this one).
 """
 import argparse
 import ast
@@ -85,24 +91,41 @@ def example(task: str, name: str, a: ast.arguments, line: str) -> dict:
                          {"role": "assistant", "content": answer}]}
 
 
+def pairs(rows: list[dict]) -> list[dict]:
+    """Each row's prompt, its answer chosen, another same-task row's different answer rejected."""
+    answer = lambda r: r["completion"] if "prompt" in r else r["messages"][-1]["content"]
+    out = []
+    for i, row in enumerate(rows):
+        other = next((rows[j % len(rows)] for j in range(i + 3, i + len(rows), 3)
+                      if answer(rows[j % len(rows)]) != answer(row)), None)
+        if other is not None:
+            prompt = {"prompt": row["prompt"]} if "prompt" in row else {
+                "messages": row["messages"][:-1]}
+            out.append(prompt | {"chosen": answer(row), "rejected": answer(other)})
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="data/sft-demo", help="folder for train.jsonl")
     ap.add_argument("--max-examples", type=int, default=10_000)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--dpo", action="store_true", help="preference pairs, for `make dpo`")
     args = ap.parse_args()
     sigs = signatures()
     random.Random(args.seed).shuffle(sigs)
     sigs = sigs[:args.max_examples]
     tasks = ("parameters", "required", "call")
     rows = [example(tasks[i % 3], *s) for i, s in enumerate(sigs)]
+    rows = pairs(rows) if args.dpo else rows
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "train.jsonl")
     with open(path, "w", encoding="utf-8") as f:
         for r in rows:
             f.write(json.dumps(r) + "\n")
     v = sys.version_info
-    print(f"sft demo: {len(rows):,} examples ({', '.join(tasks)}) from the signatures of the "
+    print(f"{'dpo' if args.dpo else 'sft'} demo: {len(rows):,} "
+          f"{'pairs' if args.dpo else 'examples'} ({', '.join(tasks)}) from the signatures of the "
           f"Python {v.major}.{v.minor} standard library -> {path}")
 
 
