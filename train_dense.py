@@ -913,6 +913,12 @@ def main(cfg: Config) -> dict:
         f"{describe(mesh)} | {len(devices)} {pf} devices, {jax.process_count()} process(es)")
     tokens = np.random.default_rng(0).integers(0, m.vocab_size, (tc.batch_size, tc.seq_len + 1),
                                                dtype=np.int32)
+    if cfg.data.format == "dpo":  # DPO: random pairs, one a row, each answer ending its half
+        B, T, h = tc.batch_size, tc.seq_len, np.arange(tc.seq_len) % (tc.seq_len // 2)
+        row = lambda x, dt: np.broadcast_to(x, (B, T)).astype(dt)
+        tokens = dict(inputs=tokens[:, :-1], targets=tokens[:, 1:], positions=row(h, np.int32),
+                      weights=row(h >= T // 4, np.float32),
+                      segment_ids=row(1 + (np.arange(T) >= T // 2), np.int32))
     if cfg.dry_run:  # on random tokens, as --bench: no data read, no checkpoint written
         return train.dry_run(step_fn, st.abstract(), train.put(tokens, mesh, BATCH_AXES, True),
                              mesh, count_params(m), attention=kernel)

@@ -242,3 +242,16 @@ def test_preference_tuning_from_a_pretraining_run(tokenizer, tmp_path, capsys):
     assert out["eval_kl_chosen"] != 0 and "held-out answers exactly right" in log
     again = td.main(dataclasses.replace(dpo, train=dataclasses.replace(dpo.train, steps=3)))
     assert "resumed from step 2" in capsys.readouterr().out and again["final_step"] == 3
+
+
+def test_dry_run_and_bench_take_random_pairs(capsys, monkeypatch):
+    """--dry-run and --bench read no data: the step compiles and runs on random pairs, the
+    frozen reference counted in the memory (the parameters twice, Adam's moments once more)."""
+    # --init-from's model, without a run to read it from (neither reads its weights)
+    monkeypatch.setattr(td.train, "model_source", lambda cfg: (None, cfg.model))
+    cfg = dataclasses.replace(dpo_cfg(batch_size=8, seq_len=32, steps=2), dry_run=True)
+    dpo = td.main(cfg)["argument_size"]
+    plain = td.main(dataclasses.replace(cfg, data=D.DataConfig()))["argument_size"]
+    assert 1.25 < dpo / plain < 1.4, (dpo, plain)  # 4 copies of the parameters against 3
+    td.main(dataclasses.replace(cfg, dry_run=False, bench=2))
+    assert "bench | " in capsys.readouterr().out
