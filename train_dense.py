@@ -31,7 +31,7 @@ from common.data import DataConfig, get_batch, load_dataset, run_tokenizer
 from common.data import SFTDataset, held_out_batches  # SFT
 from common.eval import DuringTraining
 from common.mesh import BATCH_AXES, MeshConfig, describe, make_mesh, resolve
-from common.train import ConfigError, log, named, need  # ConfigError: need's, for callers
+from common.train import ConfigError, LoRAConfig, log, named, need  # ConfigError: for callers
 
 # ----------------------------------------------------------------------------------------------
 # 1. Config
@@ -141,6 +141,7 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     dpo: DPOConfig = field(default_factory=DPOConfig)  # DPO
+    lora: LoRAConfig = field(default_factory=LoRAConfig)  # LoRA
     mesh: MeshConfig = resumable(MeshConfig)
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = resumable(CheckpointConfig)
@@ -345,7 +346,7 @@ def block(x_BTD, lp: dict, cfg: ModelConfig, *, pos_BT, inv_freq, segment_ids=No
     inv_freq is then [2, H/2], the local and the global frequencies. Gemma 4: a layer without
     keys and values of its own attends over `kv`, an earlier layer's (k, v), which stats hold
     with `keep_kv`; ple_BTP is the layer's own input."""
-    dt = x_BTD.dtype
+    dt, lp = x_BTD.dtype, train.merged(lp)  # LoRA: each adapted weight merged, in its layer
     spec = param_specs(cfg)["layers"]
     # f32 master weights, compute-dtype matmuls. The cast copy keeps the master's sharding, so
     # FSDP gathers it in the compute dtype and reduce-scatters its gradient (not all-reduces).
@@ -566,9 +567,10 @@ def train_step(state: dict, batch, *, cfg: Config, tx):
                    max_logits=tau > 0)
     if cfg.data.format == "dpo":  # DPO
         # pairs, against the frozen start; each microbatch over the whole batch's pairs
-        loss = partial(dpo_loss, cfg=cfg, ref=state.get("ref"),
+        loss = partial(dpo_loss, cfg=cfg, ref=state.get("ref", state.get("base")),
                        n=jnp.sum(jnp.max(batch["weights"], axis=-1) > 0))
-    grads, aux = train.accumulate(jax.grad(loss, has_aux=True), state["params"], batch,
+    on = lambda p, b: loss(train.weights(state, cfg.lora, p), b)  # LoRA: the adapters trained
+    grads, aux = train.accumulate(jax.grad(on, has_aux=True), state["params"], batch,
                                   cfg.train.microbatches, BATCH_AXES)
     clip = partial(train.qk_clip, tops={"layers": aux.get("max_logit")}, tau=tau) if tau else None
     new, metrics = train.update(tx, grads, state, aux["ce"], after=clip)
@@ -745,10 +747,13 @@ def init_params(cfg: ModelConfig, key: jax.Array, mesh=None) -> dict:
 def train_state(cfg: Config, mesh) -> train.TrainState:
     """{params, opt_state, step} of this model and optimiser on `mesh` (see common/train.py);
     DPO and IPO: "ref" too, the frozen start, never optimised (passed through the step)."""
-    ref = False
-    ref = cfg.data.format == "dpo" and cfg.dpo.loss != "simpo"  # DPO
+    ref, lora = False, None
+    ref = cfg.data.format == "dpo" and cfg.dpo.loss != "simpo" and not cfg.lora.rank  # DPO
+    if cfg.lora.rank:  # LoRA: the adapters trained, the model frozen (and DPO's reference)
+        lora = train.lora_table(_param_table(cfg.model), MUON_DIMS, cfg.lora), cfg.train.seed
     return train.TrainState(partial(_init, cfg.model), param_specs(cfg.model),
-                            make_optimizer(cfg.train, param_specs(cfg.model)), mesh, ref=ref)
+                            make_optimizer(cfg.train, param_specs(cfg.model)), mesh, ref=ref,
+                            lora=lora)
 
 
 def count_params(cfg: ModelConfig) -> int:
@@ -844,6 +849,7 @@ def validate(cfg: Config, n_devices: int) -> None:
     need(not (cfg.data.format == "sft" and cfg.data.pack and m.attention == "cudnn"),  # SFT
          "--model.attention cudnn cannot mask packed SFT rows (JAX's cuDNN path takes causal "
          "and length masks only); use --model.attention auto or xla, or --data.no-pack.")
+    train.check_lora(cfg.lora, t.optimizer, t.qk_clip_threshold)  # LoRA
     need(cfg.data.format != "dpo" or (cfg.init_from or cfg.init_from_hf) and m.attention != (  # DPO
         "cudnn") and not t.qk_clip_threshold, "--data.format dpo needs --init-from RUN_DIR or "
          "--init-from-hf FOLDER (the model to tune, and the frozen reference), attention that "
@@ -960,7 +966,8 @@ def train_loop(cfg: Config, mesh, st: train.TrainState, step_fn) -> dict:
         batches = (batch(ds.eval, seed=cfg.data.seed + 1, step=i) for i in range(tc.eval_batches))
         if sft:  # SFT
             batches = held_out_batches(ds.eval, tc.batch_size, batch_sh)
-        got = jax.device_get([sums_fn(params, b, state.get("ref")) for b in batches])
+        got = jax.device_get([sums_fn(params, b, state.get("ref", state.get("base")))
+                              for b in batches])
         out = {k: float(sum(g[k] for g in got) / sum(g["n"] for g in got))
                for k in sorted(got[0], key=lambda k: k != "eval_loss") if k != "n"}
         line = " | ".join(f"{k} {v:.3f}" for k, v in out.items())
@@ -980,7 +987,7 @@ def train_loop(cfg: Config, mesh, st: train.TrainState, step_fn) -> dict:
         state, start = run.resume(st.abstract())
         if state is None:  # a new run: from --init-from-hf, --init-from, or random weights
             state = (st.from_params(load_hf(cfg.init_from_hf, mesh)[1]) if cfg.init_from_hf else
-                     st.from_params(train.restore_params(cfg.init_from, st.abstract()["params"]))
+                     st.from_params(train.restore_params(cfg.init_from, st.abstract()[st.model]))
                      if cfg.init_from else st.fresh(jax.random.key(tc.seed)))
         loop = train.Loop(run, start, tc.steps, log_every=tc.log_every,
                           eval_every=tc.eval_every, tokens_per_step=tc.batch_size * tc.seq_len,
@@ -993,20 +1000,20 @@ def train_loop(cfg: Config, mesh, st: train.TrainState, step_fn) -> dict:
             loop.show = lambda r, show=loop.show: show(r) + "".join(
                 f" | {k} {r[k]:.3f}" for k in ("accuracy", "reward_margin", "kl_chosen") if k in r)
         if start == 0 and cfg.init_from and tc.steps > 0:  # the starting point, to compare
-            loop.eval(evaluate(state["params"]))
+            loop.eval(evaluate(train.weights(state, cfg.lora)))
         next_batch = partial(batch, ds.train, seed=cfg.data.seed)
         step_fn = loop.compile(step_fn, state, next_batch(step=start))
         for step in loop:
             state, metrics = step_fn(state, next_batch(step=step))
             loop.log(metrics)
             if loop.eval_due:
-                loop.eval(evaluate(state["params"]))
+                loop.eval(evaluate(train.weights(state, cfg.lora)))
             loop.checkpoint(state)
 
         run.ckpt.wait()
         if tc.sample_tokens > 0 and not sft:  # SFT samples at eval
             prompt = ds.encode(tc.sample_prompt)
-            out = sample(state["params"], [prompt], cfg, mesh, key, ds.vocab_size)[0]
+            out = sample(train.weights(state, cfg.lora), [prompt], cfg, mesh, key, ds.vocab_size)[0]
             log("sample:\n" + ds.decode(prompt + out))
         end = int(jax.device_get(state["step"]))
         out = loop.summary(end, f"{tc.batch_size} x {tc.seq_len}") | {"state": state}
@@ -1374,14 +1381,20 @@ def save_hf(params: dict, cfg: ModelConfig, path: str, *, model_type: str = "",
 
 # export-hf: an SFT run's tokenizer is its --init-from's (common/data.py `run_tokenizer`).
 def export_hf(run_dir: str, out: str, step: int = -1, dtype: train.ExportDtype = "float32",
-              model_type: Literal[("", *HF_ARCHITECTURES)] = "", max_shard_gb: float = 5.0):
+              model_type: Literal[("", *HF_ARCHITECTURES)] = "", max_shard_gb: float = 5.0,
+              adapter: bool = False):
     with train.run_config(run_dir) as saved:  # unreadable: a ConfigError naming it
         cfg = Config(model=ModelConfig(**saved["model"]), train=TrainConfig(**saved["train"]),
                      data=DataConfig(**saved["data"]), run_dir=run_dir)
     ex = train.export(run_dir, step, saved, {"params": _param_table(cfg.model)}, dtype,
-                      max_shard_gb, tokenizer_run=run_dir)
+                      max_shard_gb, tokenizer_run=run_dir, dims=MUON_DIMS)
+    if adapter:  # LoRA: the adapters alone, for peft to load onto the model the run started from
+        need(ex.adapters, f"--adapter: {run_dir} is not a LoRA run (no --lora.rank).")
+        return ex.written(hf.save_adapter(out, ex.adapters, hf_mapping(cfg.model), _hf_sizes(
+            cfg.model), ex.lora.rank, ex.lora.alpha, train.hf_origin(saved), dtype), out)
     return ex.written(save_hf(ex.params, cfg.model, out, model_type=model_type, **ex.hf_args), out)
-export_hf.__doc__ = train.EXPORT_HF_DOC
+export_hf.__doc__ = train.EXPORT_HF_DOC + ("    adapter: A LoRA run's adapters as a peft folder "
+                                           "(adapter_config.json), not the merged model.\n")
 
 
 def cli(args=None) -> Config:

@@ -44,7 +44,7 @@ from common.checkpoint import CheckpointConfig
 from common.data import DataConfig, get_batch, load_dataset
 from common.eval import DuringTraining
 from common.mesh import BATCH_AXES, MeshConfig, describe, make_mesh, resolve, target_platform
-from common.train import ConfigError, log, named, need
+from common.train import ConfigError, LoRAConfig, log, named, need
 
 # ----------------------------------------------------------------------------------------------
 # 1. Config
@@ -174,6 +174,7 @@ class Config:
     mesh: MeshConfig = resumable(MeshConfig)
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = resumable(CheckpointConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)  # LoRA
     run_dir: str = resumable("runs/tiny-moe")
     dry_run: bool = resumable(False)  # compile one step on abstract inputs, print memory, exit
     compile_topology: str = resumable("")  # --dry-run for this TPU type (v5p-256): libtpu
@@ -401,6 +402,7 @@ def init_params(cfg: ModelConfig, key: jax.Array, mesh=None) -> dict:
 def block(x_BTD, lp: dict, pos_BT, inv_freq, cfg: ModelConfig, max_logits: bool = False,
           is_global=True):
     """One layer: attention, then the experts (first_k_dense layers: a dense SwiGLU, no stats)."""
+    lp = train.merged(lp)  # LoRA: each adapted weight merged, in its layer
     w = weights(lp, x_BTD.dtype, cfg)
     h = rms_norm(x_BTD, lp["attn_norm"], cfg.norm_eps)
     if cfg.kv_lora_rank:
@@ -661,8 +663,8 @@ def train_step(state: dict, batch_BT1, *, cfg: Config, tx):
     the router biases (state["buffers"]) moved by the step's load unless it is skipped."""
     M, tau = cfg.train.microbatches, cfg.train.qk_clip_threshold
     buffers = state.get("buffers", {})
-    grad_fn = jax.grad(lambda p, b: loss_fn(with_buffers(p, buffers), b, cfg.model, cfg.train),
-                       has_aux=True)
+    grad_fn = jax.grad(lambda p, b: loss_fn(with_buffers(  # LoRA: p the adapters
+        train.weights(state, cfg.lora, p), buffers), b, cfg.model, cfg.train), has_aux=True)
     grads, aux = train.accumulate(grad_fn, state["params"], batch_BT1, M, MOE_BATCH)
     tops = {s: aux.pop(k) for s, k in (("layers", "max_logit"), ("dense_layers", "max_logit_dense"))
             if k in aux}   # the microbatches' largest, not their mean
@@ -757,8 +759,10 @@ def train_state(cfg: Config, mesh) -> train.TrainState:
     """{params, opt_state, step; with sigmoid routing buffers: the router biases} on `mesh`."""
     bt, specs = _buffer_table(cfg.model), param_specs(cfg.model)
     buffers = (lambda: train.table_init(bt, jax.random.key(0)), train.table_specs(bt))
+    lora = cfg.lora.rank and (  # LoRA
+        train.lora_table(_param_table(cfg.model), MUON_DIMS, cfg.lora), cfg.train.seed)
     return train.TrainState(partial(_init, cfg.model), specs, make_optimizer(cfg.train, specs),
-                            mesh, buffers=buffers if bt else None)
+                            mesh, buffers=buffers if bt else None, lora=lora or None)
 
 
 def count_params(cfg: ModelConfig) -> int:
@@ -850,6 +854,7 @@ def validate(cfg: Config, n_devices: int) -> None:
     m, t = cfg.model, cfg.train
     train.check_ranges(cfg)
     mesh = resolve(cfg.mesh, n_devices, max(1, math.prod(cfg.mesh.dcn())))
+    train.check_lora(cfg.lora, t.optimizer, t.qk_clip_threshold)  # LoRA
     need(m.n_experts >= 2, f"--model.n-experts {m.n_experts}: a mixture needs at least 2 "
          "experts; one expert is a dense MLP, which train_dense.py trains (with --model.d-ff "
          "for its width).")
@@ -1246,7 +1251,7 @@ def train_loop(cfg: Config, mesh, st: train.TrainState, step_fn) -> dict:
     batch = partial(get_batch, batch_size=tc.batch_size, seq_len=tc.seq_len,
                     sharding=named(mesh, P(MOE_BATCH, None)))
     eval_fn = jax.jit(lambda params, b: loss_fn(params, b, mc)[1]["ce"])  # held-out ce
-    weights = lambda s: with_buffers(s["params"], s.get("buffers", {}))  # what forward reads
+    weights = lambda s: with_buffers(train.weights(s, cfg.lora), s.get("buffers", {}))
     tasks = DuringTraining(tc, mc, forward, mesh, ds.tokenizer_path)  # --train.eval-tasks
 
     def evaluate(params) -> dict:
@@ -1765,7 +1770,8 @@ def export_hf(run_dir: str, out: str, step: int = -1, dtype: train.ExportDtype =
         cfg = Config(model=ModelConfig(**saved["model"]), train=TrainConfig(**saved["train"]),
                      data=DataConfig(**saved["data"]), run_dir=run_dir)
     ex = train.export(run_dir, step, saved, {"params": _param_table(cfg.model), "buffers":
-                      _buffer_table(cfg.model)}, dtype, max_shard_gb, data=cfg.data)
+                      _buffer_table(cfg.model)}, dtype, max_shard_gb, data=cfg.data,
+                      dims=MUON_DIMS)
     return ex.written(save_hf(ex.params, cfg.model, out, model_type=model_type, **ex.hf_args), out)
 export_hf.__doc__ = train.EXPORT_HF_DOC
 

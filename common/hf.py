@@ -457,7 +457,8 @@ def _write_file(file: str, tensors: list[tuple[str, tuple, np.dtype, Callable]])
 
 
 def save(path: str, params, mapping, sizes: dict, config: dict, base: dict | None = None, *,
-         dtype: str = "float32", max_shard_bytes: int = 5 * 2**30) -> list[str]:
+         dtype: str = "float32", max_shard_bytes: int = 5 * 2**30,
+         names: tuple[str, str] = (SINGLE, CONFIG)) -> list[str]:
     """Writes `params` as a HuggingFace folder: config.json (`config` over the keys of `base`,
     the config.json the run started from, that do not contradict it), and the tensors in
     shards of at most `max_shard_bytes` (one `model.safetensors` if they fit, else numbered
@@ -522,7 +523,8 @@ def save(path: str, params, mapping, sizes: dict, config: dict, base: dict | Non
             shards, size = shards + [[]], 0
         shards[-1].append(t)
         size += n
-    names = ([SINGLE] if len(shards) == 1 else
+    single, config_file = names
+    names = ([single] if len(shards) == 1 else
              [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
     for name, shard in zip(names, shards):
         _write_file(os.path.join(path, name), shard)
@@ -532,8 +534,38 @@ def save(path: str, params, mapping, sizes: dict, config: dict, base: dict | Non
             "metadata": {"total_size": total * out_dtype.itemsize, "total_parameters": total},
             "weight_map": {t[0]: n for n, shard in zip(names, shards) for t in shard}})
     base = {k: v for k, v in (base or {}).items() if k not in CONTRADICTING}
-    write_json(os.path.join(path, CONFIG), base | config)
-    return names + ([INDEX] if len(shards) > 1 else []) + [CONFIG]
+    write_json(os.path.join(path, config_file), base | config)
+    return names + ([INDEX] if len(shards) > 1 else []) + [config_file]
+
+
+def save_adapter(path: str, adapters: dict, mapping: dict, sizes: dict, rank: int, alpha: float,
+                 base_model: str = "", dtype: str = "float32") -> list[str]:
+    """A LoRA run's adapters (common/train.py `lora_table`) as a folder that `peft` loads onto
+    the HuggingFace model (PeftModel.from_pretrained): adapter_config.json, and each adapted
+    Linear's lora_A [r, in] and lora_B [out, r] in adapter_model.safetensors, named after its
+    weight. `mapping`: the model's (its HF name and layout of each weight, [out, in] in the
+    file); peft's scale is ours, lora_alpha / r."""
+    def entry(template: str, layout: str, half: str) -> tuple[str, str]:
+        left, right = layout.split("->")
+        groups = re.findall(r"\([^)]*\)|\w+", left)
+        if len(groups) != 2 or not template.endswith(".weight"):
+            raise HFError(f"{template}: peft adapts Linear layers; this weight ({layout}) is not "
+                          "one. Export the merged model (without --adapter).")
+        (out_g, in_g), atoms = groups, lambda g: g.strip("()").split()
+        stack = " ".join(right.split()[:len(right.split()) - len(atoms(out_g) + atoms(in_g))])
+        name = f"base_model.model.{template[:-len('.weight')]}.lora_{half.upper()}.weight"
+        return name, (f"r {in_g} -> {stack} {' '.join(atoms(in_g))} r" if half == "a" else
+                      f"{out_g} r -> {stack} r {' '.join(atoms(out_g))}")
+    pick = lambda ad, mp: {k: pick(v, mp[k]) if "a" not in v else {
+        h: entry(*mp[k], h) for h in "ab"} for k, v in ad.items()}
+    amap = pick(adapters, mapping)
+    modules = sorted({n.split(".")[-3] for n, _ in jax.tree.leaves(amap, is_leaf=_is_entry)})
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": alpha,
+              "target_modules": modules, "lora_dropout": 0.0, "bias": "none",
+              "fan_in_fan_out": False, "inference_mode": True,
+              "base_model_name_or_path": base_model}
+    return save(path, adapters, amap, sizes | {"r": rank}, config, dtype=dtype,
+                max_shard_bytes=2**62, names=("adapter_model.safetensors", "adapter_config.json"))
 
 
 def copy_tokenizer(src: str, dst: str) -> list[str]:

@@ -27,7 +27,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from common import hf, multislice, observe
-from common.config import ConfigError, check_ranges, compute_fields, may_change
+from common.config import ConfigError, check_ranges, compute_fields, knob, may_change
 from common.checkpoint import (CheckpointConfig, CheckpointError, Checkpointer,
                                ConfigConflictError, PreemptionGuard, RunConfigError,
                                check_run_config, read_run_config, run_path)
@@ -89,6 +89,85 @@ def split(tree: dict, like: dict) -> tuple[dict, dict]:
             for k, v in tree.items() if not (k in like and not isinstance(like[k], dict))}
     return rest, {k: split(tree[k], v)[1] if isinstance(v, dict) else tree[k]
                   for k, v in like.items()}
+
+
+# --- LoRA (Hu et al. 2021): frozen weights, each plus a trained low-rank update -------------
+@dataclasses.dataclass(frozen=True)
+class LoRAConfig:
+    """--lora.rank r > 0: train w + (alpha / r) a @ b in place of each layer weight w named in
+    --lora.targets, a [in, r] and b [r, out]; every weight of the model stays frozen (no
+    gradient, no optimiser state) and the adapters alone are trained and saved beside it."""
+    rank: int = knob(0, ">= 0")
+    alpha: float = knob(16.0, "> 0")
+    targets: str = "wq,wk,wv,wo,w_gate,w_up,w_down"  # weight names, experts' included
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["w", "a", "b"],
+                   meta_fields=["scale"])
+@dataclasses.dataclass
+class Adapted:
+    """A frozen weight w [..., *in, *out] and its adapter a [..., *in, r], b [..., r, *out],
+    sharing w's leading axes (layers, experts), which a layer scan slices like any leaf."""
+    w: jax.Array
+    a: jax.Array
+    b: jax.Array
+    scale: float
+
+    def merged(self) -> jax.Array:
+        n_out = self.w.ndim - self.a.ndim + 1
+        lead, r = self.b.shape[:self.b.ndim - 1 - n_out], self.a.shape[-1]
+        ab = jnp.einsum("...ir,...ro->...io", self.a.reshape(*lead, -1, r),
+                        self.b.reshape(*lead, r, -1))
+        return jax.lax.stop_gradient(self.w) + self.scale * ab.reshape(self.w.shape)
+
+
+def lora_table(table: dict, dims: dict, lora: LoRAConfig) -> dict:
+    """The adapters' parameter table: for each weight named in --lora.targets (`dims`: name ->
+    its (input axes, output axes), contiguous after the stack's), a (std 1/sqrt(fan-in)) and b
+    (zeros, so that training starts from the model itself), each split as w's axes it spans."""
+    want = [t for t in lora.targets.split(",") if t]
+    need(want and set(want) <= set(dims), f"--lora.targets {lora.targets!r}: name this "
+         f"model's matrices, comma-separated, from {', '.join(sorted(dims))}.")
+
+    def one(shape, spec, name):
+        (i, *_), (o, *_) = dims[name]
+        s, r = tuple(spec) + (None,) * (len(shape) - len(spec)), lora.rank
+        return {"a": (shape[:o] + (r,), P(*s[:o], None), math.prod(shape[i:o]) ** -0.5),
+                "b": (shape[:i] + (r,) + shape[o:], P(*s[:i], None, *s[o:]), 0.0)}
+    walk = lambda t: {k: walk(v) if isinstance(v, dict) else one(*v[:2], k)
+                      for k, v in t.items() if isinstance(v, dict) or k in want}
+    prune = lambda t: {k: prune(v) if "a" not in v else v for k, v in t.items() if v and (
+        "a" in v or prune(v))}
+    out = prune(walk(table))
+    need(out, f"--lora.targets {lora.targets!r}: none of these weights is in this model.")
+    return out
+
+
+def check_lora(lora: LoRAConfig, optimizer: str, qk_clip: float, flag: str = "--train") -> None:
+    need(not lora.rank or optimizer == "adamw" and not qk_clip, f"--lora.rank {lora.rank} "
+         "trains its adapters with AdamW, and QK-clip would rescale frozen weights: use "
+         f"{flag}.optimizer adamw and no {flag}.qk-clip-threshold.")
+
+
+def adapt(base: dict, adapters: dict, scale: float) -> dict:
+    """The model's weights with each adapted one an `Adapted`: a layer merges its own
+    (`merged`), so one layer's merged weights exist at a time, never a second model."""
+    return {k: (adapt(v, adapters[k], scale) if "a" not in adapters[k] else
+                Adapted(v, adapters[k]["a"], adapters[k]["b"], scale)) if k in adapters else v
+            for k, v in base.items()}
+
+
+def merged(tree: dict) -> dict:
+    """`tree` with each `Adapted` leaf as its weight (a no-op without LoRA)."""
+    return jax.tree.map(lambda x: x.merged() if isinstance(x, Adapted) else x, tree,
+                        is_leaf=lambda x: isinstance(x, Adapted))
+
+
+def weights(state: dict, lora: LoRAConfig, params: dict | None = None) -> dict:
+    """The model the state holds: its parameters, or under LoRA its frozen "base" adapted by
+    them (`params`: adapters in their place, those being differentiated)."""
+    p = state["params"] if params is None else params
+    return adapt(state["base"], p, lora.alpha / lora.rank) if "base" in state else p
 
 
 def named(mesh, specs):
@@ -391,15 +470,19 @@ class TrainState:
     `ref`, a frozen copy of the parameters: a KL reference). `init(key)` makes the float32
     parameters under jit, the specs as out_shardings: no device ever holds a whole model.
     `buffers` = (init(), specs): state the step updates by its own rule, never the optimiser
-    (DeepSeek's router biases); saved and restored with the rest, under "buffers"."""
+    (DeepSeek's router biases); saved and restored with the rest, under "buffers".
+    `lora` = (the adapters' table, seed): "params" are then the adapters, the model a frozen
+    "base" (`weights`), and `model` names which of the two a model's weights restore into."""
 
     def __init__(self, init: Callable, specs: dict, tx, mesh, *, ref: bool = False,
-                 buffers: tuple[Callable, dict] | None = None):
+                 buffers: tuple[Callable, dict] | None = None, lora: tuple | None = None):
         self.init, self.tx, self.mesh, self.ref = init, tx, mesh, ref
-        self.buffers = buffers
+        self.buffers, self.lora, self.model = buffers, lora, "base" if lora else "params"
         p_sh = named(mesh, specs)
+        if lora:  # the model frozen, the adapters trained: the optimiser sees only those
+            p_sh, self.base_sh = named(mesh, table_specs(lora[0])), p_sh
         # No concrete key: with --compile-topology the mesh's devices do not exist here.
-        abstract = jax.eval_shape(lambda: init(jax.random.key(0)))
+        abstract = jax.eval_shape(lambda: self._trained(init(jax.random.key(0))))
         replicated = NamedSharding(mesh, P())
         # Moments take their parameter's sharding; Muon's partition leaves MaskedNodes (no
         # state) where the other optimiser's parameters are.
@@ -412,10 +495,15 @@ class TrainState:
             self.shardings["ref"] = p_sh
         if buffers:
             self.shardings["buffers"] = named(mesh, buffers[1])
+        if lora:
+            self.shardings["base"] = self.base_sh
+
+    def _trained(self, params):
+        return table_init(self.lora[0], jax.random.key(self.lora[1])) if self.lora else params
 
     def _make(self, params, buffers=None):
-        s = {"params": params, "opt_state": self.tx.init(params),
-             "step": jnp.zeros((), jnp.int32)}
+        s = {"params": self._trained(params), "step": jnp.zeros((), jnp.int32)}
+        s |= {"opt_state": self.tx.init(s["params"])} | ({"base": params} if self.lora else {})
         if self.buffers:
             s["buffers"] = self.buffers[0]() if buffers is None else buffers
         # The reference is a copy, not an alias: the policy's buffers are donated.
@@ -1010,6 +1098,8 @@ class Export:
     params: dict                # float32, the buffers joined in
     hf_args: dict               # base_config (the source's keys, or the tokenizer's ids), dtype
     tokenizer_dir: str | None   # the folder to copy tokenizer files from
+    lora: LoRAConfig | None = None
+    adapters: dict | None = None  # a LoRA run's, unmerged (`params` holds them merged)
 
     def written(self, files: list[str], out: str) -> list[str]:
         """save_hf wrote `files` to `out`: the tokenizer joins them; one line says what."""
@@ -1022,13 +1112,16 @@ class Export:
 
 
 def export(run_dir: str, step: int, saved: dict, tables: dict, dtype: str, max_shard_gb: float,
-           *, tokenizer_run: str = "", data=None) -> Export:
+           *, tokenizer_run: str = "", data=None, dims: dict | None = None) -> Export:
     """The checkpoint `step` (-1 the latest) of the run whose config.json is `saved`, shaped
     by `tables` ({"params": table[, "buffers": table]}) and read split over every local device
     (fsdp) when the model's sizes allow; what its export keeps: a run started from a
     HuggingFace folder keeps that folder's config keys and tokenizer files, else the tokenizer
     of the run `tokenizer_run` (following its --init-from) or of the data config `data` ships."""
     tables = {k: v for k, v in tables.items() if v}  # no buffers: none saved
+    lora = LoRAConfig(**saved.get("lora", {}))
+    if lora.rank:  # a LoRA run saved its frozen model and the adapters (`dims`: their axes)
+        tables |= {"base": tables["params"], "params": lora_table(tables["params"], dims, lora)}
     mesh = make_mesh(MeshConfig(fsdp=len(jax.devices())))
     try:
         check_divides(tables, mesh, run_dir)
@@ -1057,8 +1150,9 @@ def export(run_dir: str, step: int, saved: dict, tables: dict, dtype: str, max_s
         base = {"bos_token_id": sp.bos_id() if sp.bos_id() >= 0 else None,
                 "eos_token_id": sp.eos_id()}
         tokenizer_dir = os.path.dirname(tok)
-    return Export(run_dir, at, join(state["params"], state.get("buffers", {})), dict(
-        base_config=base, dtype=dtype, max_shard_bytes=int(max_shard_gb * 2**30)), tokenizer_dir)
+    return Export(run_dir, at, join(merged(weights(state, lora)), state.get("buffers", {})), dict(
+        base_config=base, dtype=dtype, max_shard_bytes=int(max_shard_gb * 2**30)), tokenizer_dir,
+        lora, state["params"] if lora.rank else None)
 
 
 def hf_origin(saved: dict) -> str:

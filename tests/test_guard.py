@@ -149,7 +149,8 @@ GEMMA4 = """model.global_head_dim model.global_kv_heads model.ple_dim model.kv_s
 EXPECTED = {
     "train_dense": [MESH, CKPT, DATA, LLAMA, GEMMA, OLMO, GEMMA4, TRAIN, """
         train.eval_samples train.eval_tasks_limit: >= 0 | compile_slices: > 0
-        dpo.beta dpo.simpo_beta: > 0 | dpo.simpo_gamma: >= 0"""],
+        dpo.beta dpo.simpo_beta: > 0 | dpo.simpo_gamma: >= 0
+        lora.rank: >= 0 | lora.alpha: > 0"""],
     "train_moe": [MESH, CKPT, DATA, TRAIN, """
         train.eval_tasks_limit: >= 0
         model.vocab_size model.d_model model.n_layers model.n_heads model.n_kv_heads
@@ -165,7 +166,7 @@ EXPECTED = {
         model.first_k_dense model.dense_d_ff model.rope_local_theta model.global_head_dim
         model.global_kv_heads model.final_softcap: >= 0 | model.rope_partial: [0, 1]
         train.load_balance_loss train.router_z_loss train.router_bias_rate: >= 0
-        compile_slices: > 0"""],
+        compile_slices: > 0 | lora.rank: >= 0 | lora.alpha: > 0"""],
     "train_grpo": [MESH, CKPT, LLAMA, GEMMA, OLMO, GEMMA4, """
         grpo.prompts_per_step grpo.group_size grpo.max_new_tokens grpo.temperature grpo.mu
         grpo.microbatches grpo.lr grpo.clip_norm grpo.log_every grpo.eval_every: > 0
