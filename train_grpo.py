@@ -36,7 +36,7 @@ from common.data import (CharTokenizer, ChatTemplate, PretrainedTokenizer, decod
 from common.mesh import BATCH_AXES, MeshConfig, describe, make_mesh, resolve
 from common.task import (Row, Task, columns, exact, format_reward, left_pad, load_task,
                          problems, prompt_width, score)
-from common.train import ConfigError, fetch, log, named, need
+from common.train import ConfigError, LoRAConfig, fetch, log, named, need
 
 # ----------------------------------------------------------------------------------------------
 # 1. Config
@@ -169,6 +169,7 @@ class Config:
     task: TaskConfig = field(default_factory=TaskConfig)
     mesh: MeshConfig = resumable(MeshConfig)
     checkpoint: CheckpointConfig = resumable(CheckpointConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)  # LoRA (the warm start trains it all)
     run_dir: str = resumable("runs/grpo-tiny")
     init_from: str = ""           # a train_dense.py run dir: its model, tokenizer and weights
     init_from_hf: str = ""        # a HuggingFace folder: its config.json, tokenizer and weights
@@ -287,9 +288,13 @@ def count_params(cfg: ModelConfig) -> int:
     return train.table_count(_param_table(cfg))
 
 
-def train_state(cfg: Config, mesh, tx, ref: bool = False) -> train.TrainState:
-    """{params, opt_state, step} with optimiser `tx` on `mesh`; `ref`: the KL reference too."""
-    return train.TrainState(partial(_init, cfg.model), param_specs(cfg.model), tx, mesh, ref=ref)
+def train_state(cfg: Config, mesh, tx, ref: bool = False, lora: bool = True) -> train.TrainState:
+    """{params, opt_state, step} with optimiser `tx` on `mesh`; `ref`: the KL reference too
+    (under --lora.rank, the frozen base is the reference)."""
+    lora = lora and cfg.lora.rank and (  # LoRA
+        train.lora_table(_param_table(cfg.model), MUON_DIMS, cfg.lora), cfg.grpo.seed)
+    return train.TrainState(partial(_init, cfg.model), param_specs(cfg.model), tx, mesh,
+                            ref=ref and not lora, lora=lora or None)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -304,7 +309,7 @@ def block(x_BTD, lp: dict, cfg: ModelConfig, *, pos_BT, inv_freq, mask_BTS=None,
     (x, (kv, stats: with max_logits the heads' largest logit)). Gemma 4: a layer without keys
     and values of its own attends over `shared`, an earlier layer's (k, v) (its cache, when
     decoding), which stats hold with `keep_kv`."""
-    dt = x_BTD.dtype
+    dt, lp = x_BTD.dtype, train.merged(lp)  # LoRA: each adapted weight merged, in its layer
     w = lambda name: lp[name].astype(dt)   # f32 master weights, compute-dtype matmuls
 
     def norm(x, name):  # a gain [N, H] (OLMo's q/k norms) normalises all heads at once
@@ -636,7 +641,8 @@ def train_step(state: dict, batch: dict, *, cfg: Config, n_valid: int):
     rows = {k: v for k, v in batch.items() if k != "n_tokens"}
     loss = partial(loss_fn, cfg=cfg, n_valid=n_valid, n_tokens=batch["n_tokens"] / M,
                    max_logits=tau > 0)
-    grads, sums = train.accumulate(jax.grad(loss, has_aux=True), state["params"], rows, M,
+    on = lambda p, b: loss(train.weights(state, cfg.lora, p), b)  # LoRA: the adapters trained
+    grads, sums = train.accumulate(jax.grad(on, has_aux=True), state["params"], rows, M,
                                    BATCH_AXES)
     grads, max_LN = jax.tree.map(lambda x: x / M, grads), sums.pop("max_logit", None)
     n = jnp.maximum(sums.pop("tokens"), 1.0)
@@ -719,6 +725,7 @@ def validate(cfg: Config, n_devices: int, tok) -> Task:
     train.check_ranges(cfg)
     mesh = resolve(cfg.mesh, n_devices, max(1, math.prod(cfg.mesh.dcn())))
     check_model(m, mesh, "--grpo.qk-clip-threshold", g.qk_clip_threshold)
+    train.check_lora(cfg.lora, g.optimizer, g.qk_clip_threshold, "--grpo")  # LoRA
     need(mesh.context * mesh.dcn_context == 1, f"--mesh.context {mesh.context}: rollouts decode "
          "token by token, which a split sequence cannot; keep it 1 (train_dense.py and "
          "train_moe.py train long sequences over it).")
@@ -954,6 +961,8 @@ def train_loop(cfg: Config, mesh, tok, task: Task, st: train.TrainState, step_fn
     g, generate, held_out = cfg.grpo, sampler(cfg, mesh, tok, task), {}
     logp_fn = jax.jit(lambda p, b: completion_logps(p, b["prompt"], b["prompt_valid"],
                       b["completion"], cfg.model, g.temperature, tok.vocab_size)[0])
+    merge = jax.jit(lambda s: train.merged(train.weights(s, cfg.lora)))  # LoRA: once a rollout
+    policy = lambda s: merge(s) if "base" in s else s["params"]
 
     def evaluate(params) -> dict:
         """Greedy completions of the fixed held-out prompts."""
@@ -966,7 +975,7 @@ def train_loop(cfg: Config, mesh, tok, task: Task, st: train.TrainState, step_fn
     warm = {}
     if state is None:  # a new run: from --init-from-hf, --init-from, or random weights
         params = (load_hf(cfg.init_from_hf, mesh)[1] if cfg.init_from_hf else
-                  train.restore_params(cfg.init_from, st.abstract()["params"]) if cfg.init_from
+                  train.restore_params(cfg.init_from, st.abstract()[st.model]) if cfg.init_from
                   else init_params(cfg.model, jax.random.key(g.seed), mesh))
         if cfg.warm.max_steps > 0:
             params, warm = warm_start(cfg, mesh, tok, params, generate, task, run)
@@ -976,7 +985,7 @@ def train_loop(cfg: Config, mesh, tok, task: Task, st: train.TrainState, step_fn
     loop = train.Loop(run, start, g.steps, log_every=1, eval_every=g.eval_every,
                       tokens_per_step=tokens, flops_per_token=flops / tokens, show=None,
                       flag="--grpo", max_bad_steps=g.max_bad_steps, peak_tflops=g.peak_tflops)
-    ev = loop.eval(evaluate(state["params"]))
+    ev = loop.eval(evaluate(policy(state)))
     log(f"eval step {start} | held-out reward {ev['eval_reward']:.3f} (greedy, "
         f"{len(task.eval_rows)} prompts)")
     rollout_tokens, rollout_s = 0, 0.0
@@ -984,7 +993,7 @@ def train_loop(cfg: Config, mesh, tok, task: Task, st: train.TrainState, step_fn
     for step in loop:
         t0 = time.perf_counter()
         items = [p for p in task.rows_at(step, g.prompts_per_step, 0) for _ in range(g.group_size)]
-        r = generate(state["params"], items, jax.random.fold_in(jax.random.key(g.seed), step),
+        r = generate(p := policy(state), items, jax.random.fold_in(jax.random.key(g.seed), step),
                      g.temperature)
         lengths = r["mask"].sum(axis=1)
         rollout_tokens, rollout_s = rollout_tokens + int(lengths.sum()), rollout_s + r["seconds"]
@@ -992,9 +1001,9 @@ def train_loop(cfg: Config, mesh, tok, task: Task, st: train.TrainState, step_fn
         batch = r["batch"] | train.put({"adv": adv, "n_tokens": np.float32(lengths.sum())}, mesh,
                                        BATCH_AXES)
         if cfg.model.dtype != "float32":  # the decode's bfloat16 log-probs differ from the
-            batch["old_logp"] = logp_fn(state["params"], batch)  # training forward's
+            batch["old_logp"] = logp_fn(p, batch)  # training forward's
         if g.beta > 0:
-            batch["ref_logp"] = logp_fn(state["ref"], batch)
+            batch["ref_logp"] = logp_fn(state.get("ref", state.get("base")), batch)
         passes = []
         for _ in range(g.mu):
             state, m = step_fn(state, batch)
@@ -1009,7 +1018,7 @@ def train_loop(cfg: Config, mesh, tok, task: Task, st: train.TrainState, step_fn
         rec["ms_per_step"] = 1e3 * (time.perf_counter() - t0)
         rec["mfu"] = train.mfu(flops / tokens, tokens / rec["ms_per_step"] * 1e3, loop.peak)
         if loop.eval_due:
-            rec |= loop.eval(evaluate(state["params"]), write=False)
+            rec |= loop.eval(evaluate(policy(state)), write=False)
         if loop.step % g.log_every == 0 or loop.step == g.steps or "eval_reward" in rec:
             log_step(rec)
         run.metrics_log.write(rec)
@@ -1062,7 +1071,7 @@ def warm_start(cfg: Config, mesh, tok, params, generate, task: Task, run: train.
     """SFT on correct examples until the sampled (not greedy) reward reaches
     --warm.target-reward (WarmStartConfig says why)."""
     w, g = cfg.warm, cfg.grpo
-    st = train_state(cfg, mesh, make_optimizer(g, w, param_specs(cfg.model)))
+    st = train_state(cfg, mesh, make_optimizer(g, w, param_specs(cfg.model)), lora=False)
     state = st.from_params(params)
     step_fn = st.jit(partial(sft_step, cfg=cfg, n_valid=tok.vocab_size))
     t0, losses = time.perf_counter(), []
@@ -1444,7 +1453,7 @@ def export_hf(run_dir: str, out: str, step: int = -1, dtype: train.ExportDtype =
     with train.run_config(run_dir) as saved:  # unreadable: a ConfigError naming it
         model = ModelConfig(**saved["model"])
     ex = train.export(run_dir, step, saved, {"params": _param_table(model)}, dtype, max_shard_gb,
-                      tokenizer_run=saved.get("init_from", ""))
+                      tokenizer_run=saved.get("init_from", ""), dims=MUON_DIMS)
     return ex.written(save_hf(ex.params, model, out, model_type=model_type, **ex.hf_args), out)
 export_hf.__doc__ = train.EXPORT_HF_DOC
 

@@ -177,7 +177,8 @@ EXPECTED = {
         grpo.b1 grpo.b2: [0, 1)
         warm.check_every warm.batch_size warm.lr: > 0
         warm.max_steps warm.target_reward warm.warmup_steps: >= 0
-        task.min_digits task.max_digits task.eval_prompts: > 0 | task.eval_seed: >= 0"""],
+        task.min_digits task.max_digits task.eval_prompts: > 0 | task.eval_seed: >= 0
+        lora.rank: >= 0 | lora.alpha: > 0"""],
 }
 
 

@@ -231,3 +231,33 @@ def test_peft_loads_our_adapter(data_path, tmp_path):  # noqa: F811
             merged, dtype=torch.float32)(t).logits.numpy()
     assert np.max(np.abs(got_peft - ours)) < 1e-4
     assert np.max(np.abs(got_merged - ours)) < 1e-4
+
+
+def test_grpo_trains_adapters_over_its_full_warm_start_and_resumes(tmp_path, capsys):
+    """GRPO with --lora.rank: the warm start (SFT) trains the whole model, which then stays
+    frozen as the base and the KL reference (no copy of it); rollouts sample the adapted
+    policy; resumed == uninterrupted, bit for bit; export-hf writes the merged model."""
+    from tests.test_grpo import grpo_config, metrics
+    import train_grpo as tg
+    cfg = lambda d, n: grpo_config(tmp_path / d, n, lora=LORA, grpo=dict(mu=1), warm=dict(
+        max_steps=10, check_every=10, batch_size=32, lr=1e-2, target_reward=2.0))
+    full = tg.main(cfg("a", 3))
+    tg.main(cfg("b", 2))
+    resumed = tg.main(cfg("b", 3))
+    assert "resumed from step 2" in capsys.readouterr().out
+    state = jax.device_get(full["state"])
+    assert set(state) == {"params", "opt_state", "step", "base"}
+    for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(jax.device_get(resumed["state"]))):
+        np.testing.assert_array_equal(a, b)
+    start = jax.device_get(tg.main(cfg("c", 0))["state"])  # the warm start alone
+    for a, b in zip(jax.tree.leaves(state["base"]), jax.tree.leaves(start["base"])):
+        np.testing.assert_array_equal(a, b)  # the warm start's model, frozen since
+    assert any(np.abs(v["b"]).max() > 0 for v in state["params"]["layers"].values())
+    steps = [r for r in metrics(tmp_path / "a") if "step" in r and "reward" in r]
+    assert steps[0]["kl"] < 1e-9 < steps[1]["kl"]  # the policy starts as its reference
+    out = str(tmp_path / "hf")
+    tg.export_hf(str(tmp_path / "a"), out)
+    _, merged = tg.load_hf(out)
+    want = train.merged(train.weights(state, LORA))
+    for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(jax.device_get(merged))):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
