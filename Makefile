@@ -15,7 +15,7 @@ PORT   ?= 6006
 comma  := ,
 
 .DEFAULT_GOAL := help
-.PHONY: help train test test-floors test-tpu muonclip-demo bench bench-gpu bench-context bench-window bench-parity bench-parity-moe bench-grpo bench-recovery bench-scale compile-tpu dry-run prepare clean train-moe bench-moe train-grpo \
+.PHONY: help train distill test test-floors test-tpu muonclip-demo bench bench-gpu bench-context bench-window bench-parity bench-parity-moe bench-grpo bench-recovery bench-scale compile-tpu dry-run prepare clean train-moe bench-moe train-grpo \
         plot tensorboard need-run sft dpo export-hf finetune-hf hf-fixtures eval
 
 help:  ## list the targets
@@ -39,6 +39,10 @@ dpo: $(VENV)/.installed  ## DPO of the `make sft` model (made first if missing):
 	@test -d runs/tiny-sft/checkpoints || $(MAKE) --no-print-directory sft ARGS=
 	$(PY) tools/sft_demo.py --dpo --out data/dpo-demo
 	$(PY) train_dense.py tiny-dpo $(ARGS)
+
+distill: $(VENV)/.installed  ## a 1.4M student of the `make train` model (trained first if missing), taught by it
+	@test -d runs/tiny/checkpoints || $(MAKE) --no-print-directory train PRESET=tiny ARGS=
+	$(PY) train_dense.py tiny-distill $(ARGS)
 
 train-moe: $(VENV)/.installed  ## train the tiny mixture of experts (MOE_PRESET) on the embedded corpus; resumes
 	$(PY) train_moe.py $(MOE_PRESET) $(ARGS)

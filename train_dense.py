@@ -134,6 +134,18 @@ class DPOConfig:  # DPO
     beta: float = 0.1             # dpo, ipo: the reward is beta log(pi / pi_ref)
     simpo_beta: float = 2.0       # simpo: the reward is simpo_beta log(pi) / answer tokens
     simpo_gamma: float = knob(1.0, ">= 0")  # simpo: the target reward margin
+    precompute_ref: bool = False  # the start's log-probs of every batch once, first: no copy kept
+
+
+@dataclass(frozen=True)  # distillation
+class DistillConfig:  # distillation
+    """--distill.teacher: the student also learns the teacher's next-token distribution."""
+    teacher: str = ""             # a train_dense.py run dir or HuggingFace folder; "" = off
+    weight: float = knob(0.5, "[0, 1]")  # of the KL term; the data's own targets get 1 - it
+    temperature: float = knob(1.0, "> 0")  # both distributions softened by it (Hinton 2015)
+    top_k: int = knob(0, ">= 0")  # the teacher's k likeliest tokens only, renormalised; 0 = all
+    logits: str = ""              # a folder of the teacher's top-k for this run's batches: read
+    save: bool = False            # run the teacher once over them, write that folder, exit
 
 
 @dataclass(frozen=True)
@@ -142,6 +154,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     dpo: DPOConfig = field(default_factory=DPOConfig)  # DPO
     lora: LoRAConfig = field(default_factory=LoRAConfig)  # LoRA
+    distill: DistillConfig = field(default_factory=DistillConfig)  # distillation
     mesh: MeshConfig = resumable(MeshConfig)
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = resumable(CheckpointConfig)
@@ -265,6 +278,11 @@ PRESETS: dict[str, tuple[str, Config]] = {
                init_from="runs/tiny-sft", data=DataConfig(format="dpo", path=(
                    "data/dpo-demo/train.jsonl")), checkpoint=CheckpointConfig(every=50),
                dpo=DPOConfig(beta=0.5), run_dir="runs/tiny-dpo")),
+    # `make distill`: a student a quarter of `make train`'s model learns from it (the teacher).
+    "tiny-distill": (  # distillation
+        "a 1.4M student of runs/tiny (the teacher) on the same corpus: the `make distill` demo",
+        Config(ModelConfig(d_model=128, n_layers=2, head_dim=32, d_ff=384), run_dir=(
+            "runs/tiny-distill"), distill=DistillConfig(teacher="runs/tiny"))),
     # The HuggingFace flow (`make finetune-hf`): the model, tokenizer and chat template come
     # from --init-from-hf; the learning rate suits a pretrained 0.5-8B model, not the demo.
     "hf-sft": (  # SFT
@@ -555,16 +573,21 @@ def forward(params: dict, tokens_BT, cfg: ModelConfig, *, segment_ids=None, posi
 # ----------------------------------------------------------------------------------------------
 # 4. Loss and train step
 # ----------------------------------------------------------------------------------------------
-def train_step(state: dict, batch, *, cfg: Config, tx):
+def train_step(state: dict, batch, *, cfg: Config, tx, teacher: ModelConfig | None = None):
     """One optimiser step on a global batch (tokens [B, T+1], or packed SFT rows); returns the
     new state and metrics. Every microbatch divides its sums by the whole batch's weight, so
     their gradients add up to the gradient of the batch mean even when they hold different
     numbers of trained tokens (SFT). With --train.qk-clip-threshold tau, heads whose logits
     exceeded tau have their query and key projections scaled down after the update (MuonClip,
     see common/train.py `qk_clip`)."""
-    tau = cfg.train.qk_clip_threshold
+    tau, (batch, top_k) = cfg.train.qk_clip_threshold, (
+        batch if isinstance(batch, tuple) else (batch, None))  # distillation, offline
     loss = partial(loss_fn, cfg=cfg.model, n=loss_weight(batch), z_loss=cfg.train.z_loss,
                    max_logits=tau > 0)
+    if teacher or top_k is not None:  # distillation: the teacher's distribution a second
+        # target, the teacher run here or its saved top-k read with the batch
+        loss = partial(loss, distill=(state["teacher"] if teacher else top_k, teacher,
+                                      cfg.distill))
     if cfg.data.format == "dpo":  # DPO
         # pairs, against the frozen start; each microbatch over the whole batch's pairs
         loss = partial(dpo_loss, cfg=cfg, ref=state.get("ref", state.get("base")),
@@ -575,7 +598,7 @@ def train_step(state: dict, batch, *, cfg: Config, tx):
     clip = partial(train.qk_clip, tops={"layers": aux.get("max_logit")}, tau=tau) if tau else None
     new, metrics = train.update(tx, grads, state, aux["ce"], after=clip)
     clipped = {"max_attn_logit": jnp.max(aux["max_logit"])} if tau > 0 else {}
-    metrics |= aux.get("dpo", {})  # DPO
+    metrics |= aux.get("dpo", {}) | {k: aux[k] for k in ("distill_kl",) if k in aux}
     return new, metrics | clipped | {"loss": aux["ce"],
                                      "lr": make_schedule(cfg.train)(state["step"])}
 
@@ -588,7 +611,7 @@ VOCAB_DV, LOSS_BTD = P(None, ("tensor", "fsdp")), P(("data", "context"), None, N
 
 
 def loss_fn(params, batch, cfg: ModelConfig, *, n=None, z_loss: float = 0.0,
-            max_logits: bool = False):
+            max_logits: bool = False, distill=None):
     """The objective: the batch's targets' cross-entropy, each times its weight, over n
 
         ce = sum_t w_t (lse_t - l_t[y_t]) / n,   objective = ce + z_loss sum_t w_t lse_t^2 / n
@@ -598,7 +621,8 @@ def loss_fn(params, batch, cfg: ModelConfig, *, n=None, z_loss: float = 0.0,
     near 1. Returns (objective, {"ce": ce, `hidden`'s stats}). The [B, T, V] logits never exist
     at once: `cross_entropy` takes `loss_chunk` positions at a time (with a 128k vocabulary,
     gigabytes become megabytes), and with loss_impl "fused" each chunk's gradient is made with
-    its loss (`_ce_fused`)."""
+    its loss (`_ce_fused`). With `distill` (teacher parameters, ModelConfig, DistillConfig), the
+    objective is (1 - weight) that + weight `distill_kl`."""
     inputs, targets, weights, segment_ids, positions = split_batch(batch)
     h_BTD, stats = hidden(params, inputs, cfg, segment_ids=segment_ids, positions=positions,
                           max_logits=max_logits)
@@ -611,6 +635,12 @@ def loss_fn(params, batch, cfg: ModelConfig, *, n=None, z_loss: float = 0.0,
     obj, ce = scan(partial(cross_entropy, z_loss=z_loss, cap=cfg.final_softcap), h_BTD, w_DV,
                    targets, weights, cfg.loss_chunk, not cfg.scan_layers)
     n = loss_weight(batch) if n is None else n
+    if distill:  # distillation: the teacher run here, or its saved top-k (logits, token ids)
+        (t, tm, d), sg = distill, jax.lax.stop_gradient
+        t = (sg(fold_context(hidden(t, inputs, tm, segment_ids=segment_ids, positions=positions)[
+            0])[0]), sg(unembedding(t, tm)), tm.final_softcap) if tm else fold_context(*t)
+        kl = distill_kl(h_BTD, w_DV, t, weights, d, cfg.final_softcap, cfg.loss_chunk)
+        obj, stats = (1 - d.weight) * obj + d.weight * kl, stats | {"distill_kl": kl / n}
     return obj / n, stats | {"ce": ce / n}
 
 
@@ -699,7 +729,8 @@ def dpo_loss(params, batch, cfg: Config, ref=None, n=1):  # DPO
     (an estimate of KL(pi || pi_ref) only where the text is pi's own samples)."""
     d, m = cfg.dpo, cfg.model
     s_BS, count_BS = sequence_logps(params, batch, m)
-    ref_BS = s_BS if ref is None else jax.lax.stop_gradient(sequence_logps(ref, batch, m)[0])
+    ref_BS = batch["ref_logps"] if "ref_logps" in batch else s_BS if ref is None else (
+        jax.lax.stop_gradient(sequence_logps(ref, batch, m)[0]))  # precomputed, or made here
     beta = d.simpo_beta if d.loss == "simpo" else d.beta
     r_BS = beta * (s_BS / jnp.maximum(count_BS, 1) if d.loss == "simpo" else s_BS - ref_BS)
     margin = r_BS[:, 0] - r_BS[:, 1]
@@ -710,6 +741,40 @@ def dpo_loss(params, batch, cfg: Config, ref=None, n=1):  # DPO
     return mean(loss), {"ce": mean(loss), "dpo": {
         "reward_margin": mean(margin), "accuracy": mean((margin > 0) + 0.5 * (margin == 0))} | (
         {"kl_chosen": mean(kl)} if ref is not None else {})}
+
+
+def held_out_sums(params, batch, ref, cfg: Config) -> dict:
+    """A held-out batch's sums, added up over the split: its weighted cross-entropy and weight
+    "n"; DPO: the pairs' loss and figures (against `ref`) and their number."""
+    if cfg.data.format == "dpo":  # DPO
+        aux = dpo_loss(params, batch, cfg, ref)[1]
+        return {"eval_loss": aux["ce"], "n": jnp.sum(jnp.max(batch["weights"], axis=-1) > 0)
+                } | {f"eval_{k}": v for k, v in aux["dpo"].items()}
+    return {"eval_loss": loss_fn(params, batch, cfg.model, n=1)[1]["ce"], "n": loss_weight(batch)}
+
+
+def distill_kl(h_BTD, w_DV, teacher, wt_BT, d: DistillConfig, cap, chunk: int):  # distillation
+    """sum_t w_t tau^2 KL(p_teacher || p_student), each p = softmax(logits / tau) (Hinton et al.
+    2015: tau^2 keeps the gradient's scale as tau grows). `teacher`: its hidden states, its
+    unembedding and soft-cap, run here (cut to its top-k with --distill.top-k), or its saved
+    top-k, (logits [B, T, k], token ids): the teacher's distribution renormalised over those k
+    tokens, the student's log-probabilities of them. `loss_chunk` positions at a time, each
+    chunk's logits rebuilt in the backward."""
+    tau, online = d.temperature, len(teacher) == 3
+    logits = lambda h, w, c: _softcap(jnp.einsum("bcd,dv->bcv", h, w.astype(h.dtype),
+                                                 preferred_element_type=jnp.float32), c)
+
+    def one(_, xs):
+        h, wt, *t = xs
+        lps = jax.nn.log_softmax(logits(h, w_DV, cap) / tau)
+        zt, idx = (logits(t[0], *teacher[1:]), None) if online else t
+        zt, idx = jax.lax.top_k(zt, d.top_k) if online and d.top_k else (zt, idx)
+        lps = lps if idx is None else jnp.take_along_axis(lps, idx, axis=-1)
+        lpt = jax.nn.log_softmax(zt / tau)
+        kl = jnp.sum(jnp.exp(lpt) * (lpt - lps), axis=-1)
+        return None, jnp.sum(kl if wt is None else kl * wt)
+    xs = _chunked(chunk, h_BTD, wt_BT, *(teacher[:1] if online else teacher))
+    return tau ** 2 * jnp.sum(jax.lax.scan(jax.checkpoint(one), None, xs)[1])
 
 
 def make_schedule(t: TrainConfig):
@@ -744,16 +809,18 @@ def init_params(cfg: ModelConfig, key: jax.Array, mesh=None) -> dict:
     return jax.jit(partial(_init, cfg), out_shardings=out)(key)
 
 
-def train_state(cfg: Config, mesh) -> train.TrainState:
+def train_state(cfg: Config, mesh, teacher: ModelConfig | None = None) -> train.TrainState:
     """{params, opt_state, step} of this model and optimiser on `mesh` (see common/train.py);
     DPO and IPO: "ref" too, the frozen start, never optimised (passed through the step)."""
     ref, lora = False, None
-    ref = cfg.data.format == "dpo" and cfg.dpo.loss != "simpo" and not cfg.lora.rank  # DPO
+    ref = cfg.data.format == "dpo" and cfg.dpo.loss != "simpo" and not (  # DPO
+        cfg.lora.rank or cfg.dpo.precompute_ref)
     if cfg.lora.rank:  # LoRA: the adapters trained, the model frozen (and DPO's reference)
         lora = train.lora_table(_param_table(cfg.model), MUON_DIMS, cfg.lora), cfg.train.seed
+    frozen = {"teacher": (partial(_init, teacher), param_specs(teacher))} if teacher else None
     return train.TrainState(partial(_init, cfg.model), param_specs(cfg.model),
                             make_optimizer(cfg.train, param_specs(cfg.model)), mesh, ref=ref,
-                            lora=lora)
+                            lora=lora, frozen=frozen)
 
 
 def count_params(cfg: ModelConfig) -> int:
@@ -908,8 +975,9 @@ def main(cfg: Config) -> dict:
     devices = train.devices(cfg.compile_topology, cfg.compile_slices, cfg.dry_run)
     validate(cfg, len(devices))
     mesh, tc, m, pf = make_mesh(cfg.mesh, devices), cfg.train, cfg.model, devices[0].platform
-    st = train_state(cfg, mesh)
-    step_fn = st.jit(partial(train_step, cfg=cfg, tx=st.tx))
+    teacher = teacher_model(cfg, m)  # distillation
+    st = train_state(cfg, mesh, teacher)
+    step_fn = st.jit(partial(train_step, cfg=cfg, tx=st.tx, teacher=teacher))
     check_kernel(m.attention, pf, tc.seq_len)
     kernel = choose(m.attention, pf, dtype=m.dtype, T=tc.seq_len, H=m.head_dim, V=m.head_dim,
                     cap=m.attn_softcap, segments=cfg.data.format == "dpo"
@@ -925,6 +993,9 @@ def main(cfg: Config) -> dict:
         tokens = dict(inputs=tokens[:, :-1], targets=tokens[:, 1:], positions=row(h, np.int32),
                       weights=row(h >= T // 4, np.float32),
                       segment_ids=row(1 + (np.arange(T) >= T // 2), np.int32))
+    if cfg.distill.logits and not cfg.distill.save:  # distillation, offline: random top-k
+        k = (tc.batch_size, tc.seq_len, cfg.distill.top_k)
+        tokens = (tokens, (np.ones(k, np.float32), np.zeros(k, np.int32) + np.arange(k[2])))
     if cfg.dry_run:  # on random tokens, as --bench: no data read, no checkpoint written
         return train.dry_run(step_fn, st.abstract(), train.put(tokens, mesh, BATCH_AXES, True),
                              mesh, count_params(m), attention=kernel)
@@ -949,14 +1020,10 @@ def train_loop(cfg: Config, mesh, st: train.TrainState, step_fn) -> dict:
     train.check_vocab(ds.vocab_size, mc.vocab_size)
     batch_sh = named(mesh, P(BATCH_AXES, None))
     batch = partial(get_batch, batch_size=tc.batch_size, seq_len=tc.seq_len, sharding=batch_sh)
-    # A held-out batch's sums: weighted cross-entropy, weight ("n"); added up over the split.
-    sums_fn = jax.jit(lambda p, b, ref: {"eval_loss": loss_fn(p, b, mc, n=1)[1]["ce"],
-                                         "n": loss_weight(b)})
-    if dpo:  # DPO
-        # the pairs' loss and figures (against `ref`: the state's), and their number
-        sums_fn = jax.jit(lambda p, b, ref: (lambda aux: {"eval_loss": aux["ce"]} | {
-            f"eval_{k}": v for k, v in aux["dpo"].items()} | {"n": jnp.sum(jnp.max(
-                b["weights"], axis=-1) > 0)})(dpo_loss(p, b, cfg, ref)[1]))
+    if cfg.distill.save:  # distillation, offline: the teacher's top-k of the batches, once
+        return save_top_k(cfg, st, teacher_model(cfg, mc), lambda step: batch(
+            ds.train, seed=cfg.data.seed, step=step))
+    sums_fn = jax.jit(partial(held_out_sums, cfg=cfg))
     key = jax.random.key(tc.seed + 7)
     tasks = DuringTraining(tc, mc, forward, mesh, ds.tokenizer_path)  # --train.eval-tasks
 
@@ -966,6 +1033,9 @@ def train_loop(cfg: Config, mesh, st: train.TrainState, step_fn) -> dict:
         batches = (batch(ds.eval, seed=cfg.data.seed + 1, step=i) for i in range(tc.eval_batches))
         if sft:  # SFT
             batches = held_out_batches(ds.eval, tc.batch_size, batch_sh)
+        if refs:  # DPO, precomputed: each held-out batch's reference log-probs with it
+            batches = [b | {"ref_logps": train.put(r, mesh, BATCH_AXES)} for b, r in zip(
+                batches, refs["eval"])]
         got = jax.device_get([sums_fn(params, b, state.get("ref", state.get("base")))
                               for b in batches])
         out = {k: float(sum(g[k] for g in got) / sum(g["n"] for g in got))
@@ -986,9 +1056,12 @@ def train_loop(cfg: Config, mesh, st: train.TrainState, step_fn) -> dict:
             f"{cfg.run_dir}.")) as run:
         state, start = run.resume(st.abstract())
         if state is None:  # a new run: from --init-from-hf, --init-from, or random weights
-            state = (st.from_params(load_hf(cfg.init_from_hf, mesh)[1]) if cfg.init_from_hf else
-                     st.from_params(train.restore_params(cfg.init_from, st.abstract()[st.model]))
-                     if cfg.init_from else st.fresh(jax.random.key(tc.seed)))
+            teacher = {"teacher": train.frozen_params(cfg.distill.teacher, "--distill.teacher",
+                       st.abstract()["teacher"], load_hf)} if st.frozen else {}  # distillation
+            state = st.from_params(load_hf(cfg.init_from_hf, mesh)[1] if cfg.init_from_hf else
+                                   train.restore_params(cfg.init_from, st.abstract()[st.model])
+                                   if cfg.init_from else init_params(mc, jax.random.key(tc.seed),
+                                                                     mesh), **teacher)
         loop = train.Loop(run, start, tc.steps, log_every=tc.log_every,
                           eval_every=tc.eval_every, tokens_per_step=tc.batch_size * tc.seq_len,
                           max_bad_steps=tc.max_bad_steps, peak_tflops=tc.peak_tflops,
@@ -999,9 +1072,25 @@ def train_loop(cfg: Config, mesh, st: train.TrainState, step_fn) -> dict:
         if dpo:  # DPO
             loop.show = lambda r, show=loop.show: show(r) + "".join(
                 f" | {k} {r[k]:.3f}" for k in ("accuracy", "reward_margin", "kl_chosen") if k in r)
+        refs = {}
+        if dpo and cfg.dpo.precompute_ref:  # DPO: the start's log-probs of every pair, once
+            lps = jax.jit(lambda p, b: sequence_logps(p, b, mc)[0])
+            w0 = train.weights(state, cfg.lora)
+            refs = train.precomputed(cfg.run_dir, "ref_logps.npz", start, lambda: {
+                "train": [lps(w0, batch(ds.train, seed=cfg.data.seed, step=s))
+                          for s in range(tc.steps)], "eval": [lps(w0, b) for b in (
+                              held_out_batches(ds.eval, tc.batch_size, batch_sh))]})
+            need(len(refs["train"]) >= tc.steps, f"--train.steps {tc.steps}: the reference's "
+                 f"log-probs were made for {len(refs['train'])} steps; train longer in a new run.")
         if start == 0 and cfg.init_from and tc.steps > 0:  # the starting point, to compare
             loop.eval(evaluate(train.weights(state, cfg.lora)))
         next_batch = partial(batch, ds.train, seed=cfg.data.seed)
+        if refs:  # DPO, precomputed: each batch with its reference log-probs
+            next_batch = lambda step, f=next_batch: f(step=step) | {"ref_logps": train.put(
+                refs["train"][step], mesh, BATCH_AXES)}
+        if cfg.distill.logits:  # distillation, offline: each batch with the teacher's top-k
+            next_batch = lambda step, f=next_batch: (f(step=step), train.read_top_k(
+                cfg.distill.logits, step, top_k_meta(cfg), mesh, BATCH_AXES))
         step_fn = loop.compile(step_fn, state, next_batch(step=start))
         for step in loop:
             state, metrics = step_fn(state, next_batch(step=step))
@@ -1047,6 +1136,51 @@ def sft_samples(params, ds: SFTDataset, cfg: Config, mesh, key) -> list[dict]:  
     cut = lambda ids: ds.decode(ids[:ids.index(ds.eos_id)] if ds.eos_id in ids else ids)
     return [{"prompt": ds.decode(ex.prompt), "sample": cut(out),
              "expected": cut(ex.answer.tolist())} for ex, out in zip(examples, outs)]
+
+
+def teacher_model(cfg: Config, student: ModelConfig) -> ModelConfig | None:  # distillation
+    """--distill.teacher's model (a run's config.json, or a HuggingFace folder's), checked."""
+    d, t = cfg.distill, cfg.distill.teacher
+    need(not d.save or t and d.top_k and d.logits and jax.process_count() == 1, "--distill.save "
+         "writes --distill.teacher's --distill.top-k (k > 0) logits to --distill.logits, from "
+         "one process: give all three.")
+    need(not d.logits or d.save or cfg.train.microbatches == 1, "--distill.logits (read): the "
+         "saved top-k come whole with each batch; set --train.microbatches 1.")
+    if not t or d.logits and not d.save:
+        return None
+    m = train.frozen_model(t, "--distill.teacher", config_from_hf, ModelConfig)
+    need(m.vocab_size == student.vocab_size and cfg.data.format != "dpo", f"--distill.teacher "
+         f"{t}: its vocabulary ({m.vocab_size}) must be the student's ({student.vocab_size}), "
+         "the same tokenizer, and the data pre-training or SFT (not --data.format dpo).")
+    return replace(m, dtype=student.dtype, remat=student.remat, attention=student.attention)
+
+
+def save_top_k(cfg: Config, st: train.TrainState, teacher: ModelConfig, batches):  # distillation
+    """--distill.save (offline distillation, MaxText's recipe): the teacher's --distill.top-k
+    logits and token ids of each of the run's --train.steps batches (`batches(step)`, the same
+    the student draws), one pass, to --distill.logits as [B, T, k] .npy files per step."""
+    d, m = cfg.distill, teacher
+
+    @jax.jit
+    def top(tp, batch):
+        inputs, _, _, segment_ids, positions = split_batch(batch)
+        h = from_context(hidden(tp, inputs, m, segment_ids=segment_ids, positions=positions)[0],
+                         inputs.shape[1])
+        z = lambda _, h: (None, jax.lax.top_k(_softcap(jnp.einsum("bcd,dv->bcv", h, unembedding(
+            tp, m).astype(h.dtype), preferred_element_type=jnp.float32), m.final_softcap), d.top_k))
+        return jax.tree.map(lambda x: x.swapaxes(0, 1).reshape(*inputs.shape, -1), jax.lax.scan(
+            z, None, _chunked(m.loss_chunk, h)[0])[1])
+    tp = train.frozen_params(d.teacher, "--distill.teacher", st.abstract()["teacher"], load_hf)
+    for step in range(cfg.train.steps):
+        out = dict(zip(("values", "indices"), map(train.fetch, top(tp, batches(step)))))
+        train.write_top_k(d.logits, step, out, top_k_meta(cfg))
+    log(f"distill: the teacher's top-{d.top_k} of {cfg.train.steps} batches -> {d.logits}")
+    return {"steps": cfg.train.steps, "logits": d.logits}
+
+
+def top_k_meta(cfg: Config) -> dict:  # distillation, offline: what the saved top-k are of
+    return {"top_k": cfg.distill.top_k, "batch_size": cfg.train.batch_size, "seq_len": cfg.train.
+            seq_len, "data": [cfg.data.path, cfg.data.format, cfg.data.seed]}
 
 
 def init_data_config(cfg: Config) -> DataConfig:  # SFT

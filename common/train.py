@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import json
 import math
 import os
 import re
@@ -472,12 +473,16 @@ class TrainState:
     `buffers` = (init(), specs): state the step updates by its own rule, never the optimiser
     (DeepSeek's router biases); saved and restored with the rest, under "buffers".
     `lora` = (the adapters' table, seed): "params" are then the adapters, the model a frozen
-    "base" (`weights`), and `model` names which of the two a model's weights restore into."""
+    "base" (`weights`), and `model` names which of the two a model's weights restore into.
+    `frozen` = {name: (init, specs)}: other models the step reads and never changes (a
+    distillation teacher), placed by their specs, given to `from_params` by name."""
 
     def __init__(self, init: Callable, specs: dict, tx, mesh, *, ref: bool = False,
-                 buffers: tuple[Callable, dict] | None = None, lora: tuple | None = None):
+                 buffers: tuple[Callable, dict] | None = None, lora: tuple | None = None,
+                 frozen: dict | None = None):
         self.init, self.tx, self.mesh, self.ref = init, tx, mesh, ref
         self.buffers, self.lora, self.model = buffers, lora, "base" if lora else "params"
+        self.frozen = frozen or {}
         p_sh = named(mesh, specs)
         if lora:  # the model frozen, the adapters trained: the optimiser sees only those
             p_sh, self.base_sh = named(mesh, table_specs(lora[0])), p_sh
@@ -497,12 +502,14 @@ class TrainState:
             self.shardings["buffers"] = named(mesh, buffers[1])
         if lora:
             self.shardings["base"] = self.base_sh
+        self.shardings |= {k: named(mesh, specs) for k, (_, specs) in self.frozen.items()}
 
     def _trained(self, params):
         return table_init(self.lora[0], jax.random.key(self.lora[1])) if self.lora else params
 
-    def _make(self, params, buffers=None):
+    def _make(self, params, buffers=None, frozen=None):
         s = {"params": self._trained(params), "step": jnp.zeros((), jnp.int32)}
+        s |= frozen or {k: init(jax.random.key(0)) for k, (init, _) in self.frozen.items()}
         s |= {"opt_state": self.tx.init(s["params"])} | ({"base": params} if self.lora else {})
         if self.buffers:
             s["buffers"] = self.buffers[0]() if buffers is None else buffers
@@ -512,11 +519,11 @@ class TrainState:
     def fresh(self, key) -> dict:
         return jax.jit(lambda k: self._make(self.init(k)), out_shardings=self.shardings)(key)
 
-    def from_params(self, params, buffers=None) -> dict:
-        """Given parameters (a fine-tune's start; and buffers, else fresh ones) with a fresh
-        optimiser; they are donated."""
-        return jax.jit(self._make, out_shardings=self.shardings, donate_argnums=(0, 1))(
-            params, buffers)
+    def from_params(self, params, buffers=None, **frozen) -> dict:
+        """Given parameters (a fine-tune's start; and buffers, else fresh ones; the `frozen`
+        models) with a fresh optimiser; they are donated."""
+        return jax.jit(self._make, out_shardings=self.shardings, donate_argnums=(0, 1, 2))(
+            params, buffers, frozen or None)
 
     def abstract(self) -> dict:
         """Shapes, dtypes and target shardings, nothing allocated: what a restore fills."""
@@ -591,6 +598,69 @@ def restore_params(run_dir: str, abstract_params, flag: str = "--init-from") -> 
         params = ckpt.restore(step, {"params": abstract_params}, partial=True)["params"]
     log(f"initialised from {run_dir}/checkpoints/{step} (parameters; fresh optimiser)")
     return params
+
+
+def write_top_k(folder: str, step: int, arrays: dict, meta: dict) -> None:
+    """Offline distillation: step `step`'s teacher top-k ({name: [B, T, k]}) as .npy files in
+    `folder`, a new or empty one (what it holds is said by `meta`, written first)."""
+    if step == 0:
+        need(not (os.path.isdir(folder) and os.listdir(folder)), f"--distill.logits {folder} is "
+             "not empty; save the teacher's top-k into a new folder.")
+        os.makedirs(folder, exist_ok=True)
+        observe.write_json(os.path.join(folder, "meta.json"), meta)
+    for name, x in arrays.items():
+        np.save(os.path.join(folder, f"{step:08d}-{name}.npy"), x)
+
+
+def read_top_k(folder: str, step: int, meta: dict, mesh, batch_axes) -> tuple:
+    """`write_top_k`'s (values, indices) of `step`, placed on the batch's rows (each process
+    reads its rows only), after checking that they were saved for this run's batches."""
+    path = os.path.join(folder, "meta.json")
+    saved = json.load(open(path)) if os.path.isfile(path) else None
+    need(saved == meta, f"--distill.logits {folder}: saved for {saved}, not for this run's "
+         f"batches ({meta}); save them with --distill.save and this run's flags.")
+    files = [os.path.join(folder, f"{step:08d}-{n}.npy") for n in ("values", "indices")]
+    need(all(map(os.path.isfile, files)), f"--distill.logits {folder} has no top-k for step "
+         f"{step}: save as many steps as --train.steps.")
+    return tuple(put([np.load(f, mmap_mode="r") for f in files], mesh, batch_axes))
+
+
+def precomputed(run_dir: str, name: str, start: int, make: Callable[[], dict]) -> dict:
+    """Arrays a run makes once, at its start, and reads back when resumed (DPO's reference
+    log-probs, made from weights that training then changes): {key: `make()`'s list of global
+    arrays, stacked}, saved in the run directory as `name` by process 0."""
+    path = run_path(run_dir, name)
+    if path.exists():
+        with path.open("rb") as f:
+            return dict(np.load(f))
+    need(start == 0, f"{path} is missing, and the weights it was made from are trained past: "
+         "start a new --run-dir.")
+    out = {k: np.stack([fetch(x) for x in v]) for k, v in make().items()}
+    if jax.process_index() == 0:
+        tmp = run_path(run_dir, name + ".tmp")
+        with tmp.open("wb") as f:
+            np.savez(f, **out)
+        tmp.rename(path)
+    return out
+
+
+def _is_hf(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, hf.CONFIG)) and "model_type" in hf.read_config(path)
+
+
+def frozen_model(path: str, flag: str, config_from_hf: Callable, model_cls):
+    """The model config of a model the run reads but never trains (a distillation teacher):
+    a HuggingFace folder's (`config_from_hf`) or a run directory's (`model_cls`)."""
+    if _is_hf(path):
+        return config_from_hf(hf.read_config(path), path)
+    return model_cls(**read_run_config(path, flag, trained=True)["model"])
+
+
+def frozen_params(path: str, flag: str, abstract, load_hf: Callable) -> dict:
+    """Its parameters, placed as `abstract` says: `load_hf`'s, or the run's latest."""
+    if _is_hf(path):
+        return load_hf(path, jax.tree.leaves(abstract)[0].sharding.mesh)[1]
+    return restore_params(path, abstract, flag)
 
 
 def model_source(cfg, prog: str = "train_dense.py") -> tuple[tuple[dict, str] | None, object]:

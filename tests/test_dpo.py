@@ -4,6 +4,7 @@ the preference, and bad input refused before anything compiles."""
 import dataclasses
 import json
 import math
+import os
 from functools import partial
 
 import jax
@@ -212,9 +213,8 @@ def test_bad_input_is_refused_before_compiling(tmp_path):
         td.validate(dataclasses.replace(cfg, dpo=td.DPOConfig(beta=-1.0)), 8)
 
 
-def test_preference_tuning_from_a_pretraining_run(tokenizer, tmp_path, capsys):
-    """The loop end to end: --init-from a run, held-out figures before the first step and at
-    each eval, greedy answers, and a resume that keeps the reference."""
+def pretrained_and_pairs(tokenizer, tmp_path):
+    """A DPO config --init-from a 1-step pretraining run, on 40 sums with off-by-one rejects."""
     import os
     from common.checkpoint import CheckpointConfig
     model = dataclasses.replace(SMALL, vocab_size=512, loss_chunk=16)
@@ -233,6 +233,13 @@ def test_preference_tuning_from_a_pretraining_run(tokenizer, tmp_path, capsys):
                                       eval_fraction=0.2),
                     run_dir=str(tmp_path / "dpo"), init_from=pre.run_dir,
                     checkpoint=CheckpointConfig(every=2))
+    return dpo
+
+
+def test_preference_tuning_from_a_pretraining_run(tokenizer, tmp_path, capsys):
+    """The loop end to end: --init-from a run, held-out figures before the first step and at
+    each eval, greedy answers, and a resume that keeps the reference."""
+    dpo = pretrained_and_pairs(tokenizer, tmp_path)
     out = td.main(dpo)
     log = capsys.readouterr().out
     assert "data: dpo train: 32 pairs in 32 rows of 32" in log
@@ -242,6 +249,25 @@ def test_preference_tuning_from_a_pretraining_run(tokenizer, tmp_path, capsys):
     assert out["eval_kl_chosen"] != 0 and "held-out answers exactly right" in log
     again = td.main(dataclasses.replace(dpo, train=dataclasses.replace(dpo.train, steps=3)))
     assert "resumed from step 2" in capsys.readouterr().out and again["final_step"] == 3
+
+
+def test_precomputed_reference_trains_as_the_kept_one(tokenizer, tmp_path, capsys):
+    """--dpo.precompute-ref: the start's log-probs of every training and held-out pair made
+    once and saved in the run; no reference copy in the state; the same run as one that keeps
+    the reference; a resume reads them back, one that wants more steps is refused."""
+    kept = pretrained_and_pairs(tokenizer, tmp_path)
+    pre = dataclasses.replace(kept, run_dir=str(tmp_path / "pre-ref"),
+                              dpo=td.DPOConfig(precompute_ref=True))
+    a, b = td.main(kept), td.main(pre)
+    assert "ref" in a["state"] and "ref" not in b["state"]
+    assert os.path.isfile(os.path.join(pre.run_dir, "ref_logps.npz"))
+    for x, y in zip(jax.tree.leaves(jax.device_get(a["state"]["params"])),
+                    jax.tree.leaves(jax.device_get(b["state"]["params"]))):
+        np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6)
+    for k in ("eval_loss", "eval_accuracy", "eval_reward_margin"):
+        assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-6), k
+    with pytest.raises(td.ConfigError, match="made for 2 steps"):
+        td.main(dataclasses.replace(pre, train=dataclasses.replace(pre.train, steps=3)))
 
 
 def test_dry_run_and_bench_take_random_pairs(capsys, monkeypatch):

@@ -150,7 +150,8 @@ EXPECTED = {
     "train_dense": [MESH, CKPT, DATA, LLAMA, GEMMA, OLMO, GEMMA4, TRAIN, """
         train.eval_samples train.eval_tasks_limit: >= 0 | compile_slices: > 0
         dpo.beta dpo.simpo_beta: > 0 | dpo.simpo_gamma: >= 0
-        lora.rank: >= 0 | lora.alpha: > 0"""],
+        lora.rank: >= 0 | lora.alpha: > 0
+        distill.weight: [0, 1] | distill.temperature: > 0 | distill.top_k: >= 0"""],
     "train_moe": [MESH, CKPT, DATA, TRAIN, """
         train.eval_tasks_limit: >= 0
         model.vocab_size model.d_model model.n_layers model.n_heads model.n_kv_heads
