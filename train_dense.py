@@ -1144,8 +1144,9 @@ def teacher_model(cfg: Config, student: ModelConfig) -> ModelConfig | None:  # d
     need(not d.save or t and d.top_k and d.logits and jax.process_count() == 1, "--distill.save "
          "writes --distill.teacher's --distill.top-k (k > 0) logits to --distill.logits, from "
          "one process: give all three.")
-    need(not d.logits or d.save or cfg.train.microbatches == 1, "--distill.logits (read): the "
-         "saved top-k come whole with each batch; set --train.microbatches 1.")
+    need(not d.logits or d.save or cfg.train.microbatches == 1 and cfg.data.format != "dpo",
+         "--distill.logits (read): the saved top-k come whole with each batch, of text or SFT "
+         "data; set --train.microbatches 1, and not --data.format dpo.")
     if not t or d.logits and not d.save:
         return None
     m = train.frozen_model(t, "--distill.teacher", config_from_hf, ModelConfig)

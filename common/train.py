@@ -615,8 +615,10 @@ def write_top_k(folder: str, step: int, arrays: dict, meta: dict) -> None:
 def read_top_k(folder: str, step: int, meta: dict, mesh, batch_axes) -> tuple:
     """`write_top_k`'s (values, indices) of `step`, placed on the batch's rows (each process
     reads its rows only), after checking that they were saved for this run's batches."""
-    path = os.path.join(folder, "meta.json")
-    saved = json.load(open(path)) if os.path.isfile(path) else None
+    path, saved = os.path.join(folder, "meta.json"), None
+    if os.path.isfile(path):
+        with open(path) as f:
+            saved = json.load(f)
     need(saved == meta, f"--distill.logits {folder}: saved for {saved}, not for this run's "
          f"batches ({meta}); save them with --distill.save and this run's flags.")
     files = [os.path.join(folder, f"{step:08d}-{n}.npy") for n in ("values", "indices")]
