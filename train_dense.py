@@ -651,8 +651,7 @@ def cross_entropy(h_BCD, w_DV, t_BC, wt_BC, *, z_loss: float, cap: float, grad: 
     For p = softmax(l), d(lse - l[y])/dl = p - onehot(y) and d(lse^2)/dl = 2 lse p: both are
     known the moment the chunk's logits are, so no logits need be kept or rebuilt.
     """
-    logits = _softcap(jnp.einsum("bcd,dv->bcv", h_BCD, w_DV,
-                                 preferred_element_type=jnp.float32), cap)
+    logits = chunk_logits(h_BCD, w_DV, cap)
     lse = jax.nn.logsumexp(logits, axis=-1)
     hot = jax.nn.one_hot(t_BC, w_DV.shape[1], dtype=logits.dtype)
     tgt = jnp.sum(logits * hot, axis=-1)   # not a gather: the vocabulary is split (VOCAB_DV)
@@ -702,8 +701,7 @@ def sequence_logps(params, batch, cfg: ModelConfig):  # DPO
     w_DV = unembedding(params, cfg).astype(h_BTD.dtype)
 
     def chunk(_, xs):
-        z_BCV = _softcap(jnp.einsum("bcd,dv->bcv", xs[0], w_DV,
-                                    preferred_element_type=jnp.float32), cfg.final_softcap)
+        z_BCV = chunk_logits(xs[0], w_DV, cfg.final_softcap)
         tgt = jnp.sum(z_BCV * jax.nn.one_hot(xs[1], w_DV.shape[1], dtype=z_BCV.dtype), axis=-1)
         return None, tgt - jax.nn.logsumexp(z_BCV, axis=-1)
     _, lp_nBC = jax.lax.scan(jax.checkpoint(chunk), None, _chunked(cfg.loss_chunk, h_BTD, targets))
@@ -757,17 +755,14 @@ def distill_kl(h_BTD, w_DV, teacher, wt_BT, d: DistillConfig, cap, chunk: int): 
     """sum_t w_t tau^2 KL(p_teacher || p_student), each p = softmax(logits / tau) (Hinton et al.
     2015: tau^2 keeps the gradient's scale as tau grows). `teacher`: its hidden states, its
     unembedding and soft-cap, run here (cut to its top-k with --distill.top-k), or its saved
-    top-k, (logits [B, T, k], token ids): the teacher's distribution renormalised over those k
-    tokens, the student's log-probabilities of them. `loss_chunk` positions at a time, each
-    chunk's logits rebuilt in the backward."""
+    top-k (logits [B, T, k], token ids): its distribution renormalised over those k tokens,
+    the student's log-probs of them. `loss_chunk` positions at a time, rebuilt in backward."""
     tau, online = d.temperature, len(teacher) == 3
-    logits = lambda h, w, c: _softcap(jnp.einsum("bcd,dv->bcv", h, w.astype(h.dtype),
-                                                 preferred_element_type=jnp.float32), c)
 
     def one(_, xs):
         h, wt, *t = xs
-        lps = jax.nn.log_softmax(logits(h, w_DV, cap) / tau)
-        zt, idx = (logits(t[0], *teacher[1:]), None) if online else t
+        lps = jax.nn.log_softmax(chunk_logits(h, w_DV, cap) / tau)
+        zt, idx = (chunk_logits(t[0], *teacher[1:]), None) if online else t
         zt, idx = jax.lax.top_k(zt, d.top_k) if online and d.top_k else (zt, idx)
         lps = lps if idx is None else jnp.take_along_axis(lps, idx, axis=-1)
         lpt = jax.nn.log_softmax(zt / tau)
@@ -835,6 +830,11 @@ def _chunked(chunk: int, *xs_BT):
         C = min(chunk, T)
         return x.reshape(B, T // C, C, *x.shape[2:]).swapaxes(0, 1)
     return [cut(x) for x in xs_BT]
+
+
+def chunk_logits(h_BCD, w_DV, cap: float):  # float32, soft-capped (Gemma)
+    return _softcap(jnp.einsum("bcd,dv->bcv", h_BCD, w_DV.astype(h_BCD.dtype),
+                               preferred_element_type=jnp.float32), cap)
 
 
 def _softcap(logits, cap: float):
@@ -1089,8 +1089,8 @@ def train_loop(cfg: Config, mesh, st: train.TrainState, step_fn) -> dict:
             next_batch = lambda step, f=next_batch: f(step=step) | {"ref_logps": train.put(
                 refs["train"][step], mesh, BATCH_AXES)}
         if cfg.distill.logits:  # distillation, offline: each batch with the teacher's top-k
-            next_batch = lambda step, f=next_batch: (f(step=step), train.read_top_k(
-                cfg.distill.logits, step, top_k_meta(cfg), mesh, BATCH_AXES))
+            read = train.top_k_reader(cfg.distill.logits, top_k_meta(cfg), mesh, BATCH_AXES)
+            next_batch = lambda step, f=next_batch: (f(step=step), read(step))
         step_fn = loop.compile(step_fn, state, next_batch(step=start))
         for step in loop:
             state, metrics = step_fn(state, next_batch(step=step))
@@ -1167,8 +1167,8 @@ def save_top_k(cfg: Config, st: train.TrainState, teacher: ModelConfig, batches)
         inputs, _, _, segment_ids, positions = split_batch(batch)
         h = from_context(hidden(tp, inputs, m, segment_ids=segment_ids, positions=positions)[0],
                          inputs.shape[1])
-        z = lambda _, h: (None, jax.lax.top_k(_softcap(jnp.einsum("bcd,dv->bcv", h, unembedding(
-            tp, m).astype(h.dtype), preferred_element_type=jnp.float32), m.final_softcap), d.top_k))
+        z = lambda _, h: (None, jax.lax.top_k(chunk_logits(h, unembedding(tp, m), m.final_softcap),
+                                              d.top_k))
         return jax.tree.map(lambda x: x.swapaxes(0, 1).reshape(*inputs.shape, -1), jax.lax.scan(
             z, None, _chunked(m.loss_chunk, h)[0])[1])
     tp = train.frozen_params(d.teacher, "--distill.teacher", st.abstract()["teacher"], load_hf)

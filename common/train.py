@@ -612,19 +612,22 @@ def write_top_k(folder: str, step: int, arrays: dict, meta: dict) -> None:
         np.save(os.path.join(folder, f"{step:08d}-{name}.npy"), x)
 
 
-def read_top_k(folder: str, step: int, meta: dict, mesh, batch_axes) -> tuple:
-    """`write_top_k`'s (values, indices) of `step`, placed on the batch's rows (each process
-    reads its rows only), after checking that they were saved for this run's batches."""
+def top_k_reader(folder: str, meta: dict, mesh, batch_axes) -> Callable[[int], tuple]:
+    """`read(step)`: `write_top_k`'s (values, indices) of `step`, placed on the batch's rows
+    (each process reads its rows only), once `meta` says they were saved for these batches."""
     path, saved = os.path.join(folder, "meta.json"), None
     if os.path.isfile(path):
         with open(path) as f:
             saved = json.load(f)
     need(saved == meta, f"--distill.logits {folder}: saved for {saved}, not for this run's "
          f"batches ({meta}); save them with --distill.save and this run's flags.")
-    files = [os.path.join(folder, f"{step:08d}-{n}.npy") for n in ("values", "indices")]
-    need(all(map(os.path.isfile, files)), f"--distill.logits {folder} has no top-k for step "
-         f"{step}: save as many steps as --train.steps.")
-    return tuple(put([np.load(f, mmap_mode="r") for f in files], mesh, batch_axes))
+
+    def read(step: int) -> tuple:
+        files = [os.path.join(folder, f"{step:08d}-{n}.npy") for n in ("values", "indices")]
+        need(all(map(os.path.isfile, files)), f"--distill.logits {folder} has no top-k for "
+             f"step {step}: save as many steps as --train.steps.")
+        return tuple(put([np.load(f, mmap_mode="r") for f in files], mesh, batch_axes))
+    return read
 
 
 def precomputed(run_dir: str, name: str, start: int, make: Callable[[], dict]) -> dict:
