@@ -651,7 +651,8 @@ def cross_entropy(h_BCD, w_DV, t_BC, wt_BC, *, z_loss: float, cap: float, grad: 
     For p = softmax(l), d(lse - l[y])/dl = p - onehot(y) and d(lse^2)/dl = 2 lse p: both are
     known the moment the chunk's logits are, so no logits need be kept or rebuilt.
     """
-    logits = chunk_logits(h_BCD, w_DV, cap)
+    logits = _softcap(jnp.einsum("bcd,dv->bcv", h_BCD, w_DV,
+                                 preferred_element_type=jnp.float32), cap)
     lse = jax.nn.logsumexp(logits, axis=-1)
     hot = jax.nn.one_hot(t_BC, w_DV.shape[1], dtype=logits.dtype)
     tgt = jnp.sum(logits * hot, axis=-1)   # not a gather: the vocabulary is split (VOCAB_DV)
@@ -1164,11 +1165,10 @@ def save_top_k(cfg: Config, st: train.TrainState, teacher: ModelConfig, batches)
 
     @jax.jit
     def top(tp, batch):
-        inputs, _, _, segment_ids, positions = split_batch(batch)
+        (inputs, _, _, segment_ids, positions), w = split_batch(batch), unembedding(tp, m)
         h = from_context(hidden(tp, inputs, m, segment_ids=segment_ids, positions=positions)[0],
                          inputs.shape[1])
-        z = lambda _, h: (None, jax.lax.top_k(chunk_logits(h, unembedding(tp, m), m.final_softcap),
-                                              d.top_k))
+        z = lambda _, h: (None, jax.lax.top_k(chunk_logits(h, w, m.final_softcap), d.top_k))
         return jax.tree.map(lambda x: x.swapaxes(0, 1).reshape(*inputs.shape, -1), jax.lax.scan(
             z, None, _chunked(m.loss_chunk, h)[0])[1])
     tp = train.frozen_params(d.teacher, "--distill.teacher", st.abstract()["teacher"], load_hf)
