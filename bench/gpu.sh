@@ -27,6 +27,8 @@
 #               cuDNN's fused kernel on a GPU), cudnn, xla or einsum
 #   REMAT       --model.remat of (a): full (default), dots or none
 #   STEPS       timed steps of each run (default 10), after compilation and a warm-up step
+#   CHECK_STEPS steps of tiny and tiny-moe trained on the GPU and on the CPU, their losses
+#               compared by bench/gpu_check.py after its kernel checks (default 30; 0: kernels only)
 #   PEAK_TFLOPS per-GPU peak for MFU (--train.peak-tflops) where common/train.py's table lacks
 #               the chip; unset: the table
 #   DENSE_ARGS, MOE_ARGS  more flags for (a) and (b), split on spaces
@@ -50,6 +52,7 @@ SEQ=${SEQ:-4096}
 ATTN=${ATTN:-auto}
 REMAT=${REMAT:-full}
 STEPS=${STEPS:-10}
+CHECK_STEPS=${CHECK_STEPS:-30}
 PEAK_TFLOPS=${PEAK_TFLOPS:-}
 DENSE_ARGS=${DENSE_ARGS:-}
 MOE_ARGS=${MOE_ARGS:-}
@@ -63,6 +66,7 @@ say() { echo "gpu.sh: $*"; }
 die() { local code=$1; shift; echo "gpu.sh: $*" >&2; exit "$code"; }
 
 case $INSTALL in auto|0|1) ;; *) die 2 "INSTALL=$INSTALL: use auto, 0 or 1" ;; esac
+[[ $CHECK_STEPS =~ ^[0-9]+$ ]] || die 2 "CHECK_STEPS=$CHECK_STEPS: a whole number, please"
 for v in BATCH SEQ STEPS; do
   [[ ${!v} =~ ^[1-9][0-9]*$ ]] || die 2 "$v=${!v}: a positive whole number, please"
 done
@@ -187,14 +191,26 @@ def version(name: str) -> str:
 
 peak, source = peak_flops_per_device(float(os.environ.get("PEAK_TFLOPS") or 0))
 print(f"gpu.sh: device {gpus[0].device_kind} ({len(gpus)} visible to JAX) | jax {jax.__version__}, "
-      f"jaxlib {version('jaxlib')}, jax-cuda12-plugin {version('jax-cuda12-plugin')}")
+      f"jaxlib {version('jaxlib')}, " + ", ".join(
+          f"{p} {version(p)}" for p in ("jax-cuda12-plugin", "jax-cuda13-plugin")
+          if version(p) != "absent"))
 print(f"gpu.sh: peak {peak / 1e12:.4g} TFLOP/s per device ({source})"
       + ("" if peak else ": MFU will read 'unknown'; set PEAK_TFLOPS"))
 EOF
 
-# --- 4. The benchmarks: each one's whole output kept, a failure does not stop the next -------
+# --- 4. The kernels against the reference, the trainers' losses against the CPU's ------------
 mkdir -p "$LOG_DIR"
 SUMMARY=() FAILED=0
+echo
+say "== checks: bench/gpu_check.py $CHECK_STEPS"
+set +e
+"$PY" bench/gpu_check.py "$CHECK_STEPS" 2>&1 | tee "$LOG_DIR/check.log"
+rc=${PIPESTATUS[0]}
+set -e
+if [ "$rc" = 0 ]; then SUMMARY+=("checks | ok: $(grep -c '^gpu_check: ok' "$LOG_DIR/check.log") passed")
+else FAILED=1; SUMMARY+=("checks | FAILED (exit $rc): see $LOG_DIR/check.log"); fi
+
+# --- 5. The benchmarks: each one's whole output kept, a failure does not stop the next -------
 # What common/train.py's bench prints, e.g.
 #   bench moe | 1488 tok/s | 2752.0 ms/step (median of 10, min ...) | MFU 27.2% of 989 TFLOP/s
 #     per device (NVIDIA H100 80GB HBM3 data sheet) | compile 8.7 s

@@ -18,6 +18,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "bench", "gpu.sh")
 # The script's settings: none may leak in from the caller's environment.
 SETTINGS = ("PYTHON", "VENV", "EXTRAS", "INSTALL", "BATCH", "SEQ", "ATTN", "REMAT", "STEPS",
+            "CHECK_STEPS",
             "PEAK_TFLOPS", "DENSE_ARGS", "MOE_ARGS", "LOG_DIR", "NVIDIA_SMI", "DRY_RUN",
             "CUDA_VISIBLE_DEVICES", "XLA_FLAGS")
 NO_GPU = "no NVIDIA GPU visible to JAX: jax.devices() = [CpuDevice(id=0)]; this script needs one"
@@ -103,6 +104,7 @@ def test_an_extra_the_project_lacks_is_named(tmp_path, venv_like_this_one, fake_
 
 
 @pytest.mark.parametrize("bad", [{"BATCH": "0"}, {"STEPS": "ten"}, {"INSTALL": "maybe"},
+                                 {"CHECK_STEPS": "-1"},
                                  {"PEAK_TFLOPS": "989 TFLOP/s"}])
 def test_a_bad_setting_is_refused(tmp_path, bad):
     r = gpu_sh(tmp_path, **bad)
@@ -157,3 +159,21 @@ def test_make_bench_gpu_runs_the_script_with_a_venv_of_its_own():
         "VENV=/x EXTRAS=cuda,test PYTHON=python3 bash bench/gpu.sh"
     r = subprocess.run(["make", "help"], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert "make bench-gpu " in r.stdout
+
+
+def test_the_kernel_check_needs_a_gpu_and_can_fail(monkeypatch):
+    """bench/gpu_check.py: without a GPU, exit 3 before any case; its comparison passes the
+    blocked kernel (what `attend` runs here) and fails a kernel that drops the window."""
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "gpu_check.py")],
+                       env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 3 and "no GPU visible to JAX" in r.stderr, r.stdout + r.stderr
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import gpu_check
+    from common import attention as A
+    kind, errs = gpu_check.case(256, 4, 2, 64, 64, dict(window=64))
+    assert kind == "cudnn" and max(errs) <= gpu_check.TOL / 2, errs
+    windowless = A.attend
+    monkeypatch.setattr(A, "attend", lambda *a, window=0, **kw: windowless(*a, **kw))
+    _, errs = gpu_check.case(256, 4, 2, 64, 64, dict(window=64))
+    assert max(errs) > 10 * gpu_check.TOL, errs
