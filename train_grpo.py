@@ -130,6 +130,10 @@ class GRPOConfig:
     eps_high: float = knob(-1.0, "-1 or > 0")  # clip ratio above 1 + eps_high; -1 = the paper's
     beta: float = 0.0             # weight of the k3 KL to the reference; 0 = no reference kept
     mu: int = 1                   # optimiser passes per rollout batch (PPO epochs)
+    # Completions sampled per step; 0: one update's (prompts-per-step x group-size). More: the
+    # rollout's whole groups split into updates of that size, each an optimiser step, `mu`
+    # passes over them (TRL's steps_per_generation): fewer, larger generate calls.
+    rollout_batch: int = knob(0, ">= 0")
     microbatches: int = resumable(1)  # gradient accumulation within each pass
     lr: float = resumable(3e-4)   # the demo: 1e-3 dips first, 3e-3 collapses the policy
     warmup_steps: int = knob(10, ">= 0")
@@ -587,7 +591,7 @@ def policy_loss(logp_BN, old_BN, adv_B, mask_BN, g: GRPOConfig, *, ref_BN=None, 
         l_t = -min(r A, clip(r, 1 - eps_low, 1 + eps_high) A) + beta * KL_t
     GSPO replaces r by the sequence ratio s_i = exp(mean_t log r_t) (Zheng et al. 2025,
     eq. 7), the geometric mean of the token ratios, for every token of sequence i.
-    `n_tokens`: DAPO's normaliser, the completion tokens of the whole rollout batch."""
+    `n_tokens`: DAPO's normaliser, the completion tokens of the whole update batch."""
     m = mask_BN.astype(jnp.float32)
     len_B = jnp.sum(m, axis=1)
     # Padding is zeroed before any exp(): an inf there would turn into NaN under the mask,
@@ -695,11 +699,31 @@ def make_optimizer(g: GRPOConfig, warm: WarmStartConfig | None = None, specs: di
 
 
 def flops_per_step(cfg: Config, width: int) -> tuple[int, float]:
-    """(tokens, model FLOPs) of a GRPO step over its padded rows of `width` prompt columns +
-    budget: mu training passes, one forward for the rollout, one for the reference (beta > 0)."""
+    """(tokens, model FLOPs) of a GRPO step over its rollout's padded rows of `width` prompt
+    columns + budget: mu training passes, one forward for the rollout, one for the reference."""
     g, T = cfg.grpo, width + cfg.grpo.max_new_tokens
-    tokens = g.prompts_per_step * g.group_size * T
+    tokens = updates_per_rollout(g) * g.prompts_per_step * g.group_size * T
     return tokens, tokens * flops_per_token(cfg.model, T) * (g.mu + (1 + (g.beta > 0)) / 3)
+
+
+def updates_per_rollout(g: GRPOConfig) -> int:
+    return max(1, g.rollout_batch // (g.prompts_per_step * g.group_size))
+
+
+def update(step_fn, state: dict, batch: dict, g: GRPOConfig, mesh) -> tuple[dict, list]:
+    """`mu` passes over a rollout batch (host arrays) in its updates of prompts-per-step x
+    group-size rows, in order: an optimiser step each; the state and each step's metrics."""
+    S, U = updates_per_rollout(g), g.prompts_per_step * g.group_size
+    parts = [batch] if S == 1 else [  # one update: the rollout's arrays stay where they are
+        train.put({k: v[i * U:(i + 1) * U] for k, v in batch.items() if k != "n_tokens"}
+                  | {"n_tokens": np.float32(batch["mask"][i * U:(i + 1) * U].sum())},
+                  mesh, BATCH_AXES) for i in range(S)]
+    passes = []
+    for _ in range(g.mu):
+        for part in parts:
+            state, m = step_fn(state, part)
+            passes.append(m)
+    return state, passes
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
@@ -735,6 +759,9 @@ def validate(cfg: Config, n_devices: int, tok) -> Task:
     shards, rows = train.batch_shards(mesh), g.prompts_per_step * g.group_size
     train.check_batch(rows, g.microbatches, mesh, flag="--grpo", what=(
         f"--grpo.prompts-per-step {g.prompts_per_step} x --grpo.group-size {g.group_size}"))
+    need(g.rollout_batch % rows == 0, f"--grpo.rollout-batch {g.rollout_batch} is not a "
+         f"multiple of the update batch (--grpo.prompts-per-step x --grpo.group-size = {rows}): "
+         f"the rollout splits into whole updates; use {rows * max(1, g.rollout_batch // rows)}.")
     for flag, v in [("--task.eval-prompts", t.eval_prompts), ("--warm.batch-size", w.batch_size)]:
         need(v % shards == 0, f"{flag} {v} is not divisible by the {shards} batch shards "
              f"(data x fsdp); use a multiple of {shards}.")
@@ -938,7 +965,8 @@ def main(cfg: Config) -> dict:
     lo, hi = clip_range(g)
     log(f"model {count_params(cfg.model) / 1e6:.2f}M parameters | mesh {describe(mesh)} | "
         f"{jax.device_count()} {jax.devices()[0].platform} devices | loss {g.loss} (clip "
-        f"{1 - lo:g}..{1 + hi:g}, beta {g.beta:g}, mu {g.mu}, "
+        f"{1 - lo:g}..{1 + hi:g}, beta {g.beta:g}, mu {g.mu} x {updates_per_rollout(g)} "
+        f"updates per rollout, "
         f"{'std-scaled' if g.scale_rewards else 'mean-centred'} advantages)")
     batch = synthetic_batch(cfg, tok, task.width)  # --dry-run and --bench: one policy update on it
     if cfg.dry_run:
@@ -992,7 +1020,8 @@ def train_loop(cfg: Config, mesh, tok, task: Task, st: train.TrainState, step_fn
 
     for step in loop:
         t0 = time.perf_counter()
-        items = [p for p in task.rows_at(step, g.prompts_per_step, 0) for _ in range(g.group_size)]
+        items = [p for p in task.rows_at(step, g.prompts_per_step * updates_per_rollout(g), 0)
+                 for _ in range(g.group_size)]
         r = generate(p := policy(state), items, jax.random.fold_in(jax.random.key(g.seed), step),
                      g.temperature)
         lengths = r["mask"].sum(axis=1)
@@ -1004,10 +1033,9 @@ def train_loop(cfg: Config, mesh, tok, task: Task, st: train.TrainState, step_fn
             batch["old_logp"] = logp_fn(p, batch)  # training forward's
         if g.beta > 0:
             batch["ref_logp"] = logp_fn(state.get("ref", state.get("base")), batch)
-        passes = []
-        for _ in range(g.mu):
-            state, m = step_fn(state, batch)
-            passes.append(m)
+        if updates_per_rollout(g) > 1:  # split on the host: each update's rows sharded anew
+            batch = jax.device_get(batch)
+        state, passes = update(step_fn, state, batch, g, mesh)
         # Fetched at once: the next rollout needs these parameters anyway, so there is
         # nothing for the host to overlap with.
         m = {k: float(np.mean([p[k] for p in jax.device_get(passes)])) for k in passes[0]}
@@ -1029,10 +1057,12 @@ def train_loop(cfg: Config, mesh, tok, task: Task, st: train.TrainState, step_fn
         log(task.show(row, c))
     evals = [(s, e["eval_reward"]) for s, e in loop.evals]
     best = max(evals, key=lambda e: e[1])
-    end, tok_s = int(jax.device_get(state["step"])) // g.mu, rollout_tokens / max(rollout_s, 1e-9)
+    end = int(jax.device_get(state["step"])) // (g.mu * updates_per_rollout(g))
+    tok_s = rollout_tokens / max(rollout_s, 1e-9)
     timing = (f" (warm start {observe.duration(warm['warm_start_s'])} over "
               f"{warm['warm_start_steps']} steps)" if warm else "")
-    out = loop.summary(end, f"{g.prompts_per_step} prompts x {g.group_size} completions x "
+    out = loop.summary(end, f"{g.prompts_per_step * updates_per_rollout(g)} prompts x "
+                       f"{g.group_size} completions x "
                        f"{task.width + g.max_new_tokens} tokens", [
         ("held-out", f"reward {evals[0][1]:.3f} (step {evals[0][0]}) -> {evals[-1][1]:.3f} "
                      f"(step {evals[-1][0]}) | best {best[1]:.3f} (step {best[0]}), greedy"),
