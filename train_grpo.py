@@ -901,7 +901,8 @@ def sampler(cfg: Config, mesh, tok, task: Task):
         batch |= {"completion": out["tokens_BN"], "mask": out["mask_BN"],
                   "old_logp": out["logp_BN"]}
         return {"batch": batch, "texts": texts, "mask": mask, "finished": finished,
-                "reward": total, "rewards": each, "seconds": seconds}
+                "reward": total, "rewards": each, "seconds": seconds,
+                "score_seconds": time.perf_counter() - t0 - seconds}
     return generate
 
 
@@ -1016,7 +1017,7 @@ def train_loop(cfg: Config, mesh, tok, task: Task, st: train.TrainState, step_fn
     ev = loop.eval(evaluate(policy(state)))
     log(f"eval step {start} | held-out reward {ev['eval_reward']:.3f} (greedy, "
         f"{len(task.eval_rows)} prompts)")
-    rollout_tokens, rollout_s = 0, 0.0
+    rollout_tokens, rollout_s, phases = 0, 0.0, []
 
     for step in loop:
         t0 = time.perf_counter()
@@ -1024,7 +1025,7 @@ def train_loop(cfg: Config, mesh, tok, task: Task, st: train.TrainState, step_fn
                  for _ in range(g.group_size)]
         r = generate(p := policy(state), items, jax.random.fold_in(jax.random.key(g.seed), step),
                      g.temperature)
-        lengths = r["mask"].sum(axis=1)
+        lengths, t1 = r["mask"].sum(axis=1), time.perf_counter()
         rollout_tokens, rollout_s = rollout_tokens + int(lengths.sum()), rollout_s + r["seconds"]
         adv = group_advantages(r["reward"], g.group_size, g.scale_rewards)
         batch = r["batch"] | train.put({"adv": adv, "n_tokens": np.float32(lengths.sum())}, mesh,
@@ -1033,12 +1034,16 @@ def train_loop(cfg: Config, mesh, tok, task: Task, st: train.TrainState, step_fn
             batch["old_logp"] = logp_fn(p, batch)  # training forward's
         if g.beta > 0:
             batch["ref_logp"] = logp_fn(state.get("ref", state.get("base")), batch)
-        if updates_per_rollout(g) > 1:  # split on the host: each update's rows sharded anew
-            batch = jax.device_get(batch)
+        # Split on the host (each update's rows sharded anew), or waited for: the phases' times.
+        batch = (jax.device_get if updates_per_rollout(g) > 1 else jax.block_until_ready)(batch)
+        t2 = time.perf_counter()
         state, passes = update(step_fn, state, batch, g, mesh)
         # Fetched at once: the next rollout needs these parameters anyway, so there is
         # nothing for the host to overlap with.
         m = {k: float(np.mean([p[k] for p in jax.device_get(passes)])) for k in passes[0]}
+        m |= {f"time/{k}_ms": 1e3 * v for k, v in (("rollout", r["seconds"]), ("rewards", r[
+            "score_seconds"]), ("logps", t2 - t1), ("update", time.perf_counter() - t2))}
+        phases += [m] if step > start else []  # the first step compiles
         if m["nonfinite"]:  # some pass did not update: stop, or count it within the allowance
             loop.nonfinite(loop.step, m)
         run.profiler.after(loop.step, state)
@@ -1067,7 +1072,11 @@ def train_loop(cfg: Config, mesh, tok, task: Task, st: train.TrainState, step_fn
         ("held-out", f"reward {evals[0][1]:.3f} (step {evals[0][0]}) -> {evals[-1][1]:.3f} "
                      f"(step {evals[-1][0]}) | best {best[1]:.3f} (step {best[0]}), greedy"),
         ("rollouts", f"{rollout_tokens:,} completion tokens sampled this run, {tok_s:.0f} "
-                     f"tok/s{timing}")])
+                     f"tok/s{timing}"),
+        ("phases", " | ".join(f"{k} {np.mean([p[f'time/{k}_ms'] for p in phases]):.0f} ms" for k
+                              in ("rollout", "rewards", "logps", "update")) + " (means after "
+                   "the first step; rollout: prefill, decode, fetch; logps: advantages, the "
+                   "reference's and old log-probs)" if phases else "one step: it compiled")])
     return out | warm | {"state": state, "eval": evals, "rollout_tokens_per_s": tok_s}
 
 

@@ -5,7 +5,9 @@ then the policy update. Ours is train_grpo.py's loop (`tiny` preset, no warm sta
 GRPOTrainer (bench/peers/trl.sh, installed on first use into its own venv) on the same
 weights, exported here as a HuggingFace folder with the character tokenizer, with the same P,
 G, completion budget, temperature, learning rate and loss ("grpo", beta 0, one pass), float32,
-CPU. Rounds alternate the two sides in one invocation. Both are measured alike
+CPU. `--size small` is a realistic RL step instead of an overhead test: a ~27M-parameter policy
+(d 512, 8 layers), 16 prompts x 8 completions of up to 128 tokens at temperature 1, beta 0.04
+(a reference model in play on both sides). Rounds alternate the two sides in one invocation. Both are measured alike
 (bench/stats.py): each step's wall time and its rollout tokens/s (completion tokens sampled
 over the sampling time), steps WARMUP+1..WARMUP+steps (the first WARMUP steps dropped: they
 compile), their medians, then the medians of the rounds and the ratios.
@@ -29,6 +31,21 @@ import train_grpo as tg  # noqa: E402
 from bench import stats  # noqa: E402
 
 PEER = os.path.join(ROOT, "bench", "peers", "trl.sh")
+# --size: (model overrides, GRPO overrides) on the `tiny` preset; the same on both sides.
+SIZES = {"tiny": ({}, {}),
+         "small": (dict(d_model=512, n_layers=8, n_heads=8, n_kv_heads=8, head_dim=64,
+                        d_ff=1536, max_seq_len=256),
+                   dict(prompts_per_step=16, group_size=8, max_new_tokens=128, temperature=1.0,
+                        beta=0.04))}
+
+
+def config(size: str, prompts_per_step: int = 0, group_size: int = 0) -> tg.Config:
+    """The `tiny` preset resized by SIZES[size]; P and G when given (not 0)."""
+    cfg, (model, grpo) = tg.PRESETS["tiny"][1], SIZES[size]
+    g = dataclasses.replace(cfg.grpo, **grpo)
+    g = dataclasses.replace(g, prompts_per_step=prompts_per_step or g.prompts_per_step,
+                            group_size=group_size or g.group_size)
+    return dataclasses.replace(cfg, grpo=g, model=dataclasses.replace(cfg.model, **model))
 
 
 def export(cfg: tg.Config, out: str) -> None:
@@ -55,13 +72,22 @@ def prompts(cfg: tg.Config, last: int) -> list[dict]:
         np.random.default_rng([g.seed, 0, step]), g.prompts_per_step, cfg.task)]
 
 
+def same_flags(cfg: tg.Config) -> list[str]:
+    """train_grpo.py's flags for what SIZES may change: the model and the rollout ours runs."""
+    g, m = cfg.grpo, cfg.model
+    return [f"--{sec}.{k.replace('_', '-')}={getattr(c, k)}" for sec, c, ks in (
+        ("model", m, ("d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff",
+                       "max_seq_len")),
+        ("grpo", g, ("prompts_per_step", "group_size", "max_new_tokens", "temperature",
+                     "beta", "lr"))) for k in ks]
+
+
 def ours(cfg: tg.Config, last: int, run_dir: str, flags: list[str]) -> dict:
     shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run each round, never a resume
-    g = cfg.grpo
     cmd = [sys.executable, "train_grpo.py", "tiny", "--warm.max-steps", "0", "--grpo.steps",
            str(last), "--grpo.eval-every", "100000", "--checkpoint.every", "100000",
-           "--grpo.prompts-per-step", str(g.prompts_per_step), "--grpo.group-size",
-           str(g.group_size), "--run-dir", run_dir, "--quiet", *flags]
+           *same_flags(cfg),
+           "--run-dir", run_dir, "--quiet", *flags]
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
     out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     if out.returncode:
@@ -78,7 +104,8 @@ def peer(cfg: tg.Config, last: int, hf_dir: str, prompts_json: str, log: str) ->
         subprocess.run(["bash", PEER, "--model", hf_dir, "--prompts", prompts_json, "--steps",
                         str(last), "--group", str(g.group_size), "--prompts-per-step",
                         str(g.prompts_per_step), "--max-new", str(g.max_new_tokens),
-                        "--temperature", str(g.temperature), "--lr", str(g.lr), "--out",
+                        "--temperature", str(g.temperature), "--lr", str(g.lr), "--beta",
+                        str(g.beta), "--out",
                         os.path.join(os.path.dirname(log), "trl-out")],
                        stdout=f, stderr=subprocess.STDOUT, check=True)
     with open(log) as f:
@@ -88,6 +115,8 @@ def peer(cfg: tg.Config, last: int, hf_dir: str, prompts_json: str, log: str) ->
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--size", choices=sorted(SIZES), default="tiny",
+                    help="tiny: the preset (overhead); small: ~27M parameters, 128 new tokens")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=10,
                     help=f"timed steps per run, after {stats.WARMUP} warm-up steps")
@@ -97,10 +126,8 @@ def main() -> None:
                     help="the exported model, the prompts and both sides' logs")
     ap.add_argument("flags", nargs="*", help="extra train_grpo.py flags for our side")
     a = ap.parse_args()
-    cfg = tg.PRESETS["tiny"][1]
-    g = dataclasses.replace(cfg.grpo, prompts_per_step=a.prompts_per_step or
-                            cfg.grpo.prompts_per_step, group_size=a.group_size or cfg.grpo.group_size)
-    cfg = dataclasses.replace(cfg, grpo=g)
+    cfg = config(a.size, a.prompts_per_step, a.group_size)
+    g = cfg.grpo
     first, last = stats.WARMUP + 1, stats.WARMUP + a.steps
     os.makedirs(a.dir, exist_ok=True)
     hf_dir, prompts_json = os.path.join(a.dir, "hf"), os.path.join(a.dir, "prompts.json")
@@ -110,7 +137,8 @@ def main() -> None:
         json.dump(prompts(cfg, last), f)
     print(f"model {tg.count_params(cfg.model):,} parameters (exported to {hf_dir}) | "
           f"{g.prompts_per_step} prompts x {g.group_size} completions x <= {g.max_new_tokens} "
-          f"tokens | steps {first}-{last} of each run", flush=True)
+          f"tokens, temperature {g.temperature:g}, beta {g.beta:g} | steps {first}-{last} of each "
+          "run", flush=True)
     rows = {"ours": [], "trl": []}
     for r in range(a.rounds):
         for side, got in (("ours", ours(cfg, last, os.path.join(a.dir, "ours-run"), a.flags)),

@@ -68,3 +68,20 @@ def test_a_log_without_step_lines_is_an_error():
         stats.ours_step_seconds("bench | 800 tok/s\n")
     with pytest.raises(ValueError, match="holds 2 values"):
         stats.ours_step_seconds("bench | step seconds 1-3: 0.1 0.2\n")
+
+
+def test_grpo_small_bench_model_is_the_same_on_both_sides(tmp_path):
+    """`make bench-grpo ARGS='--size small'`: the exported folder TRL trains holds exactly the
+    parameters ours counts (~27M), and ours accepts the flags that size passes."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    import train_grpo as tg
+    from bench import grpo
+    cfg = grpo.config("small")
+    ours = tg.count_params(cfg.model)
+    assert 20e6 < ours < 30e6 and (cfg.grpo.max_new_tokens, cfg.grpo.beta) == (128, 0.04)
+    grpo.export(cfg, str(tmp_path))
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32)
+    assert sum(p.numel() for p in model.parameters()) == ours
+    cli = tg.cli(["tiny", *grpo.same_flags(cfg)])
+    assert (cli.model, cli.grpo) == (cfg.model, cfg.grpo)

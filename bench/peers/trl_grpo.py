@@ -60,6 +60,7 @@ def main() -> None:
     ap.add_argument("--max-new", type=int, required=True)
     ap.add_argument("--temperature", type=float, required=True)
     ap.add_argument("--lr", type=float, required=True)
+    ap.add_argument("--beta", type=float, default=0.0, help="KL weight (> 0: a reference kept)")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     print(f"trl {trl.__version__} | transformers {transformers.__version__} | torch "
@@ -88,7 +89,7 @@ def main() -> None:
     args = trl.GRPOConfig(
         output_dir=a.out, max_steps=a.steps, per_device_train_batch_size=B,
         gradient_accumulation_steps=1, num_generations=a.group, max_completion_length=a.max_new,
-        temperature=a.temperature, top_k=0, top_p=1.0, learning_rate=a.lr, beta=0.0,
+        temperature=a.temperature, top_k=0, top_p=1.0, learning_rate=a.lr, beta=a.beta,
         num_iterations=1, loss_type="grpo", scale_rewards="group", shuffle_dataset=False,
         gradient_checkpointing=False,  # TRL defaults to True; train_grpo.py tiny keeps activations
         reward_weights=[1.0, 0.1], use_cpu=True, bf16=False, fp16=False, report_to="none",
