@@ -1493,8 +1493,9 @@ HF_ARCHITECTURES = {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCa
                     "gpt_oss": "GptOssForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
                     "kimi_k2": "DeepseekV3ForCausalLM",  # Kimi K2: DeepSeek-V3's, renamed
                     "deepseek_v2": "DeepseekV2ForCausalLM",
-                    "llama4_text": "Llama4ForCausalLM", "gemma4_text": "Gemma4ForCausalLM"}
-HF_DEEPSEEK = ("deepseek_v3", "kimi_k2", "deepseek_v2")
+                    "llama4_text": "Llama4ForCausalLM", "gemma4_text": "Gemma4ForCausalLM",
+                    "deepseek_v32": "DeepseekV32ForCausalLM"}
+HF_DEEPSEEK = ("deepseek_v3", "kimi_k2", "deepseek_v2", "deepseek_v32")
 # What transformers assumes for a key that config.json leaves out (its config classes).
 _HF_DEFAULTS = {
     "mixtral": dict(rms_norm_eps=1e-5, max_position_embeddings=131072, num_key_value_heads=8,
@@ -1528,6 +1529,9 @@ _HF_DEFAULTS = {
     "gemma4_text": dict(rms_norm_eps=1e-6, max_position_embeddings=131072, head_dim=256,
                         num_key_value_heads=4, sliding_window=512, global_head_dim=512,
                         intermediate_size=9216, hidden_size_per_layer_input=256)}
+# DeepSeek-V3.2: V3's with the indexer; its MLA always rotates pairs (no rope_interleave key).
+_HF_DEFAULTS["deepseek_v32"] = _HF_DEFAULTS["deepseek_v3"] | dict(
+    max_position_embeddings=163840, index_n_heads=64, index_head_dim=128, index_topk=2048)
 # config.json's keys that are our fields, in every family and then per family (Kimi K2's: V3's),
 # written as they are, read as the field's type (null as 0); config_*_hf spell out the rest.
 _HF_FIELDS = dict(vocab_size="vocab_size", hidden_size="d_model", num_hidden_layers="n_layers",
@@ -1557,6 +1561,9 @@ _HF_FAMILY_FIELDS = {
                         "sliding_window", moe_intermediate_size="d_ff", intermediate_size=
                         "dense_d_ff", attention_k_eq_v="k_eq_v", final_logit_softcapping=
                         "final_softcap", tie_word_embeddings="tie_embeddings")}
+_HF_FAMILY_FIELDS["deepseek_v32"] = {k: f for k, f in _HF_FAMILY_FIELDS["deepseek_v3"].items() if
+                                     k != "rope_interleave"} | {k: k for k in (
+    "index_n_heads", "index_head_dim", "index_topk")}
 # What we write for what we do not implement, per family; reading refuses other values of
 # the keys that change the model (`config_from_hf`).
 _HF_CONSTANTS = {"mixtral": dict(router_jitter_noise=0.0),
@@ -1572,15 +1579,18 @@ _HF_CONSTANTS = {"mixtral": dict(router_jitter_noise=0.0),
                                      hidden_activation="gelu_pytorch_tanh", attention_bias=False,
                                      vocab_size_per_layer_input=262144, num_kv_shared_layers=0,
                                      use_double_wide_mlp=False, use_bidirectional_attention=None)}
+_HF_CONSTANTS["deepseek_v32"] = _HF_CONSTANTS["deepseek_v3"]
 # The knobs some families' config.json says and no other's: on exactly in those families, or
 # (the second table) on only in those. Mixtral and GPT-OSS always renormalise the top k.
 _HF_OWN = dict(attn_sinks=("gpt_oss",), moe_bias=("gpt_oss",), swiglu_limit=("gpt_oss",),
-               sigmoid_routing=("deepseek_v3", "llama4_text"), score_inputs=("llama4_text",),
-               gemma4=("gemma4_text",), global_head_dim=("gemma4_text",))
+               sigmoid_routing=("deepseek_v3", "llama4_text", "deepseek_v32"),
+               score_inputs=("llama4_text",), gemma4=("gemma4_text",),
+               global_head_dim=("gemma4_text",), index_n_heads=("deepseek_v32",))
 _HF_ONLY = dict(attn_bias=("gpt_oss",), sliding_window=("gpt_oss", "gemma4_text"),
-                n_shared_experts=("deepseek_v3", "deepseek_v2", "llama4_text"),
-                first_k_dense=("deepseek_v3", "deepseek_v2"),
-                yarn_factor=("gpt_oss", "deepseek_v3", "deepseek_v2"), **dict.fromkeys((
+                n_shared_experts=("deepseek_v3", "deepseek_v2", "llama4_text", "deepseek_v32"),
+                first_k_dense=("deepseek_v3", "deepseek_v2", "deepseek_v32"),
+                yarn_factor=("gpt_oss", "deepseek_v3", "deepseek_v2", "deepseek_v32"),
+                **dict.fromkeys((
                     "attn_chunk", "global_nope", "attn_temp_scale", "qk_l2_norm", "rope_scaling"),
                     ("llama4_text",)), **dict.fromkeys(("rope_local_theta", "global_kv_heads",
                     "k_eq_v", "rope_partial", "final_softcap"), ("gemma4_text",)))
@@ -1602,7 +1612,12 @@ _HF_LAYER = {"attn_norm": ("input_layernorm.weight", "d -> d"),
         sinks=("sinks", "n -> n"), wkv_a=("kv_a_proj_with_mqa.weight", "a d -> d a"),
         kv_norm=("kv_a_layernorm.weight", "c -> c"), wkv_b=("kv_b_proj.weight", "(n x) c -> c n x"),
         wq_a=("q_a_proj.weight", "r d -> d r"), q_norm_a=("q_a_layernorm.weight", "r -> r"),
-        wq_b=("q_b_proj.weight", "(n q) r -> r n q")).items()} | {
+        wq_b=("q_b_proj.weight", "(n q) r -> r n q"),  # DSA's indexer: m heads i wide
+        idx_wq=("indexer.wq_b.weight", "(m i) r -> r m i"),
+        idx_wk=("indexer.wk.weight", "i d -> d i"), idx_w=("indexer.weights_proj.weight",
+                                                           "m d -> d m"),
+        idx_k_norm=("indexer.k_norm.weight", "i -> i"),
+        idx_k_bias=("indexer.k_norm.bias", "i -> i")).items()} | {
     k: ("mlp." + name, layout) for k, (name, layout) in dict(
         mlp_gate=("gate_proj.weight", "g d -> d g"), mlp_up=("up_proj.weight", "g d -> d g"),
         mlp_down=("down_proj.weight", "d g -> g d"), w_router=("gate.weight", "e d -> d e"),
@@ -1676,7 +1691,8 @@ def _hf_sizes(cfg: ModelConfig) -> dict:
                 z=cfg.global_head_dim, e=cfg.n_experts, d=cfg.d_model, n=cfg.n_heads,
                 k=cfg.n_kv_heads, h=cfg.head_dim, f=cfg.d_ff, v=cfg.vocab_size,
                 j=cfg.n_layers - moe_layers(cfg), a=C + Hr, c=C, r=cfg.q_lora_rank, q=Hn + Hr,
-                x=Hn + Hv, w=Hv, g=cfg.dense_d_ff, s=cfg.n_shared_experts * cfg.d_ff)
+                x=Hn + Hv, w=Hv, g=cfg.dense_d_ff, s=cfg.n_shared_experts * cfg.d_ff,
+                m=cfg.index_n_heads, i=cfg.index_head_dim)
 
 
 def config_from_hf(c: dict, where: str = "config.json") -> ModelConfig:
@@ -1702,7 +1718,7 @@ def config_from_hf(c: dict, where: str = "config.json") -> ModelConfig:
     only = dict(hidden_act="silu", partial_rotary_factor=1.0, decoder_sparse_step=1,
                 moe_layer_freq=1)  # the one value we implement of each
     only |= dict(swiglu_alpha=SWIGLU_ALPHA) if mt == "gpt_oss" else dict(
-        scoring_func="sigmoid", topk_method="noaux_tc") if fam == "deepseek_v3" else dict(
+        scoring_func="sigmoid", topk_method="noaux_tc") if fam in ("deepseek_v3", "deepseek_v32") else dict(
         scoring_func="softmax") if fam == "deepseek_v2" else dict(
         hidden_activation="gelu_pytorch_tanh", hidden_size_per_layer_input=0,
         num_kv_shared_layers=0) if mt == "gemma4_text" else {}
@@ -1768,7 +1784,8 @@ def config_from_hf(c: dict, where: str = "config.json") -> ModelConfig:
                   seq_aux=bool(c.get("seq_aux", True)), topk_group=c["topk_group"] if G > 1 else 0,
                   yarn_mscale_all_dim=float(rope.get("mscale_all_dim") or 0),
                   dense_d_ff=c["intermediate_size"] if Kd else 0)
-        m |= dict(norm_topk=False, rope_interleave=True) if v2 else {}
+        m |= dict(norm_topk=False, rope_interleave=True) if v2 else dict(
+            rope_interleave=True) if mt == "deepseek_v32" else {}
     elif mt == "llama4_text":  # every n-th layer global and unrotated, chunks on the others
         L, n, s = m["n_layers"], c["no_rope_layer_interval"], m["moe_every"]
         rope_at = [int((i + 1) % n != 0) for i in range(L)]  # HF's no_rope_layers: 1 = RoPE
@@ -1805,7 +1822,8 @@ def _model_type(cfg: ModelConfig, model_type: str) -> str:
     """The family to write: the one asked for (or the knobs'), if the knobs fit it."""
     fam = ("gemma4_text" if cfg.gemma4 else "llama4_text" if cfg.score_inputs else "qwen3_moe"
            if cfg.qk_norm else "gpt_oss" if
-           cfg.attn_sinks else "deepseek_v3" if cfg.kv_lora_rank and cfg.sigmoid_routing else
+           cfg.attn_sinks else "deepseek_v32" if cfg.index_n_heads else "deepseek_v3" if
+           cfg.kv_lora_rank and cfg.sigmoid_routing else
            "deepseek_v2" if cfg.kv_lora_rank else "mixtral")
     mt = model_type or fam
     if mt not in HF_ARCHITECTURES:
@@ -1815,15 +1833,16 @@ def _model_type(cfg: ModelConfig, model_type: str) -> str:
             any(getattr(cfg, k) and kind not in fs for k, fs in _HF_ONLY.items()) or
             kind in ("mixtral", "gpt_oss", "gemma4_text") and not cfg.norm_topk or
             cfg.moe_every > 1 and
-            kind != "llama4_text" or kind == "deepseek_v2" and (cfg.norm_topk or not
-                                                                cfg.rope_interleave) or
+            kind != "llama4_text" or kind in ("deepseek_v2", "deepseek_v32") and (
+                kind == "deepseek_v2" and cfg.norm_topk or not cfg.rope_interleave) or
             kind == "llama4_text" and (cfg.norm_topk or not (
                 cfg.rope_interleave and cfg.n_shared_experts == 1 and cfg.global_nope))):
         raise hf.HFError(f"model_type {mt!r} does not fit this model: q/k norms are qwen3_moe's; "
                          "mixtral and gpt_oss always renormalise the top-k weights; sinks, "
                          "biases, windows and the clamp are gpt_oss's (and all of its); MLA, "
                          "shared experts and dense layers deepseek_v3's, kimi_k2's and (with "
-                         "softmax routing, not renormalised, RoPE pairs) deepseek_v2's, sigmoid "
+                         "softmax routing, not renormalised, RoPE pairs) deepseek_v2's, the indexer "
+                         "(RoPE pairs) deepseek_v32's, sigmoid "
                          "routing theirs; YaRN is theirs and gpt_oss's; scaled expert inputs, one "
                          "shared expert, RoPE pairs, NoPE, chunks, moe_every and Llama 3.1's "
                          "RoPE llama4_text's; Gemma 4's block gemma4_text's.")
@@ -1866,6 +1885,10 @@ def config_to_hf(cfg: ModelConfig, model_type: str = "", dtype: str = "float32")
                   topk_group=cfg.topk_group or 1, routed_scaling_factor=cfg.routed_scale or 1.0)
         if fam == "deepseek_v2":
             c["topk_method"] = "group_limited_greedy" if cfg.n_group else "greedy"
+        if fam == "deepseek_v32":  # transformers' per-layer lists, as it writes them
+            L, Kd = cfg.n_layers, cfg.first_k_dense
+            c |= dict(mlp_bias=False, layer_types=["indexed_attention"] * L,
+                      mlp_layer_types=["dense"] * Kd + ["sparse"] * (L - Kd))
     elif mt == "llama4_text":
         L, n, s = cfg.n_layers, cfg.global_every or cfg.n_layers + 1, cfg.moe_every
         rope_at = [int((i + 1) % n != 0) for i in range(L)]  # 1: RoPE (and chunks, if any)
