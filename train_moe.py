@@ -272,6 +272,12 @@ _RELEASED = {
                            global_kv_heads=2, dense_d_ff=2112))}
 
 _RELEASED["deepseek-r1"] = ("DeepSeek-R1 (DeepSeek-V3's model)", *_RELEASED["deepseek-v3"][1:])
+# DeepSeek-V3.2(-Exp): V3's model, its MLA in RoPE pairs, and the lightning indexer (its config).
+_RELEASED["deepseek-v3.2"] = ("DeepSeek-V3.2 (DeepSeek-V3 with sparse attention: MLA over each "
+                              "query's 2048 keys as a lightning indexer ranks them; without the "
+                              "MTP module)", _RELEASED["deepseek-v3"][1], _RELEASED["deepseek-v3"][
+                                  2] | dict(rope_interleave=True, index_n_heads=64,
+                                            index_head_dim=128, index_topk=2048))
 
 PRESETS: dict[str, tuple[str, Config]] = {
     # No remat: the tiny model's activations are a few MB, and recomputing them would cost a
@@ -309,6 +315,14 @@ PRESETS: dict[str, tuple[str, Config]] = {
                              batch_size=8, seq_len=256), bench_twin=False)),
 } | {name: (about, _big(ModelConfig(**dict(zip(_SHAPE, shape)), **knobs), name))
      for name, (about, shape, knobs) in _RELEASED.items()}
+_TINY_DS = PRESETS["tiny-deepseek"][1]
+PRESETS["tiny-deepseek32"] = (
+    "tiny-deepseek with DeepSeek-V3.2's indexer (4 heads 32 wide; each query's best 64 of the "
+    "256 keys), its first 20 steps the indexer's warm-up: `make train-moe MOE_PRESET=tiny-"
+    "deepseek32`", dataclasses.replace(_TINY_DS, model=dataclasses.replace(
+        _TINY_DS.model, rope_interleave=True, index_n_heads=4, index_head_dim=32, index_topk=64),
+        train=dataclasses.replace(_TINY_DS.train, indexer_warmup_steps=20),
+        run_dir="runs/tiny-deepseek32"))
 
 
 # ----------------------------------------------------------------------------------------------

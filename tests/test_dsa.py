@@ -15,7 +15,8 @@ import train_moe as tm
 from common.data import DataConfig
 from common.mesh import MeshConfig, make_mesh
 from common.train import ConfigError
-from test_deepseek import DS, data_path, loss_and_grads, random_layer, rope_halves  # noqa: F401
+from test_deepseek import (DS, data_path, expert_parallel_equals_one_device,  # noqa: F401
+                           random_layer, resumed_equals_uninterrupted, rope_halves)
 
 # DeepSeek-V3's test block with an indexer of 8 heads, 6 keys a query of T = 24, in blocks of
 # 5 queries (the last one padded); RoPE in pairs for MLA, as V3.2's.
@@ -175,19 +176,7 @@ def test_each_stage_trains_what_the_report_says():
 def test_expert_parallel_equals_one_device():
     """Loss and every gradient (the indexer's included) on expert 2 x fsdp 2 x tensor 2 (MLA's
     and the indexer's heads split over tensor) against one device."""
-    cfg = dataclasses.replace(DSA, n_layers=2, index_n_heads=4)
-    rng = np.random.default_rng(0)
-    params = jax.tree.map(lambda x: np.asarray(x) + 0.1 * rng.standard_normal(x.shape).astype(
-        np.float32), tm.init_params(cfg, jax.random.key(0)))
-    bias = jnp.asarray(rng.standard_normal((1, 8)) * 0.1, jnp.float32)
-    batch = rng.integers(0, cfg.vocab_size, (8, 17), dtype=np.int32)
-    one = loss_and_grads(cfg, params, bias, batch, make_mesh(MeshConfig(fsdp=1),
-                                                             jax.devices()[:1]))
-    got = loss_and_grads(cfg, params, bias, batch, make_mesh(MeshConfig(fsdp=2, expert=2,
-                                                                        tensor=2)))
-    assert got[0] == pytest.approx(one[0], rel=1e-6)
-    for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(got[1]), jax.tree.leaves(one[1])):
-        np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-6, err_msg=jax.tree_util.keystr(path))
+    one = expert_parallel_equals_one_device(dataclasses.replace(DSA, n_layers=2, index_n_heads=4))
     for name in ("idx_wq", "idx_wk", "idx_w", "wkv_b"):   # each is trained: not zero
         assert float(np.abs(one[1]["layers"][name]).max()) > 1e-6, name
 
@@ -222,15 +211,7 @@ def test_resumed_run_crosses_the_warm_up_bitwise(data_path, tmp_path, capsys):
             mesh=MeshConfig(data=2, fsdp=1, expert=4), data=DataConfig(path=data_path),
             checkpoint=tm.CheckpointConfig(every=2, keep=2), run_dir=str(run_dir))
 
-    full = tm.main(config(tmp_path / "a", 4))
-    half = tm.main(config(tmp_path / "b", 2))
-    resumed = tm.main(config(tmp_path / "b", 4))
-    assert "resumed from step 2" in capsys.readouterr().out
-    a, b = (jax.tree_util.tree_flatten_with_path(jax.device_get(r["state"]))[0]
-            for r in (full, resumed))
-    assert [p for p, _ in a] == [p for p, _ in b]
-    for (path, x), (_, y) in zip(a, b):
-        np.testing.assert_array_equal(x, y, err_msg=jax.tree_util.keystr(path))
+    full, half = resumed_equals_uninterrupted(config, tmp_path, capsys)
     init = jax.device_get(tm.init_params(config("", 1).model, jax.random.key(0)))
     for state, warm in ((half["state"], True), (full["state"], False)):
         params = jax.device_get(state["params"])
@@ -242,3 +223,18 @@ def test_resumed_run_crosses_the_warm_up_bitwise(data_path, tmp_path, capsys):
         else:
             assert all(moved.values())
         assert (np.abs(state["buffers"]["layers"]["router_bias"]).max() == 0) == warm
+
+
+def test_preset_parameter_counts():
+    """deepseek-v3.2: DeepSeek-V3's 671,026,404,352 and in each of the 61 layers an indexer of
+    1536 x 64 x 128 + 7168 x (128 + 64) + 2 x 128 = 13,959,424 (transformers' count of
+    DeepseekV32ForCausalLM at its default config, on the meta device: the same total)."""
+    cfg = tm.PRESETS["deepseek-v3.2"][1]
+    tm.validate(cfg, 8)
+    shapes = jax.eval_shape(lambda: tm.init_params(cfg.model, jax.random.key(0)))
+    assert sum(math.prod(x.shape) for x in jax.tree.leaves(shapes)) == 671_877_929_216
+    assert tm.count_params(cfg.model) == 671_877_929_216 == 671_026_404_352 + 61 * 13_959_424
+    assert tm.count_active_params(cfg.model) == 38_403_807_488
+    tiny = tm.PRESETS["tiny-deepseek32"][1]
+    tm.validate(tiny, 1)
+    assert tiny.model.index_topk < tiny.train.seq_len and 0 < tiny.train.indexer_warmup_steps
