@@ -129,6 +129,12 @@ class ModelConfig:
     loss_chunk: int = how(256)    # sequence positions per cross-entropy chunk (bounds [B,T,V])
     grouped_matmul: Literal["auto", "ragged_dot", "tiled"] = how("auto")  # auto: tiled on the CPU
     gmm_tile: int = how(128)      # rows per tile of the tiled grouped matmul
+    # DeepSeek-V3.2's sparse attention (DSA, see `dsa`): a lightning indexer of index_n_heads
+    # heads (0 = off) picks each query's index_topk keys, to which alone MLA attends
+    index_n_heads: int = 0
+    index_head_dim: int = 128
+    index_topk: int = 2048
+    index_chunk: int = how(64)    # queries per block of the indexer's scores and the attention
 
 
 @dataclass(frozen=True)
@@ -165,6 +171,8 @@ class TrainConfig:
     peak_tflops: float = resumable(0.0)  # per device, for MFU; 0 = look up or measure
     profile_steps: tuple[int, ...] = resumable(())  # first, last step traced to <run_dir>/profile
     max_bad_steps: int = resumable(0)  # non-finite updates to skip; then stop
+    # DSA: the first this many steps train only the indexer, on dense attention (`dsa`)
+    indexer_warmup_steps: int = knob(0, ">= 0")
 
 
 @dataclass(frozen=True)
@@ -264,6 +272,12 @@ _RELEASED = {
                            global_kv_heads=2, dense_d_ff=2112))}
 
 _RELEASED["deepseek-r1"] = ("DeepSeek-R1 (DeepSeek-V3's model)", *_RELEASED["deepseek-v3"][1:])
+# DeepSeek-V3.2(-Exp): V3's model, its MLA in RoPE pairs, and the lightning indexer (its config).
+_RELEASED["deepseek-v3.2"] = ("DeepSeek-V3.2 (DeepSeek-V3 with sparse attention: MLA over each "
+                              "query's 2048 keys as a lightning indexer ranks them; without the "
+                              "MTP module)", _RELEASED["deepseek-v3"][1], _RELEASED["deepseek-v3"][
+                                  2] | dict(rope_interleave=True, index_n_heads=64,
+                                            index_head_dim=128, index_topk=2048))
 
 PRESETS: dict[str, tuple[str, Config]] = {
     # No remat: the tiny model's activations are a few MB, and recomputing them would cost a
@@ -301,6 +315,14 @@ PRESETS: dict[str, tuple[str, Config]] = {
                              batch_size=8, seq_len=256), bench_twin=False)),
 } | {name: (about, _big(ModelConfig(**dict(zip(_SHAPE, shape)), **knobs), name))
      for name, (about, shape, knobs) in _RELEASED.items()}
+_TINY_DS = PRESETS["tiny-deepseek"][1]
+PRESETS["tiny-deepseek32"] = (
+    "tiny-deepseek with DeepSeek-V3.2's indexer (4 heads 32 wide; each query's best 64 of the "
+    "256 keys), its first 20 steps the indexer's warm-up: `make train-moe MOE_PRESET=tiny-"
+    "deepseek32`", dataclasses.replace(_TINY_DS, model=dataclasses.replace(
+        _TINY_DS.model, rope_interleave=True, index_n_heads=4, index_head_dim=32, index_topk=64),
+        train=dataclasses.replace(_TINY_DS.train, indexer_warmup_steps=20),
+        run_dir="runs/tiny-deepseek32"))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -339,6 +361,7 @@ def _layer_table(cfg: ModelConfig, L: int, moe: bool, glob: bool = False) -> dic
     C, Qr, Hn, Hr, Hv = (cfg.kv_lora_rank, cfg.q_lora_rank, cfg.qk_nope_head_dim,
                          cfg.qk_rope_head_dim, cfg.v_head_dim)
     Fd, Fs, q_latent = cfg.dense_d_ff, cfg.n_shared_experts * F, bool(C and Qr)
+    Mi, Hi = cfg.index_n_heads, cfg.index_head_dim
     std, out_std = 0.02, 0.02 / math.sqrt(2 * cfg.n_layers)
     H, K = (cfg.global_head_dim, cfg.global_kv_heads or K) if glob else (H, K)  # Gemma 4's
     g4 = moe and cfg.gemma4
@@ -378,7 +401,11 @@ def _layer_table(cfg: ModelConfig, L: int, moe: bool, glob: bool = False) -> dic
         **{k: ((D,), (None,), None, g4) for k in (  # Gemma 4's norms and router gain (of D)
             "attn_post_norm", "dense_post_norm", "moe_norm", "moe_post_norm", "mlp_post_norm",
             "router_scale")}, "expert_scale": ((E,), (None,), None, g4),
-        "layer_scale": ((1,), (None,), None, g4)}
+        "layer_scale": ((1,), (None,), None, g4),
+        # DSA's indexer (`indexer`), in every layer: its heads over tensor as MLA's
+        "idx_wq": ((Qr, Mi, Hi), (None, "tensor", None), std, Mi),
+        "idx_wk": ((D, Hi), ("fsdp", None), std, Mi), "idx_w": ((D, Mi), ("fsdp", "tensor"), std, Mi),
+        "idx_k_norm": ((Hi,), (None,), None, Mi), "idx_k_bias": ((Hi,), (None,), 0.0, Mi)}
     return {k: ((L, *shape), P(None, *spec), s) for k, (shape, spec, s, on) in rows.items() if on}
 
 
@@ -400,12 +427,15 @@ def init_params(cfg: ModelConfig, key: jax.Array, mesh=None) -> dict:
 # 3. Model
 # ----------------------------------------------------------------------------------------------
 def block(x_BTD, lp: dict, pos_BT, inv_freq, cfg: ModelConfig, max_logits: bool = False,
-          is_global=True):
-    """One layer: attention, then the experts (first_k_dense layers: a dense SwiGLU, no stats)."""
+          is_global=True, warm=None):
+    """One layer: attention, then the experts (first_k_dense layers: a dense SwiGLU, no stats;
+    with DSA, `warm` (traced) picks its stage and its KL is a statistic of every layer)."""
     lp = train.merged(lp)  # LoRA: each adapted weight merged, in its layer
     w = weights(lp, x_BTD.dtype, cfg)
     h = rms_norm(x_BTD, lp["attn_norm"], cfg.norm_eps)
-    if cfg.kv_lora_rank:
+    if cfg.index_n_heads:
+        a_BTNV, ind = dsa(h, lp, pos_BT, inv_freq, cfg, warm)
+    elif cfg.kv_lora_rank:
         q, k, v = mla(h, lp, pos_BT, inv_freq, cfg)
     else:
         q, k = (jnp.einsum("btd,dnh->btnh", h, w(name)) for name in ("wq", "wk"))
@@ -426,20 +456,23 @@ def block(x_BTD, lp: dict, pos_BT, inv_freq, cfg: ModelConfig, max_logits: bool 
             qr = jnp.where(is_global, (q * t_BT[..., None, None]).astype(q.dtype), qr)
             kr = jnp.where(is_global, k, kr)
         q, k = qr, kr
-    o = jnp.einsum("btnh,nhd->btd", attention(q, k, v, lp, cfg, is_global), w("wo"))
+    if not cfg.index_n_heads:
+        a_BTNV, ind = attention(q, k, v, lp, cfg, is_global), {}
+    o = jnp.einsum("btnh,nhd->btd", a_BTNV, w("wo"))
     o = rms_norm(o, lp["attn_post_norm"], cfg.norm_eps) if cfg.gemma4 else o
     x_BTD = constrain(x_BTD + (o + w("bo") if cfg.attn_bias else o), ACT_BTD)
     h = rms_norm(x_BTD, lp["mlp_norm"], cfg.norm_eps)
-    W, C = (n if n < q.shape[1] else 0 for n in (cfg.sliding_window, cfg.attn_chunk))
+    W, C = (n if n < x_BTD.shape[1] else 0 for n in (cfg.sliding_window, cfg.attn_chunk))
     # for QK-clip: each head's largest attention logit, as `attention` computes it
     top = {"max_logit": train.max_logits(q, k, scale=logit_scale(cfg, q.shape[-1]), window=W,
                                          local_chunk=0 if W else C, is_global=is_global)
            } if max_logits else {}
     if "w_router" not in lp:
-        return constrain(x_BTD + swiglu(h, {"w_" + k: w("mlp_" + k) for k in PROJ}), ACT_BTD), top
+        return constrain(x_BTD + swiglu(h, {"w_" + k: w("mlp_" + k) for k in PROJ}), ACT_BTD
+                         ), top | ind
     if not cfg.gemma4:
         y_BTD, stats = moe(h, lp, cfg)
-        return constrain(x_BTD + y_BTD, ACT_BTD), stats | top
+        return constrain(x_BTD + y_BTD, ACT_BTD), stats | top | ind
     # Gemma 4: a dense GeGLU and the experts side by side, each normed in and out, then their
     # sum; the router reads the stream normed, times its gain over sqrt(d); the layer's scalar.
     # (The experts' post-norm undoes any factor common to a token's k weights: renormalising
@@ -486,7 +519,7 @@ def in_chunks(att, C: int, *qkv_BTNH):
     return o.reshape(-1, T + -T % C, *o.shape[2:])[:, :T]
 
 
-def mla(h_BTD, lp: dict, pos_BT, inv_freq, cfg: ModelConfig):
+def mla(h_BTD, lp: dict, pos_BT, inv_freq, cfg: ModelConfig, latents: bool = False):
     """Multi-head latent attention's queries, keys and values (DeepSeek-V2, sec. 2.1):
 
         c_kv = RMSNorm(h W_kv_a[:C]),   [k_nope_n, v_n] = c_kv W_kv_b   (per head n)
@@ -496,9 +529,10 @@ def mla(h_BTD, lp: dict, pos_BT, inv_freq, cfg: ModelConfig):
 
     Training builds every head's key and value; decoding would cache only c_kv and k_rope (C + Hr
     numbers a token, not 2 N H), W_k_b absorbed into the query and W_v_b into W_o. rope_interleave
-    takes pairs (2i, 2i+1), put out in halves as transformers does: the same for q and k."""
+    takes pairs (2i, 2i+1), put out in halves as transformers does: the same for q and k. With
+    `latents`: (q, the query latent c_q, c_kv, k_rope), which DSA attends with (`dsa`)."""
     w = weights(lp, h_BTD.dtype, cfg)
-    C, Hn, eps = cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.norm_eps
+    C, Hn, eps, c_q = cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.norm_eps, None
     if cfg.q_lora_rank:
         c_q = rms_norm(jnp.einsum("btd,dc->btc", h_BTD, w("wq_a")), lp["q_norm_a"], eps)
         q = jnp.einsum("btc,cnh->btnh", c_q, w("wq_b"))
@@ -506,19 +540,115 @@ def mla(h_BTD, lp: dict, pos_BT, inv_freq, cfg: ModelConfig):
         q = jnp.einsum("btd,dnh->btnh", h_BTD, w("wq"))
     kv = jnp.einsum("btd,dc->btc", h_BTD, w("wkv_a"))
     c_kv = rms_norm(kv[..., :C], lp["kv_norm"], eps)
-    kv_b = jnp.einsum("btc,cnh->btnh", c_kv, w("wkv_b"))
-    k_nope, v = kv_b[..., :Hn], kv_b[..., Hn:]
     pairs = halves if cfg.rope_interleave else (lambda x: x)
-    k_rope = apply_rope(pairs(kv[:, :, None, C:]), pos_BT, inv_freq)
+    k_rope = apply_rope(pairs(kv[:, :, None, C:]), pos_BT, inv_freq)[:, :, 0]
     q = jnp.concatenate([q[..., :Hn], apply_rope(pairs(q[..., Hn:]), pos_BT, inv_freq)], axis=-1)
-    k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rope, k_nope.shape[:3] + k_rope.shape[3:])], -1)
-    return q, k, v
+    return (q, c_q, c_kv, k_rope) if latents else (q, *mla_kv(c_kv, k_rope, lp, cfg))
+
+
+def mla_kv(c_kv_BTC, k_rope_BTR, lp: dict, cfg: ModelConfig):
+    """Every head's key [k_nope_n, k_rope] and value [B, T, N, .] from the latents."""
+    kv_b = jnp.einsum("btc,cnh->btnh", c_kv_BTC, weights(lp, c_kv_BTC.dtype, cfg)("wkv_b"))
+    k_nope, v = kv_b[..., :cfg.qk_nope_head_dim], kv_b[..., cfg.qk_nope_head_dim:]
+    k_rope = jnp.broadcast_to(k_rope_BTR[:, :, None], k_nope.shape[:3] + k_rope_BTR.shape[2:])
+    return jnp.concatenate([k_nope, k_rope], -1), v
 
 
 def halves(x):
     """Pairs (2i, 2i+1) to halves (i, H/2 + i), as `apply_rope` rotates; q and k alike, so their
     dot products are unchanged (Llama 4's, DeepSeek's pairs; transformers does the same)."""
     return jnp.concatenate([x[..., 0::2], x[..., 1::2]], -1)
+
+
+# DeepSeek-V3.2's sparse attention (DSA: the V3.2 report, sec. 2.1; its inference/model.py).
+def dsa(h_BTD, lp: dict, pos_BT, inv_freq, cfg: ModelConfig, warm=None):
+    """MLA over each query's index_topk keys, as the lightning indexer (`indexer`) ranks them:
+    (output [B, T, N, Hv], {"indexer_kl": the indexer's KL per query}). In blocks of
+    index_chunk queries (each rematerialised), one block's keys gathered as MLA's latents
+    [c_kv, k_rope] (C + Hr numbers a key), queries absorbed into them (q_nope W_k_b^T, and
+    W_v_b after the sum): O(T k) memory and attention work; the indexer's scores are O(T^2)
+    work (the release's too, in fp8), O(block T) memory. The indexer reads h and c_q detached,
+    so its one signal is its KL to the main heads' attention p_t = mean_n softmax_n (eq. 3):
+    `warm` (traced; None = never) the warm-up, MLA dense, the KL over every causal key; else
+    sparse, the KL over the k chosen (p renormalised there by construction)."""
+    dt, Hn, C, sg = h_BTD.dtype, cfg.qk_nope_head_dim, cfg.kv_lora_rank, jax.lax.stop_gradient
+    q, c_q, c_kv, k_rope = mla(h_BTD, lp, pos_BT, inv_freq, cfg, latents=True)
+    iq, ik, iw = indexer(sg(h_BTD), sg(c_q), lp, pos_BT, inv_freq, cfg)
+    B, T = pos_BT.shape
+    Q, K, w_b = min(cfg.index_chunk, T), min(cfg.index_topk, T), weights(lp, dt, cfg)("wkv_b")
+    n, scale, lat = -(-T // Q), logit_scale(cfg, Hn + cfg.qk_rope_head_dim), jnp.concatenate(
+        [c_kv, k_rope], -1)
+    # Padded queries sit at position 0: one key each, a KL of 0, their outputs cut off.
+    blocks = [jnp.pad(x, [(0, 0), (0, n * Q - T)] + [(0, 0)] * (x.ndim - 2)).reshape(
+        B, n, Q, *x.shape[2:]).swapaxes(0, 1) for x in (q, pos_BT, iq, iw)]
+    scores = lambda p, iq, iw: index_scores(iq, ik, iw, p, pos_BT)
+
+    def sparse(q, p, iq, iw):
+        top_BQK, i_BQK = jax.lax.top_k(scores(p, iq, iw), K)
+        ok = jnp.isfinite(top_BQK)[:, :, None]   # fewer than k causal keys: -inf ones chosen
+        kv_BQKc = jax.vmap(lambda x, i: x[i])(lat, i_BQK)
+        q_c = jnp.concatenate([jnp.einsum("bqnh,cnh->bqnc", q[..., :Hn], w_b[..., :Hn]),
+                               q[..., Hn:]], -1)
+        s = jnp.einsum("bqnc,bqkc->bqnk", q_c, kv_BQKc, preferred_element_type=jnp.float32)
+        p_BQNK = jax.nn.softmax(jnp.where(ok, s * scale, -jnp.inf), axis=-1)
+        o = jnp.einsum("bqnk,bqkc->bqnc", p_BQNK.astype(dt), kv_BQKc[..., :C])
+        return (jnp.einsum("bqnc,cnv->bqnv", o, w_b[..., Hn:]),
+                indexer_kl(jnp.mean(p_BQNK, 2), top_BQK, ok[:, :, 0]))
+
+    def kl_dense(q, p, iq, iw, k):   # the warm-up's target: every head's dense attention
+        ok = pos_BT[:, None] <= p[..., None]
+        s = jnp.einsum("bqnh,bsnh->bqns", sg(q), sg(k), preferred_element_type=jnp.float32)
+        p_BQNS = jax.nn.softmax(jnp.where(ok[:, :, None], s * scale, -jnp.inf), axis=-1)
+        return indexer_kl(jnp.mean(p_BQNS, 2), scores(p, iq, iw), ok)
+
+    def run(body, *closed):
+        out = jax.lax.scan(lambda c, xs: (c, jax.checkpoint(body)(*xs, *closed)), None, blocks)[1]
+        return out if isinstance(out, tuple) else (None, out)
+
+    def stage_sparse():
+        o_nBQNV, kl_n = run(sparse)
+        return o_nBQNV.swapaxes(0, 1).reshape(B, n * Q, *o_nBQNV.shape[3:])[:, :T], jnp.sum(kl_n)
+
+    def stage_dense():
+        k, v = mla_kv(c_kv, k_rope, lp, cfg)
+        return attention(q, k, v, lp, cfg, True), jnp.sum(run(kl_dense, k)[1])
+
+    o, kl = stage_sparse() if warm is None else jax.lax.cond(warm, stage_dense, stage_sparse)
+    return o, {"indexer_kl": kl / (B * T)}
+
+
+def indexer(h_BTD, c_q_BTR, lp: dict, pos_BT, inv_freq, cfg: ModelConfig):
+    """The lightning indexer's queries [B, T, M, I] (from MLA's normed query latent), its one
+    key a token [B, T, I] (h through a LayerNorm with a bias) and each head's weight [B, T, M]
+    (from h, in float32): I_ts = sum_m w_tm ReLU(q_tm . k_s) (the report's eq. 1). q and k are
+    rotated on their first qk_rope_head_dim dims in halves, not pairs even where MLA's are (the
+    release's, transformers'); 1/sqrt(I) and 1/sqrt(M) fold into w (ReLU(a x) = a ReLU(x), a >
+    0). The release's fp8 scores and Hadamard rotation (orthogonal: q.k unchanged) are left out."""
+    w, Hr = weights(lp, h_BTD.dtype, cfg), cfg.qk_rope_head_dim
+    rope = lambda x: jnp.concatenate([apply_rope(x[..., :Hr], pos_BT, inv_freq), x[..., Hr:]], -1)
+    k = jnp.einsum("btd,di->bti", h_BTD, w("idx_wk")).astype(jnp.float32)
+    k = k - jnp.mean(k, -1, keepdims=True)
+    k = k * jax.lax.rsqrt(jnp.mean(k * k, -1, keepdims=True) + 1e-6) * lp["idx_k_norm"]
+    k = rope((k + lp["idx_k_bias"]).astype(h_BTD.dtype)[:, :, None])[:, :, 0]
+    wt = jnp.einsum("btd,dm->btm", h_BTD.astype(jnp.float32), lp["idx_w"]) * (
+        cfg.index_n_heads * cfg.index_head_dim) ** -0.5
+    return rope(jnp.einsum("btr,rmi->btmi", c_q_BTR, w("idx_wq"))), k, wt
+
+
+def index_scores(q_BQMI, k_BSI, w_BQM, pos_BQ, pos_BS):
+    """The indexer's I [B, Q, S] in float32, -inf at the keys after each query."""
+    s = jax.nn.relu(jnp.einsum("bqmi,bsi->bqms", q_BQMI, k_BSI, preferred_element_type=jnp.float32))
+    return jnp.where(pos_BS[:, None] <= pos_BQ[..., None], jnp.einsum("bqms,bqm->bqs", s, w_BQM),
+                     -jnp.inf)
+
+
+def indexer_kl(p_BQS, logit_BQS, ok_BQS):
+    """sum_q KL(p_q || softmax(logit_q)) over the keys where ok: p the main attention's, a
+    constant target (the indexer learns from it, the heads not from the indexer)."""
+    p = jax.lax.stop_gradient(p_BQS)
+    log_q = jax.nn.log_softmax(jnp.where(ok_BQS, logit_BQS, -jnp.inf), axis=-1)
+    return jnp.sum(jnp.where(ok_BQS & (p > 0), p * (jnp.log(jnp.where(p > 0, p, 1.0)) -
+                                                   jnp.where(ok_BQS, log_q, 0.0)), 0.0))
 
 
 def constrain(x, spec: P):
@@ -584,7 +714,7 @@ def apply_rope(x_BTNH, pos_BT, inv_freq):
     return out.astype(x_BTNH.dtype)
 
 
-def hidden(params: dict, tokens_BT, cfg: ModelConfig, max_logits: bool = False):
+def hidden(params: dict, tokens_BT, cfg: ModelConfig, max_logits: bool = False, warm=None):
     """Token ids -> (final-normed hidden states [B, T, D], per-layer routing stats [L], and
     with max_logits each head's largest attention logit, "max_logit" [L, N])."""
     dt = jnp.dtype(cfg.dtype)
@@ -607,7 +737,7 @@ def hidden(params: dict, tokens_BT, cfg: ModelConfig, max_logits: bool = False):
         f, prevent_cse=not cfg.scan_layers, policy={
             "full": jax.checkpoint_policies.nothing_saveable,
             "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}[cfg.remat])
-    layer = remat(lambda x, xs: block(x, xs[0], pos_BT, inv_freq, cfg, max_logits, xs[1]))
+    layer = remat(lambda x, xs: block(x, xs[0], pos_BT, inv_freq, cfg, max_logits, xs[1], warm))
     # Unrolled (--model.no-scan-layers), each layer is compiled on its own.
     scan = partial(jax.lax.scan, layer, unroll=not cfg.scan_layers)
     if cfg.global_head_dim:  # Gemma 4: periods of n - 1 local layers and a global one, each
@@ -661,10 +791,10 @@ def train_step(state: dict, batch_BT1, *, cfg: Config, tx):
     """One optimiser step on a global batch [B, T+1] -> (new state, metrics): gradient and aux the
     microbatches' mean, heads over --train.qk-clip-threshold clipped after the update (`qk_clip`),
     the router biases (state["buffers"]) moved by the step's load unless it is skipped."""
-    M, tau = cfg.train.microbatches, cfg.train.qk_clip_threshold
-    buffers = state.get("buffers", {})
+    M, tau, W = cfg.train.microbatches, cfg.train.qk_clip_threshold, cfg.train.indexer_warmup_steps
+    buffers, warm = state.get("buffers", {}), state["step"] < W if W else None  # DSA's stage
     grad_fn = jax.grad(lambda p, b: loss_fn(with_buffers(  # LoRA: p the adapters
-        train.weights(state, cfg.lora, p), buffers), b, cfg.model, cfg.train), has_aux=True)
+        train.weights(state, cfg.lora, p), buffers), b, cfg.model, cfg.train, warm), has_aux=True)
     grads, aux = train.accumulate(grad_fn, state["params"], batch_BT1, M, MOE_BATCH)
     tops = {s: aux.pop(k) for s, k in (("layers", "max_logit"), ("dense_layers", "max_logit_dense"))
             if k in aux}   # the microbatches' largest, not their mean
@@ -673,18 +803,24 @@ def train_step(state: dict, batch_BT1, *, cfg: Config, tx):
     mla = dict(q=("wq", "wq_b"), k=("wkv_b",), nope=m.qk_nope_head_dim) if m.kv_lora_rank else {}
     clip = partial(train.qk_clip, tops=tops, tau=tau, **mla) if tau > 0 else None
     new, metrics = train.update(tx, grads, state, aux["ce"], after=clip)
+    if W:  # DSA's warm-up: all but the indexer frozen (no weight decay either); their moments
+        # stay 0 (zero gradients), Adam's bias correction counts from step 0 all the same
+        new["params"] = jax.tree_util.tree_map_with_path(lambda path, a, b: a if str(
+            path[-1].key).startswith("idx_") else jnp.where(warm, b, a), new["params"],
+            state["params"])
     if buffers and cfg.train.router_bias_rate:
         bias = buffers["layers"]["router_bias"]
         moved = balance_biases(bias, aux["load"], cfg.train.router_bias_rate)
-        new["buffers"] = {"layers": {"router_bias": jnp.where(metrics["nonfinite"], bias, moved)}}
+        new["buffers"] = {"layers": {"router_bias": jnp.where(
+            metrics["nonfinite"] | (warm is not None and warm), bias, moved)}}
     if tau > 0:
         metrics["max_attn_logit"] = jnp.max(jnp.concatenate([t.ravel() for t in tops.values()]))
     return new, metrics | {"loss": aux["ce"], "lr": make_schedule(cfg.train)(state["step"]),
                            "load_min": aux["load_min"], "load_max": aux["load_max"]} | {
-        k: jnp.mean(aux[k]) for k in ("aux_loss", "router_z", "dropped")}
+        k: jnp.mean(aux[k]) for k in ("aux_loss", "router_z", "dropped", "indexer_kl") if k in aux}
 
 
-def loss_fn(params, batch_BT1, cfg: ModelConfig, t: TrainConfig = TrainConfig()):
+def loss_fn(params, batch_BT1, cfg: ModelConfig, t: TrainConfig = TrainConfig(), warm=None):
     """The objective on token windows [B, T+1], every next token a target (all B*T of them):
 
         loss = ce + z_loss * mean_t lse_t^2
@@ -694,7 +830,7 @@ def loss_fn(params, batch_BT1, cfg: ModelConfig, t: TrainConfig = TrainConfig())
     for logits l_t = h_t W_unembed, lse_t = logsumexp(l_t), and layer l's router losses. Returns
     (loss, {"ce": ce, routing stats [L]}); `_ce_fused` takes `loss_chunk` positions at a time."""
     inputs, targets = batch_BT1[:, :-1], batch_BT1[:, 1:]
-    h_BTD, stats = hidden(params, inputs, cfg, max_logits=t.qk_clip_threshold > 0)
+    h_BTD, stats = hidden(params, inputs, cfg, max_logits=t.qk_clip_threshold > 0, warm=warm)
     h_BTD, targets = fold_context(h_BTD, *to_context(targets))  # the loss's chunks stay local
     w_DV = unembedding(params, cfg).astype(h_BTD.dtype)
     if targets.size <= cfg.vocab_size:
@@ -702,8 +838,13 @@ def loss_fn(params, batch_BT1, cfg: ModelConfig, t: TrainConfig = TrainConfig())
     obj, ce = _ce_fused(partial(cross_entropy, z_loss=t.z_loss, cap=cfg.final_softcap), h_BTD,
                         w_DV, targets, None, cfg.loss_chunk, not cfg.scan_layers)
     n = targets.size
-    return (obj / n + t.load_balance_loss * jnp.mean(stats["aux_loss"]) + t.router_z_loss
-            * jnp.mean(stats["router_z"])), {"ce": ce / n, **stats}
+    loss = (obj / n + t.load_balance_loss * jnp.mean(stats["aux_loss"]) + t.router_z_loss
+            * jnp.mean(stats["router_z"]))
+    if cfg.index_n_heads:  # DSA: + the indexer's KL (layer mean), alone in its warm-up (`dsa`)
+        stats["indexer_kl"] = jnp.mean(jnp.concatenate([jnp.atleast_1d(stats.pop(k)) for k in (
+            "indexer_kl_dense", "indexer_kl") if k in stats]))
+        loss = stats["indexer_kl"] + (loss if warm is None else jnp.where(warm, 0.0, loss))
+    return loss, {"ce": ce / n, **stats}
 
 
 def cross_entropy(h_BCD, w_DV, t_BC, wt_BC, *, z_loss: float, cap: float, grad: bool):
@@ -751,7 +892,8 @@ MUON_DIMS = {"wo": ((1, 2), (3,)), **dict.fromkeys(("w_gate", "w_up", "w_down"),
 def make_optimizer(t: TrainConfig, specs: dict | None = None):
     return train.optimizer(t.optimizer, make_schedule(t), b1=t.b1, b2=t.b2,
                            weight_decay=t.weight_decay, clip_norm=t.clip_norm,
-                           decayed={"embed", "unembed", "w_router", *MUON_DIMS},
+                           decayed={"embed", "unembed", "w_router", "idx_wq", "idx_wk", "idx_w",
+                                    *MUON_DIMS},
                            muon_dims=MUON_DIMS, muon_dtype=t.muon_dtype, specs=specs)
 
 
@@ -846,6 +988,10 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
         matmul_weights += n_global * (D * G * (2 * N + Kg * (2 - cfg.k_eq_v)) - attn) + \
             L * 3 * D * cfg.dense_d_ff
         keys += n_global * seq_len * (2 * G / Hqv - 1)
+    if cfg.index_n_heads:  # DSA: the indexer's projections and its scores over every key; MLA
+        Mi, Hi = cfg.index_n_heads, cfg.index_head_dim   # over each query's top k
+        matmul_weights += L * (cfg.q_lora_rank * Mi * Hi + D * (Mi + Hi))
+        keys = L * (min(seq_len, cfg.index_topk) + seq_len * Mi * Hi / (N * Hqv))
     return 3.0 * (2 * matmul_weights + 2 * keys * N * Hqv)   # + attention's
 
 
@@ -867,7 +1013,7 @@ def validate(cfg: Config, n_devices: int) -> None:
     train.check_sizes(mesh, {"expert": [("--model.n-experts", m.n_experts)], "tensor": [
         ("--model.n-heads", m.n_heads), ("--model.n-kv-heads", m.n_kv_heads),
         ("--model.d-ff", m.d_ff), ("--model.dense-d-ff", m.dense_d_ff),
-        ("--model.global-kv-heads", m.global_kv_heads),
+        ("--model.global-kv-heads", m.global_kv_heads), ("--model.index-n-heads", m.index_n_heads),
         ("--model.vocab-size", m.vocab_size)], "fsdp": [("--model.d-model", m.d_model)]})
     need(m.n_heads % m.n_kv_heads == 0, f"--model.n-heads {m.n_heads} is not a multiple of "
          f"--model.n-kv-heads {m.n_kv_heads} (each key/value head serves a whole group).")
@@ -888,6 +1034,24 @@ def validate(cfg: Config, n_devices: int) -> None:
                         m.qk_norm or m.qk_l2_norm)
     _validate_deepseek(m, t)
     _validate_gemma4(m)
+    _validate_dsa(m, t, mesh.context * mesh.dcn_context, cfg.lora.rank)
+
+
+def _validate_dsa(m: ModelConfig, t: TrainConfig, context: int, lora: int) -> None:
+    on, flag = m.index_n_heads > 0, f"--model.index-n-heads {m.index_n_heads}"
+    need(not on or m.kv_lora_rank and m.q_lora_rank, f"{flag}: DeepSeek's sparse attention is "
+         "MLA's with a query latent, which its indexer reads; give --model.kv-lora-rank and "
+         "--model.q-lora-rank, or set it to 0.")
+    need(not on or m.qk_rope_head_dim <= m.index_head_dim and m.index_head_dim % 2 == 0,
+         f"--model.index-head-dim {m.index_head_dim} must be even and at least --model.qk-rope-"
+         f"head-dim {m.qk_rope_head_dim}: the indexer rotates that many of its dims.")
+    need(not on or not (context > 1 or t.qk_clip_threshold or m.global_every or m.moe_every > 1),
+         f"{flag} with --mesh.context, --train.qk-clip-threshold, --model.global-every or "
+         "--model.moe-every: not built for sparse attention; turn those off.")
+    need(on or not t.indexer_warmup_steps, f"--train.indexer-warmup-steps "
+         f"{t.indexer_warmup_steps} trains an indexer the model lacks: add --model.index-n-heads.")
+    need(not (t.indexer_warmup_steps and lora), "--train.indexer-warmup-steps with --lora.rank: "
+         "the warm-up trains the indexer's own weights, which LoRA freezes; pick one.")
 
 
 def _validate_gemma4(m: ModelConfig) -> None:
@@ -1262,7 +1426,8 @@ def train_loop(cfg: Config, mesh, st: train.TrainState, step_fn) -> dict:
 
     def show(r: dict) -> str:
         drop = f" | dropped {100 * r['dropped']:.1f}%" if mc.capacity_factor > 0 else ""
-        return (f"loss {r['loss']:.3f} | aux {r['aux_loss']:.3f} | router_z "
+        return (f"loss {r['loss']:.3f} | " + (f"indexer_kl {r['indexer_kl']:.3f} | " if
+                                               mc.index_n_heads else "") + f"aux {r['aux_loss']:.3f} | router_z "
                 f"{r['router_z']:.2f} | load {min(r['load_min']):.3f}-{max(r['load_max']):.3f}"
                 f"{drop} | lr {r['lr']:.1e} | grad_norm {r['grad_norm']:.2f}" + (
                     f" | max_logit {r['max_attn_logit']:.1f}" if tc.qk_clip_threshold else ""))
@@ -1342,8 +1507,9 @@ HF_ARCHITECTURES = {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCa
                     "gpt_oss": "GptOssForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
                     "kimi_k2": "DeepseekV3ForCausalLM",  # Kimi K2: DeepSeek-V3's, renamed
                     "deepseek_v2": "DeepseekV2ForCausalLM",
-                    "llama4_text": "Llama4ForCausalLM", "gemma4_text": "Gemma4ForCausalLM"}
-HF_DEEPSEEK = ("deepseek_v3", "kimi_k2", "deepseek_v2")
+                    "llama4_text": "Llama4ForCausalLM", "gemma4_text": "Gemma4ForCausalLM",
+                    "deepseek_v32": "DeepseekV32ForCausalLM"}
+HF_DEEPSEEK = ("deepseek_v3", "kimi_k2", "deepseek_v2", "deepseek_v32")
 # What transformers assumes for a key that config.json leaves out (its config classes).
 _HF_DEFAULTS = {
     "mixtral": dict(rms_norm_eps=1e-5, max_position_embeddings=131072, num_key_value_heads=8,
@@ -1377,6 +1543,9 @@ _HF_DEFAULTS = {
     "gemma4_text": dict(rms_norm_eps=1e-6, max_position_embeddings=131072, head_dim=256,
                         num_key_value_heads=4, sliding_window=512, global_head_dim=512,
                         intermediate_size=9216, hidden_size_per_layer_input=256)}
+# DeepSeek-V3.2: V3's with the indexer; its MLA always rotates pairs (no rope_interleave key).
+_HF_DEFAULTS["deepseek_v32"] = _HF_DEFAULTS["deepseek_v3"] | dict(
+    max_position_embeddings=163840, index_n_heads=64, index_head_dim=128, index_topk=2048)
 # config.json's keys that are our fields, in every family and then per family (Kimi K2's: V3's),
 # written as they are, read as the field's type (null as 0); config_*_hf spell out the rest.
 _HF_FIELDS = dict(vocab_size="vocab_size", hidden_size="d_model", num_hidden_layers="n_layers",
@@ -1406,6 +1575,9 @@ _HF_FAMILY_FIELDS = {
                         "sliding_window", moe_intermediate_size="d_ff", intermediate_size=
                         "dense_d_ff", attention_k_eq_v="k_eq_v", final_logit_softcapping=
                         "final_softcap", tie_word_embeddings="tie_embeddings")}
+_HF_FAMILY_FIELDS["deepseek_v32"] = {k: f for k, f in _HF_FAMILY_FIELDS["deepseek_v3"].items() if
+                                     k != "rope_interleave"} | {k: k for k in (
+    "index_n_heads", "index_head_dim", "index_topk")}
 # What we write for what we do not implement, per family; reading refuses other values of
 # the keys that change the model (`config_from_hf`).
 _HF_CONSTANTS = {"mixtral": dict(router_jitter_noise=0.0),
@@ -1421,15 +1593,18 @@ _HF_CONSTANTS = {"mixtral": dict(router_jitter_noise=0.0),
                                      hidden_activation="gelu_pytorch_tanh", attention_bias=False,
                                      vocab_size_per_layer_input=262144, num_kv_shared_layers=0,
                                      use_double_wide_mlp=False, use_bidirectional_attention=None)}
+_HF_CONSTANTS["deepseek_v32"] = _HF_CONSTANTS["deepseek_v3"]
 # The knobs some families' config.json says and no other's: on exactly in those families, or
 # (the second table) on only in those. Mixtral and GPT-OSS always renormalise the top k.
 _HF_OWN = dict(attn_sinks=("gpt_oss",), moe_bias=("gpt_oss",), swiglu_limit=("gpt_oss",),
-               sigmoid_routing=("deepseek_v3", "llama4_text"), score_inputs=("llama4_text",),
-               gemma4=("gemma4_text",), global_head_dim=("gemma4_text",))
+               sigmoid_routing=("deepseek_v3", "llama4_text", "deepseek_v32"),
+               score_inputs=("llama4_text",), gemma4=("gemma4_text",),
+               global_head_dim=("gemma4_text",), index_n_heads=("deepseek_v32",))
 _HF_ONLY = dict(attn_bias=("gpt_oss",), sliding_window=("gpt_oss", "gemma4_text"),
-                n_shared_experts=("deepseek_v3", "deepseek_v2", "llama4_text"),
-                first_k_dense=("deepseek_v3", "deepseek_v2"),
-                yarn_factor=("gpt_oss", "deepseek_v3", "deepseek_v2"), **dict.fromkeys((
+                n_shared_experts=("deepseek_v3", "deepseek_v2", "llama4_text", "deepseek_v32"),
+                first_k_dense=("deepseek_v3", "deepseek_v2", "deepseek_v32"),
+                yarn_factor=("gpt_oss", "deepseek_v3", "deepseek_v2", "deepseek_v32"),
+                **dict.fromkeys((
                     "attn_chunk", "global_nope", "attn_temp_scale", "qk_l2_norm", "rope_scaling"),
                     ("llama4_text",)), **dict.fromkeys(("rope_local_theta", "global_kv_heads",
                     "k_eq_v", "rope_partial", "final_softcap"), ("gemma4_text",)))
@@ -1451,7 +1626,12 @@ _HF_LAYER = {"attn_norm": ("input_layernorm.weight", "d -> d"),
         sinks=("sinks", "n -> n"), wkv_a=("kv_a_proj_with_mqa.weight", "a d -> d a"),
         kv_norm=("kv_a_layernorm.weight", "c -> c"), wkv_b=("kv_b_proj.weight", "(n x) c -> c n x"),
         wq_a=("q_a_proj.weight", "r d -> d r"), q_norm_a=("q_a_layernorm.weight", "r -> r"),
-        wq_b=("q_b_proj.weight", "(n q) r -> r n q")).items()} | {
+        wq_b=("q_b_proj.weight", "(n q) r -> r n q"),  # DSA's indexer: m heads i wide
+        idx_wq=("indexer.wq_b.weight", "(m i) r -> r m i"),
+        idx_wk=("indexer.wk.weight", "i d -> d i"), idx_w=("indexer.weights_proj.weight",
+                                                           "m d -> d m"),
+        idx_k_norm=("indexer.k_norm.weight", "i -> i"),
+        idx_k_bias=("indexer.k_norm.bias", "i -> i")).items()} | {
     k: ("mlp." + name, layout) for k, (name, layout) in dict(
         mlp_gate=("gate_proj.weight", "g d -> d g"), mlp_up=("up_proj.weight", "g d -> d g"),
         mlp_down=("down_proj.weight", "d g -> g d"), w_router=("gate.weight", "e d -> d e"),
@@ -1525,7 +1705,8 @@ def _hf_sizes(cfg: ModelConfig) -> dict:
                 z=cfg.global_head_dim, e=cfg.n_experts, d=cfg.d_model, n=cfg.n_heads,
                 k=cfg.n_kv_heads, h=cfg.head_dim, f=cfg.d_ff, v=cfg.vocab_size,
                 j=cfg.n_layers - moe_layers(cfg), a=C + Hr, c=C, r=cfg.q_lora_rank, q=Hn + Hr,
-                x=Hn + Hv, w=Hv, g=cfg.dense_d_ff, s=cfg.n_shared_experts * cfg.d_ff)
+                x=Hn + Hv, w=Hv, g=cfg.dense_d_ff, s=cfg.n_shared_experts * cfg.d_ff,
+                m=cfg.index_n_heads, i=cfg.index_head_dim)
 
 
 def config_from_hf(c: dict, where: str = "config.json") -> ModelConfig:
@@ -1551,7 +1732,7 @@ def config_from_hf(c: dict, where: str = "config.json") -> ModelConfig:
     only = dict(hidden_act="silu", partial_rotary_factor=1.0, decoder_sparse_step=1,
                 moe_layer_freq=1)  # the one value we implement of each
     only |= dict(swiglu_alpha=SWIGLU_ALPHA) if mt == "gpt_oss" else dict(
-        scoring_func="sigmoid", topk_method="noaux_tc") if fam == "deepseek_v3" else dict(
+        scoring_func="sigmoid", topk_method="noaux_tc") if fam in ("deepseek_v3", "deepseek_v32") else dict(
         scoring_func="softmax") if fam == "deepseek_v2" else dict(
         hidden_activation="gelu_pytorch_tanh", hidden_size_per_layer_input=0,
         num_kv_shared_layers=0) if mt == "gemma4_text" else {}
@@ -1617,7 +1798,8 @@ def config_from_hf(c: dict, where: str = "config.json") -> ModelConfig:
                   seq_aux=bool(c.get("seq_aux", True)), topk_group=c["topk_group"] if G > 1 else 0,
                   yarn_mscale_all_dim=float(rope.get("mscale_all_dim") or 0),
                   dense_d_ff=c["intermediate_size"] if Kd else 0)
-        m |= dict(norm_topk=False, rope_interleave=True) if v2 else {}
+        m |= dict(norm_topk=False, rope_interleave=True) if v2 else dict(
+            rope_interleave=True) if mt == "deepseek_v32" else {}
     elif mt == "llama4_text":  # every n-th layer global and unrotated, chunks on the others
         L, n, s = m["n_layers"], c["no_rope_layer_interval"], m["moe_every"]
         rope_at = [int((i + 1) % n != 0) for i in range(L)]  # HF's no_rope_layers: 1 = RoPE
@@ -1654,7 +1836,8 @@ def _model_type(cfg: ModelConfig, model_type: str) -> str:
     """The family to write: the one asked for (or the knobs'), if the knobs fit it."""
     fam = ("gemma4_text" if cfg.gemma4 else "llama4_text" if cfg.score_inputs else "qwen3_moe"
            if cfg.qk_norm else "gpt_oss" if
-           cfg.attn_sinks else "deepseek_v3" if cfg.kv_lora_rank and cfg.sigmoid_routing else
+           cfg.attn_sinks else "deepseek_v32" if cfg.index_n_heads else "deepseek_v3" if
+           cfg.kv_lora_rank and cfg.sigmoid_routing else
            "deepseek_v2" if cfg.kv_lora_rank else "mixtral")
     mt = model_type or fam
     if mt not in HF_ARCHITECTURES:
@@ -1664,15 +1847,16 @@ def _model_type(cfg: ModelConfig, model_type: str) -> str:
             any(getattr(cfg, k) and kind not in fs for k, fs in _HF_ONLY.items()) or
             kind in ("mixtral", "gpt_oss", "gemma4_text") and not cfg.norm_topk or
             cfg.moe_every > 1 and
-            kind != "llama4_text" or kind == "deepseek_v2" and (cfg.norm_topk or not
-                                                                cfg.rope_interleave) or
+            kind != "llama4_text" or kind in ("deepseek_v2", "deepseek_v32") and (
+                kind == "deepseek_v2" and cfg.norm_topk or not cfg.rope_interleave) or
             kind == "llama4_text" and (cfg.norm_topk or not (
                 cfg.rope_interleave and cfg.n_shared_experts == 1 and cfg.global_nope))):
         raise hf.HFError(f"model_type {mt!r} does not fit this model: q/k norms are qwen3_moe's; "
                          "mixtral and gpt_oss always renormalise the top-k weights; sinks, "
                          "biases, windows and the clamp are gpt_oss's (and all of its); MLA, "
                          "shared experts and dense layers deepseek_v3's, kimi_k2's and (with "
-                         "softmax routing, not renormalised, RoPE pairs) deepseek_v2's, sigmoid "
+                         "softmax routing, not renormalised, RoPE pairs) deepseek_v2's, the indexer "
+                         "(RoPE pairs) deepseek_v32's, sigmoid "
                          "routing theirs; YaRN is theirs and gpt_oss's; scaled expert inputs, one "
                          "shared expert, RoPE pairs, NoPE, chunks, moe_every and Llama 3.1's "
                          "RoPE llama4_text's; Gemma 4's block gemma4_text's.")
@@ -1715,6 +1899,10 @@ def config_to_hf(cfg: ModelConfig, model_type: str = "", dtype: str = "float32")
                   topk_group=cfg.topk_group or 1, routed_scaling_factor=cfg.routed_scale or 1.0)
         if fam == "deepseek_v2":
             c["topk_method"] = "group_limited_greedy" if cfg.n_group else "greedy"
+        if fam == "deepseek_v32":  # transformers' per-layer lists, as it writes them
+            L, Kd = cfg.n_layers, cfg.first_k_dense
+            c |= dict(mlp_bias=False, layer_types=["indexed_attention"] * L,
+                      mlp_layer_types=["dense"] * Kd + ["sparse"] * (L - Kd))
     elif mt == "llama4_text":
         L, n, s = cfg.n_layers, cfg.global_every or cfg.n_layers + 1, cfg.moe_every
         rope_at = [int((i + 1) % n != 0) for i in range(L)]  # 1: RoPE (and chunks, if any)

@@ -28,7 +28,9 @@ away from zero, biases everywhere, one window layer and one full, YaRN and its c
 MoE on every second layer with the scores on the experts' inputs and a shared expert, chunked
 attention, an unrotated layer whose query temperature rises within the 16 tokens, the L2 q/k
 norm and RoPE in pairs. Gemma 4's MoE adds a dense MLP beside the experts in every layer, each
-normed in and out, and a router with its own gain and per-expert scales.
+normed in and out, and a router with its own gain and per-expert scales. DeepSeek-V3.2 adds
+the lightning indexer (LayerNorm'd key with a bias, ReLU scores weighted per head, RoPE in halves)
+choosing fewer keys than the 16 tokens.
 """
 from __future__ import annotations
 
@@ -211,6 +213,12 @@ FAMILIES = {
     "gemma4_moe": ("gemma4_text", dict(_GEMMA4, intermediate_size=24, moe_intermediate_size=16,
                                        enable_moe_block=True, num_experts=8, top_k_experts=2),
                    "16KB"),
+    # DeepSeek-V3.2: DeepSeek-V3's fixture with the lightning indexer in every layer (8 heads 8
+    # wide, 4 of them rotated), each query keeping its best 5 keys: sparse from the sixth token.
+    "deepseek_v32": ("deepseek_v32", dict(
+        {k: v for k, v in _DEEPSEEK.items() if k not in ("rope_interleave", "num_mtp_layers")},
+        n_group=4, topk_group=2,
+        index_n_heads=8, index_head_dim=8, index_topk=5), "16KB"),
 }
 # Written as this model_type (the checkpoint is the other's, as Moonshot ships it).
 RENAMED = {"kimi_k2": "kimi_k2"}

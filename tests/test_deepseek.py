@@ -97,7 +97,13 @@ def loss_and_grads(cfg, params, bias, batch, mesh):
 def test_expert_parallel_equals_one_device():
     """Loss and every gradient, expert 2 x fsdp 2 x tensor 2 against one device: MLA's heads
     and the shared and dense MLPs split over tensor, the groups' choice with the bias."""
-    cfg = dataclasses.replace(DS, n_layers=2)
+    one = expert_parallel_equals_one_device(dataclasses.replace(DS, n_layers=2))
+    for name in ("wkv_b", "shared_down", "w_router"):   # each is trained: not zero
+        assert float(np.abs(one[1]["layers"][name]).max()) > 1e-4, name
+
+
+def expert_parallel_equals_one_device(cfg):
+    """Checks loss and gradients on both meshes equal; returns one device's."""
     rng = np.random.default_rng(0)
     params = jax.tree.map(lambda x: np.asarray(x) + 0.1 * rng.standard_normal(x.shape).astype(
         np.float32), tm.init_params(cfg, jax.random.key(0)))
@@ -110,8 +116,7 @@ def test_expert_parallel_equals_one_device():
     assert got[0] == pytest.approx(one[0], rel=1e-6)
     for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(got[1]), jax.tree.leaves(one[1])):
         np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-6, err_msg=jax.tree_util.keystr(path))
-    for name in ("wkv_b", "shared_down", "w_router"):   # each is trained: not zero
-        assert float(np.abs(one[1]["layers"][name]).max()) > 1e-4, name
+    return one
 
 
 def route(cfg, bias=None, seed=0, T=64):
@@ -234,8 +239,19 @@ def test_resumed_equals_uninterrupted_biases_included(data_path, tmp_path, capsy
             mesh=MeshConfig(data=2, fsdp=1, expert=4), data=DataConfig(path=data_path),
             checkpoint=tm.CheckpointConfig(every=2, keep=2), run_dir=str(run_dir))
 
+    full, _ = resumed_equals_uninterrupted(config, tmp_path, capsys)
+    bias = np.asarray(full["state"]["buffers"]["layers"]["router_bias"])
+    # 4 moves of +-0.01 each: a whole number of hundredths, not all back at zero.
+    assert bias.shape == (1, 8) and 0 < np.abs(bias).max() <= 0.04 + 1e-6
+    np.testing.assert_allclose(bias * 100, np.round(bias * 100), atol=1e-4)
+    assert "router_bias" not in str(jax.tree_util.tree_structure(full["state"]["opt_state"]))
+
+
+def resumed_equals_uninterrupted(config, tmp_path, capsys):
+    """Checks config(dir, 4) run in one go equals config(dir, 2) resumed to 4, bitwise; returns
+    the uninterrupted run's summary and the 2-step one's."""
     full = tm.main(config(tmp_path / "a", 4))
-    tm.main(config(tmp_path / "b", 2))
+    half = tm.main(config(tmp_path / "b", 2))
     resumed = tm.main(config(tmp_path / "b", 4))
     assert "resumed from step 2" in capsys.readouterr().out
     a, b = (jax.tree_util.tree_flatten_with_path(jax.device_get(r["state"]))[0]
@@ -243,11 +259,7 @@ def test_resumed_equals_uninterrupted_biases_included(data_path, tmp_path, capsy
     assert [p for p, _ in a] == [p for p, _ in b]
     for (path, x), (_, y) in zip(a, b):
         np.testing.assert_array_equal(x, y, err_msg=jax.tree_util.keystr(path))
-    bias = np.asarray(full["state"]["buffers"]["layers"]["router_bias"])
-    # 4 moves of +-0.01 each: a whole number of hundredths, not all back at zero.
-    assert bias.shape == (1, 8) and 0 < np.abs(bias).max() <= 0.04 + 1e-6
-    np.testing.assert_allclose(bias * 100, np.round(bias * 100), atol=1e-4)
-    assert "router_bias" not in str(jax.tree_util.tree_structure(full["state"]["opt_state"]))
+    return full, half
 
 
 @pytest.mark.parametrize("name,total,active", [

@@ -1,5 +1,6 @@
 """HuggingFace in and out for train_moe.py: Mixtral, Qwen3-MoE, GPT-OSS, DeepSeek-V3, Kimi K2,
-Llama 4, DeepSeek-V2 and Gemma 4's MoE (26B-A4B, a gemma4_text folder) against transformers.
+Llama 4, DeepSeek-V2, Gemma 4's MoE (26B-A4B, a gemma4_text folder) and DeepSeek-V3.2 (its
+sparse attention's indexer) against transformers.
 
 Same fixtures and checks as tests/test_hf.py (see there), for the mixture-of-experts families:
 one tensor per expert and per layer, loaded straight onto the expert axis. Kimi K2's folder is
@@ -27,7 +28,7 @@ from common.mesh import MeshConfig, make_mesh
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIXTURES = os.path.join(ROOT, "tests", "fixtures", "hf")
 FAMILIES = ["mixtral", "qwen3_moe", "gpt_oss", "deepseek_v3", "kimi_k2", "llama4_text",
-            "deepseek_v2", "gemma4_moe"]
+            "deepseek_v2", "gemma4_moe", "deepseek_v32"]
 TOL = 1e-4
 BOOKKEEPING = {"transformers_version", "dtype", "torch_dtype", "bos_token_id", "eos_token_id",
                "pad_token_id", "use_cache", "initializer_range", "attention_dropout",
@@ -93,6 +94,18 @@ def test_config_mapping_and_routing_matters(loaded):
         ones = {s: dict(params[s], **{k: np.ones_like(params[s][k])}) for s in (
             "layers", "global_layers")}
         assert max_diff(logits(params | ones, cfg, tokens), want) > 1e-2
+
+
+def test_deepseek_v32_choice_matters(loaded):
+    """The fixture's queries keep 5 of up to 16 keys: attending every key, or choosing with the
+    indexer's key bias zeroed, misses transformers' logits by far."""
+    cfg, params = loaded["deepseek_v32"]
+    tokens, want = expected("deepseek_v32")
+    assert cfg.index_topk == 5 < tokens.shape[1] and cfg.rope_interleave
+    zero = {s: dict(params[s], idx_k_bias=np.zeros_like(params[s]["idx_k_bias"])) for s in (
+        "layers", "dense_layers")}
+    for p, c in ((params, dataclasses.replace(cfg, index_topk=16)), (params | zero, cfg)):
+        assert max_diff(logits(p, c, tokens), want) > 1e-2
 
 
 transformers = None
