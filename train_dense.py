@@ -390,15 +390,17 @@ def block(x_BTD, lp: dict, cfg: ModelConfig, *, pos_BT, inv_freq, segment_ids=No
     if cfg.yarn_factor:  # YaRN's temperature where it stretches RoPE: logits x (0.1 ln s + 1)^2
         q = q * jnp.where(is_global, (0.1 * math.log(max(cfg.yarn_factor, 1)) + 1) ** 2, 1.0)
     W = cfg.sliding_window if cfg.sliding_window < q.shape[1] else 0  # else: all within reach
-    stats = {"max_logit": train.max_logits(q, k, segment_ids=segment_ids, window=W,
-                                           is_global=is_global)} if max_logits else {}
     # The kernel is the compile target's (common/attention.py): splash, cuDNN or blocked.
-    full = partial(attend, q, k, v, impl=cfg.attention, segment_ids=segment_ids,
-                   context=cfg.context_attention,
-                   scale=(cfg.query_scale or cfg.head_dim) ** -0.5, cap=cfg.attn_softcap)
+    scale = (cfg.query_scale or cfg.head_dim) ** -0.5
+    full = partial(attend, q, k, v, impl=cfg.attention, segment_ids=segment_ids, scale=scale,
+                   context=cfg.context_attention, cap=cfg.attn_softcap, with_max=max_logits)
     pick = (lambda a, b: a() if is_global else b()) if isinstance(is_global, bool) else partial(
         jax.lax.cond, is_global)  # a stack of one kind (Gemma 4's) knows it when traced
-    o = pick(full, partial(full, window=W)) if W else full()
+    out = pick(full, partial(full, window=W)) if W else full()
+    o, top = out if max_logits else (out, None)  # QK-clip: the kernel's own row maxima, or
+    stats = {"max_logit": top if top is not None else train.max_logits(  # made again
+        q, k, segment_ids=segment_ids, scale=scale, window=W, is_global=is_global)
+             } if max_logits else {}
     o = jnp.einsum("btnh,nhd->btd", o, w("wo"))
     x_BTD = x_BTD + (norm(o, "attn_post_norm") if cfg.sandwich_norm or cfg.post_norm else o)
     h = x_BTD if cfg.post_norm else norm(x_BTD, "mlp_norm")

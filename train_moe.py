@@ -457,16 +457,17 @@ def block(x_BTD, lp: dict, pos_BT, inv_freq, cfg: ModelConfig, max_logits: bool 
             kr = jnp.where(is_global, k, kr)
         q, k = qr, kr
     if not cfg.index_n_heads:
-        a_BTNV, ind = attention(q, k, v, lp, cfg, is_global), {}
+        a_BTNV, ind = attention(q, k, v, lp, cfg, is_global, max_logits), {}
+    a_BTNV, top_N = a_BTNV if max_logits else (a_BTNV, None)  # DSA refuses QK-clip
     o = jnp.einsum("btnh,nhd->btd", a_BTNV, w("wo"))
     o = rms_norm(o, lp["attn_post_norm"], cfg.norm_eps) if cfg.gemma4 else o
     x_BTD = constrain(x_BTD + (o + w("bo") if cfg.attn_bias else o), ACT_BTD)
     h = rms_norm(x_BTD, lp["mlp_norm"], cfg.norm_eps)
     W, C = (n if n < x_BTD.shape[1] else 0 for n in (cfg.sliding_window, cfg.attn_chunk))
-    # for QK-clip: each head's largest attention logit, as `attention` computes it
-    top = {"max_logit": train.max_logits(q, k, scale=logit_scale(cfg, q.shape[-1]), window=W,
-                                         local_chunk=0 if W else C, is_global=is_global)
-           } if max_logits else {}
+    # for QK-clip: each head's largest attention logit, the kernel's or as `attention` computes it
+    top = {"max_logit": top_N if top_N is not None else train.max_logits(
+        q, k, scale=logit_scale(cfg, q.shape[-1]), window=W, local_chunk=0 if W else C,
+        is_global=is_global)} if max_logits else {}
     if "w_router" not in lp:
         return constrain(x_BTD + swiglu(h, {"w_" + k: w("mlp_" + k) for k in PROJ}), ACT_BTD
                          ), top | ind
@@ -486,19 +487,24 @@ def block(x_BTD, lp: dict, pos_BT, inv_freq, cfg: ModelConfig, max_logits: bool 
                      ACT_BTD), stats | top
 
 
-def attention(q_BTNH, k_BTKH, v_BTKV, lp: dict, cfg: ModelConfig, is_global):
+def attention(q_BTNH, k_BTKH, v_BTKV, lp: dict, cfg: ModelConfig, is_global, with_max=False):
     """One layer's attention by the compile target's kernel (common/attention.py), with GPT-OSS's
     sinks and window (`is_global`, traced, picks the layer's kind) and MLA's values narrower than
-    its queries."""
-    att = partial(attend, impl=cfg.attention, sinks_N=lp.get("sinks"), context=cfg.context_attention,
-                  scale=logit_scale(cfg, q_BTNH.shape[-1]), batch_axes=MOE_BATCH)
-    full, T = partial(att, q_BTNH, k_BTKH, v_BTKV), q_BTNH.shape[1]
+    its queries. with_max: (output, each head's largest logit if the kernel keeps it, else None;
+    Llama 4's chunked layers run it per chunk, and None)."""
+    T = q_BTNH.shape[1]
     W = cfg.sliding_window if cfg.sliding_window < T else 0  # else: all in reach
     C = cfg.attn_chunk if cfg.attn_chunk < T else 0
+    kmax = with_max and not C
+    att = partial(attend, impl=cfg.attention, sinks_N=lp.get("sinks"), context=cfg.context_attention,
+                  scale=logit_scale(cfg, q_BTNH.shape[-1]), batch_axes=MOE_BATCH, with_max=kmax)
+    full = partial(att, q_BTNH, k_BTKH, v_BTKV)
     local = partial(full, window=W) if W else partial(in_chunks, att, C, q_BTNH, k_BTKH, v_BTKV)
     if isinstance(is_global, bool):  # a stack of one kind (Gemma 4's)
-        return full() if is_global or not (W or C) else local()
-    return jax.lax.cond(is_global, full, local) if W or C else full()
+        out = full() if is_global or not (W or C) else local()
+    else:
+        out = jax.lax.cond(is_global, full, local) if W or C else full()
+    return out if kmax or not with_max else (out, None)
 
 
 def logit_scale(cfg: ModelConfig, H: int) -> float:

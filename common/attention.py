@@ -177,18 +177,16 @@ def _loop(body, carry, T, S, C, causal, window, offs):
         live(t // nk, t % nk), lambda c: body(c, t // nk, t % nk), lambda c: c, c), carry)
 
 
-def _flash_fwd(scale, causal, window, cap, C, q_BTNH, k_BSKH, v_BSKV, sinks_N, segq_BT,
-               segk_BS=None, offs=None):
+def _flash_core(scale, causal, window, cap, C, q_BTNH, k_BSKH, v_BSKV, sinks_N, segq_BT,
+                segk_BS=None, offs=None):
+    """(output, each head's largest logit [N] (what QK-clip reads: the row maxima the online
+    softmax keeps anyway), what the backward saves)."""
     B, T, N, _ = q_BTNH.shape
     S, K, V = k_BSKH.shape[1], k_BSKH.shape[2], v_BSKV.shape[3]
     segk_BS = segq_BT if segk_BS is None else segk_BS
     q, k, v, segs = _inputs(q_BTNH, k_BSKH, v_BSKV, segq_BT, segk_BS, C)
     shape = (q.shape[0], B, K, N // K, C)
-    if sinks_N is None:
-        m, l = jnp.full(shape, NEG, F32), jnp.zeros(shape, F32)
-    else:   # the sink as a key already seen: its logit the running max, weight 1, value 0
-        m = jnp.broadcast_to(sinks_N.astype(F32).reshape(K, N // K, 1), shape)
-        l = jnp.ones(shape, F32)
+    m, l = jnp.full(shape, NEG, F32), jnp.zeros(shape, F32)
 
     def body(carry, i, j):   # online softmax: rescale what tile i has so far to the new max
         m_nBKGC, l_nBKGC, acc_nBKGCV = carry
@@ -205,10 +203,22 @@ def _flash_fwd(scale, causal, window, cap, C, q_BTNH, k_BSKH, v_BSKV, sinks_N, s
                 _put(acc_nBKGCV, a[..., None] * _at(acc_nBKGCV, i) + pv, i))
 
     m, l, acc = _loop(body, (m, l, jnp.zeros((*shape, V), F32)), T, S, C, causal, window, offs)
+    row = (jnp.arange(q.shape[0] * C) < T).reshape(q.shape[0], 1, 1, 1, C)  # not the padding
+    top_N = jnp.max(jnp.where(row & (l > 0), m, NEG), axis=(0, 1, 4)).reshape(N)
+    if sinks_N is not None:   # the sink: one more logit in every row's softmax, its value 0
+        s_KG1 = sinks_N.astype(F32).reshape(K, N // K, 1)
+        new = jnp.maximum(m, s_KG1)
+        a = jnp.exp(m - new)
+        m, l, acc = new, a * l + jnp.exp(s_KG1 - new), a[..., None] * acc
     l = jnp.where(l > 0, l, 1.0)   # 0 only where nothing is allowed (and no sink): output 0
     o_BTNV = _untile(acc / l[..., None], T).reshape(B, T, N, V).astype(v_BSKV.dtype)
-    return o_BTNV, (q_BTNH, k_BSKH, v_BSKV, sinks_N, segq_BT, segk_BS, offs, o_BTNV,
-                    m + jnp.log(l))
+    return o_BTNV, top_N, (q_BTNH, k_BSKH, v_BSKV, sinks_N, segq_BT, segk_BS, offs, o_BTNV,
+                           m + jnp.log(l))
+
+
+def _flash_fwd(*args):
+    o, _, res = _flash_core(*args)
+    return o, res
 
 
 def _flash_bwd(scale, causal, window, cap, C, res, do_BTNV):
@@ -253,23 +263,30 @@ def _flash_bwd(scale, causal, window, cap, C, res, do_BTNV):
 
 _flash = jax.custom_vjp(lambda *args: _flash_fwd(*args)[0], nondiff_argnums=(0, 1, 2, 3, 4))
 _flash.defvjp(_flash_fwd, _flash_bwd)
+# The same with each head's largest logit beside the output (no gradient flows through it).
+_flash_top = jax.custom_vjp(lambda *args: _flash_core(*args)[:2], nondiff_argnums=(0, 1, 2, 3, 4))
+_flash_top.defvjp(lambda *args: (lambda o, t, r: ((o, t), r))(*_flash_core(*args)),
+                  lambda *a: _flash_bwd(*a[:-1], a[-1][0]))
 
 
 def blocked(q_BTNH, k_BSKH, v_BSKV, *, scale: float, causal: bool = True, window: int = 0,
-            cap: float = 0.0, sinks_N=None, segment_ids=None, block: int = 512):
+            cap: float = 0.0, sinks_N=None, segment_ids=None, block: int = 512,
+            with_max: bool = False):
     """`reference` without the [T, T] scores: an online softmax over key tiles of `block`
     positions forward, the scores recomputed per tile pair backward (saved: q, k, v, the
     output and a logsumexp per row). Only the tile pairs the causal and window structure can
     allow are visited: about half of them when causal, O(T window) with a window; segments
-    are only masked. Self-attention (S == T) only; T need not be a multiple of the block."""
+    are only masked. Self-attention (S == T) only; T need not be a multiple of the block.
+    with_max: (output, each head's largest logit [N] float32, the sinks not among them)."""
     _check(q_BTNH, k_BSKH, v_BSKV)
     T, S = q_BTNH.shape[1], k_BSKH.shape[1]
     if S != T:
         raise ValueError(f"blocked attention is self-attention: S={S} keys for T={T} queries")
     if block < 1:
         raise ValueError(f"block must be a positive number of positions, got {block}")
-    return _flash(float(scale), bool(causal), int(window), float(cap), min(int(block), T),
-                  q_BTNH, k_BSKH, v_BSKV, sinks_N, segment_ids, None, None)
+    return (_flash_top if with_max else _flash)(
+        float(scale), bool(causal), int(window), float(cap), min(int(block), T), q_BTNH, k_BSKH,
+        v_BSKV, sinks_N, segment_ids, None, None)
 
 
 # ---- context parallelism: the sequence split over the mesh's "context" axis ---------------
@@ -514,11 +531,24 @@ def check_kernel(impl: str, platform: str, seq_len: int,
 
 def attend(q_BTNH, k_BSKH, v_BSKV, *, impl: str = "auto", scale: float, causal: bool = True,
            window: int = 0, cap: float = 0.0, sinks_N=None, segment_ids=None, mask_BTS=None,
-           batch_axes=("data", "fsdp"), context: str = "allgather"):
+           batch_axes=("data", "fsdp"), context: str = "allgather", with_max: bool = False):
     """Attention by the kernel `choose` picks for the compile target; every kernel computes
     `reference`'s function (tests/test_attention.py holds them to it). mask_BTS (True = may
     attend) replaces causal/window/segments where the pattern is not one of those. On a mesh
-    with a context axis the sequence is split (`context_attention`, by `context`)."""
+    with a context axis the sequence is split (`context_attention`, by `context`). with_max
+    (QK-clip): (output, each head's largest logit [N]) from the blocked kernel, which keeps the
+    row maxima anyway; (output, None) from the others (splash keeps a logsumexp, cuDNN
+    nothing), whose callers make the maxima again (common/train.py `max_logits`)."""
+    if with_max:
+        T, H = q_BTNH.shape[1], q_BTNH.shape[3]
+        if context_size() == 1 and mask_BTS is None and choose(
+                impl, target_platform(), dtype=q_BTNH.dtype, T=T, H=H, V=v_BSKV.shape[-1],
+                cap=cap, sinks=sinks_N is not None, segments=segment_ids is not None) == "blocked":
+            return blocked(q_BTNH, k_BSKH, v_BSKV, scale=scale, causal=causal, window=window,
+                           cap=cap, sinks_N=sinks_N, segment_ids=segment_ids, with_max=True)
+        return attend(q_BTNH, k_BSKH, v_BSKV, impl=impl, scale=scale, causal=causal,
+                      window=window, cap=cap, sinks_N=sinks_N, segment_ids=segment_ids,
+                      mask_BTS=mask_BTS, batch_axes=batch_axes, context=context), None
     if context_size() > 1 and mask_BTS is None:
         return context_attention(q_BTNH, k_BSKH, v_BSKV, strategy=context, scale=scale,
                                  causal=causal, window=window, cap=cap, sinks_N=sinks_N,

@@ -42,8 +42,11 @@ import anatomy  # noqa: E402
 # DeepSeek-V3.2's sparse attention (issue 38) 188 in MoE: the indexer, MLA over each query's top
 # k in blocks, the warm-up's dense KL, the two stages in the loss and step, their checks, the
 # deepseek_v32 folders' names and config, the deepseek-v3.2 and tiny-deepseek32 presets.
-BUDGETS = {"train_dense.py": (1000 + 8 + 62 + 10 + 1 + 201 + 101 + 5 + 5 + 13 + 112 + 22, 0.60),
-           "train_moe.py": (1400 + 148 + 32 + 7 + 11 + 177 + 3 + 6 + 188, 0.65),
+# QK-clip's maxima from the blocked kernel (issue 33): the kernel asked for them, the separate
+# pass only where it gives none: 2 in dense, 6 in MoE.
+BUDGETS = {"train_dense.py": (1000 + 8 + 62 + 10 + 1 + 201 + 101 + 5 + 5 + 13 + 112 + 22 + 2,
+                              0.60),
+           "train_moe.py": (1400 + 148 + 32 + 7 + 11 + 177 + 3 + 6 + 188 + 6, 0.65),
            "train_grpo.py": (1000, 0.60)}
 NOT_YET = {"train_grpo.py"}  # issue 31, still open for this one
 COMMON_BUDGET = 4300

@@ -157,6 +157,36 @@ def test_blocked_equals_reference_in_values_and_gradients(name):
             assert_close(got, want), what
 
 
+@pytest.mark.parametrize("name", ["causal", "gqa", "window 10, block 8", "sinks", "segments",
+                                  "T=37, block 16, non-causal", "all"])
+def test_blocked_gives_each_heads_largest_logit_and_the_same_output(name):
+    """with_max (QK-clip): the online softmax's row maxima, over the allowed pairs and the rows
+    that exist (not a sink's logit, not the padding), equal a float64 formula's; the output
+    and the gradients are with_max=False's."""
+    shapes, block, kw = CASES[name]
+    kw = dict(kw) | ({"sinks_N": SINKS + 20.0} if "sinks_N" in kw else {})  # above every logit
+    q, k, v = qkv(**shapes, seed=len(name) + 1)
+    scale, T = q.shape[-1] ** -0.5, q.shape[1]
+    run = lambda m: partial(A.blocked, scale=scale, block=block, with_max=m, **kw)
+    o, top = jax.jit(run(True))(q, k, v)
+    np.testing.assert_array_equal(o, jax.jit(run(False))(q, k, v))
+    f = lambda m: (lambda q, k, v: jnp.sum(run(m)(q, k, v)[0] if m else run(m)(q, k, v)))
+    for a, b in zip(jax.grad(f(True), (0, 1, 2))(q, k, v), jax.grad(f(False), (0, 1, 2))(q, k, v)):
+        np.testing.assert_array_equal(a, b)
+    G = q.shape[2] // k.shape[2]
+    s = np.einsum("btnh,bsnh->bnts", q.astype(np.float64), np.repeat(k, G, axis=2)) * scale
+    if kw.get("cap"):
+        s = kw["cap"] * np.tanh(s / kw["cap"])
+    t, u = np.arange(T)[:, None], np.arange(T)[None, :]
+    ok = ((u <= t) if kw.get("causal", True) else True) & (
+        (t - u < kw["window"]) if kw.get("window") else True)
+    ok = np.broadcast_to(ok, (q.shape[0], 1, T, T))
+    if kw.get("segment_ids") is not None:
+        seg = np.asarray(kw["segment_ids"])
+        ok = ok & (seg[:, None, :, None] == seg[:, None, None, :])
+    np.testing.assert_allclose(top, np.where(ok, s, -np.inf).max(axis=(0, 2, 3)), rtol=1e-5)
+
+
 def test_blocked_in_bfloat16_is_the_float32_reference_within_bfloat16s_precision():
     q, k, v = (x.astype(jnp.bfloat16) for x in qkv(T=40, K=2, H=16, V=16, seed=5))
     ct = jnp.asarray(np.random.default_rng(8).standard_normal((2, 40, 4, 16)), jnp.bfloat16)

@@ -122,6 +122,28 @@ def test_moe_records_the_logits_its_attention_computes(monkeypatch, family):
         assert tm.logit_scale(cfg, cfg.head_dim) > 1.25 / np.sqrt(cfg.head_dim)   # factor 4: 1.296
 
 
+@pytest.mark.parametrize("family,again", [("dense", False), ("gpt-oss", False),
+                                          ("deepseek", False), ("llama4", True)])
+def test_the_blocked_kernel_gives_its_maxima_without_a_second_pass(monkeypatch, family, again):
+    """On the CPU (blocked attention) the maxima come out of the kernel: `max_logits`' extra
+    q.k pass runs only where the kernel runs per chunk (Llama 4's chunked layers)."""
+    from tests.test_deepseek import DS
+    from tests.test_gptoss import GPT
+    from tests.test_llama4 import LLAMA4
+    cfg = {"dense": dataclasses.replace(SMALL, sliding_window=4, global_every=2), "gpt-oss": GPT,
+           "deepseek": DS, "llama4": dataclasses.replace(LLAMA4, qk_l2_norm=False, attn_chunk=4)
+           }[family]
+    mod = td if family == "dense" else tm
+    params = (td.init_params(cfg, jax.random.key(0)) if mod is td else
+              test_moe.perturbed_params(cfg))
+    x = tokens(small_cfg(cfg) if mod is td else test_moe.small_cfg(cfg))[:, :-1]
+    calls, real = [], train.max_logits
+    monkeypatch.setattr(train, "max_logits", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    stats = mod.hidden(params, jnp.asarray(x), cfg, max_logits=True)[1]
+    assert np.all(np.isfinite(np.asarray(stats["max_logit"])))
+    assert bool(calls) == again
+
+
 MLA = dict(q=("wq", "wq_b"), k=("wkv_b",), nope=8)   # DS's qk_nope_head_dim
 
 
