@@ -1254,10 +1254,13 @@ def hf_params(ckpt: hf.Checkpoint, mesh, table: dict, mapping: dict, sizes: dict
     mt = ckpt.config["model_type"]
     # Some exports keep lm_head.weight although it is tied (so the mapping has none); older
     # ones saved rotary tables.
-    # Layers past num_hidden_layers are DeepSeek-V3's multi-token-prediction module, which
-    # predicts a second token ahead and is not part of the model we train.
-    extra = lambda n: (m := re.match(r"model\.layers\.(\d+)\.", n)) and int(m[1]) >= (
-        ckpt.config["num_hidden_layers"])
+    # Layers past num_hidden_layers that the mapping does not read are DeepSeek-V3's multi-
+    # token-prediction module, when the model we train leaves it out (its config says 0).
+    layer = lambda n: int(m[1]) if (m := re.match(r"model\.layers\.(\d+)\.", n)) else -1
+    last = max([layer(n) for t, p in jax.tree.leaves(mapping, is_leaf=hf._is_entry) for _, n in
+                hf._file_names(t, hf.parse_layout(p, sizes), sizes)] + [
+        ckpt.config["num_hidden_layers"] - 1])
+    extra = lambda n: layer(n) > last
     ignore = lambda n: (n == "lm_head.weight" or n.endswith("rotary_emb.inv_freq") or extra(n)
                         or unused(n))
     if ckpt.other_towers:

@@ -250,16 +250,20 @@ def test_resumed_equals_uninterrupted_biases_included(data_path, tmp_path, capsy
     assert "router_bias" not in str(jax.tree_util.tree_structure(full["state"]["opt_state"]))
 
 
-@pytest.mark.parametrize("name,total,active", [
-    # Published: 15.7B (2.4B active), 236B (21B), 671B (37B) without the 14B MTP module, ~1T
+@pytest.mark.parametrize("name,mtp,total,active", [
+    # Published: 15.7B (2.4B active), 236B (21B), 671B (37B) without the MTP module, ~1T
     # (32B); DeepSeek-V2's and R1's also transformers' of their config.json (meta device).
-    ("deepseek-v2-lite", 15_706_484_224, 2_661_150_208),
-    ("deepseek-v2", 235_741_434_880, 21_375_800_320),
-    ("deepseek-v3", 671_026_404_352, 37_552_282_624),
-    ("deepseek-r1", 671_026_404_352, 37_552_282_624),
-    ("kimi-k2", 1_026_408_209_408, 32_861_477_888)])
-def test_preset_parameter_counts(name, total, active):
+    # V3's MTP module: 11.6B of its own (the release: "11.5B unique"), 685B with its copies of
+    # the embedding and head (0.93B each) as the checkpoint holds them (and fp8 scales).
+    ("deepseek-v2-lite", 0, 15_706_484_224, 2_661_150_208),
+    ("deepseek-v2", 0, 235_741_434_880, 21_375_800_320),
+    ("deepseek-v3", 0, 671_026_404_352, 37_552_282_624),
+    ("deepseek-v3", 1, 682_636_472_320, 38_240_382_976),
+    ("deepseek-r1", 1, 682_636_472_320, 38_240_382_976),
+    ("kimi-k2", 0, 1_026_408_209_408, 32_861_477_888)])
+def test_preset_parameter_counts(name, mtp, total, active):
     cfg = tm.PRESETS[name][1]
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, mtp_depth=mtp))
     tm.validate(cfg, 8)
     shapes = jax.eval_shape(lambda: tm.init_params(cfg.model, jax.random.key(0)))
     assert sum(math.prod(x.shape) for x in jax.tree.leaves(shapes)) == total
