@@ -2,6 +2,7 @@
 key and value built by hand, sigmoid routing with its choice bias and groups, the
 auxiliary-loss-free bias update, and a resumed run that carries the biases."""
 import dataclasses
+import json
 import math
 import os
 import sysconfig
@@ -222,12 +223,14 @@ def data_path(tmp_path_factory):
     return prepare(files, str(tmp_path_factory.mktemp("d") / "prepared"), vocab_size=400)
 
 
-def test_resumed_equals_uninterrupted_biases_included(data_path, tmp_path, capsys):
+@pytest.mark.parametrize("mtp", [0, 1])
+def test_resumed_equals_uninterrupted_biases_included(data_path, tmp_path, capsys, mtp):
     """4 steps in one go == 2 steps, a resume to 4: the state bitwise, the router biases
-    (moved every step, outside the optimiser's state) among it."""
+    (moved every step, outside the optimiser's state) among it; with a multi-token-prediction
+    module (tests/test_mtp.py) its own bias too, moved by its layer's load, its loss logged."""
     def config(run_dir, steps):
         return tm.Config(
-            model=dataclasses.replace(DS, vocab_size=512, n_layers=2),
+            model=dataclasses.replace(DS, vocab_size=512, n_layers=2, mtp_depth=mtp),
             train=tm.TrainConfig(steps=steps, batch_size=8, seq_len=16, warmup_steps=1, lr=1e-2,
                                  schedule="constant", log_every=1, eval_every=100,
                                  sample_tokens=0, router_bias_rate=1e-2, peak_tflops=1.0),
@@ -243,10 +246,15 @@ def test_resumed_equals_uninterrupted_biases_included(data_path, tmp_path, capsy
     assert [p for p, _ in a] == [p for p, _ in b]
     for (path, x), (_, y) in zip(a, b):
         np.testing.assert_array_equal(x, y, err_msg=jax.tree_util.keystr(path))
-    bias = np.asarray(full["state"]["buffers"]["layers"]["router_bias"])
-    # 4 moves of +-0.01 each: a whole number of hundredths, not all back at zero.
-    assert bias.shape == (1, 8) and 0 < np.abs(bias).max() <= 0.04 + 1e-6
-    np.testing.assert_allclose(bias * 100, np.round(bias * 100), atol=1e-4)
+    for bias in jax.tree.leaves(full["state"]["buffers"]):   # the MoE layer's, the module's
+        # 4 moves of +-0.01 each: a whole number of hundredths, not all back at zero.
+        bias = np.asarray(bias)
+        assert bias.shape == (1, 8) and 0 < np.abs(bias).max() <= 0.04 + 1e-6
+        np.testing.assert_allclose(bias * 100, np.round(bias * 100), atol=1e-4)
+    assert len(jax.tree.leaves(full["state"]["buffers"])) == 1 + mtp
+    first = json.loads(open(tmp_path / "a" / "metrics.jsonl").readline())
+    assert ("mtp_loss" in first) == bool(mtp)   # at the start near ln 512, as the loss is
+    assert not mtp or abs(first["mtp_loss"] - np.log(512)) < 0.2
     assert "router_bias" not in str(jax.tree_util.tree_structure(full["state"]["opt_state"]))
 
 

@@ -1,10 +1,7 @@
 """DeepSeek-V3's multi-token prediction (train_moe.py `mtp`): its loss against a loop over
-positions written here, sharded against one device, a resumed run against an uninterrupted one,
-Muon on its projection, and its layers in and out of a HuggingFace folder."""
+positions written here, sharded against one device, Muon on its projection, and its layers in
+and out of a HuggingFace folder (a resumed run with it: tests/test_deepseek.py)."""
 import dataclasses
-import json
-import os
-import sysconfig
 from functools import partial
 
 import jax
@@ -14,7 +11,6 @@ import pytest
 
 import train_moe as tm
 from common import hf, train
-from common.data import DataConfig, prepare
 from common.mesh import MeshConfig, make_mesh
 from common.train import ConfigError
 
@@ -109,40 +105,6 @@ def test_mtp_expert_parallel_equals_one_device():
         np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-6, err_msg=jax.tree_util.keystr(path))
     for name in ("eh_proj", "enorm", "hnorm", "head_norm"):   # each is trained: not zero
         assert float(np.abs(one[2]["mtp"][name]).max()) > 1e-5, name
-
-
-@pytest.fixture(scope="module")
-def data_path(tmp_path_factory):
-    stdlib = sysconfig.get_paths()["stdlib"]
-    files = [os.path.join(stdlib, f) for f in ("argparse.py", "textwrap.py")]
-    return prepare(files, str(tmp_path_factory.mktemp("d") / "prepared"), vocab_size=400)
-
-
-def test_resumed_equals_uninterrupted_with_mtp(data_path, tmp_path, capsys):
-    """4 steps in one go == 2, a resume to 4: the state bitwise, the MTP module's router
-    biases (moved each step by its own layer's load) among it, its loss logged."""
-    def config(run_dir, steps):
-        return tm.Config(
-            model=dataclasses.replace(DS, vocab_size=512, mtp_depth=1),
-            train=tm.TrainConfig(steps=steps, batch_size=8, seq_len=16, warmup_steps=1, lr=1e-2,
-                                 schedule="constant", log_every=1, eval_every=100,
-                                 sample_tokens=0, router_bias_rate=1e-2, peak_tflops=1.0),
-            mesh=MeshConfig(data=2, fsdp=1, expert=4), data=DataConfig(path=data_path),
-            checkpoint=tm.CheckpointConfig(every=2, keep=2), run_dir=str(run_dir))
-
-    full = tm.main(config(tmp_path / "a", 4))
-    tm.main(config(tmp_path / "b", 2))
-    resumed = tm.main(config(tmp_path / "b", 4))
-    assert "resumed from step 2" in capsys.readouterr().out
-    a, b = (jax.tree_util.tree_flatten_with_path(jax.device_get(r["state"]))[0]
-            for r in (full, resumed))
-    assert [p for p, _ in a] == [p for p, _ in b]
-    for (path, x), (_, y) in zip(a, b):
-        np.testing.assert_array_equal(x, y, err_msg=jax.tree_util.keystr(path))
-    bias = np.asarray(full["state"]["buffers"]["mtp"]["layers"]["router_bias"])
-    assert bias.shape == (1, 8) and 0 < np.abs(bias).max() <= 0.04 + 1e-6
-    first = json.loads(open(tmp_path / "a" / "metrics.jsonl").readline())
-    assert abs(first["mtp_loss"] - np.log(512)) < 0.2   # at the start: a guess among 512
 
 
 def test_muon_trains_the_projection():
