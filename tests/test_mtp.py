@@ -127,6 +127,26 @@ def test_muon_trains_the_projection():
     assert s.min() > 0.5 * s.max()
 
 
+def test_lora_adapts_the_modules():
+    """LoRA's adapters reach the modules' block and projection (merged where they are used)."""
+    cfg = tm.Config(model=dataclasses.replace(DS, mtp_depth=1), train=tm.TrainConfig(
+        batch_size=8, seq_len=16, lr=1e-2, warmup_steps=0), mesh=MeshConfig(fsdp=1),
+        lora=train.LoRAConfig(rank=2, targets="wo,w_gate,eh_proj"))
+    tm.validate(cfg, 1)
+    mesh = make_mesh(cfg.mesh, jax.devices()[:1])
+    st = tm.train_state(cfg, mesh)
+    with jax.set_mesh(mesh):
+        state = st.fresh(jax.random.key(0))
+        batch = train.put(np.random.default_rng(3).integers(0, 128, (8, 17), np.int32), mesh,
+                          tm.MOE_BATCH)
+        state, metrics = st.jit(partial(tm.train_step, cfg=cfg, tx=st.tx))(state, batch)
+    assert set(state["params"]["mtp"]) == {"eh_proj", "layers"} and not bool(metrics["nonfinite"])
+    for path in (("eh_proj", "b"), ("layers", "w_gate", "b")):   # b starts at 0: it moved
+        b = state["params"]["mtp"][path[0]]
+        b = b[path[1]][path[2]] if len(path) == 3 else b[path[1]]
+        assert float(np.abs(np.asarray(b)).max()) > 0, path
+
+
 def test_mtp_refuses_bad_flags():
     with pytest.raises(ConfigError, match="--model.mtp-depth 16"):
         tm.validate(tm.Config(model=dataclasses.replace(DS, mtp_depth=16),
