@@ -107,6 +107,23 @@ def test_mtp_expert_parallel_equals_one_device():
         assert float(np.abs(one[2]["mtp"][name]).max()) > 1e-5, name
 
 
+@pytest.mark.parametrize("how", ["allgather", "ring"])
+def test_mtp_context_parallel_equals_one_device(how):
+    """--mesh.context 2: the shifted tokens, targets and weights in the shards' order."""
+    cfg = dataclasses.replace(DS, attention="xla", context_attention=how)
+    params = random_params(cfg)
+    batch = np.random.default_rng(5).integers(0, cfg.vocab_size, (2, 33), dtype=np.int32)
+
+    def loss(mesh):
+        with jax.set_mesh(mesh):
+            p = jax.device_put(params, tm.named(mesh, train.table_specs(tm._hf_table(cfg))))
+            loss, aux = jax.jit(lambda p, b: tm.loss_fn(p, b, cfg))(p, batch)
+            return float(loss), float(aux["mtp_ce"])
+    one = loss(make_mesh(MeshConfig(fsdp=1), jax.devices()[:1]))
+    assert loss(make_mesh(MeshConfig(fsdp=1, context=2), jax.devices()[:2])) == pytest.approx(
+        one, rel=1e-6)
+
+
 def test_muon_trains_the_projection():
     """--train.optimizer muon: eh_proj is one of its matrices (MUON_DIMS), orthogonalised."""
     cfg = tm.Config(model=dataclasses.replace(DS, mtp_depth=1), train=tm.TrainConfig(
