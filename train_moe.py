@@ -135,6 +135,7 @@ class ModelConfig:
     index_head_dim: int = 128
     index_topk: int = 2048
     index_chunk: int = how(64)    # queries per block of the indexer's scores and the attention
+    mtp_depth: int = knob(0, ">= 0")  # DeepSeek-V3's multi-token prediction modules (`mtp`)
 
 
 @dataclass(frozen=True)
@@ -173,6 +174,7 @@ class TrainConfig:
     max_bad_steps: int = resumable(0)  # non-finite updates to skip; then stop
     # DSA: the first this many steps train only the indexer, on dense attention (`dsa`)
     indexer_warmup_steps: int = knob(0, ">= 0")
+    mtp_weight: float = resumable(0.3, ">= 0")  # the MTP loss's (DeepSeek-V3: 0.3, then 0.1)
 
 
 @dataclass(frozen=True)
@@ -247,11 +249,11 @@ _RELEASED = {
                     (102400, 5120, 60, 128, 128, 64, 160, 6, 1536, 163840), _DEEPSEEK_V2 | dict(
                         q_lora_rank=1536, dense_d_ff=12288, routed_scale=16.0, n_group=8,
                         topk_group=3)),
-    "deepseek-v3": ("DeepSeek-V3 (256 experts top-8 in 8 groups + 1 shared, MLA; without the "
-                    "multi-token-prediction module)",
+    "deepseek-v3": ("DeepSeek-V3 (256 experts top-8 in 8 groups + 1 shared, MLA; its multi-"
+                    "token-prediction module)",
                     (129280, 7168, 61, 128, 128, 64, 256, 8, 2048, 163840), _DEEPSEEK_V3 | dict(
                         routed_scale=2.5, n_group=8, topk_group=4, first_k_dense=3,
-                        yarn_factor=40.0)),
+                        yarn_factor=40.0, mtp_depth=1)),
     "kimi-k2": ("Kimi K2 (384 experts top-8 + 1 shared, MLA, DeepSeek-V3's block)",
                 (163840, 7168, 61, 64, 64, 64, 384, 8, 2048, 131072), _DEEPSEEK_V3 | dict(
                     first_k_dense=1, routed_scale=2.827, rope_theta=50_000.0, yarn_factor=32.0,
@@ -277,7 +279,7 @@ _RELEASED["deepseek-v3.2"] = ("DeepSeek-V3.2 (DeepSeek-V3 with sparse attention:
                               "query's 2048 keys as a lightning indexer ranks them; without the "
                               "MTP module)", _RELEASED["deepseek-v3"][1], _RELEASED["deepseek-v3"][
                                   2] | dict(rope_interleave=True, index_n_heads=64,
-                                            index_head_dim=128, index_topk=2048))
+                                            index_head_dim=128, index_topk=2048, mtp_depth=0))
 
 PRESETS: dict[str, tuple[str, Config]] = {
     # No remat: the tiny model's activations are a few MB, and recomputing them would cost a
@@ -346,6 +348,10 @@ def _param_table(cfg: ModelConfig) -> dict:
             cfg, L // n, True, glob=True)}
     if not cfg.tie_embeddings:
         table["unembed"] = ((D, V), P("fsdp", "tensor"), 0.02)
+    if Dm := cfg.mtp_depth:  # per depth (`mtp`): norms, the projection of [e; h], a MoE layer
+        table["mtp"] = {"layers": _layer_table(cfg, Dm, moe=True), "eh_proj": (
+            (Dm, 2 * D, D), P(None, "fsdp", None), 0.02)} | {
+            k: ((Dm, D), P(None, None), None) for k in ("enorm", "hnorm", "head_norm")}
     return table
 
 
@@ -720,11 +726,10 @@ def apply_rope(x_BTNH, pos_BT, inv_freq):
     return out.astype(x_BTNH.dtype)
 
 
-def hidden(params: dict, tokens_BT, cfg: ModelConfig, max_logits: bool = False, warm=None):
-    """Token ids -> (final-normed hidden states [B, T, D], per-layer routing stats [L], and
-    with max_logits each head's largest attention logit, "max_logit" [L, N])."""
+def embed(params: dict, tokens_BT, cfg: ModelConfig):
+    """Token ids -> (embeddings [B, T, D] in the compute dtype, positions [B, T]); with
+    --mesh.context both in the order of its shards (common/attention.py)."""
     dt = jnp.dtype(cfg.dtype)
-    # With --mesh.context the sequence is reordered for its shards (common/attention.py).
     tokens_BT, pos_BT = to_context(tokens_BT, jnp.broadcast_to(jnp.arange(tokens_BT.shape[1]),
                                                                tokens_BT.shape))
     # Every token is looked up in each device's fsdp shard of d (the ids are small), then the
@@ -733,16 +738,27 @@ def hidden(params: dict, tokens_BT, cfg: ModelConfig, max_logits: bool = False, 
     tokens = constrain(tokens_BT, P(None, None))
     x = constrain(jnp.take(params["embed"].astype(dt), tokens, axis=0),
                   P(None, None, ("fsdp", "context")))
-    x = constrain(x, ACT_BTD) * (jnp.asarray(math.sqrt(cfg.d_model), dt) if cfg.gemma4 else 1)
-    inv_freq = rope_inv_freq(cfg)
-    L, W, n, Kd = cfg.n_layers, cfg.sliding_window, cfg.global_every, cfg.first_k_dense
-    is_global_L = (np.arange(L) + 1) % n == 0 if n else np.full(L, not (W or cfg.attn_chunk))
-    # Inside a rolled scan the recomputation cannot be merged away; unrolled, XLA would merge it
-    # into the forward pass (and keep every activation) unless prevented.
-    remat = lambda f: f if cfg.remat == "none" else jax.checkpoint(
+    return constrain(x, ACT_BTD) * (jnp.asarray(math.sqrt(cfg.d_model), dt) if cfg.gemma4
+                                    else 1), pos_BT
+
+
+def rematted(f, cfg: ModelConfig):
+    """A layer under --model.remat. Inside a rolled scan the recomputation cannot be merged
+    away; unrolled, XLA would merge it into the forward pass (and keep every activation)."""
+    return f if cfg.remat == "none" else jax.checkpoint(
         f, prevent_cse=not cfg.scan_layers, policy={
             "full": jax.checkpoint_policies.nothing_saveable,
             "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}[cfg.remat])
+
+
+def hidden(params: dict, tokens_BT, cfg: ModelConfig, max_logits: bool = False, warm=None):
+    """Token ids -> (final-normed hidden states [B, T, D], per-layer routing stats [L], and
+    with max_logits each head's largest attention logit, "max_logit" [L, N])."""
+    x, pos_BT = embed(params, tokens_BT, cfg)
+    inv_freq = rope_inv_freq(cfg)
+    L, W, n, Kd = cfg.n_layers, cfg.sliding_window, cfg.global_every, cfg.first_k_dense
+    is_global_L = (np.arange(L) + 1) % n == 0 if n else np.full(L, not (W or cfg.attn_chunk))
+    remat = partial(rematted, cfg=cfg)
     layer = remat(lambda x, xs: block(x, xs[0], pos_BT, inv_freq, cfg, max_logits, xs[1], warm))
     # Unrolled (--model.no-scan-layers), each layer is compiled on its own.
     scan = partial(jax.lax.scan, layer, unroll=not cfg.scan_layers)
@@ -790,6 +806,35 @@ def forward(params: dict, tokens_BT, cfg: ModelConfig):
                                preferred_element_type=jnp.float32), cfg.final_softcap)
 
 
+def mtp(params: dict, h_BTD, inputs_BT, targets_BT, cfg: ModelConfig, head, max_logits=False):
+    """DeepSeek-V3's multi-token prediction (sec. 2.2), for training: module k = 1..D reads at
+    position i token i+k's embedding and the previous depth's state h^{k-1}_i (h^0: the main
+    model's final-normed output, which vLLM feeds the released module),
+
+        h'_i = [RMSNorm_e(Emb(t_{i+k})); RMSNorm_h(h^{k-1}_i)] W_eh,   h^k = TRM_k(h'),
+
+    and predicts token i+k+1 with its own norm and the shared head (`head`: objective and ce
+    sums). Positions past the window (i+k+1 > T) have no target: weight 0. Returns the depths'
+    mean objectives' mean, their cross-entropies' mean, and the modules' stats [D] (routing;
+    with max_logits, for QK-clip, each head's largest logit)."""
+    mp, spec, inv_freq = params["mtp"], param_specs(cfg)["mtp"]["eh_proj"], rope_inv_freq(cfg)
+    top = train.merged({k: v for k, v in mp.items() if k != "layers"})  # LoRA: eh_proj's
+    obj, ce, stats = 0.0, 0.0, []
+    for k in range(1, cfg.mtp_depth + 1):
+        ahead = lambda x: jnp.pad(x[:, k:], ((0, 0), (0, k)))  # position i holds i+k's
+        e_BTD, pos_BT = embed(params, ahead(inputs_BT), cfg)
+        norm = lambda x, name: rms_norm(x, top[name][k - 1], cfg.norm_eps)
+        w = constrain(top["eh_proj"][k - 1].astype(h_BTD.dtype), P(*spec[1:]))
+        x = jnp.einsum("btc,cd->btd", jnp.concatenate(
+            [norm(e_BTD, "enorm"), norm(h_BTD, "hnorm")], -1), w)
+        h_BTD, s = rematted(lambda x, lp: block(x, lp, pos_BT, inv_freq, cfg, max_logits), cfg)(
+            constrain(x, ACT_BTD), jax.tree.map(lambda a: a[k - 1], mp["layers"]))
+        valid_BT = ahead(jnp.ones(inputs_BT.shape, jnp.float32))  # a mean over these
+        o, c = head(norm(h_BTD, "head_norm"), ahead(targets_BT), valid_BT / jnp.sum(valid_BT))
+        obj, ce, stats = obj + o / cfg.mtp_depth, ce + c / cfg.mtp_depth, stats + [s]
+    return obj, ce, jax.tree.map(lambda *x: jnp.stack(x), *stats)
+
+
 # ----------------------------------------------------------------------------------------------
 # 4. Loss and train step
 # ----------------------------------------------------------------------------------------------
@@ -802,8 +847,8 @@ def train_step(state: dict, batch_BT1, *, cfg: Config, tx):
     grad_fn = jax.grad(lambda p, b: loss_fn(with_buffers(  # LoRA: p the adapters
         train.weights(state, cfg.lora, p), buffers), b, cfg.model, cfg.train, warm), has_aux=True)
     grads, aux = train.accumulate(grad_fn, state["params"], batch_BT1, M, MOE_BATCH)
-    tops = {s: aux.pop(k) for s, k in (("layers", "max_logit"), ("dense_layers", "max_logit_dense"))
-            if k in aux}   # the microbatches' largest, not their mean
+    tops = {s: aux.pop(k) for s, k in (("layers", "max_logit"), ("dense_layers", "max_logit_dense"),
+                                       ("mtp", "max_logit_mtp")) if k in aux}  # microbatches' max
     grads, aux = jax.tree.map(lambda x: x / M, (grads, aux))
     m = cfg.model   # MLA: the heads' own q/k parts and the rotary query, never the shared key
     mla = dict(q=("wq", "wq_b"), k=("wkv_b",), nope=m.qk_nope_head_dim) if m.kv_lora_rank else {}
@@ -815,15 +860,18 @@ def train_step(state: dict, batch_BT1, *, cfg: Config, tx):
             path[-1].key).startswith("idx_") else jnp.where(warm, b, a), new["params"],
             state["params"])
     if buffers and cfg.train.router_bias_rate:
-        bias = buffers["layers"]["router_bias"]
-        moved = balance_biases(bias, aux["load"], cfg.train.router_bias_rate)
-        new["buffers"] = {"layers": {"router_bias": jnp.where(
-            metrics["nonfinite"] | (warm is not None and warm), bias, moved)}}
+        leaves, tree = jax.tree.flatten(buffers)  # the MoE layers', then the MTP modules'
+        bias, rate = jnp.concatenate(leaves), cfg.train.router_bias_rate
+        held = metrics["nonfinite"] | (warm is not None and warm)  # DSA's warm-up holds them too
+        moved = jnp.where(held, bias, balance_biases(bias, aux["load"], rate))
+        new["buffers"] = jax.tree.unflatten(tree, jnp.split(moved, np.cumsum(
+            [len(b) for b in leaves])[:-1]))
     if tau > 0:
         metrics["max_attn_logit"] = jnp.max(jnp.concatenate([t.ravel() for t in tops.values()]))
     return new, metrics | {"loss": aux["ce"], "lr": make_schedule(cfg.train)(state["step"]),
                            "load_min": aux["load_min"], "load_max": aux["load_max"]} | {
-        k: jnp.mean(aux[k]) for k in ("aux_loss", "router_z", "dropped", "indexer_kl") if k in aux}
+        k: jnp.mean(aux[k]) for k in ("aux_loss", "router_z", "dropped", "indexer_kl")
+        if k in aux} | ({"mtp_loss": aux["mtp_ce"]} if "mtp_ce" in aux else {})
 
 
 def loss_fn(params, batch_BT1, cfg: ModelConfig, t: TrainConfig = TrainConfig(), warm=None):
@@ -833,24 +881,35 @@ def loss_fn(params, batch_BT1, cfg: ModelConfig, t: TrainConfig = TrainConfig(),
                + load_balance_loss * mean_l aux_l + router_z_loss * mean_l router_z_l,
         ce = mean_t (lse_t - l_t[y_t])
 
-    for logits l_t = h_t W_unembed, lse_t = logsumexp(l_t), and layer l's router losses. Returns
-    (loss, {"ce": ce, routing stats [L]}); `_ce_fused` takes `loss_chunk` positions at a time."""
+    for logits l_t = h_t W_unembed, lse_t = logsumexp(l_t), and layer l's router losses (the
+    MTP modules' among them), plus with --model.mtp-depth the MTP loss (`mtp`). Returns (loss,
+    {"ce": ce, routing stats [L], "mtp_ce"}); `_ce_fused` takes `loss_chunk` positions at a time."""
+    def head(h_BTD, targets_BT, wt_BT=None):  # sums of the (weighted) objective and ce
+        h_BTD, targets_BT, wt_BT = fold_context(h_BTD, *to_context(targets_BT, wt_BT))
+        w_DV = unembedding(params, cfg).astype(h_BTD.dtype)  # (the loss's chunks stay local)
+        if targets_BT.size <= cfg.vocab_size:
+            h_BTD, w_DV = constrain(h_BTD, LOSS_BTD), constrain(w_DV, VOCAB_DV)
+        return _ce_fused(partial(cross_entropy, z_loss=t.z_loss, cap=cfg.final_softcap), h_BTD,
+                         w_DV, targets_BT, wt_BT, cfg.loss_chunk, not cfg.scan_layers)
     inputs, targets = batch_BT1[:, :-1], batch_BT1[:, 1:]
     h_BTD, stats = hidden(params, inputs, cfg, max_logits=t.qk_clip_threshold > 0, warm=warm)
-    h_BTD, targets = fold_context(h_BTD, *to_context(targets))  # the loss's chunks stay local
-    w_DV = unembedding(params, cfg).astype(h_BTD.dtype)
-    if targets.size <= cfg.vocab_size:
-        h_BTD, w_DV = constrain(h_BTD, LOSS_BTD), constrain(w_DV, VOCAB_DV)
-    obj, ce = _ce_fused(partial(cross_entropy, z_loss=t.z_loss, cap=cfg.final_softcap), h_BTD,
-                        w_DV, targets, None, cfg.loss_chunk, not cfg.scan_layers)
-    n = targets.size
-    loss = (obj / n + t.load_balance_loss * jnp.mean(stats["aux_loss"]) + t.router_z_loss
+    (obj, ce), n, extra = head(h_BTD, targets), targets.size, {}
+    loss = obj / n
+    if cfg.mtp_depth:
+        mtp_obj, mtp_ce, mtp_stats = mtp(params, h_BTD, inputs, targets, cfg, head,
+                                         t.qk_clip_threshold > 0)
+        loss, extra = loss + t.mtp_weight * mtp_obj, {"mtp_ce": mtp_ce}
+        if "max_logit" in mtp_stats:  # QK-clip: the modules' stack's own, [D, N]
+            extra["max_logit_mtp"] = mtp_stats.pop("max_logit")
+        stats = {k: jnp.concatenate([v, mtp_stats[k]]) if k in mtp_stats else v
+                 for k, v in stats.items()}  # routing's; the main stacks' maxima stay theirs
+    loss = (loss + t.load_balance_loss * jnp.mean(stats["aux_loss"]) + t.router_z_loss
             * jnp.mean(stats["router_z"]))
     if cfg.index_n_heads:  # DSA: + the indexer's KL (layer mean), alone in its warm-up (`dsa`)
         stats["indexer_kl"] = jnp.mean(jnp.concatenate([jnp.atleast_1d(stats.pop(k)) for k in (
             "indexer_kl_dense", "indexer_kl") if k in stats]))
         loss = stats["indexer_kl"] + (loss if warm is None else jnp.where(warm, 0.0, loss))
-    return loss, {"ce": ce / n, **stats}
+    return loss, {"ce": ce / n, **stats, **extra}
 
 
 def cross_entropy(h_BCD, w_DV, t_BC, wt_BC, *, z_loss: float, cap: float, grad: bool):
@@ -890,6 +949,7 @@ def make_schedule(t: TrainConfig):
 # Muon's matrices: name -> (input axes, output axes); [L] and [L, E] axes are batches of
 # separate matrices (one per layer and expert). The router keeps AdamW, as in Kimi K2.
 MUON_DIMS = {"wo": ((1, 2), (3,)), **dict.fromkeys(("w_gate", "w_up", "w_down"), ((2,), (3,))),
+             "eh_proj": ((1,), (2,)),
              **dict.fromkeys(("wq", "wk", "wv", "wq_b", "wkv_b"), ((1,), (2, 3))),
              **dict.fromkeys(("wq_a", "wkv_a", "shared_gate", "shared_up", "shared_down",
                               "mlp_gate", "mlp_up", "mlp_down"), ((1,), (2,)))}
@@ -920,7 +980,7 @@ def count_params(cfg: ModelConfig) -> int:
 def count_active_params(cfg: ModelConfig) -> int:
     """Parameters one token uses: all of them but the n_experts - top_k experts it skips."""
     per_expert = 3 * cfg.d_model * cfg.d_ff + (2 * cfg.d_ff + cfg.d_model) * cfg.moe_bias
-    unused = moe_layers(cfg) * (cfg.n_experts - cfg.top_k) * per_expert
+    unused = (moe_layers(cfg) + cfg.mtp_depth) * (cfg.n_experts - cfg.top_k) * per_expert
     return count_params(cfg) - unused
 
 
@@ -988,6 +1048,8 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     W, n = cfg.sliding_window or cfg.attn_chunk, cfg.global_every  # a local layer: min(T, W) keys
     n_global = (L // n if n else 0) if W else L
     keys = n_global * seq_len + (L - n_global) * min(seq_len, W or seq_len)
+    matmul_weights += cfg.mtp_depth * (2 * D * D + attn + mlp + D * cfg.vocab_size)
+    keys += cfg.mtp_depth * seq_len  # each MTP module: W_eh, a (global) MoE layer, the head
     if cfg.global_head_dim:  # Gemma 4: global layers of their own width G and K/V heads (q.k and
         # p.v 2G wide), and a dense MLP beside every layer's experts
         G, Kg = cfg.global_head_dim, cfg.global_kv_heads or K
@@ -1040,6 +1102,9 @@ def validate(cfg: Config, n_devices: int) -> None:
                         m.qk_norm or m.qk_l2_norm)
     _validate_deepseek(m, t)
     _validate_gemma4(m)
+    need(not m.mtp_depth or m.mtp_depth < t.seq_len and not m.gemma4,
+         f"--model.mtp-depth {m.mtp_depth}: each module predicts one token further, so fewer "
+         f"than --train.seq-len {t.seq_len}; not with --model.gemma4 (its layers come in kinds).")
     _validate_dsa(m, t, mesh.context * mesh.dcn_context, cfg.lora.rank)
 
 
@@ -1058,6 +1123,8 @@ def _validate_dsa(m: ModelConfig, t: TrainConfig, context: int, lora: int) -> No
          f"{t.indexer_warmup_steps} trains an indexer the model lacks: add --model.index-n-heads.")
     need(not (t.indexer_warmup_steps and lora), "--train.indexer-warmup-steps with --lora.rank: "
          "the warm-up trains the indexer's own weights, which LoRA freezes; pick one.")
+    need(not (on and m.mtp_depth), f"{flag} with --model.mtp-depth {m.mtp_depth}: the MTP "
+         "modules are not built with sparse attention yet; set one of them to 0.")
 
 
 def _validate_gemma4(m: ModelConfig) -> None:
@@ -1203,7 +1270,8 @@ def _buffer_table(cfg: ModelConfig) -> dict:
     """State that is not trained: with sigmoid routing, each MoE layer's bias on the scores
     that choose the experts (DeepSeek-V3's e_score_correction_bias), moved by `balance_biases`."""
     L, on = moe_layers(cfg), cfg.sigmoid_routing and not cfg.score_inputs  # Llama 4: no bias
-    return {"layers": {"router_bias": ((L, cfg.n_experts), P(None, None), 0.0)}} if on else {}
+    bias = lambda n: {"layers": {"router_bias": ((n, cfg.n_experts), P(None, None), 0.0)}}
+    return bias(L) | ({"mtp": bias(cfg.mtp_depth)} if cfg.mtp_depth else {}) if on else {}
 
 
 def with_buffers(params: dict, buffers: dict) -> dict:
@@ -1436,7 +1504,8 @@ def train_loop(cfg: Config, mesh, st: train.TrainState, step_fn) -> dict:
                                                mc.index_n_heads else "") + f"aux {r['aux_loss']:.3f} | router_z "
                 f"{r['router_z']:.2f} | load {min(r['load_min']):.3f}-{max(r['load_max']):.3f}"
                 f"{drop} | lr {r['lr']:.1e} | grad_norm {r['grad_norm']:.2f}" + (
-                    f" | max_logit {r['max_attn_logit']:.1f}" if tc.qk_clip_threshold else ""))
+                    f" | max_logit {r['max_attn_logit']:.1f}" if tc.qk_clip_threshold else "") + (
+                    f" | mtp {r['mtp_loss']:.3f}" if mc.mtp_depth else ""))
 
     with train.Run(cfg, tc.profile_steps, defaults=Config()) as run:
         state, start = run.resume(st.abstract())
@@ -1567,7 +1636,8 @@ _HF_FAMILY_FIELDS = {
                     attention_bias="attn_bias", swiglu_limit="swiglu_limit"),
     "deepseek_v3": dict(n_routed_experts="n_experts", moe_intermediate_size="d_ff",
                         norm_topk_prob="norm_topk", routed_scaling_factor="routed_scale",
-                        first_k_dense_replace="first_k_dense") | {k: k for k in (
+                        first_k_dense_replace="first_k_dense",
+                        num_nextn_predict_layers="mtp_depth") | {k: k for k in (
         "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
         "rope_interleave", "n_shared_experts", "seq_aux")},
     "deepseek_v2": dict(n_routed_experts="n_experts", moe_intermediate_size="d_ff",
@@ -1591,7 +1661,7 @@ _HF_CONSTANTS = {"mixtral": dict(router_jitter_noise=0.0),
                                    use_sliding_window=False, attention_bias=False),
                  "gpt_oss": dict(swiglu_alpha=SWIGLU_ALPHA),
                  "deepseek_v3": dict(scoring_func="sigmoid", topk_method="noaux_tc",
-                                     attention_bias=False, num_nextn_predict_layers=0),
+                                     attention_bias=False),
                  "deepseek_v2": dict(scoring_func="softmax", attention_bias=False, mlp_bias=False,
                                      norm_topk_prob=False),
                  "llama4_text": dict(router_jitter_noise=0.0, attention_bias=False),
@@ -1608,7 +1678,7 @@ _HF_OWN = dict(attn_sinks=("gpt_oss",), moe_bias=("gpt_oss",), swiglu_limit=("gp
                global_head_dim=("gemma4_text",), index_n_heads=("deepseek_v32",))
 _HF_ONLY = dict(attn_bias=("gpt_oss",), sliding_window=("gpt_oss", "gemma4_text"),
                 n_shared_experts=("deepseek_v3", "deepseek_v2", "llama4_text", "deepseek_v32"),
-                first_k_dense=("deepseek_v3", "deepseek_v2", "deepseek_v32"),
+                first_k_dense=("deepseek_v3", "deepseek_v2", "deepseek_v32"), mtp_depth=("deepseek_v3",),
                 yarn_factor=("gpt_oss", "deepseek_v3", "deepseek_v2", "deepseek_v32"),
                 **dict.fromkeys((
                     "attn_chunk", "global_nope", "attn_temp_scale", "qk_l2_norm", "rope_scaling"),
@@ -1650,6 +1720,7 @@ _HF_LAYER = {"attn_norm": ("input_layernorm.weight", "d -> d"),
         w_down=("experts.{e}.down_proj.weight", "d f -> e f d")).items()}
 _HF_MLA = {"wq": ("self_attn.q_proj.weight", "(n q) d -> d n q"),
            "wo": ("self_attn.o_proj.weight", "d (n w) -> n w d")}
+MTP_COPIES = (".embed_tokens.weight", ".shared_head.head.weight")  # `save_hf` writes, as released
 # GPT-OSS stores each layer's experts as one tensor, [in, out], gate and up interleaved
 # (gate_up_proj[..., 0::2] is the gate); MXFP4 checkpoints read as that too (common/hf.py).
 _HF_FAMILY_NAMES = {
@@ -1700,8 +1771,15 @@ def hf_mapping(cfg: ModelConfig, model_type: str) -> dict:
     wide = lambda l: str.maketrans("hk", "zu") if l == "t" else {}
     entry = lambda w, l, i: (f"model.layers.{i}.{names[w][0]}",  # layers stacked on l (or j)
                              names[w][1].translate(wide(l)).replace("-> ", f"-> {l} "))
-    return {k: {w: entry(w, *stacks[k]) for w in v} if k in stacks else _HF_TOP[k]
-            for k, v in _hf_table(cfg).items()}
+    out = {k: {w: entry(w, *stacks[k]) for w in v} if k in stacks else _HF_TOP[k]
+           for k, v in _hf_table(cfg).items() if k != "mtp"}
+    if cfg.mtp_depth:  # DeepSeek-V3's MTP modules: the layers after the last (p: the depth)
+        i = f"{{p+{cfg.n_layers}}}"
+        out["mtp"] = {"layers": {w: entry(w, "p", i) for w in _hf_table(cfg)["mtp"]["layers"]}} | {
+            k: (f"model.layers.{i}.{name}.weight", layout) for k, (name, layout) in dict(
+                enorm=("enorm", "d -> p d"), hnorm=("hnorm", "d -> p d"), head_norm=(
+                    "shared_head.norm", "d -> p d"), eh_proj=("eh_proj", "d b -> p b d")).items()}
+    return out
 
 
 def _hf_sizes(cfg: ModelConfig) -> dict:
@@ -1712,7 +1790,7 @@ def _hf_sizes(cfg: ModelConfig) -> dict:
                 k=cfg.n_kv_heads, h=cfg.head_dim, f=cfg.d_ff, v=cfg.vocab_size,
                 j=cfg.n_layers - moe_layers(cfg), a=C + Hr, c=C, r=cfg.q_lora_rank, q=Hn + Hr,
                 x=Hn + Hv, w=Hv, g=cfg.dense_d_ff, s=cfg.n_shared_experts * cfg.d_ff,
-                m=cfg.index_n_heads, i=cfg.index_head_dim)
+                m=cfg.index_n_heads, i=cfg.index_head_dim, p=cfg.mtp_depth, b=2 * cfg.d_model)
 
 
 def config_from_hf(c: dict, where: str = "config.json") -> ModelConfig:
@@ -1944,7 +2022,8 @@ def load_hf(path: str, mesh=None) -> tuple[ModelConfig, dict]:
     reads only its experts' blocks), the router biases inside the layers (`with_buffers`)."""
     ckpt = hf.Checkpoint(path)
     cfg, mt = config_from_hf(ckpt.config, ckpt.config_file), ckpt.config["model_type"]
-    return cfg, train.hf_params(ckpt, mesh, _hf_table(cfg), hf_mapping(cfg, mt), _hf_sizes(cfg))
+    return cfg, train.hf_params(ckpt, mesh, _hf_table(cfg), hf_mapping(cfg, mt), _hf_sizes(cfg),
+                                unused=lambda n: n.endswith(MTP_COPIES))
 
 
 def save_hf(params: dict, cfg: ModelConfig, path: str, *, model_type: str = "",
@@ -1953,7 +2032,13 @@ def save_hf(params: dict, cfg: ModelConfig, path: str, *, model_type: str = "",
     """`params` (router biases inside, as `load_hf` gives them) as a HuggingFace folder: config.json
     and safetensors shards of at most `max_shard_bytes`; `base_config`'s other keys kept."""
     mt = _model_type(cfg, model_type or (base_config or {}).get("model_type", ""))
-    return hf.save(path, params, hf_mapping(cfg, mt), _hf_sizes(cfg), config_to_hf(cfg, mt, dtype),
+    mapping = hf_mapping(cfg, mt)
+    for k in range(cfg.mtp_depth):  # each MTP layer holds copies of the shared embedding and
+        at, copy = f"model.layers.{cfg.n_layers + k}.", f"mtp_copy{k}"  # head (vLLM reads them)
+        params = params | {copy: {"embed": params["embed"], "head": unembedding(params, cfg)}}
+        mapping = mapping | {copy: {"embed": (at + MTP_COPIES[0][1:], "v d -> v d"),
+                                    "head": (at + MTP_COPIES[1][1:], "v d -> d v")}}
+    return hf.save(path, params, mapping, _hf_sizes(cfg), config_to_hf(cfg, mt, dtype),
                    base_config, dtype=dtype, max_shard_bytes=max_shard_bytes)
 
 

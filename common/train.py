@@ -432,7 +432,8 @@ def max_logits(q_BTNH, k_BSKH, mask_BTS=None, chunk: int = 512, *, segment_ids=N
 def qk_clip(params: dict, tops: dict, tau: float, q=("wq", "bq"), k=("wk", "bk"),
             nope: int = 0) -> dict:
     """MuonClip's QK-clip (Kimi K2 report, sec. 2.1), after an update: every head whose largest
-    logit this step, tops[stack] [L, N] for each stack of layers in params, exceeded tau has its
+    logit this step, tops[stack] [L, N] for each stack of layers in params (or a module's
+    "layers" under it), exceeded tau has its
     query and key projections (weights and biases, [L, ..., heads, H]) scaled by sqrt(tau / max)
     each, so that logit becomes tau; every other head is left exactly as it was. A key head that
     serves several query heads (grouped-query attention) is left alone and its queries take the
@@ -454,7 +455,9 @@ def qk_clip(params: dict, tops: dict, tau: float, q=("wq", "bq"), k=("wk", "bk")
             f = lambda s: s.reshape(s.shape[0], *[1] * (a.ndim - 3), s.shape[1], 1)
             return a * jnp.where(jnp.arange(a.shape[-1]) < nope, f(lo), f(hi))
         return layers | {n: scale(layers[n], *s) for n, s in scales.items() if n in layers}
-    return params | {stack: clip(params[stack], m) for stack, m in tops.items()}
+    def stack(p, max_LN):  # a module holding its layers (DeepSeek's MTP) or the layers
+        return p | {"layers": clip(p["layers"], max_LN)} if "layers" in p else clip(p, max_LN)
+    return params | {name: stack(params[name], m) for name, m in tops.items()}
 
 
 def check_qk_clip(flag: str, tau: float, qk_norm: bool) -> None:
@@ -1254,10 +1257,13 @@ def hf_params(ckpt: hf.Checkpoint, mesh, table: dict, mapping: dict, sizes: dict
     mt = ckpt.config["model_type"]
     # Some exports keep lm_head.weight although it is tied (so the mapping has none); older
     # ones saved rotary tables.
-    # Layers past num_hidden_layers are DeepSeek-V3's multi-token-prediction module, which
-    # predicts a second token ahead and is not part of the model we train.
-    extra = lambda n: (m := re.match(r"model\.layers\.(\d+)\.", n)) and int(m[1]) >= (
-        ckpt.config["num_hidden_layers"])
+    # Layers past num_hidden_layers that the mapping does not read are DeepSeek-V3's multi-
+    # token-prediction module, when the model we train leaves it out (its config says 0).
+    layer = lambda n: int(m[1]) if (m := re.match(r"model\.layers\.(\d+)\.", n)) else -1
+    last = max([layer(n) for t, p in jax.tree.leaves(mapping, is_leaf=hf._is_entry) for _, n in
+                hf._file_names(t, hf.parse_layout(p, sizes), sizes)] + [
+        ckpt.config["num_hidden_layers"] - 1])
+    extra = lambda n: layer(n) > last
     ignore = lambda n: (n == "lm_head.weight" or n.endswith("rotary_emb.inv_freq") or extra(n)
                         or unused(n))
     if ckpt.other_towers:

@@ -2,6 +2,7 @@
 key and value built by hand, sigmoid routing with its choice bias and groups, the
 auxiliary-loss-free bias update, and a resumed run that carries the biases."""
 import dataclasses
+import json
 import math
 import os
 import sysconfig
@@ -227,12 +228,14 @@ def data_path(tmp_path_factory):
     return prepare(files, str(tmp_path_factory.mktemp("d") / "prepared"), vocab_size=400)
 
 
-def test_resumed_equals_uninterrupted_biases_included(data_path, tmp_path, capsys):
+@pytest.mark.parametrize("mtp", [0, 1])
+def test_resumed_equals_uninterrupted_biases_included(data_path, tmp_path, capsys, mtp):
     """4 steps in one go == 2 steps, a resume to 4: the state bitwise, the router biases
-    (moved every step, outside the optimiser's state) among it."""
+    (moved every step, outside the optimiser's state) among it; with a multi-token-prediction
+    module (tests/test_mtp.py) its own bias too, moved by its layer's load, its loss logged."""
     def config(run_dir, steps):
         return tm.Config(
-            model=dataclasses.replace(DS, vocab_size=512, n_layers=2),
+            model=dataclasses.replace(DS, vocab_size=512, n_layers=2, mtp_depth=mtp),
             train=tm.TrainConfig(steps=steps, batch_size=8, seq_len=16, warmup_steps=1, lr=1e-2,
                                  schedule="constant", log_every=1, eval_every=100,
                                  sample_tokens=0, router_bias_rate=1e-2, peak_tflops=1.0),
@@ -240,10 +243,15 @@ def test_resumed_equals_uninterrupted_biases_included(data_path, tmp_path, capsy
             checkpoint=tm.CheckpointConfig(every=2, keep=2), run_dir=str(run_dir))
 
     full, _ = resumed_equals_uninterrupted(config, tmp_path, capsys)
-    bias = np.asarray(full["state"]["buffers"]["layers"]["router_bias"])
-    # 4 moves of +-0.01 each: a whole number of hundredths, not all back at zero.
-    assert bias.shape == (1, 8) and 0 < np.abs(bias).max() <= 0.04 + 1e-6
-    np.testing.assert_allclose(bias * 100, np.round(bias * 100), atol=1e-4)
+    for bias in jax.tree.leaves(full["state"]["buffers"]):   # the MoE layer's, the module's
+        # 4 moves of +-0.01 each: a whole number of hundredths, not all back at zero.
+        bias = np.asarray(bias)
+        assert bias.shape == (1, 8) and 0 < np.abs(bias).max() <= 0.04 + 1e-6
+        np.testing.assert_allclose(bias * 100, np.round(bias * 100), atol=1e-4)
+    assert len(jax.tree.leaves(full["state"]["buffers"])) == 1 + mtp
+    first = json.loads(open(tmp_path / "a" / "metrics.jsonl").readline())
+    assert ("mtp_loss" in first) == bool(mtp)   # at the start near ln 512, as the loss is
+    assert not mtp or abs(first["mtp_loss"] - np.log(512)) < 0.2
     assert "router_bias" not in str(jax.tree_util.tree_structure(full["state"]["opt_state"]))
 
 
@@ -262,16 +270,20 @@ def resumed_equals_uninterrupted(config, tmp_path, capsys):
     return full, half
 
 
-@pytest.mark.parametrize("name,total,active", [
-    # Published: 15.7B (2.4B active), 236B (21B), 671B (37B) without the 14B MTP module, ~1T
+@pytest.mark.parametrize("name,mtp,total,active", [
+    # Published: 15.7B (2.4B active), 236B (21B), 671B (37B) without the MTP module, ~1T
     # (32B); DeepSeek-V2's and R1's also transformers' of their config.json (meta device).
-    ("deepseek-v2-lite", 15_706_484_224, 2_661_150_208),
-    ("deepseek-v2", 235_741_434_880, 21_375_800_320),
-    ("deepseek-v3", 671_026_404_352, 37_552_282_624),
-    ("deepseek-r1", 671_026_404_352, 37_552_282_624),
-    ("kimi-k2", 1_026_408_209_408, 32_861_477_888)])
-def test_preset_parameter_counts(name, total, active):
+    # V3's MTP module: 11.6B of its own (the release: "11.5B unique"), 685B with its copies of
+    # the embedding and head (0.93B each) as the checkpoint holds them (and fp8 scales).
+    ("deepseek-v2-lite", 0, 15_706_484_224, 2_661_150_208),
+    ("deepseek-v2", 0, 235_741_434_880, 21_375_800_320),
+    ("deepseek-v3", 0, 671_026_404_352, 37_552_282_624),
+    ("deepseek-v3", 1, 682_636_472_320, 38_240_382_976),
+    ("deepseek-r1", 1, 682_636_472_320, 38_240_382_976),
+    ("kimi-k2", 0, 1_026_408_209_408, 32_861_477_888)])
+def test_preset_parameter_counts(name, mtp, total, active):
     cfg = tm.PRESETS[name][1]
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, mtp_depth=mtp))
     tm.validate(cfg, 8)
     shapes = jax.eval_shape(lambda: tm.init_params(cfg.model, jax.random.key(0)))
     assert sum(math.prod(x.shape) for x in jax.tree.leaves(shapes)) == total

@@ -235,9 +235,10 @@ def test_bad_deepseek_folders(tmp_path, edit, match):
 
 
 def test_multi_token_prediction_layer_is_left_out(tmp_path, capsys):
-    """DeepSeek-V3's checkpoints end with the MTP module as layer num_hidden_layers: it is
-    not part of the model we train, so it is skipped (and said), and nothing else is."""
-    dst = copy("deepseek_v3", tmp_path, lambda c: c.update(num_nextn_predict_layers=1))
+    """DeepSeek-V3's checkpoints end with the MTP module as layer num_hidden_layers: where
+    num_nextn_predict_layers says 0 it is not part of the model we train, so it is skipped (and
+    said), and nothing else is; where it says 1 the module is read (tests/test_mtp.py), whole."""
+    dst = copy("deepseek_v3", tmp_path, lambda c: c.update(num_nextn_predict_layers=0))
     name = "model.layers.3.eh_proj.weight"
     hf._write_file(os.path.join(dst, "mtp.safetensors"), [
         (name, (32, 64), np.dtype(np.float32), lambda: np.ones((32, 64), np.float32))])
@@ -250,6 +251,10 @@ def test_multi_token_prediction_layer_is_left_out(tmp_path, capsys):
     tokens, want = expected("deepseek_v3")
     assert max_diff(logits(params, cfg, tokens), want) < TOL
     assert "1 tensors of layers past num_hidden_layers" in capsys.readouterr().out
+    hf.write_json(os.path.join(dst, hf.CONFIG), hf.read_config(dst) | {
+        "num_nextn_predict_layers": 1})
+    with pytest.raises(hf.HFError, match=r"missing, e.g. model.layers.3.enorm.weight"):
+        tm.load_hf(dst)
 
 
 def float8_folders(src: hf.Checkpoint, tmp_path, monkeypatch, quantise, quantization_config):

@@ -249,13 +249,18 @@ def steps_of(mod, cfg, params, batch, mesh):
 def case(mod, mla=False):
     """(config with tau = 0, params, batch, the heads' largest logits {stack: [L, N]} on that
     batch)."""
-    if mla:   # DeepSeek's MLA, a dense first layer
+    if mla:   # DeepSeek's MLA, a dense first layer (mla == "mtp": and V3's MTP module)
         from tests.test_deepseek import DS
-        cfg = test_moe.small_cfg(DS, batch_size=16, load_balance_loss=0.0, router_bias_rate=0.0)
-        params, batch = test_moe.perturbed_params(DS), tokens(cfg)
-        m = tm.hidden(params, batch[:, :-1], DS, max_logits=True)[1]
-        return cfg, params, batch, {"layers": np.asarray(m["max_logit"]),
-                                    "dense_layers": np.asarray(m["max_logit_dense"])}
+        ds = dataclasses.replace(DS, mtp_depth=int(mla == "mtp"))
+        cfg = test_moe.small_cfg(ds, batch_size=16, load_balance_loss=0.0, router_bias_rate=0.0)
+        params, batch = test_moe.perturbed_params(ds), tokens(cfg)
+        m = tm.hidden(params, batch[:, :-1], ds, max_logits=True)[1]
+        tops = {"layers": np.asarray(m["max_logit"]),
+                "dense_layers": np.asarray(m["max_logit_dense"])}
+        if ds.mtp_depth:  # the module's logits, as the loss records them
+            aux = tm.loss_fn(params, batch, ds, with_tau(tm, cfg, 1.0).train)[1]
+            tops["mtp"] = np.asarray(aux["max_logit_mtp"])
+        return cfg, params, batch, tops
     if mod is td:
         cfg = small_cfg(dataclasses.replace(SMALL, qkv_bias=True))
         params = jax.device_get(td.init_params(cfg.model, jax.random.key(3)))
@@ -281,15 +286,15 @@ def with_tau(mod, cfg, tau, microbatches=1):
         getattr(cfg, part), qk_clip_threshold=tau, microbatches=microbatches)})
 
 
-@pytest.mark.parametrize("mod,mla", [(td, False), (tm, False), (tm, True), (tg, False)],
-                         ids=["dense", "moe", "deepseek", "grpo"])
+@pytest.mark.parametrize("mod,mla", [(td, False), (tm, False), (tm, True), (tm, "mtp"),
+                                     (tg, False)], ids=["dense", "moe", "deepseek", "mtp", "grpo"])
 def test_every_trainer_clips_after_the_update(mod, mla):
     """The step with tau == the step without, then qk_clip with the logits of the parameters
     it started from (MLA's way, every stack, for DeepSeek); on 8 devices in 2 microbatches as
     on one."""
     cfg, params, batch, tops = case(mod, mla)
     every = np.concatenate([t.ravel() for t in tops.values()])
-    tau = float(np.median(every))   # half the heads over it
+    tau = float(np.median(tops["mtp"] if mla == "mtp" else every))  # half the heads over it
     one = make_mesh(MeshConfig(fsdp=1), jax.devices()[:1])
     plain, _ = steps_of(mod, cfg, params, batch, one)
     want = jax.device_get(train.qk_clip(plain, tops, tau, **(MLA if mla else {})))
@@ -298,14 +303,18 @@ def test_every_trainer_clips_after_the_update(mod, mla):
                  (dataclasses.replace(with_tau(mod, cfg, tau, 2), mesh=mesh), make_mesh(mesh))):
         got, metrics_ = steps_of(mod, c, params, batch, m)
         np.testing.assert_allclose(metrics_["max_attn_logit"], every.max(), rtol=1e-4)
+        at = lambda p, s: p[s]["layers"] if s == "mtp" else p[s]  # the module's own layers
         for stack in tops:
             for name in ("wq", "wk", "wv", "bq", "bk", "wq_b", "wkv_a", "wkv_b"):
-                if name in want[stack]:
-                    np.testing.assert_allclose(got[stack][name], want[stack][name], rtol=1e-4,
-                                               atol=1e-5, err_msg=f"{stack} {name}")
+                if name in at(want, stack):
+                    np.testing.assert_allclose(at(got, stack)[name], at(want, stack)[name],
+                                               rtol=1e-4, atol=1e-5, err_msg=f"{stack} {name}")
         q = "wq_b" if mla else "wq"
-        changed = np.concatenate([~np.isclose(got[s][q], plain[s][q], rtol=1e-4, atol=1e-7).all(
-            axis=(1, 3)).ravel() for s in tops])
+        changed = np.concatenate([~np.isclose(at(got, s)[q], at(plain, s)[q], rtol=1e-4,
+                                              atol=1e-7).all(axis=(1, 3)).ravel() for s in tops])
+        if mla == "mtp":  # the module's heads are clipped too
+            assert (~np.isclose(at(got, "mtp")[q], at(plain, "mtp")[q], rtol=1e-4,
+                                atol=1e-7)).any()
         assert 0 < changed.sum() < changed.size   # some heads clipped, some not
 
 
