@@ -505,8 +505,10 @@ def test_resumed_equals_uninterrupted_and_logs_trl_metrics(tmp_path, capsys):
                 "frac_reward_zero_std", "rollout_tokens_per_s"):
         assert key in steps[0], key
     assert "eval_reward" in steps[1] and "eval_reward" not in steps[0]
-    timing = ("ms_per_step", "rollout_tokens_per_s", "mfu")
-    drop = lambda rs: [{k: v for k, v in r.items() if k not in timing} for r in rs]
+    timing = ("ms_per_step", "rollout_tokens_per_s", "mfu")   # and the phases' time/..._ms
+    assert {"time/rollout_ms", "time/rewards_ms", "time/logps_ms", "time/update_ms"} <= set(steps[0])
+    drop = lambda rs: [{k: v for k, v in r.items() if k not in timing and not k.startswith(
+        "time/")} for r in rs]
     assert drop(steps) == drop([r for r in metrics(tmp_path / "b") if "reward" in r])
     assert steps[1]["kl"] > 0 and steps[0]["completions/max_length"] <= 3
 

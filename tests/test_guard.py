@@ -167,13 +167,15 @@ EXPECTED = {
         model.first_k_dense model.dense_d_ff model.rope_local_theta model.global_head_dim
         model.global_kv_heads model.final_softcap: >= 0 | model.rope_partial: [0, 1]
         train.load_balance_loss train.router_z_loss train.router_bias_rate: >= 0
+        model.index_n_heads model.mtp_depth train.indexer_warmup_steps train.mtp_weight: >= 0
+        model.index_head_dim model.index_topk model.index_chunk: > 0
         compile_slices: > 0 | lora.rank: >= 0 | lora.alpha: > 0"""],
     "train_grpo": [MESH, CKPT, LLAMA, GEMMA, OLMO, GEMMA4, """
         grpo.prompts_per_step grpo.group_size grpo.max_new_tokens grpo.temperature grpo.mu
         grpo.microbatches grpo.lr grpo.clip_norm grpo.log_every grpo.eval_every: > 0
         grpo.steps grpo.top_k grpo.beta grpo.warmup_steps grpo.weight_decay
         grpo.qk_clip_threshold grpo.format_weight grpo.seed grpo.peak_tflops
-        grpo.max_bad_steps: >= 0
+        grpo.max_bad_steps grpo.rollout_batch: >= 0
         grpo.top_p: (0, 1] | grpo.eps_low: -1 or (0, 1) | grpo.eps_high: -1 or > 0
         grpo.b1 grpo.b2: [0, 1)
         warm.check_every warm.batch_size warm.lr: > 0
@@ -285,9 +287,9 @@ RESUMABLE = {
         : quiet mesh checkpoint dry_run compile_topology compile_slices bench run_dir
         data: cache_dir""",
     "train_moe": f"""train: {LOOP} eval_batches sample_tokens temperature sample_prompt
-               eval_tasks eval_tasks_limit
+               eval_tasks eval_tasks_limit mtp_weight
         model: dtype attention context_attention remat scan_layers loss_chunk grouped_matmul
-               gmm_tile
+               gmm_tile index_chunk
         : quiet mesh checkpoint dry_run compile_topology compile_slices bench bench_twin run_dir
         data: cache_dir""",
     "train_grpo": f"""grpo: {LOOP}
@@ -298,7 +300,7 @@ RESUMABLE = {
 COMPUTE = {"train_dense": "dtype attention context_attention remat scan_layers loss_chunk "
                           "loss_impl",
            "train_moe": "dtype attention context_attention remat scan_layers loss_chunk "
-                        "grouped_matmul gmm_tile capacity_factor",
+                        "grouped_matmul gmm_tile capacity_factor index_chunk",
            "train_grpo": "dtype attention context_attention remat scan_layers loss_chunk "
                          "loss_impl"}
 
