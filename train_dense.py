@@ -99,6 +99,7 @@ class TrainConfig:
     batch_size: int = 16          # global, in sequences
     seq_len: int = 256
     microbatches: int = resumable(1)  # gradient accumulation: batch_size is split into this many
+    pipeline_repeats: int = resumable(1)  # --mesh.stage: chunks of layers a stage holds (circular)
     lr: float = resumable(2e-3)
     min_lr_ratio: float = knob(0.1, "[0, 1]")  # the schedule ends at lr * min_lr_ratio
     warmup_steps: int = knob(30, ">= 0")
@@ -475,13 +476,14 @@ REMAT_POLICIES = {"full": jax.checkpoint_policies.nothing_saveable,
 
 
 def hidden(params: dict, tokens_BT, cfg: ModelConfig, *, segment_ids=None, positions=None,
-           max_logits: bool = False):
+           max_logits: bool = False, pipeline: tuple[int, int] | None = None):
     """Token ids -> (final-normed hidden states [B, T, D] in the compute dtype, per-layer stats:
     with max_logits, "max_logit" [L, N], each head's largest attention logit).
     Packed rows (several examples in one row) pass `segment_ids` [B, T], equal within an
     example, so that attention stays inside each example (a block-diagonal causal mask), and
     `positions` [B, T], restarting at 0 in each example, for RoPE. Without them: one sequence
-    per row, positions 0..T-1."""
+    per row, positions 0..T-1. With `pipeline` (microbatches, repeats) and a `stage` mesh axis,
+    the layers run as a pipeline (`pipelined`); embeddings and the final norm stay outside it."""
     dt = jnp.dtype(cfg.dtype)
     pos_BT = (jnp.broadcast_to(jnp.arange(tokens_BT.shape[1]), tokens_BT.shape)
               if positions is None else positions)
@@ -523,7 +525,13 @@ def hidden(params: dict, tokens_BT, cfg: ModelConfig, *, segment_ids=None, posit
     if not cfg.global_head_dim:
         layer = remat(lambda x, xs: run(x, xs[0], inv_freq=inv_freq, is_global=xs[1],
                                         ple_BTP=xs[2]))
-        x, stats = scan(layer, x, (params["layers"], jnp.asarray(is_global_L), ple_LBTP))
+        if pipeline and stages() > 1:  # each microbatch's own positions and segments
+            layer = remat(lambda x, xs, rows: block(x, xs[0], cfg, pos_BT=rows[0], segment_ids=(
+                rows[1]), inv_freq=inv_freq, is_global=xs[1])[0])
+            x, stats = pipelined(layer, x, (params["layers"], is_global_L), (pos_BT, segment_ids),
+                                 *pipeline, scan), {}
+        else:
+            x, stats = scan(layer, x, (params["layers"], jnp.asarray(is_global_L), ple_LBTP))
     else:  # Gemma 4: periods of n layers, n - 1 local then a global one, each kind its own
         # stack; the last kv_shared layers' periods attend over the keys and values of the
         # last earlier layer of their kind, which the periods before carry along (and remat
@@ -559,6 +567,58 @@ def hidden(params: dict, tokens_BT, cfg: ModelConfig, *, segment_ids=None, posit
     return rms_norm(x, gain(params["final_norm"]), cfg.norm_eps), stats
 
 
+def stages() -> int:
+    """The size of the mesh's `stage` axis: pipeline stages (1 without a mesh)."""
+    return dict(jax.sharding.get_abstract_mesh().shape).get("stage", 1)
+
+
+def pipelined(layer, x_BTD, xs_L, rows_B, M: int, V: int, scan=jax.lax.scan):
+    """The layers as a pipeline over the `stage` axis, inside one SPMD program (GPipe, Huang et
+    al. 2019; circular with V > 1, Narayanan et al. 2021). `layer(x, xs, rows)` is one layer, xs
+    its slice of the stacks xs_L [L, ...], rows its microbatch's share of rows_B [B, ...].
+
+    The batch is cut into M microbatches and the L layers into S V chunks of K; chunk r S + s
+    is stage s's in round r. At tick t stage s runs microbatch (t - s) mod M through its chunk
+    of round (t - s) div M, all stages at once (a vmap over a stage-sharded axis), then hands
+    its output to stage s + 1: a roll that XLA makes a collective-permute. What leaves the last
+    stage waits in `buf` [M, ...] (every microbatch's current activation, the embeddings at
+    first) until stage 0 takes it up for the next round; M >= S keeps it there long enough.
+    V M + S - 1 ticks, S - 1 of them idle for each stage: a bubble of (S - 1) / (V M + S - 1).
+    The backward pass is this loop's autodiff (all forwards, then all backwards)."""
+    S = stages()
+    K, ids = len(jax.tree.leaves(xs_L)[0]) // (S * V), jnp.arange(S)
+    # Microbatch m: rows m, m+M, ... as train.accumulate takes them, so no row changes device.
+    mb = lambda a: a.reshape(a.shape[0] // M, M, *a.shape[1:]).swapaxes(0, 1)
+    # [L] -> [S, V, K]. The saved stacks keep the model's order for any S and V: for V = 1 each
+    # stage's contiguous shard is its chunk; for V > 1 this costs an all-to-all each step.
+    free = lambda a: P("stage", None, None, *[P.UNCONSTRAINED] * (a.ndim - 1))
+    chunks = jax.tree.map(lambda a: constrain(jnp.asarray(a).reshape(V, S, K, *a.shape[1:])
+                                              .swapaxes(0, 1), free(a)), xs_L)
+    rows = jax.tree.map(mb, rows_B)
+    at = lambda i, a: (ids == i).reshape(-1, *[1] * (a.ndim - 1))  # stage i's slice of a
+
+    def stage(x, chunk, r, i):  # one stage's chunk of round r, on microbatch i
+        rows_i = jax.tree.map(lambda a: a[i], rows)
+        return scan(lambda x, xs: (layer(x, xs, rows_i), None), x,
+                    jax.tree.map(lambda a: a[r], chunk))[0]
+
+    def tick(carry, t):
+        buf, prev = carry  # prev: what each stage received from the one before
+        k = t - ids
+        x = jnp.where(at(0, prev), buf[:, t % M], prev)
+        out = jax.vmap(stage, spmd_axis_name="stage")(x, chunks, jnp.clip(k // M, 0, V - 1),
+                                                      k % M)
+        prev, slot = jnp.roll(out, 1, axis=0), (t - S + 1) % M  # the last stage's, to stage 0
+        return (buf.at[:, slot].set(jnp.where(t >= S - 1, prev, buf[:, slot])), prev), None
+    buf = constrain(jnp.broadcast_to(mb(x_BTD), (S, M, *mb(x_BTD).shape[1:])),
+                    P("stage", None, BATCH_AXES))
+    (buf, _), _ = jax.lax.scan(tick, (buf, jnp.zeros_like(buf[:, 0])), jnp.arange(V * M + S - 1))
+    # Stage 0's, its rows split over the stages (a reduce-scatter): the head and the loss after
+    # it then cost each stage 1/S of their work and memory, not the whole batch's.
+    out = jnp.sum(jnp.where(at(0, buf), buf, 0), axis=0).swapaxes(0, 1).reshape(x_BTD.shape)
+    return constrain(out, P((*BATCH_AXES, "stage"), "context", None))
+
+
 def unembedding(params: dict, cfg: ModelConfig):
     return params["embed"].T if cfg.tie_embeddings else params["unembed"]
 
@@ -585,7 +645,8 @@ def train_step(state: dict, batch, *, cfg: Config, tx, teacher: ModelConfig | No
     tau, (batch, top_k) = cfg.train.qk_clip_threshold, (
         batch if isinstance(batch, tuple) else (batch, None))  # distillation, offline
     loss = partial(loss_fn, cfg=cfg.model, n=loss_weight(batch), z_loss=cfg.train.z_loss,
-                   max_logits=tau > 0)
+                   max_logits=tau > 0, pipeline=(
+                       cfg.train.microbatches, cfg.train.pipeline_repeats))
     if teacher or top_k is not None:  # distillation: the teacher's distribution a second
         # target, the teacher run here or its saved top-k read with the batch
         loss = partial(loss, distill=(state["teacher"] if teacher else top_k, teacher,
@@ -595,8 +656,9 @@ def train_step(state: dict, batch, *, cfg: Config, tx, teacher: ModelConfig | No
         loss = partial(dpo_loss, cfg=cfg, ref=state.get("ref", state.get("base")),
                        n=jnp.sum(jnp.max(batch["weights"], axis=-1) > 0))
     on = lambda p, b: loss(train.weights(state, cfg.lora, p), b)  # LoRA: the adapters trained
+    # Pipelined, the microbatches are the pipeline's, in one pass: it needs them all at once.
     grads, aux = train.accumulate(jax.grad(on, has_aux=True), state["params"], batch,
-                                  cfg.train.microbatches, BATCH_AXES)
+                                  1 if stages() > 1 else cfg.train.microbatches, BATCH_AXES)
     clip = partial(train.qk_clip, tops={"layers": aux.get("max_logit")}, tau=tau) if tau else None
     new, metrics = train.update(tx, grads, state, aux["ce"], after=clip)
     clipped = {"max_attn_logit": jnp.max(aux["max_logit"])} if tau > 0 else {}
@@ -613,7 +675,7 @@ VOCAB_DV, LOSS_BTD = P(None, ("tensor", "fsdp")), P(("data", "context"), None, N
 
 
 def loss_fn(params, batch, cfg: ModelConfig, *, n=None, z_loss: float = 0.0,
-            max_logits: bool = False, distill=None):
+            max_logits: bool = False, distill=None, pipeline=None):
     """The objective: the batch's targets' cross-entropy, each times its weight, over n
 
         ce = sum_t w_t (lse_t - l_t[y_t]) / n,   objective = ce + z_loss sum_t w_t lse_t^2 / n
@@ -627,7 +689,7 @@ def loss_fn(params, batch, cfg: ModelConfig, *, n=None, z_loss: float = 0.0,
     objective is (1 - weight) that + weight `distill_kl`."""
     inputs, targets, weights, segment_ids, positions = split_batch(batch)
     h_BTD, stats = hidden(params, inputs, cfg, segment_ids=segment_ids, positions=positions,
-                          max_logits=max_logits)
+                          max_logits=max_logits, pipeline=pipeline)
     # Each context shard's positions as rows of their own: the loss's chunks stay local.
     h_BTD, targets, weights = fold_context(h_BTD, *to_context(targets, weights))
     w_DV = unembedding(params, cfg).astype(h_BTD.dtype)
@@ -751,7 +813,9 @@ def held_out_sums(params, batch, ref, cfg: Config) -> dict:
         aux = dpo_loss(params, batch, cfg, ref)[1]
         return {"eval_loss": aux["ce"], "n": jnp.sum(jnp.max(batch["weights"], axis=-1) > 0)
                 } | {f"eval_{k}": v for k, v in aux["dpo"].items()}
-    return {"eval_loss": loss_fn(params, batch, cfg.model, n=1)[1]["ce"], "n": loss_weight(batch)}
+    t = cfg.train
+    return {"eval_loss": loss_fn(params, batch, cfg.model, n=1, pipeline=(
+        t.microbatches, t.pipeline_repeats))[1]["ce"], "n": loss_weight(batch)}
 
 
 def distill_kl(h_BTD, w_DV, teacher, wt_BT, d: DistillConfig, cap, chunk: int):  # distillation
@@ -816,9 +880,11 @@ def train_state(cfg: Config, mesh, teacher: ModelConfig | None = None) -> train.
     if cfg.lora.rank:  # LoRA: the adapters trained, the model frozen (and DPO's reference)
         lora = train.lora_table(_param_table(cfg.model), MUON_DIMS, cfg.lora), cfg.train.seed
     frozen = {"teacher": (partial(_init, teacher), param_specs(teacher))} if teacher else None
-    return train.TrainState(partial(_init, cfg.model), param_specs(cfg.model),
-                            make_optimizer(cfg.train, param_specs(cfg.model)), mesh, ref=ref,
-                            lora=lora, frozen=frozen)
+    specs = param_specs(cfg.model)  # --mesh.stage: each stage holds its share of the layers
+    if mesh.shape["stage"] > 1:
+        specs["layers"] = {k: P("stage", *s[1:]) for k, s in specs["layers"].items()}
+    return train.TrainState(partial(_init, cfg.model), specs, make_optimizer(cfg.train, specs),
+                            mesh, ref=ref, lora=lora, frozen=frozen)
 
 
 def count_params(cfg: ModelConfig) -> int:
@@ -916,6 +982,19 @@ def validate(cfg: Config, n_devices: int) -> None:
     train.check_sequence(mesh, t.seq_len, m.loss_chunk, t.qk_clip_threshold,
                          heads=(m.context_attention, m.n_heads, m.n_kv_heads))
     train.check_profile(t.profile_steps, t.steps)
+    S, V, M = mesh.stage * mesh.dcn_stage, t.pipeline_repeats, t.microbatches  # the pipeline
+    need(M >= S, f"--train.microbatches {M} < --mesh.stage {S}: each stage needs a microbatch of "
+         f"its own at every tick; use --train.microbatches {S} or more (more shrink the bubble).")
+    need(m.n_layers % (S * V) == 0, f"--model.n-layers {m.n_layers} is not divisible by --mesh."
+         f"stage {S} x --train.pipeline-repeats {V}: each stage runs {V} equal chunks of layers; "
+         "choose sizes whose product divides it.")
+    bad = [f for f, on in (("--model.global-head-dim (Gemma 4's stacks)", m.global_head_dim), (
+        "--model.ple-dim", m.ple_dim), ("--mesh.context", mesh.context * mesh.dcn_context > 1), (
+        "--train.qk-clip-threshold", t.qk_clip_threshold), ("--lora.rank", cfg.lora.rank), (
+        "--data.format dpo", cfg.data.format == "dpo"), ("--distill", cfg.distill.teacher or (
+            cfg.distill.logits))) if on]
+    need(S == 1 or not bad, f"--mesh.stage {S} with {', '.join(bad)}: the pipeline does not run "
+         "these yet; use --mesh.stage 1, or leave them off.")
     need(not (cfg.data.format == "sft" and cfg.data.pack and m.attention == "cudnn"),  # SFT
          "--model.attention cudnn cannot mask packed SFT rows (JAX's cuDNN path takes causal "
          "and length masks only); use --model.attention auto or xla, or --data.no-pack.")
@@ -988,6 +1067,13 @@ def main(cfg: Config) -> dict:
                     context=(mesh.shape["context"], m.context_attention))
     log(f"model {count_params(m) / 1e6:.1f}M parameters, {kernel} attention | mesh "
         f"{describe(mesh)} | {len(devices)} {pf} devices, {jax.process_count()} process(es)")
+    S, V, M = mesh.shape["stage"], tc.pipeline_repeats, tc.microbatches
+    pipe = dict(pipeline_bubble=(S - 1) / (V * M + S - 1)) if S > 1 else {}
+    if pipe:
+        log(f"pipeline | {S} stages x {V} chunk(s) of {m.n_layers // (S * V)} layers, {M} "
+            f"microbatches: {V * M + S - 1} ticks, bubble (S-1)/(VM+S-1) "
+            f"{pipe['pipeline_bubble']:.1%} | outside it: the embeddings on every stage, the final "
+            "norm, head and loss on 1/S of the rows each")
     tokens = np.random.default_rng(0).integers(0, m.vocab_size, (tc.batch_size, tc.seq_len + 1),
                                                dtype=np.int32)
     if cfg.data.format == "dpo":  # DPO: random pairs, one a row, each answer ending its half
@@ -1001,7 +1087,7 @@ def main(cfg: Config) -> dict:
         tokens = (tokens, (np.ones(k, np.float32), np.zeros(k, np.int32) + np.arange(k[2])))
     if cfg.dry_run:  # on random tokens, as --bench: no data read, no checkpoint written
         return train.dry_run(step_fn, st.abstract(), train.put(tokens, mesh, BATCH_AXES, True),
-                             mesh, count_params(m), attention=kernel)
+                             mesh, count_params(m), attention=kernel, **pipe)
     with jax.set_mesh(mesh):
         if cfg.bench:
             return train.bench(step_fn, st.fresh(jax.random.key(tc.seed)),

@@ -1,7 +1,8 @@
-"""Device mesh: five named axes, each with a size inside a slice (ici) and across slices (dcn).
+"""Device mesh: six named axes, each with a size inside a slice (ici) and across slices (dcn).
 
 | axis    | shards                                                           |
 | ------- | ---------------------------------------------------------------- |
+| stage   | the layer stack, in pipeline stages (train_dense.py)             |
 | data    | the batch (pure data parallel)                                   |
 | fsdp    | the batch and the model dimension of weights                     |
 | context | the sequence of activations (long context: common/attention.py)  |
@@ -20,7 +21,8 @@ import jax
 from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
-AXES = ("data", "fsdp", "context", "tensor", "expert")
+# Stage first: the outermost axis gets the slowest links, and stages exchange only activations.
+AXES = ("stage", "data", "fsdp", "context", "tensor", "expert")
 _DCN_AXES = tuple("dcn_" + a for a in AXES)  # MeshConfig's field names for the dcn sizes
 BATCH_AXES = ("data", "fsdp")  # the batch dimension is split over these (plus "expert" in MoE)
 
@@ -39,11 +41,13 @@ class MeshConfig:
     context: int = 1
     tensor: int = 1
     expert: int = 1
+    stage: int = 1
     dcn_data: int = 1
     dcn_fsdp: int = 1
     dcn_context: int = 1
     dcn_tensor: int = 1
     dcn_expert: int = 1
+    dcn_stage: int = 1
 
     def ici(self) -> tuple[int, ...]:
         return tuple(getattr(self, a) for a in AXES)

@@ -126,8 +126,9 @@ def test_a_learning_rate_of_1e4_exits_3_within_a_few_steps(data_path, tmp_path):
 # range the code widens or narrows by mistake fails below. "-1 or R": -1 has a meaning of its
 # own (the paper's clip range, the latest checkpoint, "the devices left" for a mesh axis).
 
-MESH = """mesh.data mesh.fsdp mesh.context mesh.tensor mesh.expert: -1 or >= 1
-          mesh.dcn_data mesh.dcn_fsdp mesh.dcn_context mesh.dcn_tensor mesh.dcn_expert: >= 1"""
+MESH = """mesh.data mesh.fsdp mesh.context mesh.tensor mesh.expert mesh.stage: -1 or >= 1
+          mesh.dcn_data mesh.dcn_fsdp mesh.dcn_context mesh.dcn_tensor mesh.dcn_expert
+          mesh.dcn_stage: >= 1"""
 CKPT = """checkpoint.every: >= 0 | checkpoint.keep: > 0 | checkpoint.restore_step: -1 or >= 0
           bench: >= 0"""
 DATA = "data.vocab_size: > 0 | data.seed: >= 0 | data.eval_fraction: (0, 1)"
@@ -149,6 +150,7 @@ GEMMA4 = """model.global_head_dim model.global_kv_heads model.ple_dim model.kv_s
 EXPECTED = {
     "train_dense": [MESH, CKPT, DATA, LLAMA, GEMMA, OLMO, GEMMA4, TRAIN, """
         train.eval_samples train.eval_tasks_limit: >= 0 | compile_slices: > 0
+        train.pipeline_repeats: > 0
         dpo.beta dpo.simpo_beta: > 0 | dpo.simpo_gamma: >= 0
         lora.rank: >= 0 | lora.alpha: > 0
         distill.weight: [0, 1] | distill.temperature: > 0 | distill.top_k: >= 0"""],
@@ -282,7 +284,7 @@ LOOP = """steps lr log_every eval_every microbatches qk_clip_threshold profile_s
           max_bad_steps"""
 RESUMABLE = {
     "train_dense": f"""train: {LOOP} eval_batches sample_tokens temperature sample_prompt eval_samples
-               eval_tasks eval_tasks_limit
+               eval_tasks eval_tasks_limit pipeline_repeats
         model: dtype attention context_attention remat scan_layers loss_chunk loss_impl
         : quiet mesh checkpoint dry_run compile_topology compile_slices bench run_dir
         data: cache_dir""",
