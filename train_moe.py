@@ -419,7 +419,7 @@ def _layer_table(cfg: ModelConfig, L: int, moe: bool, glob: bool = False) -> dic
         "lin_qkvz": ((D, Hk, 2 * Dk + 2 * Hv // max(Hk, 1) * Dv), ("fsdp", "tensor", None), std,
                      lin), "lin_ba": ((D, Hk, 2 * Hv // max(Hk, 1)), ("fsdp", "tensor", None),
                                       std, lin),
-        "lin_conv": ((cfg.linear_conv, 2 * Hk * Dk + Hv * Dv), (None, None),
+        "lin_conv": ((cfg.linear_conv, 1, 2 * Hk * Dk + Hv * Dv), (None, None, None),
                      1 / math.sqrt(cfg.linear_conv), lin),
         "A_log": ((Hv,), ("tensor",), 0.5, lin), "dt_bias": ((Hv,), ("tensor",), None, lin),
         "lin_norm": ((Dv,), (None,), None, lin),
@@ -645,7 +645,7 @@ def gated_deltanet(h_BTD, lp: dict, cfg: ModelConfig):
     w, (B, T), r = weights(lp, dt, cfg), h_BTD.shape[:2], cfg.linear_v_heads // Hk
     qkvz = jnp.einsum("btd,dkc->btkc", h_BTD, w("lin_qkvz"))
     ba = jnp.einsum("btd,dkc->btkc", h_BTD, w("lin_ba")).astype(f32)
-    conv = w("lin_conv")  # [K, channels]: every head's q, then k, then v (the checkpoint's order)
+    conv = w("lin_conv")[:, 0]  # [K, channels]: every head's q, then k, then v (the checkpoint's order)
     q, k, v = (causal_conv(x, c.reshape(-1, *x.shape[2:])) for x, c in zip(
         jnp.split(qkvz[..., :2 * Dk + r * Dv], [Dk, 2 * Dk], -1),
         jnp.split(conv, [Hk * Dk, 2 * Hk * Dk], 1)))
@@ -1777,7 +1777,7 @@ HF_ARCHITECTURES = {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCa
                     "kimi_k2": "DeepseekV3ForCausalLM",  # Kimi K2: DeepSeek-V3's, renamed
                     "deepseek_v2": "DeepseekV2ForCausalLM",
                     "llama4_text": "Llama4ForCausalLM", "gemma4_text": "Gemma4ForCausalLM",
-                    "deepseek_v32": "DeepseekV32ForCausalLM"}
+                    "deepseek_v32": "DeepseekV32ForCausalLM", "qwen3_next": "Qwen3NextForCausalLM"}
 HF_DEEPSEEK = ("deepseek_v3", "kimi_k2", "deepseek_v2", "deepseek_v32")
 # What transformers assumes for a key that config.json leaves out (its config classes).
 _HF_DEFAULTS = {
@@ -1811,7 +1811,13 @@ _HF_DEFAULTS = {
                         attn_scale=0.1, rope_theta=500_000.0),
     "gemma4_text": dict(rms_norm_eps=1e-6, max_position_embeddings=131072, head_dim=256,
                         num_key_value_heads=4, sliding_window=512, global_head_dim=512,
-                        intermediate_size=9216, hidden_size_per_layer_input=256)}
+                        intermediate_size=9216, hidden_size_per_layer_input=256),
+    "qwen3_next": dict(rms_norm_eps=1e-6, max_position_embeddings=32768, num_key_value_heads=2,
+                       head_dim=256, num_experts=512, num_experts_per_tok=10,
+                       moe_intermediate_size=512, shared_expert_intermediate_size=512,
+                       norm_topk_prob=True, linear_num_key_heads=16, linear_num_value_heads=32,
+                       linear_key_head_dim=128, linear_value_head_dim=128,
+                       linear_conv_kernel_dim=4)}
 # DeepSeek-V3.2: V3's with the indexer; its MLA always rotates pairs (no rope_interleave key).
 _HF_DEFAULTS["deepseek_v32"] = _HF_DEFAULTS["deepseek_v3"] | dict(
     max_position_embeddings=163840, index_n_heads=64, index_head_dim=128, index_topk=2048)
@@ -1844,7 +1850,11 @@ _HF_FAMILY_FIELDS = {
     "gemma4_text": dict(num_experts="n_experts", top_k_experts="top_k", sliding_window=
                         "sliding_window", moe_intermediate_size="d_ff", intermediate_size=
                         "dense_d_ff", attention_k_eq_v="k_eq_v", final_logit_softcapping=
-                        "final_softcap", tie_word_embeddings="tie_embeddings")}
+                        "final_softcap", tie_word_embeddings="tie_embeddings"),
+    "qwen3_next": dict(num_experts="n_experts", moe_intermediate_size="d_ff", norm_topk_prob=
+                       "norm_topk", linear_num_key_heads="linear_k_heads", linear_num_value_heads=
+                       "linear_v_heads", linear_key_head_dim="linear_k_dim", linear_value_head_dim=
+                       "linear_v_dim", linear_conv_kernel_dim="linear_conv")}
 _HF_FAMILY_FIELDS["deepseek_v32"] = {k: f for k, f in _HF_FAMILY_FIELDS["deepseek_v3"].items() if
                                      k != "rope_interleave"} | {k: k for k in (
     "index_n_heads", "index_head_dim", "index_topk")}
@@ -1864,14 +1874,18 @@ _HF_CONSTANTS = {"mixtral": dict(router_jitter_noise=0.0),
                                      vocab_size_per_layer_input=262144, num_kv_shared_layers=0,
                                      use_double_wide_mlp=False, use_bidirectional_attention=None)}
 _HF_CONSTANTS["deepseek_v32"] = _HF_CONSTANTS["deepseek_v3"]
+_HF_CONSTANTS["qwen3_next"] = dict(decoder_sparse_step=1, mlp_only_layers=[], attention_bias=False)
 # The knobs some families' config.json says and no other's: on exactly in those families, or
 # (the second table) on only in those. Mixtral and GPT-OSS always renormalise the top k.
 _HF_OWN = dict(attn_sinks=("gpt_oss",), moe_bias=("gpt_oss",), swiglu_limit=("gpt_oss",),
                sigmoid_routing=("deepseek_v3", "llama4_text", "deepseek_v32"),
                score_inputs=("llama4_text",), gemma4=("gemma4_text",),
-               global_head_dim=("gemma4_text",), index_n_heads=("deepseek_v32",))
+               global_head_dim=("gemma4_text",), index_n_heads=("deepseek_v32",),
+               **dict.fromkeys(("linear_k_heads", "attn_gate", "norm_offset", "shared_gated"),
+                               ("qwen3_next",)))
 _HF_ONLY = dict(attn_bias=("gpt_oss",), sliding_window=("gpt_oss", "gemma4_text"),
-                n_shared_experts=("deepseek_v3", "deepseek_v2", "llama4_text", "deepseek_v32"),
+                n_shared_experts=("deepseek_v3", "deepseek_v2", "llama4_text", "deepseek_v32",
+                                  "qwen3_next"), rotary_dim=("qwen3_next",),
                 first_k_dense=("deepseek_v3", "deepseek_v2", "deepseek_v32"), mtp_depth=("deepseek_v3",),
                 yarn_factor=("gpt_oss", "deepseek_v3", "deepseek_v2", "deepseek_v32"),
                 **dict.fromkeys((
@@ -1951,7 +1965,22 @@ _HF_FAMILY_NAMES = {
         expert_scale=("router.per_expert_scale", "e -> e"),
         w_gate=("experts.gate_up_proj", "e (2:0 f) d -> e d f"),
         w_up=("experts.gate_up_proj", "e (2:1 f) d -> e d f"),
-        w_down=("experts.down_proj", "e d f -> e f d"))}
+        w_down=("experts.down_proj", "e d f -> e f d")),
+    # Qwen3-Next: the query and its gate interleaved per head; DeltaNet's fused projections,
+    # per key head (lk) its q, k, its group's v and z (lc), its group's b and a (lb); the conv's
+    # channels (lx) every q, k, v, its taps (lw); Hv value heads (lv) Dv wide (ly)
+    "qwen3_next": {k: ("self_attn.q_proj.weight", f"(n 2:{i} h) d -> d n h") for i, k in enumerate(
+        ("wq", "wq_gate"))} | {k: ("mlp." + name, layout) for k, (name, layout) in dict(
+            shared_gate=("shared_expert.gate_proj.weight", "s d -> d s"),
+            shared_up=("shared_expert.up_proj.weight", "s d -> d s"),
+            shared_down=("shared_expert.down_proj.weight", "d s -> s d"),
+            shared_router=("shared_expert_gate.weight", "o d -> d o")).items()} | {
+        k: ("linear_attn." + name, layout) for k, (name, layout) in dict(
+            lin_qkvz=("in_proj_qkvz.weight", "(lk lc) d -> d lk lc"), lin_ba=(
+                "in_proj_ba.weight", "(lk lb) d -> d lk lb"), lin_conv=(
+                "conv1d.weight", "lx o lw -> lw o lx"), A_log=("A_log", "lv -> lv"), dt_bias=(
+                "dt_bias", "lv -> lv"), lin_norm=("norm.weight", "ly -> ly"), lin_wo=(
+                "out_proj.weight", "d (lv ly) -> lv ly d")).items()}}
 
 
 def hf_mapping(cfg: ModelConfig, model_type: str) -> dict:
@@ -1959,7 +1988,8 @@ def hf_mapping(cfg: ModelConfig, model_type: str) -> dict:
     names = _HF_LAYER | (_HF_MLA if cfg.kv_lora_rank else {}) | _HF_FAMILY_NAMES.get(model_type, {})
     stacks = ({"layers": ("l", "{l*2+1}"), "dense_layers": ("j", "{j*2}")} if cfg.moe_every == 2
               else {"layers": ("l", f"{{l+{cfg.first_k_dense}}}"), "dense_layers": ("j", "{j}")})
-    if n := cfg.global_head_dim and cfg.global_every:  # Gemma 4's local, global (t) layers,
+    if n := (cfg.global_head_dim or cfg.linear_k_heads) and cfg.global_every:  # Gemma 4's,
+        # Qwen3-Next's local and global (t) layers,
         stacks = {"layers": ("l", f"{{l*{n}//{n - 1}}}"),  # the latter z wide with u K/V heads
                   "global_layers": ("t", f"{{t*{n}+{n - 1}}}")}
     wide = lambda l: str.maketrans("hk", "zu") if l == "t" else {}
@@ -1978,13 +2008,17 @@ def hf_mapping(cfg: ModelConfig, model_type: str) -> dict:
 
 def _hf_sizes(cfg: ModelConfig) -> dict:
     C, Hn, Hr, Hv = cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
-    t = cfg.n_layers // cfg.global_every if cfg.global_head_dim else 0  # Gemma 4's global ones
+    t = cfg.n_layers // cfg.global_every if cfg.global_head_dim or cfg.linear_k_heads else 0
+    Lk, Lv, Dk, Dv = (cfg.linear_k_heads, cfg.linear_v_heads, cfg.linear_k_dim, cfg.linear_v_dim)
+    r = Lv // max(Lk, 1)
     return dict(l=moe_layers(cfg) - t, t=t, o=1, u=cfg.global_kv_heads or cfg.n_kv_heads,
-                z=cfg.global_head_dim, e=cfg.n_experts, d=cfg.d_model, n=cfg.n_heads,
+                z=cfg.global_head_dim or cfg.head_dim, e=cfg.n_experts, d=cfg.d_model, n=cfg.n_heads,
                 k=cfg.n_kv_heads, h=cfg.head_dim, f=cfg.d_ff, v=cfg.vocab_size,
                 j=cfg.n_layers - moe_layers(cfg), a=C + Hr, c=C, r=cfg.q_lora_rank, q=Hn + Hr,
                 x=Hn + Hv, w=Hv, g=cfg.dense_d_ff, s=cfg.n_shared_experts * cfg.d_ff,
-                m=cfg.index_n_heads, i=cfg.index_head_dim, p=cfg.mtp_depth, b=2 * cfg.d_model)
+                m=cfg.index_n_heads, i=cfg.index_head_dim, p=cfg.mtp_depth, b=2 * cfg.d_model,
+                lk=Lk, lc=2 * Dk + 2 * r * Dv, lb=2 * r, lx=2 * Lk * Dk + Lv * Dv,
+                lw=cfg.linear_conv, lv=Lv, ly=Dv)
 
 
 def config_from_hf(c: dict, where: str = "config.json") -> ModelConfig:
@@ -2002,7 +2036,8 @@ def config_from_hf(c: dict, where: str = "config.json") -> ModelConfig:
     c = _HF_DEFAULTS[fam] | c
     unsupported = lambda what: hf.HFError(f"{where}: {what} is not implemented by train_moe.py, "
                                           f"so this {mt} model cannot be loaded faithfully.")
-    wide = ("moe_intermediate_size" if mt in ("qwen3_moe", "gemma4_text", *HF_DEEPSEEK) else
+    wide = ("moe_intermediate_size" if mt in ("qwen3_moe", "gemma4_text", "qwen3_next",
+                                              *HF_DEEPSEEK) else
             "intermediate_size")
     if lacking := [k for k in ("vocab_size", "hidden_size", "num_hidden_layers",
                                "num_attention_heads", wide) if k not in c]:
@@ -2014,6 +2049,7 @@ def config_from_hf(c: dict, where: str = "config.json") -> ModelConfig:
         scoring_func="softmax") if fam == "deepseek_v2" else dict(
         hidden_activation="gelu_pytorch_tanh", hidden_size_per_layer_input=0,
         num_kv_shared_layers=0) if mt == "gemma4_text" else {}
+    only = {k: v for k, v in only.items() if not (mt == "qwen3_next" and k[0] == "p")}
     for key, want in only.items():
         if c.get(key, want) != want:
             raise unsupported(f"{key} {c[key]!r} (only {want!r})")
@@ -2047,7 +2083,7 @@ def config_from_hf(c: dict, where: str = "config.json") -> ModelConfig:
     window = c.get("sliding_window") if mt != "gpt_oss" and (
         mt == "mixtral" or c.get("use_sliding_window")) else None
     m |= dict(n_kv_heads=m["n_kv_heads"] or m["n_heads"], rope_theta=theta,
-              head_dim=m["head_dim"] or m["d_model"] // m["n_heads"], qk_norm=mt == "qwen3_moe",
+              head_dim=m["head_dim"] or m["d_model"] // m["n_heads"], qk_norm=mt in ("qwen3_moe", "qwen3_next"),
               max_seq_len=min(m["max_seq_len"], window or m["max_seq_len"]))
     if kind == "yarn":
         m |= dict(yarn_factor=float(rope["factor"]),
@@ -2107,12 +2143,24 @@ def config_from_hf(c: dict, where: str = "config.json") -> ModelConfig:
         m |= dict(gemma4=True, qk_norm=True, global_every=n, rope_local_theta=local, rope_partial=
                   float(rope.get("partial_rotary_factor", 1.0)) % 1.0, global_head_dim=glob[
                       n - 1]["head_dim"], global_kv_heads=glob[n - 1].get("num_key_value_heads", 0))
+    elif mt == "qwen3_next":  # every n-th layer full attention, DeltaNet between
+        kinds, L, H = c.get("layer_types") or [], m["n_layers"], m["head_dim"]
+        n = c.get("full_attention_interval") or (kinds.index("full_attention") + 1 if
+                                                  "full_attention" in kinds else 4)
+        R = int(H * (c.get("partial_rotary_factor") or rope.get("partial_rotary_factor", 0.25)))
+        if kinds and kinds != (["linear_attention"] * (n - 1) + ["full_attention"]) * (L // n) or \
+                c.get("shared_expert_intermediate_size") != m["d_ff"] or R % 2:
+            raise unsupported(f"layer_types {kinds} (only every n-th layer full), a shared expert "
+                              f"not as wide as the routed ones, or {R} dims turned (odd)")
+        m |= dict(global_every=n, attn_gate=True, norm_offset=True, n_shared_experts=1,
+                  shared_gated=True, rotary_dim=R if R < H else 0)
     return ModelConfig(**m)
 
 
 def _model_type(cfg: ModelConfig, model_type: str) -> str:
     """The family to write: the one asked for (or the knobs'), if the knobs fit it."""
-    fam = ("gemma4_text" if cfg.gemma4 else "llama4_text" if cfg.score_inputs else "qwen3_moe"
+    fam = ("gemma4_text" if cfg.gemma4 else "llama4_text" if cfg.score_inputs else "qwen3_next"
+           if cfg.linear_k_heads else "qwen3_moe"
            if cfg.qk_norm else "gpt_oss" if
            cfg.attn_sinks else "deepseek_v32" if cfg.index_n_heads else "deepseek_v3" if
            cfg.kv_lora_rank and cfg.sigmoid_routing else
@@ -2145,7 +2193,8 @@ def config_to_hf(cfg: ModelConfig, model_type: str = "", dtype: str = "float32")
     """A config.json for `cfg` that transformers 4.4x and 5.x both read."""
     mt = _model_type(cfg, model_type)
     fam = "deepseek_v3" if mt == "kimi_k2" else mt
-    rope = dict(rope_type="default", rope_theta=cfg.rope_theta)
+    rope = dict(rope_type="default", rope_theta=cfg.rope_theta) | ({"partial_rotary_factor": (
+        cfg.rotary_dim or cfg.head_dim) / cfg.head_dim} if mt == "qwen3_next" else {})
     if cfg.yarn_factor:
         rope |= dict(rope_type="yarn", factor=cfg.yarn_factor, beta_fast=cfg.yarn_beta_fast,
                      beta_slow=cfg.yarn_beta_slow,
@@ -2164,8 +2213,13 @@ def config_to_hf(cfg: ModelConfig, model_type: str = "", dtype: str = "float32")
         rope_scaling=rope if cfg.yarn_factor or cfg.rope_scaling else None, sliding_window=None,
         attention_dropout=0.0, initializer_range=0.02, use_cache=True, dtype=dtype,
         torch_dtype=dtype) | _HF_CONSTANTS[fam]
-    if mt == "qwen3_moe":  # intermediate_size is the width of dense layers, which it has none of
+    if mt in ("qwen3_moe", "qwen3_next"):  # intermediate_size: dense layers', none of which
         c["intermediate_size"] = cfg.d_ff
+    if mt == "qwen3_next":
+        n = cfg.global_every
+        c |= dict(shared_expert_intermediate_size=cfg.d_ff, full_attention_interval=n,
+                  layer_types=(["linear_attention"] * (n - 1) + ["full_attention"]) * (
+                      cfg.n_layers // n), partial_rotary_factor=rope["partial_rotary_factor"])
     elif mt == "gpt_oss":
         L, W = cfg.n_layers, cfg.sliding_window
         c |= dict(sliding_window=W or None, layer_types=[
