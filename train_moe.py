@@ -403,7 +403,7 @@ def _layer_table(cfg: ModelConfig, L: int, moe: bool, glob: bool = False) -> dic
     H, K = (cfg.global_head_dim, cfg.global_kv_heads or K) if glob and cfg.global_head_dim else (
         H, K)  # Gemma 4's
     g4, lin = moe and cfg.gemma4, moe and not glob and cfg.linear_k_heads  # lin: DeltaNet's
-    Hk, Hv, Dk, Dv = (cfg.linear_k_heads, cfg.linear_v_heads, cfg.linear_k_dim, cfg.linear_v_dim)
+    Hk, Lv, Dk, Dv = (cfg.linear_k_heads, cfg.linear_v_heads, cfg.linear_k_dim, cfg.linear_v_dim)
     ex = "expert" if E > 1 else None  # one expert (the dense twin): the axis only splits the batch
     bias = moe and cfg.moe_bias  # b_down is whole on every tensor shard: `experts` adds it on one
     qk_norm, biased = moe and cfg.qk_norm and not lin, moe and cfg.attn_bias
@@ -416,14 +416,14 @@ def _layer_table(cfg: ModelConfig, L: int, moe: bool, glob: bool = False) -> dic
         "wo": ((N, Hv if C else H, D), ("tensor", None, "fsdp"), out_std, not lin),
         "wq_gate": ((D, N, H), ("fsdp", "tensor", None), std, moe and cfg.attn_gate and not lin),
         # Gated DeltaNet (`gated_deltanet`): per key head its q, k, its group's v and z, then b, a
-        "lin_qkvz": ((D, Hk, 2 * Dk + 2 * Hv // max(Hk, 1) * Dv), ("fsdp", "tensor", None), std,
-                     lin), "lin_ba": ((D, Hk, 2 * Hv // max(Hk, 1)), ("fsdp", "tensor", None),
+        "lin_qkvz": ((D, Hk, 2 * Dk + 2 * Lv // max(Hk, 1) * Dv), ("fsdp", "tensor", None), std,
+                     lin), "lin_ba": ((D, Hk, 2 * Lv // max(Hk, 1)), ("fsdp", "tensor", None),
                                       std, lin),
-        "lin_conv": ((cfg.linear_conv, 1, 2 * Hk * Dk + Hv * Dv), (None, None, None),
+        "lin_conv": ((cfg.linear_conv, 1, 2 * Hk * Dk + Lv * Dv), (None, None, None),
                      1 / math.sqrt(cfg.linear_conv), lin),
-        "A_log": ((Hv,), ("tensor",), 0.5, lin), "dt_bias": ((Hv,), ("tensor",), None, lin),
+        "A_log": ((Lv,), ("tensor",), 0.5, lin), "dt_bias": ((Lv,), ("tensor",), None, lin),
         "lin_norm": ((Dv,), (None,), None, lin),
-        "lin_wo": ((Hv, Dv, D), ("tensor", None, "fsdp"), out_std, lin),
+        "lin_wo": ((Lv, Dv, D), ("tensor", None, "fsdp"), out_std, lin),
         # MLA (see `mla`): latents whole on each device, heads over tensor
         "wkv_a": ((D, C + Hr), ("fsdp", None), std, C), "kv_norm": ((C,), (None,), None, C),
         "wkv_b": ((C, N, Hn + Hv), (None, "tensor", None), std, C),
@@ -505,7 +505,8 @@ def block(x_BTD, lp: dict, pos_BT, inv_freq, cfg: ModelConfig, max_logits: bool 
             q, k = rms_norm(q, lp["q_norm"], cfg.norm_eps), rms_norm(k, lp["k_norm"], cfg.norm_eps)
         v = rms_norm(v, 1.0, cfg.norm_eps) if cfg.gemma4 else v  # per head, without a gain
         q, k = (halves(x) if cfg.rope_interleave else x for x in (q, k))
-        qr, kr = apply_rope(q, pos_BT, inv_freq), apply_rope(k, pos_BT, inv_freq)
+        rope = partial_rope if cfg.rotary_dim else apply_rope  # Qwen3-Next: a share of the dims
+        qr, kr = rope(q, pos_BT, inv_freq), rope(k, pos_BT, inv_freq)
         if cfg.qk_l2_norm:
             qr, kr = rms_norm(qr, 1.0, cfg.norm_eps), rms_norm(kr, 1.0, cfg.norm_eps)
         if cfg.global_nope:  # Llama 4's global layers: no rotation; the temperature of
@@ -865,15 +866,18 @@ def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
 
 
 def apply_rope(x_BTNH, pos_BT, inv_freq):
-    """Rotate the two halves of each head (the HuggingFace layout: its q/k weights load as-is);
-    with fewer frequencies than H / 2 (rotary_dim), the first 2 len(inv_freq) dims alone."""
-    if (R := 2 * len(inv_freq)) < x_BTNH.shape[-1]:
-        return jnp.concatenate([apply_rope(x_BTNH[..., :R], pos_BT, inv_freq), x_BTNH[..., R:]], -1)
+    """Rotate the two halves of each head (the HuggingFace layout: its q/k weights load as-is)."""
     ang_BTh = pos_BT[..., None].astype(jnp.float32) * inv_freq
     cos, sin = jnp.cos(ang_BTh)[:, :, None, :], jnp.sin(ang_BTh)[:, :, None, :]
     x1, x2 = jnp.split(x_BTNH.astype(jnp.float32), 2, axis=-1)
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return out.astype(x_BTNH.dtype)
+
+
+def partial_rope(x_BTNH, pos_BT, inv_freq):
+    """`apply_rope` on each head's first 2 len(inv_freq) dims (rotary_dim), the rest unturned."""
+    R = 2 * len(inv_freq)
+    return jnp.concatenate([apply_rope(x_BTNH[..., :R], pos_BT, inv_freq), x_BTNH[..., R:]], -1)
 
 
 def embed(params: dict, tokens_BT, cfg: ModelConfig):
