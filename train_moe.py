@@ -136,6 +136,18 @@ class ModelConfig:
     index_topk: int = 2048
     index_chunk: int = how(64)    # queries per block of the indexer's scores and the attention
     mtp_depth: int = knob(0, ">= 0")  # DeepSeek-V3's multi-token prediction modules (`mtp`)
+    # Qwen3-Next (see `gated_deltanet`): with global_every n, the layers between the global ones
+    # are Gated DeltaNet with this many key heads (0 = none), each serving value heads in groups
+    linear_k_heads: int = 0
+    linear_v_heads: int = 0
+    linear_k_dim: int = 128
+    linear_v_dim: int = 128
+    linear_conv: int = 4          # the causal depthwise convolution's width over q, k and v
+    linear_chunk: int = how(64)   # positions per chunk of the chunkwise delta rule
+    attn_gate: bool = False       # attention output times sigmoid of a second query projection
+    rotary_dim: int = 0           # rotate only each head's first this many dims; 0 = all
+    norm_offset: bool = False     # RMSNorm gains stored zero-centred: the gain is 1 + w
+    shared_gated: bool = False    # the shared expert's output times sigmoid(h . w) per token
 
 
 @dataclass(frozen=True)
@@ -230,6 +242,12 @@ _LLAMA4 = dict(sigmoid_routing=True, norm_topk=False, score_inputs=True, n_share
 _GEMMA4 = dict(gemma4=True, qk_norm=True, tie_embeddings=True, norm_eps=1e-6, sliding_window=1024,
                global_every=6, rope_theta=1e6, rope_local_theta=1e4, global_head_dim=512,
                k_eq_v=True, rope_partial=0.25, final_softcap=30.0)
+# Qwen3-Next: three Gated DeltaNet layers (16 key heads, 32 value heads, 128 wide) to one of
+# gated attention (a quarter of each head turned, q/k norms), zero-centred norm gains, a gated
+# shared expert beside the routed ones (transformers' Qwen3NextConfig defaults).
+_QWEN3_NEXT = dict(norm_eps=1e-6, qk_norm=True, global_every=4, linear_k_heads=16,
+                   linear_v_heads=32, attn_gate=True, norm_offset=True, n_shared_experts=1,
+                   shared_gated=True)
 # The released models: description, shape (these fields), the family's and model's knobs.
 _SHAPE = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim",
           "n_experts", "top_k", "d_ff", "max_seq_len")
@@ -271,7 +289,12 @@ _RELEASED = {
                                  _LLAMA4 | dict(moe_every=2, dense_d_ff=16384)),
     "gemma4-26b-a4b": ("Gemma 4 26B-A4B, its text model (128 experts, top-8, beside a dense MLP)",
                        (262144, 2816, 30, 16, 8, 256, 128, 8, 704, 262144), _GEMMA4 | dict(
-                           global_kv_heads=2, dense_d_ff=2112))}
+                           global_kv_heads=2, dense_d_ff=2112)),
+    # the release's config.json: RoPE base 1e7, 262144 positions (transformers: 1e4, 32768)
+    "qwen3-next-80b-a3b": ("Qwen3-Next 80B-A3B (512 experts top-10 + 1 gated shared; DeltaNet "
+                           "on 3 layers of 4)", (151936, 2048, 48, 16, 2, 256, 512, 10, 512,
+                                                 262144), _QWEN3_NEXT | dict(
+                               rotary_dim=64, rope_theta=1e7))}
 
 _RELEASED["deepseek-r1"] = ("DeepSeek-R1 (DeepSeek-V3's model)", *_RELEASED["deepseek-v3"][1:])
 # DeepSeek-V3.2(-Exp): V3's model, its MLA in RoPE pairs, and the lightning indexer (its config).
@@ -310,6 +333,13 @@ PRESETS: dict[str, tuple[str, Config]] = {
                                                            global_head_dim=128, global_kv_heads=1,
                                                            dense_d_ff=512)),
                             run_dir="runs/tiny-gemma4-moe")),
+    "tiny-qwen35": ("tiny-moe with Qwen3-Next's block (layers 1-3 Gated DeltaNet with 2 key and "
+                    "4 value heads, layer 4 gated attention, a gated shared expert): `make "
+                    "train-moe MOE_PRESET=tiny-qwen35`", Config(model=ModelConfig(
+                        remat="none", **_QWEN3_NEXT | dict(linear_k_heads=2, linear_v_heads=4,
+                                                           linear_k_dim=64, linear_v_dim=64,
+                                                           rotary_dim=16)),
+                        run_dir="runs/tiny-qwen35")),
     # The model bench/peers/maxtext.sh runs in MaxText (Mixtral block), for side-by-side speed.
     "bench-parity-moe": ("MaxText comparison: d 256, 4 layers, 8 experts top-2, expert MLP 512, "
                          "vocab 32000, seq 256, batch 8", Config(ModelConfig(
@@ -339,11 +369,12 @@ def _param_table(cfg: ModelConfig) -> dict:
     every layer."""
     L, D, V, n_moe = cfg.n_layers, cfg.d_model, cfg.vocab_size, moe_layers(cfg)
     table = {"embed": ((V, D), P("tensor", "fsdp"), 0.02),
-             "layers": _layer_table(cfg, n_moe, moe=True), "final_norm": ((D,), P(None), None)}
+             "layers": _layer_table(cfg, n_moe, moe=True),
+             "final_norm": ((D,), P(None), 0.0 if cfg.norm_offset else None)}
     if n_moe < L:
         table["dense_layers"] = _layer_table(cfg, L - n_moe, moe=False)
-    if cfg.global_head_dim:  # Gemma 4: each period's global layer, of its own shape
-        n = cfg.global_every
+    if cfg.global_head_dim or cfg.linear_k_heads:  # Gemma 4, Qwen3-Next: each period's global
+        n = cfg.global_every                         # layer, of its own shape
         table |= {"layers": _layer_table(cfg, L - L // n, True), "global_layers": _layer_table(
             cfg, L // n, True, glob=True)}
     if not cfg.tie_embeddings:
@@ -369,17 +400,30 @@ def _layer_table(cfg: ModelConfig, L: int, moe: bool, glob: bool = False) -> dic
     Fd, Fs, q_latent = cfg.dense_d_ff, cfg.n_shared_experts * F, bool(C and Qr)
     Mi, Hi = cfg.index_n_heads, cfg.index_head_dim
     std, out_std = 0.02, 0.02 / math.sqrt(2 * cfg.n_layers)
-    H, K = (cfg.global_head_dim, cfg.global_kv_heads or K) if glob else (H, K)  # Gemma 4's
-    g4 = moe and cfg.gemma4
+    H, K = (cfg.global_head_dim, cfg.global_kv_heads or K) if glob and cfg.global_head_dim else (
+        H, K)  # Gemma 4's
+    g4, lin = moe and cfg.gemma4, moe and not glob and cfg.linear_k_heads  # lin: DeltaNet's
+    Hk, Lv, Dk, Dv = (cfg.linear_k_heads, cfg.linear_v_heads, cfg.linear_k_dim, cfg.linear_v_dim)
     ex = "expert" if E > 1 else None  # one expert (the dense twin): the axis only splits the batch
     bias = moe and cfg.moe_bias  # b_down is whole on every tensor shard: `experts` adds it on one
-    qk_norm, biased = moe and cfg.qk_norm, moe and cfg.attn_bias
+    qk_norm, biased = moe and cfg.qk_norm and not lin, moe and cfg.attn_bias
     rows = {
         "attn_norm": ((D,), (None,), None, True), "mlp_norm": ((D,), (None,), None, True),
-        "wq": ((D, N, Hn + Hr if C else H), ("fsdp", "tensor", None), std, not q_latent),
-        "wk": ((D, K, H), ("fsdp", "tensor", None), std, not C),
-        "wv": ((D, K, H), ("fsdp", "tensor", None), std, not C and not (glob and cfg.k_eq_v)),
-        "wo": ((N, Hv if C else H, D), ("tensor", None, "fsdp"), out_std, True),
+        "wq": ((D, N, Hn + Hr if C else H), ("fsdp", "tensor", None), std, not q_latent and
+               not lin), "wk": ((D, K, H), ("fsdp", "tensor", None), std, not C and not lin),
+        "wv": ((D, K, H), ("fsdp", "tensor", None), std, not C and not (glob and cfg.k_eq_v)
+               and not lin),
+        "wo": ((N, Hv if C else H, D), ("tensor", None, "fsdp"), out_std, not lin),
+        "wq_gate": ((D, N, H), ("fsdp", "tensor", None), std, moe and cfg.attn_gate and not lin),
+        # Gated DeltaNet (`gated_deltanet`): per key head its q, k, its group's v and z, then b, a
+        "lin_qkvz": ((D, Hk, 2 * Dk + 2 * Lv // max(Hk, 1) * Dv), ("fsdp", "tensor", None), std,
+                     lin), "lin_ba": ((D, Hk, 2 * Lv // max(Hk, 1)), ("fsdp", "tensor", None),
+                                      std, lin),
+        "lin_conv": ((cfg.linear_conv, 1, 2 * Hk * Dk + Lv * Dv), (None, None, None),
+                     1 / math.sqrt(cfg.linear_conv), lin),
+        "A_log": ((Lv,), ("tensor",), 0.5, lin), "dt_bias": ((Lv,), ("tensor",), None, lin),
+        "lin_norm": ((Dv,), (None,), None, lin),
+        "lin_wo": ((Lv, Dv, D), ("tensor", None, "fsdp"), out_std, lin),
         # MLA (see `mla`): latents whole on each device, heads over tensor
         "wkv_a": ((D, C + Hr), ("fsdp", None), std, C), "kv_norm": ((C,), (None,), None, C),
         "wkv_b": ((C, N, Hn + Hv), (None, "tensor", None), std, C),
@@ -397,6 +441,7 @@ def _layer_table(cfg: ModelConfig, L: int, moe: bool, glob: bool = False) -> dic
         "shared_gate": ((D, Fs), ("fsdp", "tensor"), std, moe and Fs),
         "shared_up": ((D, Fs), ("fsdp", "tensor"), std, moe and Fs),
         "shared_down": ((Fs, D), ("tensor", "fsdp"), out_std, moe and Fs),
+        "shared_router": ((D, 1), ("fsdp", None), std, moe and cfg.shared_gated),
         "q_norm": ((H,), (None,), None, qk_norm), "k_norm": ((H,), (None,), None, qk_norm),
         "bq": ((N, H), ("tensor", None), 0.0, biased), "bo": ((D,), (None,), 0.0, biased),
         "bk": ((K, H), ("tensor", None), 0.0, biased),
@@ -412,7 +457,12 @@ def _layer_table(cfg: ModelConfig, L: int, moe: bool, glob: bool = False) -> dic
         "idx_wq": ((Qr, Mi, Hi), (None, "tensor", None), std, Mi),
         "idx_wk": ((D, Hi), ("fsdp", None), std, Mi), "idx_w": ((D, Mi), ("fsdp", "tensor"), std, Mi),
         "idx_k_norm": ((Hi,), (None,), None, Mi), "idx_k_bias": ((Hi,), (None,), 0.0, Mi)}
-    return {k: ((L, *shape), P(None, *spec), s) for k, (shape, spec, s, on) in rows.items() if on}
+    zero = lambda k, s: 0.0 if cfg.norm_offset and k in OFFSET_NORMS else s  # gains 1 + w
+    return {k: ((L, *shape), P(None, *spec), zero(k, s)) for k, (shape, spec, s, on) in
+            rows.items() if on}
+
+
+OFFSET_NORMS = ("attn_norm", "mlp_norm", "q_norm", "k_norm")  # with norm_offset: 1 + w
 
 
 def param_specs(cfg: ModelConfig) -> dict:
@@ -437,9 +487,12 @@ def block(x_BTD, lp: dict, pos_BT, inv_freq, cfg: ModelConfig, max_logits: bool 
     """One layer: attention, then the experts (first_k_dense layers: a dense SwiGLU, no stats;
     with DSA, `warm` (traced) picks its stage and its KL is a statistic of every layer)."""
     lp = train.merged(lp)  # LoRA: each adapted weight merged, in its layer
+    lp = lp | {k: 1 + lp[k] for k in OFFSET_NORMS if k in lp} if cfg.norm_offset else lp
     w = weights(lp, x_BTD.dtype, cfg)
     h = rms_norm(x_BTD, lp["attn_norm"], cfg.norm_eps)
-    if cfg.index_n_heads:
+    if lin := "lin_qkvz" in lp:  # Qwen3-Next's linear layers: no attention, no logits to clip
+        a_BTNV, ind, max_logits = None, {}, False
+    elif cfg.index_n_heads:
         a_BTNV, ind = dsa(h, lp, pos_BT, inv_freq, cfg, warm)
     elif cfg.kv_lora_rank:
         q, k, v = mla(h, lp, pos_BT, inv_freq, cfg)
@@ -452,7 +505,8 @@ def block(x_BTD, lp: dict, pos_BT, inv_freq, cfg: ModelConfig, max_logits: bool 
             q, k = rms_norm(q, lp["q_norm"], cfg.norm_eps), rms_norm(k, lp["k_norm"], cfg.norm_eps)
         v = rms_norm(v, 1.0, cfg.norm_eps) if cfg.gemma4 else v  # per head, without a gain
         q, k = (halves(x) if cfg.rope_interleave else x for x in (q, k))
-        qr, kr = apply_rope(q, pos_BT, inv_freq), apply_rope(k, pos_BT, inv_freq)
+        rope = partial_rope if cfg.rotary_dim else apply_rope  # Qwen3-Next: a share of the dims
+        qr, kr = rope(q, pos_BT, inv_freq), rope(k, pos_BT, inv_freq)
         if cfg.qk_l2_norm:
             qr, kr = rms_norm(qr, 1.0, cfg.norm_eps), rms_norm(kr, 1.0, cfg.norm_eps)
         if cfg.global_nope:  # Llama 4's global layers: no rotation; the temperature of
@@ -462,10 +516,13 @@ def block(x_BTD, lp: dict, pos_BT, inv_freq, cfg: ModelConfig, max_logits: bool 
             qr = jnp.where(is_global, (q * t_BT[..., None, None]).astype(q.dtype), qr)
             kr = jnp.where(is_global, k, kr)
         q, k = qr, kr
-    if not cfg.index_n_heads:
+    if not (cfg.index_n_heads or lin):
         a_BTNV, ind = attention(q, k, v, lp, cfg, is_global, max_logits), {}
     a_BTNV, top_N = a_BTNV if max_logits else (a_BTNV, None)  # DSA refuses QK-clip
-    o = jnp.einsum("btnh,nhd->btd", a_BTNV, w("wo"))
+    if cfg.attn_gate and not lin:  # Qwen3-Next: a gate per head and channel
+        a_BTNV = a_BTNV * jax.nn.sigmoid(jnp.einsum("btd,dnh->btnh", h, w("wq_gate")))
+    o = (gated_deltanet(h, lp, cfg) if lin else
+         jnp.einsum("btnh,nhd->btd", a_BTNV, w("wo")))
     o = rms_norm(o, lp["attn_post_norm"], cfg.norm_eps) if cfg.gemma4 else o
     x_BTD = constrain(x_BTD + (o + w("bo") if cfg.attn_bias else o), ACT_BTD)
     h = rms_norm(x_BTD, lp["mlp_norm"], cfg.norm_eps)
@@ -570,6 +627,97 @@ def halves(x):
     """Pairs (2i, 2i+1) to halves (i, H/2 + i), as `apply_rope` rotates; q and k alike, so their
     dot products are unchanged (Llama 4's, DeepSeek's pairs; transformers does the same)."""
     return jnp.concatenate([x[..., 0::2], x[..., 1::2]], -1)
+
+
+# Qwen3-Next's linear layers: Gated DeltaNet (Yang, Kautz and Hatamizadeh 2024, arXiv 2412.06464).
+def gated_deltanet(h_BTD, lp: dict, cfg: ModelConfig):
+    """A linear layer's token mixer [B, T, D]: per value head a state S [Dk, Dv] that decays and
+    is corrected toward each token's value (the gated delta rule, `delta_rule_chunked`),
+
+        S_t = a_t S_{t-1} (I - b_t k_t k_t^T) + b_t k_t v_t^T,    o_t = S_t^T q_t / sqrt(Dk),
+
+    q, k, v from h through a causal depthwise convolution (`causal_conv`) and SiLU, q and k
+    L2-normed (|k| = 1: I - b k k^T contracts for b in (0, 1)); b = sigmoid(h W_b) the write
+    strength, a = exp(g), g = -exp(A_log) softplus(h W_a + dt_bias) (Mamba-2's discretised
+    decay). Each key head serves a group of Hv / Hk value heads, whose v, z, b, a sit beside its
+    q, k in the weights (as the checkpoint has them): a tensor shard holds whole groups. Out:
+    RMSNorm(o) * silu(h W_z) per head (a plain gain), then W_o."""
+    dt, f32, Hk, Dk, Dv = h_BTD.dtype, jnp.float32, cfg.linear_k_heads, cfg.linear_k_dim, cfg.linear_v_dim
+    w, (B, T), r = weights(lp, dt, cfg), h_BTD.shape[:2], cfg.linear_v_heads // Hk
+    qkvz = jnp.einsum("btd,dkc->btkc", h_BTD, w("lin_qkvz"))
+    ba = jnp.einsum("btd,dkc->btkc", h_BTD, w("lin_ba")).astype(f32)
+    conv = w("lin_conv")[:, 0]  # [K, channels]: every head's q, then k, then v (the checkpoint's order)
+    q, k, v = (causal_conv(x, c.reshape(-1, *x.shape[2:])) for x, c in zip(
+        jnp.split(qkvz[..., :2 * Dk + r * Dv], [Dk, 2 * Dk], -1),
+        jnp.split(conv, [Hk * Dk, 2 * Hk * Dk], 1)))
+    heads = lambda x: x.reshape(B, T, Hk * r, -1)
+    l2 = lambda x: jnp.repeat(x * jax.lax.rsqrt(jnp.sum(x * x, -1, keepdims=True) + 1e-6), r, 2)
+    beta, a = jax.nn.sigmoid(heads(ba[..., :r])[..., 0]), heads(ba[..., r:])[..., 0]
+    g = -jnp.exp(lp["A_log"]) * jax.nn.softplus(a + lp["dt_bias"])
+    q, k = (l2(x.astype(f32)) for x in (q, k))
+    o = delta_rule_chunked(q / math.sqrt(Dk), k, heads(v), g, beta, cfg.linear_chunk)
+    o = rms_norm(o.astype(dt), lp["lin_norm"], cfg.norm_eps) * jax.nn.silu(
+        heads(qkvz[..., 2 * Dk + r * Dv:]).astype(f32))
+    return jnp.einsum("bthv,hvd->btd", o.astype(dt), w("lin_wo"))
+
+
+def causal_conv(x_BT_, w_K_):
+    """SiLU of a causal depthwise convolution over time: y_t = sum_j w_j x_{t-K+1+j}, x < 0 = 0."""
+    K, T = w_K_.shape[0], x_BT_.shape[1]
+    xp = jnp.pad(x_BT_, [(0, 0), (K - 1, 0)] + [(0, 0)] * (x_BT_.ndim - 2))
+    return jax.nn.silu(sum(w_K_[j] * xp[:, j:j + T] for j in range(K)))
+
+
+def delta_rule_chunked(q_BTHK, k_BTHK, v_BTHV, g_BTH, beta_BTH, chunk: int):
+    """o [B, T, H, Dv] (float32) of the gated delta rule, in chunks of C positions (the WY/UT
+    form: Yang et al. 2024, arXiv 2406.06484 sec. 3, and 2412.06464 sec. 3.3): O(T C) work and
+    memory within chunks, a lax.scan over them carrying S [B, H, Dk, Dv]. In a chunk entered
+    with S_0, with log-decays G_i = g_1 + ... + g_i, the chunk's C corrections are one unit
+    lower-triangular solve (I + A) [u | w] = [b v | b e^G k], A_ij = b_i e^{G_i - G_j} k_i.k_j
+    (j < i); the corrected values v' = u - w S_0, and
+
+        o = (e^G q) S_0 + (e^{G_i - G_j} q_i.k_j, j <= i) v',   S_C = e^{G_C} S_0 + (e^{G_C - G} k)^T v'.
+
+    Every exponent is <= 0 (g <= 0), so nothing grows. The tail is padded with g = b = k = 0,
+    which leaves the state as it was."""
+    (B, T, H, Dk), Dv, f32 = k_BTHK.shape, v_BTHV.shape[-1], jnp.float32
+    C = min(chunk, T)
+    n = -(-T // C)
+    cut = lambda x: jnp.pad(x.astype(f32), [(0, 0), (0, n * C - T)] + [(0, 0)] * (x.ndim - 2)
+                            ).reshape(B, n, C, *x.shape[2:]).swapaxes(2, 3)   # [B, n, H, C, .]
+    q, k, v, g, b = map(cut, (q_BTHK, k_BTHK, v_BTHV, g_BTH, beta_BTH))
+    G = jnp.cumsum(g, -1)
+    causal = np.tril(np.ones((C, C), bool))
+    decay = jnp.exp(jnp.where(causal, G[..., :, None] - G[..., None, :], -jnp.inf))
+    dots = lambda x, y: jnp.einsum("bnhik,bnhjk->bnhij", x, y)
+    A = jnp.tril(b[..., None] * dots(k, k) * decay, -1)
+    uw = jax.lax.linalg.triangular_solve(A, jnp.concatenate(
+        [b[..., None] * v, (b * jnp.exp(G))[..., None] * k], -1), left_side=True, lower=True,
+        unit_diagonal=True)
+
+    def step(S, xs):
+        u, w, attn, qg, kg, last = xs
+        vn = u - jnp.einsum("bhck,bhkv->bhcv", w, S)
+        o = jnp.einsum("bhck,bhkv->bhcv", qg, S) + jnp.einsum("bhij,bhjv->bhiv", attn, vn)
+        return S * last[..., None, None] + jnp.einsum("bhck,bhcv->bhkv", kg, vn), o
+    xs = (uw[..., :Dv], uw[..., Dv:], dots(q, k) * decay, q * jnp.exp(G)[..., None],
+          k * jnp.exp(G[..., -1:] - G)[..., None], jnp.exp(G[..., -1]))
+    _, o = jax.lax.scan(step, jnp.zeros((B, H, Dk, Dv), f32), [x.swapaxes(0, 1) for x in xs])
+    return o.transpose(1, 0, 3, 2, 4).reshape(B, n * C, H, Dv)[:, :T]
+
+
+def delta_rule_recurrent(q_BTHK, k_BTHK, v_BTHV, g_BTH, beta_BTH):
+    """The same token by token, the reference for `delta_rule_chunked`: S <- e^g S, then
+    S <- S + k (b (v - S^T k))^T, o = S^T q."""
+    def step(S, x):
+        q, k, v, g, b = x
+        S = S * jnp.exp(g)[..., None, None]
+        d = b[..., None] * (v - jnp.einsum("bhkv,bhk->bhv", S, k))
+        S = S + k[..., :, None] * d[..., None, :]
+        return S, jnp.einsum("bhkv,bhk->bhv", S, q)
+    (B, _, H, Dk), Dv = k_BTHK.shape, v_BTHV.shape[-1]
+    xs = [x.astype(jnp.float32).swapaxes(0, 1) for x in (q_BTHK, k_BTHK, v_BTHV, g_BTH, beta_BTH)]
+    return jax.lax.scan(step, jnp.zeros((B, H, Dk, Dv), jnp.float32), xs)[1].swapaxes(0, 1)
 
 
 # DeepSeek-V3.2's sparse attention (DSA: the V3.2 report, sec. 2.1; its inference/model.py).
@@ -681,7 +829,7 @@ def weights(lp: dict, dt, cfg: ModelConfig):
     """name -> the layer's f32 master weight in the compute dtype, keeping the master's sharding:
     FSDP gathers it in the compute dtype and reduce-scatters its gradient (not all-reduces)."""
     specs = param_specs(cfg)
-    spec = {**specs.get("dense_layers", {}), **specs["layers"]}
+    spec = {**specs.get("dense_layers", {}), **specs.get("global_layers", {}), **specs["layers"]}
     return lambda name: constrain(lp[name].astype(dt), P(*spec[name][1:]))
 
 
@@ -697,7 +845,7 @@ def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
     transformers) the dims turning fewer than beta_slow times over the original context are
     slowed by `factor`, those turning more than beta_fast times kept, a linear ramp between;
     with rope_scaling, Llama 3.1's (train_dense.py's `rope_inv_freq`)."""
-    H = cfg.qk_rope_head_dim if cfg.kv_lora_rank else cfg.head_dim
+    H = cfg.qk_rope_head_dim if cfg.kv_lora_rank else cfg.rotary_dim or cfg.head_dim
     inv = 1.0 / cfg.rope_theta ** (np.arange(0, H, 2, dtype=np.float64) / H)
     if cfg.rope_scaling > 0:
         lo, hi, wavelen = cfg.rope_low_freq_factor, cfg.rope_high_freq_factor, 2 * np.pi / inv
@@ -724,6 +872,12 @@ def apply_rope(x_BTNH, pos_BT, inv_freq):
     x1, x2 = jnp.split(x_BTNH.astype(jnp.float32), 2, axis=-1)
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return out.astype(x_BTNH.dtype)
+
+
+def partial_rope(x_BTNH, pos_BT, inv_freq):
+    """`apply_rope` on each head's first 2 len(inv_freq) dims (rotary_dim), the rest unturned."""
+    R = 2 * len(inv_freq)
+    return jnp.concatenate([apply_rope(x_BTNH[..., :R], pos_BT, inv_freq), x_BTNH[..., R:]], -1)
 
 
 def embed(params: dict, tokens_BT, cfg: ModelConfig):
@@ -762,11 +916,12 @@ def hidden(params: dict, tokens_BT, cfg: ModelConfig, max_logits: bool = False, 
     layer = remat(lambda x, xs: block(x, xs[0], pos_BT, inv_freq, cfg, max_logits, xs[1], warm))
     # Unrolled (--model.no-scan-layers), each layer is compiled on its own.
     scan = partial(jax.lax.scan, layer, unroll=not cfg.scan_layers)
-    if cfg.global_head_dim:  # Gemma 4: periods of n - 1 local layers and a global one, each
-        # kind its own stack and RoPE (the local base; the global width, partly turned)
+    if cfg.global_head_dim or cfg.linear_k_heads:  # Gemma 4: periods of n - 1 local layers
+        # and a global one, each kind its own stack and RoPE (the local base; the global width,
+        # partly turned); Qwen3-Next: n - 1 DeltaNet layers, then a global one
         local = rope_inv_freq(dataclasses.replace(cfg, rope_partial=0.0, rope_theta=(
             cfg.rope_local_theta or cfg.rope_theta)))
-        wide = rope_inv_freq(dataclasses.replace(cfg, head_dim=cfg.global_head_dim))
+        wide = rope_inv_freq(dataclasses.replace(cfg, head_dim=cfg.global_head_dim or cfg.head_dim))
         kind = lambda inv, g: remat(lambda x, lp: block(x, lp, pos_BT, inv, cfg, max_logits, g))
 
         def period(x, xs):
@@ -776,7 +931,7 @@ def hidden(params: dict, tokens_BT, cfg: ModelConfig, max_logits: bool = False, 
         by = jax.tree.map(lambda a: a.reshape(L // n, n - 1, *a.shape[1:]), params["layers"])
         x, stats = jax.lax.scan(period, x, (by, params["global_layers"]),
                                 unroll=not cfg.scan_layers)  # stats [L/n, n, ...]: layer order
-        return rms_norm(x, params["final_norm"], cfg.norm_eps), jax.tree.map(
+        return rms_norm(x, final_gain(params, cfg), cfg.norm_eps), jax.tree.map(
             lambda a: a.reshape(L, *a.shape[2:]), stats)
     dense = lambda top: {k + "_dense": v for k, v in top.items()}   # the dense layers' logits
     if Kd:  # the dense layers come first, as their own stack
@@ -792,7 +947,11 @@ def hidden(params: dict, tokens_BT, cfg: ModelConfig, max_logits: bool = False, 
     else:
         x, stats = scan(x, (params["layers"], jnp.asarray(is_global_L[Kd:])))
         stats |= dense(top) if Kd else {}
-    return rms_norm(x, params["final_norm"], cfg.norm_eps), stats
+    return rms_norm(x, final_gain(params, cfg), cfg.norm_eps), stats
+
+
+def final_gain(params: dict, cfg: ModelConfig):
+    return params["final_norm"] + 1 if cfg.norm_offset else params["final_norm"]
 
 
 def unembedding(params: dict, cfg: ModelConfig):
@@ -1056,6 +1215,14 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
         matmul_weights += n_global * (D * G * (2 * N + Kg * (2 - cfg.k_eq_v)) - attn) + \
             L * 3 * D * cfg.dense_d_ff
         keys += n_global * seq_len * (2 * G / Hqv - 1)
+    if Hk := cfg.linear_k_heads:  # Qwen3-Next: n - 1 of n layers DeltaNet (no keys attended):
+        # their projections, and per token its chunk's C keys (q.k, k.k, the solve's rows) and
+        # three state products; the global layers' gates; the shared expert's gate
+        Hv, Dk, Dv, Ll, C = (cfg.linear_v_heads, cfg.linear_k_dim, cfg.linear_v_dim,
+                             L - L // n, min(cfg.linear_chunk, seq_len))
+        matmul_weights += Ll * (D * (2 * Hk * Dk + 2 * Hv * Dv + 2 * Hv) + Hv * Dv * D - attn) + (
+            L - Ll) * D * N * H * cfg.attn_gate + Ll * Hv * (C * (2 * Dk + 2 * Dv) + 3 * Dk * Dv)
+        keys -= Ll * seq_len
     if cfg.index_n_heads:  # DSA: the indexer's projections and its scores over every key; MLA
         Mi, Hi = cfg.index_n_heads, cfg.index_head_dim   # over each query's top k
         matmul_weights += L * (cfg.q_lora_rank * Mi * Hi + D * (Mi + Hi))
@@ -1082,13 +1249,16 @@ def validate(cfg: Config, n_devices: int) -> None:
         ("--model.n-heads", m.n_heads), ("--model.n-kv-heads", m.n_kv_heads),
         ("--model.d-ff", m.d_ff), ("--model.dense-d-ff", m.dense_d_ff),
         ("--model.global-kv-heads", m.global_kv_heads), ("--model.index-n-heads", m.index_n_heads),
+        ("--model.linear-k-heads", m.linear_k_heads),
         ("--model.vocab-size", m.vocab_size)], "fsdp": [("--model.d-model", m.d_model)]})
     need(m.n_heads % m.n_kv_heads == 0, f"--model.n-heads {m.n_heads} is not a multiple of "
          f"--model.n-kv-heads {m.n_kv_heads} (each key/value head serves a whole group).")
     need(m.head_dim % 2 == 0, f"--model.head-dim {m.head_dim} must be even (RoPE rotates pairs).")
-    need(m.sliding_window or m.attn_chunk or m.global_nope or not m.global_every, f"--model."
+    need(m.sliding_window or m.attn_chunk or m.global_nope or m.linear_k_heads or
+         not m.global_every, f"--model."
          f"global-every {m.global_every} without --model.sliding-window (or --model.attn-chunk,"
-         " --model.global-nope): the layers between the global ones are the local ones. Give "
+         " --model.global-nope, --model.linear-k-heads): the layers between the global ones are"
+         " the local ones. Give "
          "the window, or --model.global-every 0.")
     need(not (m.sliding_window and m.attn_chunk), "--model.sliding-window with --model.attn-"
          "chunk: a local layer has one or the other; set one to 0.")
@@ -1106,6 +1276,32 @@ def validate(cfg: Config, n_devices: int) -> None:
          f"--model.mtp-depth {m.mtp_depth}: each module predicts one token further, so fewer "
          f"than --train.seq-len {t.seq_len}; not with --model.gemma4 (its layers come in kinds).")
     _validate_dsa(m, t, mesh.context * mesh.dcn_context, cfg.lora.rank)
+    _validate_qwen3_next(m, t, mesh.context * mesh.dcn_context)
+
+
+def _validate_qwen3_next(m: ModelConfig, t: TrainConfig, context: int) -> None:
+    n, flag = m.global_every, f"--model.linear-k-heads {m.linear_k_heads}"
+    clash = [f for f in ("gemma4", "kv_lora_rank", "sliding_window", "attn_chunk", "global_nope",
+                         "first_k_dense", "mtp_depth") if getattr(m, f)] + ["moe_every"] * (
+        m.moe_every > 1)
+    need(not m.linear_k_heads or n > 1 and m.n_layers % n == 0 and m.linear_v_heads %
+         m.linear_k_heads == 0 and not clash, f"{flag} (Gated DeltaNet) runs in periods of "
+         f"--model.global-every {n} layers (n - 1 DeltaNet, then full attention) dividing "
+         f"--model.n-layers {m.n_layers}, each key head serving a whole group of --model.linear-"
+         f"v-heads {m.linear_v_heads}" + (f"; --model.{clash[0].replace('_', '-')} is not "
+                                          "built with it: turn it off" if clash else "") + ".")
+    need(not m.linear_k_heads or context == 1 and not t.qk_clip_threshold, f"{flag} with "
+         "--mesh.context > 1 or --train.qk-clip-threshold: the delta rule's state runs through "
+         "the whole sequence (not split across devices yet) and has no logits to clip; set "
+         "--mesh.context 1 and --train.qk-clip-threshold 0.")
+    need(m.linear_k_heads or not m.linear_v_heads, f"--model.linear-v-heads {m.linear_v_heads} "
+         "without --model.linear-k-heads: give both (Gated DeltaNet) or neither.")
+    need(m.rotary_dim % 2 == 0 and m.rotary_dim <= m.head_dim and not (m.rotary_dim and (
+        m.kv_lora_rank or m.gemma4)), f"--model.rotary-dim {m.rotary_dim}: an even number of "
+         f"dims at most --model.head-dim {m.head_dim} (RoPE turns pairs), not with MLA or Gemma 4 "
+         "(which rotate their own way).")
+    need(m.n_shared_experts or not m.shared_gated, "--model.shared-gated gates a shared expert: "
+         "add --model.n-shared-experts 1.")
 
 
 def _validate_dsa(m: ModelConfig, t: TrainConfig, context: int, lora: int) -> None:
@@ -1212,7 +1408,9 @@ def moe(h_BTD, lp: dict, cfg: ModelConfig, route_BTD=None):
             in_specs=(act, act, act, {k: P(*spec[k][1:]) for k in ws}),
             out_specs=(act, P((*MOE_BATCH, "context"))))(h_BTD, expert_BTR, gate_BTR, ws)
     if cfg.n_shared_experts:  # DeepSeek's shared experts: one wider SwiGLU every token uses
-        y = y + swiglu(h_BTD, {"w_" + k: lp["shared_" + k].astype(dt) for k in PROJ})
+        s = swiglu(h_BTD, {"w_" + k: lp["shared_" + k].astype(dt) for k in PROJ})
+        y = y + (s * jax.nn.sigmoid(h_BTD @ lp["shared_router"].astype(dt)) if cfg.shared_gated
+                 else s)  # Qwen3-Next: a per-token gate on it
     return y, stats | {"dropped": jnp.sum(dropped) / expert_BTR.size}  # of the assignments
 
 
@@ -1583,7 +1781,7 @@ HF_ARCHITECTURES = {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCa
                     "kimi_k2": "DeepseekV3ForCausalLM",  # Kimi K2: DeepSeek-V3's, renamed
                     "deepseek_v2": "DeepseekV2ForCausalLM",
                     "llama4_text": "Llama4ForCausalLM", "gemma4_text": "Gemma4ForCausalLM",
-                    "deepseek_v32": "DeepseekV32ForCausalLM"}
+                    "deepseek_v32": "DeepseekV32ForCausalLM", "qwen3_next": "Qwen3NextForCausalLM"}
 HF_DEEPSEEK = ("deepseek_v3", "kimi_k2", "deepseek_v2", "deepseek_v32")
 # What transformers assumes for a key that config.json leaves out (its config classes).
 _HF_DEFAULTS = {
@@ -1617,7 +1815,13 @@ _HF_DEFAULTS = {
                         attn_scale=0.1, rope_theta=500_000.0),
     "gemma4_text": dict(rms_norm_eps=1e-6, max_position_embeddings=131072, head_dim=256,
                         num_key_value_heads=4, sliding_window=512, global_head_dim=512,
-                        intermediate_size=9216, hidden_size_per_layer_input=256)}
+                        intermediate_size=9216, hidden_size_per_layer_input=256),
+    "qwen3_next": dict(rms_norm_eps=1e-6, max_position_embeddings=32768, num_key_value_heads=2,
+                       head_dim=256, num_experts=512, num_experts_per_tok=10,
+                       moe_intermediate_size=512, shared_expert_intermediate_size=512,
+                       norm_topk_prob=True, linear_num_key_heads=16, linear_num_value_heads=32,
+                       linear_key_head_dim=128, linear_value_head_dim=128,
+                       linear_conv_kernel_dim=4)}
 # DeepSeek-V3.2: V3's with the indexer; its MLA always rotates pairs (no rope_interleave key).
 _HF_DEFAULTS["deepseek_v32"] = _HF_DEFAULTS["deepseek_v3"] | dict(
     max_position_embeddings=163840, index_n_heads=64, index_head_dim=128, index_topk=2048)
@@ -1650,7 +1854,11 @@ _HF_FAMILY_FIELDS = {
     "gemma4_text": dict(num_experts="n_experts", top_k_experts="top_k", sliding_window=
                         "sliding_window", moe_intermediate_size="d_ff", intermediate_size=
                         "dense_d_ff", attention_k_eq_v="k_eq_v", final_logit_softcapping=
-                        "final_softcap", tie_word_embeddings="tie_embeddings")}
+                        "final_softcap", tie_word_embeddings="tie_embeddings"),
+    "qwen3_next": dict(num_experts="n_experts", moe_intermediate_size="d_ff", norm_topk_prob=
+                       "norm_topk", linear_num_key_heads="linear_k_heads", linear_num_value_heads=
+                       "linear_v_heads", linear_key_head_dim="linear_k_dim", linear_value_head_dim=
+                       "linear_v_dim", linear_conv_kernel_dim="linear_conv")}
 _HF_FAMILY_FIELDS["deepseek_v32"] = {k: f for k, f in _HF_FAMILY_FIELDS["deepseek_v3"].items() if
                                      k != "rope_interleave"} | {k: k for k in (
     "index_n_heads", "index_head_dim", "index_topk")}
@@ -1670,14 +1878,18 @@ _HF_CONSTANTS = {"mixtral": dict(router_jitter_noise=0.0),
                                      vocab_size_per_layer_input=262144, num_kv_shared_layers=0,
                                      use_double_wide_mlp=False, use_bidirectional_attention=None)}
 _HF_CONSTANTS["deepseek_v32"] = _HF_CONSTANTS["deepseek_v3"]
+_HF_CONSTANTS["qwen3_next"] = dict(decoder_sparse_step=1, mlp_only_layers=[], attention_bias=False)
 # The knobs some families' config.json says and no other's: on exactly in those families, or
 # (the second table) on only in those. Mixtral and GPT-OSS always renormalise the top k.
 _HF_OWN = dict(attn_sinks=("gpt_oss",), moe_bias=("gpt_oss",), swiglu_limit=("gpt_oss",),
                sigmoid_routing=("deepseek_v3", "llama4_text", "deepseek_v32"),
                score_inputs=("llama4_text",), gemma4=("gemma4_text",),
-               global_head_dim=("gemma4_text",), index_n_heads=("deepseek_v32",))
+               global_head_dim=("gemma4_text",), index_n_heads=("deepseek_v32",),
+               **dict.fromkeys(("linear_k_heads", "attn_gate", "norm_offset", "shared_gated"),
+                               ("qwen3_next",)))
 _HF_ONLY = dict(attn_bias=("gpt_oss",), sliding_window=("gpt_oss", "gemma4_text"),
-                n_shared_experts=("deepseek_v3", "deepseek_v2", "llama4_text", "deepseek_v32"),
+                n_shared_experts=("deepseek_v3", "deepseek_v2", "llama4_text", "deepseek_v32",
+                                  "qwen3_next"), rotary_dim=("qwen3_next",),
                 first_k_dense=("deepseek_v3", "deepseek_v2", "deepseek_v32"), mtp_depth=("deepseek_v3",),
                 yarn_factor=("gpt_oss", "deepseek_v3", "deepseek_v2", "deepseek_v32"),
                 **dict.fromkeys((
@@ -1757,7 +1969,22 @@ _HF_FAMILY_NAMES = {
         expert_scale=("router.per_expert_scale", "e -> e"),
         w_gate=("experts.gate_up_proj", "e (2:0 f) d -> e d f"),
         w_up=("experts.gate_up_proj", "e (2:1 f) d -> e d f"),
-        w_down=("experts.down_proj", "e d f -> e f d"))}
+        w_down=("experts.down_proj", "e d f -> e f d")),
+    # Qwen3-Next: the query and its gate interleaved per head; DeltaNet's fused projections,
+    # per key head (lk) its q, k, its group's v and z (lc), its group's b and a (lb); the conv's
+    # channels (lx) every q, k, v, its taps (lw); Hv value heads (lv) Dv wide (ly)
+    "qwen3_next": {k: ("self_attn.q_proj.weight", f"(n 2:{i} h) d -> d n h") for i, k in enumerate(
+        ("wq", "wq_gate"))} | {k: ("mlp." + name, layout) for k, (name, layout) in dict(
+            shared_gate=("shared_expert.gate_proj.weight", "s d -> d s"),
+            shared_up=("shared_expert.up_proj.weight", "s d -> d s"),
+            shared_down=("shared_expert.down_proj.weight", "d s -> s d"),
+            shared_router=("shared_expert_gate.weight", "o d -> d o")).items()} | {
+        k: ("linear_attn." + name, layout) for k, (name, layout) in dict(
+            lin_qkvz=("in_proj_qkvz.weight", "(lk lc) d -> d lk lc"), lin_ba=(
+                "in_proj_ba.weight", "(lk lb) d -> d lk lb"), lin_conv=(
+                "conv1d.weight", "lx o lw -> lw o lx"), A_log=("A_log", "lv -> lv"), dt_bias=(
+                "dt_bias", "lv -> lv"), lin_norm=("norm.weight", "ly -> ly"), lin_wo=(
+                "out_proj.weight", "d (lv ly) -> lv ly d")).items()}}
 
 
 def hf_mapping(cfg: ModelConfig, model_type: str) -> dict:
@@ -1765,7 +1992,8 @@ def hf_mapping(cfg: ModelConfig, model_type: str) -> dict:
     names = _HF_LAYER | (_HF_MLA if cfg.kv_lora_rank else {}) | _HF_FAMILY_NAMES.get(model_type, {})
     stacks = ({"layers": ("l", "{l*2+1}"), "dense_layers": ("j", "{j*2}")} if cfg.moe_every == 2
               else {"layers": ("l", f"{{l+{cfg.first_k_dense}}}"), "dense_layers": ("j", "{j}")})
-    if n := cfg.global_head_dim and cfg.global_every:  # Gemma 4's local, global (t) layers,
+    if n := (cfg.global_head_dim or cfg.linear_k_heads) and cfg.global_every:  # Gemma 4's,
+        # Qwen3-Next's local and global (t) layers,
         stacks = {"layers": ("l", f"{{l*{n}//{n - 1}}}"),  # the latter z wide with u K/V heads
                   "global_layers": ("t", f"{{t*{n}+{n - 1}}}")}
     wide = lambda l: str.maketrans("hk", "zu") if l == "t" else {}
@@ -1784,13 +2012,17 @@ def hf_mapping(cfg: ModelConfig, model_type: str) -> dict:
 
 def _hf_sizes(cfg: ModelConfig) -> dict:
     C, Hn, Hr, Hv = cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
-    t = cfg.n_layers // cfg.global_every if cfg.global_head_dim else 0  # Gemma 4's global ones
+    t = cfg.n_layers // cfg.global_every if cfg.global_head_dim or cfg.linear_k_heads else 0
+    Lk, Lv, Dk, Dv = (cfg.linear_k_heads, cfg.linear_v_heads, cfg.linear_k_dim, cfg.linear_v_dim)
+    r = Lv // max(Lk, 1)
     return dict(l=moe_layers(cfg) - t, t=t, o=1, u=cfg.global_kv_heads or cfg.n_kv_heads,
-                z=cfg.global_head_dim, e=cfg.n_experts, d=cfg.d_model, n=cfg.n_heads,
+                z=cfg.global_head_dim or cfg.head_dim, e=cfg.n_experts, d=cfg.d_model, n=cfg.n_heads,
                 k=cfg.n_kv_heads, h=cfg.head_dim, f=cfg.d_ff, v=cfg.vocab_size,
                 j=cfg.n_layers - moe_layers(cfg), a=C + Hr, c=C, r=cfg.q_lora_rank, q=Hn + Hr,
                 x=Hn + Hv, w=Hv, g=cfg.dense_d_ff, s=cfg.n_shared_experts * cfg.d_ff,
-                m=cfg.index_n_heads, i=cfg.index_head_dim, p=cfg.mtp_depth, b=2 * cfg.d_model)
+                m=cfg.index_n_heads, i=cfg.index_head_dim, p=cfg.mtp_depth, b=2 * cfg.d_model,
+                lk=Lk, lc=2 * Dk + 2 * r * Dv, lb=2 * r, lx=2 * Lk * Dk + Lv * Dv,
+                lw=cfg.linear_conv, lv=Lv, ly=Dv)
 
 
 def config_from_hf(c: dict, where: str = "config.json") -> ModelConfig:
@@ -1808,7 +2040,8 @@ def config_from_hf(c: dict, where: str = "config.json") -> ModelConfig:
     c = _HF_DEFAULTS[fam] | c
     unsupported = lambda what: hf.HFError(f"{where}: {what} is not implemented by train_moe.py, "
                                           f"so this {mt} model cannot be loaded faithfully.")
-    wide = ("moe_intermediate_size" if mt in ("qwen3_moe", "gemma4_text", *HF_DEEPSEEK) else
+    wide = ("moe_intermediate_size" if mt in ("qwen3_moe", "gemma4_text", "qwen3_next",
+                                              *HF_DEEPSEEK) else
             "intermediate_size")
     if lacking := [k for k in ("vocab_size", "hidden_size", "num_hidden_layers",
                                "num_attention_heads", wide) if k not in c]:
@@ -1820,6 +2053,7 @@ def config_from_hf(c: dict, where: str = "config.json") -> ModelConfig:
         scoring_func="softmax") if fam == "deepseek_v2" else dict(
         hidden_activation="gelu_pytorch_tanh", hidden_size_per_layer_input=0,
         num_kv_shared_layers=0) if mt == "gemma4_text" else {}
+    only = {k: v for k, v in only.items() if not (mt == "qwen3_next" and k[0] == "p")}
     for key, want in only.items():
         if c.get(key, want) != want:
             raise unsupported(f"{key} {c[key]!r} (only {want!r})")
@@ -1853,7 +2087,7 @@ def config_from_hf(c: dict, where: str = "config.json") -> ModelConfig:
     window = c.get("sliding_window") if mt != "gpt_oss" and (
         mt == "mixtral" or c.get("use_sliding_window")) else None
     m |= dict(n_kv_heads=m["n_kv_heads"] or m["n_heads"], rope_theta=theta,
-              head_dim=m["head_dim"] or m["d_model"] // m["n_heads"], qk_norm=mt == "qwen3_moe",
+              head_dim=m["head_dim"] or m["d_model"] // m["n_heads"], qk_norm=mt in ("qwen3_moe", "qwen3_next"),
               max_seq_len=min(m["max_seq_len"], window or m["max_seq_len"]))
     if kind == "yarn":
         m |= dict(yarn_factor=float(rope["factor"]),
@@ -1913,12 +2147,24 @@ def config_from_hf(c: dict, where: str = "config.json") -> ModelConfig:
         m |= dict(gemma4=True, qk_norm=True, global_every=n, rope_local_theta=local, rope_partial=
                   float(rope.get("partial_rotary_factor", 1.0)) % 1.0, global_head_dim=glob[
                       n - 1]["head_dim"], global_kv_heads=glob[n - 1].get("num_key_value_heads", 0))
+    elif mt == "qwen3_next":  # every n-th layer full attention, DeltaNet between
+        kinds, L, H = c.get("layer_types") or [], m["n_layers"], m["head_dim"]
+        n = c.get("full_attention_interval") or (kinds.index("full_attention") + 1 if
+                                                  "full_attention" in kinds else 4)
+        R = int(H * (c.get("partial_rotary_factor") or rope.get("partial_rotary_factor", 0.25)))
+        if kinds and kinds != (["linear_attention"] * (n - 1) + ["full_attention"]) * (L // n) or \
+                c.get("shared_expert_intermediate_size") != m["d_ff"] or R % 2:
+            raise unsupported(f"layer_types {kinds} (only every n-th layer full), a shared expert "
+                              f"not as wide as the routed ones, or {R} dims turned (odd)")
+        m |= dict(global_every=n, attn_gate=True, norm_offset=True, n_shared_experts=1,
+                  shared_gated=True, rotary_dim=R if R < H else 0)
     return ModelConfig(**m)
 
 
 def _model_type(cfg: ModelConfig, model_type: str) -> str:
     """The family to write: the one asked for (or the knobs'), if the knobs fit it."""
-    fam = ("gemma4_text" if cfg.gemma4 else "llama4_text" if cfg.score_inputs else "qwen3_moe"
+    fam = ("gemma4_text" if cfg.gemma4 else "llama4_text" if cfg.score_inputs else "qwen3_next"
+           if cfg.linear_k_heads else "qwen3_moe"
            if cfg.qk_norm else "gpt_oss" if
            cfg.attn_sinks else "deepseek_v32" if cfg.index_n_heads else "deepseek_v3" if
            cfg.kv_lora_rank and cfg.sigmoid_routing else
@@ -1951,7 +2197,8 @@ def config_to_hf(cfg: ModelConfig, model_type: str = "", dtype: str = "float32")
     """A config.json for `cfg` that transformers 4.4x and 5.x both read."""
     mt = _model_type(cfg, model_type)
     fam = "deepseek_v3" if mt == "kimi_k2" else mt
-    rope = dict(rope_type="default", rope_theta=cfg.rope_theta)
+    rope = dict(rope_type="default", rope_theta=cfg.rope_theta) | ({"partial_rotary_factor": (
+        cfg.rotary_dim or cfg.head_dim) / cfg.head_dim} if mt == "qwen3_next" else {})
     if cfg.yarn_factor:
         rope |= dict(rope_type="yarn", factor=cfg.yarn_factor, beta_fast=cfg.yarn_beta_fast,
                      beta_slow=cfg.yarn_beta_slow,
@@ -1970,8 +2217,13 @@ def config_to_hf(cfg: ModelConfig, model_type: str = "", dtype: str = "float32")
         rope_scaling=rope if cfg.yarn_factor or cfg.rope_scaling else None, sliding_window=None,
         attention_dropout=0.0, initializer_range=0.02, use_cache=True, dtype=dtype,
         torch_dtype=dtype) | _HF_CONSTANTS[fam]
-    if mt == "qwen3_moe":  # intermediate_size is the width of dense layers, which it has none of
+    if mt in ("qwen3_moe", "qwen3_next"):  # intermediate_size: dense layers', none of which
         c["intermediate_size"] = cfg.d_ff
+    if mt == "qwen3_next":
+        n = cfg.global_every
+        c |= dict(shared_expert_intermediate_size=cfg.d_ff, full_attention_interval=n,
+                  layer_types=(["linear_attention"] * (n - 1) + ["full_attention"]) * (
+                      cfg.n_layers // n), partial_rotary_factor=rope["partial_rotary_factor"])
     elif mt == "gpt_oss":
         L, W = cfg.n_layers, cfg.sliding_window
         c |= dict(sliding_window=W or None, layer_types=[

@@ -219,6 +219,17 @@ FAMILIES = {
         {k: v for k, v in _DEEPSEEK.items() if k not in ("rope_interleave", "num_mtp_layers")},
         n_group=4, topk_group=2,
         index_n_heads=8, index_head_dim=8, index_topk=5), "16KB"),
+    # Qwen3-Next: layers 0-2 Gated DeltaNet (2 key heads 8 wide, each serving 2 value heads 6
+    # wide; a 4-tap conv), layer 3 gated attention turning 4 of its 16 dims; 4 experts top 2
+    # beside a gated shared expert; norm gains zero-centred (1 + w) but the DeltaNet's output norm.
+    "qwen3_next": ("qwen3_next", dict(
+        vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+        shared_expert_intermediate_size=16, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+        linear_value_head_dim=6, linear_conv_kernel_dim=4, rms_norm_eps=1e-6,
+        rope_parameters=dict(rope_type="default", rope_theta=1000.0, partial_rotary_factor=0.25),
+        max_position_embeddings=64), "16KB"),
 }
 # Written as this model_type (the checkpoint is the other's, as Moonshot ships it).
 RENAMED = {"kimi_k2": "kimi_k2"}
@@ -231,7 +242,7 @@ def randomize(model: torch.nn.Module, seed: int, model_type: str = "") -> None:
     that much smaller (unit-scale rows after the scale, tied logits that a soft-cap bends
     without flattening)."""
     gemma = "gemma" in model_type
-    plus_one = gemma and model_type != "gemma4_text"  # Gemma 4's gains multiply as stored
+    plus_one = gemma and model_type != "gemma4_text" or model_type == "qwen3_next"
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, b in sorted(model.named_buffers()):  # DeepSeek's choice bias: a buffer
@@ -245,7 +256,8 @@ def randomize(model: torch.nn.Module, seed: int, model_type: str = "") -> None:
                 p.copy_(1.0 + noise)
             elif name.endswith(("norm.weight", "norm_1.weight", "norm_2.weight", "router.scale",
                                 "per_expert_scale")):
-                p.copy_(0.3 * noise if plus_one else 1.0 + 0.3 * noise)
+                gated = name.endswith("linear_attn.norm.weight")  # Qwen3-Next's, as stored
+                p.copy_(0.3 * noise if plus_one and not gated else 1.0 + 0.3 * noise)
             elif name.endswith(".bias"):
                 p.copy_(0.5 * noise)
             elif name.endswith(("embed_tokens.weight", "embed_tokens_per_layer.weight")):

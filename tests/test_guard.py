@@ -171,6 +171,8 @@ EXPECTED = {
         train.load_balance_loss train.router_z_loss train.router_bias_rate: >= 0
         model.index_n_heads model.mtp_depth train.indexer_warmup_steps train.mtp_weight: >= 0
         model.index_head_dim model.index_topk model.index_chunk: > 0
+        model.linear_k_heads model.linear_v_heads model.rotary_dim: >= 0
+        model.linear_k_dim model.linear_v_dim model.linear_conv model.linear_chunk: > 0
         compile_slices: > 0 | lora.rank: >= 0 | lora.alpha: > 0"""],
     "train_grpo": [MESH, CKPT, LLAMA, GEMMA, OLMO, GEMMA4, """
         grpo.prompts_per_step grpo.group_size grpo.max_new_tokens grpo.temperature grpo.mu
@@ -291,7 +293,7 @@ RESUMABLE = {
     "train_moe": f"""train: {LOOP} eval_batches sample_tokens temperature sample_prompt
                eval_tasks eval_tasks_limit mtp_weight
         model: dtype attention context_attention remat scan_layers loss_chunk grouped_matmul
-               gmm_tile index_chunk
+               gmm_tile index_chunk linear_chunk
         : quiet mesh checkpoint dry_run compile_topology compile_slices bench bench_twin run_dir
         data: cache_dir""",
     "train_grpo": f"""grpo: {LOOP}
@@ -302,7 +304,7 @@ RESUMABLE = {
 COMPUTE = {"train_dense": "dtype attention context_attention remat scan_layers loss_chunk "
                           "loss_impl",
            "train_moe": "dtype attention context_attention remat scan_layers loss_chunk "
-                        "grouped_matmul gmm_tile capacity_factor index_chunk",
+                        "grouped_matmul gmm_tile capacity_factor index_chunk linear_chunk",
            "train_grpo": "dtype attention context_attention remat scan_layers loss_chunk "
                          "loss_impl"}
 

