@@ -1236,6 +1236,9 @@ def validate(cfg: Config, n_devices: int) -> None:
     train.check_ranges(cfg)
     mesh = resolve(cfg.mesh, n_devices, max(1, math.prod(cfg.mesh.dcn())))
     train.check_lora(cfg.lora, t.optimizer, t.qk_clip_threshold)  # LoRA
+    need(mesh.stage * mesh.dcn_stage == 1, f"--mesh.stage {mesh.stage}: pipeline stages are "
+         "train_dense.py's alone; here the devices would repeat one another's work. Keep it 1 "
+         "and spread the model over --mesh.fsdp and --mesh.expert.")
     need(m.n_experts >= 2, f"--model.n-experts {m.n_experts}: a mixture needs at least 2 "
          "experts; one expert is a dense MLP, which train_dense.py trains (with --model.d-ff "
          "for its width).")

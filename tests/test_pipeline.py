@@ -131,3 +131,14 @@ def test_what_the_pipeline_cannot_run_is_refused_naming_the_flags(mesh, train_kw
         td.validate(cfg, mesh.stage * mesh.fsdp * mesh.context)
     for flag in flags:
         assert flag in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("trainer", ["train_moe", "train_grpo"])
+def test_the_other_trainers_refuse_stages(trainer):
+    """Only train_dense.py pipelines: elsewhere a stage axis would repeat the work unseen."""
+    mod = __import__(trainer)
+    cfg = mod.cli(["tiny-moe" if trainer == "train_moe" else "tiny", "--mesh.stage", "2",
+                   "--mesh.fsdp", "4"])
+    args = (cfg, 8) if trainer == "train_moe" else (cfg, 8, None)
+    with pytest.raises(td.ConfigError, match="--mesh.stage 2: pipeline stages are train_dense"):
+        mod.validate(*args)
