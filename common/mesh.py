@@ -56,8 +56,9 @@ class MeshConfig:
         return tuple(getattr(self, a) for a in _DCN_AXES)
 
 
-def _flags(names, sizes) -> str:
-    return " x ".join(f"--mesh.{n.replace('_', '-')} {s}" for n, s in zip(names, sizes))
+def _flags(names, sizes) -> str:  # a stage of 1, the usual, left unsaid
+    return " x ".join(f"--mesh.{n.replace('_', '-')} {s}" for n, s in zip(names, sizes)
+                      if not n.endswith("stage") or s != 1)
 
 
 def resolve(cfg: MeshConfig, n_devices: int, n_slices: int = 1) -> MeshConfig:
@@ -114,8 +115,8 @@ def make_mesh(cfg: MeshConfig, devices=None) -> Mesh:
     return Mesh(dev, AXES, axis_types=(AxisType.Auto,) * len(AXES))
 
 
-def describe(mesh: Mesh) -> str:
-    return " ".join(f"{a}={mesh.shape[a]}" for a in AXES)
+def describe(mesh: Mesh) -> str:  # stage only where a run pipelines (train_dense.py's alone)
+    return " ".join(f"{a}={mesh.shape[a]}" for a in AXES if a != "stage" or mesh.shape[a] > 1)
 
 
 # ----------------------------------------------------------------------------------------------
