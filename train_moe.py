@@ -28,10 +28,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Literal
 
+# Gated DeltaNet's triangular solves are LAPACK calls inside XLA's CPU program; OpenBLAS's own
+# threads there deadlocked 2 of 4 cold runs of tiny-qwen35 here, and none in 3 with one thread.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 import jax
 import jax.numpy as jnp
 import numpy as np
