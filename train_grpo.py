@@ -183,8 +183,10 @@ class Config:
 
 
 # The demo model: ~0.4M parameters, a 16-symbol character vocabulary (common/data.py).
+# Unrolled: a scanned stack's backward stacks and slices every residual, 15% of this small
+# model's update (bench/grpo.py); two layers compile as fast either way.
 _TINY_MODEL = ModelConfig(vocab_size=16, d_model=128, n_layers=2, n_heads=4, n_kv_heads=2,
-                          head_dim=32, d_ff=384, max_seq_len=32, remat="none")
+                          head_dim=32, d_ff=384, max_seq_len=32, remat="none", scan_layers=False)
 
 PRESETS: dict[str, tuple[str, Config]] = {
     "tiny": ("~0.4M-parameter model on reversed addition: the `make train-grpo` run",
@@ -1043,7 +1045,8 @@ def train_loop(cfg: Config, mesh, tok, task: Task, st: train.TrainState, step_fn
         state, passes = update(step_fn, state, batch, g, mesh)
         # Fetched at once: the next rollout needs these parameters anyway, so there is
         # nothing for the host to overlap with.
-        m = {k: float(np.mean([p[k] for p in jax.device_get(passes)])) for k in passes[0]}
+        passes = jax.device_get(passes)
+        m = {k: float(np.mean([p[k] for p in passes])) for k in passes[0]}
         m |= {f"time/{k}_ms": 1e3 * v for k, v in (("rollout", r["seconds"]), ("rewards", r[
             "score_seconds"]), ("logps", t2 - t1), ("update", time.perf_counter() - t2))}
         phases += [m] if step > start else []  # the first step compiles
