@@ -28,8 +28,10 @@ from common.mesh import MeshConfig, make_mesh
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIXTURES = os.path.join(ROOT, "tests", "fixtures", "hf")
 FAMILIES = ["mixtral", "qwen3_moe", "gpt_oss", "deepseek_v3", "kimi_k2", "llama4_text",
-            "deepseek_v2", "gemma4_moe", "deepseek_v32", "qwen3_next"]
+            "deepseek_v2", "gemma4_moe", "deepseek_v32", "qwen3_next", "qwen3_5_moe"]
 TOL = 1e-4
+# Written as this model_type; the others as the knobs say (Qwen3.5's would be qwen3_next's).
+AS = {"kimi_k2": "kimi_k2", "qwen3_5_moe": "qwen3_5_moe_text"}
 BOOKKEEPING = {"transformers_version", "dtype", "torch_dtype", "bos_token_id", "eos_token_id",
                "pad_token_id", "use_cache", "initializer_range", "attention_dropout",
                "output_router_logits", "router_aux_loss_coef", "router_jitter_noise",
@@ -133,8 +135,7 @@ def test_save_load_round_trip(name, loaded, tmp_path):
     cfg, params = loaded[name]
     src = hf.Checkpoint(fixture(name))
     out = str(tmp_path / "out")
-    files = tm.save_hf(params, cfg, out, max_shard_bytes=6000,  # family picked from the knobs
-                       model_type="kimi_k2" if name == "kimi_k2" else "")
+    files = tm.save_hf(params, cfg, out, max_shard_bytes=6000, model_type=AS.get(name, ""))
     assert hf.INDEX in files and len(files) > 3
     cfg2, params2 = tm.load_hf(out)
     assert cfg2 == cfg
@@ -149,6 +150,9 @@ def test_save_load_round_trip(name, loaded, tmp_path):
               if k not in BOOKKEEPING and ours.config.get(k, "(absent)") != v}
     if name in ("qwen3_moe", "qwen3_next"):  # the width of dense layers, which they have none of
         assert differ == {"intermediate_size": (48, 16)}
+    elif name == "qwen3_5_moe":  # RoPE's sections for images' positions: a text model has none
+        assert list(differ) == ["rope_parameters"] and ours.config["rope_parameters"] == {
+            k: v for k, v in want["rope_parameters"].items() if not k.startswith("mrope")}
     else:
         assert differ == {}
 
@@ -160,7 +164,7 @@ def test_live_fixture_and_export(name, loaded, tmp_path):
     tokens, want = expected(name)
     assert max_diff(hf_logits(fixture(name), tokens), want) < TOL
     cfg, params = loaded[name]
-    tm.save_hf(params, cfg, str(tmp_path), dtype="bfloat16")
+    tm.save_hf(params, cfg, str(tmp_path), dtype="bfloat16", model_type=AS.get(name, ""))
     assert max_diff(hf_logits(str(tmp_path), tokens), want) < TOL
 
 
