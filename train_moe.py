@@ -298,7 +298,16 @@ _RELEASED = {
     "qwen3-next-80b-a3b": ("Qwen3-Next 80B-A3B (512 experts top-10 + 1 gated shared; DeltaNet "
                            "on 3 layers of 4)", (151936, 2048, 48, 16, 2, 256, 512, 10, 512,
                                                  262144), _QWEN3_NEXT | dict(
-                               rotary_dim=64, rope_theta=1e7))}
+                               rotary_dim=64, rope_theta=1e7)),
+    # Qwen3.5: the releases' text_config (their vision tower and MTP module are not ours)
+    "qwen3.5-397b-a17b": ("Qwen3.5-397B-A17B, its language model (512 experts top-10 + 1 gated "
+                          "shared; DeltaNet on 3 layers of 4, 64 value heads)", (
+                              248320, 4096, 60, 32, 2, 256, 512, 10, 1024, 262144), _QWEN3_NEXT
+                          | dict(linear_v_heads=64, rotary_dim=64, rope_theta=1e7)),
+    "qwen3.5-35b-a3b": ("Qwen3.5-35B-A3B, its language model (256 experts top-8 + 1 gated "
+                        "shared; DeltaNet on 3 layers of 4)", (
+                            248320, 2048, 40, 16, 2, 256, 256, 8, 512, 262144), _QWEN3_NEXT
+                        | dict(rotary_dim=64, rope_theta=1e7))}
 
 _RELEASED["deepseek-r1"] = ("DeepSeek-R1 (DeepSeek-V3's model)", *_RELEASED["deepseek-v3"][1:])
 # DeepSeek-V3.2(-Exp): V3's model, its MLA in RoPE pairs, and the lightning indexer (its config).

@@ -140,6 +140,22 @@ def test_preset_parameter_counts():
     tm.validate(tm.PRESETS["tiny-qwen35"][1], 1)
 
 
+@pytest.mark.parametrize("name,total,active,vision,published", [
+    ("qwen3.5-397b-a17b", 396_346_350_336, 17_349_040_896, 456_010_480, (397, 17)),
+    ("qwen3.5-35b-a3b", 34_660_610_688, 3_454_988_928, 446_571_248, (35, 3))])
+def test_qwen35_preset_counts(name, total, active, vision, published):
+    """Qwen3.5's "397B-A17B" and "35B-A3B" count the vision tower too (not the MTP module): with
+    transformers' Qwen3.5 vision config (27 blocks 1152 wide, out to d_model; `vision` counted
+    there on the meta device), 396.8B and 35.1B in all; 17.3B and 3.5B a token uses (ours, the
+    embedding and head included). A shared expert 4096 wide (one report's) would make 19.6B."""
+    m = tm.PRESETS[name][1].model
+    tm.validate(tm.PRESETS[name][1], 8)
+    assert (tm.count_params(m), tm.count_active_params(m)) == (total, active)
+    assert (round((total + vision) / 1e9), round(active / 1e9)) == published
+    shapes = jax.eval_shape(lambda: tm.init_params(m, jax.random.key(0)))
+    assert sum(math.prod(x.shape) for x in jax.tree.leaves(shapes)) == total
+
+
 def test_bad_flags():
     with pytest.raises(ConfigError, match="--mesh.context"):
         tm.validate(tm.Config(model=CFG, mesh=MeshConfig(context=2, fsdp=-1)), 8)
