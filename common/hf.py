@@ -11,8 +11,8 @@ axis only the right side names ("l" above) stacks many file tensors, one per val
 the value into "{l}". An atom "2:0" on the left is an axis of size 2 of which this leaf is index 0:
 two leaves interleaved in one file tensor, as GPT-OSS's "e d (f 2:0)" (gate) and "(f 2:1)" (up).
 A bracket "[a b|a b|c]:i" is an axis of unequal parts one after another (sizes a*b, a*b, c), of
-which this leaf is the i-th, split into that part's atoms: Qwen3.5's "([k q|k q|k v]:1) d" is the
-middle of its fused query, key and value rows.
+which this leaf is the i-th, split into that part's atoms: "([k q|k q|k v]:1) d" takes the keys
+of query, key and value rows fused in one tensor.
 A name may offset a stacking axis, "{l+3}": a second stack of layers that starts at file layer 3,
 and stride it, "{l*2+1}": a stack of every second layer, or "{l*6//5}": all but every sixth.
 Sizes come from a dict ({"l": 32, "n": 32, "h": 128, ...}) built from the
@@ -519,21 +519,21 @@ def save(path: str, params, mapping, sizes: dict, config: dict, base: dict | Non
     def make(i: int, idx: tuple, layout: Layout) -> np.ndarray:
         """The file tensor at stack index `idx` of leaf i (its part, when it picks one)."""
         x = fetch(i, idx[0] if idx else None)[idx[1:]].transpose(np.argsort(layout.perm))
-        shared = layout.pick or layout.window
-        return x if shared else x.reshape(layout.file_shape).astype(out_dtype)
+        part = layout.pick or layout.window  # `merge` puts it in place
+        return x if part else x.reshape(layout.file_shape).astype(out_dtype)
 
     def merge(parts: list) -> np.ndarray:
         """One file tensor from the leaves that each pick ("2:0", "2:1") or take ("[..]:i") a
         part of it."""
         out = np.zeros(parts[0][0].coarse or parts[0][0].split_shape, out_dtype)
         for layout, part in parts:
+            if layout.window:  # its atoms in file order: merged back into the bracket's axis
+                out[layout.window] = part().reshape(out[layout.window].shape)
+                continue
             where = [slice(None)] * len(layout.split_shape)
             for axis, i in layout.pick:
                 where[axis] = i
-            if layout.window:
-                out[layout.window] = part().reshape(out[layout.window].shape)
-            else:
-                out[tuple(where)] = part()
+            out[tuple(where)] = part()
         return out.reshape(parts[0][0].file_shape)
 
     tensors, picked = [], {}  # (name, shape, dtype, make); name -> [(layout, make)]

@@ -30,7 +30,8 @@ attention, an unrotated layer whose query temperature rises within the 16 tokens
 norm and RoPE in pairs. Gemma 4's MoE adds a dense MLP beside the experts in every layer, each
 normed in and out, and a router with its own gain and per-expert scales. DeepSeek-V3.2 adds
 the lightning indexer (LayerNorm'd key with a bias, ReLU scores weighted per head, RoPE in halves)
-choosing fewer keys than the 16 tokens.
+choosing fewer keys than the 16 tokens. Qwen3.5's is multimodal as released (its language model
+under model.language_model, a vision tower beside) with 3 value heads to a DeltaNet key head.
 """
 from __future__ import annotations
 
