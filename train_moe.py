@@ -298,7 +298,16 @@ _RELEASED = {
     "qwen3-next-80b-a3b": ("Qwen3-Next 80B-A3B (512 experts top-10 + 1 gated shared; DeltaNet "
                            "on 3 layers of 4)", (151936, 2048, 48, 16, 2, 256, 512, 10, 512,
                                                  262144), _QWEN3_NEXT | dict(
-                               rotary_dim=64, rope_theta=1e7))}
+                               rotary_dim=64, rope_theta=1e7)),
+    # Qwen3.5: the releases' text_config (their vision tower and MTP module are not ours)
+    "qwen3.5-397b-a17b": ("Qwen3.5-397B-A17B, its language model (512 experts top-10 + 1 gated "
+                          "shared; DeltaNet on 3 layers of 4, 64 value heads)", (
+                              248320, 4096, 60, 32, 2, 256, 512, 10, 1024, 262144), _QWEN3_NEXT
+                          | dict(linear_v_heads=64, rotary_dim=64, rope_theta=1e7)),
+    "qwen3.5-35b-a3b": ("Qwen3.5-35B-A3B, its language model (256 experts top-8 + 1 gated "
+                        "shared; DeltaNet on 3 layers of 4)", (
+                            248320, 2048, 40, 16, 2, 256, 256, 8, 512, 262144), _QWEN3_NEXT
+                        | dict(rotary_dim=64, rope_theta=1e7))}
 
 _RELEASED["deepseek-r1"] = ("DeepSeek-R1 (DeepSeek-V3's model)", *_RELEASED["deepseek-v3"][1:])
 # DeepSeek-V3.2(-Exp): V3's model, its MLA in RoPE pairs, and the lightning indexer (its config).
@@ -408,6 +417,7 @@ def _layer_table(cfg: ModelConfig, L: int, moe: bool, glob: bool = False) -> dic
         H, K)  # Gemma 4's
     g4, lin = moe and cfg.gemma4, moe and not glob and cfg.linear_k_heads  # lin: DeltaNet's
     Hk, Lv, Dk, Dv = (cfg.linear_k_heads, cfg.linear_v_heads, cfg.linear_k_dim, cfg.linear_v_dim)
+    r = Lv // max(Hk, 1)
     ex = "expert" if E > 1 else None  # one expert (the dense twin): the axis only splits the batch
     bias = moe and cfg.moe_bias  # b_down is whole on every tensor shard: `experts` adds it on one
     qk_norm, biased = moe and cfg.qk_norm and not lin, moe and cfg.attn_bias
@@ -419,10 +429,10 @@ def _layer_table(cfg: ModelConfig, L: int, moe: bool, glob: bool = False) -> dic
                and not lin),
         "wo": ((N, Hv if C else H, D), ("tensor", None, "fsdp"), out_std, not lin),
         "wq_gate": ((D, N, H), ("fsdp", "tensor", None), std, moe and cfg.attn_gate and not lin),
-        # Gated DeltaNet (`gated_deltanet`): per key head its q, k, its group's v and z, then b, a
-        "lin_qkvz": ((D, Hk, 2 * Dk + 2 * Lv // max(Hk, 1) * Dv), ("fsdp", "tensor", None), std,
-                     lin), "lin_ba": ((D, Hk, 2 * Lv // max(Hk, 1)), ("fsdp", "tensor", None),
-                                      std, lin),
+        # Gated DeltaNet (`gated_deltanet`): per key head its q, k, its group's v, z, b and a
+        **{k: ((D, Hk, *s), ("fsdp", "tensor") + (None,) * len(s), std, lin) for k, s in dict(
+            lin_q=(Dk,), lin_k=(Dk,), lin_v=(r, Dv), lin_z=(r, Dv), lin_b=(r,), lin_a=(r,)
+        ).items()},
         "lin_conv": ((cfg.linear_conv, 1, 2 * Hk * Dk + Lv * Dv), (None, None, None),
                      1 / math.sqrt(cfg.linear_conv), lin),
         "A_log": ((Lv,), ("tensor",), 0.5, lin), "dt_bias": ((Lv,), ("tensor",), None, lin),
@@ -494,7 +504,7 @@ def block(x_BTD, lp: dict, pos_BT, inv_freq, cfg: ModelConfig, max_logits: bool 
     lp = lp | {k: 1 + lp[k] for k in OFFSET_NORMS if k in lp} if cfg.norm_offset else lp
     w = weights(lp, x_BTD.dtype, cfg)
     h = rms_norm(x_BTD, lp["attn_norm"], cfg.norm_eps)
-    if lin := "lin_qkvz" in lp:  # Qwen3-Next's linear layers: no attention, no logits to clip
+    if lin := "lin_q" in lp:  # Qwen3-Next's linear layers: no attention, no logits to clip
         a_BTNV, ind, max_logits = None, {}, False
     elif cfg.index_n_heads:
         a_BTNV, ind = dsa(h, lp, pos_BT, inv_freq, cfg, warm)
@@ -643,25 +653,22 @@ def gated_deltanet(h_BTD, lp: dict, cfg: ModelConfig):
     q, k, v from h through a causal depthwise convolution (`causal_conv`) and SiLU, q and k
     L2-normed (|k| = 1: I - b k k^T contracts for b in (0, 1)); b = sigmoid(h W_b) the write
     strength, a = exp(g), g = -exp(A_log) softplus(h W_a + dt_bias) (Mamba-2's discretised
-    decay). Each key head serves a group of Hv / Hk value heads, whose v, z, b, a sit beside its
-    q, k in the weights (as the checkpoint has them): a tensor shard holds whole groups. Out:
-    RMSNorm(o) * silu(h W_z) per head (a plain gain), then W_o."""
-    dt, f32, Hk, Dk, Dv = h_BTD.dtype, jnp.float32, cfg.linear_k_heads, cfg.linear_k_dim, cfg.linear_v_dim
+    decay). Each key head serves a group of Hv / Hk value heads, whose v, z, b, a weights are
+    stored on its axis: a tensor shard holds whole groups. Out: RMSNorm(o) * silu(h W_z) per
+    head (a plain gain), then W_o."""
+    dt, f32, Hk, Dk = h_BTD.dtype, jnp.float32, cfg.linear_k_heads, cfg.linear_k_dim
     w, (B, T), r = weights(lp, dt, cfg), h_BTD.shape[:2], cfg.linear_v_heads // Hk
-    qkvz = jnp.einsum("btd,dkc->btkc", h_BTD, w("lin_qkvz"))
-    ba = jnp.einsum("btd,dkc->btkc", h_BTD, w("lin_ba")).astype(f32)
+    q, k, v, z, b, a = (jnp.einsum("btd,dk...->btk...", h_BTD, w("lin_" + n)) for n in "qkvzba")
     conv = w("lin_conv")[:, 0]  # [K, channels]: every head's q, then k, then v (the checkpoint's order)
     q, k, v = (causal_conv(x, c.reshape(-1, *x.shape[2:])) for x, c in zip(
-        jnp.split(qkvz[..., :2 * Dk + r * Dv], [Dk, 2 * Dk], -1),
-        jnp.split(conv, [Hk * Dk, 2 * Hk * Dk], 1)))
+        (q, k, v), jnp.split(conv, [Hk * Dk, 2 * Hk * Dk], 1)))
     heads = lambda x: x.reshape(B, T, Hk * r, -1)
     l2 = lambda x: jnp.repeat(x * jax.lax.rsqrt(jnp.sum(x * x, -1, keepdims=True) + 1e-6), r, 2)
-    beta, a = jax.nn.sigmoid(heads(ba[..., :r])[..., 0]), heads(ba[..., r:])[..., 0]
+    b, a = (x.astype(f32).reshape(B, T, Hk * r) for x in (b, a))
     g = -jnp.exp(lp["A_log"]) * jax.nn.softplus(a + lp["dt_bias"])
     q, k = (l2(x.astype(f32)) for x in (q, k))
-    o = delta_rule_chunked(q / math.sqrt(Dk), k, heads(v), g, beta, cfg.linear_chunk)
-    o = rms_norm(o.astype(dt), lp["lin_norm"], cfg.norm_eps) * jax.nn.silu(
-        heads(qkvz[..., 2 * Dk + r * Dv:]).astype(f32))
+    o = delta_rule_chunked(q / math.sqrt(Dk), k, heads(v), g, jax.nn.sigmoid(b), cfg.linear_chunk)
+    o = rms_norm(o.astype(dt), lp["lin_norm"], cfg.norm_eps) * jax.nn.silu(heads(z).astype(f32))
     return jnp.einsum("bthv,hvd->btd", o.astype(dt), w("lin_wo"))
 
 
@@ -1788,8 +1795,10 @@ HF_ARCHITECTURES = {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCa
                     "kimi_k2": "DeepseekV3ForCausalLM",  # Kimi K2: DeepSeek-V3's, renamed
                     "deepseek_v2": "DeepseekV2ForCausalLM",
                     "llama4_text": "Llama4ForCausalLM", "gemma4_text": "Gemma4ForCausalLM",
-                    "deepseek_v32": "DeepseekV32ForCausalLM", "qwen3_next": "Qwen3NextForCausalLM"}
+                    "deepseek_v32": "DeepseekV32ForCausalLM", "qwen3_next": "Qwen3NextForCausalLM",
+                    "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM"}  # Qwen3.5 (its language model)
 HF_DEEPSEEK = ("deepseek_v3", "kimi_k2", "deepseek_v2", "deepseek_v32")
+HF_QWEN_NEXT = ("qwen3_next", "qwen3_5_moe_text")  # Qwen3.5: 3-Next's block, other names
 # What transformers assumes for a key that config.json leaves out (its config classes).
 _HF_DEFAULTS = {
     "mixtral": dict(rms_norm_eps=1e-5, max_position_embeddings=131072, num_key_value_heads=8,
@@ -1829,6 +1838,8 @@ _HF_DEFAULTS = {
                        norm_topk_prob=True, linear_num_key_heads=16, linear_num_value_heads=32,
                        linear_key_head_dim=128, linear_value_head_dim=128,
                        linear_conv_kernel_dim=4)}
+_HF_DEFAULTS["qwen3_5_moe_text"] = _HF_DEFAULTS["qwen3_next"] | dict(num_experts=256,
+                                                                       num_experts_per_tok=8)
 # DeepSeek-V3.2: V3's with the indexer; its MLA always rotates pairs (no rope_interleave key).
 _HF_DEFAULTS["deepseek_v32"] = _HF_DEFAULTS["deepseek_v3"] | dict(
     max_position_embeddings=163840, index_n_heads=64, index_head_dim=128, index_topk=2048)
@@ -1866,6 +1877,8 @@ _HF_FAMILY_FIELDS = {
                        "norm_topk", linear_num_key_heads="linear_k_heads", linear_num_value_heads=
                        "linear_v_heads", linear_key_head_dim="linear_k_dim", linear_value_head_dim=
                        "linear_v_dim", linear_conv_kernel_dim="linear_conv")}
+_HF_FAMILY_FIELDS["qwen3_5_moe_text"] = {  # it always renormalises the top k
+    k: f for k, f in _HF_FAMILY_FIELDS["qwen3_next"].items() if k != "norm_topk_prob"}
 _HF_FAMILY_FIELDS["deepseek_v32"] = {k: f for k, f in _HF_FAMILY_FIELDS["deepseek_v3"].items() if
                                      k != "rope_interleave"} | {k: k for k in (
     "index_n_heads", "index_head_dim", "index_topk")}
@@ -1886,6 +1899,7 @@ _HF_CONSTANTS = {"mixtral": dict(router_jitter_noise=0.0),
                                      use_double_wide_mlp=False, use_bidirectional_attention=None)}
 _HF_CONSTANTS["deepseek_v32"] = _HF_CONSTANTS["deepseek_v3"]
 _HF_CONSTANTS["qwen3_next"] = dict(decoder_sparse_step=1, mlp_only_layers=[], attention_bias=False)
+_HF_CONSTANTS["qwen3_5_moe_text"] = dict(attention_bias=False)
 # The knobs some families' config.json says and no other's: on exactly in those families, or
 # (the second table) on only in those. Mixtral and GPT-OSS always renormalise the top k.
 _HF_OWN = dict(attn_sinks=("gpt_oss",), moe_bias=("gpt_oss",), swiglu_limit=("gpt_oss",),
@@ -1978,8 +1992,8 @@ _HF_FAMILY_NAMES = {
         w_up=("experts.gate_up_proj", "e (2:1 f) d -> e d f"),
         w_down=("experts.down_proj", "e d f -> e f d")),
     # Qwen3-Next: the query and its gate interleaved per head; DeltaNet's fused projections,
-    # per key head (lk) its q, k, its group's v and z (lc), its group's b and a (lb); the conv's
-    # channels (lx) every q, k, v, its taps (lw); Hv value heads (lv) Dv wide (ly)
+    # per key head (lk) its q, k (lq wide), its group's (lr value heads) v and z, then b and a;
+    # the conv's channels (lx) every q, k, v, its taps (lw); Hv value heads (lv) Dv wide (ly)
     "qwen3_next": {k: ("self_attn.q_proj.weight", f"(n 2:{i} h) d -> d n h") for i, k in enumerate(
         ("wq", "wq_gate"))} | {k: ("mlp." + name, layout) for k, (name, layout) in dict(
             shared_gate=("shared_expert.gate_proj.weight", "s d -> d s"),
@@ -1987,16 +2001,32 @@ _HF_FAMILY_NAMES = {
             shared_down=("shared_expert.down_proj.weight", "d s -> s d"),
             shared_router=("shared_expert_gate.weight", "o d -> d o")).items()} | {
         k: ("linear_attn." + name, layout) for k, (name, layout) in dict(
-            lin_qkvz=("in_proj_qkvz.weight", "(lk lc) d -> d lk lc"), lin_ba=(
-                "in_proj_ba.weight", "(lk lb) d -> d lk lb"), lin_conv=(
-                "conv1d.weight", "lx o lw -> lw o lx"), A_log=("A_log", "lv -> lv"), dt_bias=(
-                "dt_bias", "lv -> lv"), lin_norm=("norm.weight", "ly -> ly"), lin_wo=(
-                "out_proj.weight", "d (lv ly) -> lv ly d")).items()}}
+            lin_conv=("conv1d.weight", "lx o lw -> lw o lx"), A_log=("A_log", "lv -> lv"),
+            dt_bias=("dt_bias", "lv -> lv"), lin_norm=("norm.weight", "ly -> ly"), lin_wo=(
+                "out_proj.weight", "d (lv ly) -> lv ly d")).items()} | {
+        f"lin_{x}": ("linear_attn.in_proj_qkvz.weight", f"(lk [lq|lq|lr ly|lr ly]:{i}) d -> d lk "
+                     + ("lq" if i < 2 else "lr ly")) for i, x in enumerate("qkvz")} | {
+        f"lin_{x}": ("linear_attn.in_proj_ba.weight", f"(lk 2:{i} lr) d -> d lk lr")
+        for i, x in enumerate("ba")}}
+# Qwen3.5: DeltaNet's projections one after another over all heads (q, k, v in one tensor); the
+# experts, as released, in two tensors per layer (transformers writes them one by one, as ours).
+_HF_FAMILY_NAMES["qwen3_5_moe_text"] = _HF_FAMILY_NAMES["qwen3_next"] | {
+    f"lin_{x}": ("linear_attn.in_proj_qkv.weight", f"([lk lq|lk lq|lk lr ly]:{i}) d -> d lk "
+                 + ("lq" if i < 2 else "lr ly")) for i, x in enumerate("qkv")} | {
+    k: ("linear_attn." + name, layout) for k, (name, layout) in dict(
+        lin_z=("in_proj_z.weight", "(lk lr ly) d -> d lk lr ly"),
+        lin_b=("in_proj_b.weight", "(lk lr) d -> d lk lr"),
+        lin_a=("in_proj_a.weight", "(lk lr) d -> d lk lr")).items()}
+_HF_FUSED = {k: ("mlp.experts." + n, l) for k, (n, l) in dict(
+    w_gate=("gate_up_proj", "e (2:0 f) d -> e d f"), w_up=("gate_up_proj", "e (2:1 f) d -> e d f"),
+    w_down=("down_proj", "e d f -> e f d")).items()}
 
 
-def hf_mapping(cfg: ModelConfig, model_type: str) -> dict:
-    """Our parameter tree (the buffers too), each leaf as (HuggingFace tensor name, layout)."""
-    names = _HF_LAYER | (_HF_MLA if cfg.kv_lora_rank else {}) | _HF_FAMILY_NAMES.get(model_type, {})
+def hf_mapping(cfg: ModelConfig, model_type: str, fused: bool = False) -> dict:
+    """Our parameter tree (the buffers too), each leaf as (HuggingFace tensor name, layout);
+    `fused`: the experts of a layer in two tensors, as transformers 5 holds them."""
+    names = (_HF_LAYER | (_HF_FUSED if fused else {}) | (_HF_MLA if cfg.kv_lora_rank else {}) |
+             _HF_FAMILY_NAMES.get(model_type, {}))
     stacks = ({"layers": ("l", "{l*2+1}"), "dense_layers": ("j", "{j*2}")} if cfg.moe_every == 2
               else {"layers": ("l", f"{{l+{cfg.first_k_dense}}}"), "dense_layers": ("j", "{j}")})
     if n := (cfg.global_head_dim or cfg.linear_k_heads) and cfg.global_every:  # Gemma 4's,
@@ -2028,7 +2058,7 @@ def _hf_sizes(cfg: ModelConfig) -> dict:
                 j=cfg.n_layers - moe_layers(cfg), a=C + Hr, c=C, r=cfg.q_lora_rank, q=Hn + Hr,
                 x=Hn + Hv, w=Hv, g=cfg.dense_d_ff, s=cfg.n_shared_experts * cfg.d_ff,
                 m=cfg.index_n_heads, i=cfg.index_head_dim, p=cfg.mtp_depth, b=2 * cfg.d_model,
-                lk=Lk, lc=2 * Dk + 2 * r * Dv, lb=2 * r, lx=2 * Lk * Dk + Lv * Dv,
+                lk=Lk, lq=Dk, lr=r, lx=2 * Lk * Dk + Lv * Dv,
                 lw=cfg.linear_conv, lv=Lv, ly=Dv)
 
 
@@ -2047,7 +2077,7 @@ def config_from_hf(c: dict, where: str = "config.json") -> ModelConfig:
     c = _HF_DEFAULTS[fam] | c
     unsupported = lambda what: hf.HFError(f"{where}: {what} is not implemented by train_moe.py, "
                                           f"so this {mt} model cannot be loaded faithfully.")
-    wide = ("moe_intermediate_size" if mt in ("qwen3_moe", "gemma4_text", "qwen3_next",
+    wide = ("moe_intermediate_size" if mt in ("qwen3_moe", "gemma4_text", *HF_QWEN_NEXT,
                                               *HF_DEEPSEEK) else
             "intermediate_size")
     if lacking := [k for k in ("vocab_size", "hidden_size", "num_hidden_layers",
@@ -2060,7 +2090,7 @@ def config_from_hf(c: dict, where: str = "config.json") -> ModelConfig:
         scoring_func="softmax") if fam == "deepseek_v2" else dict(
         hidden_activation="gelu_pytorch_tanh", hidden_size_per_layer_input=0,
         num_kv_shared_layers=0) if mt == "gemma4_text" else {}
-    only = {k: v for k, v in only.items() if not (mt == "qwen3_next" and k[0] == "p")}
+    only = {k: v for k, v in only.items() if not (mt in HF_QWEN_NEXT and k[0] == "p")}
     for key, want in only.items():
         if c.get(key, want) != want:
             raise unsupported(f"{key} {c[key]!r} (only {want!r})")
@@ -2094,7 +2124,7 @@ def config_from_hf(c: dict, where: str = "config.json") -> ModelConfig:
     window = c.get("sliding_window") if mt != "gpt_oss" and (
         mt == "mixtral" or c.get("use_sliding_window")) else None
     m |= dict(n_kv_heads=m["n_kv_heads"] or m["n_heads"], rope_theta=theta,
-              head_dim=m["head_dim"] or m["d_model"] // m["n_heads"], qk_norm=mt in ("qwen3_moe", "qwen3_next"),
+              head_dim=m["head_dim"] or m["d_model"] // m["n_heads"], qk_norm=mt in ("qwen3_moe", *HF_QWEN_NEXT),
               max_seq_len=min(m["max_seq_len"], window or m["max_seq_len"]))
     if kind == "yarn":
         m |= dict(yarn_factor=float(rope["factor"]),
@@ -2154,7 +2184,7 @@ def config_from_hf(c: dict, where: str = "config.json") -> ModelConfig:
         m |= dict(gemma4=True, qk_norm=True, global_every=n, rope_local_theta=local, rope_partial=
                   float(rope.get("partial_rotary_factor", 1.0)) % 1.0, global_head_dim=glob[
                       n - 1]["head_dim"], global_kv_heads=glob[n - 1].get("num_key_value_heads", 0))
-    elif mt == "qwen3_next":  # every n-th layer full attention, DeltaNet between
+    elif mt in HF_QWEN_NEXT:  # every n-th layer full attention, DeltaNet between
         kinds, L, H = c.get("layer_types") or [], m["n_layers"], m["head_dim"]
         n = c.get("full_attention_interval") or (kinds.index("full_attention") + 1 if
                                                   "full_attention" in kinds else 4)
@@ -2179,10 +2209,10 @@ def _model_type(cfg: ModelConfig, model_type: str) -> str:
     mt = model_type or fam
     if mt not in HF_ARCHITECTURES:
         raise hf.HFError(f"model_type {mt!r}: choose one of {', '.join(HF_ARCHITECTURES)}.")
-    kind = "deepseek_v3" if mt == "kimi_k2" else mt
+    kind = "deepseek_v3" if mt == "kimi_k2" else "qwen3_next" if mt in HF_QWEN_NEXT else mt
     if (kind != fam or any(bool(getattr(cfg, k)) != (kind in f) for k, f in _HF_OWN.items()) or
             any(getattr(cfg, k) and kind not in fs for k, fs in _HF_ONLY.items()) or
-            kind in ("mixtral", "gpt_oss", "gemma4_text") and not cfg.norm_topk or
+            mt in ("mixtral", "gpt_oss", "gemma4_text", "qwen3_5_moe_text") and not cfg.norm_topk or
             cfg.moe_every > 1 and
             kind != "llama4_text" or kind in ("deepseek_v2", "deepseek_v32") and (
                 kind == "deepseek_v2" and cfg.norm_topk or not cfg.rope_interleave) or
@@ -2205,7 +2235,7 @@ def config_to_hf(cfg: ModelConfig, model_type: str = "", dtype: str = "float32")
     mt = _model_type(cfg, model_type)
     fam = "deepseek_v3" if mt == "kimi_k2" else mt
     rope = dict(rope_type="default", rope_theta=cfg.rope_theta) | ({"partial_rotary_factor": (
-        cfg.rotary_dim or cfg.head_dim) / cfg.head_dim} if mt == "qwen3_next" else {})
+        cfg.rotary_dim or cfg.head_dim) / cfg.head_dim} if mt in HF_QWEN_NEXT else {})
     if cfg.yarn_factor:
         rope |= dict(rope_type="yarn", factor=cfg.yarn_factor, beta_fast=cfg.yarn_beta_fast,
                      beta_slow=cfg.yarn_beta_slow,
@@ -2226,7 +2256,7 @@ def config_to_hf(cfg: ModelConfig, model_type: str = "", dtype: str = "float32")
         torch_dtype=dtype) | _HF_CONSTANTS[fam]
     if mt in ("qwen3_moe", "qwen3_next"):  # intermediate_size: dense layers', none of which
         c["intermediate_size"] = cfg.d_ff
-    if mt == "qwen3_next":
+    if mt in HF_QWEN_NEXT:
         n = cfg.global_every
         c |= dict(shared_expert_intermediate_size=cfg.d_ff, full_attention_interval=n,
                   layer_types=(["linear_attention"] * (n - 1) + ["full_attention"]) * (
@@ -2281,8 +2311,11 @@ def load_hf(path: str, mesh=None) -> tuple[ModelConfig, dict]:
     reads only its experts' blocks), the router biases inside the layers (`with_buffers`)."""
     ckpt = hf.Checkpoint(path)
     cfg, mt = config_from_hf(ckpt.config, ckpt.config_file), ckpt.config["model_type"]
-    return cfg, train.hf_params(ckpt, mesh, _hf_table(cfg), hf_mapping(cfg, mt), _hf_sizes(cfg),
-                                unused=lambda n: n.endswith(MTP_COPIES))
+    fused = "w_gate" not in _HF_FAMILY_NAMES.get(mt, {}) and any(  # transformers 5's experts
+        n.endswith("mlp.experts.gate_up_proj") for n in ckpt.names())
+    return cfg, train.hf_params(  # Qwen's text-only exports may keep the MTP module (mtp.*)
+        ckpt, mesh, _hf_table(cfg), hf_mapping(cfg, mt, fused), _hf_sizes(cfg),
+        unused=lambda n: n.endswith(MTP_COPIES) or n.startswith("mtp."))
 
 
 def save_hf(params: dict, cfg: ModelConfig, path: str, *, model_type: str = "",

@@ -10,6 +10,9 @@ the file (a group "(n h)" is one axis of size n*h, split in two), the right side
 axis only the right side names ("l" above) stacks many file tensors, one per value, named by putting
 the value into "{l}". An atom "2:0" on the left is an axis of size 2 of which this leaf is index 0:
 two leaves interleaved in one file tensor, as GPT-OSS's "e d (f 2:0)" (gate) and "(f 2:1)" (up).
+A bracket "[a b|a b|c]:i" is an axis of unequal parts one after another (sizes a*b, a*b, c), of
+which this leaf is the i-th, split into that part's atoms: "([k q|k q|k v]:1) d" takes the keys
+of query, key and value rows fused in one tensor.
 A name may offset a stacking axis, "{l+3}": a second stack of layers that starts at file layer 3,
 and stride it, "{l*2+1}": a stack of every second layer, or "{l*6//5}": all but every sixth.
 Sizes come from a dict ({"l": 32, "n": 32, "h": 128, ...}) built from the
@@ -71,24 +74,46 @@ class Layout:
     perm: tuple[int, ...]         # ours = split[pick].transpose(perm): split axis of each of ours
     shape: tuple[int, ...]        # ours, stack axes first
     pick: tuple[tuple[int, int], ...] = ()  # (split axis, index) of each "2:0" atom
+    coarse: tuple[int, ...] = ()  # the file tensor with each bracket one axis, when it has any
+    window: tuple[slice, ...] = ()  # on those axes, this leaf's part of each bracket
 
 
 def parse_layout(pattern: str, sizes: dict[str, int]) -> Layout:
     left, arrow, right = pattern.partition("->")
-    groups = [g.split() if g else [a] for g, a in re.findall(r"\(([^)]*)\)|(\w+)", left)]
-    atoms_left, atoms_right = [a for g in groups for a in g], right.split()
     size = lambda a: int(a.split(":")[0]) if ":" in a else sizes[a]
+    file_shape, coarse, window, atoms_left = [], [], [], []
+    for g, a in re.findall(r"\(([^)]*)\)|(\w+)", left):
+        n = 1
+        for tok in re.findall(r"\[[^\]]*\]:\d+|[^\s\[]+", g or a):
+            if tok[0] == "[":  # parts one after another: this leaf's is the i-th, split
+                body, i = tok[1:].split("]:")
+                parts = [p.split() for p in body.split("|")]
+                lens = [math.prod(size(x) for x in p) for p in parts]
+                at = sum(lens[:int(i)])
+                window.append((len(coarse), slice(at, at + lens[int(i)])))
+                coarse.append(sum(lens))
+                atoms_left += parts[int(i)]
+            else:
+                coarse.append(size(tok))
+                atoms_left.append(tok)
+            n *= coarse[-1]
+        file_shape.append(n)
+    atoms_right = right.split()
     pick = tuple((i, int(a.split(":")[1])) for i, a in enumerate(atoms_left) if ":" in a)
     kept = [a for a in atoms_left if ":" not in a]
     stack = tuple(a for a in atoms_right if a not in atoms_left)
     data = [a for a in atoms_right if a in atoms_left]
-    if (not arrow or sorted(data) != sorted(kept) or
+    if (not arrow or sorted(data) != sorted(kept) or pick and window or
             tuple(atoms_right[:len(stack)]) != stack):
         raise ValueError(f"bad layout {pattern!r}: the right side must list every axis of the "
-                         "left once, after the stacking axes")
-    return Layout(tuple(math.prod(size(a) for a in g) for g in groups),
-                  tuple(size(a) for a in atoms_left), stack, tuple(kept.index(a) for a in data),
-                  tuple(sizes[a] for a in atoms_right), pick)
+                         "left once, after the stacking axes (and a leaf picks or takes a part, "
+                         "not both)")
+    win = [slice(None)] * len(coarse)
+    for axis, s in window:
+        win[axis] = s
+    return Layout(tuple(file_shape), tuple(size(a) for a in atoms_left), stack,
+                  tuple(kept.index(a) for a in data), tuple(sizes[a] for a in atoms_right), pick,
+                  tuple(coarse) if window else (), tuple(win) if window else ())
 
 
 def _is_entry(x) -> bool:
@@ -282,10 +307,16 @@ class Checkpoint:
         for pos in np.ndindex(*out.shape[:k]):
             name = _name(template, {a: r[i] for a, r, i in zip(layout.stack, ranges, pos)})
             x = self.array(name)
-            x = (x.reshape(layout.split_shape)[tuple(file_index)] if isinstance(x, np.ndarray)
-                 else x.read(layout.split_shape, file_index))
+            if layout.window:  # this leaf's part of each bracket first (a view, or read)
+                x = _take(x, layout.coarse, layout.window)
+            x = _take(x, layout.split_shape, file_index)
             out[pos] = x.transpose(layout.perm)
         return out
+
+
+def _take(x, shape: tuple, index) -> np.ndarray:
+    """x.reshape(shape)[index] of a memory-mapped or a quantised (`Dequantised`) tensor."""
+    return x.reshape(shape)[tuple(index)] if isinstance(x, np.ndarray) else x.read(shape, index)
 
 
 def load(ckpt: Checkpoint, mapping, sizes: dict, shardings, what: str,
@@ -488,12 +519,17 @@ def save(path: str, params, mapping, sizes: dict, config: dict, base: dict | Non
     def make(i: int, idx: tuple, layout: Layout) -> np.ndarray:
         """The file tensor at stack index `idx` of leaf i (its part, when it picks one)."""
         x = fetch(i, idx[0] if idx else None)[idx[1:]].transpose(np.argsort(layout.perm))
-        return x if layout.pick else x.reshape(layout.file_shape).astype(out_dtype)
+        part = layout.pick or layout.window  # `merge` puts it in place
+        return x if part else x.reshape(layout.file_shape).astype(out_dtype)
 
     def merge(parts: list) -> np.ndarray:
-        """One file tensor from the leaves that each pick a part of it ("2:0", "2:1")."""
-        out = np.zeros(parts[0][0].split_shape, out_dtype)
+        """One file tensor from the leaves that each pick ("2:0", "2:1") or take ("[..]:i") a
+        part of it."""
+        out = np.zeros(parts[0][0].coarse or parts[0][0].split_shape, out_dtype)
         for layout, part in parts:
+            if layout.window:  # its atoms in file order: merged back into the bracket's axis
+                out[layout.window] = part().reshape(out[layout.window].shape)
+                continue
             where = [slice(None)] * len(layout.split_shape)
             for axis, i in layout.pick:
                 where[axis] = i
@@ -508,10 +544,10 @@ def save(path: str, params, mapping, sizes: dict, config: dict, base: dict | Non
                           f"implies {layout.shape}.")
         for idx, name in _file_names(template, layout, sizes):
             part = functools.partial(make, i, idx, layout)
-            if layout.pick and name in picked:
+            if (layout.pick or layout.window) and name in picked:
                 picked[name].append((layout, part))
                 continue
-            if layout.pick:
+            if layout.pick or layout.window:
                 picked[name] = [(layout, part)]
                 part = functools.partial(merge, picked[name])
             tensors.append((name, layout.file_shape, out_dtype, part))

@@ -30,7 +30,8 @@ attention, an unrotated layer whose query temperature rises within the 16 tokens
 norm and RoPE in pairs. Gemma 4's MoE adds a dense MLP beside the experts in every layer, each
 normed in and out, and a router with its own gain and per-expert scales. DeepSeek-V3.2 adds
 the lightning indexer (LayerNorm'd key with a bias, ReLU scores weighted per head, RoPE in halves)
-choosing fewer keys than the 16 tokens.
+choosing fewer keys than the 16 tokens. Qwen3.5's is multimodal as released (its language model
+under model.language_model, a vision tower beside) with 3 value heads to a DeltaNet key head.
 """
 from __future__ import annotations
 
@@ -230,6 +231,21 @@ FAMILIES = {
         linear_value_head_dim=6, linear_conv_kernel_dim=4, rms_norm_eps=1e-6,
         rope_parameters=dict(rope_type="default", rope_theta=1000.0, partial_rotary_factor=0.25),
         max_position_embeddings=64), "16KB"),
+    # Qwen3.5 as released: multimodal (its language model under model.language_model, a one-block
+    # vision tower beside it), the text's RoPE split into sections for images; Qwen3-Next's block
+    # with DeltaNet's projections one after another over all heads. Layers 0-2 DeltaNet (2 key
+    # heads 8 wide, each serving 3 value heads 6 wide), layer 3 gated attention turning 4 of 16.
+    "qwen3_5_moe": ("qwen3_5_moe", dict(text_config=dict(
+        vocab_size=64, hidden_size=32, moe_intermediate_size=16,
+        shared_expert_intermediate_size=16, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
+        linear_num_key_heads=2, linear_num_value_heads=6, linear_key_head_dim=8,
+        linear_value_head_dim=6, linear_conv_kernel_dim=4, rms_norm_eps=1e-6,
+        rope_parameters=dict(rope_type="default", rope_theta=1000.0, partial_rotary_factor=0.25,
+                             mrope_section=[1, 1, 0], mrope_interleaved=True),
+        max_position_embeddings=64), vision_config=dict(
+            depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=32,
+            num_position_embeddings=4)), "16KB"),
 }
 # Written as this model_type (the checkpoint is the other's, as Moonshot ships it).
 RENAMED = {"kimi_k2": "kimi_k2"}
@@ -242,7 +258,8 @@ def randomize(model: torch.nn.Module, seed: int, model_type: str = "") -> None:
     that much smaller (unit-scale rows after the scale, tied logits that a soft-cap bends
     without flattening)."""
     gemma = "gemma" in model_type
-    plus_one = gemma and model_type != "gemma4_text" or model_type == "qwen3_next"
+    plus_one = gemma and model_type != "gemma4_text" or model_type in ("qwen3_next",
+                                                                         "qwen3_5_moe")
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, b in sorted(model.named_buffers()):  # DeepSeek's choice bias: a buffer
@@ -272,13 +289,17 @@ def make(name: str, model_type: str, kwargs: dict, shard: str | None, seed: int)
     cfg = transformers.AutoConfig.for_model(model_type, **kwargs)
     cfg._attn_implementation = "eager"
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    # a multimodal model whole (its other towers in the folder too), as released
+    auto = getattr(transformers, "AutoModelForImageTextToText" if "text_config" in kwargs else
+                   "AutoModelForCausalLM")
+    model = auto.from_config(cfg, dtype=torch.float32)
     randomize(model, seed, model_type)
     model.to(torch.bfloat16).save_pretrained(folder, max_shard_size=shard or "50GB")
     # The reference is the saved bfloat16 weights, read back and run in float32.
     ref = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32,
                                                             attn_implementation="eager")
-    tokens = np.random.default_rng(seed).integers(0, kwargs["vocab_size"], TOKENS_SHAPE)
+    vocab = kwargs.get("text_config", kwargs)["vocab_size"]
+    tokens = np.random.default_rng(seed).integers(0, vocab, TOKENS_SHAPE)
     with torch.no_grad():
         logits = ref(torch.from_numpy(tokens)).logits.float().numpy()
     np.savez(os.path.join(folder, "expected.npz"), tokens=tokens.astype(np.int32),

@@ -28,8 +28,10 @@ from common.mesh import MeshConfig, make_mesh
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIXTURES = os.path.join(ROOT, "tests", "fixtures", "hf")
 FAMILIES = ["mixtral", "qwen3_moe", "gpt_oss", "deepseek_v3", "kimi_k2", "llama4_text",
-            "deepseek_v2", "gemma4_moe", "deepseek_v32", "qwen3_next"]
+            "deepseek_v2", "gemma4_moe", "deepseek_v32", "qwen3_next", "qwen3_5_moe"]
 TOL = 1e-4
+# Written as this model_type; the others as the knobs say (Qwen3.5's would be qwen3_next's).
+AS = {"kimi_k2": "kimi_k2", "qwen3_5_moe": "qwen3_5_moe_text"}
 BOOKKEEPING = {"transformers_version", "dtype", "torch_dtype", "bos_token_id", "eos_token_id",
                "pad_token_id", "use_cache", "initializer_range", "attention_dropout",
                "output_router_logits", "router_aux_loss_coef", "router_jitter_noise",
@@ -133,8 +135,7 @@ def test_save_load_round_trip(name, loaded, tmp_path):
     cfg, params = loaded[name]
     src = hf.Checkpoint(fixture(name))
     out = str(tmp_path / "out")
-    files = tm.save_hf(params, cfg, out, max_shard_bytes=6000,  # family picked from the knobs
-                       model_type="kimi_k2" if name == "kimi_k2" else "")
+    files = tm.save_hf(params, cfg, out, max_shard_bytes=6000, model_type=AS.get(name, ""))
     assert hf.INDEX in files and len(files) > 3
     cfg2, params2 = tm.load_hf(out)
     assert cfg2 == cfg
@@ -149,6 +150,9 @@ def test_save_load_round_trip(name, loaded, tmp_path):
               if k not in BOOKKEEPING and ours.config.get(k, "(absent)") != v}
     if name in ("qwen3_moe", "qwen3_next"):  # the width of dense layers, which they have none of
         assert differ == {"intermediate_size": (48, 16)}
+    elif name == "qwen3_5_moe":  # RoPE's sections for images' positions: a text model has none
+        assert list(differ) == ["rope_parameters"] and ours.config["rope_parameters"] == {
+            k: v for k, v in want["rope_parameters"].items() if not k.startswith("mrope")}
     else:
         assert differ == {}
 
@@ -160,7 +164,7 @@ def test_live_fixture_and_export(name, loaded, tmp_path):
     tokens, want = expected(name)
     assert max_diff(hf_logits(fixture(name), tokens), want) < TOL
     cfg, params = loaded[name]
-    tm.save_hf(params, cfg, str(tmp_path), dtype="bfloat16")
+    tm.save_hf(params, cfg, str(tmp_path), dtype="bfloat16", model_type=AS.get(name, ""))
     assert max_diff(hf_logits(str(tmp_path), tokens), want) < TOL
 
 
@@ -282,20 +286,25 @@ def float8_folders(src: hf.Checkpoint, tmp_path, monkeypatch, quantise, quantiza
     return quant
 
 
+def tiled(b):
+    """DeepSeek's float8 for float8_folders: each projection e4m3, one scale per b x b tile."""
+    def quantise(name, w, f8):
+        if "proj" not in name or not name.endswith(".weight"):
+            return None
+        pad = [(0, -n % b) for n in w.shape]
+        tiles = np.pad(np.abs(w), pad).reshape(-(-w.shape[0] // b), b, -1, b).max(
+            axis=(1, 3)) / 448 + 1e-8
+        scale = np.repeat(np.repeat(tiles, b, 0), b, 1)[:w.shape[0], :w.shape[1]]
+        q = (w / scale).astype(f8)
+        return q, "_scale_inv", tiles, q.astype(np.float32) * scale
+    return quantise
+
+
 def test_float8_release_reads_as_its_dequantised_weights(tmp_path, monkeypatch):
     """DeepSeek-V3's own format: every projection as e4m3 with one scale per tile (here 4 x 4,
     so that tiles straddle the heads and the per-device blocks of a sharded load). It must
     load as exactly the weights q * scale that a float32 folder of them holds."""
-    def tiled(name, w, f8):
-        if not name.endswith("proj.weight"):
-            return None
-        pad = [(0, -n % 4) for n in w.shape]
-        tiles = np.pad(np.abs(w), pad).reshape(w.shape[0] // 4 + bool(w.shape[0] % 4), 4,
-                                               -1, 4).max(axis=(1, 3)) / 448 + 1e-8
-        scale = np.repeat(np.repeat(tiles, 4, 0), 4, 1)[:w.shape[0], :w.shape[1]]
-        q = (w / scale).astype(f8)
-        return q, "_scale_inv", tiles, q.astype(np.float32) * scale
-    float8_folders(hf.Checkpoint(fixture("deepseek_v3")), tmp_path, monkeypatch, tiled,
+    float8_folders(hf.Checkpoint(fixture("deepseek_v3")), tmp_path, monkeypatch, tiled(4),
                    {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [4, 4]})
     mesh = make_mesh(MeshConfig(fsdp=2, tensor=2, expert=2))
     cfg, want = tm.load_hf(str(tmp_path / "f32"))
@@ -310,6 +319,20 @@ def test_float8_release_reads_as_its_dequantised_weights(tmp_path, monkeypatch):
     hf.write_json(str(tmp_path / "fp8" / hf.CONFIG), c)
     with pytest.raises(hf.HFError, match=r"no .*_scale_inv of shape \[1, 1\]"):
         tm.load_hf(str(tmp_path / "fp8"))
+
+
+def test_float8_parts_read_per_block(tmp_path, monkeypatch):
+    """Qwen3.5's DeltaNet query, key and value rows in one float8 tensor, tiles of 5 x 5
+    straddling the parts (16, 16 and 36 rows): each part of each device block loads as the
+    float32 folder's weights."""
+    quant = float8_folders(hf.Checkpoint(fixture("qwen3_5_moe")), tmp_path, monkeypatch,
+                           tiled(5), {"quant_method": "fp8", "weight_block_size": [5, 5]})
+    qkv = [t for t in quant if t[0] == "model.layers.0.linear_attn.in_proj_qkv.weight"]
+    assert [(t[1], t[2].itemsize) for t in qkv] == [((68, 32), 1)]   # e4m3
+    _, want = tm.load_hf(str(tmp_path / "f32"))
+    _, got = tm.load_hf(str(tmp_path / "fp8"), make_mesh(MeshConfig(fsdp=2, tensor=2, expert=2)))
+    for a, b in zip(jax.tree.leaves(host(want)), jax.tree.leaves(host(got))):
+        np.testing.assert_array_equal(a, b)
 
 
 def test_each_trainer_points_to_the_other():

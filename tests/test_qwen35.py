@@ -3,7 +3,9 @@ its token-by-token form and a float64 loop written here (values and gradients, c
 do and do not divide the length), the whole model's logits against transformers' on a tiny
 checkpoint (tests/make_hf_fixtures.py qwen3_next) and back out through save_hf, tensor x fsdp x
 expert against one device, the 80B-A3B preset's counts against the published ones, the checks,
-and a few steps of tiny-qwen35 lowering its loss."""
+and a few steps of tiny-qwen35 lowering its loss. Qwen3.5's folders (qwen3_5_moe: the same block,
+other names) are checked with the other families in tests/test_hf_moe.py; here their release
+layout, experts fused two tensors a layer and the MTP module beside."""
 import dataclasses
 import math
 import os
@@ -15,6 +17,7 @@ import optax
 import pytest
 
 import train_moe as tm
+from common import hf
 from common.mesh import MeshConfig, make_mesh
 from common.train import ConfigError
 
@@ -104,7 +107,7 @@ def test_sharded_equals_one_device():
     """Loss and every gradient on tensor 2 x fsdp 2 x expert 2 (DeltaNet's key-head groups,
     the attention's heads and the shared expert over tensor) against one device. Within 1e-3 of
     each leaf's largest entry: float32's error here, not the sharding's (against float64 on one
-    device the one-device gradients of lin_qkvz are off by 1.4e-4 of 3.2, a data-parallel 8's by
+    device the one-device gradients of lin_q are off by 1.4e-4 of 3.2, a data-parallel 8's by
     6.6e-4: the chunks' triangular solves and the L2 norms amplify the summation order)."""
     cfg = dataclasses.replace(CFG, n_kv_heads=2)
     params, batch = random_params(cfg), np.random.default_rng(3).integers(
@@ -115,7 +118,8 @@ def test_sharded_equals_one_device():
     for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(got[1]), jax.tree.leaves(one[1])):
         np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-3 * np.abs(y).max(),
                                    err_msg=jax.tree_util.keystr(path))
-    for name in ("lin_qkvz", "lin_conv", "A_log", "dt_bias", "lin_norm", "shared_router"):
+    for name in ("lin_q", "lin_k", "lin_v", "lin_z", "lin_b", "lin_a", "lin_conv", "A_log",
+                 "dt_bias", "lin_norm", "shared_router"):
         assert float(np.abs(one[1]["layers"][name]).max()) > 1e-6, name   # each is trained
     assert float(np.abs(one[1]["global_layers"]["wq_gate"]).max()) > 1e-6
 
@@ -134,6 +138,22 @@ def test_preset_parameter_counts():
     shapes = jax.eval_shape(lambda: tm.init_params(m, jax.random.key(0)))
     assert sum(math.prod(x.shape) for x in jax.tree.leaves(shapes)) == tm.count_params(m)
     tm.validate(tm.PRESETS["tiny-qwen35"][1], 1)
+
+
+@pytest.mark.parametrize("name,total,active,vision,published", [
+    ("qwen3.5-397b-a17b", 396_346_350_336, 17_349_040_896, 456_010_480, (397, 17)),
+    ("qwen3.5-35b-a3b", 34_660_610_688, 3_454_988_928, 446_571_248, (35, 3))])
+def test_qwen35_preset_counts(name, total, active, vision, published):
+    """Qwen3.5's "397B-A17B" and "35B-A3B" count the vision tower too (not the MTP module): with
+    transformers' Qwen3.5 vision config (27 blocks 1152 wide, out to d_model; `vision` counted
+    there on the meta device), 396.8B and 35.1B in all; 17.3B and 3.5B a token uses (ours, the
+    embedding and head included). A shared expert 4096 wide (one report's) would make 19.6B."""
+    m = tm.PRESETS[name][1].model
+    tm.validate(tm.PRESETS[name][1], 8)
+    assert (tm.count_params(m), tm.count_active_params(m)) == (total, active)
+    assert (round((total + vision) / 1e9), round(active / 1e9)) == published
+    shapes = jax.eval_shape(lambda: tm.init_params(m, jax.random.key(0)))
+    assert sum(math.prod(x.shape) for x in jax.tree.leaves(shapes)) == total
 
 
 def test_bad_flags():
@@ -167,3 +187,38 @@ def test_a_few_steps_lower_the_loss():
         params, state, loss = step(params, state)
         losses.append(float(loss))
     assert losses[-1] < losses[0] - 0.5, losses
+
+
+def test_qwen35_release_layout(tmp_path):
+    """Qwen3.5's releases hold each layer's experts in two tensors (gate_up_proj [E, 2F, D], the
+    gate the first half; down_proj [E, D, F]), as transformers 5 does, and keep the MTP module
+    (mtp.*), which transformers' text model skips. The fixture written so, as a text-only
+    folder: the same parameters, bit for bit; a fused tensor of another shape is refused."""
+    src = hf.Checkpoint(os.path.join(ROOT, "tests", "fixtures", "hf", "qwen3_5_moe"))
+    cfg, want = tm.load_hf(src.path)
+    f32, tensors = np.dtype(np.float32), []
+    at = lambda n: np.asarray(src.array(n), np.float32)
+    for name in sorted(src.names()):
+        if ".experts.0." in name and name.endswith("gate_proj.weight"):
+            pre, E = name.split("experts.0.")[0] + "experts.", cfg.n_experts
+            one = lambda p: np.stack([at(f"{pre}{e}.{p}_proj.weight") for e in range(E)])
+            fused = {"gate_up_proj": np.concatenate([one("gate"), one("up")], 1),
+                     "down_proj": one("down")}
+            tensors += [(pre + k, x.shape, f32, lambda x=x: x) for k, x in fused.items()]
+        elif ".experts." not in name:
+            tensors.append((name, src.shape(name), f32, lambda n=name: at(n)))
+    tensors.append(("mtp.fc.weight", (4, 4), f32, lambda: np.ones((4, 4), np.float32)))
+    os.makedirs(tmp_path / "fused")
+    hf._write_file(str(tmp_path / "fused" / hf.SINGLE), tensors)
+    hf.write_json(str(tmp_path / "fused" / hf.CONFIG), src.config)
+    cfg2, got = tm.load_hf(str(tmp_path / "fused"))
+    assert cfg2 == cfg and cfg.linear_v_heads // cfg.linear_k_heads == 3
+    for a, b in zip(jax.tree.leaves(jax.device_get(want)), jax.tree.leaves(jax.device_get(got))):
+        np.testing.assert_array_equal(a, b)
+    down = "model.layers.1.mlp.experts.down_proj"
+    hf._write_file(str(tmp_path / "fused" / hf.SINGLE), [
+        t if t[0] != down else (down, (4, 32, 8), f32, lambda: np.zeros((4, 32, 8), np.float32))
+        for t in tensors])
+    with pytest.raises(hf.HFError, match=r"down_proj has shape \[4, 32, 8\] but config.json "
+                                         r"implies \[4, 32, 16\]"):
+        tm.load_hf(str(tmp_path / "fused"))
