@@ -28,14 +28,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Literal
 
-# Gated DeltaNet's triangular solves are LAPACK calls inside XLA's CPU program; OpenBLAS's own
-# threads there deadlocked 2 of 4 cold runs of tiny-qwen35 here, and none in 3 with one thread.
-os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -684,7 +680,7 @@ def delta_rule_chunked(q_BTHK, k_BTHK, v_BTHV, g_BTH, beta_BTH, chunk: int):
     form: Yang et al. 2024, arXiv 2406.06484 sec. 3, and 2412.06464 sec. 3.3): O(T C) work and
     memory within chunks, a lax.scan over them carrying S [B, H, Dk, Dv]. In a chunk entered
     with S_0, with log-decays G_i = g_1 + ... + g_i, the chunk's C corrections are one unit
-    lower-triangular solve (I + A) [u | w] = [b v | b e^G k], A_ij = b_i e^{G_i - G_j} k_i.k_j
+    lower-triangular system (I + A) [u | w] = [b v | b e^G k], A_ij = b_i e^{G_i - G_j} k_i.k_j
     (j < i); the corrected values v' = u - w S_0, and
 
         o = (e^G q) S_0 + (e^{G_i - G_j} q_i.k_j, j <= i) v',   S_C = e^{G_C} S_0 + (e^{G_C - G} k)^T v'.
@@ -701,10 +697,16 @@ def delta_rule_chunked(q_BTHK, k_BTHK, v_BTHV, g_BTH, beta_BTH, chunk: int):
     causal = np.tril(np.ones((C, C), bool))
     decay = jnp.exp(jnp.where(causal, G[..., :, None] - G[..., None, :], -jnp.inf))
     dots = lambda x, y: jnp.einsum("bnhik,bnhjk->bnhij", x, y)
-    A = jnp.tril(b[..., None] * dots(k, k) * decay, -1)
-    uw = jax.lax.linalg.triangular_solve(A, jnp.concatenate(
-        [b[..., None] * v, (b * jnp.exp(G))[..., None] * k], -1), left_side=True, lower=True,
-        unit_diagonal=True)
+    N = -jnp.tril(b[..., None] * dots(k, k) * decay, -1)
+    # (I - N)^-1 = (I + N)(I + N^2)(I + N^4)...: N is strictly lower triangular, so N^C = 0 and
+    # log2(C) products of [C, C] matrices are the exact inverse. Matmuls, not LAPACK's trsm:
+    # jaxlib's CPU trsm splits its batch over XLA's own thread pool and waits inside it, so two
+    # solves at once deadlocked a 2-core host (both pool threads waiting: 3 runs of tiny-qwen35).
+    inv, P = jnp.eye(C) + N, N
+    for _ in range(max(0, math.ceil(math.log2(C)) - 1)):
+        P = P @ P
+        inv = inv + inv @ P
+    uw = inv @ jnp.concatenate([b[..., None] * v, (b * jnp.exp(G))[..., None] * k], -1)
 
     def step(S, xs):
         u, w, attn, qg, kg, last = xs

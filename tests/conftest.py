@@ -9,7 +9,6 @@ os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # as train_moe.py sets it (DeltaNet's solves)
 # With libtpu installed, the ahead-of-time TPU compiles of two xdist workers would contend for
 # libtpu's one-process lockfile; they only compile, so both may load it.
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")

@@ -54,7 +54,7 @@ import anatomy  # noqa: E402
 # the GPipe/circular tick loop, the step's and eval's microbatches handed to it, its checks,
 # refusals and the schedule's line; and the stage axis refused in MoE (3).
 # Qwen3-Next (issue 36) 256 in MoE: Gated DeltaNet as a layer kind (the chunkwise delta rule and
-# its token-by-token reference, OpenBLAS kept to one thread as its solves deadlocked, the convolution, the gates), the gated attention, partial RoPE,
+# its token-by-token reference, the chunk's inverse as log2(C) matmuls, the convolution, the gates), the gated attention, partial RoPE,
 # zero-centred norms, the gated shared expert, their knobs, checks, FLOPs, presets; the
 # qwen3_next folders: the fused DeltaNet and query/gate projections, config both ways.
 # Qwen3.5's folders (issue 36) 24 in MoE: DeltaNet's projections a leaf each (so that both
@@ -63,7 +63,7 @@ import anatomy  # noqa: E402
 BUDGETS = {"train_dense.py": (1000 + 8 + 62 + 10 + 1 + 201 + 101 + 5 + 5 + 13 + 112 + 22 + 2
                               + 86,
                               0.60),
-           "train_moe.py": (1400 + 148 + 32 + 7 + 11 + 177 + 3 + 6 + 188 + 6 + 81 + 4 + 256 + 3
+           "train_moe.py": (1400 + 148 + 32 + 7 + 11 + 177 + 3 + 6 + 188 + 6 + 81 + 4 + 258 + 3
                             + 24 + 9,
                             0.65),
            "train_grpo.py": (1000, 0.60)}
