@@ -47,7 +47,7 @@ def batches(n, seed=0, mod=td):
 
 
 def mesh_of(mc: MeshConfig):
-    n = mc.stage * mc.fsdp * mc.data * mc.expert
+    n = mc.stage * mc.fsdp * mc.data * mc.expert * mc.tensor
     return make_mesh(mc, jax.devices()[:n])
 
 
@@ -109,9 +109,9 @@ def moe_one_device():
 
 
 @pytest.mark.parametrize("mesh, repeats", [
-    (MeshConfig(stage=2, expert=2), 1),   # GPipe, the experts split in each stage
+    (MeshConfig(stage=2, tensor=2, expert=2, fsdp=1), 1),  # GPipe; experts and heads split
     (MeshConfig(stage=2, fsdp=2), 2),     # circular, the weights split in each stage
-], ids=["gpipe-2x-expert2", "circular-2x-fsdp2"])
+], ids=["gpipe-2x-tensor2-expert2", "circular-2x-fsdp2"])
 def test_a_pipelined_moe_step_is_the_one_device_step(moe_one_device, mesh, repeats):
     """The same 4 microbatches: the aux losses, router z and loads are nonlinear in the batch, so
     they match only if each layer's come from each microbatch as accumulation takes them (and
