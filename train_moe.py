@@ -1251,8 +1251,9 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     return 3.0 * (2 * matmul_weights + 2 * keys * N * Hqv)   # + attention's
 
 
-def validate(cfg: Config, n_devices: int) -> None:
-    """Every check that needs no compilation, so a bad launch fails in a second."""
+def validate(cfg: Config, n_devices: int, platform: str = "") -> None:
+    """Every check that needs no compilation, so a bad launch fails in a second (`platform`:
+    the compile target's, where it is not this host's)."""
     m, t = cfg.model, cfg.train
     train.check_ranges(cfg)
     mesh = resolve(cfg.mesh, n_devices, max(1, math.prod(cfg.mesh.dcn())))
@@ -1263,7 +1264,11 @@ def validate(cfg: Config, n_devices: int) -> None:
         f for f, on in (("--model.gemma4", m.gemma4), ("--model.linear-k-heads", m.linear_k_heads),
                         ("--model.moe-every 2", m.moe_every > 1), ("--model.index-n-heads",
                         m.index_n_heads), ("--mesh.context", mesh.context * mesh.dcn_context > 1),
-                        ("--lora.rank", cfg.lora.rank)) if on])
+                        ("--lora.rank", cfg.lora.rank), ("dropless experts on --model.grouped-"
+                        "matmul ragged_dot (auto off the CPU), which XLA:TPU cannot compile "
+                        "batched over stages: set --model.capacity-factor 1.25 or --model."
+                        "grouped-matmul tiled", not m.capacity_factor and _grouped_impl(
+                            m, platform) == "ragged_dot")) if on])
     need(m.n_experts >= 2, f"--model.n-experts {m.n_experts}: a mixture needs at least 2 "
          "experts; one expert is a dense MLP, which train_dense.py trains (with --model.d-ff "
          "for its width).")
@@ -1681,7 +1686,7 @@ def main(cfg: Config) -> dict:
     cfg = train.with_model(cfg, config_from_hf(*hf_config) if hf_config else model)
     train.start(cfg.quiet)
     devices = train.devices(cfg.compile_topology, cfg.compile_slices, cfg.dry_run)
-    validate(cfg, len(devices))
+    validate(cfg, len(devices), devices[0].platform)
     mesh, tc, m, pf = make_mesh(cfg.mesh, devices), cfg.train, cfg.model, devices[0].platform
     st = train_state(cfg, mesh)
     step_fn = st.jit(partial(train_step, cfg=cfg, tx=st.tx))

@@ -196,6 +196,8 @@ def test_what_the_pipeline_cannot_run_is_refused_naming_the_flags(mesh, train_kw
     (["tiny-qwen35", "--train.microbatches", "2"], ["--mesh.stage 2", "--model.linear-k-heads"]),
     (["tiny-llama4", "--train.microbatches", "2"], ["--mesh.stage 2", "--model.moe-every 2"]),
     (["tiny-moe", "--train.microbatches", "2", "--lora.rank", "4"], ["--lora.rank"]),
+    (["tiny-moe", "--train.microbatches", "2", "--model.grouped-matmul", "ragged_dot"], [
+        "--model.grouped-matmul ragged_dot", "--model.capacity-factor"]),
 ])
 def test_what_the_moe_pipeline_cannot_run_is_refused_naming_the_flags(args, flags):
     cfg = tm.cli([*args, "--mesh.stage", "2", "--mesh.fsdp", "4"])
