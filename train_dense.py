@@ -203,6 +203,7 @@ SIZES = {  # name: (description, family, shape, other fields)
     "llama3.2-1b": ("Llama 3.2 1B (tied embeddings, rope scaling 32x)", "llama3",
                     (2048, 16, 32, 8, 64, 8192), dict(tie_embeddings=True, rope_scaling=32.0)),
     "llama3.1-70b": ("Llama 3.1 70B", "llama3", (8192, 80, 64, 8, 128, 28672)),
+    "llama3.1-405b": ("Llama 3.1 405B", "llama3", (16384, 126, 128, 8, 128, 53248)),
     "mistral-7b": ("Mistral 7B v0.3 (vocab 32768)", "mistral", (4096, 32, 32, 8, 128, 14336)),
     "qwen3-0.6b": ("Qwen3 0.6B (tied embeddings, q/k norm)", "qwen3",
                    (1024, 28, 16, 8, 128, 3072), dict(tie_embeddings=True)),
@@ -483,7 +484,7 @@ def hidden(params: dict, tokens_BT, cfg: ModelConfig, *, segment_ids=None, posit
     example, so that attention stays inside each example (a block-diagonal causal mask), and
     `positions` [B, T], restarting at 0 in each example, for RoPE. Without them: one sequence
     per row, positions 0..T-1. With `pipeline` (microbatches, repeats) and a `stage` mesh axis,
-    the layers run as a pipeline (`pipelined`); embeddings and the final norm stay outside it."""
+    the layers run as a pipeline (`train.pipelined`); embeddings and the final norm outside it."""
     dt = jnp.dtype(cfg.dtype)
     pos_BT = (jnp.broadcast_to(jnp.arange(tokens_BT.shape[1]), tokens_BT.shape)
               if positions is None else positions)
@@ -525,11 +526,11 @@ def hidden(params: dict, tokens_BT, cfg: ModelConfig, *, segment_ids=None, posit
     if not cfg.global_head_dim:
         layer = remat(lambda x, xs: run(x, xs[0], inv_freq=inv_freq, is_global=xs[1],
                                         ple_BTP=xs[2]))
-        if pipeline and stages() > 1:  # each microbatch's own positions and segments
+        if pipeline and train.stages() > 1:  # each microbatch's own positions and segments
             layer = remat(lambda x, xs, rows: block(x, xs[0], cfg, pos_BT=rows[0], segment_ids=(
-                rows[1]), inv_freq=inv_freq, is_global=xs[1])[0])
-            x, stats = pipelined(layer, x, (params["layers"], is_global_L), (pos_BT, segment_ids),
-                                 *pipeline, scan), {}
+                rows[1]), inv_freq=inv_freq, is_global=xs[1]))
+            x, stats = train.pipelined(layer, x, (params["layers"], is_global_L), (
+                pos_BT, segment_ids), *pipeline, BATCH_AXES, scan)
         else:
             x, stats = scan(layer, x, (params["layers"], jnp.asarray(is_global_L), ple_LBTP))
     else:  # Gemma 4: periods of n layers, n - 1 local then a global one, each kind its own
@@ -565,58 +566,6 @@ def hidden(params: dict, tokens_BT, cfg: ModelConfig, *, segment_ids=None, posit
                 by(params["shared_layers"], G - own), params["shared_global_layers"], ple[1]))
         stats = {}
     return rms_norm(x, gain(params["final_norm"]), cfg.norm_eps), stats
-
-
-def stages() -> int:
-    """The size of the mesh's `stage` axis: pipeline stages (1 without a mesh)."""
-    return dict(jax.sharding.get_abstract_mesh().shape).get("stage", 1)
-
-
-def pipelined(layer, x_BTD, xs_L, rows_B, M: int, V: int, scan=jax.lax.scan):
-    """The layers as a pipeline over the `stage` axis, inside one SPMD program (GPipe, Huang et
-    al. 2019; circular with V > 1, Narayanan et al. 2021). `layer(x, xs, rows)` is one layer, xs
-    its slice of the stacks xs_L [L, ...], rows its microbatch's share of rows_B [B, ...].
-
-    The batch is cut into M microbatches and the L layers into S V chunks of K; chunk r S + s
-    is stage s's in round r. At tick t stage s runs microbatch (t - s) mod M through its chunk
-    of round (t - s) div M, all stages at once (a vmap over a stage-sharded axis), then hands
-    its output to stage s + 1: a roll that XLA makes a collective-permute. What leaves the last
-    stage waits in `buf` [M, ...] (every microbatch's current activation, the embeddings at
-    first) until stage 0 takes it up for the next round; M >= S keeps it there long enough.
-    V M + S - 1 ticks, S - 1 of them idle for each stage: a bubble of (S - 1) / (V M + S - 1).
-    The backward pass is this loop's autodiff (all forwards, then all backwards)."""
-    S = stages()
-    K, ids = len(jax.tree.leaves(xs_L)[0]) // (S * V), jnp.arange(S)
-    # Microbatch m: rows m, m+M, ... as train.accumulate takes them, so no row changes device.
-    mb = lambda a: a.reshape(a.shape[0] // M, M, *a.shape[1:]).swapaxes(0, 1)
-    # [L] -> [S, V, K]. The saved stacks keep the model's order for any S and V: for V = 1 each
-    # stage's contiguous shard is its chunk; for V > 1 this costs an all-to-all each step.
-    free = lambda a: P("stage", None, None, *[P.UNCONSTRAINED] * (a.ndim - 1))
-    chunks = jax.tree.map(lambda a: constrain(jnp.asarray(a).reshape(V, S, K, *a.shape[1:])
-                                              .swapaxes(0, 1), free(a)), xs_L)
-    rows = jax.tree.map(mb, rows_B)
-    at = lambda i, a: (ids == i).reshape(-1, *[1] * (a.ndim - 1))  # stage i's slice of a
-
-    def stage(x, chunk, r, i):  # one stage's chunk of round r, on microbatch i
-        rows_i = jax.tree.map(lambda a: a[i], rows)
-        return scan(lambda x, xs: (layer(x, xs, rows_i), None), x,
-                    jax.tree.map(lambda a: a[r], chunk))[0]
-
-    def tick(carry, t):
-        buf, prev = carry  # prev: what each stage received from the one before
-        k = t - ids
-        x = jnp.where(at(0, prev), buf[:, t % M], prev)
-        out = jax.vmap(stage, spmd_axis_name="stage")(x, chunks, jnp.clip(k // M, 0, V - 1),
-                                                      k % M)
-        prev, slot = jnp.roll(out, 1, axis=0), (t - S + 1) % M  # the last stage's, to stage 0
-        return (buf.at[:, slot].set(jnp.where(t >= S - 1, prev, buf[:, slot])), prev), None
-    buf = constrain(jnp.broadcast_to(mb(x_BTD), (S, M, *mb(x_BTD).shape[1:])),
-                    P("stage", None, BATCH_AXES))
-    (buf, _), _ = jax.lax.scan(tick, (buf, jnp.zeros_like(buf[:, 0])), jnp.arange(V * M + S - 1))
-    # Stage 0's, its rows split over the stages (a reduce-scatter): the head and the loss after
-    # it then cost each stage 1/S of their work and memory, not the whole batch's.
-    out = jnp.sum(jnp.where(at(0, buf), buf, 0), axis=0).swapaxes(0, 1).reshape(x_BTD.shape)
-    return constrain(out, P((*BATCH_AXES, "stage"), "context", None))
 
 
 def unembedding(params: dict, cfg: ModelConfig):
@@ -658,7 +607,7 @@ def train_step(state: dict, batch, *, cfg: Config, tx, teacher: ModelConfig | No
     on = lambda p, b: loss(train.weights(state, cfg.lora, p), b)  # LoRA: the adapters trained
     # Pipelined, the microbatches are the pipeline's, in one pass: it needs them all at once.
     grads, aux = train.accumulate(jax.grad(on, has_aux=True), state["params"], batch,
-                                  1 if stages() > 1 else cfg.train.microbatches, BATCH_AXES)
+                                  1 if train.stages() > 1 else cfg.train.microbatches, BATCH_AXES)
     clip = partial(train.qk_clip, tops={"layers": aux.get("max_logit")}, tau=tau) if tau else None
     new, metrics = train.update(tx, grads, state, aux["ce"], after=clip)
     clipped = {"max_attn_logit": jnp.max(aux["max_logit"])} if tau > 0 else {}
@@ -982,19 +931,13 @@ def validate(cfg: Config, n_devices: int) -> None:
     train.check_sequence(mesh, t.seq_len, m.loss_chunk, t.qk_clip_threshold,
                          heads=(m.context_attention, m.n_heads, m.n_kv_heads))
     train.check_profile(t.profile_steps, t.steps)
-    S, V, M = mesh.stage * mesh.dcn_stage, t.pipeline_repeats, t.microbatches  # the pipeline
-    need(M >= S, f"--train.microbatches {M} < --mesh.stage {S}: each stage needs a microbatch of "
-         f"its own at every tick; use --train.microbatches {S} or more (more shrink the bubble).")
-    need(m.n_layers % (S * V) == 0, f"--model.n-layers {m.n_layers} is not divisible by --mesh."
-         f"stage {S} x --train.pipeline-repeats {V}: each stage runs {V} equal chunks of layers; "
-         "choose sizes whose product divides it.")
-    bad = [f for f, on in (("--model.global-head-dim (Gemma 4's stacks)", m.global_head_dim), (
+    train.check_pipeline(mesh, t.microbatches, t.pipeline_repeats, (  # the pipeline
+        f"--model.n-layers {m.n_layers}", m.n_layers), [f for f, on in (
+        ("--model.global-head-dim (Gemma 4's stacks)", m.global_head_dim), (
         "--model.ple-dim", m.ple_dim), ("--mesh.context", mesh.context * mesh.dcn_context > 1), (
         "--train.qk-clip-threshold", t.qk_clip_threshold), ("--lora.rank", cfg.lora.rank), (
         "--data.format dpo", cfg.data.format == "dpo"), ("--distill", cfg.distill.teacher or (
-            cfg.distill.logits))) if on]
-    need(S == 1 or not bad, f"--mesh.stage {S} with {', '.join(bad)}: the pipeline does not run "
-         "these yet; use --mesh.stage 1, or leave them off.")
+            cfg.distill.logits))) if on])
     need(not (cfg.data.format == "sft" and cfg.data.pack and m.attention == "cudnn"),  # SFT
          "--model.attention cudnn cannot mask packed SFT rows (JAX's cuDNN path takes causal "
          "and length masks only); use --model.attention auto or xla, or --data.no-pack.")
@@ -1067,13 +1010,9 @@ def main(cfg: Config) -> dict:
                     context=(mesh.shape["context"], m.context_attention))
     log(f"model {count_params(m) / 1e6:.1f}M parameters, {kernel} attention | mesh "
         f"{describe(mesh)} | {len(devices)} {pf} devices, {jax.process_count()} process(es)")
-    S, V, M = mesh.shape["stage"], tc.pipeline_repeats, tc.microbatches
-    pipe = dict(pipeline_bubble=(S - 1) / (V * M + S - 1)) if S > 1 else {}
-    if pipe:
-        log(f"pipeline | {S} stages x {V} chunk(s) of {m.n_layers // (S * V)} layers, {M} "
-            f"microbatches: {V * M + S - 1} ticks, bubble (S-1)/(VM+S-1) "
-            f"{pipe['pipeline_bubble']:.1%} | outside it: the embeddings on every stage, the final "
-            "norm, head and loss on 1/S of the rows each")
+    pipe = train.pipeline_report(mesh, tc.pipeline_repeats, tc.microbatches, m.n_layers, "the "
+                                 "embeddings on every stage, the final norm, head and loss on 1/S"
+                                 " of the rows each")
     tokens = np.random.default_rng(0).integers(0, m.vocab_size, (tc.batch_size, tc.seq_len + 1),
                                                dtype=np.int32)
     if cfg.data.format == "dpo":  # DPO: random pairs, one a row, each answer ending its half

@@ -755,7 +755,7 @@ def validate(cfg: Config, n_devices: int, tok) -> Task:
     check_model(m, mesh, "--grpo.qk-clip-threshold", g.qk_clip_threshold)
     train.check_lora(cfg.lora, g.optimizer, g.qk_clip_threshold, "--grpo")  # LoRA
     need(mesh.stage * mesh.dcn_stage == 1, f"--mesh.stage {mesh.stage}: pipeline stages are "
-         "train_dense.py's alone; here the devices would repeat one another's work. Keep it 1 "
+         "train_dense.py's and train_moe.py's; here the devices would repeat one another's work. Keep it 1 "
          "and spread the policy over --mesh.fsdp.")
     need(mesh.context * mesh.dcn_context == 1, f"--mesh.context {mesh.context}: rollouts decode "
          "token by token, which a split sequence cannot; keep it 1 (train_dense.py and "

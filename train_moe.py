@@ -156,6 +156,7 @@ class TrainConfig:
     batch_size: int = 16          # global, in sequences
     seq_len: int = 256
     microbatches: int = resumable(1)  # gradient accumulation: batch_size is split into this many
+    pipeline_repeats: int = resumable(1)  # --mesh.stage: chunks of layers a stage holds (circular)
     lr: float = resumable(2e-3)
     min_lr_ratio: float = knob(0.1, "[0, 1]")  # the schedule ends at lr * min_lr_ratio
     warmup_steps: int = knob(30, ">= 0")
@@ -918,17 +919,22 @@ def rematted(f, cfg: ModelConfig):
             "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}[cfg.remat])
 
 
-def hidden(params: dict, tokens_BT, cfg: ModelConfig, max_logits: bool = False, warm=None):
+def hidden(params: dict, tokens_BT, cfg: ModelConfig, max_logits: bool = False, warm=None,
+           pipeline: tuple[int, int] | None = None):
     """Token ids -> (final-normed hidden states [B, T, D], per-layer routing stats [L], and
-    with max_logits each head's largest attention logit, "max_logit" [L, N])."""
+    with max_logits each head's largest attention logit, "max_logit" [L, N]). With `pipeline`
+    (microbatches, repeats) and a `stage` mesh axis the MoE stack runs as a pipeline
+    (`train.pipelined`, its stats each microbatch's, as accumulation makes them); the
+    embeddings and the dense first layers before it, on every stage and all rows."""
     x, pos_BT = embed(params, tokens_BT, cfg)
     inv_freq = rope_inv_freq(cfg)
     L, W, n, Kd = cfg.n_layers, cfg.sliding_window, cfg.global_every, cfg.first_k_dense
     is_global_L = (np.arange(L) + 1) % n == 0 if n else np.full(L, not (W or cfg.attn_chunk))
     remat = partial(rematted, cfg=cfg)
-    layer = remat(lambda x, xs: block(x, xs[0], pos_BT, inv_freq, cfg, max_logits, xs[1], warm))
+    layer = remat(lambda x, xs, pos=pos_BT: block(x, xs[0], pos, inv_freq, cfg, max_logits, xs[1],
+                                                  warm))  # pos: a microbatch's, pipelined
     # Unrolled (--model.no-scan-layers), each layer is compiled on its own.
-    scan = partial(jax.lax.scan, layer, unroll=not cfg.scan_layers)
+    scan = partial(jax.lax.scan, unroll=not cfg.scan_layers)
     if cfg.global_head_dim or cfg.linear_k_heads:  # Gemma 4: periods of n - 1 local layers
         # and a global one, each kind its own stack and RoPE (the local base; the global width,
         # partly turned); Qwen3-Next: n - 1 DeltaNet layers, then a global one
@@ -948,7 +954,7 @@ def hidden(params: dict, tokens_BT, cfg: ModelConfig, max_logits: bool = False, 
             lambda a: a.reshape(L, *a.shape[2:]), stats)
     dense = lambda top: {k + "_dense": v for k, v in top.items()}   # the dense layers' logits
     if Kd:  # the dense layers come first, as their own stack
-        x, top = scan(x, (params["dense_layers"], jnp.asarray(is_global_L[:Kd])))
+        x, top = scan(layer, x, (params["dense_layers"], jnp.asarray(is_global_L[:Kd])))
     if cfg.moe_every == 2:  # Llama 4 Maverick: each step a dense layer, then a MoE layer
         def pair(x, xs):
             x, top = layer(x, (xs[0], xs[2]))
@@ -957,9 +963,12 @@ def hidden(params: dict, tokens_BT, cfg: ModelConfig, max_logits: bool = False, 
         g = jnp.asarray(is_global_L.reshape(-1, 2))
         x, stats = jax.lax.scan(pair, x, (params["dense_layers"], params["layers"], g[:, 0],
                                           g[:, 1]), unroll=not cfg.scan_layers)
+    elif pipeline and train.stages() > 1:
+        x, stats = train.pipelined(layer, x, (params["layers"], is_global_L[Kd:]), pos_BT,
+                                   *pipeline, MOE_BATCH, scan)
     else:
-        x, stats = scan(x, (params["layers"], jnp.asarray(is_global_L[Kd:])))
-        stats |= dense(top) if Kd else {}
+        x, stats = scan(layer, x, (params["layers"], jnp.asarray(is_global_L[Kd:])))
+    stats |= dense(top) if Kd else {}
     return rms_norm(x, final_gain(params, cfg), cfg.norm_eps), stats
 
 
@@ -1014,7 +1023,9 @@ def train_step(state: dict, batch_BT1, *, cfg: Config, tx):
     """One optimiser step on a global batch [B, T+1] -> (new state, metrics): gradient and aux the
     microbatches' mean, heads over --train.qk-clip-threshold clipped after the update (`qk_clip`),
     the router biases (state["buffers"]) moved by the step's load unless it is skipped."""
-    M, tau, W = cfg.train.microbatches, cfg.train.qk_clip_threshold, cfg.train.indexer_warmup_steps
+    tau, W = cfg.train.qk_clip_threshold, cfg.train.indexer_warmup_steps
+    # Pipelined, the microbatches are the pipeline's, in one pass: it needs them all at once.
+    M = 1 if train.stages() > 1 else cfg.train.microbatches
     buffers, warm = state.get("buffers", {}), state["step"] < W if W else None  # DSA's stage
     grad_fn = jax.grad(lambda p, b: loss_fn(with_buffers(  # LoRA: p the adapters
         train.weights(state, cfg.lora, p), buffers), b, cfg.model, cfg.train, warm), has_aux=True)
@@ -1064,12 +1075,16 @@ def loss_fn(params, batch_BT1, cfg: ModelConfig, t: TrainConfig = TrainConfig(),
         return _ce_fused(partial(cross_entropy, z_loss=t.z_loss, cap=cfg.final_softcap), h_BTD,
                          w_DV, targets_BT, wt_BT, cfg.loss_chunk, not cfg.scan_layers)
     inputs, targets = batch_BT1[:, :-1], batch_BT1[:, 1:]
-    h_BTD, stats = hidden(params, inputs, cfg, max_logits=t.qk_clip_threshold > 0, warm=warm)
+    h_BTD, stats = hidden(params, inputs, cfg, max_logits=t.qk_clip_threshold > 0, warm=warm,
+                          pipeline=(t.microbatches, t.pipeline_repeats))
     (obj, ce), n, extra = head(h_BTD, targets), targets.size, {}
     loss = obj / n
-    if cfg.mtp_depth:
-        mtp_obj, mtp_ce, mtp_stats = mtp(params, h_BTD, inputs, targets, cfg, head,
-                                         t.qk_clip_threshold > 0)
+    if cfg.mtp_depth:  # pipelined: each microbatch's routing stats, as accumulation makes them
+        M = t.microbatches if train.stages() > 1 else 1
+        mtp_obj, mtp_ce, mtp_stats = jax.tree_util.tree_map_with_path(
+            lambda path, a: a if train.is_max(path) else a / M, train.accumulate(
+                lambda _, b: mtp(params, *b, cfg, head, t.qk_clip_threshold > 0), None, (
+                    h_BTD, inputs, targets), M, MOE_BATCH))
         loss, extra = loss + t.mtp_weight * mtp_obj, {"mtp_ce": mtp_ce}
         if "max_logit" in mtp_stats:  # QK-clip: the modules' stack's own, [D, N]
             extra["max_logit_mtp"] = mtp_stats.pop("max_logit")
@@ -1138,6 +1153,8 @@ def make_optimizer(t: TrainConfig, specs: dict | None = None):
 def train_state(cfg: Config, mesh) -> train.TrainState:
     """{params, opt_state, step; with sigmoid routing buffers: the router biases} on `mesh`."""
     bt, specs = _buffer_table(cfg.model), param_specs(cfg.model)
+    if mesh.shape["stage"] > 1:  # --mesh.stage: each stage holds its share of the MoE layers
+        specs["layers"] = {k: P("stage", *s[1:]) for k, s in specs["layers"].items()}
     buffers = (lambda: train.table_init(bt, jax.random.key(0)), train.table_specs(bt))
     lora = cfg.lora.rank and (  # LoRA
         train.lora_table(_param_table(cfg.model), MUON_DIMS, cfg.lora), cfg.train.seed)
@@ -1243,15 +1260,24 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     return 3.0 * (2 * matmul_weights + 2 * keys * N * Hqv)   # + attention's
 
 
-def validate(cfg: Config, n_devices: int) -> None:
-    """Every check that needs no compilation, so a bad launch fails in a second."""
+def validate(cfg: Config, n_devices: int, platform: str = "") -> None:
+    """Every check that needs no compilation, so a bad launch fails in a second (`platform`:
+    the compile target's, where it is not this host's)."""
     m, t = cfg.model, cfg.train
     train.check_ranges(cfg)
     mesh = resolve(cfg.mesh, n_devices, max(1, math.prod(cfg.mesh.dcn())))
     train.check_lora(cfg.lora, t.optimizer, t.qk_clip_threshold)  # LoRA
-    need(mesh.stage * mesh.dcn_stage == 1, f"--mesh.stage {mesh.stage}: pipeline stages are "
-         "train_dense.py's alone; here the devices would repeat one another's work. Keep it 1 "
-         "and spread the model over --mesh.fsdp and --mesh.expert.")
+    Kd = m.first_k_dense  # the pipeline runs the MoE stack; the dense layers come before it
+    train.check_pipeline(mesh, t.microbatches, t.pipeline_repeats, (f"--model.n-layers {m.n_layers}"
+                         + f" less --model.first-k-dense {Kd}" * bool(Kd), moe_layers(m)), [
+        f for f, on in (("--model.gemma4", m.gemma4), ("--model.linear-k-heads", m.linear_k_heads),
+                        ("--model.moe-every 2", m.moe_every > 1), ("--model.index-n-heads",
+                        m.index_n_heads), ("--mesh.context", mesh.context * mesh.dcn_context > 1),
+                        ("--lora.rank", cfg.lora.rank), ("dropless experts on --model.grouped-"
+                        "matmul ragged_dot (auto off the CPU), which XLA:TPU cannot compile "
+                        "batched over stages: set --model.capacity-factor 1.25 or --model."
+                        "grouped-matmul tiled", not m.capacity_factor and _grouped_impl(
+                            m, platform) == "ragged_dot")) if on])
     need(m.n_experts >= 2, f"--model.n-experts {m.n_experts}: a mixture needs at least 2 "
          "experts; one expert is a dense MLP, which train_dense.py trains (with --model.d-ff "
          "for its width).")
@@ -1422,7 +1448,9 @@ def moe(h_BTD, lp: dict, cfg: ModelConfig, route_BTD=None):
         y, dropped = jax.shard_map(
             partial(experts, cfg=cfg, peers=mesh.shape["expert"], sharded=True),
             in_specs=(act, act, act, {k: P(*spec[k][1:]) for k in ws}),
-            out_specs=(act, P((*MOE_BATCH, "context"))))(h_BTD, expert_BTR, gate_BTR, ws)
+            out_specs=(act, P((*MOE_BATCH, "context"))),
+            # Pipelined (a vmap over stages) its values vary over `stage`, which specs cannot name
+            check_vma=train.stages() == 1)(h_BTD, expert_BTR, gate_BTR, ws)
     if cfg.n_shared_experts:  # DeepSeek's shared experts: one wider SwiGLU every token uses
         s = swiglu(h_BTD, {"w_" + k: lp["shared_" + k].astype(dt) for k in PROJ})
         y = y + (s * jax.nn.sigmoid(h_BTD @ lp["shared_router"].astype(dt)) if cfg.shared_gated
@@ -1667,7 +1695,7 @@ def main(cfg: Config) -> dict:
     cfg = train.with_model(cfg, config_from_hf(*hf_config) if hf_config else model)
     train.start(cfg.quiet)
     devices = train.devices(cfg.compile_topology, cfg.compile_slices, cfg.dry_run)
-    validate(cfg, len(devices))
+    validate(cfg, len(devices), devices[0].platform)
     mesh, tc, m, pf = make_mesh(cfg.mesh, devices), cfg.train, cfg.model, devices[0].platform
     st = train_state(cfg, mesh)
     step_fn = st.jit(partial(train_step, cfg=cfg, tx=st.tx))
@@ -1681,13 +1709,17 @@ def main(cfg: Config) -> dict:
         f"experts, top-{m.top_k}, {drop}, {_grouped_impl(m, pf)} grouped matmul, {kernel} "
         f"attention; MFU counts active FLOPs) | mesh {describe(mesh)} | {len(devices)} {pf} "
         f"devices, {jax.process_count()} process(es)")
+    pipe = train.pipeline_report(mesh, tc.pipeline_repeats, tc.microbatches, moe_layers(m), (
+        "the embeddings" + f", the {m.first_k_dense} dense layers" * bool(m.first_k_dense) +
+        " on every stage (all rows), the final norm, head and loss on 1/S of the rows each" +
+        f", the {m.mtp_depth} MTP module(s) on every stage" * bool(m.mtp_depth)))
     # Random tokens for --dry-run and --bench: no data, no checkpoints.
     tokens = np.random.default_rng(0).integers(0, m.vocab_size, (tc.batch_size, tc.seq_len + 1),
                                                np.int32)
     if cfg.dry_run:
         return train.dry_run(step_fn, st.abstract(), train.put(tokens, mesh, MOE_BATCH, True),
                              mesh, count_params(m), active_params=count_active_params(m),
-                             attention=kernel, grouped_matmul=_grouped_impl(m, pf))
+                             attention=kernel, grouped_matmul=_grouped_impl(m, pf), **pipe)
     with jax.set_mesh(mesh):
         if cfg.bench:
             return bench(cfg, mesh, train.put(tokens, mesh, MOE_BATCH))
@@ -1702,7 +1734,7 @@ def train_loop(cfg: Config, mesh, st: train.TrainState, step_fn) -> dict:
     train.check_vocab(ds.vocab_size, mc.vocab_size)
     batch = partial(get_batch, batch_size=tc.batch_size, seq_len=tc.seq_len,
                     sharding=named(mesh, P(MOE_BATCH, None)))
-    eval_fn = jax.jit(lambda params, b: loss_fn(params, b, mc)[1]["ce"])  # held-out ce
+    eval_fn = jax.jit(lambda params, b: loss_fn(params, b, mc, tc)[1]["ce"])  # held-out ce
     weights = lambda s: with_buffers(train.weights(s, cfg.lora), s.get("buffers", {}))
     tasks = DuringTraining(tc, mc, forward, mesh, ds.tokenizer_path)  # --train.eval-tasks
 

@@ -2,7 +2,7 @@
 
 | axis    | shards                                                           |
 | ------- | ---------------------------------------------------------------- |
-| stage   | the layer stack, in pipeline stages (train_dense.py)             |
+| stage   | the layer stack, in pipeline stages (train_dense.py, train_moe.py) |
 | data    | the batch (pure data parallel)                                   |
 | fsdp    | the batch and the model dimension of weights                     |
 | context | the sequence of activations (long context: common/attention.py)  |
@@ -115,7 +115,7 @@ def make_mesh(cfg: MeshConfig, devices=None) -> Mesh:
     return Mesh(dev, AXES, axis_types=(AxisType.Auto,) * len(AXES))
 
 
-def describe(mesh: Mesh) -> str:  # stage only where a run pipelines (train_dense.py's alone)
+def describe(mesh: Mesh) -> str:  # stage only where a run pipelines
     return " ".join(f"{a}={mesh.shape[a]}" for a in AXES if a != "stage" or mesh.shape[a] > 1)
 
 

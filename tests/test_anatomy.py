@@ -50,9 +50,13 @@ import anatomy  # noqa: E402
 # refusal beside sparse attention.
 # QK-clip's maxima from the blocked kernel (issue 33): the kernel asked for them, the separate
 # pass only where it gives none: 2 in dense, 6 in MoE; and the MTP modules' heads clipped (4).
-# Pipeline stages (issue 35) 86 in dense: the repeats knob, the layer stacks split over stage,
-# the GPipe/circular tick loop, the step's and eval's microbatches handed to it, its checks,
-# refusals and the schedule's line; and the stage axis refused in MoE (3).
+# Pipeline stages (issue 35) 24 in dense: the repeats knob, the layer stacks split over stage,
+# the step's and eval's microbatches handed to the GPipe/circular tick loop (common/train.py's
+# `pipelined`, with its checks and schedule line), the refusals; 35 in MoE: the same for its
+# MoE stack (each microbatch's router stats out of the pipeline), the MTP modules run per
+# microbatch after it, the expert shard_map's check relaxed under the stage vmap, the dense
+# first layers' place named in the schedule's line, ragged_dot refused under stages (the
+# compile target's platform handed to the checks). Llama 3.1 405B's preset: 1 in dense.
 # Qwen3-Next (issue 36) 256 in MoE: Gated DeltaNet as a layer kind (the chunkwise delta rule and
 # its token-by-token reference, the chunk's inverse as log2(C) matmuls, the convolution, the gates), the gated attention, partial RoPE,
 # zero-centred norms, the gated shared expert, their knobs, checks, FLOPs, presets; the
@@ -61,9 +65,9 @@ import anatomy  # noqa: E402
 # families' layouts map onto them), qwen3_5_moe names and config, experts fused as released,
 # the MTP module left out; its 397B-A17B and 35B-A3B presets 9.
 BUDGETS = {"train_dense.py": (1000 + 8 + 62 + 10 + 1 + 201 + 101 + 5 + 5 + 13 + 112 + 22 + 2
-                              + 86,
+                              + 24 + 1,
                               0.60),
-           "train_moe.py": (1400 + 148 + 32 + 7 + 11 + 177 + 3 + 6 + 188 + 6 + 81 + 4 + 258 + 3
+           "train_moe.py": (1400 + 148 + 32 + 7 + 11 + 177 + 3 + 6 + 188 + 6 + 81 + 4 + 258 + 35
                             + 24 + 9,
                             0.65),
            "train_grpo.py": (1000, 0.60)}

@@ -53,7 +53,8 @@ def perturbed_params(cfg):
 
 @pytest.mark.parametrize("name,count", [
     ("llama2-7b", 6_738_415_616), ("llama3.1-8b", 8_030_261_248),
-    ("llama3.1-70b", 70_553_706_496), ("mistral-7b", 7_248_023_552), ("llama3.2-1b", 1_235_814_400),
+    ("llama3.1-70b", 70_553_706_496), ("llama3.1-405b", 405_853_388_800),
+    ("mistral-7b", 7_248_023_552), ("llama3.2-1b", 1_235_814_400),
     ("qwen3-0.6b", 596_049_920), ("qwen3-8b", 8_190_735_360),
     # OLMo 3: what transformers' Olmo3ForCausalLM has at the released configs' shapes.
     ("olmo3-7b", 7_298_011_136), ("olmo3-32b", 32_233_522_176)])

@@ -155,7 +155,7 @@ EXPECTED = {
         lora.rank: >= 0 | lora.alpha: > 0
         distill.weight: [0, 1] | distill.temperature: > 0 | distill.top_k: >= 0"""],
     "train_moe": [MESH, CKPT, DATA, TRAIN, """
-        train.eval_tasks_limit: >= 0
+        train.eval_tasks_limit: >= 0 | train.pipeline_repeats: > 0
         model.vocab_size model.d_model model.n_layers model.n_heads model.n_kv_heads
         model.head_dim model.n_experts model.top_k model.d_ff model.max_seq_len
         model.rope_theta model.norm_eps model.yarn_original_max_len model.yarn_beta_fast
@@ -310,7 +310,7 @@ RESUMABLE = {
         : quiet mesh checkpoint dry_run compile_topology compile_slices bench run_dir
         data: cache_dir""",
     "train_moe": f"""train: {LOOP} eval_batches sample_tokens temperature sample_prompt
-               eval_tasks eval_tasks_limit mtp_weight
+               eval_tasks eval_tasks_limit mtp_weight pipeline_repeats
         model: dtype attention context_attention remat scan_layers loss_chunk grouped_matmul
                gmm_tile index_chunk linear_chunk
         : quiet mesh checkpoint dry_run compile_topology compile_slices bench bench_twin run_dir
