@@ -183,10 +183,8 @@ class Config:
 
 
 # The demo model: ~0.4M parameters, a 16-symbol character vocabulary (common/data.py).
-# Unrolled: a scanned stack's backward stacks and slices every residual, 15% of this small
-# model's update (bench/grpo.py); two layers compile as fast either way.
 _TINY_MODEL = ModelConfig(vocab_size=16, d_model=128, n_layers=2, n_heads=4, n_kv_heads=2,
-                          head_dim=32, d_ff=384, max_seq_len=32, remat="none", scan_layers=False)
+                          head_dim=32, d_ff=384, max_seq_len=32, remat="none")
 
 PRESETS: dict[str, tuple[str, Config]] = {
     "tiny": ("~0.4M-parameter model on reversed addition: the `make train-grpo` run",
