@@ -5,7 +5,9 @@ checkpoint (tests/make_hf_fixtures.py qwen3_next) and back out through save_hf, 
 expert against one device, the 80B-A3B preset's counts against the published ones, the checks,
 and a few steps of tiny-qwen35 lowering its loss. Qwen3.5's folders (qwen3_5_moe: the same block,
 other names) are checked with the other families in tests/test_hf_moe.py; here their release
-layout, experts fused two tensors a layer and the MTP module beside."""
+layout, experts fused two tensors a layer and the MTP module beside. Last, the dense models'
+block in train_dense.py (qwen3_5 folders: tests/test_hf.py): sharded against one device, the
+preset and its FLOPs, the refusals, left padding."""
 import dataclasses
 import math
 import os
