@@ -14,14 +14,10 @@ F MLP width, V vocabulary, L layers."""
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Literal
 
-# Gated DeltaNet's triangular solves are LAPACK calls inside XLA's CPU program, whose OpenBLAS
-# threads deadlock (train_moe.py's note): one thread.
-os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -568,6 +564,19 @@ def causal_conv(x_BT_, w_K_):
     return jax.nn.silu(sum(w_K_[j] * xp[:, j:j + T] for j in range(K)))
 
 
+def unit_lower_solve(A, B):
+    """X with (I + A) X = B, A strictly lower-triangular [..., C, C]: forward substitution in
+    halves (log2 C levels of matmuls). Not LAPACK's batched solve: on the CPU its batches are
+    spread over XLA's thread pool, and two solves waiting on it at once deadlocked every run of
+    the training loop here (jaxlib's ParallelBatchMap)."""
+    h = A.shape[-1] // 2
+    if not h:
+        return B
+    x1 = unit_lower_solve(A[..., :h, :h], B[..., :h, :])
+    x2 = unit_lower_solve(A[..., h:, h:], B[..., h:, :] - A[..., h:, :h] @ x1)
+    return jnp.concatenate([x1, x2], -2)
+
+
 def delta_rule_chunked(q_BTHK, k_BTHK, v_BTHV, g_BTH, beta_BTH, chunk: int):
     """o [B, T, H, Dv] (float32) of the gated delta rule, in chunks of C positions (the WY/UT
     form: Yang et al. 2024, arXiv 2406.06484 sec. 3, and 2412.06464 sec. 3.3): O(T C) work and
@@ -591,9 +600,8 @@ def delta_rule_chunked(q_BTHK, k_BTHK, v_BTHV, g_BTH, beta_BTH, chunk: int):
     decay = jnp.exp(jnp.where(causal, G[..., :, None] - G[..., None, :], -jnp.inf))
     dots = lambda x, y: jnp.einsum("bnhik,bnhjk->bnhij", x, y)
     A = jnp.tril(b[..., None] * dots(k, k) * decay, -1)
-    uw = jax.lax.linalg.triangular_solve(A, jnp.concatenate(
-        [b[..., None] * v, (b * jnp.exp(G))[..., None] * k], -1), left_side=True, lower=True,
-        unit_diagonal=True)
+    uw = unit_lower_solve(A, jnp.concatenate([b[..., None] * v, (b * jnp.exp(G))[..., None] * k],
+                                             -1))
 
     def step(S, xs):
         u, w, attn, qg, kg, last = xs
