@@ -82,6 +82,17 @@ class ModelConfig:
     ple_dim: int = 0              # per-layer inputs this wide: a second embedding, one per layer
     kv_shared: int = 0            # the last n layers reuse the last earlier K/V of their kind
     wide_shared_mlp: bool = False  # ... and their MLPs are 2 d_ff wide
+    # Qwen3.5 (with (1 + w) norms, q/k norms): with global_every n, the layers between the global
+    # ones are Gated DeltaNet (`gated_deltanet`) with this many key heads (0 = none), each
+    # serving value heads in groups
+    linear_k_heads: int = 0
+    linear_v_heads: int = 0
+    linear_k_dim: int = 128
+    linear_v_dim: int = 128
+    linear_conv: int = 4          # the causal depthwise convolution's width over q, k and v
+    linear_chunk: int = how(64)   # positions per chunk of the chunkwise delta rule
+    attn_gate: bool = False       # attention output times sigmoid of a second query projection
+    rotary_dim: int = 0           # rotate only each head's first this many dims; 0 = all
     # How to compute, not what: these may change when a run is resumed.
     dtype: Literal["float32", "bfloat16"] = how("float32")  # activations and matmuls (weights f32)
     # auto: splash on TPU, cuDNN on GPU where it applies, else blocked (common/attention.py)
@@ -265,6 +276,13 @@ PRESETS: dict[str, tuple[str, Config]] = {
                    Config(model=ModelConfig(**FAMILIES["olmo3"][1] | dict(
                        vocab_size=4096, max_seq_len=2048, sliding_window=128,
                        yarn_original_max_len=256)), run_dir="runs/tiny-olmo3")),
+    # `tiny` with Qwen3.5's block: layers 1-3 Gated DeltaNet (2 key heads, each serving 2 value
+    # heads), layer 4 gated attention turning a quarter of each head; (1 + w) and q/k norms.
+    "tiny-qwen35-dense": ("`tiny` as Qwen3.5: Gated DeltaNet on 3 layers of 4, gated attention",
+                          Config(model=ModelConfig(
+                              norm_eps=1e-6, qk_norm=True, norm_plus_one=True, attn_gate=True,
+                              global_every=4, linear_k_heads=2, linear_v_heads=4, linear_k_dim=64,
+                              linear_v_dim=64, rotary_dim=16), run_dir="runs/tiny-qwen35-dense")),
     # `make sft`: tools/sft_demo.py writes the data; the model is the `make train` run's.
     "tiny-sft": (  # SFT
         "fine-tune runs/tiny on the generated instruction set: the `make sft` demo",
@@ -311,8 +329,11 @@ def _param_table(cfg: ModelConfig) -> dict:
     bias, qk, sw = cfg.qkv_bias, cfg.qk_norm, cfg.sandwich_norm or cfg.post_norm
     pre, hs = not cfg.post_norm, ("tensor", None) if cfg.qk_norm_whole else (None,)  # q/k norms
     ple, Pd = bool(cfg.ple_dim), cfg.ple_dim
+    Hk, Lv, Dk, Dv = (cfg.linear_k_heads, cfg.linear_v_heads, cfg.linear_k_dim, cfg.linear_v_dim)
 
-    def stack(count, H=H, K=K, F=F, kv=True, wv=True):  # kv: the layer makes its own K and V
+    def stack(count, H=H, K=K, F=F, kv=True, wv=True, lin=False):  # kv: the layer makes its
+        # own K and V; lin: Gated DeltaNet's projections (`gated_deltanet`) instead of attention
+        r = Lv // max(Hk, 1)
         rows = {  # name: (shape and spec after the L axis, init std, whether this model has it)
             "attn_norm": ((D,), (None,), one, pre), "mlp_norm": ((D,), (None,), one, pre),
             "wq": ((D, N, H), ("fsdp", "tensor", None), std, True),
@@ -332,8 +353,20 @@ def _param_table(cfg: ModelConfig) -> dict:
             "ple_out": ((Pd, D), (None, "fsdp"), out_std, ple),
             "ple_post_norm": ((D,), (None,), one, ple),
             "layer_scale": ((1,), (None,), None, cfg.layer_scale),
+            "wq_gate": ((D, N, H), ("fsdp", "tensor", None), std, cfg.attn_gate),
+            # per key head its q, k, its group's v, z, b and a (train_moe.py's `_layer_table`)
+            **{k: ((D, Hk, *s), ("fsdp", "tensor") + (None,) * len(s), std, lin) for k, s in dict(
+                lin_q=(Dk,), lin_k=(Dk,), lin_v=(r, Dv), lin_z=(r, Dv), lin_b=(r,), lin_a=(r,)
+            ).items()},
+            "lin_conv": ((cfg.linear_conv, 1, 2 * Hk * Dk + Lv * Dv), (None, None, None),
+                         1 / math.sqrt(cfg.linear_conv), lin),
+            "A_log": ((Lv,), ("tensor",), 0.5, lin), "dt_bias": ((Lv,), ("tensor",), None, lin),
+            "lin_norm": ((Dv,), (None,), None, lin),   # a plain gain, even with (1 + w) norms
+            "lin_wo": ((Lv, Dv, D), ("tensor", None, "fsdp"), out_std, lin),
         }
-        return {k: ((count, *s), P(None, *p), i) for k, (s, p, i, on) in rows.items() if on}
+        attn = ("wq", "wk", "wv", "wo", "bq", "bk", "bv", "q_norm", "k_norm", "wq_gate")
+        return {k: ((count, *s), P(None, *p), i) for k, (s, p, i, on) in rows.items()
+                if on and not (lin and k in attn)}
 
     table = {"embed": ((V, D), P("tensor", "fsdp"), std), "final_norm": ((D,), P(None), one)}
     if cfg.global_head_dim:  # Gemma 4: local and global layers of different shapes, and the
@@ -346,6 +379,9 @@ def _param_table(cfg: ModelConfig) -> dict:
         if S:
             table |= {"shared_layers": stack(S // n * (n - 1), kv=False, **wide),
                       "shared_global_layers": stack(S // n, kv=False, **wide, **glob)}
+    elif Hk:  # Qwen3.5: periods of n layers, n - 1 DeltaNet then a global one, a stack each
+        table |= {"layers": stack(L - L // cfg.global_every, lin=True),
+                  "global_layers": stack(L // cfg.global_every)}
     else:
         table["layers"] = stack(L)
     if ple:  # one table of L * Pd per token, and the stream's projection onto the same
@@ -367,43 +403,49 @@ def block(x_BTD, lp: dict, cfg: ModelConfig, *, pos_BT, inv_freq, segment_ids=No
     keys and values of its own attends over `kv`, an earlier layer's (k, v), which stats hold
     with `keep_kv`; ple_BTP is the layer's own input."""
     dt, lp = x_BTD.dtype, train.merged(lp)  # LoRA: each adapted weight merged, in its layer
-    spec = param_specs(cfg)["layers"]
-    # f32 master weights, compute-dtype matmuls. The cast copy keeps the master's sharding, so
-    # FSDP gathers it in the compute dtype and reduce-scatters its gradient (not all-reduces).
-    w = lambda name: constrain(lp[name].astype(dt), P(*spec[name][1:]))
+    w = weights(lp, dt, cfg)
 
     def norm(x, name):  # a gain [N, H] (OLMo's q/k norms) normalises all heads at once
         g = 1.0 + lp[name] if cfg.norm_plus_one else lp[name]
         return rms_norm(x.reshape(*x.shape[:-g.ndim], -1), g.ravel(), cfg.norm_eps).reshape(x.shape)
 
     h = x_BTD if cfg.post_norm else norm(x_BTD, "attn_norm")
-    if np.ndim(inv_freq) == 2:
-        inv_freq = jnp.where(is_global, inv_freq[1], inv_freq[0])
-    q = jnp.einsum("btd,dnh->btnh", h, w("wq")) + (w("bq") if cfg.qkv_bias else 0)
-    q = apply_rope(norm(q, "q_norm") if cfg.qk_norm else q, pos_BT, inv_freq)
-    if kv is None:  # else a Gemma 4 layer reusing an earlier layer's (kv_shared)
-        k = jnp.einsum("btd,dkh->btkh", h, w("wk"))
-        v = jnp.einsum("btd,dkh->btkh", h, w("wv")) if "wv" in lp else k  # else k_eq_v
-        if cfg.qkv_bias:
-            k, v = k + w("bk"), v + w("bv")
-        kv = (apply_rope(norm(k, "k_norm") if cfg.qk_norm else k, pos_BT, inv_freq),
-              rms_norm(v, 1.0, cfg.norm_eps) if cfg.v_norm else v)  # Gemma 4's: per head
-    k, v = kv
-    if cfg.yarn_factor:  # YaRN's temperature where it stretches RoPE: logits x (0.1 ln s + 1)^2
-        q = q * jnp.where(is_global, (0.1 * math.log(max(cfg.yarn_factor, 1)) + 1) ** 2, 1.0)
-    W = cfg.sliding_window if cfg.sliding_window < q.shape[1] else 0  # else: all within reach
-    # The kernel is the compile target's (common/attention.py): splash, cuDNN or blocked.
-    scale = (cfg.query_scale or cfg.head_dim) ** -0.5
-    full = partial(attend, q, k, v, impl=cfg.attention, segment_ids=segment_ids, scale=scale,
-                   context=cfg.context_attention, cap=cfg.attn_softcap, with_max=max_logits)
-    pick = (lambda a, b: a() if is_global else b()) if isinstance(is_global, bool) else partial(
-        jax.lax.cond, is_global)  # a stack of one kind (Gemma 4's) knows it when traced
-    out = pick(full, partial(full, window=W)) if W else full()
-    o, top = out if max_logits else (out, None)  # QK-clip: the kernel's own row maxima, or
-    stats = {"max_logit": top if top is not None else train.max_logits(  # made again
-        q, k, segment_ids=segment_ids, scale=scale, window=W, is_global=is_global)
-             } if max_logits else {}
-    o = jnp.einsum("btnh,nhd->btd", o, w("wo"))
+    if "lin_q" in lp:  # Qwen3.5's DeltaNet layers: no keys, no logits (QK-clip is refused).
+        # Left padding (segment 0, before a prompt) zeroed: the state stays 0 through it and the
+        # convolution sees zeros, as before a row's start; packed rows are refused (`validate`).
+        seg = 1 if segment_ids is None else (segment_ids > 0)[..., None].astype(h.dtype)
+        o, stats = gated_deltanet(h * seg, lp, cfg), {}
+    else:
+        if np.ndim(inv_freq) == 2:
+            inv_freq = jnp.where(is_global, inv_freq[1], inv_freq[0])
+        q = jnp.einsum("btd,dnh->btnh", h, w("wq")) + (w("bq") if cfg.qkv_bias else 0)
+        rope = partial_rope if cfg.rotary_dim else apply_rope  # Qwen3.5: a share of the dims
+        q = rope(norm(q, "q_norm") if cfg.qk_norm else q, pos_BT, inv_freq)
+        if kv is None:  # else a Gemma 4 layer reusing an earlier layer's (kv_shared)
+            k = jnp.einsum("btd,dkh->btkh", h, w("wk"))
+            v = jnp.einsum("btd,dkh->btkh", h, w("wv")) if "wv" in lp else k  # else k_eq_v
+            if cfg.qkv_bias:
+                k, v = k + w("bk"), v + w("bv")
+            kv = (rope(norm(k, "k_norm") if cfg.qk_norm else k, pos_BT, inv_freq),
+                  rms_norm(v, 1.0, cfg.norm_eps) if cfg.v_norm else v)  # Gemma 4's: per head
+        k, v = kv
+        if cfg.yarn_factor:  # YaRN's temperature where it stretches RoPE: logits x (0.1 ln s + 1)^2
+            q = q * jnp.where(is_global, (0.1 * math.log(max(cfg.yarn_factor, 1)) + 1) ** 2, 1.0)
+        W = cfg.sliding_window if cfg.sliding_window < q.shape[1] else 0  # else: all within reach
+        # The kernel is the compile target's (common/attention.py): splash, cuDNN or blocked.
+        scale = (cfg.query_scale or cfg.head_dim) ** -0.5
+        full = partial(attend, q, k, v, impl=cfg.attention, segment_ids=segment_ids, scale=scale,
+                       context=cfg.context_attention, cap=cfg.attn_softcap, with_max=max_logits)
+        pick = (lambda a, b: a() if is_global else b()) if isinstance(is_global, bool) else partial(
+            jax.lax.cond, is_global)  # a stack of one kind (Gemma 4's) knows it when traced
+        out = pick(full, partial(full, window=W)) if W else full()
+        o, top = out if max_logits else (out, None)  # QK-clip: the kernel's own row maxima, or
+        stats = {"max_logit": top if top is not None else train.max_logits(  # made again
+            q, k, segment_ids=segment_ids, scale=scale, window=W, is_global=is_global)
+                 } if max_logits else {}
+        if cfg.attn_gate:  # Qwen3.5: a gate per head and channel
+            o = o * jax.nn.sigmoid(jnp.einsum("btd,dnh->btnh", h, w("wq_gate")))
+        o = jnp.einsum("btnh,nhd->btd", o, w("wo"))
     x_BTD = x_BTD + (norm(o, "attn_post_norm") if cfg.sandwich_norm or cfg.post_norm else o)
     h = x_BTD if cfg.post_norm else norm(x_BTD, "mlp_norm")
     act = lambda g: jax.nn.gelu(g, approximate=True) if cfg.gelu else jax.nn.silu(g)
@@ -426,6 +468,14 @@ def constrain(x, spec: P):
     return jax.lax.with_sharding_constraint(x, spec)
 
 
+def weights(lp: dict, dt, cfg: ModelConfig):
+    """name -> the layer's f32 master weight in the compute dtype, keeping the master's sharding:
+    FSDP gathers it in the compute dtype and reduce-scatters its gradient (not all-reduces)."""
+    specs = param_specs(cfg)
+    spec = {**specs.get("dense_layers", {}), **specs.get("global_layers", {}), **specs["layers"]}
+    return lambda name: constrain(lp[name].astype(dt), P(*spec[name][1:]))
+
+
 ACT_BTD = P(BATCH_AXES, "context", None)  # between blocks: batch and sequence split, d whole
 
 
@@ -443,6 +493,12 @@ def apply_rope(x_BTNH, pos_BT, inv_freq):
     x1, x2 = jnp.split(x_BTNH.astype(jnp.float32), 2, axis=-1)
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return out.astype(x_BTNH.dtype)
+
+
+def partial_rope(x_BTNH, pos_BT, inv_freq):
+    """`apply_rope` on each head's first 2 len(inv_freq) dims (rotary_dim), the rest unturned."""
+    R = 2 * len(inv_freq)
+    return jnp.concatenate([apply_rope(x_BTNH[..., :R], pos_BT, inv_freq), x_BTNH[..., R:]], -1)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
@@ -472,6 +528,93 @@ def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
     return inv.astype(np.float32)
 
 
+# Qwen3.5's linear layers: Gated DeltaNet (Yang, Kautz and Hatamizadeh 2024, arXiv 2412.06464),
+# train_moe.py's (tests/test_copies.py holds each copy equal).
+def gated_deltanet(h_BTD, lp: dict, cfg: ModelConfig):
+    """A linear layer's token mixer [B, T, D]: per value head a state S [Dk, Dv] that decays and
+    is corrected toward each token's value (the gated delta rule, `delta_rule_chunked`),
+
+        S_t = a_t S_{t-1} (I - b_t k_t k_t^T) + b_t k_t v_t^T,    o_t = S_t^T q_t / sqrt(Dk),
+
+    q, k, v from h through a causal depthwise convolution (`causal_conv`) and SiLU, q and k
+    L2-normed (|k| = 1: I - b k k^T contracts for b in (0, 1)); b = sigmoid(h W_b) the write
+    strength, a = exp(g), g = -exp(A_log) softplus(h W_a + dt_bias) (Mamba-2's discretised
+    decay). Each key head serves a group of Hv / Hk value heads, whose v, z, b, a weights are
+    stored on its axis: a tensor shard holds whole groups. Out: RMSNorm(o) * silu(h W_z) per
+    head (a plain gain), then W_o."""
+    dt, f32, Hk, Dk = h_BTD.dtype, jnp.float32, cfg.linear_k_heads, cfg.linear_k_dim
+    w, (B, T), r = weights(lp, dt, cfg), h_BTD.shape[:2], cfg.linear_v_heads // Hk
+    q, k, v, z, b, a = (jnp.einsum("btd,dk...->btk...", h_BTD, w("lin_" + n)) for n in "qkvzba")
+    conv = w("lin_conv")[:, 0]  # [K, channels]: every head's q, then k, then v (the checkpoint's order)
+    q, k, v = (causal_conv(x, c.reshape(-1, *x.shape[2:])) for x, c in zip(
+        (q, k, v), jnp.split(conv, [Hk * Dk, 2 * Hk * Dk], 1)))
+    heads = lambda x: x.reshape(B, T, Hk * r, -1)
+    l2 = lambda x: jnp.repeat(x * jax.lax.rsqrt(jnp.sum(x * x, -1, keepdims=True) + 1e-6), r, 2)
+    b, a = (x.astype(f32).reshape(B, T, Hk * r) for x in (b, a))
+    g = -jnp.exp(lp["A_log"]) * jax.nn.softplus(a + lp["dt_bias"])
+    q, k = (l2(x.astype(f32)) for x in (q, k))
+    o = delta_rule_chunked(q / math.sqrt(Dk), k, heads(v), g, jax.nn.sigmoid(b), cfg.linear_chunk)
+    o = rms_norm(o.astype(dt), lp["lin_norm"], cfg.norm_eps) * jax.nn.silu(heads(z).astype(f32))
+    return jnp.einsum("bthv,hvd->btd", o.astype(dt), w("lin_wo"))
+
+
+def causal_conv(x_BT_, w_K_):
+    """SiLU of a causal depthwise convolution over time: y_t = sum_j w_j x_{t-K+1+j}, x < 0 = 0."""
+    K, T = w_K_.shape[0], x_BT_.shape[1]
+    xp = jnp.pad(x_BT_, [(0, 0), (K - 1, 0)] + [(0, 0)] * (x_BT_.ndim - 2))
+    return jax.nn.silu(sum(w_K_[j] * xp[:, j:j + T] for j in range(K)))
+
+
+def unit_lower_solve(A, B):
+    """X with (I + A) X = B, A strictly lower-triangular [..., C, C]: forward substitution in
+    halves (log2 C levels of matmuls). Not LAPACK's batched solve: on the CPU its batches are
+    spread over XLA's thread pool, and two solves waiting on it at once deadlocked every run of
+    the training loop here (jaxlib's ParallelBatchMap)."""
+    h = A.shape[-1] // 2
+    if not h:
+        return B
+    x1 = unit_lower_solve(A[..., :h, :h], B[..., :h, :])
+    x2 = unit_lower_solve(A[..., h:, h:], B[..., h:, :] - A[..., h:, :h] @ x1)
+    return jnp.concatenate([x1, x2], -2)
+
+
+def delta_rule_chunked(q_BTHK, k_BTHK, v_BTHV, g_BTH, beta_BTH, chunk: int):
+    """o [B, T, H, Dv] (float32) of the gated delta rule, in chunks of C positions (the WY/UT
+    form: Yang et al. 2024, arXiv 2406.06484 sec. 3, and 2412.06464 sec. 3.3): O(T C) work and
+    memory within chunks, a lax.scan over them carrying S [B, H, Dk, Dv]. In a chunk entered
+    with S_0, with log-decays G_i = g_1 + ... + g_i, the chunk's C corrections are one unit
+    lower-triangular solve (I + A) [u | w] = [b v | b e^G k], A_ij = b_i e^{G_i - G_j} k_i.k_j
+    (j < i); the corrected values v' = u - w S_0, and
+
+        o = (e^G q) S_0 + (e^{G_i - G_j} q_i.k_j, j <= i) v',   S_C = e^{G_C} S_0 + (e^{G_C - G} k)^T v'.
+
+    Every exponent is <= 0 (g <= 0), so nothing grows. The tail is padded with g = b = k = 0,
+    which leaves the state as it was."""
+    (B, T, H, Dk), Dv, f32 = k_BTHK.shape, v_BTHV.shape[-1], jnp.float32
+    C = min(chunk, T)
+    n = -(-T // C)
+    cut = lambda x: jnp.pad(x.astype(f32), [(0, 0), (0, n * C - T)] + [(0, 0)] * (x.ndim - 2)
+                            ).reshape(B, n, C, *x.shape[2:]).swapaxes(2, 3)   # [B, n, H, C, .]
+    q, k, v, g, b = map(cut, (q_BTHK, k_BTHK, v_BTHV, g_BTH, beta_BTH))
+    G = jnp.cumsum(g, -1)
+    causal = np.tril(np.ones((C, C), bool))
+    decay = jnp.exp(jnp.where(causal, G[..., :, None] - G[..., None, :], -jnp.inf))
+    dots = lambda x, y: jnp.einsum("bnhik,bnhjk->bnhij", x, y)
+    A = jnp.tril(b[..., None] * dots(k, k) * decay, -1)
+    uw = unit_lower_solve(A, jnp.concatenate([b[..., None] * v, (b * jnp.exp(G))[..., None] * k],
+                                             -1))
+
+    def step(S, xs):
+        u, w, attn, qg, kg, last = xs
+        vn = u - jnp.einsum("bhck,bhkv->bhcv", w, S)
+        o = jnp.einsum("bhck,bhkv->bhcv", qg, S) + jnp.einsum("bhij,bhjv->bhiv", attn, vn)
+        return S * last[..., None, None] + jnp.einsum("bhck,bhcv->bhkv", kg, vn), o
+    xs = (uw[..., :Dv], uw[..., Dv:], dots(q, k) * decay, q * jnp.exp(G)[..., None],
+          k * jnp.exp(G[..., -1:] - G)[..., None], jnp.exp(G[..., -1]))
+    _, o = jax.lax.scan(step, jnp.zeros((B, H, Dk, Dv), f32), [x.swapaxes(0, 1) for x in xs])
+    return o.transpose(1, 0, 3, 2, 4).reshape(B, n * C, H, Dv)[:, :T]
+
+
 REMAT_POLICIES = {"full": jax.checkpoint_policies.nothing_saveable,
                   "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
 
@@ -499,8 +642,8 @@ def hidden(params: dict, tokens_BT, cfg: ModelConfig, *, segment_ids=None, posit
         None, None, ("fsdp", "context"))), ACT_BTD)
     x = look(params["embed"])
     x = x * jnp.asarray(math.sqrt(cfg.d_model), dt) if cfg.embed_scale else x
-    inv_freq = rope_inv_freq(replace(cfg, head_dim=cfg.global_head_dim or cfg.head_dim)) / (
-        cfg.rope_linear or 1.0)
+    inv_freq = rope_inv_freq(replace(cfg, head_dim=cfg.global_head_dim or cfg.rotary_dim or (
+        cfg.head_dim))) / (cfg.rope_linear or 1.0)
     L, W, n, S = cfg.n_layers, cfg.sliding_window, cfg.global_every, cfg.kv_shared
     is_global_L = (np.arange(L) + 1) % n == 0 if W and n else np.full(L, not W)
     if W:  # [local, global] frequencies: Gemma 3's local layers have their own base, unscaled
@@ -508,6 +651,8 @@ def hidden(params: dict, tokens_BT, cfg: ModelConfig, *, segment_ids=None, posit
                         yarn_factor=0.0, rope_partial=0.0)
         inv_freq = [rope_inv_freq(local), inv_freq]  # Gemma 4's of two widths, one per stack
         inv_freq = inv_freq if cfg.global_head_dim else np.stack(inv_freq)
+    elif cfg.linear_k_heads:  # Qwen3.5: Gemma 4's periods, DeltaNet (unturned) as the local layers
+        inv_freq = [None, inv_freq]
     ple_LBTP, gain = None, lambda w: 1.0 + w if cfg.norm_plus_one else w
     if cfg.ple_dim:  # Gemma 4: each layer's own input, from its token (a second table) and
         # from the embedding (a projection), each scaled as HF does, the projection normed
@@ -523,7 +668,7 @@ def hidden(params: dict, tokens_BT, cfg: ModelConfig, *, segment_ids=None, posit
     # Unrolled (--model.no-scan-layers), each layer is compiled on its own.
     scan = partial(jax.lax.scan, unroll=not cfg.scan_layers)
     run = partial(block, cfg=cfg, pos_BT=pos_BT, segment_ids=segment_ids, max_logits=max_logits)
-    if not cfg.global_head_dim:
+    if not (cfg.global_head_dim or cfg.linear_k_heads):
         layer = remat(lambda x, xs: run(x, xs[0], inv_freq=inv_freq, is_global=xs[1],
                                         ple_BTP=xs[2]))
         if pipeline and train.stages() > 1:  # each microbatch's own positions and segments
@@ -796,7 +941,9 @@ def make_schedule(t: TrainConfig):
 # Muon's matrices in the [L, ...] stacks: name -> (input axes, output axes); the rest: AdamW.
 MUON_DIMS = {"wq": ((1,), (2, 3)), "wk": ((1,), (2, 3)), "wv": ((1,), (2, 3)),
              "wo": ((1, 2), (3,)), "w_gate": ((1,), (2,)), "w_up": ((1,), (2,)),
-             "w_down": ((1,), (2,)), "ple_gate": ((1,), (2,)), "ple_out": ((1,), (2,))}
+             "w_down": ((1,), (2,)), "ple_gate": ((1,), (2,)), "ple_out": ((1,), (2,)),
+             **dict.fromkeys(("wq_gate", "lin_q", "lin_k", "lin_b", "lin_a"), ((1,), (2, 3))),
+             "lin_v": ((1,), (2, 3, 4)), "lin_z": ((1,), (2, 3, 4)), "lin_wo": ((1, 2), (3,))}
 
 
 def make_optimizer(t: TrainConfig, specs: dict | None = None):
@@ -915,6 +1062,12 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     n_global = (L // n if n else 0) if W else L
     keys = n_global * seq_len * (cfg.global_head_dim or H) + (L - n_global) * min(
         seq_len, W or seq_len) * H   # times the head width of their layers
+    if cfg.linear_k_heads:  # Qwen3.5: n - 1 of n layers DeltaNet (no keys attended): per token
+        # its chunk's C keys (q.k, k.k, the solve's rows) and three state products
+        Ll, C = L - L // n, min(cfg.linear_chunk, seq_len)
+        keys -= Ll * seq_len * H
+        matmul_weights += Ll * cfg.linear_v_heads * (C * 2 * (cfg.linear_k_dim + cfg.linear_v_dim)
+                                                     + 3 * cfg.linear_k_dim * cfg.linear_v_dim)
     attn = 2 * 2 * keys * N
     return 3.0 * (2 * matmul_weights + attn)
 
@@ -937,7 +1090,11 @@ def validate(cfg: Config, n_devices: int) -> None:
         "--model.ple-dim", m.ple_dim), ("--mesh.context", mesh.context * mesh.dcn_context > 1), (
         "--train.qk-clip-threshold", t.qk_clip_threshold), ("--lora.rank", cfg.lora.rank), (
         "--data.format dpo", cfg.data.format == "dpo"), ("--distill", cfg.distill.teacher or (
-            cfg.distill.logits))) if on])
+            cfg.distill.logits)), ("--model.linear-k-heads (DeltaNet)", m.linear_k_heads)) if on])
+    need(not (m.linear_k_heads and (cfg.data.format == "dpo" or cfg.data.format == "sft" and  # SFT
+              cfg.data.pack)), f"--model.linear-k-heads {m.linear_k_heads} with --data.format "
+         f"{cfg.data.format} (packed rows): DeltaNet's state would run from one example into the "
+         "next (it reads no segment ids yet); use --data.no-pack for SFT; DPO waits for it.")
     need(not (cfg.data.format == "sft" and cfg.data.pack and m.attention == "cudnn"),  # SFT
          "--model.attention cudnn cannot mask packed SFT rows (JAX's cuDNN path takes causal "
          "and length masks only); use --model.attention auto or xla, or --data.no-pack.")
@@ -955,14 +1112,16 @@ def check_model(m: ModelConfig, mesh, clip_flag: str, tau: float) -> None:
     train.check_sizes(mesh, {"tensor": [
         ("--model.n-heads", m.n_heads), ("--model.n-kv-heads", m.n_kv_heads),
         ("--model.d-ff", m.d_ff), ("--model.vocab-size", m.vocab_size),
-        ("--model.global-kv-heads", m.global_kv_heads or m.n_kv_heads)],
+        ("--model.global-kv-heads", m.global_kv_heads or m.n_kv_heads),
+        ("--model.linear-k-heads", m.linear_k_heads)],
         "fsdp": [("--model.d-model", m.d_model)]})
     need(m.n_heads % m.n_kv_heads == 0, f"--model.n-heads {m.n_heads} is not a multiple of "
          f"--model.n-kv-heads {m.n_kv_heads} (each key/value head serves a whole group).")
     need(m.head_dim % 2 == 0, f"--model.head-dim {m.head_dim} must be even (RoPE rotates pairs).")
-    need(m.sliding_window or not m.global_every, f"--model.global-every {m.global_every} "
-         "without --model.sliding-window: the layers between the global ones are the windowed "
-         "ones. Give the window, or --model.global-every 0.")
+    need(m.sliding_window or m.linear_k_heads or not m.global_every, f"--model.global-every "
+         f"{m.global_every} without --model.sliding-window or --model.linear-k-heads: the layers "
+         "between the global ones are the windowed (or DeltaNet) ones. Give one, or "
+         "--model.global-every 0.")
     need(not (m.post_norm and m.sandwich_norm), "--model.post-norm with --model.sandwich-norm: "
          "OLMo's norms after attention and MLP replace those before, Gemma's sandwich keeps "
          "both. Choose one.")
@@ -982,6 +1141,22 @@ def check_model(m: ModelConfig, mesh, clip_flag: str, tau: float) -> None:
     need(S % max(n, 1) == 0 and S <= m.n_layers - n and (S or not m.wide_shared_mlp),
          f"--model.kv-shared {S}: whole periods of --model.global-every {n} layers, leaving one "
          "that makes keys and values (and --model.wide-shared-mlp only with shared layers).")
+    Hk, flag = m.linear_k_heads, f"--model.linear-k-heads {m.linear_k_heads}"
+    need(not Hk or n > 1 and m.n_layers % n == 0 and m.linear_v_heads % Hk == 0 and not (
+        m.sliding_window or G or m.ple_dim), f"{flag} (Gated DeltaNet) runs in periods of "
+         f"--model.global-every {n} layers (n - 1 DeltaNet, then full attention) dividing "
+         f"--model.n-layers {m.n_layers}, each key head serving a whole group of --model.linear-"
+         f"v-heads {m.linear_v_heads}, without Gemma's windows, global stacks or per-layer inputs.")
+    off = [f"{f} {v}" for f, v in (("--mesh.context", mesh.context * mesh.dcn_context), (
+        "--mesh.stage", mesh.stage * mesh.dcn_stage), (clip_flag, tau)) if v and v != 1]
+    need(not (Hk and off), f"{flag} with {', '.join(off)}: the delta rule's state runs through "
+         "the whole sequence (not split across devices or pipeline stages yet) and has no logits "
+         f"to clip; set --mesh.context 1, --mesh.stage 1 and {clip_flag} 0.")
+    need(Hk or not m.linear_v_heads, f"--model.linear-v-heads {m.linear_v_heads} without "
+         "--model.linear-k-heads: give both (Gated DeltaNet) or neither.")
+    need(m.rotary_dim % 2 == 0 and m.rotary_dim <= m.head_dim and not (m.rotary_dim and (
+        G or m.rope_partial)), f"--model.rotary-dim {m.rotary_dim}: an even number of dims at "
+         f"most --model.head-dim {m.head_dim} (RoPE turns pairs), not with Gemma 4's RoPE.")
     train.check_qk_clip(clip_flag, tau, m.qk_norm)
     need(not (tau and G), f"{clip_flag} {tau} with --model.global-head-dim: Gemma 4's periods "
          f"record no logits to clip. Set {clip_flag} 0.")
@@ -1230,7 +1405,8 @@ HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM"
                     "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                     "gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM",
                     "gemma3_text": "Gemma3ForCausalLM", "olmo2": "Olmo2ForCausalLM",
-                    "olmo3": "Olmo3ForCausalLM", "gemma4_text": "Gemma4ForCausalLM"}
+                    "olmo3": "Olmo3ForCausalLM", "gemma4_text": "Gemma4ForCausalLM",
+                    "qwen3_5_text": "Qwen3_5ForCausalLM"}  # Qwen3.5 (its language model)
 GEMMA = ("gemma2", "gemma3_text", "gemma4_text")
 # What transformers assumes for a key that config.json leaves out (its config classes).
 _GEMMA_HF = dict(num_key_value_heads=4, head_dim=256, query_pre_attn_scalar=256,
@@ -1253,6 +1429,10 @@ _HF_DEFAULTS = {mt: dict(rms_norm_eps=1e-6) | d for mt, d in {
                         rope_theta=10_000.0, global_head_dim=512, attention_k_eq_v=False,
                         hidden_size_per_layer_input=256, vocab_size_per_layer_input=262144,
                         num_kv_shared_layers=0, use_double_wide_mlp=False),
+    "qwen3_5_text": dict(max_position_embeddings=32768, num_key_value_heads=4, head_dim=256,
+                         linear_num_key_heads=16, linear_num_value_heads=32,
+                         linear_key_head_dim=128, linear_value_head_dim=128,
+                         linear_conv_kernel_dim=4),
 }.items()}
 # config.json keys that are our fields as they stand (Gemma's: only in Gemma's files).
 HF_KEYS = {"vocab_size": "vocab_size", "hidden_size": "d_model", "head_dim": "head_dim",
@@ -1265,6 +1445,9 @@ LLAMA3_ROPE = {"factor": "rope_scaling", "low_freq_factor": "rope_low_freq_facto
                "high_freq_factor": "rope_high_freq_factor",
                "original_max_position_embeddings": "rope_original_max_len"}
 YARN_ROPE = {"factor": "yarn_factor", "original_max_position_embeddings": "yarn_original_max_len"}
+QWEN35_KEYS = {"linear_num_key_heads": "linear_k_heads", "linear_num_value_heads": "linear_v_heads",
+               "linear_key_head_dim": "linear_k_dim", "linear_value_head_dim": "linear_v_dim",
+               "linear_conv_kernel_dim": "linear_conv"}
 # The knobs a family implies (config.json does not spell them); the others are off.
 _GEMMA_KNOBS = dict(norm_plus_one=True, sandwich_norm=True, embed_scale=True, gelu=True)
 HF_KNOBS = {"llama": {}, "mistral": {}, "qwen2": dict(qkv_bias=True), "qwen3": dict(qk_norm=True),
@@ -1272,7 +1455,8 @@ HF_KNOBS = {"llama": {}, "mistral": {}, "qwen2": dict(qkv_bias=True), "qwen3": d
             "gemma3_text": _GEMMA_KNOBS | dict(qk_norm=True), **dict.fromkeys(
                 ("olmo2", "olmo3"), dict(post_norm=True, qk_norm=True, qk_norm_whole=True)),
             "gemma4_text": _GEMMA_KNOBS | dict(norm_plus_one=False, qk_norm=True, v_norm=True,
-                                               layer_scale=True, query_scale=1.0)}
+                                               layer_scale=True, query_scale=1.0),
+            "qwen3_5_text": dict(norm_plus_one=True, qk_norm=True, attn_gate=True)}
 # What transformers itself writes into each family's config.json, beyond our fields.
 _GELU_TANH = dict(hidden_act="gelu_pytorch_tanh", hidden_activation="gelu_pytorch_tanh",
                   attention_bias=False)
@@ -1283,7 +1467,8 @@ HF_CONSTANTS = {"llama": dict(attention_bias=False, mlp_bias=False, pretraining_
                 "gemma": _GELU_TANH, "gemma2": _GELU_TANH, "gemma3_text": _GELU_TANH,
                 "olmo2": dict(attention_bias=False), "olmo3": dict(attention_bias=False),
                 "gemma4_text": _GELU_TANH | dict(enable_moe_block=False, num_experts=None,
-                                                 top_k_experts=None, moe_intermediate_size=None)}
+                                                 top_k_experts=None, moe_intermediate_size=None),
+                "qwen3_5_text": dict(attention_bias=False)}
 # Our parameters as HuggingFace tensors (name, layout: common/hf.py). HF's nn.Linear keeps
 # [out, in], ours [in, out] with the heads split out: a transpose and a reshape, then stacked
 # on l. Atoms: l layers, d model, n query heads, k key/value heads, h head width, f MLP, v vocab.
@@ -1307,7 +1492,19 @@ HF_LAYER = {"attn_norm": ("input_layernorm.weight", "d -> d"),
     "ple_gate": ("per_layer_input_gate.weight", "p d -> d p"),
     "ple_out": ("per_layer_projection.weight", "d p -> p d"),
     "ple_post_norm": ("post_per_layer_input_norm.weight", "d -> d"),
-    "layer_scale": ("layer_scalar", "o -> o")}
+    "layer_scale": ("layer_scalar", "o -> o")} | {  # Qwen3.5's DeltaNet (train_moe.py's names)
+    k: ("linear_attn." + name, layout) for k, (name, layout) in dict(
+        lin_conv=("conv1d.weight", "lx o lw -> lw o lx"), A_log=("A_log", "lv -> lv"),
+        dt_bias=("dt_bias", "lv -> lv"), lin_norm=("norm.weight", "ly -> ly"),
+        lin_wo=("out_proj.weight", "d (lv ly) -> lv ly d"),
+        lin_z=("in_proj_z.weight", "(lk lr ly) d -> d lk lr ly"),
+        lin_b=("in_proj_b.weight", "(lk lr) d -> d lk lr"),
+        lin_a=("in_proj_a.weight", "(lk lr) d -> d lk lr")).items()} | {
+    f"lin_{x}": ("linear_attn.in_proj_qkv.weight", f"([lk lq|lk lq|lk lr ly]:{i}) d -> d lk "
+                 + ("lq" if i < 2 else "lr ly")) for i, x in enumerate("qkv")}
+# Qwen3.5's gated attention: each head's query, then its gate, in one projection
+HF_GATE = {k: ("self_attn.q_proj.weight", f"(n 2:{i} h) d -> d n h") for i, k in enumerate(
+    ("wq", "wq_gate"))}
 # Gemma 4's per-layer inputs: one table [v, L p] (q = L p), the stream's projection, its norm
 HF_PLE = {"ple_embed": ("model.embed_tokens_per_layer.weight", "v q -> v q"),
           "ple_proj": ("model.per_layer_model_projection.weight", "q d -> d q"),
@@ -1321,9 +1518,10 @@ def hf_mapping(cfg: ModelConfig) -> dict:
     (j) and heads (u), the shared ones' MLPs perhaps 2 d_ff wide (w)."""
     whole = {n: (HF_LAYER[n][0], f"({a} h) -> {a} h") for n, a in zip(("q_norm", "k_norm"), "nk")}
     names = HF_LAYER | ({"mlp_norm": ("pre_feedforward_layernorm.weight", "d -> d")}  # Gemma's
-                        if cfg.sandwich_norm else {}) | (whole if cfg.qk_norm_whole else {})
+                        if cfg.sandwich_norm else {}) | (whole if cfg.qk_norm_whole else {}) | (
+        HF_GATE if cfg.attn_gate else {})
     n, F = cfg.global_every, cfg.n_layers - cfg.kv_shared
-    at = {"layers": ("l", "{l}")} if not cfg.global_head_dim else {
+    at = {"layers": ("l", "{l}")} if not (cfg.global_head_dim or cfg.linear_k_heads) else {
         "layers": ("l", f"{{l*{n}//{n - 1}}}"), "global_layers": ("g", f"{{g*{n}+{n - 1}}}"),
         "shared_layers": ("s", f"{{s*{n}//{n - 1}+{F}}}"),
         "shared_global_layers": ("t", f"{{t*{n}+{F + n - 1}}}")}
@@ -1337,11 +1535,13 @@ def hf_mapping(cfg: ModelConfig) -> dict:
 
 def _hf_sizes(cfg: ModelConfig) -> dict:
     L, n, S = cfg.n_layers, max(cfg.global_every, 1), cfg.kv_shared
-    own = (L - S) // n if cfg.global_head_dim else 0   # Gemma 4's periods with their own K/V
+    own = (L - S) // n if cfg.global_head_dim or cfg.linear_k_heads else 0  # global periods
+    Hk, Hv, Dk, Dv = (cfg.linear_k_heads, cfg.linear_v_heads, cfg.linear_k_dim, cfg.linear_v_dim)
     return dict(l=L - S - own, g=own, s=S - S // n, t=S // n, d=cfg.d_model, n=cfg.n_heads,
                 k=cfg.n_kv_heads, h=cfg.head_dim, f=cfg.d_ff, v=cfg.vocab_size, o=1,
-                j=cfg.global_head_dim, u=cfg.global_kv_heads or cfg.n_kv_heads, w=2 * cfg.d_ff,
-                p=cfg.ple_dim, q=L * cfg.ple_dim)
+                j=cfg.global_head_dim or cfg.head_dim, u=cfg.global_kv_heads or cfg.n_kv_heads,
+                w=2 * cfg.d_ff, p=cfg.ple_dim, q=L * cfg.ple_dim, lk=Hk, lq=Dk,
+                lr=Hv // max(Hk, 1), lx=2 * Hk * Dk + Hv * Dv, lw=cfg.linear_conv, lv=Hv, ly=Dv)
 
 
 def config_from_hf(c: dict, where: str = "config.json") -> ModelConfig:
@@ -1365,7 +1565,7 @@ def config_from_hf(c: dict, where: str = "config.json") -> ModelConfig:
         raise unsupported(f"hidden activation {act!r} (only {want})")
     if c.get("attention_bias") or c.get("mlp_bias"):
         raise unsupported("attention_bias / mlp_bias (biases on every projection)")
-    if c.get("partial_rotary_factor", 1.0) != 1.0:
+    if c.get("partial_rotary_factor", 1.0) != 1.0 and mt != "qwen3_5_text":
         raise unsupported(f"partial_rotary_factor {c['partial_rotary_factor']}")
     if c.get("use_bidirectional_attention") not in (None, False, "vision"):  # Gemma 4's
         # "vision" lets an image's tokens see each other; text stays causal
@@ -1373,7 +1573,8 @@ def config_from_hf(c: dict, where: str = "config.json") -> ModelConfig:
     # Each value in its field's type (HF writes 256 for a float); absent, null or 0: the default.
     typed = lambda d, keys: {k: type(getattr(ModelConfig, k))(d[key]) for key, k in keys.items()
                              if d.get(key)}
-    f = typed(c, HF_KEYS | (GEMMA_KEYS if gemma else {}))
+    f = typed(c, HF_KEYS | (GEMMA_KEYS if gemma else {}) | (QWEN35_KEYS if mt == "qwen3_5_text"
+                                                           else {}))
     f = dict(n_kv_heads=f["n_heads"], head_dim=f["d_model"] // f["n_heads"]) | f | HF_KNOBS[mt]
     rope = c.get("rope_parameters") or {}
     if mt in ("gemma3_text", "olmo3", "gemma4_text"):  # global and local RoPE: per layer type
@@ -1436,6 +1637,16 @@ def config_from_hf(c: dict, where: str = "config.json") -> ModelConfig:
             c["attention_k_eq_v"]), global_kv_heads=per[glob[0]].get("num_key_value_heads", 0),
                   ple_dim=c["hidden_size_per_layer_input"] or 0, kv_shared=S,
                   wide_shared_mlp=bool(S and c["use_double_wide_mlp"]))
+    if mt == "qwen3_5_text":  # every n-th layer (gated) attention turning a share, DeltaNet between
+        kinds, L, H = c.get("layer_types") or [], f["n_layers"], f["head_dim"]
+        n = kinds.index("full_attention") + 1 if "full_attention" in kinds else c.get(
+            "full_attention_interval", 4)
+        R = int(H * float(c.get("partial_rotary_factor") or rope.get("partial_rotary_factor", 1)))
+        if n < 2 or L % n or kinds and kinds != (["linear_attention"] * (n - 1) + [
+                "full_attention"]) * (L // n) or R % 2:
+            raise unsupported(f"layer_types {kinds} (only every n-th layer full, n > 1 dividing "
+                              f"{L}) or {R} dims turned (odd)")
+        f |= dict(global_every=n, rotary_dim=R if R < H else 0)
     return ModelConfig(**f)
 
 
@@ -1443,32 +1654,37 @@ def config_to_hf(cfg: ModelConfig, model_type: str = "", dtype: str = "float32")
     """A config.json for `cfg` that transformers 4.4x and 5.x both read (each finds its own
     spelling of the rope settings). model_type "" picks the family from the knobs."""
     gemma = cfg.sandwich_norm
-    mt = model_type or ("gemma4_text" if cfg.global_head_dim else
-                        ("olmo3" if cfg.sliding_window else "olmo2") if cfg.post_norm else
+    mt = model_type or ("qwen3_5_text" if cfg.linear_k_heads else "gemma4_text" if (
+                        cfg.global_head_dim) else ("olmo3" if cfg.sliding_window else "olmo2")
+                        if cfg.post_norm else
                         "gemma3_text" if gemma and cfg.qk_norm else "gemma2" if gemma else
                         "gemma" if cfg.norm_plus_one else "qwen3" if cfg.qk_norm else "qwen2"
                         if cfg.qkv_bias else "llama")
     if mt not in HF_ARCHITECTURES:
         raise hf.HFError(f"model_type {mt!r}: choose one of {', '.join(HF_ARCHITECTURES)}.")
     bad = {k: getattr(cfg, k) for k in ("qkv_bias", "qk_norm", *HF_KNOBS["olmo3"], *_GEMMA_KNOBS,
-                                        "v_norm", "layer_scale")
+                                        "v_norm", "layer_scale", "attn_gate")
            if getattr(cfg, k) != HF_KNOBS[mt].get(k, False)}
     may = dict.fromkeys(GEMMA_KEYS.values(), GEMMA) | dict(  # rope_linear: Gemma 2 has one RoPE
         sliding_window=(*GEMMA, "olmo3"), rope_local_theta=(*GEMMA[1:], "olmo3"),
         attn_softcap=GEMMA[:2], **dict.fromkeys(("rope_linear", "yarn_factor"), set(
             HF_ARCHITECTURES) - {"gemma2"}), **dict.fromkeys(("global_head_dim", "k_eq_v",
-            "global_kv_heads", "rope_partial", "ple_dim", "kv_shared"), ("gemma4_text",)))
+            "global_kv_heads", "rope_partial", "ple_dim", "kv_shared"), ("gemma4_text",)),
+        **dict.fromkeys(("rotary_dim", "linear_k_heads"), ("qwen3_5_text",)))
     bad |= {k: getattr(cfg, k) for k, ok in may.items() if getattr(cfg, k) and mt not in ok
             or k == "query_scale" and getattr(cfg, k) % 1}   # HF's query_pre_attn_scalar: an int
     if mt == "gemma4_text" and (cfg.query_scale != 1.0 or not cfg.global_head_dim):
         bad |= dict(query_scale=cfg.query_scale, global_head_dim=cfg.global_head_dim)
+    if mt == "qwen3_5_text" and not cfg.linear_k_heads:
+        bad |= dict(linear_k_heads=0)
     if bad:
         raise hf.HFError(f"model_type {mt!r} does not fit this model ({bad}): q/k/v biases "
                          "are qwen2's; q/k norms qwen3's, gemma3_text's, OLMo's (whole, with post "
                          "norms); (1 + w) norms, GeGLU, the embedding scale Gemmas'; sandwich "
                          "norms, soft-caps gemma2's, gemma3_text's; windows theirs and olmo3's, "
                          "a local RoPE gemma3_text's and olmo3's; gemma4_text needs global layers "
-                         "of their own, normed values, scaled layers, a query scale of 1.")
+                         "of their own, normed values, scaled layers, a query scale of 1; "
+                         "qwen3_5_text Gated DeltaNet layers and gated attention.")
     rope = {"rope_type": "default", "rope_theta": cfg.rope_theta} | (
         {"rope_type": "linear", "factor": cfg.rope_linear} if cfg.rope_linear else {}) | (
         dict(rope_type="yarn", factor=cfg.yarn_factor, beta_fast=32.0, beta_slow=1.0,  # OLMo 3's
@@ -1509,6 +1725,11 @@ def config_to_hf(cfg: ModelConfig, model_type: str = "", dtype: str = "float32")
             per_layer_config={
                 str(i): {"head_dim": G} | ({"num_key_value_heads": K} if K else {})
                 for i in range(n - 1, L, n)})
+    if mt == "qwen3_5_text":  # n - 1 DeltaNet layers, then gated attention turning a share
+        c |= {key: getattr(cfg, k) for key, k in QWEN35_KEYS.items()} | dict(
+            rope_parameters=rope | {"partial_rotary_factor": (cfg.rotary_dim or cfg.head_dim) /
+                                    cfg.head_dim}, full_attention_interval=n, layer_types=(
+                ["linear_attention"] * (n - 1) + ["full_attention"]) * (L // n))
     if mt in ("gemma3_text", "olmo3", "gemma4_text"):  # 5.x: rope_parameters per layer type
         local = cfg.rope_local_theta or cfg.rope_theta  # 4.x Gemma 3 its local base
         c |= dict(rope_parameters={"full_attention": rope, "sliding_attention": {
@@ -1525,7 +1746,7 @@ def load_hf(path: str, mesh=None) -> tuple[ModelConfig, dict]:
     # Gemma 4's layers that reuse keys and values may carry projections that nothing reads
     unused = lambda name: (p := name.split("."))[:2] == ["model", "layers"] and p[3:4] == [
         "self_attn"] and p[4] in ("k_proj", "v_proj", "k_norm") and int(p[2]) >= (
-        cfg.n_layers - cfg.kv_shared)
+        cfg.n_layers - cfg.kv_shared) or p[0] == "mtp"  # Qwen3.5's MTP module (text-only exports)
     return cfg, train.hf_params(ckpt, mesh, _param_table(cfg), hf_mapping(cfg), _hf_sizes(cfg),
                                 unused)
 

@@ -87,6 +87,17 @@ class ModelConfig:
     ple_dim: int = 0              # per-layer inputs this wide: a second embedding, one per layer
     kv_shared: int = 0            # the last n layers reuse the last earlier K/V of their kind
     wide_shared_mlp: bool = False  # ... and their MLPs are 2 d_ff wide
+    # Qwen3.5 (with (1 + w) norms, q/k norms): with global_every n, the layers between the global
+    # ones are Gated DeltaNet (`gated_deltanet`) with this many key heads (0 = none), each
+    # serving value heads in groups
+    linear_k_heads: int = 0
+    linear_v_heads: int = 0
+    linear_k_dim: int = 128
+    linear_v_dim: int = 128
+    linear_conv: int = 4          # the causal depthwise convolution's width over q, k and v
+    linear_chunk: int = how(64)   # positions per chunk of the chunkwise delta rule
+    attn_gate: bool = False       # attention output times sigmoid of a second query projection
+    rotary_dim: int = 0           # rotate only each head's first this many dims; 0 = all
     # How to compute, not what: these may change when a run is resumed.
     dtype: Literal["float32", "bfloat16"] = how("float32")  # activations and matmuls (weights f32)
     # auto: splash on TPU, cuDNN on GPU where it applies, else blocked (common/attention.py)
@@ -229,8 +240,11 @@ def _param_table(cfg: ModelConfig) -> dict:
     bias, qk, sw = cfg.qkv_bias, cfg.qk_norm, cfg.sandwich_norm or cfg.post_norm
     pre, hs = not cfg.post_norm, ("tensor", None) if cfg.qk_norm_whole else (None,)  # q/k norms
     ple, Pd = bool(cfg.ple_dim), cfg.ple_dim
+    Hk, Lv, Dk, Dv = (cfg.linear_k_heads, cfg.linear_v_heads, cfg.linear_k_dim, cfg.linear_v_dim)
 
-    def stack(count, H=H, K=K, F=F, kv=True, wv=True):  # kv: the layer makes its own K and V
+    def stack(count, H=H, K=K, F=F, kv=True, wv=True, lin=False):  # kv: the layer makes its
+        # own K and V; lin: Gated DeltaNet's projections (`gated_deltanet`) instead of attention
+        r = Lv // max(Hk, 1)
         rows = {  # name: (shape and spec after the L axis, init std, whether this model has it)
             "attn_norm": ((D,), (None,), one, pre), "mlp_norm": ((D,), (None,), one, pre),
             "wq": ((D, N, H), ("fsdp", "tensor", None), std, True),
@@ -250,8 +264,20 @@ def _param_table(cfg: ModelConfig) -> dict:
             "ple_out": ((Pd, D), (None, "fsdp"), out_std, ple),
             "ple_post_norm": ((D,), (None,), one, ple),
             "layer_scale": ((1,), (None,), None, cfg.layer_scale),
+            "wq_gate": ((D, N, H), ("fsdp", "tensor", None), std, cfg.attn_gate),
+            # per key head its q, k, its group's v, z, b and a (train_moe.py's `_layer_table`)
+            **{k: ((D, Hk, *s), ("fsdp", "tensor") + (None,) * len(s), std, lin) for k, s in dict(
+                lin_q=(Dk,), lin_k=(Dk,), lin_v=(r, Dv), lin_z=(r, Dv), lin_b=(r,), lin_a=(r,)
+            ).items()},
+            "lin_conv": ((cfg.linear_conv, 1, 2 * Hk * Dk + Lv * Dv), (None, None, None),
+                         1 / math.sqrt(cfg.linear_conv), lin),
+            "A_log": ((Lv,), ("tensor",), 0.5, lin), "dt_bias": ((Lv,), ("tensor",), None, lin),
+            "lin_norm": ((Dv,), (None,), None, lin),   # a plain gain, even with (1 + w) norms
+            "lin_wo": ((Lv, Dv, D), ("tensor", None, "fsdp"), out_std, lin),
         }
-        return {k: ((count, *s), P(None, *p), i) for k, (s, p, i, on) in rows.items() if on}
+        attn = ("wq", "wk", "wv", "wo", "bq", "bk", "bv", "q_norm", "k_norm", "wq_gate")
+        return {k: ((count, *s), P(None, *p), i) for k, (s, p, i, on) in rows.items()
+                if on and not (lin and k in attn)}
 
     table = {"embed": ((V, D), P("tensor", "fsdp"), std), "final_norm": ((D,), P(None), one)}
     if cfg.global_head_dim:  # Gemma 4: local and global layers of different shapes, and the
@@ -264,6 +290,9 @@ def _param_table(cfg: ModelConfig) -> dict:
         if S:
             table |= {"shared_layers": stack(S // n * (n - 1), kv=False, **wide),
                       "shared_global_layers": stack(S // n, kv=False, **wide, **glob)}
+    elif Hk:  # Qwen3.5: periods of n layers, n - 1 DeltaNet then a global one, a stack each
+        table |= {"layers": stack(L - L // cfg.global_every, lin=True),
+                  "global_layers": stack(L // cfg.global_every)}
     else:
         table["layers"] = stack(L)
     if ple:  # one table of L * Pd per token, and the stream's projection onto the same
@@ -685,9 +714,11 @@ def sft_step(state: dict, batch: dict, *, cfg: Config, n_valid: int):
     return new, {"loss": loss} | checks
 
 
-MUON_DIMS = {"wq": ((1,), (2, 3)), "wk": ((1,), (2, 3)), "wv": ((1,), (2, 3)),  # as dense's
+MUON_DIMS = {"wq": ((1,), (2, 3)), "wk": ((1,), (2, 3)), "wv": ((1,), (2, 3)),
              "wo": ((1, 2), (3,)), "w_gate": ((1,), (2,)), "w_up": ((1,), (2,)),
-             "w_down": ((1,), (2,)), "ple_gate": ((1,), (2,)), "ple_out": ((1,), (2,))}
+             "w_down": ((1,), (2,)), "ple_gate": ((1,), (2,)), "ple_out": ((1,), (2,)),
+             **dict.fromkeys(("wq_gate", "lin_q", "lin_k", "lin_b", "lin_a"), ((1,), (2, 3))),
+             "lin_v": ((1,), (2, 3, 4)), "lin_z": ((1,), (2, 3, 4)), "lin_wo": ((1, 2), (3,))}
 
 
 def make_optimizer(g: GRPOConfig, warm: WarmStartConfig | None = None, specs: dict | None = None):
@@ -741,6 +772,12 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     n_global = (L // n if n else 0) if W else L
     keys = n_global * seq_len * (cfg.global_head_dim or H) + (L - n_global) * min(
         seq_len, W or seq_len) * H   # times the head width of their layers
+    if cfg.linear_k_heads:  # Qwen3.5: n - 1 of n layers DeltaNet (no keys attended): per token
+        # its chunk's C keys (q.k, k.k, the solve's rows) and three state products
+        Ll, C = L - L // n, min(cfg.linear_chunk, seq_len)
+        keys -= Ll * seq_len * H
+        matmul_weights += Ll * cfg.linear_v_heads * (C * 2 * (cfg.linear_k_dim + cfg.linear_v_dim)
+                                                     + 3 * cfg.linear_k_dim * cfg.linear_v_dim)
     attn = 2 * 2 * keys * N
     return 3.0 * (2 * matmul_weights + attn)
 
@@ -752,6 +789,11 @@ def validate(cfg: Config, n_devices: int, tok) -> Task:
     mesh = resolve(cfg.mesh, n_devices, max(1, math.prod(cfg.mesh.dcn())))
     check_model(m, mesh, "--grpo.qk-clip-threshold", g.qk_clip_threshold)
     train.check_lora(cfg.lora, g.optimizer, g.qk_clip_threshold, "--grpo")  # LoRA
+    qwen35 = [f"--model.{k.replace('_', '-')} {getattr(m, k)}" for k in (
+        "linear_k_heads", "attn_gate", "rotary_dim") if getattr(m, k)]
+    need(not qwen35, f"{', '.join(qwen35)}: Qwen3.5's block (Gated DeltaNet, gated attention, "
+         "partial RoPE) is train_dense.py's alone for now; the rollouts' cache carries no "
+         "DeltaNet state. Leave them off here.")
     need(mesh.stage * mesh.dcn_stage == 1, f"--mesh.stage {mesh.stage}: pipeline stages are "
          "train_dense.py's and train_moe.py's; here the devices would repeat one another's work. Keep it 1 "
          "and spread the policy over --mesh.fsdp.")
@@ -793,14 +835,16 @@ def check_model(m: ModelConfig, mesh, clip_flag: str, tau: float) -> None:
     train.check_sizes(mesh, {"tensor": [
         ("--model.n-heads", m.n_heads), ("--model.n-kv-heads", m.n_kv_heads),
         ("--model.d-ff", m.d_ff), ("--model.vocab-size", m.vocab_size),
-        ("--model.global-kv-heads", m.global_kv_heads or m.n_kv_heads)],
+        ("--model.global-kv-heads", m.global_kv_heads or m.n_kv_heads),
+        ("--model.linear-k-heads", m.linear_k_heads)],
         "fsdp": [("--model.d-model", m.d_model)]})
     need(m.n_heads % m.n_kv_heads == 0, f"--model.n-heads {m.n_heads} is not a multiple of "
          f"--model.n-kv-heads {m.n_kv_heads} (each key/value head serves a whole group).")
     need(m.head_dim % 2 == 0, f"--model.head-dim {m.head_dim} must be even (RoPE rotates pairs).")
-    need(m.sliding_window or not m.global_every, f"--model.global-every {m.global_every} "
-         "without --model.sliding-window: the layers between the global ones are the windowed "
-         "ones. Give the window, or --model.global-every 0.")
+    need(m.sliding_window or m.linear_k_heads or not m.global_every, f"--model.global-every "
+         f"{m.global_every} without --model.sliding-window or --model.linear-k-heads: the layers "
+         "between the global ones are the windowed (or DeltaNet) ones. Give one, or "
+         "--model.global-every 0.")
     need(not (m.post_norm and m.sandwich_norm), "--model.post-norm with --model.sandwich-norm: "
          "OLMo's norms after attention and MLP replace those before, Gemma's sandwich keeps "
          "both. Choose one.")
@@ -820,6 +864,22 @@ def check_model(m: ModelConfig, mesh, clip_flag: str, tau: float) -> None:
     need(S % max(n, 1) == 0 and S <= m.n_layers - n and (S or not m.wide_shared_mlp),
          f"--model.kv-shared {S}: whole periods of --model.global-every {n} layers, leaving one "
          "that makes keys and values (and --model.wide-shared-mlp only with shared layers).")
+    Hk, flag = m.linear_k_heads, f"--model.linear-k-heads {m.linear_k_heads}"
+    need(not Hk or n > 1 and m.n_layers % n == 0 and m.linear_v_heads % Hk == 0 and not (
+        m.sliding_window or G or m.ple_dim), f"{flag} (Gated DeltaNet) runs in periods of "
+         f"--model.global-every {n} layers (n - 1 DeltaNet, then full attention) dividing "
+         f"--model.n-layers {m.n_layers}, each key head serving a whole group of --model.linear-"
+         f"v-heads {m.linear_v_heads}, without Gemma's windows, global stacks or per-layer inputs.")
+    off = [f"{f} {v}" for f, v in (("--mesh.context", mesh.context * mesh.dcn_context), (
+        "--mesh.stage", mesh.stage * mesh.dcn_stage), (clip_flag, tau)) if v and v != 1]
+    need(not (Hk and off), f"{flag} with {', '.join(off)}: the delta rule's state runs through "
+         "the whole sequence (not split across devices or pipeline stages yet) and has no logits "
+         f"to clip; set --mesh.context 1, --mesh.stage 1 and {clip_flag} 0.")
+    need(Hk or not m.linear_v_heads, f"--model.linear-v-heads {m.linear_v_heads} without "
+         "--model.linear-k-heads: give both (Gated DeltaNet) or neither.")
+    need(m.rotary_dim % 2 == 0 and m.rotary_dim <= m.head_dim and not (m.rotary_dim and (
+        G or m.rope_partial)), f"--model.rotary-dim {m.rotary_dim}: an even number of dims at "
+         f"most --model.head-dim {m.head_dim} (RoPE turns pairs), not with Gemma 4's RoPE.")
     train.check_qk_clip(clip_flag, tau, m.qk_norm)
     need(not (tau and G), f"{clip_flag} {tau} with --model.global-head-dim: Gemma 4's periods "
          f"record no logits to clip. Set {clip_flag} 0.")
@@ -1181,7 +1241,8 @@ HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM"
                     "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                     "gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM",
                     "gemma3_text": "Gemma3ForCausalLM", "olmo2": "Olmo2ForCausalLM",
-                    "olmo3": "Olmo3ForCausalLM", "gemma4_text": "Gemma4ForCausalLM"}
+                    "olmo3": "Olmo3ForCausalLM", "gemma4_text": "Gemma4ForCausalLM",
+                    "qwen3_5_text": "Qwen3_5ForCausalLM"}  # Qwen3.5 (its language model)
 GEMMA = ("gemma2", "gemma3_text", "gemma4_text")
 # What transformers assumes for a key that config.json leaves out (its config classes).
 _GEMMA_HF = dict(num_key_value_heads=4, head_dim=256, query_pre_attn_scalar=256,
@@ -1204,6 +1265,10 @@ _HF_DEFAULTS = {mt: dict(rms_norm_eps=1e-6) | d for mt, d in {
                         rope_theta=10_000.0, global_head_dim=512, attention_k_eq_v=False,
                         hidden_size_per_layer_input=256, vocab_size_per_layer_input=262144,
                         num_kv_shared_layers=0, use_double_wide_mlp=False),
+    "qwen3_5_text": dict(max_position_embeddings=32768, num_key_value_heads=4, head_dim=256,
+                         linear_num_key_heads=16, linear_num_value_heads=32,
+                         linear_key_head_dim=128, linear_value_head_dim=128,
+                         linear_conv_kernel_dim=4),
 }.items()}
 # config.json keys that are our fields as they stand (Gemma's: only in Gemma's files).
 HF_KEYS = {"vocab_size": "vocab_size", "hidden_size": "d_model", "head_dim": "head_dim",
@@ -1216,6 +1281,9 @@ LLAMA3_ROPE = {"factor": "rope_scaling", "low_freq_factor": "rope_low_freq_facto
                "high_freq_factor": "rope_high_freq_factor",
                "original_max_position_embeddings": "rope_original_max_len"}
 YARN_ROPE = {"factor": "yarn_factor", "original_max_position_embeddings": "yarn_original_max_len"}
+QWEN35_KEYS = {"linear_num_key_heads": "linear_k_heads", "linear_num_value_heads": "linear_v_heads",
+               "linear_key_head_dim": "linear_k_dim", "linear_value_head_dim": "linear_v_dim",
+               "linear_conv_kernel_dim": "linear_conv"}
 # The knobs a family implies (config.json does not spell them); the others are off.
 _GEMMA_KNOBS = dict(norm_plus_one=True, sandwich_norm=True, embed_scale=True, gelu=True)
 HF_KNOBS = {"llama": {}, "mistral": {}, "qwen2": dict(qkv_bias=True), "qwen3": dict(qk_norm=True),
@@ -1223,7 +1291,8 @@ HF_KNOBS = {"llama": {}, "mistral": {}, "qwen2": dict(qkv_bias=True), "qwen3": d
             "gemma3_text": _GEMMA_KNOBS | dict(qk_norm=True), **dict.fromkeys(
                 ("olmo2", "olmo3"), dict(post_norm=True, qk_norm=True, qk_norm_whole=True)),
             "gemma4_text": _GEMMA_KNOBS | dict(norm_plus_one=False, qk_norm=True, v_norm=True,
-                                               layer_scale=True, query_scale=1.0)}
+                                               layer_scale=True, query_scale=1.0),
+            "qwen3_5_text": dict(norm_plus_one=True, qk_norm=True, attn_gate=True)}
 # What transformers itself writes into each family's config.json, beyond our fields.
 _GELU_TANH = dict(hidden_act="gelu_pytorch_tanh", hidden_activation="gelu_pytorch_tanh",
                   attention_bias=False)
@@ -1234,7 +1303,8 @@ HF_CONSTANTS = {"llama": dict(attention_bias=False, mlp_bias=False, pretraining_
                 "gemma": _GELU_TANH, "gemma2": _GELU_TANH, "gemma3_text": _GELU_TANH,
                 "olmo2": dict(attention_bias=False), "olmo3": dict(attention_bias=False),
                 "gemma4_text": _GELU_TANH | dict(enable_moe_block=False, num_experts=None,
-                                                 top_k_experts=None, moe_intermediate_size=None)}
+                                                 top_k_experts=None, moe_intermediate_size=None),
+                "qwen3_5_text": dict(attention_bias=False)}
 # Our parameters as HuggingFace tensors (name, layout: common/hf.py). HF's nn.Linear keeps
 # [out, in], ours [in, out] with the heads split out: a transpose and a reshape, then stacked
 # on l. Atoms: l layers, d model, n query heads, k key/value heads, h head width, f MLP, v vocab.
@@ -1258,7 +1328,18 @@ HF_LAYER = {"attn_norm": ("input_layernorm.weight", "d -> d"),
     "ple_gate": ("per_layer_input_gate.weight", "p d -> d p"),
     "ple_out": ("per_layer_projection.weight", "d p -> p d"),
     "ple_post_norm": ("post_per_layer_input_norm.weight", "d -> d"),
-    "layer_scale": ("layer_scalar", "o -> o")}
+    "layer_scale": ("layer_scalar", "o -> o")} | {  # Qwen3.5's DeltaNet (train_moe.py's names)
+    k: ("linear_attn." + name, layout) for k, (name, layout) in dict(
+        lin_conv=("conv1d.weight", "lx o lw -> lw o lx"), A_log=("A_log", "lv -> lv"),
+        dt_bias=("dt_bias", "lv -> lv"), lin_norm=("norm.weight", "ly -> ly"),
+        lin_wo=("out_proj.weight", "d (lv ly) -> lv ly d"),
+        lin_z=("in_proj_z.weight", "(lk lr ly) d -> d lk lr ly"),
+        lin_b=("in_proj_b.weight", "(lk lr) d -> d lk lr"),
+        lin_a=("in_proj_a.weight", "(lk lr) d -> d lk lr")).items()} | {
+    f"lin_{x}": ("linear_attn.in_proj_qkv.weight", f"([lk lq|lk lq|lk lr ly]:{i}) d -> d lk "
+                 + ("lq" if i < 2 else "lr ly")) for i, x in enumerate("qkv")}
+HF_GATE = {k: ("self_attn.q_proj.weight", f"(n 2:{i} h) d -> d n h") for i, k in enumerate(
+    ("wq", "wq_gate"))}
 # Gemma 4's per-layer inputs: one table [v, L p] (q = L p), the stream's projection, its norm
 HF_PLE = {"ple_embed": ("model.embed_tokens_per_layer.weight", "v q -> v q"),
           "ple_proj": ("model.per_layer_model_projection.weight", "q d -> d q"),
@@ -1272,9 +1353,10 @@ def hf_mapping(cfg: ModelConfig) -> dict:
     (j) and heads (u), the shared ones' MLPs perhaps 2 d_ff wide (w)."""
     whole = {n: (HF_LAYER[n][0], f"({a} h) -> {a} h") for n, a in zip(("q_norm", "k_norm"), "nk")}
     names = HF_LAYER | ({"mlp_norm": ("pre_feedforward_layernorm.weight", "d -> d")}  # Gemma's
-                        if cfg.sandwich_norm else {}) | (whole if cfg.qk_norm_whole else {})
+                        if cfg.sandwich_norm else {}) | (whole if cfg.qk_norm_whole else {}) | (
+        HF_GATE if cfg.attn_gate else {})
     n, F = cfg.global_every, cfg.n_layers - cfg.kv_shared
-    at = {"layers": ("l", "{l}")} if not cfg.global_head_dim else {
+    at = {"layers": ("l", "{l}")} if not (cfg.global_head_dim or cfg.linear_k_heads) else {
         "layers": ("l", f"{{l*{n}//{n - 1}}}"), "global_layers": ("g", f"{{g*{n}+{n - 1}}}"),
         "shared_layers": ("s", f"{{s*{n}//{n - 1}+{F}}}"),
         "shared_global_layers": ("t", f"{{t*{n}+{F + n - 1}}}")}
@@ -1288,11 +1370,13 @@ def hf_mapping(cfg: ModelConfig) -> dict:
 
 def _hf_sizes(cfg: ModelConfig) -> dict:
     L, n, S = cfg.n_layers, max(cfg.global_every, 1), cfg.kv_shared
-    own = (L - S) // n if cfg.global_head_dim else 0   # Gemma 4's periods with their own K/V
+    own = (L - S) // n if cfg.global_head_dim or cfg.linear_k_heads else 0  # global periods
+    Hk, Hv, Dk, Dv = (cfg.linear_k_heads, cfg.linear_v_heads, cfg.linear_k_dim, cfg.linear_v_dim)
     return dict(l=L - S - own, g=own, s=S - S // n, t=S // n, d=cfg.d_model, n=cfg.n_heads,
                 k=cfg.n_kv_heads, h=cfg.head_dim, f=cfg.d_ff, v=cfg.vocab_size, o=1,
-                j=cfg.global_head_dim, u=cfg.global_kv_heads or cfg.n_kv_heads, w=2 * cfg.d_ff,
-                p=cfg.ple_dim, q=L * cfg.ple_dim)
+                j=cfg.global_head_dim or cfg.head_dim, u=cfg.global_kv_heads or cfg.n_kv_heads,
+                w=2 * cfg.d_ff, p=cfg.ple_dim, q=L * cfg.ple_dim, lk=Hk, lq=Dk,
+                lr=Hv // max(Hk, 1), lx=2 * Hk * Dk + Hv * Dv, lw=cfg.linear_conv, lv=Hv, ly=Dv)
 
 
 def config_from_hf(c: dict, where: str = "config.json") -> ModelConfig:
@@ -1316,7 +1400,7 @@ def config_from_hf(c: dict, where: str = "config.json") -> ModelConfig:
         raise unsupported(f"hidden activation {act!r} (only {want})")
     if c.get("attention_bias") or c.get("mlp_bias"):
         raise unsupported("attention_bias / mlp_bias (biases on every projection)")
-    if c.get("partial_rotary_factor", 1.0) != 1.0:
+    if c.get("partial_rotary_factor", 1.0) != 1.0 and mt != "qwen3_5_text":
         raise unsupported(f"partial_rotary_factor {c['partial_rotary_factor']}")
     if c.get("use_bidirectional_attention") not in (None, False, "vision"):  # Gemma 4's
         # "vision" lets an image's tokens see each other; text stays causal
@@ -1324,7 +1408,8 @@ def config_from_hf(c: dict, where: str = "config.json") -> ModelConfig:
     # Each value in its field's type (HF writes 256 for a float); absent, null or 0: the default.
     typed = lambda d, keys: {k: type(getattr(ModelConfig, k))(d[key]) for key, k in keys.items()
                              if d.get(key)}
-    f = typed(c, HF_KEYS | (GEMMA_KEYS if gemma else {}))
+    f = typed(c, HF_KEYS | (GEMMA_KEYS if gemma else {}) | (QWEN35_KEYS if mt == "qwen3_5_text"
+                                                           else {}))
     f = dict(n_kv_heads=f["n_heads"], head_dim=f["d_model"] // f["n_heads"]) | f | HF_KNOBS[mt]
     rope = c.get("rope_parameters") or {}
     if mt in ("gemma3_text", "olmo3", "gemma4_text"):  # global and local RoPE: per layer type
@@ -1387,6 +1472,16 @@ def config_from_hf(c: dict, where: str = "config.json") -> ModelConfig:
             c["attention_k_eq_v"]), global_kv_heads=per[glob[0]].get("num_key_value_heads", 0),
                   ple_dim=c["hidden_size_per_layer_input"] or 0, kv_shared=S,
                   wide_shared_mlp=bool(S and c["use_double_wide_mlp"]))
+    if mt == "qwen3_5_text":  # every n-th layer (gated) attention turning a share, DeltaNet between
+        kinds, L, H = c.get("layer_types") or [], f["n_layers"], f["head_dim"]
+        n = kinds.index("full_attention") + 1 if "full_attention" in kinds else c.get(
+            "full_attention_interval", 4)
+        R = int(H * float(c.get("partial_rotary_factor") or rope.get("partial_rotary_factor", 1)))
+        if n < 2 or L % n or kinds and kinds != (["linear_attention"] * (n - 1) + [
+                "full_attention"]) * (L // n) or R % 2:
+            raise unsupported(f"layer_types {kinds} (only every n-th layer full, n > 1 dividing "
+                              f"{L}) or {R} dims turned (odd)")
+        f |= dict(global_every=n, rotary_dim=R if R < H else 0)
     return ModelConfig(**f)
 
 
@@ -1394,32 +1489,37 @@ def config_to_hf(cfg: ModelConfig, model_type: str = "", dtype: str = "float32")
     """A config.json for `cfg` that transformers 4.4x and 5.x both read (each finds its own
     spelling of the rope settings). model_type "" picks the family from the knobs."""
     gemma = cfg.sandwich_norm
-    mt = model_type or ("gemma4_text" if cfg.global_head_dim else
-                        ("olmo3" if cfg.sliding_window else "olmo2") if cfg.post_norm else
+    mt = model_type or ("qwen3_5_text" if cfg.linear_k_heads else "gemma4_text" if (
+                        cfg.global_head_dim) else ("olmo3" if cfg.sliding_window else "olmo2")
+                        if cfg.post_norm else
                         "gemma3_text" if gemma and cfg.qk_norm else "gemma2" if gemma else
                         "gemma" if cfg.norm_plus_one else "qwen3" if cfg.qk_norm else "qwen2"
                         if cfg.qkv_bias else "llama")
     if mt not in HF_ARCHITECTURES:
         raise hf.HFError(f"model_type {mt!r}: choose one of {', '.join(HF_ARCHITECTURES)}.")
     bad = {k: getattr(cfg, k) for k in ("qkv_bias", "qk_norm", *HF_KNOBS["olmo3"], *_GEMMA_KNOBS,
-                                        "v_norm", "layer_scale")
+                                        "v_norm", "layer_scale", "attn_gate")
            if getattr(cfg, k) != HF_KNOBS[mt].get(k, False)}
     may = dict.fromkeys(GEMMA_KEYS.values(), GEMMA) | dict(  # rope_linear: Gemma 2 has one RoPE
         sliding_window=(*GEMMA, "olmo3"), rope_local_theta=(*GEMMA[1:], "olmo3"),
         attn_softcap=GEMMA[:2], **dict.fromkeys(("rope_linear", "yarn_factor"), set(
             HF_ARCHITECTURES) - {"gemma2"}), **dict.fromkeys(("global_head_dim", "k_eq_v",
-            "global_kv_heads", "rope_partial", "ple_dim", "kv_shared"), ("gemma4_text",)))
+            "global_kv_heads", "rope_partial", "ple_dim", "kv_shared"), ("gemma4_text",)),
+        **dict.fromkeys(("rotary_dim", "linear_k_heads"), ("qwen3_5_text",)))
     bad |= {k: getattr(cfg, k) for k, ok in may.items() if getattr(cfg, k) and mt not in ok
             or k == "query_scale" and getattr(cfg, k) % 1}   # HF's query_pre_attn_scalar: an int
     if mt == "gemma4_text" and (cfg.query_scale != 1.0 or not cfg.global_head_dim):
         bad |= dict(query_scale=cfg.query_scale, global_head_dim=cfg.global_head_dim)
+    if mt == "qwen3_5_text" and not cfg.linear_k_heads:
+        bad |= dict(linear_k_heads=0)
     if bad:
         raise hf.HFError(f"model_type {mt!r} does not fit this model ({bad}): q/k/v biases "
                          "are qwen2's; q/k norms qwen3's, gemma3_text's, OLMo's (whole, with post "
                          "norms); (1 + w) norms, GeGLU, the embedding scale Gemmas'; sandwich "
                          "norms, soft-caps gemma2's, gemma3_text's; windows theirs and olmo3's, "
                          "a local RoPE gemma3_text's and olmo3's; gemma4_text needs global layers "
-                         "of their own, normed values, scaled layers, a query scale of 1.")
+                         "of their own, normed values, scaled layers, a query scale of 1; "
+                         "qwen3_5_text Gated DeltaNet layers and gated attention.")
     rope = {"rope_type": "default", "rope_theta": cfg.rope_theta} | (
         {"rope_type": "linear", "factor": cfg.rope_linear} if cfg.rope_linear else {}) | (
         dict(rope_type="yarn", factor=cfg.yarn_factor, beta_fast=32.0, beta_slow=1.0,  # OLMo 3's
@@ -1460,6 +1560,11 @@ def config_to_hf(cfg: ModelConfig, model_type: str = "", dtype: str = "float32")
             per_layer_config={
                 str(i): {"head_dim": G} | ({"num_key_value_heads": K} if K else {})
                 for i in range(n - 1, L, n)})
+    if mt == "qwen3_5_text":  # n - 1 DeltaNet layers, then gated attention turning a share
+        c |= {key: getattr(cfg, k) for key, k in QWEN35_KEYS.items()} | dict(
+            rope_parameters=rope | {"partial_rotary_factor": (cfg.rotary_dim or cfg.head_dim) /
+                                    cfg.head_dim}, full_attention_interval=n, layer_types=(
+                ["linear_attention"] * (n - 1) + ["full_attention"]) * (L // n))
     if mt in ("gemma3_text", "olmo3", "gemma4_text"):  # 5.x: rope_parameters per layer type
         local = cfg.rope_local_theta or cfg.rope_theta  # 4.x Gemma 3 its local base
         c |= dict(rope_parameters={"full_attention": rope, "sliding_attention": {
@@ -1476,7 +1581,7 @@ def load_hf(path: str, mesh=None) -> tuple[ModelConfig, dict]:
     # Gemma 4's layers that reuse keys and values may carry projections that nothing reads
     unused = lambda name: (p := name.split("."))[:2] == ["model", "layers"] and p[3:4] == [
         "self_attn"] and p[4] in ("k_proj", "v_proj", "k_norm") and int(p[2]) >= (
-        cfg.n_layers - cfg.kv_shared)
+        cfg.n_layers - cfg.kv_shared) or p[0] == "mtp"  # Qwen3.5's MTP module (text-only exports)
     return cfg, train.hf_params(ckpt, mesh, _param_table(cfg), hf_mapping(cfg), _hf_sizes(cfg),
                                 unused)
 

@@ -676,6 +676,19 @@ def causal_conv(x_BT_, w_K_):
     return jax.nn.silu(sum(w_K_[j] * xp[:, j:j + T] for j in range(K)))
 
 
+def unit_lower_solve(A, B):
+    """X with (I + A) X = B, A strictly lower-triangular [..., C, C]: forward substitution in
+    halves (log2 C levels of matmuls). Not LAPACK's batched solve: on the CPU its batches are
+    spread over XLA's thread pool, and two solves waiting on it at once deadlocked every run of
+    the training loop here (jaxlib's ParallelBatchMap)."""
+    h = A.shape[-1] // 2
+    if not h:
+        return B
+    x1 = unit_lower_solve(A[..., :h, :h], B[..., :h, :])
+    x2 = unit_lower_solve(A[..., h:, h:], B[..., h:, :] - A[..., h:, :h] @ x1)
+    return jnp.concatenate([x1, x2], -2)
+
+
 def delta_rule_chunked(q_BTHK, k_BTHK, v_BTHV, g_BTH, beta_BTH, chunk: int):
     """o [B, T, H, Dv] (float32) of the gated delta rule, in chunks of C positions (the WY/UT
     form: Yang et al. 2024, arXiv 2406.06484 sec. 3, and 2412.06464 sec. 3.3): O(T C) work and
@@ -698,16 +711,9 @@ def delta_rule_chunked(q_BTHK, k_BTHK, v_BTHV, g_BTH, beta_BTH, chunk: int):
     causal = np.tril(np.ones((C, C), bool))
     decay = jnp.exp(jnp.where(causal, G[..., :, None] - G[..., None, :], -jnp.inf))
     dots = lambda x, y: jnp.einsum("bnhik,bnhjk->bnhij", x, y)
-    N = -jnp.tril(b[..., None] * dots(k, k) * decay, -1)
-    # (I - N)^-1 = (I + N)(I + N^2)(I + N^4)...: N is strictly lower triangular, so N^C = 0 and
-    # log2(C) products of [C, C] matrices are the exact inverse. Matmuls, not LAPACK's trsm:
-    # jaxlib's CPU trsm splits its batch over XLA's own thread pool and waits inside it, so two
-    # solves at once deadlocked a 2-core host (both pool threads waiting: 3 runs of tiny-qwen35).
-    inv, P = jnp.eye(C) + N, N
-    for _ in range(max(0, math.ceil(math.log2(C)) - 1)):
-        P = P @ P
-        inv = inv + inv @ P
-    uw = inv @ jnp.concatenate([b[..., None] * v, (b * jnp.exp(G))[..., None] * k], -1)
+    A = jnp.tril(b[..., None] * dots(k, k) * decay, -1)
+    uw = unit_lower_solve(A, jnp.concatenate([b[..., None] * v, (b * jnp.exp(G))[..., None] * k],
+                                             -1))
 
     def step(S, xs):
         u, w, attn, qg, kg, last = xs

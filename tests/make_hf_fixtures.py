@@ -31,7 +31,8 @@ norm and RoPE in pairs. Gemma 4's MoE adds a dense MLP beside the experts in eve
 normed in and out, and a router with its own gain and per-expert scales. DeepSeek-V3.2 adds
 the lightning indexer (LayerNorm'd key with a bias, ReLU scores weighted per head, RoPE in halves)
 choosing fewer keys than the 16 tokens. Qwen3.5's is multimodal as released (its language model
-under model.language_model, a vision tower beside) with 3 value heads to a DeltaNet key head.
+under model.language_model, a vision tower beside) with 3 value heads to a DeltaNet key head;
+its dense models (qwen3_5) the same block with a SwiGLU MLP in every layer, over two periods.
 """
 from __future__ import annotations
 
@@ -246,6 +247,19 @@ FAMILIES = {
         max_position_embeddings=64), vision_config=dict(
             depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=32,
             num_position_embeddings=4)), "16KB"),
+    # Qwen3.5's dense models as released (multimodal, as qwen3_5_moe): every layer a SwiGLU MLP;
+    # two periods of 3 DeltaNet layers (2 key heads 8 wide, each serving 3 value heads 6 wide)
+    # and a gated attention layer turning 4 of its 16 dims.
+    "qwen3_5": ("qwen3_5", dict(text_config=dict(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=8,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
+        linear_num_value_heads=6, linear_key_head_dim=8, linear_value_head_dim=6,
+        linear_conv_kernel_dim=4, rms_norm_eps=1e-6,
+        rope_parameters=dict(rope_type="default", rope_theta=1000.0, partial_rotary_factor=0.25,
+                             mrope_section=[1, 1, 0], mrope_interleaved=True),
+        max_position_embeddings=64), vision_config=dict(
+            depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=32,
+            num_position_embeddings=4)), "16KB"),
 }
 # Written as this model_type (the checkpoint is the other's, as Moonshot ships it).
 RENAMED = {"kimi_k2": "kimi_k2"}
@@ -259,7 +273,7 @@ def randomize(model: torch.nn.Module, seed: int, model_type: str = "") -> None:
     without flattening)."""
     gemma = "gemma" in model_type
     plus_one = gemma and model_type != "gemma4_text" or model_type in ("qwen3_next",
-                                                                         "qwen3_5_moe")
+                                                                         "qwen3_5_moe", "qwen3_5")
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, b in sorted(model.named_buffers()):  # DeepSeek's choice bias: a buffer

@@ -22,6 +22,9 @@ SAME_SOURCE = {
     # The MoE trainer's loss is dense's fused chunked cross-entropy, soft-cap included.
     "_chunked": (td, tm), "_softcap": (td, tm), "cross_entropy": (td, tm), "_ce_fused": (td, tm),
     "_ce_fused_fwd": (td, tm), "_ce_fused_bwd": (td, tm),
+    # Qwen3.5's Gated DeltaNet and partial RoPE: the dense models' are the MoE models'
+    "gated_deltanet": (td, tm), "causal_conv": (td, tm), "delta_rule_chunked": (td, tm),
+    "partial_rope": (td, tm), "weights": (td, tm), "unit_lower_solve": (td, tm),
     # train_grpo.py's policy is train_dense.py's model, Gemma's knobs included, with its HF
     # translation (its block and hidden add a KV cache: tests/test_grpo.py holds their numbers).
     "ModelConfig": (td, tg), "_param_table": (td, tg), "rope_inv_freq": (td, tg),
@@ -31,7 +34,8 @@ SAME_SOURCE = {
 }
 SAME_VALUE = {name: (td, tg) for name in (
     "MUON_DIMS", "HF_ARCHITECTURES", "GEMMA", "_HF_DEFAULTS", "HF_KEYS", "GEMMA_KEYS",
-    "LLAMA3_ROPE", "YARN_ROPE", "HF_KNOBS", "HF_CONSTANTS", "HF_TOP", "HF_LAYER")}
+    "LLAMA3_ROPE", "YARN_ROPE", "HF_KNOBS", "HF_CONSTANTS", "HF_TOP", "HF_LAYER", "QWEN35_KEYS",
+    "HF_GATE")}
 
 
 @pytest.mark.parametrize("name", sorted(SAME_SOURCE))
@@ -93,3 +97,14 @@ def test_moe_hf_names_share_the_dense_entries():
     assert shared >= {"attn_norm", "mlp_norm", "wq", "wk", "wv", "wo", "q_norm", "k_norm"}
     assert {k: td.HF_LAYER[k] for k in shared} == {k: tm._HF_LAYER[k] for k in shared}
     assert td.HF_TOP == tm._HF_TOP
+
+
+def test_qwen35_hf_names_are_the_moe_ones():
+    """Qwen3.5's DeltaNet projections, gated query and config keys: the dense folders spell them
+    as the MoE ones do (train_moe.py's qwen3_5_moe_text entries)."""
+    moe = tm._HF_FAMILY_NAMES["qwen3_5_moe_text"]
+    ours = {k: v for k, v in td.HF_LAYER.items() if k.startswith("lin_") or k in (
+        "A_log", "dt_bias")} | td.HF_GATE
+    assert len(ours) == 13 and ours == {k: moe[k] for k in ours}
+    assert td.QWEN35_KEYS == {k: v for k, v in tm._HF_FAMILY_FIELDS["qwen3_5_moe_text"].items()
+                              if k.startswith("linear_")}

@@ -147,8 +147,10 @@ GEMMA = """model.sliding_window model.global_every model.rope_local_theta model.
 OLMO = "model.yarn_factor: >= 0 | model.yarn_original_max_len: > 0"
 GEMMA4 = """model.global_head_dim model.global_kv_heads model.ple_dim model.kv_shared: >= 0
             model.rope_partial: [0, 1]"""
+QWEN35 = """model.linear_k_heads model.linear_v_heads model.rotary_dim: >= 0
+            model.linear_k_dim model.linear_v_dim model.linear_conv model.linear_chunk: > 0"""
 EXPECTED = {
-    "train_dense": [MESH, CKPT, DATA, LLAMA, GEMMA, OLMO, GEMMA4, TRAIN, """
+    "train_dense": [MESH, CKPT, DATA, LLAMA, GEMMA, OLMO, GEMMA4, QWEN35, TRAIN, """
         train.eval_samples train.eval_tasks_limit: >= 0 | compile_slices: > 0
         train.pipeline_repeats: > 0
         dpo.beta dpo.simpo_beta: > 0 | dpo.simpo_gamma: >= 0
@@ -174,7 +176,7 @@ EXPECTED = {
         model.linear_k_heads model.linear_v_heads model.rotary_dim: >= 0
         model.linear_k_dim model.linear_v_dim model.linear_conv model.linear_chunk: > 0
         compile_slices: > 0 | lora.rank: >= 0 | lora.alpha: > 0"""],
-    "train_grpo": [MESH, CKPT, LLAMA, GEMMA, OLMO, GEMMA4, """
+    "train_grpo": [MESH, CKPT, LLAMA, GEMMA, OLMO, GEMMA4, QWEN35, """
         grpo.prompts_per_step grpo.group_size grpo.max_new_tokens grpo.temperature grpo.mu
         grpo.microbatches grpo.lr grpo.clip_norm grpo.log_every grpo.eval_every: > 0
         grpo.steps grpo.top_k grpo.beta grpo.warmup_steps grpo.weight_decay
@@ -307,6 +309,7 @@ RESUMABLE = {
     "train_dense": f"""train: {LOOP} eval_batches sample_tokens temperature sample_prompt eval_samples
                eval_tasks eval_tasks_limit pipeline_repeats
         model: dtype attention context_attention remat scan_layers loss_chunk loss_impl
+               linear_chunk
         : quiet mesh checkpoint dry_run compile_topology compile_slices bench run_dir
         data: cache_dir""",
     "train_moe": f"""train: {LOOP} eval_batches sample_tokens temperature sample_prompt
@@ -317,15 +320,16 @@ RESUMABLE = {
         data: cache_dir""",
     "train_grpo": f"""grpo: {LOOP}
         model: dtype attention context_attention remat scan_layers loss_chunk loss_impl
+               linear_chunk
         : quiet mesh checkpoint dry_run bench run_dir warm""",
 }
 # Model fields kept from this run's flags under --init-from(-hf): how to compute, not what.
 COMPUTE = {"train_dense": "dtype attention context_attention remat scan_layers loss_chunk "
-                          "loss_impl",
+                          "loss_impl linear_chunk",
            "train_moe": "dtype attention context_attention remat scan_layers loss_chunk "
                         "grouped_matmul gmm_tile capacity_factor index_chunk linear_chunk",
            "train_grpo": "dtype attention context_attention remat scan_layers loss_chunk "
-                         "loss_impl"}
+                         "loss_impl linear_chunk"}
 
 
 @pytest.mark.parametrize("mod", [td, tm, tg], ids=lambda m: m.__name__)

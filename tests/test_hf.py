@@ -28,7 +28,7 @@ from common.mesh import MeshConfig, make_mesh
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIXTURES = os.path.join(ROOT, "tests", "fixtures", "hf")
 FAMILIES = ["llama2", "llama3.1", "llama3.2", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text",
-            "gemma", "olmo3", "olmo2", "gemma4_text", "gemma4_ple"]
+            "gemma", "olmo3", "olmo2", "gemma4_text", "gemma4_ple", "qwen3_5"]
 TOL = 1e-4  # float32, on logits that reach 3 to 50 in these fixtures
 # Bookkeeping in a config.json, not the model: left out of the key-by-key comparison.
 BOOKKEEPING = {"transformers_version", "dtype", "torch_dtype", "bos_token_id", "eos_token_id",
@@ -214,6 +214,9 @@ def test_save_load_round_trip(name, loaded, tmp_path):
               if k not in BOOKKEEPING and ours.config.get(k, "(absent)") != v}
     if name == "mistral":  # the sliding window became the maximum length, by design
         assert differ == {"sliding_window": (48, None), "max_position_embeddings": (64, 48)}
+    elif name == "qwen3_5":  # RoPE's sections for images' positions: a text model has none
+        assert list(differ) == ["rope_parameters"] and ours.config["rope_parameters"] == {
+            k: v for k, v in src.config["rope_parameters"].items() if not k.startswith("mrope")}
     else:
         assert differ == {}
 
@@ -262,7 +265,7 @@ def test_live_transformers_loads_our_export(name, loaded, tmp_path):
 # Sharded loading
 
 
-@pytest.mark.parametrize("name", ["qwen3", "llama3.1"])
+@pytest.mark.parametrize("name", ["qwen3", "llama3.1", "qwen3_5"])  # 3.5: DeltaNet over tensor
 def test_sharded_load_equals_one_device(name, loaded):
     cfg, one = loaded[name]
     mesh = make_mesh(MeshConfig(fsdp=4, tensor=2))

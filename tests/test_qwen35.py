@@ -5,7 +5,9 @@ checkpoint (tests/make_hf_fixtures.py qwen3_next) and back out through save_hf, 
 expert against one device, the 80B-A3B preset's counts against the published ones, the checks,
 and a few steps of tiny-qwen35 lowering its loss. Qwen3.5's folders (qwen3_5_moe: the same block,
 other names) are checked with the other families in tests/test_hf_moe.py; here their release
-layout, experts fused two tensors a layer and the MTP module beside."""
+layout, experts fused two tensors a layer and the MTP module beside. Last, the dense models'
+block in train_dense.py (qwen3_5 folders: tests/test_hf.py): sharded against one device, the
+preset and its FLOPs, the refusals, left padding."""
 import dataclasses
 import math
 import os
@@ -16,6 +18,8 @@ import numpy as np
 import optax
 import pytest
 
+import train_dense as td
+import train_grpo as tg
 import train_moe as tm
 from common import hf
 from common.mesh import MeshConfig, make_mesh
@@ -222,3 +226,112 @@ def test_qwen35_release_layout(tmp_path):
     with pytest.raises(hf.HFError, match=r"down_proj has shape \[4, 32, 8\] but config.json "
                                          r"implies \[4, 32, 16\]"):
         tm.load_hf(str(tmp_path / "fused"))
+
+
+# ----------------------------------------------------------------------------------------------
+# Qwen3.5's dense models in train_dense.py (the same DeltaNet, a SwiGLU MLP in every layer);
+# their qwen3_5 folders' parity, round trip and sharded load are tests/test_hf.py's.
+DENSE = dataclasses.replace(td.PRESETS["tiny-qwen35-dense"][1].model, vocab_size=128, d_model=32,
+                            head_dim=16, rotary_dim=4, d_ff=48, linear_k_dim=8, linear_v_dim=6,
+                            linear_chunk=8)
+
+
+def dense_loss_and_grads(params, batch, mesh):
+    with jax.set_mesh(mesh):
+        params = jax.device_put(params, td.named(mesh, td.param_specs(DENSE)))
+        loss, g = jax.jit(jax.value_and_grad(lambda p: td.loss_fn(p, batch, DENSE)[0]))(params)
+        return float(loss), jax.device_get(g)
+
+
+def test_dense_sharded_equals_one_device_and_every_weight_learns():
+    """tensor 2 x fsdp 2 x data 2 (DeltaNet's key-head groups and the attention's heads over
+    tensor) against one device, as train_moe.py's twin above; then Adam on one batch lowers
+    the loss."""
+    rng = np.random.default_rng(4)
+    params = jax.tree.map(lambda x: np.asarray(x) + 0.1 * rng.standard_normal(x.shape).astype(
+        np.float32), td.init_params(DENSE, jax.random.key(1)))
+    batch = rng.integers(0, DENSE.vocab_size, (8, 14), dtype=np.int32)
+    one = dense_loss_and_grads(params, batch, make_mesh(MeshConfig(fsdp=1), jax.devices()[:1]))
+    got = dense_loss_and_grads(params, batch, make_mesh(MeshConfig(fsdp=2, data=2, tensor=2)))
+    assert got[0] == pytest.approx(one[0], rel=1e-6)
+    for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(got[1]), jax.tree.leaves(one[1])):
+        np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-3 * np.abs(y).max(),
+                                   err_msg=jax.tree_util.keystr(path))
+    for stack, names in (("layers", ("lin_q", "lin_k", "lin_v", "lin_z", "lin_b", "lin_a",
+                                     "lin_conv", "A_log", "dt_bias", "lin_norm", "lin_wo")),
+                         ("global_layers", ("wq", "wq_gate", "q_norm", "k_norm"))):
+        for name in names:
+            assert float(np.abs(one[1][stack][name]).max()) > 1e-6, name   # each is trained
+    tx = optax.adam(3e-3)
+    state, losses = tx.init(params), []
+    step = jax.jit(lambda p, s: (lambda l, g: (l, *tx.update(g, s)))(*jax.value_and_grad(
+        lambda p: td.loss_fn(p, batch, DENSE)[0])(p)))
+    for _ in range(10):
+        loss, upd, state = step(params, state)
+        params, losses = optax.apply_updates(params, upd), losses + [float(loss)]
+    assert losses[-1] < losses[0] - 0.5, losses
+
+
+def test_dense_preset_and_flops():
+    """The preset validates; its parameters are what init makes; DeltaNet layers cost their
+    projections and chunk work, no attention over keys (against the same model all attention)."""
+    cfg = td.PRESETS["tiny-qwen35-dense"][1]
+    td.validate(cfg, 8)
+    shapes = jax.eval_shape(lambda: td.init_params(cfg.model, jax.random.key(0)))
+    assert sum(math.prod(x.shape) for x in jax.tree.leaves(shapes)) == td.count_params(cfg.model)
+    m, T = cfg.model, 256
+    plain = dataclasses.replace(m, linear_k_heads=0, linear_v_heads=0, global_every=0,
+                                attn_gate=False)
+    D, N, H, Hv, Dk, Dv, C = m.d_model, m.n_heads, m.head_dim, 4, 64, 64, 64
+    lin = D * (2 * 2 * Dk + 2 * Hv * Dv + 2 * Hv) + Hv * Dv * D + Hv * (
+        C * 2 * (Dk + Dv) + 3 * Dk * Dv)
+    attn = D * N * H * 2 + D * m.n_kv_heads * H * 2
+    assert td.flops_per_token(m, T) - td.flops_per_token(plain, T) == pytest.approx(
+        3 * (2 * (3 * (lin - attn) + D * N * H) - 3 * 4 * T * H * N))
+
+
+@pytest.mark.parametrize("change, mesh, match", [
+    (dict(), MeshConfig(context=2, fsdp=-1), "--model.linear-k-heads 2 with --mesh.context 2"),
+    (dict(), MeshConfig(stage=2, fsdp=-1), "--mesh.stage 2"),
+    (dict(n_layers=6), MeshConfig(), r"--model.linear-k-heads 2 .* --model.n-layers 6"),
+    (dict(linear_v_heads=3), MeshConfig(), "whole group of --model.linear-v-heads 3"),
+    (dict(rotary_dim=5), MeshConfig(), "--model.rotary-dim 5"),
+    (dict(sliding_window=8), MeshConfig(), "without Gemma's windows"),
+    (dict(linear_k_heads=0, global_every=0), MeshConfig(), "--model.linear-v-heads 4 without"),
+    (dict(n_kv_heads=4), MeshConfig(tensor=4, fsdp=-1), "--model.linear-k-heads 2 is not divisible by "
+                                            "--mesh.tensor 4")])
+def test_dense_bad_flags(change, mesh, match):
+    cfg = td.Config(model=dataclasses.replace(DENSE, **change), mesh=mesh,
+                    train=td.TrainConfig(microbatches=2))
+    with pytest.raises(ConfigError, match=match):
+        td.validate(cfg, 8)
+
+
+def test_dense_refusals_by_name():
+    """QK-clip has no logits in DeltaNet layers; GRPO's cache carries no DeltaNet state."""
+    with pytest.raises(ConfigError, match="--train.qk-clip-threshold 50.0: the delta rule"):
+        td.validate(td.Config(model=DENSE, train=td.TrainConfig(qk_clip_threshold=50.0)), 8)
+    cfg = tg.cli(["tiny", "--model.linear-k-heads", "2", "--model.linear-v-heads", "4",
+                  "--model.global-every", "4", "--model.attn-gate", "--model.n-layers", "4"])
+    with pytest.raises(ConfigError, match="--model.linear-k-heads 2, --model.attn-gate True: "
+                                          "Qwen3.5's block"):
+        tg.validate(cfg, 8, None)
+
+
+def test_dense_left_padding_is_as_if_absent():
+    """A prompt left-padded for decoding (`train.prompt_rows`: padding a segment 0 of its own,
+    positions from the prompt's start) gives the logits of the prompt alone: DeltaNet's state
+    stays 0 through the zeroed padding, its convolution sees zeros as before a row's start."""
+    params = td.init_params(DENSE, jax.random.key(2))
+    tokens = np.random.default_rng(5).integers(1, DENSE.vocab_size, (1, 11), dtype=np.int32)
+    pad = 5
+    padded = np.concatenate([np.full((1, pad), 7, np.int32), tokens], 1)
+    seg = (np.arange(pad + 11) >= pad).astype(np.int32)[None]
+    pos = np.maximum(np.arange(pad + 11) - pad, 0)[None]
+    want = td.forward(params, tokens, DENSE)
+    got = td.forward(params, padded, DENSE, segment_ids=seg, positions=pos)[:, pad:]
+    np.testing.assert_allclose(got, want, atol=2e-5)
+    lp = jax.tree.map(lambda a: a[0], params["layers"])   # unzeroed, the padding would leak
+    h = np.random.default_rng(6).standard_normal((1, pad + 11, DENSE.d_model)).astype(np.float32)
+    leak = td.gated_deltanet(h, lp, DENSE)[:, pad:] - td.gated_deltanet(h[:, pad:], lp, DENSE)
+    assert float(np.abs(leak).max()) > 1e-3
