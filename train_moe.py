@@ -694,7 +694,7 @@ def delta_rule_chunked(q_BTHK, k_BTHK, v_BTHV, g_BTH, beta_BTH, chunk: int):
     form: Yang et al. 2024, arXiv 2406.06484 sec. 3, and 2412.06464 sec. 3.3): O(T C) work and
     memory within chunks, a lax.scan over them carrying S [B, H, Dk, Dv]. In a chunk entered
     with S_0, with log-decays G_i = g_1 + ... + g_i, the chunk's C corrections are one unit
-    lower-triangular system (I + A) [u | w] = [b v | b e^G k], A_ij = b_i e^{G_i - G_j} k_i.k_j
+    lower-triangular solve (I + A) [u | w] = [b v | b e^G k], A_ij = b_i e^{G_i - G_j} k_i.k_j
     (j < i); the corrected values v' = u - w S_0, and
 
         o = (e^G q) S_0 + (e^{G_i - G_j} q_i.k_j, j <= i) v',   S_C = e^{G_C} S_0 + (e^{G_C - G} k)^T v'.
