@@ -41,7 +41,8 @@ def random_adapters(model=SMALL, seed=3):
 def test_table_shapes_specs_and_refusals():
     t = table()
     L, D, N, K, H, F = 2, 32, 4, 2, 8, 64
-    assert set(t) == {"layers"} and set(t["layers"]) == set(td.MUON_DIMS) - {"ple_gate", "ple_out"}
+    # the Muon matrices this (Llama) model has: Gemma 4's and DeltaNet's are not in its table
+    assert set(t) == {"layers"} and set(t["layers"]) <= set(td.MUON_DIMS)
     got = {k: (v["a"][0], v["b"][0]) for k, v in t["layers"].items()}
     assert got == {"wq": ((L, D, 4), (L, 4, N, H)), "wk": ((L, D, 4), (L, 4, K, H)),
                    "wv": ((L, D, 4), (L, 4, K, H)), "wo": ((L, N, H, 4), (L, 4, D)),
