@@ -361,7 +361,14 @@ def block(x_BTD, lp: dict, cfg: ModelConfig, *, pos_BT, inv_freq, mask_BTS=None,
             k, v = k + w("bk"), v + w("bv")
         k = apply_rope(norm(k, "k_norm") if cfg.qk_norm else k, pos_BT, inv_freq)
         v = rms_norm(v, 1.0, cfg.norm_eps) if cfg.v_norm else v  # Gemma 4's: per head
-        if kv is not None:
+        if kv is not None and len(kv) == 3:  # the whole stack [L, B, S, K, H] and this layer's
+            # index: the new columns written in place, not the layer's [B, S, K, H] rewritten
+            ck, cv, i = kv
+            at = (i, 0, index, 0, 0)
+            ck = jax.lax.dynamic_update_slice(ck, k[None].astype(ck.dtype), at)
+            cv = jax.lax.dynamic_update_slice(cv, v[None].astype(cv.dtype), at)
+            k, v, kv = ck[i], cv[i], (ck, cv)
+        elif kv is not None:
             # Keys are cached after RoPE, so a cached key never needs its position again.
             k = jax.lax.dynamic_update_slice_in_dim(kv[0], k.astype(kv[0].dtype), index, axis=1)
             v = jax.lax.dynamic_update_slice_in_dim(kv[1], v.astype(kv[1].dtype), index, axis=1)
@@ -502,8 +509,15 @@ def hidden(params: dict, tokens_BT, cfg: ModelConfig, *, positions=None, mask_BT
     if not cfg.global_head_dim:
         layer = remat(lambda x, xs: run(x, xs[0], inv_freq=inv_freq, kv=xs[1], is_global=xs[2],
                                         ple_BTP=xs[3]))
-        x, (kv, stats) = scan(layer, x, (params["layers"], kv_of(""), jnp.asarray(is_global_L),
-                                         ple_LBTP))
+        if cache is None:
+            x, (kv, stats) = scan(layer, x, (params["layers"], None, jnp.asarray(is_global_L),
+                                             ple_LBTP))
+        else:  # the cache carried whole, each layer writing its columns in place
+            def cached(c, xs):
+                x, (kv, st) = layer(c[0], (xs[0], (*c[1:], xs[1]), *xs[2:]))
+                return (x, *kv), st
+            (x, *kv), stats = scan(cached, (x, *kv_of("")), (
+                params["layers"], jnp.arange(L), jnp.asarray(is_global_L), ple_LBTP))
         new = {"": kv}
     else:  # Gemma 4's periods (train_dense.py's), each kind's cache [its layers, B, S, K, H]
         def kind(is_global, keep):
