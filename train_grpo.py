@@ -28,7 +28,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from common import hf, observe, train
-from common.attention import attend
+from common.attention import attend, cached
 from common.config import how, knob, resumable
 from common.checkpoint import CheckpointConfig
 from common.data import (CharTokenizer, ChatTemplate, PretrainedTokenizer, decode_completions,
@@ -335,10 +335,10 @@ def train_state(cfg: Config, mesh, tx, ref: bool = False, lora: bool = True) -> 
 # ----------------------------------------------------------------------------------------------
 def block(x_BTD, lp: dict, cfg: ModelConfig, *, pos_BT, inv_freq, mask_BTS=None, kv=None,
           index=0, max_logits: bool = False, is_global=True, shared=None, keep_kv=False,
-          ple_BTP=None):
+          ple_BTP=None, cache=False):
     """train_dense.py's block (tests/test_grpo.py holds the two equal) with a padding mask and
-    a KV cache: with `kv` (this layer's k and v [B, S, K, H]) the new keys and values are
-    written at column `index` and the queries attend over the whole cache; returns
+    a KV cache (`cache`): with `kv` (this layer's k and v [B, K, S, H], heads first) the new
+    keys and values are written at column `index` and the queries attend over the whole cache; returns
     (x, (kv, stats: with max_logits the heads' largest logit)). Gemma 4: a layer without keys
     and values of its own attends over `shared`, an earlier layer's (k, v) (its cache, when
     decoding), which stats hold with `keep_kv`."""
@@ -361,30 +361,33 @@ def block(x_BTD, lp: dict, cfg: ModelConfig, *, pos_BT, inv_freq, mask_BTS=None,
             k, v = k + w("bk"), v + w("bv")
         k = apply_rope(norm(k, "k_norm") if cfg.qk_norm else k, pos_BT, inv_freq)
         v = rms_norm(v, 1.0, cfg.norm_eps) if cfg.v_norm else v  # Gemma 4's: per head
-        if kv is not None and len(kv) == 3:  # the whole stack [L, B, S, K, H] and this layer's
-            # index: the new columns written in place, not the layer's [B, S, K, H] rewritten
+        # Keys are cached after RoPE, so a cached key never needs its position again.
+        k, v = (k, v) if kv is None else (k.swapaxes(1, 2), v.swapaxes(1, 2))
+        if kv is not None and len(kv) == 3:  # the whole stack [L, B, K, S, H] and this layer's
+            # index: the new columns written in place, not the layer's [B, K, S, H] rewritten
             ck, cv, i = kv
-            at = (i, 0, index, 0, 0)
+            at = (i, 0, 0, index, 0)
             ck = jax.lax.dynamic_update_slice(ck, k[None].astype(ck.dtype), at)
             cv = jax.lax.dynamic_update_slice(cv, v[None].astype(cv.dtype), at)
             k, v, kv = ck[i], cv[i], (ck, cv)
         elif kv is not None:
-            # Keys are cached after RoPE, so a cached key never needs its position again.
-            k = jax.lax.dynamic_update_slice_in_dim(kv[0], k.astype(kv[0].dtype), index, axis=1)
-            v = jax.lax.dynamic_update_slice_in_dim(kv[1], v.astype(kv[1].dtype), index, axis=1)
+            k = jax.lax.dynamic_update_slice_in_dim(kv[0], k.astype(kv[0].dtype), index, axis=2)
+            v = jax.lax.dynamic_update_slice_in_dim(kv[1], v.astype(kv[1].dtype), index, axis=2)
             kv = (k, v)
         shared = k, v
     k, v = shared
     if cfg.yarn_factor:  # YaRN's temperature where it stretches RoPE: logits x (0.1 ln s + 1)^2
         q = q * jnp.where(is_global, (0.1 * math.log(max(cfg.yarn_factor, 1)) + 1) ** 2, 1.0)
-    W = cfg.sliding_window if cfg.sliding_window < k.shape[1] else 0  # else: all within reach
+    S = k.shape[2 if cache else 1]
+    W = cfg.sliding_window if cfg.sliding_window < S else 0  # else: all within reach
     stats = {"max_logit": train.max_logits(q, k, mask_BTS, window=W, is_global=is_global)
              } if max_logits else {}
     # The mask: left padding and a cache's empty tail, which XLA's masked softmax takes.
-    full = partial(attend, q, k, v, impl=cfg.attention, mask_BTS=mask_BTS,
-                   scale=(cfg.query_scale or cfg.head_dim) ** -0.5, cap=cfg.attn_softcap)
+    full = partial(cached, q, k, v) if cache else partial(attend, q, k, v, impl=cfg.attention)
+    full = partial(full, mask_BTS=mask_BTS, scale=(cfg.query_scale or cfg.head_dim) ** -0.5,
+                   cap=cfg.attn_softcap)
     if W and mask_BTS is not None:  # the window as a mask, the queries at columns index..
-        near_TS = (index + jnp.arange(q.shape[1]))[:, None] - jnp.arange(k.shape[1]) < W
+        near_TS = (index + jnp.arange(q.shape[1]))[:, None] - jnp.arange(S) < W
         local = partial(full, mask_BTS=mask_BTS & near_TS)
     else:
         local = partial(full, window=W)
@@ -415,7 +418,7 @@ def constrain(x, spec: P):
 
 
 ACT_BTD = P(BATCH_AXES, None, None)  # activations between blocks: batch-sharded, d replicated
-CACHE_LBSKH = P(None, BATCH_AXES, None, "tensor", None)  # KV cache: rows and kv heads split
+CACHE_LBKSH = P(None, BATCH_AXES, "tensor", None, None)  # KV cache: rows and kv heads split
 
 
 def rms_norm(x, w, eps):
@@ -470,7 +473,7 @@ def hidden(params: dict, tokens_BT, cfg: ModelConfig, *, positions=None, mask_BT
     """Token ids -> (final-normed hidden states [B, T, D] in the compute dtype, KV cache, stats):
     train_dense.py's `hidden` with the defaults. Left-padded rows pass positions counted from
     their first real token and a mask that hides the padding. With `cache` (keys and values
-    [L, B, S, K, H]) the tokens sit at columns index..index+T-1 and are written in."""
+    [L, B, K, S, H]) the tokens sit at columns index..index+T-1 and are written in."""
     # Gather the table's fsdp shards first (as FSDP does for every weight), in the compute
     # dtype: a lookup into a table split on d makes XLA replicate the whole result.
     dt = jnp.dtype(cfg.dtype)
@@ -504,7 +507,7 @@ def hidden(params: dict, tokens_BT, cfg: ModelConfig, *, positions=None, mask_BT
     # Unrolled (--model.no-scan-layers), each layer is compiled on its own.
     scan = partial(jax.lax.scan, unroll=not cfg.scan_layers)
     run = partial(block, cfg=cfg, pos_BT=pos_BT, mask_BTS=mask_BTS, index=index,
-                  max_logits=max_logits)
+                  max_logits=max_logits, cache=cache is not None)
     kv_of = lambda name: None if cache is None else (cache[name + "k"], cache[name + "v"])
     if not cfg.global_head_dim:
         layer = remat(lambda x, xs: run(x, xs[0], inv_freq=inv_freq, kv=xs[1], is_global=xs[2],
@@ -519,7 +522,7 @@ def hidden(params: dict, tokens_BT, cfg: ModelConfig, *, positions=None, mask_BT
             (x, *kv), stats = scan(cached, (x, *kv_of("")), (
                 params["layers"], jnp.arange(L), jnp.asarray(is_global_L), ple_LBTP))
         new = {"": kv}
-    else:  # Gemma 4's periods (train_dense.py's), each kind's cache [its layers, B, S, K, H]
+    else:  # Gemma 4's periods (train_dense.py's), each kind's cache [its layers, B, K, S, H]
         def kind(is_global, keep):
             return remat(lambda x, lp, ple, kv, shared: run(
                 x, lp, inv_freq=inv_freq[is_global], is_global=is_global, kv=kv, shared=shared,
@@ -539,8 +542,9 @@ def hidden(params: dict, tokens_BT, cfg: ModelConfig, *, positions=None, mask_BT
         own, G = (L - S) // n, L // n
         by = lambda t, m: jax.tree.map(lambda a: a.reshape(m, -1, *a.shape[1:]), t)
         ple = [None, None] if ple_LBTP is None else jnp.split(by(ple_LBTP, G), [own])
-        Sk = x.shape[1] if cache is None else cache["k"].shape[2]  # keys: the cache's columns
-        zeros = lambda K, H: (jnp.zeros((x.shape[0], Sk, K, H), dt),) * 2
+        B, T = x.shape[:2]  # the keys a shared layer reads: this pass's, or the cache's
+        zeros = lambda K, H: (jnp.zeros((B, T, K, H) if cache is None else (
+            B, K, cache["k"].shape[3], H), dt),) * 2
         kv = (zeros(cfg.n_kv_heads, cfg.head_dim), zeros(cfg.global_kv_heads or cfg.n_kv_heads,
                                                          cfg.global_head_dim)) if S else None
         (x, kv), new = scan(period, (x, kv), (by(params["layers"], own), params["global_layers"],
@@ -552,7 +556,7 @@ def hidden(params: dict, tokens_BT, cfg: ModelConfig, *, positions=None, mask_BT
                 None, None))
         stats = {}
     if cache is not None:
-        cache = {k + w: constrain(a, CACHE_LBSKH) for k, kv in new.items()
+        cache = {k + w: constrain(a, CACHE_LBKSH) for k, kv in new.items()
                  for w, a in zip("kv", kv)}
     return rms_norm(x, gain(params["final_norm"]), cfg.norm_eps), cache, stats
 
@@ -589,10 +593,11 @@ def padded_mask(valid_BS, start, T: int):
 
 
 def init_cache(cfg: ModelConfig, B: int, S: int) -> dict:
-    """Keys and values [L, B, S, K, H] of the layers that make their own; Gemma 4's global
-    layers, of their own shape, as "global_k" and "global_v"."""
-    zeros = lambda L, K, H: constrain(jnp.zeros((L, B, S, K, H), jnp.dtype(cfg.dtype)),
-                                      CACHE_LBSKH)
+    """Keys and values [L, B, K, S, H] of the layers that make their own (heads first: see
+    common/attention.py `cached`); Gemma 4's global layers, of their own shape, as "global_k"
+    and "global_v"."""
+    zeros = lambda L, K, H: constrain(jnp.zeros((L, B, K, S, H), jnp.dtype(cfg.dtype)),
+                                      CACHE_LBKSH)
     if not cfg.global_head_dim:
         return {w: zeros(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim) for w in "kv"}
     G = (cfg.n_layers - cfg.kv_shared) // cfg.global_every

@@ -72,16 +72,41 @@ def reference(q_BTNH, k_BSKH, v_BSKV, *, scale: float, causal: bool = True, wind
         sink = jnp.broadcast_to(sinks_N.astype(F32).reshape(K, G, 1, 1), (B, K, G, T, 1))
         s_BKGTS = jnp.concatenate([s_BKGTS, sink], axis=-1)
         ok = jnp.concatenate([ok, jnp.ones(sink.shape, bool)], axis=-1)
-    s_BKGTS = jnp.where(ok, s_BKGTS, NEG)
-    m = jax.lax.stop_gradient(s_BKGTS.max(-1, keepdims=True))
-    # Masked entries are zeroed rather than left to exp(NEG - m), which is 1 when nothing is
-    # allowed; the row's sum is then 0 (else >= 1, its maximum counting exp(0)).
-    e = jnp.where(ok, jnp.exp(s_BKGTS - m), 0.0)
-    den = e.sum(-1, keepdims=True)
-    p_BKGTS = (e / jnp.where(den > 0, den, 1.0))[..., :S]
+    p_BKGTS = _softmax(s_BKGTS, ok)[..., :S]
     o = jnp.einsum("bkgts,bskv->btkgv", p_BKGTS.astype(v_BSKV.dtype), v_BSKV,
                    preferred_element_type=F32)
     return o.reshape(B, T, N, -1).astype(v_BSKV.dtype)
+
+
+def _softmax(s, ok):
+    """Softmax over the last axis of the allowed entries; 0 in a row where none is allowed."""
+    s = jnp.where(ok, s, NEG)
+    m = jax.lax.stop_gradient(s.max(-1, keepdims=True))
+    # Masked entries are zeroed rather than left to exp(NEG - m), which is 1 when nothing is
+    # allowed; the row's sum is then 0 (else >= 1, its maximum counting exp(0)).
+    e = jnp.where(ok, jnp.exp(s - m), 0.0)
+    den = e.sum(-1, keepdims=True)
+    return e / jnp.where(den > 0, den, 1.0)
+
+
+def cached(q_BTNH, k_BKSH, v_BKSV, *, scale: float, mask_BTS, cap: float = 0.0):
+    """`reference` over a KV cache kept heads first, [B, K, S, H]: the layout of the batched
+    matmuls (batch B and K, keys contracted on H), so each decoded token reads the cache where
+    it lies. A [B, S, K, H] cache is transposed whole for both matmuls of every layer at every
+    token (3.3x the attention's time at 128 rows x 266 columns). mask_BTS (True = may attend)
+    holds causality, padding and the cache's empty tail."""
+    B, T, N, H = q_BTNH.shape
+    K = k_BKSH.shape[1]
+    # XLA's CPU runtime has no bf16 x bf16 = f32 batched matmul in this layout: there the
+    # operands are widened first (the products are exact in float32 either way).
+    up = (lambda x: x.astype(F32)) if target_platform() == "cpu" else (lambda x: x)
+    mm = lambda spec, a, b: jnp.einsum(spec, up(a), up(b), preferred_element_type=F32)
+    s_BKGTS = mm("btkgh,bksh->bkgts", q_BTNH.reshape(B, T, K, N // K, H), k_BKSH) * scale
+    if cap:
+        s_BKGTS = cap * jnp.tanh(s_BKGTS / cap)
+    p_BKGTS = _softmax(s_BKGTS, mask_BTS[:, None, None])
+    o = mm("bkgts,bksv->btkgv", p_BKGTS.astype(v_BKSV.dtype), v_BKSV)
+    return o.reshape(B, T, N, -1).astype(v_BKSV.dtype)
 
 
 # ------------------------------------------------------------------------- the blocked kernel

@@ -88,6 +88,28 @@ def test_reference_kv_prefix_and_rows_with_nothing_allowed():
     assert all(np.isfinite(g).all() for g in grads)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("N,K,T,cap", [(4, 2, 1, 0.0), (4, 4, 1, 0.0), (4, 2, 7, 5.0)])
+def test_cached_heads_first_equals_reference(N, K, T, cap, dtype):
+    """`cached` (the KV cache kept [B, K, S, H]) is `reference` on [B, S, K, H] with the same
+    mask: one decoded token or a prefill's T, GQA or not, soft-capped, padding and an empty
+    tail masked, a row with nothing allowed giving 0; in bfloat16 too, against
+    float32's."""
+    q, k, v = qkv(T=20, N=N, K=K, shift=0.5 if cap else 0.0)
+    q = q[:, -T:]
+    mask = np.random.default_rng(1).random((2, T, 20)) < 0.6
+    mask[0, 0] = False
+    ref = A.reference(q, k, v, scale=0.3, causal=False, cap=cap, mask_BTS=mask)
+    q, k, v = (jnp.asarray(x, dtype) for x in (q, k, v))
+    heads_first = lambda x: jnp.swapaxes(x, 1, 2)
+    got = jax.jit(partial(A.cached, scale=0.3, cap=cap))(q, heads_first(k), heads_first(v),
+                                                         mask_BTS=mask)
+    tol = 1e-6 if dtype == "float32" else 1e-2
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(ref, np.float32),
+                               rtol=tol, atol=tol)
+    assert not np.asarray(got, np.float32)[0, 0].any()
+
+
 def test_blocked_refuses_what_it_does_not_compute():
     q, k, v = qkv(T=8)
     for args, kw in (((q, k[:, :6], v[:, :6]), {}),     # cross-attention, S != T
