@@ -750,10 +750,11 @@ def make_optimizer(g: GRPOConfig, warm: WarmStartConfig | None = None, specs: di
                            muon_dims=MUON_DIMS, muon_dtype=g.muon_dtype, specs=specs)
 
 
-def flops_per_step(cfg: Config, width: int) -> tuple[int, float]:
+def flops_per_step(cfg: Config, width: int, new: int = 0) -> tuple[int, float]:
     """(tokens, model FLOPs) of a GRPO step over its rollout's padded rows of `width` prompt
-    columns + budget: mu training passes, one forward for the rollout, one for the reference."""
-    g, T = cfg.grpo, width + cfg.grpo.max_new_tokens
+    columns + `new` (default: the budget): mu training passes, one forward for the rollout,
+    one for the reference."""
+    g, T = cfg.grpo, width + (new or cfg.grpo.max_new_tokens)
     tokens = updates_per_rollout(g) * g.prompts_per_step * g.group_size * T
     return tokens, tokens * flops_per_token(cfg.model, T) * (g.mu + (1 + (g.beta > 0)) / 3)
 
@@ -1112,8 +1113,12 @@ def train_loop(cfg: Config, mesh, tok, task: Task, st: train.TrainState, step_fn
         lengths, t1 = r["mask"].sum(axis=1), time.perf_counter()
         rollout_tokens, rollout_s = rollout_tokens + int(lengths.sum()), rollout_s + r["seconds"]
         adv = group_advantages(r["reward"], g.group_size, g.scale_rewards)
-        batch = r["batch"] | train.put({"adv": adv, "n_tokens": np.float32(lengths.sum())}, mesh,
-                                       BATCH_AXES)
+        # The log-probs and the update over the longest completion's columns, rounded up to a
+        # power of two (a few programs, not one per length): the columns after it are masked
+        # out of every loss, and causal attention never reads them (as TRL pads to the longest).
+        N = min(g.max_new_tokens, max(8, 1 << (int(lengths.max()) - 1).bit_length()))
+        batch = r["batch"] | {k: r["batch"][k][:, :N] for k in ("completion", "mask", "old_logp")}
+        batch |= train.put({"adv": adv, "n_tokens": np.float32(lengths.sum())}, mesh, BATCH_AXES)
         if cfg.model.dtype != "float32":  # the decode's bfloat16 log-probs differ from the
             batch["old_logp"] = logp_fn(p, batch)  # training forward's
         if g.beta > 0:
@@ -1134,6 +1139,7 @@ def train_loop(cfg: Config, mesh, tok, task: Task, st: train.TrainState, step_fn
         run.profiler.after(loop.step, state)
         rec = {"step": loop.step} | rollout_record(r, lengths, g.group_size) | m
         rec["ms_per_step"] = 1e3 * (time.perf_counter() - t0)
+        tokens, flops = flops_per_step(cfg, task.width, N)  # the columns this step computed
         rec["mfu"] = train.mfu(flops / tokens, tokens / rec["ms_per_step"] * 1e3, loop.peak)
         if loop.eval_due:
             rec |= loop.eval(evaluate(policy(state)), write=False)

@@ -469,6 +469,26 @@ def test_a_rollout_split_into_updates_equals_a_naive_loop():
     assert len({round(float(m["grad_norm"]), 6) for m in passes}) == 4
 
 
+@pytest.mark.parametrize("loss", ["grpo", "dr_grpo", "dapo", "gspo"])
+def test_an_update_on_the_longest_completion_s_columns_equals_one_on_the_budget(loss):
+    """The loop cuts a rollout's columns after its longest completion (rounded up to a power
+    of two, at least 8) before the log-probs and the update: with a budget of 24 and answers
+    of a few tokens, the step on 8 columns equals the step on all 24, Dr. GRPO's constant
+    (the budget, not the columns) included."""
+    cfg = small_cfg(loss=loss, max_new_tokens=24)
+    params, batch = perturbed_params(SMALL, seed=9), rollout_batch(cfg)
+    assert batch["mask"].shape[1] == 24 and not batch["mask"][:, 8:].any()
+    cut = batch | {k: batch[k][:, :8] for k in ("completion", "mask", "old_logp", "ref_logp")}
+    mesh = make_mesh(MeshConfig(fsdp=2, tensor=2), jax.devices()[:4])
+    (p, m), (q, n) = step_once(cfg, params, batch, mesh), step_once(cfg, params, cut, mesh)
+    # grad_norm holds the loss's scale (which Adam's update would hide); the parameters
+    # after one Adam step at lr 1e-2 differ in the last bits where a gradient is near 0.
+    for k in ("grad_norm", "kl", "entropy", "clip_ratio/region_mean"):
+        assert float(m[k]) == pytest.approx(float(n[k]), rel=1e-5, abs=1e-8), k
+    for a, b in zip(jax.tree.leaves(p), jax.tree.leaves(q)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=2e-5)
+
+
 # ------------------------------------------------------------------------------ main
 
 
