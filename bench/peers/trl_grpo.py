@@ -27,10 +27,16 @@ def correctness(completions, answer, **_):
     return [float(c.strip() == a) for c, a in zip(completions, answer)]
 
 
-def digits_only(completions, **_):
-    # train_grpo.py's format reward also needs EOS within the budget; TRL's reward functions
-    # see only the text, so this checks the digits (the figure, not the timing, differs).
-    return [float(re.fullmatch(r"\s*[0-9]+\s*", c) is not None) for c in completions]
+EOS = [None]  # the tokenizer's, set in main
+
+
+def digits_only(completions, completion_ids, **_):
+    # train_grpo.py's format reward: digits only, and stopped by itself (EOS within the budget;
+    # TRL's ids run up to and including the first EOS). Without the EOS condition TRL's policy
+    # was not paid for stopping and by step 4 wrote ~115-token completions where ours wrote
+    # 5-50, so the two sides' steps no longer did the same work.
+    return [float(re.fullmatch(r"\s*[0-9]+\s*", c) is not None and ids[-1:] == EOS)
+            for c, ids in zip(completions, completion_ids)]
 
 
 class Timer(TrainerCallback):
@@ -69,6 +75,7 @@ def main() -> None:
     tok = PreTrainedTokenizerFast(tokenizer_file=f"{a.model}/tokenizer.json", bos_token="<bos>",
                                   eos_token="<eos>", pad_token="<pad>")
     model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32)
+    EOS[0] = tok.eos_token_id
     rollout = []
     generate = model.generate
 
