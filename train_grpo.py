@@ -338,8 +338,8 @@ def block(x_BTD, lp: dict, cfg: ModelConfig, *, pos_BT, inv_freq, mask_BTS=None,
           ple_BTP=None, cache=False):
     """train_dense.py's block (tests/test_grpo.py holds the two equal) with a padding mask and
     a KV cache (`cache`): with `kv` (this layer's k and v [B, K, S, H], heads first) the new
-    keys and values are written at column `index` and the queries attend over the whole cache; returns
-    (x, (kv, stats: with max_logits the heads' largest logit)). Gemma 4: a layer without keys
+    keys and values are written at column `index` and the queries attend over the whole
+    cache; returns (x, (kv, stats: with max_logits the heads' largest logit)). Gemma 4: a layer without keys
     and values of its own attends over `shared`, an earlier layer's (k, v) (its cache, when
     decoding), which stats hold with `keep_kv`."""
     dt, lp = x_BTD.dtype, train.merged(lp)  # LoRA: each adapted weight merged, in its layer
