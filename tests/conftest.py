@@ -33,6 +33,20 @@ def pytest_collection_modifyitems(items):
     items.sort(key=lambda item: rank.get(item.path.name, len(SLOW_FIRST)))  # stable: files whole
 
 
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item, nextitem):
+    """After each test file, JAX's compiled programs are let go. Each one XLA:CPU keeps holds
+    its code in memory mappings of its own, and a worker that ran ~1000 tests went past Linux's
+    65,530 mappings a process (vm.max_map_count): the next program's load segfaulted inside
+    XLA (tests/test_dense.py's chunked-loss test, at ~90% of the suite, in CI and here; 5,600
+    mappings after test_dense.py alone, 630 once released). Within a file they stay cached."""
+    if nextitem is None or nextitem.path != item.path:
+        import gc
+        import jax
+        jax.clear_caches()
+        gc.collect()
+
+
 @pytest.fixture(scope="session")
 def gcs_server():
     """A fake GCS bucket served from this process (tests/fake_gcs.py), and this process and
