@@ -350,51 +350,63 @@ def block(x_BTD, lp: dict, cfg: ModelConfig, *, pos_BT, inv_freq, mask_BTS=None,
         return rms_norm(x.reshape(*x.shape[:-g.ndim], -1), g.ravel(), cfg.norm_eps).reshape(x.shape)
 
     h = x_BTD if cfg.post_norm else norm(x_BTD, "attn_norm")
-    if np.ndim(inv_freq) == 2:
-        inv_freq = jnp.where(is_global, inv_freq[1], inv_freq[0])
-    q = jnp.einsum("btd,dnh->btnh", h, w("wq")) + (w("bq") if cfg.qkv_bias else 0)
-    q = apply_rope(norm(q, "q_norm") if cfg.qk_norm else q, pos_BT, inv_freq)
-    if shared is None:  # else a Gemma 4 layer reusing an earlier layer's (kv_shared)
-        k = jnp.einsum("btd,dkh->btkh", h, w("wk"))
-        v = jnp.einsum("btd,dkh->btkh", h, w("wv")) if "wv" in lp else k  # else k_eq_v
-        if cfg.qkv_bias:
-            k, v = k + w("bk"), v + w("bv")
-        k = apply_rope(norm(k, "k_norm") if cfg.qk_norm else k, pos_BT, inv_freq)
-        v = rms_norm(v, 1.0, cfg.norm_eps) if cfg.v_norm else v  # Gemma 4's: per head
-        # Keys are cached after RoPE, so a cached key never needs its position again.
-        k, v = (k, v) if kv is None else (k.swapaxes(1, 2), v.swapaxes(1, 2))
-        if kv is not None and len(kv) == 3:  # the whole stack [L, B, K, S, H] and this layer's
-            # index: the new columns written in place, not the layer's [B, K, S, H] rewritten
-            ck, cv, i = kv
-            at = (i, 0, 0, index, 0)
-            ck = jax.lax.dynamic_update_slice(ck, k[None].astype(ck.dtype), at)
-            cv = jax.lax.dynamic_update_slice(cv, v[None].astype(cv.dtype), at)
-            k, v, kv = ck[i], cv[i], (ck, cv)
-        elif kv is not None:
-            k = jax.lax.dynamic_update_slice_in_dim(kv[0], k.astype(kv[0].dtype), index, axis=2)
-            v = jax.lax.dynamic_update_slice_in_dim(kv[1], v.astype(kv[1].dtype), index, axis=2)
-            kv = (k, v)
-        shared = k, v
-    k, v = shared
-    if cfg.yarn_factor:  # YaRN's temperature where it stretches RoPE: logits x (0.1 ln s + 1)^2
-        q = q * jnp.where(is_global, (0.1 * math.log(max(cfg.yarn_factor, 1)) + 1) ** 2, 1.0)
-    S = k.shape[2 if cache else 1]
-    W = cfg.sliding_window if cfg.sliding_window < S else 0  # else: all within reach
-    stats = {"max_logit": train.max_logits(q, k, mask_BTS, window=W, is_global=is_global)
-             } if max_logits else {}
-    # The mask: left padding and a cache's empty tail, which XLA's masked softmax takes.
-    full = partial(cached, q, k, v) if cache else partial(attend, q, k, v, impl=cfg.attention)
-    full = partial(full, mask_BTS=mask_BTS, scale=(cfg.query_scale or cfg.head_dim) ** -0.5,
-                   cap=cfg.attn_softcap)
-    if W and mask_BTS is not None:  # the window as a mask, the queries at columns index..
-        near_TS = (index + jnp.arange(q.shape[1]))[:, None] - jnp.arange(S) < W
-        local = partial(full, mask_BTS=mask_BTS & near_TS)
+    if "lin_q" in lp:  # Qwen3.5's DeltaNet layers: left padding zeroed, so the state stays 0
+        # through it and the convolution sees zeros before a prompt, as at a row's start; with
+        # a cache, `kv` is the layer's state (`gated_deltanet`), continued by these tokens
+        T = x_BTD.shape[1]
+        valid = 1 if mask_BTS is None else jnp.take_along_axis(  # each token's own column
+            mask_BTS, (index + jnp.arange(T))[None, :, None], 2).astype(h.dtype)
+        o, kv = gated_deltanet(h * valid, lp, cfg, kv)
+        kv, stats = kv if cache else None, {}
     else:
-        local = partial(full, window=W)
-    pick = (lambda a, b: a() if is_global else b()) if isinstance(is_global, bool) else partial(
-        jax.lax.cond, is_global)  # a stack of one kind (Gemma 4's) knows it when traced
-    o = pick(full, local) if W else full()
-    o = jnp.einsum("btnh,nhd->btd", o, w("wo"))
+        if np.ndim(inv_freq) == 2:
+            inv_freq = jnp.where(is_global, inv_freq[1], inv_freq[0])
+        q = jnp.einsum("btd,dnh->btnh", h, w("wq")) + (w("bq") if cfg.qkv_bias else 0)
+        rope = partial_rope if cfg.rotary_dim else apply_rope  # Qwen3.5: a share of the dims
+        q = rope(norm(q, "q_norm") if cfg.qk_norm else q, pos_BT, inv_freq)
+        if shared is None:  # else a Gemma 4 layer reusing an earlier layer's (kv_shared)
+            k = jnp.einsum("btd,dkh->btkh", h, w("wk"))
+            v = jnp.einsum("btd,dkh->btkh", h, w("wv")) if "wv" in lp else k  # else k_eq_v
+            if cfg.qkv_bias:
+                k, v = k + w("bk"), v + w("bv")
+            k = rope(norm(k, "k_norm") if cfg.qk_norm else k, pos_BT, inv_freq)
+            v = rms_norm(v, 1.0, cfg.norm_eps) if cfg.v_norm else v  # Gemma 4's: per head
+            # Keys are cached after RoPE, so a cached key never needs its position again.
+            k, v = (k, v) if kv is None else (k.swapaxes(1, 2), v.swapaxes(1, 2))
+            if kv is not None and len(kv) == 3:  # the whole stack [L, B, K, S, H] and this layer's
+                # index: the new columns written in place, not the layer's [B, K, S, H] rewritten
+                ck, cv, i = kv
+                at = (i, 0, 0, index, 0)
+                ck = jax.lax.dynamic_update_slice(ck, k[None].astype(ck.dtype), at)
+                cv = jax.lax.dynamic_update_slice(cv, v[None].astype(cv.dtype), at)
+                k, v, kv = ck[i], cv[i], (ck, cv)
+            elif kv is not None:
+                k = jax.lax.dynamic_update_slice_in_dim(kv[0], k.astype(kv[0].dtype), index, axis=2)
+                v = jax.lax.dynamic_update_slice_in_dim(kv[1], v.astype(kv[1].dtype), index, axis=2)
+                kv = (k, v)
+            shared = k, v
+        k, v = shared
+        if cfg.yarn_factor:  # YaRN's temperature where it stretches RoPE: logits x (0.1 ln s + 1)^2
+            q = q * jnp.where(is_global, (0.1 * math.log(max(cfg.yarn_factor, 1)) + 1) ** 2, 1.0)
+        S = k.shape[2 if cache else 1]
+        W = cfg.sliding_window if cfg.sliding_window < S else 0  # else: all within reach
+        stats = {"max_logit": train.max_logits(q, k, mask_BTS, window=W, is_global=is_global)
+                 } if max_logits else {}
+        # The mask: left padding and a cache's empty tail, which XLA's masked softmax takes.
+        full = partial(cached, q, k, v) if cache else partial(attend, q, k, v, impl=cfg.attention)
+        full = partial(full, mask_BTS=mask_BTS, scale=(cfg.query_scale or cfg.head_dim) ** -0.5,
+                       cap=cfg.attn_softcap)
+        if W and mask_BTS is not None:  # the window as a mask, the queries at columns index..
+            near_TS = (index + jnp.arange(q.shape[1]))[:, None] - jnp.arange(S) < W
+            local = partial(full, mask_BTS=mask_BTS & near_TS)
+        else:
+            local = partial(full, window=W)
+        pick = (lambda a, b: a() if is_global else b()) if isinstance(is_global, bool) else partial(
+            jax.lax.cond, is_global)  # a stack of one kind (Gemma 4's) knows it when traced
+        o = pick(full, local) if W else full()
+        if cfg.attn_gate:  # Qwen3.5: a gate per head and channel
+            o = o * jax.nn.sigmoid(jnp.einsum("btd,dnh->btnh", h, w("wq_gate")))
+        o = jnp.einsum("btnh,nhd->btd", o, w("wo"))
     x_BTD = x_BTD + (norm(o, "attn_post_norm") if cfg.sandwich_norm or cfg.post_norm else o)
     h = x_BTD if cfg.post_norm else norm(x_BTD, "mlp_norm")
     act = lambda g: jax.nn.gelu(g, approximate=True) if cfg.gelu else jax.nn.silu(g)
@@ -419,6 +431,9 @@ def constrain(x, spec: P):
 
 ACT_BTD = P(BATCH_AXES, None, None)  # activations between blocks: batch-sharded, d replicated
 CACHE_LBKSH = P(None, BATCH_AXES, "tensor", None, None)  # KV cache: rows and kv heads split
+CACHE_SPECS = {"k": CACHE_LBKSH, "v": CACHE_LBKSH,  # and DeltaNet's: rows and key heads split
+               **dict.fromkeys(("conv_q", "conv_k", "conv_v"), P(None, BATCH_AXES, None, "tensor")),
+               "delta": P(None, BATCH_AXES, "tensor")}
 
 
 def rms_norm(x, w, eps):
@@ -464,6 +479,115 @@ def apply_rope(x_BTNH, pos_BT, inv_freq):
     return out.astype(x_BTNH.dtype)
 
 
+def weights(lp: dict, dt, cfg: ModelConfig):
+    """name -> the layer's f32 master weight in the compute dtype, keeping the master's sharding:
+    FSDP gathers it in the compute dtype and reduce-scatters its gradient (not all-reduces)."""
+    specs = param_specs(cfg)
+    spec = {**specs.get("dense_layers", {}), **specs.get("global_layers", {}), **specs["layers"]}
+    return lambda name: constrain(lp[name].astype(dt), P(*spec[name][1:]))
+
+
+def partial_rope(x_BTNH, pos_BT, inv_freq):
+    """`apply_rope` on each head's first 2 len(inv_freq) dims (rotary_dim), the rest unturned."""
+    R = 2 * len(inv_freq)
+    return jnp.concatenate([apply_rope(x_BTNH[..., :R], pos_BT, inv_freq), x_BTNH[..., R:]], -1)
+
+
+# Qwen3.5's linear layers: Gated DeltaNet (Yang, Kautz and Hatamizadeh 2024, arXiv 2412.06464),
+# train_dense.py's (tests/test_copies.py holds each copy equal).
+def gated_deltanet(h_BTD, lp: dict, cfg: ModelConfig, state=None):
+    """A linear layer's token mixer [B, T, D]: per value head a state S [Dk, Dv] that decays and
+    is corrected toward each token's value (the gated delta rule, `delta_rule_chunked`),
+
+        S_t = a_t S_{t-1} (I - b_t k_t k_t^T) + b_t k_t v_t^T,    o_t = S_t^T q_t / sqrt(Dk),
+
+    q, k, v from h through a causal depthwise convolution (`causal_conv`) and SiLU, q and k
+    L2-normed (|k| = 1: I - b k k^T contracts for b in (0, 1)); b = sigmoid(h W_b) the write
+    strength, a = exp(g), g = -exp(A_log) softplus(h W_a + dt_bias) (Mamba-2's discretised
+    decay). Each key head serves a group of Hv / Hk value heads, whose v, z, b, a weights are
+    stored on its axis: a tensor shard holds whole groups. Out: RMSNorm(o) * silu(h W_z) per
+    head (a plain gain), then W_o. Returns (out, state): `state` (None = a sequence's start)
+    is each of q, k, v's last K - 1 inputs to the convolution and S [B, Hv, Dk, Dv], which the
+    tokens continue (decoding: train_grpo.py's cache holds it)."""
+    dt, f32, Hk, Dk = h_BTD.dtype, jnp.float32, cfg.linear_k_heads, cfg.linear_k_dim
+    w, (B, T), r = weights(lp, dt, cfg), h_BTD.shape[:2], cfg.linear_v_heads // Hk
+    q, k, v, z, b, a = (jnp.einsum("btd,dk...->btk...", h_BTD, w("lin_" + n)) for n in "qkvzba")
+    conv = w("lin_conv")[:, 0]  # [K, channels]: every head's q, then k, then v (the checkpoint's order)
+    past = (None,) * 3 if state is None else state[:3]
+    (q, qp), (k, kp), (v, vp) = (causal_conv(x, c.reshape(-1, *x.shape[2:]), p) for x, c, p in zip(
+        (q, k, v), jnp.split(conv, [Hk * Dk, 2 * Hk * Dk], 1), past))
+    heads = lambda x: x.reshape(B, T, Hk * r, -1)
+    l2 = lambda x: jnp.repeat(x * jax.lax.rsqrt(jnp.sum(x * x, -1, keepdims=True) + 1e-6), r, 2)
+    b, a = (x.astype(f32).reshape(B, T, Hk * r) for x in (b, a))
+    g = -jnp.exp(lp["A_log"]) * jax.nn.softplus(a + lp["dt_bias"])
+    q, k = (l2(x.astype(f32)) for x in (q, k))
+    o, S = delta_rule_chunked(q / math.sqrt(Dk), k, heads(v), g, jax.nn.sigmoid(b),
+                              cfg.linear_chunk, None if state is None else state[3])
+    o = rms_norm(o.astype(dt), lp["lin_norm"], cfg.norm_eps) * jax.nn.silu(heads(z).astype(f32))
+    return jnp.einsum("bthv,hvd->btd", o.astype(dt), w("lin_wo")), (qp, kp, vp, S)
+
+
+def causal_conv(x_BT_, w_K_, past=None):
+    """SiLU of a causal depthwise convolution over time, y_t = sum_j w_j x_{t-K+1+j}, with x < 0
+    the K - 1 inputs `past` (zeros at a sequence's start); and the last K - 1 inputs, for next."""
+    K, T = w_K_.shape[0], x_BT_.shape[1]
+    xp = jnp.concatenate([jnp.zeros((x_BT_.shape[0], K - 1, *x_BT_.shape[2:]), x_BT_.dtype) if (
+        past is None) else past.astype(x_BT_.dtype), x_BT_], 1)
+    return jax.nn.silu(sum(w_K_[j] * xp[:, j:j + T] for j in range(K))), xp[:, T:]
+
+
+def unit_lower_solve(A, B):
+    """X with (I + A) X = B, A strictly lower-triangular [..., C, C]: forward substitution in
+    halves (log2 C levels of matmuls). Not LAPACK's batched solve: on the CPU its batches are
+    spread over XLA's thread pool, and two solves waiting on it at once deadlocked every run of
+    the training loop here (jaxlib's ParallelBatchMap)."""
+    h = A.shape[-1] // 2
+    if not h:
+        return B
+    x1 = unit_lower_solve(A[..., :h, :h], B[..., :h, :])
+    x2 = unit_lower_solve(A[..., h:, h:], B[..., h:, :] - A[..., h:, :h] @ x1)
+    return jnp.concatenate([x1, x2], -2)
+
+
+def delta_rule_chunked(q_BTHK, k_BTHK, v_BTHV, g_BTH, beta_BTH, chunk: int, S=None):
+    """(o [B, T, H, Dv], the last S) in float32 of the gated delta rule from state S (None =
+    zeros), in chunks of C positions (the WY/UT
+    form: Yang et al. 2024, arXiv 2406.06484 sec. 3, and 2412.06464 sec. 3.3): O(T C) work and
+    memory within chunks, a lax.scan over them carrying S [B, H, Dk, Dv]. In a chunk entered
+    with S_0, with log-decays G_i = g_1 + ... + g_i, the chunk's C corrections are one unit
+    lower-triangular solve (I + A) [u | w] = [b v | b e^G k], A_ij = b_i e^{G_i - G_j} k_i.k_j
+    (j < i); the corrected values v' = u - w S_0, and
+
+        o = (e^G q) S_0 + (e^{G_i - G_j} q_i.k_j, j <= i) v',   S_C = e^{G_C} S_0 + (e^{G_C - G} k)^T v'.
+
+    Every exponent is <= 0 (g <= 0), so nothing grows. The tail is padded with g = b = k = 0,
+    which leaves the state as it was."""
+    (B, T, H, Dk), Dv, f32 = k_BTHK.shape, v_BTHV.shape[-1], jnp.float32
+    C = min(chunk, T)
+    n = -(-T // C)
+    cut = lambda x: jnp.pad(x.astype(f32), [(0, 0), (0, n * C - T)] + [(0, 0)] * (x.ndim - 2)
+                            ).reshape(B, n, C, *x.shape[2:]).swapaxes(2, 3)   # [B, n, H, C, .]
+    q, k, v, g, b = map(cut, (q_BTHK, k_BTHK, v_BTHV, g_BTH, beta_BTH))
+    G = jnp.cumsum(g, -1)
+    causal = np.tril(np.ones((C, C), bool))
+    decay = jnp.exp(jnp.where(causal, G[..., :, None] - G[..., None, :], -jnp.inf))
+    dots = lambda x, y: jnp.einsum("bnhik,bnhjk->bnhij", x, y)
+    A = jnp.tril(b[..., None] * dots(k, k) * decay, -1)
+    uw = unit_lower_solve(A, jnp.concatenate([b[..., None] * v, (b * jnp.exp(G))[..., None] * k],
+                                             -1))
+
+    def step(S, xs):
+        u, w, attn, qg, kg, last = xs
+        vn = u - jnp.einsum("bhck,bhkv->bhcv", w, S)
+        o = jnp.einsum("bhck,bhkv->bhcv", qg, S) + jnp.einsum("bhij,bhjv->bhiv", attn, vn)
+        return S * last[..., None, None] + jnp.einsum("bhck,bhcv->bhkv", kg, vn), o
+    xs = (uw[..., :Dv], uw[..., Dv:], dots(q, k) * decay, q * jnp.exp(G)[..., None],
+          k * jnp.exp(G[..., -1:] - G)[..., None], jnp.exp(G[..., -1]))
+    S = jnp.zeros((B, H, Dk, Dv), f32) if S is None else S.astype(f32)
+    S, o = jax.lax.scan(step, S, [x.swapaxes(0, 1) for x in xs])
+    return o.transpose(1, 0, 3, 2, 4).reshape(B, n * C, H, Dv)[:, :T], S
+
+
 REMAT_POLICIES = {"full": jax.checkpoint_policies.nothing_saveable,
                   "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
 
@@ -483,8 +607,8 @@ def hidden(params: dict, tokens_BT, cfg: ModelConfig, *, positions=None, mask_BT
     x = x * jnp.asarray(math.sqrt(cfg.d_model), dt) if cfg.embed_scale else x
     pos_BT = (jnp.broadcast_to(jnp.arange(tokens_BT.shape[1]), tokens_BT.shape)
               if positions is None else positions)
-    inv_freq = rope_inv_freq(replace(cfg, head_dim=cfg.global_head_dim or cfg.head_dim)) / (
-        cfg.rope_linear or 1.0)
+    inv_freq = rope_inv_freq(replace(cfg, head_dim=cfg.global_head_dim or cfg.rotary_dim or (
+        cfg.head_dim))) / (cfg.rope_linear or 1.0)
     L, W, n, S = cfg.n_layers, cfg.sliding_window, cfg.global_every, cfg.kv_shared
     is_global_L = (np.arange(L) + 1) % n == 0 if W and n else np.full(L, not W)
     if W:  # [local, global] frequencies: Gemma 3's local layers have their own base, unscaled
@@ -492,6 +616,8 @@ def hidden(params: dict, tokens_BT, cfg: ModelConfig, *, positions=None, mask_BT
                         yarn_factor=0.0, rope_partial=0.0)
         inv_freq = [rope_inv_freq(local), inv_freq]  # Gemma 4's of two widths, one per stack
         inv_freq = inv_freq if cfg.global_head_dim else np.stack(inv_freq)
+    elif cfg.linear_k_heads:  # Qwen3.5: Gemma 4's periods, DeltaNet (unturned) as the local layers
+        inv_freq = [None, inv_freq]
     ple_LBTP, gain = None, lambda w: 1.0 + w if cfg.norm_plus_one else w
     if cfg.ple_dim:  # Gemma 4: each layer's own input (train_dense.py's)
         scale = lambda x, c: x * jnp.asarray(c, dt)
@@ -508,8 +634,8 @@ def hidden(params: dict, tokens_BT, cfg: ModelConfig, *, positions=None, mask_BT
     scan = partial(jax.lax.scan, unroll=not cfg.scan_layers)
     run = partial(block, cfg=cfg, pos_BT=pos_BT, mask_BTS=mask_BTS, index=index,
                   max_logits=max_logits, cache=cache is not None)
-    kv_of = lambda name: None if cache is None else (cache[name + "k"], cache[name + "v"])
-    if not cfg.global_head_dim:
+    kv_of = lambda p: None if cache is None else tuple(cache[p + w] for w in cache_parts(cfg, p))
+    if not (cfg.global_head_dim or cfg.linear_k_heads):
         layer = remat(lambda x, xs: run(x, xs[0], inv_freq=inv_freq, kv=xs[1], is_global=xs[2],
                                         ple_BTP=xs[3]))
         if cache is None:
@@ -522,7 +648,8 @@ def hidden(params: dict, tokens_BT, cfg: ModelConfig, *, positions=None, mask_BT
             (x, *kv), stats = scan(cached, (x, *kv_of("")), (
                 params["layers"], jnp.arange(L), jnp.asarray(is_global_L), ple_LBTP))
         new = {"": kv}
-    else:  # Gemma 4's periods (train_dense.py's), each kind's cache [its layers, B, K, S, H]
+    else:  # Gemma 4's periods (train_dense.py's), each kind's cache [its layers, B, K, S, H];
+        # Qwen3.5's, DeltaNet's states (`init_cache`) as the local layers' cache
         def kind(is_global, keep):
             return remat(lambda x, lp, ple, kv, shared: run(
                 x, lp, inv_freq=inv_freq[is_global], is_global=is_global, kv=kv, shared=shared,
@@ -556,8 +683,8 @@ def hidden(params: dict, tokens_BT, cfg: ModelConfig, *, positions=None, mask_BT
                 None, None))
         stats = {}
     if cache is not None:
-        cache = {k + w: constrain(a, CACHE_LBKSH) for k, kv in new.items()
-                 for w, a in zip("kv", kv)}
+        cache = {p + w: constrain(a, CACHE_SPECS[w]) for p, kv in new.items()
+                 for w, a in zip(cache_parts(cfg, p), kv)}
     return rms_norm(x, gain(params["final_norm"]), cfg.norm_eps), cache, stats
 
 
@@ -595,15 +722,31 @@ def padded_mask(valid_BS, start, T: int):
 def init_cache(cfg: ModelConfig, B: int, S: int) -> dict:
     """Keys and values [L, B, K, S, H] of the layers that make their own (heads first: see
     common/attention.py `cached`); Gemma 4's global layers, of their own shape, as "global_k"
-    and "global_v"."""
+    and "global_v". Qwen3.5's DeltaNet layers keep their state instead (`gated_deltanet`): q,
+    k and v's last C - 1 inputs to the convolution and the delta rule's S [Hv, Dk, Dv]."""
     zeros = lambda L, K, H: constrain(jnp.zeros((L, B, K, S, H), jnp.dtype(cfg.dtype)),
                                       CACHE_LBKSH)
-    if not cfg.global_head_dim:
+    if not (cfg.global_head_dim or cfg.linear_k_heads):
         return {w: zeros(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim) for w in "kv"}
+    if cfg.linear_k_heads:
+        G, Hk, Dk, Dv = (cfg.n_layers // cfg.global_every, cfg.linear_k_heads, cfg.linear_k_dim,
+                         cfg.linear_v_dim)
+        L, C, r = cfg.n_layers - G, cfg.linear_conv - 1, cfg.linear_v_heads // Hk
+        state = lambda w, *shape, dt=jnp.dtype(cfg.dtype): constrain(jnp.zeros(shape, dt),
+                                                                     CACHE_SPECS[w])
+        return {"global_" + w: zeros(G, cfg.n_kv_heads, cfg.head_dim) for w in "kv"} | {
+            "conv_q": state("conv_q", L, B, C, Hk, Dk), "conv_k": state("conv_k", L, B, C, Hk, Dk),
+            "conv_v": state("conv_v", L, B, C, Hk, r, Dv),
+            "delta": state("delta", L, B, Hk * r, Dk, Dv, dt=jnp.float32)}
     G = (cfg.n_layers - cfg.kv_shared) // cfg.global_every
     return {p + w: zeros(*shape) for w in "kv" for p, shape in (
         ("", (G * (cfg.global_every - 1), cfg.n_kv_heads, cfg.head_dim)),
         ("global_", (G, cfg.global_kv_heads or cfg.n_kv_heads, cfg.global_head_dim)))}
+
+
+def cache_parts(cfg: ModelConfig, prefix: str) -> tuple[str, ...]:
+    """The names of one stack's cache entries (after its prefix), in the block's order."""
+    return ("conv_q", "conv_k", "conv_v", "delta") if cfg.linear_k_heads and not prefix else "kv"
 
 
 def forward_cached(params: dict, tokens_BT, cfg: ModelConfig, *, cache: dict, index, positions,
@@ -809,11 +952,6 @@ def validate(cfg: Config, n_devices: int, tok) -> Task:
     mesh = resolve(cfg.mesh, n_devices, max(1, math.prod(cfg.mesh.dcn())))
     check_model(m, mesh, "--grpo.qk-clip-threshold", g.qk_clip_threshold)
     train.check_lora(cfg.lora, g.optimizer, g.qk_clip_threshold, "--grpo")  # LoRA
-    qwen35 = [f"--model.{k.replace('_', '-')} {getattr(m, k)}" for k in (
-        "linear_k_heads", "attn_gate", "rotary_dim") if getattr(m, k)]
-    need(not qwen35, f"{', '.join(qwen35)}: Qwen3.5's block (Gated DeltaNet, gated attention, "
-         "partial RoPE) is train_dense.py's alone for now; the rollouts' cache carries no "
-         "DeltaNet state. Leave them off here.")
     need(mesh.stage * mesh.dcn_stage == 1, f"--mesh.stage {mesh.stage}: pipeline stages are "
          "train_dense.py's and train_moe.py's; here the devices would repeat one another's work. Keep it 1 "
          "and spread the policy over --mesh.fsdp.")

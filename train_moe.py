@@ -532,7 +532,7 @@ def block(x_BTD, lp: dict, pos_BT, inv_freq, cfg: ModelConfig, max_logits: bool 
     a_BTNV, top_N = a_BTNV if max_logits else (a_BTNV, None)  # DSA refuses QK-clip
     if cfg.attn_gate and not lin:  # Qwen3-Next: a gate per head and channel
         a_BTNV = a_BTNV * jax.nn.sigmoid(jnp.einsum("btd,dnh->btnh", h, w("wq_gate")))
-    o = (gated_deltanet(h, lp, cfg) if lin else
+    o = (gated_deltanet(h, lp, cfg)[0] if lin else
          jnp.einsum("btnh,nhd->btd", a_BTNV, w("wo")))
     o = rms_norm(o, lp["attn_post_norm"], cfg.norm_eps) if cfg.gemma4 else o
     x_BTD = constrain(x_BTD + (o + w("bo") if cfg.attn_bias else o), ACT_BTD)
@@ -641,7 +641,7 @@ def halves(x):
 
 
 # Qwen3-Next's linear layers: Gated DeltaNet (Yang, Kautz and Hatamizadeh 2024, arXiv 2412.06464).
-def gated_deltanet(h_BTD, lp: dict, cfg: ModelConfig):
+def gated_deltanet(h_BTD, lp: dict, cfg: ModelConfig, state=None):
     """A linear layer's token mixer [B, T, D]: per value head a state S [Dk, Dv] that decays and
     is corrected toward each token's value (the gated delta rule, `delta_rule_chunked`),
 
@@ -652,28 +652,34 @@ def gated_deltanet(h_BTD, lp: dict, cfg: ModelConfig):
     strength, a = exp(g), g = -exp(A_log) softplus(h W_a + dt_bias) (Mamba-2's discretised
     decay). Each key head serves a group of Hv / Hk value heads, whose v, z, b, a weights are
     stored on its axis: a tensor shard holds whole groups. Out: RMSNorm(o) * silu(h W_z) per
-    head (a plain gain), then W_o."""
+    head (a plain gain), then W_o. Returns (out, state): `state` (None = a sequence's start)
+    is each of q, k, v's last K - 1 inputs to the convolution and S [B, Hv, Dk, Dv], which the
+    tokens continue (decoding: train_grpo.py's cache holds it)."""
     dt, f32, Hk, Dk = h_BTD.dtype, jnp.float32, cfg.linear_k_heads, cfg.linear_k_dim
     w, (B, T), r = weights(lp, dt, cfg), h_BTD.shape[:2], cfg.linear_v_heads // Hk
     q, k, v, z, b, a = (jnp.einsum("btd,dk...->btk...", h_BTD, w("lin_" + n)) for n in "qkvzba")
     conv = w("lin_conv")[:, 0]  # [K, channels]: every head's q, then k, then v (the checkpoint's order)
-    q, k, v = (causal_conv(x, c.reshape(-1, *x.shape[2:])) for x, c in zip(
-        (q, k, v), jnp.split(conv, [Hk * Dk, 2 * Hk * Dk], 1)))
+    past = (None,) * 3 if state is None else state[:3]
+    (q, qp), (k, kp), (v, vp) = (causal_conv(x, c.reshape(-1, *x.shape[2:]), p) for x, c, p in zip(
+        (q, k, v), jnp.split(conv, [Hk * Dk, 2 * Hk * Dk], 1), past))
     heads = lambda x: x.reshape(B, T, Hk * r, -1)
     l2 = lambda x: jnp.repeat(x * jax.lax.rsqrt(jnp.sum(x * x, -1, keepdims=True) + 1e-6), r, 2)
     b, a = (x.astype(f32).reshape(B, T, Hk * r) for x in (b, a))
     g = -jnp.exp(lp["A_log"]) * jax.nn.softplus(a + lp["dt_bias"])
     q, k = (l2(x.astype(f32)) for x in (q, k))
-    o = delta_rule_chunked(q / math.sqrt(Dk), k, heads(v), g, jax.nn.sigmoid(b), cfg.linear_chunk)
+    o, S = delta_rule_chunked(q / math.sqrt(Dk), k, heads(v), g, jax.nn.sigmoid(b),
+                              cfg.linear_chunk, None if state is None else state[3])
     o = rms_norm(o.astype(dt), lp["lin_norm"], cfg.norm_eps) * jax.nn.silu(heads(z).astype(f32))
-    return jnp.einsum("bthv,hvd->btd", o.astype(dt), w("lin_wo"))
+    return jnp.einsum("bthv,hvd->btd", o.astype(dt), w("lin_wo")), (qp, kp, vp, S)
 
 
-def causal_conv(x_BT_, w_K_):
-    """SiLU of a causal depthwise convolution over time: y_t = sum_j w_j x_{t-K+1+j}, x < 0 = 0."""
+def causal_conv(x_BT_, w_K_, past=None):
+    """SiLU of a causal depthwise convolution over time, y_t = sum_j w_j x_{t-K+1+j}, with x < 0
+    the K - 1 inputs `past` (zeros at a sequence's start); and the last K - 1 inputs, for next."""
     K, T = w_K_.shape[0], x_BT_.shape[1]
-    xp = jnp.pad(x_BT_, [(0, 0), (K - 1, 0)] + [(0, 0)] * (x_BT_.ndim - 2))
-    return jax.nn.silu(sum(w_K_[j] * xp[:, j:j + T] for j in range(K)))
+    xp = jnp.concatenate([jnp.zeros((x_BT_.shape[0], K - 1, *x_BT_.shape[2:]), x_BT_.dtype) if (
+        past is None) else past.astype(x_BT_.dtype), x_BT_], 1)
+    return jax.nn.silu(sum(w_K_[j] * xp[:, j:j + T] for j in range(K))), xp[:, T:]
 
 
 def unit_lower_solve(A, B):
@@ -689,8 +695,9 @@ def unit_lower_solve(A, B):
     return jnp.concatenate([x1, x2], -2)
 
 
-def delta_rule_chunked(q_BTHK, k_BTHK, v_BTHV, g_BTH, beta_BTH, chunk: int):
-    """o [B, T, H, Dv] (float32) of the gated delta rule, in chunks of C positions (the WY/UT
+def delta_rule_chunked(q_BTHK, k_BTHK, v_BTHV, g_BTH, beta_BTH, chunk: int, S=None):
+    """(o [B, T, H, Dv], the last S) in float32 of the gated delta rule from state S (None =
+    zeros), in chunks of C positions (the WY/UT
     form: Yang et al. 2024, arXiv 2406.06484 sec. 3, and 2412.06464 sec. 3.3): O(T C) work and
     memory within chunks, a lax.scan over them carrying S [B, H, Dk, Dv]. In a chunk entered
     with S_0, with log-decays G_i = g_1 + ... + g_i, the chunk's C corrections are one unit
@@ -722,8 +729,9 @@ def delta_rule_chunked(q_BTHK, k_BTHK, v_BTHV, g_BTH, beta_BTH, chunk: int):
         return S * last[..., None, None] + jnp.einsum("bhck,bhcv->bhkv", kg, vn), o
     xs = (uw[..., :Dv], uw[..., Dv:], dots(q, k) * decay, q * jnp.exp(G)[..., None],
           k * jnp.exp(G[..., -1:] - G)[..., None], jnp.exp(G[..., -1]))
-    _, o = jax.lax.scan(step, jnp.zeros((B, H, Dk, Dv), f32), [x.swapaxes(0, 1) for x in xs])
-    return o.transpose(1, 0, 3, 2, 4).reshape(B, n * C, H, Dv)[:, :T]
+    S = jnp.zeros((B, H, Dk, Dv), f32) if S is None else S.astype(f32)
+    S, o = jax.lax.scan(step, S, [x.swapaxes(0, 1) for x in xs])
+    return o.transpose(1, 0, 3, 2, 4).reshape(B, n * C, H, Dv)[:, :T], S
 
 
 def delta_rule_recurrent(q_BTHK, k_BTHK, v_BTHV, g_BTH, beta_BTH):

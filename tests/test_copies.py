@@ -23,8 +23,9 @@ SAME_SOURCE = {
     "_chunked": (td, tm), "_softcap": (td, tm), "cross_entropy": (td, tm), "_ce_fused": (td, tm),
     "_ce_fused_fwd": (td, tm), "_ce_fused_bwd": (td, tm),
     # Qwen3.5's Gated DeltaNet and partial RoPE: the dense models' are the MoE models'
-    "gated_deltanet": (td, tm), "causal_conv": (td, tm), "delta_rule_chunked": (td, tm),
-    "partial_rope": (td, tm), "weights": (td, tm), "unit_lower_solve": (td, tm),
+    # (and train_grpo.py's policy's, whose decode carries the DeltaNet state)
+    "gated_deltanet": (td, tm, tg), "causal_conv": (td, tm, tg), "delta_rule_chunked": (td, tm, tg),
+    "partial_rope": (td, tm, tg), "weights": (td, tm, tg), "unit_lower_solve": (td, tm, tg),
     # train_grpo.py's policy is train_dense.py's model, Gemma's knobs included, with its HF
     # translation (its block and hidden add a KV cache: tests/test_grpo.py holds their numbers).
     "ModelConfig": (td, tg), "_param_table": (td, tg), "rope_inv_freq": (td, tg),

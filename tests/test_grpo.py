@@ -47,6 +47,11 @@ GEMMA4 = dataclasses.replace(SMALL, n_layers=4, sliding_window=4, global_every=2
                              rope_partial=0.5, layer_scale=True, final_softcap=2.5)
 GEMMA4_PLE = dataclasses.replace(GEMMA4, k_eq_v=False, global_kv_heads=0, ple_dim=4,
                                  kv_shared=2, wide_shared_mlp=True)
+# Qwen3.5's: a Gated DeltaNet layer then a gated attention layer turning a quarter of each head,
+# in chunks of 4 (the tests' 12 columns: three chunks, a decoded token a chunk of its own).
+QWEN35 = dataclasses.replace(SMALL, n_layers=4, global_every=2, qk_norm=True, norm_plus_one=True,
+                             attn_gate=True, rotary_dim=2, linear_k_heads=2, linear_v_heads=4,
+                             linear_k_dim=8, linear_v_dim=6, linear_chunk=4)
 
 
 def put(x, mesh):
@@ -84,7 +89,7 @@ def test_model_config_and_parameter_tree_equal_train_dense():
     """Same fields with the same defaults, so a dense run's config.json loads as the policy's."""
     f = lambda cls: [(x.name, x.default) for x in dataclasses.fields(cls)]
     assert f(tg.ModelConfig) == f(td.ModelConfig)
-    for m in (SMALL, KNOBS, GEMMA2, GEMMA3, OLMO3, GEMMA4, GEMMA4_PLE):
+    for m in (SMALL, KNOBS, GEMMA2, GEMMA3, OLMO3, GEMMA4, GEMMA4_PLE, QWEN35):
         assert tg.param_specs(m) == td.param_specs(dense(m))
         a = jax.eval_shape(partial(tg._init, m), jax.random.key(3))
         b = jax.eval_shape(partial(td._init, dense(m)), jax.random.key(3))
@@ -96,7 +101,7 @@ def test_model_config_and_parameter_tree_equal_train_dense():
 
 
 MODELS = {"knobs": KNOBS, "gemma2": GEMMA2, "gemma3": GEMMA3, "olmo3": OLMO3, "gemma4": GEMMA4,
-          "gemma4_ple": GEMMA4_PLE}
+          "gemma4_ple": GEMMA4_PLE, "qwen35": QWEN35}
 
 
 @pytest.mark.parametrize("knobs", MODELS)
@@ -153,8 +158,9 @@ def run_rollout(m, params, prompt, valid, key, temperature, max_new=8, n_valid=1
     return jax.device_get(fn(params, prompt, valid, key, jnp.float32(temperature)))
 
 
-def test_rollout_masks_after_eos_and_its_logps_equal_the_training_forward():
-    m = SMALL
+@pytest.mark.parametrize("knobs", ["small", "qwen35"])  # Qwen3.5: DeltaNet states decoded
+def test_rollout_masks_after_eos_and_its_logps_equal_the_training_forward(knobs):
+    m = SMALL if knobs == "small" else QWEN35
     params = perturbed_params(m, seed=5)
     prompt, valid = left_padded([6, 3, 1, 4] * 4, 6, m.vocab_size)
     out = run_rollout(m, params, prompt, valid, jax.random.key(0), 1.0)
@@ -176,8 +182,9 @@ def test_rollout_masks_after_eos_and_its_logps_equal_the_training_forward():
     assert int(full["steps"]) == 8 and full["mask_BN"].all()
 
 
-def test_greedy_rollout_is_the_same_sharded():
-    m = SMALL
+@pytest.mark.parametrize("knobs", ["small", "qwen35"])  # Qwen3.5: its states split on heads
+def test_greedy_rollout_is_the_same_sharded(knobs):
+    m = SMALL if knobs == "small" else QWEN35
     params = perturbed_params(m, seed=5)
     prompt, valid = left_padded([6, 3, 1, 4] * 2, 6, m.vocab_size)
     one = run_rollout(m, params, prompt, valid, jax.random.key(0), 0.0)

@@ -27,7 +27,7 @@ from common.mesh import MeshConfig
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIXTURES = os.path.join(ROOT, "tests", "fixtures", "hf")
 FAMILIES = ["llama2", "llama3.1", "llama3.2", "mistral", "qwen2", "qwen3", "gemma2",
-            "gemma3_text", "olmo3", "olmo2"]
+            "gemma3_text", "olmo3", "olmo2", "qwen3_5"]
 TOL = 1e-4  # float32, as tests/test_hf.py
 
 
@@ -138,7 +138,8 @@ def grpo_config(run_dir, src, steps):
 
 
 @pytest.mark.parametrize("name,add_tokenizer", [("llama3.1", with_sentencepiece),
-                                                ("qwen3", with_tokenizer_json)])
+                                                ("qwen3", with_tokenizer_json),
+                                                ("qwen3_5", with_tokenizer_json)])
 def test_short_grpo_run_starts_from_the_hf_weights(name, add_tokenizer, tmp_path):
     src = add_tokenizer(fixture(name), tmp_path / "model")
     out = tg.main(grpo_config(tmp_path / "run", src, 1))
@@ -153,7 +154,7 @@ def test_short_grpo_run_starts_from_the_hf_weights(name, add_tokenizer, tmp_path
     assert max(moved) > 0 and out["final_step"] == 1
     saved = json.load(open(tmp_path / "run" / "config.json"))
     assert saved["init_from_hf"] == src and saved["model"]["vocab_size"] == 64
-    assert saved["model"]["qk_norm"] == (name == "qwen3")
+    assert saved["model"]["qk_norm"] == (name != "llama3.1")
     # export-hf hands the policy back: the same weights bit for bit, the source's family,
     # config keys and tokenizer files.
     files = tg.export_hf(str(tmp_path / "run"), str(tmp_path / "export"))

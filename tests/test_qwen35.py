@@ -64,7 +64,7 @@ def test_chunked_delta_rule_equals_recurrent_and_float64(chunk):
     xs = delta_inputs(19)
     f32 = [jnp.asarray(x, jnp.float32) for x in xs]
     want = delta_rule_float64(*xs)
-    chunked = jax.jit(partial_chunk := lambda *a: tm.delta_rule_chunked(*a, chunk))
+    chunked = jax.jit(partial_chunk := lambda *a: tm.delta_rule_chunked(*a, chunk)[0])
     np.testing.assert_allclose(chunked(*f32), want, atol=2e-6)
     np.testing.assert_allclose(jax.jit(tm.delta_rule_recurrent)(*f32), want, atol=2e-6)
     w = np.random.default_rng(1).normal(size=want.shape)
@@ -85,9 +85,9 @@ def test_the_gate_decays_and_beta_writes():
     negative forgets everything before the token: o_t = b_t v_t (k_t.q_t) alone."""
     q, k, v, g, b = delta_inputs(9)
     k = np.broadcast_to(k[:, :1], k.shape)
-    out = np.asarray(tm.delta_rule_chunked(k, k, v, np.zeros_like(g), np.ones_like(b), 4))
+    out = np.asarray(tm.delta_rule_chunked(k, k, v, np.zeros_like(g), np.ones_like(b), 4)[0])
     np.testing.assert_allclose(out, v, atol=1e-5)
-    out = np.asarray(tm.delta_rule_chunked(q, k, v, np.full_like(g, -80.0), b, 4))
+    out = np.asarray(tm.delta_rule_chunked(q, k, v, np.full_like(g, -80.0), b, 4)[0])
     np.testing.assert_allclose(out, b[..., None] * v * np.sum(k * q, -1, keepdims=True),
                                atol=1e-6)
 
@@ -308,14 +308,17 @@ def test_dense_bad_flags(change, mesh, match):
 
 
 def test_dense_refusals_by_name():
-    """QK-clip has no logits in DeltaNet layers; GRPO's cache carries no DeltaNet state."""
+    """QK-clip has no logits in DeltaNet layers, in either trainer of the dense model (GRPO
+    decodes Qwen3.5: tests/test_grpo.py)."""
     with pytest.raises(ConfigError, match="--train.qk-clip-threshold 50.0: the delta rule"):
         td.validate(td.Config(model=DENSE, train=td.TrainConfig(qk_clip_threshold=50.0)), 8)
     cfg = tg.cli(["tiny", "--model.linear-k-heads", "2", "--model.linear-v-heads", "4",
-                  "--model.global-every", "4", "--model.attn-gate", "--model.n-layers", "4"])
-    with pytest.raises(ConfigError, match="--model.linear-k-heads 2, --model.attn-gate True: "
-                                          "Qwen3.5's block"):
-        tg.validate(cfg, 8, None)
+                  "--model.global-every", "2", "--model.attn-gate", "--model.qk-norm",
+                  "--grpo.qk-clip-threshold", "50"])
+    with pytest.raises(ConfigError, match="--grpo.qk-clip-threshold 50.0: the delta rule"):
+        tg.validate(cfg, 8, tg.CharTokenizer())
+    tg.validate(dataclasses.replace(cfg, grpo=dataclasses.replace(cfg.grpo, qk_clip_threshold=0)),
+                8, tg.CharTokenizer())
 
 
 def test_dense_left_padding_is_as_if_absent():
@@ -333,5 +336,6 @@ def test_dense_left_padding_is_as_if_absent():
     np.testing.assert_allclose(got, want, atol=2e-5)
     lp = jax.tree.map(lambda a: a[0], params["layers"])   # unzeroed, the padding would leak
     h = np.random.default_rng(6).standard_normal((1, pad + 11, DENSE.d_model)).astype(np.float32)
-    leak = td.gated_deltanet(h, lp, DENSE)[:, pad:] - td.gated_deltanet(h[:, pad:], lp, DENSE)
+    mix = lambda h: td.gated_deltanet(h, lp, DENSE)[0]
+    leak = mix(h)[:, pad:] - mix(h[:, pad:])
     assert float(np.abs(leak).max()) > 1e-3
