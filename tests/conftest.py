@@ -36,10 +36,11 @@ def pytest_collection_modifyitems(items):
 @pytest.hookimpl(trylast=True)
 def pytest_runtest_teardown(item, nextitem):
     """After each test file, JAX's compiled programs are let go. Each one XLA:CPU keeps holds
-    its code in memory mappings of its own, and a worker that ran ~1000 tests went past Linux's
-    65,530 mappings a process (vm.max_map_count): the next program's load segfaulted inside
-    XLA (tests/test_dense.py's chunked-loss test, at ~90% of the suite, in CI and here; 5,600
-    mappings after test_dense.py alone, 630 once released). Within a file they stay cached."""
+    its code in memory mappings of its own (5,600 after test_dense.py alone, 630 once released),
+    Linux allows 65,530 a process (vm.max_map_count), and a worker that kept ~1000 tests'
+    programs segfaulted loading the next one inside XLA (tests/test_dense.py's chunked-loss
+    test, at ~90% of the suite, in CI and here); released per file, the suite passes. Within a
+    file they stay cached."""
     if nextitem is None or nextitem.path != item.path:
         import gc
         import jax
