@@ -746,7 +746,8 @@ def init_cache(cfg: ModelConfig, B: int, S: int) -> dict:
 
 def cache_parts(cfg: ModelConfig, prefix: str) -> tuple[str, ...]:
     """The names of one stack's cache entries (after its prefix), in the block's order."""
-    return ("conv_q", "conv_k", "conv_v", "delta") if cfg.linear_k_heads and not prefix else "kv"
+    return ("conv_q", "conv_k", "conv_v", "delta") if cfg.linear_k_heads and not prefix else (
+        "k", "v")
 
 
 def forward_cached(params: dict, tokens_BT, cfg: ModelConfig, *, cache: dict, index, positions,
