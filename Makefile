@@ -105,6 +105,9 @@ bench-gpu:  ## one NVIDIA GPU: cuda extra into GPU_VENV, bench llama3.2-1b (bf16
 bench-context: $(VENV)/.installed  ## ring, all-gather, Ulysses: tiny at seq 4096 split over 4 CPU devices
 	$(PY) bench/context.py $(ARGS)
 
+bench-pipeline: $(VENV)/.installed  ## GPipe vs circular: tiny (8 layers) over 2 and 4 stages of 8 CPU devices, ms/step
+	$(PY) bench/pipeline.py $(ARGS)
+
 bench-window: $(VENV)/.installed  ## Gemma's sliding window (256) vs every key: one attention layer at seq 2048
 	$(PY) bench/window.py $(ARGS)
 

@@ -15,21 +15,23 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def one(flags: list[str]) -> dict:
-    """A dry run and a bench of train_dense.py with these flags, in a child process."""
+def one(flags: list[str], devices: int = 4) -> dict:
+    """A dry run and a bench of train_dense.py with these flags, in a child process of
+    `devices` simulated CPU devices (bench/pipeline.py runs its schedules with it too)."""
     code = ("import sys, train_dense as td; from common import train\n"
             "cfg = td.cli(sys.argv[1:]); train.start(True)\n"
             "import dataclasses as d\n"
             "m = td.main(d.replace(cfg, dry_run=True)); b = td.main(cfg)\n"
-            "print('REPORT', m['per_device_bytes'], b['ms_per_step'])")
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4")
+            "t = b['step_seconds']\n"
+            "print('REPORT', m['per_device_bytes'], b['ms_per_step'], 1e3 * min(t), 1e3 * max(t))")
+    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
     out = subprocess.run([sys.executable, "-c", code, *flags], cwd=ROOT, env=env,
                          capture_output=True, text=True)
     line = [x for x in out.stdout.splitlines() if x.startswith("REPORT")]
     if out.returncode or not line:
-        raise SystemExit(f"bench-context: {' '.join(flags)} failed:\n{out.stderr[-2000:]}")
-    mem, ms = line[-1].split()[1:]
-    return {"gib": int(mem) / 2**30, "ms": float(ms)}
+        raise SystemExit(f"bench: {' '.join(flags)} failed:\n{out.stderr[-2000:]}")
+    mem, ms, lo, hi = line[-1].split()[1:]
+    return {"gib": int(mem) / 2**30, "ms": float(ms), "min": float(lo), "max": float(hi)}
 
 
 def main() -> None:
