@@ -62,7 +62,8 @@ TRAINERS = {"dense": "train_dense.py", "moe": "train_moe.py"}
 # maxtext (MaxText's model_name; without it the row has no peer), ours (more flags for our
 # trainer), theirs (more MaxText key=value overrides), context (C: the sequence split over C
 # chips, --mesh.context and MaxText's ici_context_parallelism; batch then counts sequences
-# per C chips).
+# per C chips), slices (N slices of the topology: --compile-slices and MaxText's
+# compile_topology_num_slices; the chips are N x the topology's).
 ROWS = [
     "name=llama8b-2k trainer=dense preset=llama3.1-8b topology=v5p-8 batch=1 seq=2048 "
     "layers=4 maxtext=llama3.1-8b",
@@ -84,12 +85,39 @@ ROWS = [
     "layers=6 maxtext=gemma3-12b",
 ]
 REQUIRED = ("name", "trainer", "preset", "topology", "batch", "seq", "layers")
-OPTIONAL = ("maxtext", "ours", "theirs", "context")
+OPTIONAL = ("maxtext", "ours", "theirs", "context", "slices")
 # Long context (issue 34): llama3.1-8b's first 4 layers at 8k, 32k and 128k tokens on 16 v5p
 # chips, the sequence whole on one chip or split over 4 or 16: `--rows context`.
 CONTEXT_ROWS = [f"name=ctx{T // 1024}k-c{C} trainer=dense preset=llama3.1-8b topology=v5p-32 "
                 f"batch=1 seq={T} layers=4 context={C} maxtext=llama3.1-8b"
                 for T in (8192, 32768, 131072) for C in (1, 4, 16)]
+# Pipeline stages (issue 35): two v5p-8 slices, the stage axis across them (dcn), fsdp inside;
+# beside each model unpipelined (fsdp across the slices too), with the same accumulation.
+# MaxText's layers per stage x stages x repeats = layers: 2 x 2 x 1 is GPipe, 1 x 2 x 2
+# circular. MaxText scans the pipeline's iterations (its recommended scan_layers=false);
+# our ticks are a scan too: the cost analysis counts one tick, so only memory compares.
+_PP = "topology=v5p-8 slices=2 seq=4096"
+_PP405 = "trainer=dense preset=llama3.1-405b batch=2 layers=4 maxtext=llama3.1-405b"
+_PPDS = ("trainer=moe preset=deepseek-v3 batch=1 layers=3 maxtext=deepseek3-671b "
+         "ours='--model.first-k-dense 1 --model.mtp-depth 0 --model.capacity-factor 1.25 {}' "
+         "theirs='first_num_dense_layers=1 capacity_factor=1.25 ici_expert_parallelism=2 {}'")
+PIPELINE_ROWS = [
+    f"name=pp-405b-gpipe {_PP} {_PP405} ours='--mesh.dcn-stage 2 --mesh.fsdp 4 "
+    "--train.microbatches 4' theirs='dcn_pipeline_parallelism=2 ici_fsdp_parallelism=4 "
+    "num_pipeline_microbatches=4 num_layers_per_pipeline_stage=2'",
+    f"name=pp-405b-circular {_PP} {_PP405} ours='--mesh.dcn-stage 2 --mesh.fsdp 4 "
+    "--train.microbatches 4 --train.pipeline-repeats 2' theirs='dcn_pipeline_parallelism=2 "
+    "ici_fsdp_parallelism=4 num_pipeline_microbatches=4 num_layers_per_pipeline_stage=1'",
+    f"name=pp-405b-none {_PP} {_PP405} ours='--mesh.dcn-fsdp 2 --mesh.fsdp 4 "
+    "--train.microbatches 2' theirs='dcn_fsdp_parallelism=2 ici_fsdp_parallelism=4 "
+    "gradient_accumulation_steps=2'",
+    f"name=pp-dsv3-gpipe {_PP} " + _PPDS.format(
+        "--mesh.dcn-stage 2 --mesh.fsdp 2 --mesh.expert 2 --train.microbatches 2",
+        "dcn_pipeline_parallelism=2 ici_fsdp_parallelism=2 num_pipeline_microbatches=2 "
+        "num_layers_per_pipeline_stage=1"),
+    f"name=pp-dsv3-none {_PP} " + _PPDS.format(
+        "--mesh.dcn-fsdp 2 --mesh.fsdp 2 --mesh.expert 2",
+        "dcn_fsdp_parallelism=2 ici_fsdp_parallelism=2")]
 
 
 class RowError(ValueError):
@@ -130,12 +158,14 @@ def parse_row(spec: str) -> dict:
         raise RowError(f"row {row['name']}: trainer is one of {', '.join(TRAINERS)}, "
                        f"not {row['trainer']!r}")
     row.setdefault("context", "1")
-    for k in ("batch", "seq", "layers", "context"):
+    row.setdefault("slices", "1")
+    for k in ("batch", "seq", "layers", "context", "slices"):
         if not row[k].isdigit() or int(row[k]) < 1:
             raise RowError(f"row {row['name']}: {k} is a positive whole number, "
                            f"not {row[k]!r}")
         row[k] = int(row[k])
     row["chips"], row["peak"] = chips_and_peak(row["topology"])
+    row["chips"] *= row["slices"]
     return row
 
 
@@ -156,7 +186,8 @@ def ours_argv(row: dict, extra: str = "") -> list[str]:
             "--mesh.fsdp", "-1", "--mesh.context", str(row["context"]),
             "--train.batch-size", str(row["batch"] * row["chips"] // row["context"]),
             "--train.seq-len", str(row["seq"]), "--model.n-layers", str(row["layers"]),
-            "--model.no-scan-layers", *shlex.split(row.get("ours", "")), *shlex.split(extra)]
+            "--model.no-scan-layers", "--compile-slices", str(row["slices"]),
+            *shlex.split(row.get("ours", "")), *shlex.split(extra)]
 
 
 def maxtext_args(row: dict, extra: str = "") -> list[str]:
@@ -165,6 +196,7 @@ def maxtext_args(row: dict, extra: str = "") -> list[str]:
             "override_model_config=True", f"base_num_decoder_layers={row['layers']}",
             f"per_device_batch_size={row['batch'] / row['context']:g}",
             f"ici_context_parallelism={row['context']}", f"max_target_length={row['seq']}",
+            f"compile_topology_num_slices={row['slices']}",
             "scan_layers=false", *shlex.split(row.get("theirs", "")), *shlex.split(extra)]
 
 
@@ -331,8 +363,8 @@ def table(results: list[dict]) -> str:
         row, s = res["row"], summarize(res)
         o, m = s["ours"], s["maxtext"]
         lines.append(
-            f"| {row['name']} | {row['preset']} ({row['layers']}) | {row['topology']} "
-            f"({row['chips']}) | {row['batch']}{'/%d' % row['context'] if row['context'] > 1 else ''}"
+            f"| {row['name']} | {row['preset']} ({row['layers']}) | {row['topology']}"
+            f"{' x %d' % row['slices'] if row['slices'] > 1 else ''} ({row['chips']}) | {row['batch']}{'/%d' % row['context'] if row['context'] > 1 else ''}"
             f" x {row['seq']} | "
             f"{_pair(o['mem_gib'], m['mem_gib'], '{:.2f}')} | "
             f"{_pair(o['xla_tflop'], m['xla_tflop'], '{:.1f}')} | "
@@ -362,7 +394,8 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", default="", help="comma-separated row names (default: all of "
                     "ROWS): " + ", ".join(shlex.split(r)[0].removeprefix("name=") for r in ROWS
-                                         + CONTEXT_ROWS) + "; or context, every ctx row")
+                                         + CONTEXT_ROWS + PIPELINE_ROWS)
+                    + "; or context, every ctx row; or pipeline, every pp row")
     ap.add_argument("--row", action="append", default=[], metavar="SPEC",
                     help="another row, as key=value words (see ROWS in this file)")
     ap.add_argument("--no-maxtext", action="store_true", help="ours only, no peer")
@@ -377,13 +410,15 @@ def main(argv: list[str] | None = None) -> None:
                     "loads, so both sides have one compiler) or own (its venv's)")
     args = ap.parse_args(argv)
     try:
-        rows = [parse_row(s) for s in ROWS + CONTEXT_ROWS + args.row]
-        if args.rows == "context":
-            rows = rows[len(ROWS):len(ROWS) + len(CONTEXT_ROWS)]
+        named = ROWS + CONTEXT_ROWS + PIPELINE_ROWS
+        rows = [parse_row(s) for s in named + args.row]
+        if args.rows in ("context", "pipeline"):
+            rows = [r for r, s in zip(rows, named) if s in (
+                CONTEXT_ROWS if args.rows == "context" else PIPELINE_ROWS)]
         elif args.rows:
             rows = select(rows, args.rows)
         elif args.row:   # only the rows given
-            rows = rows[len(ROWS) + len(CONTEXT_ROWS):]
+            rows = rows[len(named):]
         else:
             rows = rows[:len(ROWS)]
         flops = {r["name"]: model_flops_per_step(r, args.ours_flags) for r in rows}
