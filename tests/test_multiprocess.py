@@ -158,6 +158,28 @@ def test_moe_expert_parallel_over_two_processes_equals_one_process(data_path, tm
     np.testing.assert_allclose(two, one, rtol=1e-5)
 
 
+def test_pipeline_stages_over_two_processes_survive_a_kill_and_equal_one_process(data_path,
+                                                                                tmp_path):
+    # --mesh.dcn-stage 2: one stage per process, so the collective-permute that hands each
+    # microbatch to the next stage crosses the process boundary (over gloo); the circular
+    # schedule (2 chunks of 1 layer per stage). A kill -9 of process 1 mid-run: the launcher
+    # restarts both, they restore the pipelined state, and the losses are the one-process run's.
+    pipe = ["--model.n-layers", "4", "--train.microbatches", "2", "--train.pipeline-repeats", "2"]
+    p = launcher(data_path, tmp_path / "two", *pipe, "--mesh.dcn-stage", "2", "--mesh.fsdp", "-1")
+    run_until_step(p, 5)
+    os.kill(process_with_id(p.pid, 1), signal.SIGKILL)
+    out = finish(p)
+    assert p.returncode == 0, out
+    assert "pipeline | 2 stages x 2 chunk(s) of 1 layers" in out, out
+    assert "killed by SIGKILL; restarting all 2 processes" in out and "resumed from step" in out
+    one = single_process(data_path, tmp_path / "one", *pipe, "--mesh.stage", "2", "--mesh.fsdp",
+                         "4")
+    assert "mesh stage=2 data=1 fsdp=4" in one, one
+    two = losses(tmp_path / "two")
+    assert len(two) == STEPS
+    np.testing.assert_allclose(two, losses(tmp_path / "one"), rtol=1e-5)
+
+
 @pytest.mark.parametrize("every", ["2", "1"], ids=["kill-between-saves", "kill-during-save"])
 def test_kill_9_restarts_the_group_and_ends_bit_identical(reference, data_path, tmp_path, every):
     p = launcher(data_path, tmp_path, "--checkpoint.every", every)
