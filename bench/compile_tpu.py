@@ -105,9 +105,12 @@ PIPELINE_ROWS = [
     f"name=pp-405b-gpipe {_PP} {_PP405} ours='--mesh.dcn-stage 2 --mesh.fsdp 4 "
     "--train.microbatches 4' theirs='dcn_pipeline_parallelism=2 ici_fsdp_parallelism=4 "
     "num_pipeline_microbatches=4 num_layers_per_pipeline_stage=2'",
+    # MaxText 0.2.5's circular pipeline with scan_layers=false fails in its own code
+    # ("zeros_like requires ndarray or scalar arguments, got <class 'tuple'>"); scanned, it runs.
     f"name=pp-405b-circular {_PP} {_PP405} ours='--mesh.dcn-stage 2 --mesh.fsdp 4 "
     "--train.microbatches 4 --train.pipeline-repeats 2' theirs='dcn_pipeline_parallelism=2 "
-    "ici_fsdp_parallelism=4 num_pipeline_microbatches=4 num_layers_per_pipeline_stage=1'",
+    "ici_fsdp_parallelism=4 num_pipeline_microbatches=4 num_layers_per_pipeline_stage=1 "
+    "scan_layers=true'",
     f"name=pp-405b-none {_PP} {_PP405} ours='--mesh.dcn-fsdp 2 --mesh.fsdp 4 "
     "--train.microbatches 2' theirs='dcn_fsdp_parallelism=2 ici_fsdp_parallelism=4 "
     "gradient_accumulation_steps=2'",
