@@ -680,10 +680,10 @@ def hidden(params: dict, tokens_BT, cfg: ModelConfig, *, segment_ids=None, posit
         layer = remat(lambda x, xs: run(x, xs[0], inv_freq=inv_freq, is_global=xs[1],
                                         ple_BTP=xs[2]))
         if pipeline and train.stages() > 1:  # each microbatch's own positions and segments
-            layer = remat(lambda x, xs, rows: block(x, xs[0], cfg, pos_BT=rows[0], segment_ids=(
-                rows[1]), inv_freq=inv_freq, is_global=xs[1]))
+            layer = lambda x, xs, rows: block(x, xs[0], cfg, pos_BT=rows[0], segment_ids=(
+                rows[1]), inv_freq=inv_freq, is_global=xs[1])
             x, stats = train.pipelined(layer, x, (params["layers"], is_global_L), (
-                pos_BT, segment_ids), *pipeline, BATCH_AXES, scan)
+                pos_BT, segment_ids), *pipeline, BATCH_AXES, scan, remat)
         else:
             x, stats = scan(layer, x, (params["layers"], jnp.asarray(is_global_L), ple_LBTP))
     else:  # Gemma 4: periods of n layers, n - 1 local then a global one, each kind its own

@@ -945,8 +945,8 @@ def hidden(params: dict, tokens_BT, cfg: ModelConfig, max_logits: bool = False, 
     L, W, n, Kd = cfg.n_layers, cfg.sliding_window, cfg.global_every, cfg.first_k_dense
     is_global_L = (np.arange(L) + 1) % n == 0 if n else np.full(L, not (W or cfg.attn_chunk))
     remat = partial(rematted, cfg=cfg)
-    layer = remat(lambda x, xs, pos=pos_BT: block(x, xs[0], pos, inv_freq, cfg, max_logits, xs[1],
-                                                  warm))  # pos: a microbatch's, pipelined
+    bare = lambda x, xs, pos=pos_BT: block(x, xs[0], pos, inv_freq, cfg, max_logits, xs[1], warm)
+    layer = remat(bare)  # pipelined: `bare` on a microbatch's positions, checkpointed there
     # Unrolled (--model.no-scan-layers), each layer is compiled on its own.
     scan = partial(jax.lax.scan, unroll=not cfg.scan_layers)
     if cfg.global_head_dim or cfg.linear_k_heads:  # Gemma 4: periods of n - 1 local layers
@@ -978,8 +978,8 @@ def hidden(params: dict, tokens_BT, cfg: ModelConfig, max_logits: bool = False, 
         x, stats = jax.lax.scan(pair, x, (params["dense_layers"], params["layers"], g[:, 0],
                                           g[:, 1]), unroll=not cfg.scan_layers)
     elif pipeline and train.stages() > 1:
-        x, stats = train.pipelined(layer, x, (params["layers"], is_global_L[Kd:]), pos_BT,
-                                   *pipeline, MOE_BATCH, scan)
+        x, stats = train.pipelined(bare, x, (params["layers"], is_global_L[Kd:]), pos_BT,
+                                   *pipeline, MOE_BATCH, scan, remat)
     else:
         x, stats = scan(layer, x, (params["layers"], jnp.asarray(is_global_L[Kd:])))
     stats |= dense(top) if Kd else {}

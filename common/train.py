@@ -622,7 +622,8 @@ def stages() -> int:
     return dict(jax.sharding.get_abstract_mesh().shape).get("stage", 1)
 
 
-def pipelined(layer, x_BTD, xs_L, rows_B, M: int, V: int, batch_axes, scan=jax.lax.scan):
+def pipelined(layer, x_BTD, xs_L, rows_B, M: int, V: int, batch_axes, scan=jax.lax.scan,
+              remat=lambda f: f):
     """The layers as a pipeline over the `stage` axis, inside one SPMD program (GPipe, Huang et
     al. 2019; circular with V > 1, Narayanan et al. 2021). `layer(x, xs, rows) -> (x, stats)` is
     one layer, xs its slice of the stacks xs_L [L, ...], rows its microbatch's share of rows_B
@@ -636,7 +637,11 @@ def pipelined(layer, x_BTD, xs_L, rows_B, M: int, V: int, batch_axes, scan=jax.l
     stage waits in `buf` [M, ...] (every microbatch's current activation, the embeddings at
     first) until stage 0 takes it up for the next round; M >= S keeps it there long enough.
     V M + S - 1 ticks, S - 1 of them idle for each stage: a bubble of (S - 1) / (V M + S - 1).
-    The backward pass is this loop's autodiff (all forwards, then all backwards)."""
+    The backward pass is this loop's autodiff (all forwards, then all backwards). `remat` (the
+    trainer's jax.checkpoint) wraps a layer with the reading of its weights from the chunk:
+    checkpointed after the read, each tick's weights were saved for the backward pass, ticks x
+    the stage's weights (llama3.1-405b's GPipe on v5p: 30 GiB a chip); inside, they are read
+    again from the chunk, which the loop keeps once."""
     S, pin = stages(), jax.lax.with_sharding_constraint
     K, ids = len(jax.tree.leaves(xs_L)[0]) // (S * V), jnp.arange(S)
     # Microbatch m: rows m, m+M, ... as `accumulate` takes them, so no row changes device.
@@ -649,9 +654,12 @@ def pipelined(layer, x_BTD, xs_L, rows_B, M: int, V: int, batch_axes, scan=jax.l
     rows = jax.tree.map(mb, rows_B)
     at = lambda i, a: (ids == i).reshape(-1, *[1] * (a.ndim - 1))  # stage i's slice of a
 
+    one = remat(lambda x, chunk, r, k, rows: layer(x, jax.tree.map(lambda a: a[r, k], chunk),
+                                                   rows))
+
     def stage(x, chunk, r, i):  # one stage's chunk of round r, on microbatch i: (x, stats [K])
         rows_i = jax.tree.map(lambda a: a[i], rows)
-        return scan(lambda x, xs: layer(x, xs, rows_i), x, jax.tree.map(lambda a: a[r], chunk))
+        return scan(lambda x, k: one(x, chunk, r, k, rows_i), x, jnp.arange(K))
 
     def tick(carry, t):
         buf, prev = carry  # prev: what each stage received from the one before
