@@ -367,7 +367,8 @@ def table(results: list[dict]) -> str:
         o, m = s["ours"], s["maxtext"]
         lines.append(
             f"| {row['name']} | {row['preset']} ({row['layers']}) | {row['topology']}"
-            f"{' x %d' % row['slices'] if row['slices'] > 1 else ''} ({row['chips']}) | {row['batch']}{'/%d' % row['context'] if row['context'] > 1 else ''}"
+            f"{' x %d' % row['slices'] if row['slices'] > 1 else ''} ({row['chips']}) | "
+            f"{row['batch']}{'/%d' % row['context'] if row['context'] > 1 else ''}"
             f" x {row['seq']} | "
             f"{_pair(o['mem_gib'], m['mem_gib'], '{:.2f}')} | "
             f"{_pair(o['xla_tflop'], m['xla_tflop'], '{:.1f}')} | "
@@ -413,11 +414,11 @@ def main(argv: list[str] | None = None) -> None:
                     "loads, so both sides have one compiler) or own (its venv's)")
     args = ap.parse_args(argv)
     try:
-        named = ROWS + CONTEXT_ROWS + PIPELINE_ROWS
+        named, groups = ROWS + CONTEXT_ROWS + PIPELINE_ROWS, {"context": CONTEXT_ROWS,
+                                                              "pipeline": PIPELINE_ROWS}
         rows = [parse_row(s) for s in named + args.row]
-        if args.rows in ("context", "pipeline"):
-            rows = [r for r, s in zip(rows, named) if s in (
-                CONTEXT_ROWS if args.rows == "context" else PIPELINE_ROWS)]
+        if args.rows in groups:
+            rows = [parse_row(s) for s in groups[args.rows]]
         elif args.rows:
             rows = select(rows, args.rows)
         elif args.row:   # only the rows given

@@ -31,8 +31,7 @@ def main() -> None:
     a = ap.parse_args()
     M, L = a.microbatches, a.layers
     base = ["tiny", "--model.n-layers", str(L), "--train.batch-size", "32",
-            "--train.microbatches", str(M),
-            "--bench", str(a.steps), "--quiet"]
+            "--train.microbatches", str(M), "--bench", str(a.steps), "--quiet"]
     rows = [(1, 1)] + [(S, V) for S in (2, 4) for V in (1, 2) if L % (S * V) == 0 and M >= S]
     print(f"tiny with {L} layers, batch 32 x 256 in {M} microbatches, 8 CPU devices, "
           f"{a.steps} bench steps")
@@ -43,11 +42,12 @@ def main() -> None:
         flags = ["--mesh.stage", str(S), "--mesh.fsdp", str(8 // S),
                  "--train.pipeline-repeats", str(V)]
         r = one(base + flags, devices=8)
-        ticks = V * M + S - 1 if S > 1 else M
+        ticks = V * M + S - 1 if S > 1 else M   # without stages: the M accumulation steps
         name = "none" if S == 1 else "GPipe" if V == 1 else f"circular, V {V}"
         bubble = f"{(S - 1) / ticks:.1%}" if S > 1 else "-"
-        print(f"| {S} x {8 // S} | {name} | {ticks} | {bubble} | {ticks / (V * M) if S > 1 else 1:.2f} | "
-              f"{r['gib']:.3f} | {r['ms']:.0f} ({r['min']:.0f}-{r['max']:.0f}) |", flush=True)
+        work = ticks / (V * M) if S > 1 else 1.0
+        print(f"| {S} x {8 // S} | {name} | {ticks} | {bubble} | {work:.2f} | {r['gib']:.3f} | "
+              f"{r['ms']:.0f} ({r['min']:.0f}-{r['max']:.0f}) |", flush=True)
 
 
 if __name__ == "__main__":

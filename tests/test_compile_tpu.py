@@ -76,10 +76,9 @@ def test_pipeline_rows_compile_two_slices_with_the_stage_axis_across_them_on_bot
     rows = {r["name"]: r for r in map(ct.parse_row, ct.PIPELINE_ROWS)}
     gpipe = rows["pp-405b-gpipe"]
     assert (gpipe["chips"], gpipe["peak"]) == (8, 459e12)   # two v5p-8 slices of 4 chips
-    argv = ct.ours_argv(gpipe)
-    flag = lambda f: argv[len(argv) - 1 - argv[::-1].index(f) + 1]   # the last one given wins
-    assert flag("--compile-slices") == "2" and flag("--train.batch-size") == "16"
-    assert flag("--mesh.dcn-stage") == "2" and flag("--mesh.fsdp") == "4"
+    flag = dict(zip(ct.ours_argv(gpipe), ct.ours_argv(gpipe)[1:]))   # the last one given wins
+    assert flag["--compile-slices"] == "2" and flag["--train.batch-size"] == "16"
+    assert flag["--mesh.dcn-stage"] == "2" and flag["--mesh.fsdp"] == "4"
     theirs = ct.maxtext_args(gpipe)
     for kv in ("compile_topology_num_slices=2", "per_device_batch_size=2",
                "dcn_pipeline_parallelism=2", "num_pipeline_microbatches=4",
@@ -87,7 +86,7 @@ def test_pipeline_rows_compile_two_slices_with_the_stage_axis_across_them_on_bot
         assert kv in theirs
     assert "num_layers_per_pipeline_stage=1" in ct.maxtext_args(rows["pp-405b-circular"])
     assert "compile_topology_num_slices=1" in ct.maxtext_args(LLAMA_2K)
-    assert ct.ours_argv(LLAMA_2K)[ct.ours_argv(LLAMA_2K).index("--compile-slices") + 1] == "1"
+    assert dict(zip(ct.ours_argv(LLAMA_2K), ct.ours_argv(LLAMA_2K)[1:]))["--compile-slices"] == "1"
 
 
 def test_maxtext_compiles_with_the_libtpu_it_is_given_or_its_own(monkeypatch):
