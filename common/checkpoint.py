@@ -144,9 +144,7 @@ class Checkpointer(contextlib.AbstractContextManager):
             # Orbax could delete the leftovers of cut-off saves on opening; we do it at the
             # first save (`_sweep_leftovers`), so that merely reading a run (to initialise
             # another from it) never deletes the folder of a save that run is writing now.
-            cleanup_tmp_directories=False,
-            create=True,
-        )
+            cleanup_tmp_directories=False, create=True)
         try:
             self._manager = ocp.CheckpointManager(self.directory, options=options, handler_registry=registry)
         except Exception as e:
@@ -177,8 +175,7 @@ class Checkpointer(contextlib.AbstractContextManager):
                 "Fix: pick one of those steps, or -1 for the latest.")
         return self.cfg.restore_step
 
-    def due(self, step: int) -> bool:
-        """Whether --checkpoint.every makes `step` a save step."""
+    def due(self, step: int) -> bool:  # by --checkpoint.every
         return self.cfg.every > 0 and step % self.cfg.every == 0
 
     def save(self, step: int, state: Any, *, force: bool = False) -> bool:
@@ -191,8 +188,7 @@ class Checkpointer(contextlib.AbstractContextManager):
         # it from inside this save, as if this step had failed).
         self.wait()
         known = self._manager.all_steps()
-        if step in known:
-            # Already on disk: nothing new to write (e.g. preempted right after resuming).
+        if step in known:  # already on disk (preempted right after resuming, say): nothing new
             return False
         if known and step < max(known):
             raise CheckpointError(
@@ -294,6 +290,16 @@ class Checkpointer(contextlib.AbstractContextManager):
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def read_checkpoint(run_dir: str, abstract: Any, missing: str, step: int = -1,
+                    error: type = CheckpointError) -> tuple[Any, int]:
+    """(`abstract`, a part of the saved state, read from `run_dir`'s checkpoint `step` (-1:
+    the latest), that step); error(missing) if there is none."""
+    with Checkpointer(run_dir, CheckpointConfig(async_save=False, restore_step=step)) as ckpt:
+        if (at := ckpt.resume_step()) is None:
+            raise error(missing)
+        return ckpt.restore(at, abstract, partial=True), at
 
 
 def _is_leftover(path: epath.Path) -> bool:

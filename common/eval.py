@@ -30,7 +30,7 @@ import tyro
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from common import hf
-from common.checkpoint import CheckpointConfig, Checkpointer, read_run_config
+from common.checkpoint import read_checkpoint, read_run_config
 from common.config import ConfigError, check_ranges, knob
 from common.data import open_tokenizer, run_tokenizer
 from common.mesh import MeshConfig, make_mesh
@@ -84,15 +84,11 @@ def load(cfg: EvalConfig, mesh):
         raise ConfigError(f"--run-dir {cfg.run_dir} is a train_grpo.py run: export it "
                           "(python train_grpo.py export-hf --run-dir ... --out F) and pass --hf F.")
     mod = importlib.import_module("train_moe" if "n_experts" in saved["model"] else "train_dense")
-    m = mod.ModelConfig(**saved["model"])
-    m = dropless(m)
+    m = dropless(mod.ModelConfig(**saved["model"]))
     want = {k: v for k, v in mod.train_state(mod.Config(model=m), mesh).abstract().items()
             if k in ("params", "buffers")}  # DeepSeek's router biases are buffers
-    with Checkpointer(cfg.run_dir, CheckpointConfig(restore_step=cfg.step)) as ckpt:
-        step = ckpt.resume_step()
-        if step is None:
-            raise ConfigError(f"--run-dir {cfg.run_dir} has no checkpoint yet: train it first.")
-        state = ckpt.restore(step, want, partial=True)
+    state, step = read_checkpoint(cfg.run_dir, want, f"--run-dir {cfg.run_dir} has no checkpoint "
+                                  "yet: train it first.", cfg.step, ConfigError)
     src = hf_origin(saved)
     tok = folder_tokenizer(src, "--init-from-hf") if src else run_tokenizer(cfg.run_dir)
     return mod, m, join(state["params"], state.get("buffers", {})), tok, step

@@ -24,14 +24,15 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import tyro
+from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from common import hf, multislice, observe
 from common.config import ConfigError, check_ranges, compute_fields, knob, may_change
-from common.checkpoint import (CheckpointConfig, CheckpointError, Checkpointer,
-                               ConfigConflictError, PreemptionGuard, RunConfigError,
-                               check_run_config, read_run_config, run_path)
+from common.checkpoint import (CheckpointError, Checkpointer, ConfigConflictError,
+                               PreemptionGuard, RunConfigError, check_run_config, read_checkpoint,
+                               read_run_config, run_path)
 from common.data import DataError, load_dataset, open_tokenizer, run_tokenizer
 from common.mesh import MeshConfig, MeshError, describe, make_mesh, tpu_topology_devices
 
@@ -183,16 +184,13 @@ def check_divides(table: dict, mesh, where: str) -> None:
         for n, axes in zip(shape, spec):
             ways = math.prod(mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else
                                                      axes or ()))
-            if n % ways:
-                name = "/".join(str(k.key) for k in path)
-                raise ConfigError(f"{where}: {name} has a dimension of {n}, which the mesh "
-                                  f"({describe(mesh)}) splits {ways} ways; choose mesh sizes "
-                                  "that divide the model's.")
+            need(n % ways == 0, f"{where}: {'/'.join(str(k.key) for k in path)} has a dimension "
+                 f"of {n}, which the mesh ({describe(mesh)}) splits {ways} ways; choose mesh "
+                 "sizes that divide the model's.")
 
 
 # --- Checks that need no compilation, so that a bad launch fails in a second ------------------
-def need(ok, message: str) -> None:
-    """A flag check: ConfigError(message) unless ok. The message names the flag and the fix."""
+def need(ok, message: str) -> None:  # the message names the flag and the fix
     if not ok:
         raise ConfigError(message)
 
@@ -204,9 +202,8 @@ def check_sizes(mesh: MeshConfig, splits: dict[str, list[tuple[str, int]]]) -> N
         n = {a: getattr(mesh, a) * getattr(mesh, "dcn_" + a) for a in axes}
         ways, named = math.prod(n.values()), [f"--mesh.{a} {k}" for a, k in n.items() if k > 1]
         for flag, v in sizes:
-            if v % ways:
-                raise ConfigError(f"{flag} {v} is not divisible by {' x '.join(named)}: {axis} "
-                                  f"parallelism splits it evenly; choose sizes dividing {v}.")
+            need(v % ways == 0, f"{flag} {v} is not divisible by {' x '.join(named)}: {axis} "
+                 f"parallelism splits it evenly; choose sizes dividing {v}.")
 
 
 def batch_shards(mesh: MeshConfig, axes=("data", "fsdp")) -> int:
@@ -218,10 +215,9 @@ def check_batch(batch_size: int, microbatches: int, mesh: MeshConfig,
     """The batch (`what` says what makes it, if not {flag}.batch-size) splits into
     microbatches, and each of those over the batch shards."""
     shards, what = batch_shards(mesh, axes), what or f"{flag}.batch-size {batch_size}"
-    if batch_size % microbatches or (batch_size // microbatches) % shards:
-        raise ConfigError(f"{what} / {flag}.microbatches {microbatches} is not divisible by "
-                          f"{' x '.join(axes)} = {shards} batch shards; use a batch size that is "
-                          f"a multiple of {shards * microbatches}.")
+    need(batch_size % microbatches == 0 and (batch_size // microbatches) % shards == 0, f"{what} "
+         f"/ {flag}.microbatches {microbatches} is not divisible by {' x '.join(axes)} = {shards} "
+         f"batch shards; use a batch size that is a multiple of {shards * microbatches}.")
 
 
 def check_pipeline(mesh: MeshConfig, microbatches: int, repeats: int, layers: tuple[str, int],
@@ -271,9 +267,8 @@ def check_sequence(mesh: MeshConfig, seq_len: int, loss_chunk: int, qk_clip: flo
 
 
 def check_vocab(tokenizer_size: int, vocab_size: int) -> None:
-    if tokenizer_size > vocab_size:
-        raise ConfigError(f"the tokenizer has {tokenizer_size} tokens but --model.vocab-size is "
-                          f"{vocab_size}; set --model.vocab-size {tokenizer_size} or larger.")
+    need(tokenizer_size <= vocab_size, f"the tokenizer has {tokenizer_size} tokens but --model."
+         f"vocab-size is {vocab_size}; set --model.vocab-size {tokenizer_size} or larger.")
 
 
 def check_profile(profile_steps: tuple[int, ...], steps: int, flag: str = "--train") -> None:
@@ -438,10 +433,8 @@ def max_logits(q_BTNH, k_BSKH, mask_BTS=None, chunk: int = 512, *, segment_ids=N
         q_BCKGH = jax.lax.dynamic_slice_in_dim(q, i * C, C, axis=1).reshape(B, C, K, N // K, H)
         s = jnp.einsum("bckgh,bskh->bkgcs", q_BCKGH, k, preferred_element_type=jnp.float32)
         t_C1, s_S = (i * C + jnp.arange(C))[:, None], jnp.arange(S)
-        if mask_BTS is not None:
-            a = jax.lax.dynamic_slice_in_dim(mask_BTS, i * C, C, axis=1)
-        else:
-            a = (t_C1 >= s_S)[None]
+        a = ((t_C1 >= s_S)[None] if mask_BTS is None else
+             jax.lax.dynamic_slice_in_dim(mask_BTS, i * C, C, axis=1))
         if segment_ids is not None:
             seg_BC = jax.lax.dynamic_slice_in_dim(segment_ids, i * C, C, axis=1)
             a = a & (seg_BC[:, :, None] == segment_ids[:, None, :])
@@ -458,15 +451,14 @@ def qk_clip(params: dict, tops: dict, tau: float, q=("wq", "bq"), k=("wk", "bk")
             nope: int = 0) -> dict:
     """MuonClip's QK-clip (Kimi K2 report, sec. 2.1), after an update: every head whose largest
     logit this step, tops[stack] [L, N] for each stack of layers in params (or a module's
-    "layers" under it), exceeded tau has its
-    query and key projections (weights and biases, [L, ..., heads, H]) scaled by sqrt(tau / max)
-    each, so that logit becomes tau; every other head is left exactly as it was. A key head that
-    serves several query heads (grouped-query attention) is left alone and its queries take the
-    whole factor, as K2 does with MLA's shared rotary key: scaling it would move its other
-    heads' logits too. MLA (nope > 0: the width of the heads' own part): the query's own part and
-    the key's (the first `nope` columns of q and of k's and v's joint up-projection) take
-    sqrt(gamma) each, the query's rotary part the whole gamma, the shared rotary key and the
-    values nothing."""
+    "layers" under it), exceeded tau has its query and key projections (weights and biases,
+    [L, ..., heads, H]) scaled by sqrt(tau / max) each, so that logit becomes tau; every other
+    head is left exactly as it was. A key head that serves several query heads (grouped-query
+    attention) is left alone and its queries take the whole factor, as K2 does with MLA's shared
+    rotary key: scaling it would move its other heads' logits too. MLA (nope > 0: the width of
+    the heads' own part): the query's own part and the key's (the first `nope` columns of q and
+    of k's and v's joint up-projection) take sqrt(gamma) each, the query's rotary part the whole
+    gamma, the shared rotary key and the values nothing."""
     def clip(layers, max_LN):
         ok = jnp.isfinite(max_LN) & (max_LN > tau)   # non-finite: the step is skipped anyway
         g_LN = jnp.where(ok, tau / jnp.where(ok, max_LN, 1.0), 1.0)
@@ -486,11 +478,9 @@ def qk_clip(params: dict, tops: dict, tau: float, q=("wq", "bq"), k=("wk", "bk")
 
 
 def check_qk_clip(flag: str, tau: float, qk_norm: bool) -> None:
-    if tau > 0 and qk_norm:
-        raise ConfigError(f"{flag} {tau} with --model.qk-norm: the queries and keys are "
-                          "normalised after their projections, so scaling the projections "
-                          "would change nothing (the norms' gains bound the logits instead). "
-                          f"Set {flag} 0.")
+    need(not (tau > 0 and qk_norm), f"{flag} {tau} with --model.qk-norm: the queries and keys "
+         "are normalised after their projections, so scaling the projections would change "
+         f"nothing (the norms' gains bound the logits instead). Set {flag} 0.")
 
 
 # --- Training state ---------------------------------------------------------------------------
@@ -523,14 +513,11 @@ class TrainState:
         opt_sh = optax.tree_map_params(tx, lambda v, s: v if masked(v) else s,
                                        jax.eval_shape(tx.init, abstract), p_sh, is_leaf=masked,
                                        transform_non_params=lambda _: replicated)
-        self.shardings = {"params": p_sh, "opt_state": opt_sh, "step": replicated}
-        if ref:
-            self.shardings["ref"] = p_sh
-        if buffers:
-            self.shardings["buffers"] = named(mesh, buffers[1])
-        if lora:
-            self.shardings["base"] = self.base_sh
-        self.shardings |= {k: named(mesh, specs) for k, (_, specs) in self.frozen.items()}
+        optional = {"ref": p_sh if ref else None, "base": self.base_sh if lora else None,
+                    "buffers": named(mesh, buffers[1]) if buffers else None}
+        self.shardings = {"params": p_sh, "opt_state": opt_sh, "step": replicated} | {
+            k: v for k, v in optional.items() if v is not None} | {
+            k: named(mesh, specs) for k, (_, specs) in self.frozen.items()}
 
     def _trained(self, params):
         return table_init(self.lora[0], jax.random.key(self.lora[1])) if self.lora else params
@@ -617,8 +604,7 @@ def is_max(path) -> bool:  # a largest logit (QK-clip's): combined over microbat
     return any(str(getattr(k, "key", "")).startswith("max_") for k in path)
 
 
-def stages() -> int:
-    """The size of the mesh's `stage` axis: pipeline stages (1 without a mesh)."""
+def stages() -> int:  # pipeline stages: the mesh's `stage` axis (1 without a mesh)
     return dict(jax.sharding.get_abstract_mesh().shape).get("stage", 1)
 
 
@@ -688,14 +674,10 @@ def pipelined(layer, x_BTD, xs_L, rows_B, M: int, V: int, batch_axes, scan=jax.l
 def restore_params(run_dir: str, abstract_params, flag: str = "--init-from") -> dict:
     """The parameters of another run's latest checkpoint, read straight into these shardings.
     Its optimiser state is never read: a fine-tune starts a fresh one."""
-    with Checkpointer(run_dir, CheckpointConfig(async_save=False)) as ckpt:
-        step = ckpt.latest_step()
-        if step is None:
-            raise CheckpointError(f"{flag} {run_dir}: no complete checkpoint in "
-                                  f"{run_dir}/checkpoints; train it first.")
-        params = ckpt.restore(step, {"params": abstract_params}, partial=True)["params"]
+    state, step = read_checkpoint(run_dir, {"params": abstract_params}, f"{flag} {run_dir}: no "
+                                  f"complete checkpoint in {run_dir}/checkpoints; train it first.")
     log(f"initialised from {run_dir}/checkpoints/{step} (parameters; fresh optimiser)")
-    return params
+    return state["params"]
 
 
 def write_top_k(folder: str, step: int, arrays: dict, meta: dict) -> None:
@@ -754,16 +736,14 @@ def _is_hf(path: str) -> bool:
 def frozen_model(path: str, flag: str, config_from_hf: Callable, model_cls):
     """The model config of a model the run reads but never trains (a distillation teacher):
     a HuggingFace folder's (`config_from_hf`) or a run directory's (`model_cls`)."""
-    if _is_hf(path):
-        return config_from_hf(hf.read_config(path), path)
-    return model_cls(**read_run_config(path, flag, trained=True)["model"])
+    return (config_from_hf(hf.read_config(path), path) if _is_hf(path) else
+            model_cls(**read_run_config(path, flag, trained=True)["model"]))
 
 
 def frozen_params(path: str, flag: str, abstract, load_hf: Callable) -> dict:
     """Its parameters, placed as `abstract` says: `load_hf`'s, or the run's latest."""
-    if _is_hf(path):
-        return load_hf(path, jax.tree.leaves(abstract)[0].sharding.mesh)[1]
-    return restore_params(path, abstract, flag)
+    return (load_hf(path, jax.tree.leaves(abstract)[0].sharding.mesh)[1] if _is_hf(path) else
+            restore_params(path, abstract, flag))
 
 
 def model_source(cfg, prog: str = "train_dense.py") -> tuple[tuple[dict, str] | None, object]:
@@ -771,9 +751,8 @@ def model_source(cfg, prog: str = "train_dense.py") -> tuple[tuple[dict, str] | 
     the trainer's config_from_hf reads; or (None, cfg.model with the fields that --init-from's
     run, written by `prog`, saved); or (None, None): a fresh model. See `with_model`."""
     run, folder = getattr(cfg, "init_from", ""), getattr(cfg, "init_from_hf", "")
-    if run and folder:
-        raise ConfigError(f"--init-from {run} and --init-from-hf {folder}: start from one or "
-                          "the other.")
+    need(not (run and folder), f"--init-from {run} and --init-from-hf {folder}: start from one "
+         "or the other.")
     if folder:
         return (hf.read_config(folder), os.path.join(folder, hf.CONFIG)), None
     if not run:
@@ -783,10 +762,8 @@ def model_source(cfg, prog: str = "train_dense.py") -> tuple[tuple[dict, str] | 
     # train_dense.py's model without the Gemma knobs.
     unknown = {k: v for k, v in saved.items()
                if k not in {f.name for f in dataclasses.fields(cfg.model)}}
-    if any(unknown.values()):
-        raise ConfigError(f"--init-from {run}: its model sets fields this file does not "
-                          f"have ({ {k: v for k, v in unknown.items() if v} }); was it "
-                          f"written by {prog}?")
+    need(not any(unknown.values()), f"--init-from {run}: its model sets fields this file does "
+         f"not have ({ {k: v for k, v in unknown.items() if v} }); was it written by {prog}?")
     return None, dataclasses.replace(cfg.model, **{k: v for k, v in saved.items()
                                                    if k not in unknown})
 
@@ -794,9 +771,7 @@ def model_source(cfg, prog: str = "train_dense.py") -> tuple[tuple[dict, str] | 
 def with_model(cfg, model):
     """cfg with the model its run starts from (None: its own), whose `how` fields
     (common/config.py) stay this run's flags."""
-    if model is None:
-        return cfg
-    return dataclasses.replace(cfg, model=dataclasses.replace(
+    return cfg if model is None else dataclasses.replace(cfg, model=dataclasses.replace(
         model, **{f: getattr(cfg.model, f) for f in compute_fields(type(cfg.model))}))
 
 
@@ -831,13 +806,11 @@ def peak_flops_per_device(override_tflops: float = 0.0) -> tuple[float, str]:
         out.block_until_ready()
         host = 5 * 2 * n ** 3 / (time.perf_counter() - t0)
     if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
         host = float(multihost_utils.broadcast_one_to_all(np.float32(host)))
     return host / jax.device_count(), f"measured f32 matmul, host {host / 1e9:.0f} GFLOP/s"
 
 
 def mfu(flops_per_token: float, tokens_per_s: float, peak: float) -> float:
-    """Model FLOPs utilisation over all devices; NaN when the peak is unknown."""
     return flops_per_token * tokens_per_s / (peak * jax.device_count()) if peak else math.nan
 
 
@@ -846,8 +819,7 @@ def mfu_text(util: float) -> str:
 
 
 # --- Start-up, dry run and bench --------------------------------------------------------------
-def start(quiet: bool) -> None:
-    """What every run does first: join the other processes, cache compiles, set the noise."""
+def start(quiet: bool) -> None:  # what every run does first
     multislice.initialize()
     multislice.enable_compilation_cache()
     observe.configure(quiet=quiet)
@@ -858,9 +830,8 @@ def devices(compile_topology: str = "", compile_slices: int = 1, dry_run: bool =
     slice's that exists only as a description (for --dry-run)."""
     if not compile_topology:
         return jax.devices()
-    if not dry_run:
-        raise ConfigError(f"--compile-topology {compile_topology} compiles for hardware this "
-                          "machine does not have, so it cannot train: add --dry-run.")
+    need(dry_run, f"--compile-topology {compile_topology} compiles for hardware this machine "
+         "does not have, so it cannot train: add --dry-run.")
     return tpu_topology_devices(compile_topology, compile_slices)
 
 
@@ -949,29 +920,24 @@ def put(tree, mesh, batch_axes, abstract: bool = False):
     def one(x):
         x = np.asarray(x)
         sh = NamedSharding(mesh, P(batch_axes, *[None] * (x.ndim - 1)) if x.ndim else P())
-        if abstract:
-            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh)
-        return jax.make_array_from_callback(x.shape, sh, lambda i: x[i])
+        return (jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh) if abstract else
+                jax.make_array_from_callback(x.shape, sh, lambda i: x[i]))
     return jax.tree.map(one, tree)
 
 
 def fetch(x) -> np.ndarray:
     """A global array, whole, on every process's host (gathered when several hold parts)."""
-    if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
-    return np.asarray(jax.device_get(x))
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True)
+                      if jax.process_count() > 1 else jax.device_get(x))
 
 
 MASKED = -1e30  # finite: exp() underflows to 0 and 0 * MASKED stays 0 (entropy is NaN-free)
 
 
 def draw(key, z_BV, temperature, top_k: int, top_p: float):
-    """One token per row from policy logits z; argmax where temperature == 0.
-
-    top-k keeps the k largest logits; top-p (Holtzman et al. 2020) keeps the smallest set of
-    most likely tokens whose mass reaches p: a token stays if the mass before it is < p.
-    """
+    """One token per row from policy logits z; argmax where temperature == 0. top-k keeps the
+    k largest logits; top-p (Holtzman et al. 2020) keeps the smallest set of most likely tokens
+    whose mass reaches p: a token stays if the mass before it is < p."""
     if top_k > 0:
         kth = jax.lax.top_k(z_BV, top_k)[0][:, -1:]
         z_BV = jnp.where(z_BV < kth, MASKED, z_BV)
@@ -1091,12 +1057,10 @@ class Loop:
         self.peak, self.peak_src = peak_flops_per_device(peak_tflops)
         self.step, self.stopped, self.seconds, self.compile_s = start, False, 0.0, None
         self.evals, self.first_loss, self.last_loss = [], None, None  # evals: (step, figures)
-        # (step, device metrics, steps covered, eval figures joined to it): fetched a step late
-        self._pending = None
-        self._logged = start    # the step of the last record
-        # (did any process get SIGTERM?, was the step non-finite?, its metrics): read a step
-        # late, when the device is done with it
-        self._late = None
+        # _pending: (step, device metrics, steps covered, eval figures joined to it), fetched a
+        # step late; _late: (did any process get SIGTERM?, was the step non-finite?, its
+        # metrics), read a step late, when the device is done with it; _logged: the last record's
+        self._pending, self._late, self._logged = None, None, start
 
     def compile(self, step_fn, state, batch):
         """The step compiled ahead of time (timed), unless nothing is left to train."""
@@ -1303,19 +1267,15 @@ def export(run_dir: str, step: int, saved: dict, tables: dict, dtype: str, max_s
     abstract = jax.tree.map(
         lambda e, sh: jax.ShapeDtypeStruct(e[0], jnp.float32, sharding=sh), tables,
         named(mesh, table_specs(tables)), is_leaf=is_entry)
-    with Checkpointer(run_dir, CheckpointConfig(restore_step=step)) as ckpt:
-        at = ckpt.resume_step()
-        if at is None:
-            raise CheckpointError(f"--run-dir {run_dir} has no checkpoint to export.")
-        state = ckpt.restore(at, abstract, partial=True)
+    state, at = read_checkpoint(run_dir, abstract, f"--run-dir {run_dir} has no checkpoint to "
+                                "export.", step)
     src, tok, base, tokenizer_dir = hf_origin(saved), None, {}, None
-    try:  # the data may be gone: then the export ships no tokenizer
+    # The data may be gone: then the export ships no tokenizer.
+    with contextlib.suppress(FileNotFoundError, ValueError, OSError):
         if not src and tokenizer_run:
             tok = run_tokenizer(tokenizer_run)
         elif not src and data is not None:
             tok = load_dataset(data).tokenizer_path
-    except (FileNotFoundError, ValueError, OSError):
-        tok = None
     if src and os.path.isfile(os.path.join(src, hf.CONFIG)):  # its config: token ids, chat
         base, tokenizer_dir = hf.read_config(src), src
     elif tok and os.path.isfile(tok):  # one trained from scratch: its data's tokenizer and ids
@@ -1350,10 +1310,9 @@ def hf_params(ckpt: hf.Checkpoint, mesh, table: dict, mapping: dict, sizes: dict
     mesh = mesh or make_mesh(MeshConfig(fsdp=1), jax.devices()[:1])
     check_divides(table, mesh, ckpt.path)
     mt = ckpt.config["model_type"]
-    # Some exports keep lm_head.weight although it is tied (so the mapping has none); older
-    # ones saved rotary tables.
-    # Layers past num_hidden_layers that the mapping does not read are DeepSeek-V3's multi-
-    # token-prediction module, when the model we train leaves it out (its config says 0).
+    # Some exports keep lm_head.weight although it is tied (so the mapping has none), older ones
+    # rotary tables; layers past num_hidden_layers that the mapping does not read are DeepSeek-
+    # V3's multi-token-prediction module, which the model we train leaves out (config says 0).
     layer = lambda n: int(m[1]) if (m := re.match(r"model\.layers\.(\d+)\.", n)) else -1
     last = max([layer(n) for t, p in jax.tree.leaves(mapping, is_leaf=hf._is_entry) for _, n in
                 hf._file_names(t, hf.parse_layout(p, sizes), sizes)] + [
