@@ -114,8 +114,6 @@ def cached(q_BTNH, k_BKSH, v_BKSV, *, scale: float, mask_BTS, cap: float = 0.0):
 # for queries (G = N / K heads per key head) and [n, B, K, C, X] for keys and values, so that a
 # loop picks a tile with a dynamic index on the leading axis. The running softmax statistics
 # (max m, sum l) and the logsumexp are [n, B, K, G, C], float32.
-
-
 def _tiles(x_BT_, C: int):
     """[B, T, ..., X] -> [n, B, ..., C, X]: T zero-padded to n tiles of C, the tile first."""
     B, T = x_BT_.shape[:2]
@@ -350,9 +348,7 @@ def to_context(*xs_BT):
 
 def from_context(x_BT, T: int):
     C = context_size()
-    if C == 1:
-        return x_BT
-    return x_BT[:, np.argsort(context_order(x_BT.shape[1], C))][:, :T]
+    return x_BT if C == 1 else x_BT[:, np.argsort(context_order(x_BT.shape[1], C))][:, :T]
 
 
 def fold_context(*xs_BT):
@@ -443,7 +439,6 @@ _ring = jax.custom_vjp(lambda *args: _ring_fwd(*args)[0], nondiff_argnums=(0, 1,
 _ring.defvjp(_ring_fwd, _ring_bwd)
 
 
-
 def _ulysses(statics, C, balanced, T, kernel, q, k, v, seg, sinks_N):
     """Ulysses (DeepSpeed-Ulysses, Jacobs et al. 2023) on one shard: an all-to-all trades the
     sequence split for a head split, so the shard runs the whole sequence's attention for N/C
@@ -517,7 +512,6 @@ def context_attention(q_BTNH, k_BTKH, v_BTKV, *, strategy: str = "allgather", sc
 
 
 # ---- choosing the kernel: by the devices the step compiles for ----------------------------
-
 IMPLS = ("auto", "splash", "cudnn", "blocked", "xla", "einsum")
 
 
@@ -564,20 +558,19 @@ def attend(q_BTNH, k_BSKH, v_BSKV, *, impl: str = "auto", scale: float, causal: 
     (QK-clip): (output, each head's largest logit [N]) from the blocked kernel, which keeps the
     row maxima anyway; (output, None) from the others (splash keeps a logsumexp, cuDNN
     nothing), whose callers make the maxima again (common/train.py `max_logits`)."""
+    T, H, V = q_BTNH.shape[1], q_BTNH.shape[3], v_BSKV.shape[-1]
+    kind = choose(impl, target_platform(), dtype=q_BTNH.dtype, T=T, H=H, V=V, cap=cap,
+                  sinks=sinks_N is not None, segments=segment_ids is not None)
+    kw = dict(scale=scale, causal=causal, window=window, cap=cap, sinks_N=sinks_N,
+              segment_ids=segment_ids)
     if with_max:
-        T, H = q_BTNH.shape[1], q_BTNH.shape[3]
-        if context_size() == 1 and mask_BTS is None and choose(
-                impl, target_platform(), dtype=q_BTNH.dtype, T=T, H=H, V=v_BSKV.shape[-1],
-                cap=cap, sinks=sinks_N is not None, segments=segment_ids is not None) == "blocked":
-            return blocked(q_BTNH, k_BSKH, v_BSKV, scale=scale, causal=causal, window=window,
-                           cap=cap, sinks_N=sinks_N, segment_ids=segment_ids, with_max=True)
-        return attend(q_BTNH, k_BSKH, v_BSKV, impl=impl, scale=scale, causal=causal,
-                      window=window, cap=cap, sinks_N=sinks_N, segment_ids=segment_ids,
-                      mask_BTS=mask_BTS, batch_axes=batch_axes, context=context), None
+        if context_size() == 1 and mask_BTS is None and kind == "blocked":
+            return blocked(q_BTNH, k_BSKH, v_BSKV, **kw, with_max=True)
+        return attend(q_BTNH, k_BSKH, v_BSKV, impl=impl, mask_BTS=mask_BTS, batch_axes=batch_axes,
+                      context=context, **kw), None
     if context_size() > 1 and mask_BTS is None:
-        return context_attention(q_BTNH, k_BSKH, v_BSKV, strategy=context, scale=scale,
-                                 causal=causal, window=window, cap=cap, sinks_N=sinks_N,
-                                 segment_ids=segment_ids, batch_axes=batch_axes, impl=impl)
+        return context_attention(q_BTNH, k_BSKH, v_BSKV, strategy=context, batch_axes=batch_axes,
+                                 impl=impl, **kw)
     if mask_BTS is not None:  # a KV cache's tail, left padding: XLA's masked softmax
         if window or sinks_N is not None or segment_ids is not None:
             raise ValueError("attend: an explicit mask_BTS takes no window, sinks or segments")
@@ -586,13 +579,8 @@ def attend(q_BTNH, k_BSKH, v_BSKV, *, impl: str = "auto", scale: float, causal: 
                              mask_BTS=mask_BTS)
         return jax.nn.dot_product_attention(q_BTNH, k_BSKH, v_BSKV, mask=mask_BTS[:, None],
                                             scale=scale, implementation="xla")
-    T, H = q_BTNH.shape[1], q_BTNH.shape[3]
-    kind = choose(impl, target_platform(), dtype=q_BTNH.dtype, T=T, H=H, V=v_BSKV.shape[-1],
-                  cap=cap, sinks=sinks_N is not None, segments=segment_ids is not None)
-    kw = dict(scale=scale, causal=causal, window=window, cap=cap, sinks_N=sinks_N,
-              segment_ids=segment_ids)
     if kind in ("xla", "cudnn") and not (cap or sinks_N is not None or segment_ids is not None):
-        V = v_BSKV.shape[-1]  # MLA's narrower values: padded to the query width these take
+        # MLA's narrower values: padded to the query width these take
         v = jnp.pad(v_BSKV, ((0, 0),) * 3 + ((0, H - V),)) if V < H else v_BSKV
         return jax.nn.dot_product_attention(q_BTNH, k_BSKH, v, scale=scale, is_causal=causal,
                                             implementation=kind, local_window_size=(
@@ -646,7 +634,6 @@ def splash(q_BTNH, k_BSKH, v_BSKV, *, scale: float, causal: bool = True, window:
     if mesh.empty:
         return one_device(q_BTNH, k_BSKH, v_BSKV, segment_ids, sinks_N)
     heads = P(batch_axes, None, "tensor", None)
-    return jax.shard_map(one_device, in_specs=(heads, heads, heads, P(batch_axes, None),
-                                                P("tensor")),
-                         out_specs=heads, check_vma=False)(
+    specs = (heads, heads, heads, P(batch_axes, None), P("tensor"))
+    return jax.shard_map(one_device, in_specs=specs, out_specs=heads, check_vma=False)(
         q_BTNH, k_BSKH, v_BSKV, segment_ids, sinks_N)
