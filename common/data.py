@@ -205,9 +205,8 @@ class HFTokenizer:
         self.eos_id, self.bos_id = (lambda: eos), (lambda: bos)
 
     def encode(self, text, num_threads: int | None = None):
-        if isinstance(text, str):
-            return self._tok.encode(text, add_special_tokens=False).ids
-        return [e.ids for e in self._tok.encode_batch(text, add_special_tokens=False)]
+        return (self._tok.encode(text, add_special_tokens=False).ids if isinstance(text, str)
+                else [e.ids for e in self._tok.encode_batch(text, add_special_tokens=False)])
 
     def decode(self, ids) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=False)

@@ -49,14 +49,12 @@ def say(*a, **kw) -> None:
         print(*a, **kw, flush=True)
 
 
-def note(*a, **kw) -> None:
-    """A progress line: said unless quiet."""
+def note(*a, **kw) -> None:  # a progress line: said unless quiet
     if not _QUIET:
         say(*a, **kw)
 
 
-def is_remote(path: str | os.PathLike) -> bool:
-    """Whether `path` is an object-store URL (gs://, s3://) rather than a file system path."""
+def is_remote(path: str | os.PathLike) -> bool:  # an object store's URL (gs://, s3://)
     return "://" in os.fspath(path)
 
 
