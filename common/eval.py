@@ -35,7 +35,7 @@ from common.config import ConfigError, check_ranges, knob
 from common.data import open_tokenizer, run_tokenizer
 from common.mesh import MeshConfig, make_mesh
 from common.observe import MetricsLog
-from common.train import INPUT_ERRORS, hf_origin, join, log
+from common.train import INPUT_ERRORS, hf_origin, join, log, put as place
 
 EVALS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "evals")
 
@@ -121,7 +121,7 @@ class Scorer:
         shards = math.prod(mesh.shape[a] for a in axes)
         self.params, self.mesh, self.max_length = params, mesh, max_length
         self.B = -(-batch_size // shards) * shards
-        self.rows, self.vec = NamedSharding(mesh, P(axes or None, None)), NamedSharding(mesh, P(axes or None))
+        self.axes = axes or None  # what splits a batch's rows (`place`)
         self.shapes, self.requests, self.seconds = set(), 0, 0.0
 
         def score(params, x_BT, mask_BT):
@@ -150,19 +150,13 @@ class Scorer:
         with jax.set_mesh(self.mesh):  # the model's sharding constraints name its axes
             return jax.device_get(fn(self.params, *args))
 
-    @staticmethod
-    def place(x: np.ndarray, sharding) -> jax.Array:
-        """The same host array on every process, as one global array (device_put of a host
-        array onto devices of other processes is not in every JAX we support)."""
-        return jax.make_array_from_callback(x.shape, sharding, lambda i: x[i])
-
     def put(self, rows: list[list[int]], width: int) -> tuple[jax.Array, np.ndarray]:
         """Rows right-padded with 0 to `width` (spare rows repeat the last), and their lengths."""
         x = np.zeros((self.B, width), np.int32)
         n = np.array([len(rows[min(i, len(rows) - 1)]) for i in range(self.B)])
         for i in range(self.B):
             x[i, :n[i]] = rows[min(i, len(rows) - 1)]
-        return self.place(x, self.rows), n
+        return place(x, self.mesh, self.axes), n
 
     def batches(self, lengths: list[int], cap: int):
         """Indices in batches of one bucket each, longest bucket first."""
@@ -182,7 +176,7 @@ class Scorer:
             cols = np.arange(width)
             mask = (cols >= (n - k)[:, None]) & (cols < n[:, None])
             self.shapes.add(("score", *x.shape))
-            lp, hit = self.run(self._score, x, self.place(mask, self.rows))
+            lp, hit = self.run(self._score, x, place(mask, self.mesh, self.axes))
             for j, i in enumerate(idx):
                 out[i] = (float(lp[j]), bool(hit[j]))
         self.requests, self.seconds = self.requests + len(pairs), self.seconds + time.perf_counter() - t0
@@ -195,7 +189,7 @@ class Scorer:
         for idx, width in self.batches([len(p) + n for p in prompts], self.max_length):
             x, lens = self.put([prompts[i] for i in idx], width)
             self.shapes.add(("generate", *x.shape, n))
-            x = self.run(self._greedy, x, self.place(lens, self.vec), n)
+            x = self.run(self._greedy, x, place(lens, self.mesh, self.axes), n)
             for j, i in enumerate(idx):
                 out[i] = x[j, lens[j]:lens[j] + n].tolist()
         self.requests, self.seconds = self.requests + len(prompts), self.seconds + time.perf_counter() - t0
@@ -321,8 +315,7 @@ def show(summary: dict, head: str = "eval") -> str:
                      for t, d in summary.items())
 
 
-def flat(summary: dict) -> dict:
-    """{task: {metric: v}} as metrics.jsonl's keys: lm_eval/<task>/<metric>."""
+def flat(summary: dict) -> dict:  # {task: {metric: v}} as metrics.jsonl's keys
     return {f"lm_eval/{t}/{k}": v for t, d in summary.items() for k, v in d.items()}
 
 

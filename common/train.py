@@ -173,12 +173,10 @@ def weights(state: dict, lora: LoRAConfig, params: dict | None = None) -> dict:
 
 
 def named(mesh, specs):
-    return jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
-                        is_leaf=lambda x: isinstance(x, P))
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
 
 
-def check_divides(table: dict, mesh, where: str) -> None:
-    """Every sharded dimension of the table splits evenly over its mesh axes."""
+def check_divides(table: dict, mesh, where: str) -> None:  # each sharded dimension evenly
     flat = jax.tree_util.tree_flatten_with_path(table, is_leaf=is_entry)[0]
     for path, (shape, spec, _) in flat:
         for n, axes in zip(shape, spec):
@@ -375,7 +373,6 @@ def optimizer(kind: str, schedule, *, b1: float, b2: float, weight_decay: float,
               clip_norm: float, decayed: set[str], muon_dims: dict, muon_dtype: str = "float32",
               specs: dict | None = None):
     """Clip by global norm, then AdamW, or Muon on the hidden matrices and AdamW on the rest.
-
     AdamW decays only the parameters whose name is in `decayed` (the matrices): decaying norm
     gains and biases only hurts. Muon (Jordan et al. 2024; Liu et al. 2025, "Muon is Scalable",
     the Moonlight recipe Kimi K2 uses): Nesterov momentum 0.95, then 5 quintic Newton-Schulz
@@ -403,7 +400,6 @@ def optimizer(kind: str, schedule, *, b1: float, b2: float, weight_decay: float,
     def cast(dtype):  # the momentum's dtype is the iteration's (Nesterov's sum takes g's)
         return optax.GradientTransformation(lambda _: optax.EmptyState(), lambda u, s, p=None: (
             jax.tree.map(lambda x: x.astype(dtype), u), s))
-
     muon = optax.chain(
         cast(jnp.dtype(muon_dtype)), scale_by_muon(muon_dims, jnp.dtype(muon_dtype), specs),
         cast(jnp.float32), optax.GradientTransformation(lambda _: optax.EmptyState(), rms_match),
@@ -443,7 +439,6 @@ def max_logits(q_BTNH, k_BSKH, mask_BTS=None, chunk: int = 512, *, segment_ids=N
         if local_chunk:
             a = a & (is_global | (t_C1 // local_chunk == s_S // local_chunk))
         return jnp.max(jnp.where(a[:, None, None], s, -jnp.inf), axis=(0, 3, 4)).reshape(N)
-
     return jnp.max(jax.lax.map(one, jnp.arange(T // C)), axis=0) * (scale or H ** -0.5)
 
 
@@ -552,8 +547,7 @@ class TrainState:
         return jax.jit(step_fn, donate_argnums=0, out_shardings=(self.shardings, None))
 
 
-def update(tx, grads, state: dict, *checked, after: Callable | None = None
-           ) -> tuple[dict, dict]:
+def update(tx, grads, state: dict, *checked, after: Callable | None = None) -> tuple[dict, dict]:
     """The optimiser step on `grads`, unless the gradient norm or a `checked` value (the loss)
     is not finite: then the parameters and optimiser state stay as they were. Decided on the
     device by a select, so no step waits for the host; the loop reads `nonfinite` with the
@@ -592,7 +586,6 @@ def accumulate(grad_fn, params, batch, microbatches: int, batch_axes):
         return jax.tree_util.tree_map_with_path(
             lambda path, a, b: jnp.maximum(a, b) if is_max(path) else a + b,
             carry, grad_fn(params, mb)), None
-
     mbs = jax.tree.map(split, batch)
     shapes = jax.eval_shape(grad_fn, params, jax.tree.map(lambda x: x[0], mbs))
     zeros = jax.tree_util.tree_map_with_path(
@@ -640,8 +633,7 @@ def pipelined(layer, x_BTD, xs_L, rows_B, M: int, V: int, batch_axes, scan=jax.l
     rows = jax.tree.map(mb, rows_B)
     at = lambda i, a: (ids == i).reshape(-1, *[1] * (a.ndim - 1))  # stage i's slice of a
 
-    one = remat(lambda x, chunk, r, k, rows: layer(x, jax.tree.map(lambda a: a[r, k], chunk),
-                                                   rows))
+    one = remat(lambda x, chunk, r, k, rows: layer(x, jax.tree.map(lambda a: a[r, k], chunk), rows))
 
     def stage(x, chunk, r, i):  # one stage's chunk of round r, on microbatch i: (x, stats [K])
         rows_i = jax.tree.map(lambda a: a[i], rows)
@@ -916,7 +908,8 @@ def bench(step_fn, state, batch, n_steps: int, *, tokens_per_step: int,
 
 def put(tree, mesh, batch_axes, abstract: bool = False):
     """Host arrays that every process holds whole -> global arrays split on their rows
-    (scalars replicated); with `abstract`, only their shapes, dtypes and shardings."""
+    (scalars replicated); with `abstract`, only their shapes, dtypes and shardings. Not
+    device_put: onto other processes' devices, it is not in every JAX we support."""
     def one(x):
         x = np.asarray(x)
         sh = NamedSharding(mesh, P(batch_axes, *[None] * (x.ndim - 1)) if x.ndim else P())
@@ -1018,8 +1011,7 @@ class Run(contextlib.AbstractContextManager):
             self.ckpt = stack.enter_context(Checkpointer(self.dir, cfg.checkpoint))
             self._stack = stack.pop_all()
 
-    def __exit__(self, *exc) -> None:
-        self._stack.close()
+    __exit__ = lambda self, *exc: self._stack.close()
 
     def resume(self, abstract_state) -> tuple[dict | None, int]:
         """(the latest checkpoint's state, its step), or (None, 0) in a new run directory."""
@@ -1187,11 +1179,9 @@ class Loop:
             ("steps", f"{start} -> {end} ({end - start} this run, of {self.flag}.steps "
                       f"{self.steps})"),
             ("tokens", f"{(end - start) * self.tokens_per_step:,} this run ({per_step} per "
-                       "step)"), *rows,
-            ("wall time", timing),
+                       "step)"), *rows, ("wall time", timing),
             ("throughput", f"{fmt(tok_s / 1e3, '.1f')}k tok/s, {mfu_text(util)}, "
-                           f"{fmt(ms, '.0f')} ms/step (mean over logged steps after the "
-                           "first)"),
+                           f"{fmt(ms, '.0f')} ms/step (mean over logged steps after the first)"),
         ] + observe.where_rows(self.run.dir, self.run.metrics_log, self.run.profiler))
         return {"start_step": start, "final_step": end, "first_loss": self.first_loss,
                 "last_loss": self.last_loss, "compile_s": self.compile_s, "evals": evals,
