@@ -194,7 +194,6 @@ def _loop(body, carry, T, S, C, causal, window, offs):
         q0, k0 = offs[0] + i * C, offs[1] + j * C
         q1, k1 = q0 + jnp.minimum(C, T - i * C) - 1, k0 + jnp.minimum(C, S - j * C) - 1
         return (k0 <= q1 if causal else True) & (q0 - k1 < window if window else True)
-
     nk = -(-S // C)
     return _while(-(-T // C) * nk, lambda t, c: jax.lax.cond(
         live(t // nk, t % nk), lambda c: body(c, t // nk, t % nk), lambda c: c, c), carry)
@@ -224,7 +223,6 @@ def _flash_core(scale, causal, window, cap, C, q_BTNH, k_BSKH, v_BSKV, sinks_N, 
                         preferred_element_type=F32)
         return (_put(m_nBKGC, m_new, i), _put(l_nBKGC, a * _at(l_nBKGC, i) + p.sum(-1), i),
                 _put(acc_nBKGCV, a[..., None] * _at(acc_nBKGCV, i) + pv, i))
-
     m, l, acc = _loop(body, (m, l, jnp.zeros((*shape, V), F32)), T, S, C, causal, window, offs)
     row = (jnp.arange(q.shape[0] * C) < T).reshape(q.shape[0], 1, 1, 1, C)  # not the padding
     top_N = jnp.max(jnp.where(row & (l > 0), m, NEG), axis=(0, 1, 4)).reshape(N)
@@ -261,8 +259,7 @@ def _flash_bwd(scale, causal, window, cap, C, res, do_BTNV):
         q_i, k_j, v_j, do_i = _at(q, i), _at(k, j), _at(v, j), _at(do, i)
         s, ok, th = _tile_scores(q_i, k_j, i, j, segs, S, C, scale, causal, window, cap, offs)
         p = jnp.exp(jnp.where(ok, s - _at(lse, i)[..., None], NEG))
-        dv_j = jnp.einsum("bkgcs,bkgcv->bksv", p.astype(do.dtype), do_i,
-                          preferred_element_type=F32)
+        dv_j = jnp.einsum("bkgcs,bkgcv->bksv", p.astype(do.dtype), do_i, preferred_element_type=F32)
         dp = jnp.einsum("bkgcv,bksv->bkgcs", do_i, v_j, preferred_element_type=F32)
         ds = p * (dp - _at(D_nBKGC, i)[..., None])
         if cap:   # d(cap tanh(x / cap))/dx
@@ -272,7 +269,6 @@ def _flash_bwd(scale, causal, window, cap, C, res, do_BTNV):
         dk_j = jnp.einsum("bkgcs,bkgch->bksh", ds, q_i, preferred_element_type=F32)
         return (_put(dq, _at(dq, i) + dq_i, i), _put(dk, _at(dk, j) + dk_j, j),
                 _put(dv, _at(dv, j) + dv_j, j))
-
     zeros = lambda x: jnp.zeros(x.shape, F32)
     dq, dk, dv = _loop(body, (zeros(q), zeros(k), zeros(v)), T, S, C, causal, window, offs)
     dsinks = None
@@ -318,7 +314,6 @@ def blocked(q_BTNH, k_BSKH, v_BSKV, *, scale: float, causal: bool = True, window
 # one few, so each shard pairs one of each and all do the same work. The trainers reorder
 # tokens, targets, positions and segment ids so (`to_context`) before the model; everything
 # per token is indifferent to the order, attention alone reads it (`context_attention`).
-
 def context_size() -> int:
     mesh = jax.sharding.get_abstract_mesh()
     return 1 if mesh.empty else dict(mesh.shape).get("context", 1)
@@ -426,8 +421,7 @@ def _ring_bwd(statics, C, balanced, T, res, do):
                     jnp.stack([starts[a], kstarts[b]]), os[a], lse[a]), dos[a])
                 dq[a], dk_b, dv_b = dq[a] + dq_ab, dk_b + dk_ab, dv_b + dv_ab
                 dsinks = ds if dsinks is None else dsinks if ds is None else dsinks + ds
-            dk.append(dk_b)
-            dv.append(dv_b)
+            dk, dv = dk + [dk_b], dv + [dv_b]
         dkv = (dkv[0] + jnp.concatenate(dk, 1), dkv[1] + jnp.concatenate(dv, 1))
         kv, dkv = (jax.lax.ppermute((kv, dkv), "context", ring) if s < C - 1 else
                    (kv, jax.lax.ppermute(dkv, "context", ring)))
@@ -504,7 +498,6 @@ def context_attention(q_BTNH, k_BTKH, v_BTKV, *, strategy: str = "allgather", sc
         starts = _chunk_starts(jax.lax.axis_index("context"), C, T, balanced)
         return jnp.concatenate([_flash(*statics, qc, k, v, sinks, sc, sk, jnp.stack([t0, 0]))
                                 for qc, sc, t0 in zip(_split(q, n), _split(seg, n), starts)], 1)
-
     heads = P(batch_axes, "context", "tensor", None)
     return jax.shard_map(one_shard, in_specs=(heads, heads, heads, P(batch_axes, "context"),
                                                P("tensor")), out_specs=heads, check_vma=False)(
@@ -535,8 +528,7 @@ def choose(impl: str, platform: str, *, dtype, T: int, H: int, V: int, cap: floa
     return "blocked"
 
 
-def check_kernel(impl: str, platform: str, seq_len: int,
-                 flag: str = "--model.attention") -> None:
+def check_kernel(impl: str, platform: str, seq_len: int, flag: str = "--model.attention") -> None:
     """A kernel named on the command line that the compile target cannot run is refused
     before compiling (the Pallas or cuDNN error would come minutes later, and say less)."""
     if impl == "splash" and (platform != "tpu" or seq_len % 128):

@@ -254,7 +254,6 @@ class Checkpointer(contextlib.AbstractContextManager):
             return CheckpointError(f"checkpoint {step_dir} is damaged: {why}. Fix: delete that "
                                    f"folder (or move it out of {self.directory}) to resume from "
                                    "the checkpoint before it, or restore another step.")
-
         try:
             saved = self._manager.metadata(step).item_metadata
             saved = saved[_ITEM] if saved is not None and _ITEM in saved else None
@@ -281,15 +280,13 @@ class Checkpointer(contextlib.AbstractContextManager):
                 raise corrupt(_reason(e)) from e
         return restored[_ITEM]
 
-    def close(self) -> None:
-        """Waits for the last save (raising if it failed) and releases Orbax's threads."""
+    def close(self) -> None:  # waits for the last save, raising if it failed
         try:
             self.wait()
         finally:
             self._manager.close()
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    __exit__ = lambda self, *exc: self.close()
 
 
 def read_checkpoint(run_dir: str, abstract: Any, missing: str, step: int = -1,
@@ -318,15 +315,12 @@ def _refuse_foreign_directory(directory: epath.Path) -> None:
     if not directory.is_dir():
         raise CheckpointError(f"{directory} exists but is not a directory. "
                               "Fix: use another --run-dir, or move that file aside.")
-    foreign = []
-    for path in sorted(directory.iterdir()):
-        # Ours: a step folder (complete or damaged: restore tells which), the leftover of a
-        # cut-off save, or Orbax's metadata folder; never a file or a local symlink.
-        if path.is_dir() and (is_remote(path) or not os.path.islink(path)) and (
-                (path.name.isdigit() and (path / _STEP_METADATA_FILE).exists())
-                or _is_leftover(path) or path.name == _ROOT_METADATA_DIR):
-            continue
-        foreign.append(path.name)
+    # Ours: a step folder (complete or damaged: restore tells which), the leftover of a
+    # cut-off save, or Orbax's metadata folder; never a file or a local symlink.
+    ours = lambda path: path.is_dir() and (is_remote(path) or not os.path.islink(path)) and (
+        (path.name.isdigit() and (path / _STEP_METADATA_FILE).exists())
+        or _is_leftover(path) or path.name == _ROOT_METADATA_DIR)
+    foreign = [path.name for path in sorted(directory.iterdir()) if not ours(path)]
     if foreign:
         listed = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
         raise CheckpointError(
@@ -400,8 +394,7 @@ def check_run_config(run_dir: str, config: dict, may_change: frozenset[str] = fr
         # A new run can start from these weights only if the model's shape is the same.
         keep = "" if any(k.startswith("model.") for k in conflicts) else keep_weights
         raise ConfigConflictError(
-            f"{run_dir} belongs to a run with a different config:\n  "
-            + "\n  ".join(lines)
+            f"{run_dir} belongs to a run with a different config:\n  " + "\n  ".join(lines)
             + "\nFix: pass the same flags to resume this run, or choose a new --run-dir."
             + (f"\n{keep}" if keep else ""))
     if changed:

@@ -330,7 +330,6 @@ def load(ckpt: Checkpoint, mapping, sizes: dict, shardings, what: str,
         layout = parse_layout(entry[1], sizes)
         read = functools.partial(ckpt.read_block, entry[0], layout, sizes)  # (index) -> block
         return jax.make_array_from_callback(layout.shape, sharding, read, dtype=np.float32)
-
     return jax.tree.map(one, mapping, shardings, is_leaf=_is_entry)
 
 
@@ -532,7 +531,6 @@ def save(path: str, params, mapping, sizes: dict, config: dict, base: dict | Non
                 where[axis] = i
             out[tuple(where)] = part()
         return out.reshape(parts[0][0].file_shape)
-
     tensors, picked = [], {}  # (name, shape, dtype, make); name -> [(layout, make)]
     for i, ((template, pattern), leaf) in enumerate(zip(entries, leaves)):
         layout = parse_layout(pattern, sizes)

@@ -268,8 +268,7 @@ class MetricsLog(contextlib.AbstractContextManager):
             self._mirror.close()
             self._mirror = None
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    __exit__ = lambda self, *exc: self.close()
 
 
 def mean_ms_per_step(records: list[dict], start_step: int) -> float:
@@ -338,8 +337,7 @@ class Profiler(contextlib.AbstractContextManager):
                     self._mirror.close()
             self.active, self.traced = False, (self._began, step)
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    __exit__ = lambda self, *exc: self.close()
 
 
 # --- The end of a run -------------------------------------------------------------------------
@@ -363,8 +361,7 @@ def where_rows(run_dir: str, log: MetricsLog, profiler: Profiler) -> list[tuple[
     return rows
 
 
-def print_summary(title: str, rows: list[tuple[str, str]]) -> None:
-    """A one-screen block that ends a run's log: what it did, then where its files are."""
+def print_summary(title: str, rows: list[tuple[str, str]]) -> None:  # ends a run's log
     width, rule = max(len(k) for k, _ in rows), "=" * 78
     say("\n".join([f"{rule}\n{title}\n{'-' * 78}"] +
                   [f"{k:<{width}}  {v}" for k, v in rows] + [rule]))

@@ -68,8 +68,7 @@ class Task:
     show: Callable[[Row, str], str] = field(default=_show)  # a held-out sample, for the log
 
 
-def columns(rows: list[Row]) -> dict[str, list]:
-    """The rows' fields as one list per field, aligned with the rows."""
+def columns(rows: list[Row]) -> dict[str, list]:  # one list per field, aligned with the rows
     return {k: [r.fields[k] for r in rows] for k in (rows[0].fields if rows else {})}
 
 
