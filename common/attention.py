@@ -615,11 +615,10 @@ def _splash_local(q, k, v, seg, sinks, *, scale, causal, window, cap, interpret)
 def splash(q_BTNH, k_BSKH, v_BSKV, *, scale: float, causal: bool = True, window: int = 0,
            cap: float = 0.0, sinks_N=None, segment_ids=None, batch_axes=("data", "fsdp"),
            interpret: bool = False):
-    """The TPU's fused attention (JAX's Pallas splash kernel): masked-out blocks are skipped,
-    not computed, so causal costs half and a window W costs O(T W). A Pallas call is one
-    device's program, so under a mesh it runs in shard_map: rows split like the batch, heads
-    like the weights (over "tensor"). `interpret` runs the kernel's Python on any backend (the
-    CPU tests)."""
+    """The TPU's fused attention (JAX's Pallas splash kernel): masked-out blocks are skipped, not
+    computed, so causal costs half and a window W costs O(T W). A Pallas call is one device's
+    program, so under a mesh it runs in shard_map: rows split like the batch, heads like the weights
+    (over "tensor"). `interpret` runs the kernel's Python on any backend (the CPU tests)."""
     one_device = partial(_splash_local, scale=scale, causal=causal, window=window, cap=cap,
                          interpret=interpret)
     mesh = jax.sharding.get_abstract_mesh()

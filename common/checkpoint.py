@@ -125,10 +125,8 @@ class Checkpointer(contextlib.AbstractContextManager):
     construct, `save` at the same steps, `restore`, `close`."""
 
     def __init__(self, run_dir: str, cfg: CheckpointConfig):
-        self.cfg = cfg
-        self.directory = run_path(run_dir, "checkpoints")
+        self.cfg, self.directory = cfg, run_path(run_dir, "checkpoints")
         _refuse_foreign_directory(self.directory)
-
         registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
         registry.add(_ITEM, ocp.args.StandardSave)
         registry.add(_ITEM, ocp.args.PyTreeRestore)  # which may restore a part (`partial`)
@@ -419,12 +417,11 @@ class PreemptionGuard:
     requested = property(lambda self: self._requested.is_set())
 
     def __enter__(self) -> PreemptionGuard:
-        if threading.current_thread() is threading.main_thread():
-            try:
+        # ValueError: the main thread of a sub-interpreter, whose signals are not ours to take.
+        with contextlib.suppress(ValueError):
+            if threading.current_thread() is threading.main_thread():
                 self._previous = signal.signal(signal.SIGTERM, lambda *_: self._requested.set())
                 self._installed = True
-            except ValueError:
-                pass  # main thread of a sub-interpreter: signals are not ours to take
         return self
 
     def __exit__(self, *exc) -> None:

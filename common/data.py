@@ -240,7 +240,6 @@ class ChatTemplate:
 
         class Generation(Extension):  # {% generation %}...{% endgeneration %}: TRL's marker
             tags = {"generation"}
-
             _body = lambda self, caller: caller()
 
             def parse(self, parser):

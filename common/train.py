@@ -277,10 +277,9 @@ def check_profile(profile_steps: tuple[int, ...], steps: int, flag: str = "--tra
 # --- Optimiser --------------------------------------------------------------------------------
 def lr_schedule(kind: str, lr: float, warmup_steps: int, steps: int = 0,
                 min_lr_ratio: float = 0.1, decay_fraction: float = 0.2):
-    """Learning rate at optimiser step s (0-based); step 0 already gets lr / warmup_steps.
-    cosine: down to lr * min_lr_ratio at `steps`; constant: flat after the warmup; wsd
-    (warmup-stable-decay, MiniCPM): flat, then a linear cool-down over the last
-    decay_fraction of the steps."""
+    """Learning rate at optimiser step s (0-based); step 0 already gets lr / warmup_steps. cosine:
+    down to lr * min_lr_ratio at `steps`; constant: flat after the warmup; wsd (warmup-stable-decay,
+    MiniCPM): flat, then a linear cool-down over the last decay_fraction of the steps."""
     end, warmup = lr * min_lr_ratio, max(warmup_steps, 1)
     ramp = optax.linear_schedule(0.0, lr, warmup)
     if kind == "cosine":
@@ -372,18 +371,17 @@ def scale_by_muon(muon_dims: dict, mu_dtype, specs: dict | None = None, beta: fl
 def optimizer(kind: str, schedule, *, b1: float, b2: float, weight_decay: float,
               clip_norm: float, decayed: set[str], muon_dims: dict, muon_dtype: str = "float32",
               specs: dict | None = None):
-    """Clip by global norm, then AdamW, or Muon on the hidden matrices and AdamW on the rest.
-    AdamW decays only the parameters whose name is in `decayed` (the matrices): decaying norm
-    gains and biases only hurts. Muon (Jordan et al. 2024; Liu et al. 2025, "Muon is Scalable",
-    the Moonlight recipe Kimi K2 uses): Nesterov momentum 0.95, then 5 quintic Newton-Schulz
-    steps that orthogonalise each matrix (optax.contrib.scale_by_muon's math, the momentum and
-    the iteration in `muon_dtype`), scaled by 0.2 sqrt(max(fan_in, fan_out)) so that the
-    update's RMS matches AdamW's and the same learning rate and weight decay serve both.
-    `muon_dims`: name -> (input axes, output axes) of the hidden matrices; every other axis
-    (the scanned layers, the experts) is a batch of separate matrices, split over the devices
-    (`orthogonalise_stack`, given the parameters' PartitionSpecs `specs`). Embeddings,
-    unembedding, norms, biases and the router are not in it and keep AdamW. The momentum is
-    sharded like its parameter."""
+    """Clip by global norm, then AdamW, or Muon on the hidden matrices and AdamW on the rest. AdamW
+    decays only the parameters whose name is in `decayed` (the matrices): decaying norm gains and
+    biases only hurts. Muon (Jordan et al. 2024; Liu et al. 2025, "Muon is Scalable", the Moonlight
+    recipe Kimi K2 uses): Nesterov momentum 0.95, then 5 quintic Newton-Schulz steps that
+    orthogonalise each matrix (optax.contrib.scale_by_muon's math, the momentum and the iteration in
+    `muon_dtype`), scaled by 0.2 sqrt(max(fan_in, fan_out)) so that the update's RMS matches AdamW's
+    and the same learning rate and weight decay serve both. `muon_dims`: name -> (input axes, output
+    axes) of the hidden matrices; every other axis (the scanned layers, the experts) is a batch of
+    separate matrices, split over the devices (`orthogonalise_stack`, given the parameters'
+    PartitionSpecs `specs`). Embeddings, unembedding, norms, biases and the router are not in it and
+    keep AdamW. The momentum is sharded like its parameter."""
     mask = lambda params: jax.tree_util.tree_map_with_path(
         lambda path, _: path[-1].key in decayed, params)
     adam = optax.adamw(schedule, b1, b2, weight_decay=weight_decay, mask=mask)
@@ -603,24 +601,23 @@ def stages() -> int:  # pipeline stages: the mesh's `stage` axis (1 without a me
 
 def pipelined(layer, x_BTD, xs_L, rows_B, M: int, V: int, batch_axes, scan=jax.lax.scan,
               remat=lambda f: f):
-    """The layers as a pipeline over the `stage` axis, inside one SPMD program (GPipe, Huang et
-    al. 2019; circular with V > 1, Narayanan et al. 2021). `layer(x, xs, rows) -> (x, stats)` is
-    one layer, xs its slice of the stacks xs_L [L, ...], rows its microbatch's share of rows_B
-    [B, ...]. Returns (output [B, T, D], stats [L, ...]: each layer's over the microbatches,
-    combined as `accumulate` combines a step's, so that they are the unpipelined step's).
+    """The layers as a pipeline over the `stage` axis, inside one SPMD program (GPipe, Huang et al.
+    2019; circular with V > 1, Narayanan et al. 2021). `layer(x, xs, rows) -> (x, stats)` is one
+    layer, xs its slice of the stacks xs_L [L, ...], rows its microbatch's share of rows_B [B, ...].
+    Returns (output [B, T, D], stats [L, ...]: each layer's over the microbatches, combined as
+    `accumulate` combines a step's, so that they are the unpipelined step's).
 
-    The batch is cut into M microbatches and the L layers into S V chunks of K; chunk r S + s
-    is stage s's in round r. At tick t stage s runs microbatch (t - s) mod M through its chunk
-    of round (t - s) div M, all stages at once (a vmap over a stage-sharded axis), then hands
-    its output to stage s + 1: a roll that XLA makes a collective-permute. What leaves the last
-    stage waits in `buf` [M, ...] (every microbatch's current activation, the embeddings at
-    first) until stage 0 takes it up for the next round; M >= S keeps it there long enough.
-    V M + S - 1 ticks, S - 1 of them idle for each stage: a bubble of (S - 1) / (V M + S - 1).
-    The backward pass is this loop's autodiff (all forwards, then all backwards). `remat` (the
-    trainer's jax.checkpoint) wraps a layer with the reading of its weights from the chunk:
-    checkpointed after the read, each tick's weights were saved for the backward pass, ticks x
-    the stage's weights (llama3.1-405b's GPipe on v5p: 30 GiB a chip); inside, they are read
-    again from the chunk, which the loop keeps once."""
+    The batch is cut into M microbatches and the L layers into S V chunks of K; chunk r S + s is
+    stage s's in round r. At tick t stage s runs microbatch (t - s) mod M through its chunk of round
+    (t - s) div M, all stages at once (a vmap over a stage-sharded axis), then hands its output to
+    stage s + 1: a roll that XLA makes a collective-permute. What leaves the last stage waits in
+    `buf` [M, ...] (every microbatch's current activation, the embeddings at first) until stage 0
+    takes it up for the next round; M >= S keeps it there long enough. V M + S - 1 ticks, S - 1 of
+    them idle for each stage: a bubble of (S - 1) / (V M + S - 1). The backward pass is this loop's
+    autodiff (all forwards, then all backwards). `remat` (the trainer's jax.checkpoint) wraps a
+    layer with the reading of its weights from the chunk: checkpointed after the read, each tick's
+    weights were saved for the backward pass, ticks x the stage's weights (llama3.1-405b's GPipe on
+    v5p: 30 GiB a chip); inside, they are read again from the chunk, which the loop keeps once."""
     S, pin = stages(), jax.lax.with_sharding_constraint
     K, ids = len(jax.tree.leaves(xs_L)[0]) // (S * V), jnp.arange(S)
     # Microbatch m: rows m, m+M, ... as `accumulate` takes them, so no row changes device.
