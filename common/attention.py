@@ -114,8 +114,6 @@ def cached(q_BTNH, k_BKSH, v_BKSV, *, scale: float, mask_BTS, cap: float = 0.0):
 # for queries (G = N / K heads per key head) and [n, B, K, C, X] for keys and values, so that a
 # loop picks a tile with a dynamic index on the leading axis. The running softmax statistics
 # (max m, sum l) and the logsumexp are [n, B, K, G, C], float32.
-
-
 def _tiles(x_BT_, C: int):
     """[B, T, ..., X] -> [n, B, ..., C, X]: T zero-padded to n tiles of C, the tile first."""
     B, T = x_BT_.shape[:2]
@@ -196,7 +194,6 @@ def _loop(body, carry, T, S, C, causal, window, offs):
         q0, k0 = offs[0] + i * C, offs[1] + j * C
         q1, k1 = q0 + jnp.minimum(C, T - i * C) - 1, k0 + jnp.minimum(C, S - j * C) - 1
         return (k0 <= q1 if causal else True) & (q0 - k1 < window if window else True)
-
     nk = -(-S // C)
     return _while(-(-T // C) * nk, lambda t, c: jax.lax.cond(
         live(t // nk, t % nk), lambda c: body(c, t // nk, t % nk), lambda c: c, c), carry)
@@ -226,7 +223,6 @@ def _flash_core(scale, causal, window, cap, C, q_BTNH, k_BSKH, v_BSKV, sinks_N, 
                         preferred_element_type=F32)
         return (_put(m_nBKGC, m_new, i), _put(l_nBKGC, a * _at(l_nBKGC, i) + p.sum(-1), i),
                 _put(acc_nBKGCV, a[..., None] * _at(acc_nBKGCV, i) + pv, i))
-
     m, l, acc = _loop(body, (m, l, jnp.zeros((*shape, V), F32)), T, S, C, causal, window, offs)
     row = (jnp.arange(q.shape[0] * C) < T).reshape(q.shape[0], 1, 1, 1, C)  # not the padding
     top_N = jnp.max(jnp.where(row & (l > 0), m, NEG), axis=(0, 1, 4)).reshape(N)
@@ -263,8 +259,7 @@ def _flash_bwd(scale, causal, window, cap, C, res, do_BTNV):
         q_i, k_j, v_j, do_i = _at(q, i), _at(k, j), _at(v, j), _at(do, i)
         s, ok, th = _tile_scores(q_i, k_j, i, j, segs, S, C, scale, causal, window, cap, offs)
         p = jnp.exp(jnp.where(ok, s - _at(lse, i)[..., None], NEG))
-        dv_j = jnp.einsum("bkgcs,bkgcv->bksv", p.astype(do.dtype), do_i,
-                          preferred_element_type=F32)
+        dv_j = jnp.einsum("bkgcs,bkgcv->bksv", p.astype(do.dtype), do_i, preferred_element_type=F32)
         dp = jnp.einsum("bkgcv,bksv->bkgcs", do_i, v_j, preferred_element_type=F32)
         ds = p * (dp - _at(D_nBKGC, i)[..., None])
         if cap:   # d(cap tanh(x / cap))/dx
@@ -274,7 +269,6 @@ def _flash_bwd(scale, causal, window, cap, C, res, do_BTNV):
         dk_j = jnp.einsum("bkgcs,bkgch->bksh", ds, q_i, preferred_element_type=F32)
         return (_put(dq, _at(dq, i) + dq_i, i), _put(dk, _at(dk, j) + dk_j, j),
                 _put(dv, _at(dv, j) + dv_j, j))
-
     zeros = lambda x: jnp.zeros(x.shape, F32)
     dq, dk, dv = _loop(body, (zeros(q), zeros(k), zeros(v)), T, S, C, causal, window, offs)
     dsinks = None
@@ -320,7 +314,6 @@ def blocked(q_BTNH, k_BSKH, v_BSKV, *, scale: float, causal: bool = True, window
 # one few, so each shard pairs one of each and all do the same work. The trainers reorder
 # tokens, targets, positions and segment ids so (`to_context`) before the model; everything
 # per token is indifferent to the order, attention alone reads it (`context_attention`).
-
 def context_size() -> int:
     mesh = jax.sharding.get_abstract_mesh()
     return 1 if mesh.empty else dict(mesh.shape).get("context", 1)
@@ -350,9 +343,7 @@ def to_context(*xs_BT):
 
 def from_context(x_BT, T: int):
     C = context_size()
-    if C == 1:
-        return x_BT
-    return x_BT[:, np.argsort(context_order(x_BT.shape[1], C))][:, :T]
+    return x_BT if C == 1 else x_BT[:, np.argsort(context_order(x_BT.shape[1], C))][:, :T]
 
 
 def fold_context(*xs_BT):
@@ -430,8 +421,7 @@ def _ring_bwd(statics, C, balanced, T, res, do):
                     jnp.stack([starts[a], kstarts[b]]), os[a], lse[a]), dos[a])
                 dq[a], dk_b, dv_b = dq[a] + dq_ab, dk_b + dk_ab, dv_b + dv_ab
                 dsinks = ds if dsinks is None else dsinks if ds is None else dsinks + ds
-            dk.append(dk_b)
-            dv.append(dv_b)
+            dk, dv = dk + [dk_b], dv + [dv_b]
         dkv = (dkv[0] + jnp.concatenate(dk, 1), dkv[1] + jnp.concatenate(dv, 1))
         kv, dkv = (jax.lax.ppermute((kv, dkv), "context", ring) if s < C - 1 else
                    (kv, jax.lax.ppermute(dkv, "context", ring)))
@@ -441,7 +431,6 @@ def _ring_bwd(statics, C, balanced, T, res, do):
 
 _ring = jax.custom_vjp(lambda *args: _ring_fwd(*args)[0], nondiff_argnums=(0, 1, 2, 3))
 _ring.defvjp(_ring_fwd, _ring_bwd)
-
 
 
 def _ulysses(statics, C, balanced, T, kernel, q, k, v, seg, sinks_N):
@@ -509,7 +498,6 @@ def context_attention(q_BTNH, k_BTKH, v_BTKV, *, strategy: str = "allgather", sc
         starts = _chunk_starts(jax.lax.axis_index("context"), C, T, balanced)
         return jnp.concatenate([_flash(*statics, qc, k, v, sinks, sc, sk, jnp.stack([t0, 0]))
                                 for qc, sc, t0 in zip(_split(q, n), _split(seg, n), starts)], 1)
-
     heads = P(batch_axes, "context", "tensor", None)
     return jax.shard_map(one_shard, in_specs=(heads, heads, heads, P(batch_axes, "context"),
                                                P("tensor")), out_specs=heads, check_vma=False)(
@@ -517,7 +505,6 @@ def context_attention(q_BTNH, k_BTKH, v_BTKV, *, strategy: str = "allgather", sc
 
 
 # ---- choosing the kernel: by the devices the step compiles for ----------------------------
-
 IMPLS = ("auto", "splash", "cudnn", "blocked", "xla", "einsum")
 
 
@@ -541,8 +528,7 @@ def choose(impl: str, platform: str, *, dtype, T: int, H: int, V: int, cap: floa
     return "blocked"
 
 
-def check_kernel(impl: str, platform: str, seq_len: int,
-                 flag: str = "--model.attention") -> None:
+def check_kernel(impl: str, platform: str, seq_len: int, flag: str = "--model.attention") -> None:
     """A kernel named on the command line that the compile target cannot run is refused
     before compiling (the Pallas or cuDNN error would come minutes later, and say less)."""
     if impl == "splash" and (platform != "tpu" or seq_len % 128):
@@ -564,20 +550,19 @@ def attend(q_BTNH, k_BSKH, v_BSKV, *, impl: str = "auto", scale: float, causal: 
     (QK-clip): (output, each head's largest logit [N]) from the blocked kernel, which keeps the
     row maxima anyway; (output, None) from the others (splash keeps a logsumexp, cuDNN
     nothing), whose callers make the maxima again (common/train.py `max_logits`)."""
+    T, H, V = q_BTNH.shape[1], q_BTNH.shape[3], v_BSKV.shape[-1]
+    kind = choose(impl, target_platform(), dtype=q_BTNH.dtype, T=T, H=H, V=V, cap=cap,
+                  sinks=sinks_N is not None, segments=segment_ids is not None)
+    kw = dict(scale=scale, causal=causal, window=window, cap=cap, sinks_N=sinks_N,
+              segment_ids=segment_ids)
     if with_max:
-        T, H = q_BTNH.shape[1], q_BTNH.shape[3]
-        if context_size() == 1 and mask_BTS is None and choose(
-                impl, target_platform(), dtype=q_BTNH.dtype, T=T, H=H, V=v_BSKV.shape[-1],
-                cap=cap, sinks=sinks_N is not None, segments=segment_ids is not None) == "blocked":
-            return blocked(q_BTNH, k_BSKH, v_BSKV, scale=scale, causal=causal, window=window,
-                           cap=cap, sinks_N=sinks_N, segment_ids=segment_ids, with_max=True)
-        return attend(q_BTNH, k_BSKH, v_BSKV, impl=impl, scale=scale, causal=causal,
-                      window=window, cap=cap, sinks_N=sinks_N, segment_ids=segment_ids,
-                      mask_BTS=mask_BTS, batch_axes=batch_axes, context=context), None
+        if context_size() == 1 and mask_BTS is None and kind == "blocked":
+            return blocked(q_BTNH, k_BSKH, v_BSKV, **kw, with_max=True)
+        return attend(q_BTNH, k_BSKH, v_BSKV, impl=impl, mask_BTS=mask_BTS, batch_axes=batch_axes,
+                      context=context, **kw), None
     if context_size() > 1 and mask_BTS is None:
-        return context_attention(q_BTNH, k_BSKH, v_BSKV, strategy=context, scale=scale,
-                                 causal=causal, window=window, cap=cap, sinks_N=sinks_N,
-                                 segment_ids=segment_ids, batch_axes=batch_axes, impl=impl)
+        return context_attention(q_BTNH, k_BSKH, v_BSKV, strategy=context, batch_axes=batch_axes,
+                                 impl=impl, **kw)
     if mask_BTS is not None:  # a KV cache's tail, left padding: XLA's masked softmax
         if window or sinks_N is not None or segment_ids is not None:
             raise ValueError("attend: an explicit mask_BTS takes no window, sinks or segments")
@@ -586,13 +571,8 @@ def attend(q_BTNH, k_BSKH, v_BSKV, *, impl: str = "auto", scale: float, causal: 
                              mask_BTS=mask_BTS)
         return jax.nn.dot_product_attention(q_BTNH, k_BSKH, v_BSKV, mask=mask_BTS[:, None],
                                             scale=scale, implementation="xla")
-    T, H = q_BTNH.shape[1], q_BTNH.shape[3]
-    kind = choose(impl, target_platform(), dtype=q_BTNH.dtype, T=T, H=H, V=v_BSKV.shape[-1],
-                  cap=cap, sinks=sinks_N is not None, segments=segment_ids is not None)
-    kw = dict(scale=scale, causal=causal, window=window, cap=cap, sinks_N=sinks_N,
-              segment_ids=segment_ids)
     if kind in ("xla", "cudnn") and not (cap or sinks_N is not None or segment_ids is not None):
-        V = v_BSKV.shape[-1]  # MLA's narrower values: padded to the query width these take
+        # MLA's narrower values: padded to the query width these take
         v = jnp.pad(v_BSKV, ((0, 0),) * 3 + ((0, H - V),)) if V < H else v_BSKV
         return jax.nn.dot_product_attention(q_BTNH, k_BSKH, v, scale=scale, is_causal=causal,
                                             implementation=kind, local_window_size=(
@@ -635,18 +615,16 @@ def _splash_local(q, k, v, seg, sinks, *, scale, causal, window, cap, interpret)
 def splash(q_BTNH, k_BSKH, v_BSKV, *, scale: float, causal: bool = True, window: int = 0,
            cap: float = 0.0, sinks_N=None, segment_ids=None, batch_axes=("data", "fsdp"),
            interpret: bool = False):
-    """The TPU's fused attention (JAX's Pallas splash kernel): masked-out blocks are skipped,
-    not computed, so causal costs half and a window W costs O(T W). A Pallas call is one
-    device's program, so under a mesh it runs in shard_map: rows split like the batch, heads
-    like the weights (over "tensor"). `interpret` runs the kernel's Python on any backend (the
-    CPU tests)."""
+    """The TPU's fused attention (JAX's Pallas splash kernel): masked-out blocks are skipped, not
+    computed, so causal costs half and a window W costs O(T W). A Pallas call is one device's
+    program, so under a mesh it runs in shard_map: rows split like the batch, heads like the weights
+    (over "tensor"). `interpret` runs the kernel's Python on any backend (the CPU tests)."""
     one_device = partial(_splash_local, scale=scale, causal=causal, window=window, cap=cap,
                          interpret=interpret)
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return one_device(q_BTNH, k_BSKH, v_BSKV, segment_ids, sinks_N)
     heads = P(batch_axes, None, "tensor", None)
-    return jax.shard_map(one_device, in_specs=(heads, heads, heads, P(batch_axes, None),
-                                                P("tensor")),
-                         out_specs=heads, check_vma=False)(
+    specs = (heads, heads, heads, P(batch_axes, None), P("tensor"))
+    return jax.shard_map(one_device, in_specs=specs, out_specs=heads, check_vma=False)(
         q_BTNH, k_BSKH, v_BSKV, segment_ids, sinks_N)

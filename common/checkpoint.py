@@ -125,10 +125,8 @@ class Checkpointer(contextlib.AbstractContextManager):
     construct, `save` at the same steps, `restore`, `close`."""
 
     def __init__(self, run_dir: str, cfg: CheckpointConfig):
-        self.cfg = cfg
-        self.directory = run_path(run_dir, "checkpoints")
+        self.cfg, self.directory = cfg, run_path(run_dir, "checkpoints")
         _refuse_foreign_directory(self.directory)
-
         registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
         registry.add(_ITEM, ocp.args.StandardSave)
         registry.add(_ITEM, ocp.args.PyTreeRestore)  # which may restore a part (`partial`)
@@ -144,9 +142,7 @@ class Checkpointer(contextlib.AbstractContextManager):
             # Orbax could delete the leftovers of cut-off saves on opening; we do it at the
             # first save (`_sweep_leftovers`), so that merely reading a run (to initialise
             # another from it) never deletes the folder of a save that run is writing now.
-            cleanup_tmp_directories=False,
-            create=True,
-        )
+            cleanup_tmp_directories=False, create=True)
         try:
             self._manager = ocp.CheckpointManager(self.directory, options=options, handler_registry=registry)
         except Exception as e:
@@ -177,8 +173,7 @@ class Checkpointer(contextlib.AbstractContextManager):
                 "Fix: pick one of those steps, or -1 for the latest.")
         return self.cfg.restore_step
 
-    def due(self, step: int) -> bool:
-        """Whether --checkpoint.every makes `step` a save step."""
+    def due(self, step: int) -> bool:  # by --checkpoint.every
         return self.cfg.every > 0 and step % self.cfg.every == 0
 
     def save(self, step: int, state: Any, *, force: bool = False) -> bool:
@@ -191,8 +186,7 @@ class Checkpointer(contextlib.AbstractContextManager):
         # it from inside this save, as if this step had failed).
         self.wait()
         known = self._manager.all_steps()
-        if step in known:
-            # Already on disk: nothing new to write (e.g. preempted right after resuming).
+        if step in known:  # already on disk (preempted right after resuming, say): nothing new
             return False
         if known and step < max(known):
             raise CheckpointError(
@@ -258,7 +252,6 @@ class Checkpointer(contextlib.AbstractContextManager):
             return CheckpointError(f"checkpoint {step_dir} is damaged: {why}. Fix: delete that "
                                    f"folder (or move it out of {self.directory}) to resume from "
                                    "the checkpoint before it, or restore another step.")
-
         try:
             saved = self._manager.metadata(step).item_metadata
             saved = saved[_ITEM] if saved is not None and _ITEM in saved else None
@@ -285,15 +278,23 @@ class Checkpointer(contextlib.AbstractContextManager):
                 raise corrupt(_reason(e)) from e
         return restored[_ITEM]
 
-    def close(self) -> None:
-        """Waits for the last save (raising if it failed) and releases Orbax's threads."""
+    def close(self) -> None:  # waits for the last save, raising if it failed
         try:
             self.wait()
         finally:
             self._manager.close()
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    __exit__ = lambda self, *exc: self.close()
+
+
+def read_checkpoint(run_dir: str, abstract: Any, missing: str, step: int = -1,
+                    error: type = CheckpointError) -> tuple[Any, int]:
+    """(`abstract`, a part of the saved state, read from `run_dir`'s checkpoint `step` (-1:
+    the latest), that step); error(missing) if there is none."""
+    with Checkpointer(run_dir, CheckpointConfig(async_save=False, restore_step=step)) as ckpt:
+        if (at := ckpt.resume_step()) is None:
+            raise error(missing)
+        return ckpt.restore(at, abstract, partial=True), at
 
 
 def _is_leftover(path: epath.Path) -> bool:
@@ -312,15 +313,12 @@ def _refuse_foreign_directory(directory: epath.Path) -> None:
     if not directory.is_dir():
         raise CheckpointError(f"{directory} exists but is not a directory. "
                               "Fix: use another --run-dir, or move that file aside.")
-    foreign = []
-    for path in sorted(directory.iterdir()):
-        # Ours: a step folder (complete or damaged: restore tells which), the leftover of a
-        # cut-off save, or Orbax's metadata folder; never a file or a local symlink.
-        if path.is_dir() and (is_remote(path) or not os.path.islink(path)) and (
-                (path.name.isdigit() and (path / _STEP_METADATA_FILE).exists())
-                or _is_leftover(path) or path.name == _ROOT_METADATA_DIR):
-            continue
-        foreign.append(path.name)
+    # Ours: a step folder (complete or damaged: restore tells which), the leftover of a
+    # cut-off save, or Orbax's metadata folder; never a file or a local symlink.
+    ours = lambda path: path.is_dir() and (is_remote(path) or not os.path.islink(path)) and (
+        (path.name.isdigit() and (path / _STEP_METADATA_FILE).exists())
+        or _is_leftover(path) or path.name == _ROOT_METADATA_DIR)
+    foreign = [path.name for path in sorted(directory.iterdir()) if not ours(path)]
     if foreign:
         listed = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
         raise CheckpointError(
@@ -394,8 +392,7 @@ def check_run_config(run_dir: str, config: dict, may_change: frozenset[str] = fr
         # A new run can start from these weights only if the model's shape is the same.
         keep = "" if any(k.startswith("model.") for k in conflicts) else keep_weights
         raise ConfigConflictError(
-            f"{run_dir} belongs to a run with a different config:\n  "
-            + "\n  ".join(lines)
+            f"{run_dir} belongs to a run with a different config:\n  " + "\n  ".join(lines)
             + "\nFix: pass the same flags to resume this run, or choose a new --run-dir."
             + (f"\n{keep}" if keep else ""))
     if changed:
@@ -420,12 +417,11 @@ class PreemptionGuard:
     requested = property(lambda self: self._requested.is_set())
 
     def __enter__(self) -> PreemptionGuard:
-        if threading.current_thread() is threading.main_thread():
-            try:
+        # ValueError: the main thread of a sub-interpreter, whose signals are not ours to take.
+        with contextlib.suppress(ValueError):
+            if threading.current_thread() is threading.main_thread():
                 self._previous = signal.signal(signal.SIGTERM, lambda *_: self._requested.set())
                 self._installed = True
-            except ValueError:
-                pass  # main thread of a sub-interpreter: signals are not ours to take
         return self
 
     def __exit__(self, *exc) -> None:

@@ -108,9 +108,7 @@ class DataConfig:
     """sft: several examples per row with segment ids; off = one example per row."""
 
 
-class _Encodes:
-    """encode and decode through `self._sp`, a sentencepiece model or an `HFTokenizer`."""
-
+class _Encodes:  # through `self._sp`, a sentencepiece model or an `HFTokenizer`
     def encode(self, text: str) -> list[int]:
         return self._sp.encode(text)
 
@@ -177,7 +175,6 @@ def _sharded(shape: tuple, sharding: jax.sharding.Sharding, dtype,
     def shard(index) -> np.ndarray:
         rows, cols = (slice(None), slice(None)) if index is None else tuple(index)
         return cached((rows.start, rows.stop, rows.step), (cols.start, cols.stop, cols.step))
-
     return jax.make_array_from_callback(shape, sharding, shard, dtype=dtype)
 
 
@@ -205,9 +202,8 @@ class HFTokenizer:
         self.eos_id, self.bos_id = (lambda: eos), (lambda: bos)
 
     def encode(self, text, num_threads: int | None = None):
-        if isinstance(text, str):
-            return self._tok.encode(text, add_special_tokens=False).ids
-        return [e.ids for e in self._tok.encode_batch(text, add_special_tokens=False)]
+        return (self._tok.encode(text, add_special_tokens=False).ids if isinstance(text, str)
+                else [e.ids for e in self._tok.encode_batch(text, add_special_tokens=False)])
 
     def decode(self, ids) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=False)
@@ -244,7 +240,6 @@ class ChatTemplate:
 
         class Generation(Extension):  # {% generation %}...{% endgeneration %}: TRL's marker
             tags = {"generation"}
-
             _body = lambda self, caller: caller()
 
             def parse(self, parser):
@@ -255,7 +250,6 @@ class ChatTemplate:
 
         def raise_exception(message):
             raise jinja2.exceptions.TemplateError(message)
-
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                             extensions=[Generation, "jinja2.ext.loopcontrols"])
         env.filters["tojson"] = lambda x, ensure_ascii=False, indent=None, separators=None, \
@@ -314,8 +308,7 @@ class ChatTemplate:
         return [s for s in spans + [(full[done:], False)] if s[0]]
 
 
-def open_tokenizer(path: str):
-    """The tokenizer at `path`: sentencepiece, or a HuggingFace tokenizer.json."""
+def open_tokenizer(path: str):  # sentencepiece, or a HuggingFace tokenizer.json
     return (HFTokenizer(path) if path.endswith(".json")
             else spm.SentencePieceProcessor(model_file=path))
 
@@ -892,7 +885,6 @@ def _train_tokenizer(sentences: list[str], model_path: str, vocab_size: int) -> 
 # --- Supervised fine-tuning: JSONL examples, a chat template, loss masks, packing -------------
 # A JSONL line becomes (text, trained) spans, then tokens with a trained flag each. The loss
 # weight of a target (the next token) is nonzero only where that token is trained.
-
 EOS = None  # a span that stands for the tokenizer's EOS id rather than for text
 Spans = list[tuple[str | None, bool]]  # (text or EOS, trained)
 CHAT_ROLES = ("system", "user", "assistant")
@@ -922,8 +914,7 @@ def chat_spans(messages: list[dict]) -> Spans:
     return spans
 
 
-def check_messages(msgs, where: str) -> None:
-    """A chat's "messages": a non-empty list of {role, content} with our roles and text."""
+def check_messages(msgs, where: str) -> None:  # a non-empty list of {role, content}
     if not isinstance(msgs, list) or not msgs:
         raise DataError(f'{where}: "messages" must be a non-empty list of '
                         f'{{"role": ..., "content": ...}} objects')
@@ -971,7 +962,6 @@ def jsonl_file(path: str, flag: str, noun: str, shape: str) -> list[tuple[str, o
 
 def read_sft_jsonl(path: str, flag: str = "--data.path",
                    template: ChatTemplate | None = None) -> list[Spans]:
-    """Every example of a JSONL file as spans; a bad line is an error naming file and line."""
     return [sft_spans(obj, where, template)
             for where, obj in jsonl_file(path, flag, "example", SFT_SHAPES)]
 
@@ -980,8 +970,7 @@ PAIR_SHAPES = ('{"prompt": ..., "chosen": ..., "rejected": ...} or '
                '{"messages": [...], "chosen": ..., "rejected": ...}')
 
 
-def preference_spans(obj, where: str, template: ChatTemplate | None = None
-                     ) -> tuple[Spans, Spans]:
+def preference_spans(obj, where: str, template: ChatTemplate | None = None) -> tuple[Spans, Spans]:
     """(chosen, rejected) spans of one preference line, each rendered as `sft_spans` renders
     the prompt with that answer as its completion, or the messages with it as a last assistant
     turn; only that answer is trained (an earlier assistant turn is context)."""
@@ -1151,7 +1140,6 @@ def epoch_order(num_rows: int, first: int, n: int, *seed: int) -> np.ndarray:
 
 
 def packed_rows(num_rows: int, *, seed: int, step: int, batch_size: int) -> np.ndarray:
-    """The rows of the global batch of (seed, step), in epochs (see `epoch_order`)."""
     if num_rows < 1 or batch_size < 1 or seed < 0 or step < 0:
         raise ValueError(f"num_rows ({num_rows}) and batch_size ({batch_size}) must be >= 1, "
                          f"seed ({seed}) and step ({step}) >= 0")
@@ -1165,7 +1153,6 @@ def packed_batch(packed: Packed, rows: np.ndarray,
     row, then padding, needs only the causal mask (which keeps every attention kernel open)."""
     def block(table: np.ndarray, r: slice, c: slice) -> np.ndarray:  # row -1: all zeros
         return table[np.maximum(rows[r], 0)][:, c] * (rows[r] >= 0)[:, None]
-
     return {name: _sharded((len(rows), packed.seq_len), sharding, getattr(packed, name).dtype,
                            functools.partial(block, getattr(packed, name)))
             for name in (PACKED_FIELDS if packed.packed else PACKED_FIELDS[:3])}

@@ -30,12 +30,12 @@ import tyro
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from common import hf
-from common.checkpoint import CheckpointConfig, Checkpointer, read_run_config
+from common.checkpoint import read_checkpoint, read_run_config
 from common.config import ConfigError, check_ranges, knob
 from common.data import open_tokenizer, run_tokenizer
 from common.mesh import MeshConfig, make_mesh
 from common.observe import MetricsLog
-from common.train import INPUT_ERRORS, hf_origin, join, log
+from common.train import INPUT_ERRORS, hf_origin, join, log, put as place
 
 EVALS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "evals")
 
@@ -84,15 +84,11 @@ def load(cfg: EvalConfig, mesh):
         raise ConfigError(f"--run-dir {cfg.run_dir} is a train_grpo.py run: export it "
                           "(python train_grpo.py export-hf --run-dir ... --out F) and pass --hf F.")
     mod = importlib.import_module("train_moe" if "n_experts" in saved["model"] else "train_dense")
-    m = mod.ModelConfig(**saved["model"])
-    m = dropless(m)
+    m = dropless(mod.ModelConfig(**saved["model"]))
     want = {k: v for k, v in mod.train_state(mod.Config(model=m), mesh).abstract().items()
             if k in ("params", "buffers")}  # DeepSeek's router biases are buffers
-    with Checkpointer(cfg.run_dir, CheckpointConfig(restore_step=cfg.step)) as ckpt:
-        step = ckpt.resume_step()
-        if step is None:
-            raise ConfigError(f"--run-dir {cfg.run_dir} has no checkpoint yet: train it first.")
-        state = ckpt.restore(step, want, partial=True)
+    state, step = read_checkpoint(cfg.run_dir, want, f"--run-dir {cfg.run_dir} has no checkpoint "
+                                  "yet: train it first.", cfg.step, ConfigError)
     src = hf_origin(saved)
     tok = folder_tokenizer(src, "--init-from-hf") if src else run_tokenizer(cfg.run_dir)
     return mod, m, join(state["params"], state.get("buffers", {})), tok, step
@@ -125,7 +121,7 @@ class Scorer:
         shards = math.prod(mesh.shape[a] for a in axes)
         self.params, self.mesh, self.max_length = params, mesh, max_length
         self.B = -(-batch_size // shards) * shards
-        self.rows, self.vec = NamedSharding(mesh, P(axes or None, None)), NamedSharding(mesh, P(axes or None))
+        self.axes = axes or None  # what splits a batch's rows (`place`)
         self.shapes, self.requests, self.seconds = set(), 0, 0.0
 
         def score(params, x_BT, mask_BT):
@@ -154,19 +150,13 @@ class Scorer:
         with jax.set_mesh(self.mesh):  # the model's sharding constraints name its axes
             return jax.device_get(fn(self.params, *args))
 
-    @staticmethod
-    def place(x: np.ndarray, sharding) -> jax.Array:
-        """The same host array on every process, as one global array (device_put of a host
-        array onto devices of other processes is not in every JAX we support)."""
-        return jax.make_array_from_callback(x.shape, sharding, lambda i: x[i])
-
     def put(self, rows: list[list[int]], width: int) -> tuple[jax.Array, np.ndarray]:
         """Rows right-padded with 0 to `width` (spare rows repeat the last), and their lengths."""
         x = np.zeros((self.B, width), np.int32)
         n = np.array([len(rows[min(i, len(rows) - 1)]) for i in range(self.B)])
         for i in range(self.B):
             x[i, :n[i]] = rows[min(i, len(rows) - 1)]
-        return self.place(x, self.rows), n
+        return place(x, self.mesh, self.axes), n
 
     def batches(self, lengths: list[int], cap: int):
         """Indices in batches of one bucket each, longest bucket first."""
@@ -186,7 +176,7 @@ class Scorer:
             cols = np.arange(width)
             mask = (cols >= (n - k)[:, None]) & (cols < n[:, None])
             self.shapes.add(("score", *x.shape))
-            lp, hit = self.run(self._score, x, self.place(mask, self.rows))
+            lp, hit = self.run(self._score, x, place(mask, self.mesh, self.axes))
             for j, i in enumerate(idx):
                 out[i] = (float(lp[j]), bool(hit[j]))
         self.requests, self.seconds = self.requests + len(pairs), self.seconds + time.perf_counter() - t0
@@ -199,7 +189,7 @@ class Scorer:
         for idx, width in self.batches([len(p) + n for p in prompts], self.max_length):
             x, lens = self.put([prompts[i] for i in idx], width)
             self.shapes.add(("generate", *x.shape, n))
-            x = self.run(self._greedy, x, self.place(lens, self.vec), n)
+            x = self.run(self._greedy, x, place(lens, self.mesh, self.axes), n)
             for j, i in enumerate(idx):
                 out[i] = x[j, lens[j]:lens[j] + n].tolist()
         self.requests, self.seconds = self.requests + len(prompts), self.seconds + time.perf_counter() - t0
@@ -325,8 +315,7 @@ def show(summary: dict, head: str = "eval") -> str:
                      for t, d in summary.items())
 
 
-def flat(summary: dict) -> dict:
-    """{task: {metric: v}} as metrics.jsonl's keys: lm_eval/<task>/<metric>."""
+def flat(summary: dict) -> dict:  # {task: {metric: v}} as metrics.jsonl's keys
     return {f"lm_eval/{t}/{k}": v for t, d in summary.items() for k, v in d.items()}
 
 

@@ -255,9 +255,8 @@ class Checkpoint:
         return set(self._tensors) - packed | set(self._mxfp4)
 
     def shape(self, name: str) -> tuple[int, ...]:
-        if name in self._mxfp4:
-            return MXFP4.logical_shape(self._tensors[self._mxfp4[name][0]][2])
-        return self._tensors[name][2]
+        return (MXFP4.logical_shape(self._tensors[self._mxfp4[name][0]][2]) if name in self._mxfp4
+                else self._tensors[name][2])
 
     def array(self, name: str):
         """The whole tensor as a read-only memory map: nothing is read until it is sliced (an
@@ -331,7 +330,6 @@ def load(ckpt: Checkpoint, mapping, sizes: dict, shardings, what: str,
         layout = parse_layout(entry[1], sizes)
         read = functools.partial(ckpt.read_block, entry[0], layout, sizes)  # (index) -> block
         return jax.make_array_from_callback(layout.shape, sharding, read, dtype=np.float32)
-
     return jax.tree.map(one, mapping, shardings, is_leaf=_is_entry)
 
 
@@ -406,8 +404,6 @@ class MXFP4(Dequantised):
 
 
 # --- Block-scaled float8: DeepSeek-V3's and Kimi K2's releases -------------------------------
-
-
 def fp8_pairs(tensors: dict, path: str, block: tuple[int, int]) -> dict[str, str]:
     """name -> its scales' name, for each float8 tensor: an e4m3 matrix [O, I] with one
     float scale per block x block tile, name_scale_inv [ceil(O / block), ceil(I / block)]
@@ -535,7 +531,6 @@ def save(path: str, params, mapping, sizes: dict, config: dict, base: dict | Non
                 where[axis] = i
             out[tuple(where)] = part()
         return out.reshape(parts[0][0].file_shape)
-
     tensors, picked = [], {}  # (name, shape, dtype, make); name -> [(layout, make)]
     for i, ((template, pattern), leaf) in enumerate(zip(entries, leaves)):
         layout = parse_layout(pattern, sizes)
@@ -604,8 +599,7 @@ def save_adapter(path: str, adapters: dict, mapping: dict, sizes: dict, rank: in
                 max_shard_bytes=2**62, names=("adapter_model.safetensors", "adapter_config.json"))
 
 
-def copy_tokenizer(src: str, dst: str) -> list[str]:
-    """Copies the tokenizer and generation files that `src` has into `dst`; returns them."""
+def copy_tokenizer(src: str, dst: str) -> list[str]:  # those of TOKENIZER_FILES src has
     copied = [name for name in TOKENIZER_FILES if os.path.isfile(os.path.join(src, name))]
     for name in copied:
         shutil.copy2(os.path.join(src, name), os.path.join(dst, name))

@@ -4,15 +4,14 @@
     python -m common.launch --nproc 8 --gpus -- python train_dense.py llama3.1-8b ...
 
 Each process gets JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID, which
-`common.multislice.initialize` turns into `jax.distributed.initialize`. A collective job
-cannot lose a member and go on, so when one process dies (a signal, a non-zero exit) the
-launcher kills the others and starts the group again; the trainer resumes from its last
-complete checkpoint, and because a batch is a pure function of (seed, step) the resumed run
-retraces the lost steps exactly. SIGTERM to the launcher is a preemption, not a failure: it
-is passed on, every process saves at its next step boundary and exits 0, and nothing is
-restarted. Exit codes 2 (bad flags or data, reported before anything runs) and 3 (the run
-diverged: a non-finite loss or gradient, and its last good state is saved) are not retried
-either: a restart would fail the same way.
+`common.multislice.initialize` turns into `jax.distributed.initialize`. A collective job cannot lose
+a member and go on, so when one process dies (a signal, a non-zero exit) the launcher kills the
+others and starts the group again; the trainer resumes from its last complete checkpoint, and
+because a batch is a pure function of (seed, step) the resumed run retraces the lost steps exactly.
+SIGTERM to the launcher is a preemption, not a failure: it is passed on, every process saves at its
+next step boundary and exits 0, and nothing is restarted. Exit codes 2 (bad flags or data, reported
+before anything runs) and 3 (the run diverged: a non-finite loss or gradient, and its last good
+state is saved) are not retried either: a restart would fail the same way.
 """
 from __future__ import annotations
 

@@ -119,10 +119,8 @@ def describe(mesh: Mesh) -> str:  # stage only where a run pipelines
     return " ".join(f"{a}={mesh.shape[a]}" for a in AXES if a != "stage" or mesh.shape[a] > 1)
 
 
-# ----------------------------------------------------------------------------------------------
-# Ahead-of-time compilation for a TPU this machine does not have (MaxText's train_compile idea):
-# libtpu describes the named topology's devices, and XLA compiles for them from a CPU host.
-
+# --- Ahead-of-time compilation for a TPU this machine does not have (MaxText's train_compile
+# idea): libtpu describes the named topology's devices, and XLA compiles for them from a CPU host.
 # generation -> (topology prefix, TensorCores per chip in the accelerator name, 3-D torus?)
 _TPU_FAMILIES = {"v4": ("v4", 2, True), "v5p": ("v5p", 2, True), "v5e": ("v5e", 1, False),
                  "v5litepod": ("v5e", 1, False), "v6e": ("v6e", 1, False)}

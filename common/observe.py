@@ -49,14 +49,12 @@ def say(*a, **kw) -> None:
         print(*a, **kw, flush=True)
 
 
-def note(*a, **kw) -> None:
-    """A progress line: said unless quiet."""
+def note(*a, **kw) -> None:  # a progress line: said unless quiet
     if not _QUIET:
         say(*a, **kw)
 
 
-def is_remote(path: str | os.PathLike) -> bool:
-    """Whether `path` is an object-store URL (gs://, s3://) rather than a file system path."""
+def is_remote(path: str | os.PathLike) -> bool:  # an object store's URL (gs://, s3://)
     return "://" in os.fspath(path)
 
 
@@ -270,8 +268,7 @@ class MetricsLog(contextlib.AbstractContextManager):
             self._mirror.close()
             self._mirror = None
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    __exit__ = lambda self, *exc: self.close()
 
 
 def mean_ms_per_step(records: list[dict], start_step: int) -> float:
@@ -340,8 +337,7 @@ class Profiler(contextlib.AbstractContextManager):
                     self._mirror.close()
             self.active, self.traced = False, (self._began, step)
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    __exit__ = lambda self, *exc: self.close()
 
 
 # --- The end of a run -------------------------------------------------------------------------
@@ -365,8 +361,7 @@ def where_rows(run_dir: str, log: MetricsLog, profiler: Profiler) -> list[tuple[
     return rows
 
 
-def print_summary(title: str, rows: list[tuple[str, str]]) -> None:
-    """A one-screen block that ends a run's log: what it did, then where its files are."""
+def print_summary(title: str, rows: list[tuple[str, str]]) -> None:  # ends a run's log
     width, rule = max(len(k) for k, _ in rows), "=" * 78
     say("\n".join([f"{rule}\n{title}\n{'-' * 78}"] +
                   [f"{k:<{width}}  {v}" for k, v in rows] + [rule]))

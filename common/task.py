@@ -10,12 +10,11 @@ rendered by it, a `prompt` as a single user turn; without one a `prompt` is plai
 the tokenizer's start token, and `messages` are refused. Every line has the same fields: a
 reward receives each field as one list over the batch.
 
-A reward function follows TRL's convention, `fn(completions: list[str], **fields) ->
-list[float]`: the fields are the JSONL lines' own, each a list aligned with the completions
-(the G completions of a prompt get G copies of its line's values), plus `finished` (each
-completion stopped by itself, EOS within the budget). `--task.rewards my_rewards.py:correct,fmt`
-loads functions from a file; `exact` and `format` are built in. Model-agnostic: the trainer
-brings the tokenizer and the rollouts.
+A reward function follows TRL's convention, `fn(completions: list[str], **fields) -> list[float]`:
+the fields are the JSONL lines' own, each a list aligned with the completions (the G completions of
+a prompt get G copies of its line's values), plus `finished` (each completion stopped by itself, EOS
+within the budget). `--task.rewards my_rewards.py:correct,fmt` loads functions from a file; `exact`
+and `format` are built in. Model-agnostic: the trainer brings the tokenizer and the rollouts.
 """
 from __future__ import annotations
 
@@ -68,8 +67,7 @@ class Task:
     show: Callable[[Row, str], str] = field(default=_show)  # a held-out sample, for the log
 
 
-def columns(rows: list[Row]) -> dict[str, list]:
-    """The rows' fields as one list per field, aligned with the rows."""
+def columns(rows: list[Row]) -> dict[str, list]:  # one list per field, aligned with the rows
     return {k: [r.fields[k] for r in rows] for k in (rows[0].fields if rows else {})}
 
 

@@ -24,14 +24,15 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import tyro
+from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from common import hf, multislice, observe
 from common.config import ConfigError, check_ranges, compute_fields, knob, may_change
-from common.checkpoint import (CheckpointConfig, CheckpointError, Checkpointer,
-                               ConfigConflictError, PreemptionGuard, RunConfigError,
-                               check_run_config, read_run_config, run_path)
+from common.checkpoint import (CheckpointError, Checkpointer, ConfigConflictError,
+                               PreemptionGuard, RunConfigError, check_run_config, read_checkpoint,
+                               read_run_config, run_path)
 from common.data import DataError, load_dataset, open_tokenizer, run_tokenizer
 from common.mesh import MeshConfig, MeshError, describe, make_mesh, tpu_topology_devices
 
@@ -172,27 +173,22 @@ def weights(state: dict, lora: LoRAConfig, params: dict | None = None) -> dict:
 
 
 def named(mesh, specs):
-    return jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
-                        is_leaf=lambda x: isinstance(x, P))
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
 
 
-def check_divides(table: dict, mesh, where: str) -> None:
-    """Every sharded dimension of the table splits evenly over its mesh axes."""
+def check_divides(table: dict, mesh, where: str) -> None:  # each sharded dimension evenly
     flat = jax.tree_util.tree_flatten_with_path(table, is_leaf=is_entry)[0]
     for path, (shape, spec, _) in flat:
         for n, axes in zip(shape, spec):
             ways = math.prod(mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else
                                                      axes or ()))
-            if n % ways:
-                name = "/".join(str(k.key) for k in path)
-                raise ConfigError(f"{where}: {name} has a dimension of {n}, which the mesh "
-                                  f"({describe(mesh)}) splits {ways} ways; choose mesh sizes "
-                                  "that divide the model's.")
+            need(n % ways == 0, f"{where}: {'/'.join(str(k.key) for k in path)} has a dimension "
+                 f"of {n}, which the mesh ({describe(mesh)}) splits {ways} ways; choose mesh "
+                 "sizes that divide the model's.")
 
 
 # --- Checks that need no compilation, so that a bad launch fails in a second ------------------
-def need(ok, message: str) -> None:
-    """A flag check: ConfigError(message) unless ok. The message names the flag and the fix."""
+def need(ok, message: str) -> None:  # the message names the flag and the fix
     if not ok:
         raise ConfigError(message)
 
@@ -204,9 +200,8 @@ def check_sizes(mesh: MeshConfig, splits: dict[str, list[tuple[str, int]]]) -> N
         n = {a: getattr(mesh, a) * getattr(mesh, "dcn_" + a) for a in axes}
         ways, named = math.prod(n.values()), [f"--mesh.{a} {k}" for a, k in n.items() if k > 1]
         for flag, v in sizes:
-            if v % ways:
-                raise ConfigError(f"{flag} {v} is not divisible by {' x '.join(named)}: {axis} "
-                                  f"parallelism splits it evenly; choose sizes dividing {v}.")
+            need(v % ways == 0, f"{flag} {v} is not divisible by {' x '.join(named)}: {axis} "
+                 f"parallelism splits it evenly; choose sizes dividing {v}.")
 
 
 def batch_shards(mesh: MeshConfig, axes=("data", "fsdp")) -> int:
@@ -218,10 +213,9 @@ def check_batch(batch_size: int, microbatches: int, mesh: MeshConfig,
     """The batch (`what` says what makes it, if not {flag}.batch-size) splits into
     microbatches, and each of those over the batch shards."""
     shards, what = batch_shards(mesh, axes), what or f"{flag}.batch-size {batch_size}"
-    if batch_size % microbatches or (batch_size // microbatches) % shards:
-        raise ConfigError(f"{what} / {flag}.microbatches {microbatches} is not divisible by "
-                          f"{' x '.join(axes)} = {shards} batch shards; use a batch size that is "
-                          f"a multiple of {shards * microbatches}.")
+    need(batch_size % microbatches == 0 and (batch_size // microbatches) % shards == 0, f"{what} "
+         f"/ {flag}.microbatches {microbatches} is not divisible by {' x '.join(axes)} = {shards} "
+         f"batch shards; use a batch size that is a multiple of {shards * microbatches}.")
 
 
 def check_pipeline(mesh: MeshConfig, microbatches: int, repeats: int, layers: tuple[str, int],
@@ -271,9 +265,8 @@ def check_sequence(mesh: MeshConfig, seq_len: int, loss_chunk: int, qk_clip: flo
 
 
 def check_vocab(tokenizer_size: int, vocab_size: int) -> None:
-    if tokenizer_size > vocab_size:
-        raise ConfigError(f"the tokenizer has {tokenizer_size} tokens but --model.vocab-size is "
-                          f"{vocab_size}; set --model.vocab-size {tokenizer_size} or larger.")
+    need(tokenizer_size <= vocab_size, f"the tokenizer has {tokenizer_size} tokens but --model."
+         f"vocab-size is {vocab_size}; set --model.vocab-size {tokenizer_size} or larger.")
 
 
 def check_profile(profile_steps: tuple[int, ...], steps: int, flag: str = "--train") -> None:
@@ -284,10 +277,9 @@ def check_profile(profile_steps: tuple[int, ...], steps: int, flag: str = "--tra
 # --- Optimiser --------------------------------------------------------------------------------
 def lr_schedule(kind: str, lr: float, warmup_steps: int, steps: int = 0,
                 min_lr_ratio: float = 0.1, decay_fraction: float = 0.2):
-    """Learning rate at optimiser step s (0-based); step 0 already gets lr / warmup_steps.
-    cosine: down to lr * min_lr_ratio at `steps`; constant: flat after the warmup; wsd
-    (warmup-stable-decay, MiniCPM): flat, then a linear cool-down over the last
-    decay_fraction of the steps."""
+    """Learning rate at optimiser step s (0-based); step 0 already gets lr / warmup_steps. cosine:
+    down to lr * min_lr_ratio at `steps`; constant: flat after the warmup; wsd (warmup-stable-decay,
+    MiniCPM): flat, then a linear cool-down over the last decay_fraction of the steps."""
     end, warmup = lr * min_lr_ratio, max(warmup_steps, 1)
     ramp = optax.linear_schedule(0.0, lr, warmup)
     if kind == "cosine":
@@ -379,19 +371,17 @@ def scale_by_muon(muon_dims: dict, mu_dtype, specs: dict | None = None, beta: fl
 def optimizer(kind: str, schedule, *, b1: float, b2: float, weight_decay: float,
               clip_norm: float, decayed: set[str], muon_dims: dict, muon_dtype: str = "float32",
               specs: dict | None = None):
-    """Clip by global norm, then AdamW, or Muon on the hidden matrices and AdamW on the rest.
-
-    AdamW decays only the parameters whose name is in `decayed` (the matrices): decaying norm
-    gains and biases only hurts. Muon (Jordan et al. 2024; Liu et al. 2025, "Muon is Scalable",
-    the Moonlight recipe Kimi K2 uses): Nesterov momentum 0.95, then 5 quintic Newton-Schulz
-    steps that orthogonalise each matrix (optax.contrib.scale_by_muon's math, the momentum and
-    the iteration in `muon_dtype`), scaled by 0.2 sqrt(max(fan_in, fan_out)) so that the
-    update's RMS matches AdamW's and the same learning rate and weight decay serve both.
-    `muon_dims`: name -> (input axes, output axes) of the hidden matrices; every other axis
-    (the scanned layers, the experts) is a batch of separate matrices, split over the devices
-    (`orthogonalise_stack`, given the parameters' PartitionSpecs `specs`). Embeddings,
-    unembedding, norms, biases and the router are not in it and keep AdamW. The momentum is
-    sharded like its parameter."""
+    """Clip by global norm, then AdamW, or Muon on the hidden matrices and AdamW on the rest. AdamW
+    decays only the parameters whose name is in `decayed` (the matrices): decaying norm gains and
+    biases only hurts. Muon (Jordan et al. 2024; Liu et al. 2025, "Muon is Scalable", the Moonlight
+    recipe Kimi K2 uses): Nesterov momentum 0.95, then 5 quintic Newton-Schulz steps that
+    orthogonalise each matrix (optax.contrib.scale_by_muon's math, the momentum and the iteration in
+    `muon_dtype`), scaled by 0.2 sqrt(max(fan_in, fan_out)) so that the update's RMS matches AdamW's
+    and the same learning rate and weight decay serve both. `muon_dims`: name -> (input axes, output
+    axes) of the hidden matrices; every other axis (the scanned layers, the experts) is a batch of
+    separate matrices, split over the devices (`orthogonalise_stack`, given the parameters'
+    PartitionSpecs `specs`). Embeddings, unembedding, norms, biases and the router are not in it and
+    keep AdamW. The momentum is sharded like its parameter."""
     mask = lambda params: jax.tree_util.tree_map_with_path(
         lambda path, _: path[-1].key in decayed, params)
     adam = optax.adamw(schedule, b1, b2, weight_decay=weight_decay, mask=mask)
@@ -408,7 +398,6 @@ def optimizer(kind: str, schedule, *, b1: float, b2: float, weight_decay: float,
     def cast(dtype):  # the momentum's dtype is the iteration's (Nesterov's sum takes g's)
         return optax.GradientTransformation(lambda _: optax.EmptyState(), lambda u, s, p=None: (
             jax.tree.map(lambda x: x.astype(dtype), u), s))
-
     muon = optax.chain(
         cast(jnp.dtype(muon_dtype)), scale_by_muon(muon_dims, jnp.dtype(muon_dtype), specs),
         cast(jnp.float32), optax.GradientTransformation(lambda _: optax.EmptyState(), rms_match),
@@ -438,10 +427,8 @@ def max_logits(q_BTNH, k_BSKH, mask_BTS=None, chunk: int = 512, *, segment_ids=N
         q_BCKGH = jax.lax.dynamic_slice_in_dim(q, i * C, C, axis=1).reshape(B, C, K, N // K, H)
         s = jnp.einsum("bckgh,bskh->bkgcs", q_BCKGH, k, preferred_element_type=jnp.float32)
         t_C1, s_S = (i * C + jnp.arange(C))[:, None], jnp.arange(S)
-        if mask_BTS is not None:
-            a = jax.lax.dynamic_slice_in_dim(mask_BTS, i * C, C, axis=1)
-        else:
-            a = (t_C1 >= s_S)[None]
+        a = ((t_C1 >= s_S)[None] if mask_BTS is None else
+             jax.lax.dynamic_slice_in_dim(mask_BTS, i * C, C, axis=1))
         if segment_ids is not None:
             seg_BC = jax.lax.dynamic_slice_in_dim(segment_ids, i * C, C, axis=1)
             a = a & (seg_BC[:, :, None] == segment_ids[:, None, :])
@@ -450,7 +437,6 @@ def max_logits(q_BTNH, k_BSKH, mask_BTS=None, chunk: int = 512, *, segment_ids=N
         if local_chunk:
             a = a & (is_global | (t_C1 // local_chunk == s_S // local_chunk))
         return jnp.max(jnp.where(a[:, None, None], s, -jnp.inf), axis=(0, 3, 4)).reshape(N)
-
     return jnp.max(jax.lax.map(one, jnp.arange(T // C)), axis=0) * (scale or H ** -0.5)
 
 
@@ -458,15 +444,14 @@ def qk_clip(params: dict, tops: dict, tau: float, q=("wq", "bq"), k=("wk", "bk")
             nope: int = 0) -> dict:
     """MuonClip's QK-clip (Kimi K2 report, sec. 2.1), after an update: every head whose largest
     logit this step, tops[stack] [L, N] for each stack of layers in params (or a module's
-    "layers" under it), exceeded tau has its
-    query and key projections (weights and biases, [L, ..., heads, H]) scaled by sqrt(tau / max)
-    each, so that logit becomes tau; every other head is left exactly as it was. A key head that
-    serves several query heads (grouped-query attention) is left alone and its queries take the
-    whole factor, as K2 does with MLA's shared rotary key: scaling it would move its other
-    heads' logits too. MLA (nope > 0: the width of the heads' own part): the query's own part and
-    the key's (the first `nope` columns of q and of k's and v's joint up-projection) take
-    sqrt(gamma) each, the query's rotary part the whole gamma, the shared rotary key and the
-    values nothing."""
+    "layers" under it), exceeded tau has its query and key projections (weights and biases,
+    [L, ..., heads, H]) scaled by sqrt(tau / max) each, so that logit becomes tau; every other
+    head is left exactly as it was. A key head that serves several query heads (grouped-query
+    attention) is left alone and its queries take the whole factor, as K2 does with MLA's shared
+    rotary key: scaling it would move its other heads' logits too. MLA (nope > 0: the width of
+    the heads' own part): the query's own part and the key's (the first `nope` columns of q and
+    of k's and v's joint up-projection) take sqrt(gamma) each, the query's rotary part the whole
+    gamma, the shared rotary key and the values nothing."""
     def clip(layers, max_LN):
         ok = jnp.isfinite(max_LN) & (max_LN > tau)   # non-finite: the step is skipped anyway
         g_LN = jnp.where(ok, tau / jnp.where(ok, max_LN, 1.0), 1.0)
@@ -486,11 +471,9 @@ def qk_clip(params: dict, tops: dict, tau: float, q=("wq", "bq"), k=("wk", "bk")
 
 
 def check_qk_clip(flag: str, tau: float, qk_norm: bool) -> None:
-    if tau > 0 and qk_norm:
-        raise ConfigError(f"{flag} {tau} with --model.qk-norm: the queries and keys are "
-                          "normalised after their projections, so scaling the projections "
-                          "would change nothing (the norms' gains bound the logits instead). "
-                          f"Set {flag} 0.")
+    need(not (tau > 0 and qk_norm), f"{flag} {tau} with --model.qk-norm: the queries and keys "
+         "are normalised after their projections, so scaling the projections would change "
+         f"nothing (the norms' gains bound the logits instead). Set {flag} 0.")
 
 
 # --- Training state ---------------------------------------------------------------------------
@@ -523,14 +506,11 @@ class TrainState:
         opt_sh = optax.tree_map_params(tx, lambda v, s: v if masked(v) else s,
                                        jax.eval_shape(tx.init, abstract), p_sh, is_leaf=masked,
                                        transform_non_params=lambda _: replicated)
-        self.shardings = {"params": p_sh, "opt_state": opt_sh, "step": replicated}
-        if ref:
-            self.shardings["ref"] = p_sh
-        if buffers:
-            self.shardings["buffers"] = named(mesh, buffers[1])
-        if lora:
-            self.shardings["base"] = self.base_sh
-        self.shardings |= {k: named(mesh, specs) for k, (_, specs) in self.frozen.items()}
+        optional = {"ref": p_sh if ref else None, "base": self.base_sh if lora else None,
+                    "buffers": named(mesh, buffers[1]) if buffers else None}
+        self.shardings = {"params": p_sh, "opt_state": opt_sh, "step": replicated} | {
+            k: v for k, v in optional.items() if v is not None} | {
+            k: named(mesh, specs) for k, (_, specs) in self.frozen.items()}
 
     def _trained(self, params):
         return table_init(self.lora[0], jax.random.key(self.lora[1])) if self.lora else params
@@ -565,8 +545,7 @@ class TrainState:
         return jax.jit(step_fn, donate_argnums=0, out_shardings=(self.shardings, None))
 
 
-def update(tx, grads, state: dict, *checked, after: Callable | None = None
-           ) -> tuple[dict, dict]:
+def update(tx, grads, state: dict, *checked, after: Callable | None = None) -> tuple[dict, dict]:
     """The optimiser step on `grads`, unless the gradient norm or a `checked` value (the loss)
     is not finite: then the parameters and optimiser state stay as they were. Decided on the
     device by a select, so no step waits for the host; the loop reads `nonfinite` with the
@@ -605,7 +584,6 @@ def accumulate(grad_fn, params, batch, microbatches: int, batch_axes):
         return jax.tree_util.tree_map_with_path(
             lambda path, a, b: jnp.maximum(a, b) if is_max(path) else a + b,
             carry, grad_fn(params, mb)), None
-
     mbs = jax.tree.map(split, batch)
     shapes = jax.eval_shape(grad_fn, params, jax.tree.map(lambda x: x[0], mbs))
     zeros = jax.tree_util.tree_map_with_path(
@@ -617,31 +595,29 @@ def is_max(path) -> bool:  # a largest logit (QK-clip's): combined over microbat
     return any(str(getattr(k, "key", "")).startswith("max_") for k in path)
 
 
-def stages() -> int:
-    """The size of the mesh's `stage` axis: pipeline stages (1 without a mesh)."""
+def stages() -> int:  # pipeline stages: the mesh's `stage` axis (1 without a mesh)
     return dict(jax.sharding.get_abstract_mesh().shape).get("stage", 1)
 
 
 def pipelined(layer, x_BTD, xs_L, rows_B, M: int, V: int, batch_axes, scan=jax.lax.scan,
               remat=lambda f: f):
-    """The layers as a pipeline over the `stage` axis, inside one SPMD program (GPipe, Huang et
-    al. 2019; circular with V > 1, Narayanan et al. 2021). `layer(x, xs, rows) -> (x, stats)` is
-    one layer, xs its slice of the stacks xs_L [L, ...], rows its microbatch's share of rows_B
-    [B, ...]. Returns (output [B, T, D], stats [L, ...]: each layer's over the microbatches,
-    combined as `accumulate` combines a step's, so that they are the unpipelined step's).
+    """The layers as a pipeline over the `stage` axis, inside one SPMD program (GPipe, Huang et al.
+    2019; circular with V > 1, Narayanan et al. 2021). `layer(x, xs, rows) -> (x, stats)` is one
+    layer, xs its slice of the stacks xs_L [L, ...], rows its microbatch's share of rows_B [B, ...].
+    Returns (output [B, T, D], stats [L, ...]: each layer's over the microbatches, combined as
+    `accumulate` combines a step's, so that they are the unpipelined step's).
 
-    The batch is cut into M microbatches and the L layers into S V chunks of K; chunk r S + s
-    is stage s's in round r. At tick t stage s runs microbatch (t - s) mod M through its chunk
-    of round (t - s) div M, all stages at once (a vmap over a stage-sharded axis), then hands
-    its output to stage s + 1: a roll that XLA makes a collective-permute. What leaves the last
-    stage waits in `buf` [M, ...] (every microbatch's current activation, the embeddings at
-    first) until stage 0 takes it up for the next round; M >= S keeps it there long enough.
-    V M + S - 1 ticks, S - 1 of them idle for each stage: a bubble of (S - 1) / (V M + S - 1).
-    The backward pass is this loop's autodiff (all forwards, then all backwards). `remat` (the
-    trainer's jax.checkpoint) wraps a layer with the reading of its weights from the chunk:
-    checkpointed after the read, each tick's weights were saved for the backward pass, ticks x
-    the stage's weights (llama3.1-405b's GPipe on v5p: 30 GiB a chip); inside, they are read
-    again from the chunk, which the loop keeps once."""
+    The batch is cut into M microbatches and the L layers into S V chunks of K; chunk r S + s is
+    stage s's in round r. At tick t stage s runs microbatch (t - s) mod M through its chunk of round
+    (t - s) div M, all stages at once (a vmap over a stage-sharded axis), then hands its output to
+    stage s + 1: a roll that XLA makes a collective-permute. What leaves the last stage waits in
+    `buf` [M, ...] (every microbatch's current activation, the embeddings at first) until stage 0
+    takes it up for the next round; M >= S keeps it there long enough. V M + S - 1 ticks, S - 1 of
+    them idle for each stage: a bubble of (S - 1) / (V M + S - 1). The backward pass is this loop's
+    autodiff (all forwards, then all backwards). `remat` (the trainer's jax.checkpoint) wraps a
+    layer with the reading of its weights from the chunk: checkpointed after the read, each tick's
+    weights were saved for the backward pass, ticks x the stage's weights (llama3.1-405b's GPipe on
+    v5p: 30 GiB a chip); inside, they are read again from the chunk, which the loop keeps once."""
     S, pin = stages(), jax.lax.with_sharding_constraint
     K, ids = len(jax.tree.leaves(xs_L)[0]) // (S * V), jnp.arange(S)
     # Microbatch m: rows m, m+M, ... as `accumulate` takes them, so no row changes device.
@@ -654,8 +630,7 @@ def pipelined(layer, x_BTD, xs_L, rows_B, M: int, V: int, batch_axes, scan=jax.l
     rows = jax.tree.map(mb, rows_B)
     at = lambda i, a: (ids == i).reshape(-1, *[1] * (a.ndim - 1))  # stage i's slice of a
 
-    one = remat(lambda x, chunk, r, k, rows: layer(x, jax.tree.map(lambda a: a[r, k], chunk),
-                                                   rows))
+    one = remat(lambda x, chunk, r, k, rows: layer(x, jax.tree.map(lambda a: a[r, k], chunk), rows))
 
     def stage(x, chunk, r, i):  # one stage's chunk of round r, on microbatch i: (x, stats [K])
         rows_i = jax.tree.map(lambda a: a[i], rows)
@@ -688,14 +663,10 @@ def pipelined(layer, x_BTD, xs_L, rows_B, M: int, V: int, batch_axes, scan=jax.l
 def restore_params(run_dir: str, abstract_params, flag: str = "--init-from") -> dict:
     """The parameters of another run's latest checkpoint, read straight into these shardings.
     Its optimiser state is never read: a fine-tune starts a fresh one."""
-    with Checkpointer(run_dir, CheckpointConfig(async_save=False)) as ckpt:
-        step = ckpt.latest_step()
-        if step is None:
-            raise CheckpointError(f"{flag} {run_dir}: no complete checkpoint in "
-                                  f"{run_dir}/checkpoints; train it first.")
-        params = ckpt.restore(step, {"params": abstract_params}, partial=True)["params"]
+    state, step = read_checkpoint(run_dir, {"params": abstract_params}, f"{flag} {run_dir}: no "
+                                  f"complete checkpoint in {run_dir}/checkpoints; train it first.")
     log(f"initialised from {run_dir}/checkpoints/{step} (parameters; fresh optimiser)")
-    return params
+    return state["params"]
 
 
 def write_top_k(folder: str, step: int, arrays: dict, meta: dict) -> None:
@@ -754,16 +725,14 @@ def _is_hf(path: str) -> bool:
 def frozen_model(path: str, flag: str, config_from_hf: Callable, model_cls):
     """The model config of a model the run reads but never trains (a distillation teacher):
     a HuggingFace folder's (`config_from_hf`) or a run directory's (`model_cls`)."""
-    if _is_hf(path):
-        return config_from_hf(hf.read_config(path), path)
-    return model_cls(**read_run_config(path, flag, trained=True)["model"])
+    return (config_from_hf(hf.read_config(path), path) if _is_hf(path) else
+            model_cls(**read_run_config(path, flag, trained=True)["model"]))
 
 
 def frozen_params(path: str, flag: str, abstract, load_hf: Callable) -> dict:
     """Its parameters, placed as `abstract` says: `load_hf`'s, or the run's latest."""
-    if _is_hf(path):
-        return load_hf(path, jax.tree.leaves(abstract)[0].sharding.mesh)[1]
-    return restore_params(path, abstract, flag)
+    return (load_hf(path, jax.tree.leaves(abstract)[0].sharding.mesh)[1] if _is_hf(path) else
+            restore_params(path, abstract, flag))
 
 
 def model_source(cfg, prog: str = "train_dense.py") -> tuple[tuple[dict, str] | None, object]:
@@ -771,9 +740,8 @@ def model_source(cfg, prog: str = "train_dense.py") -> tuple[tuple[dict, str] | 
     the trainer's config_from_hf reads; or (None, cfg.model with the fields that --init-from's
     run, written by `prog`, saved); or (None, None): a fresh model. See `with_model`."""
     run, folder = getattr(cfg, "init_from", ""), getattr(cfg, "init_from_hf", "")
-    if run and folder:
-        raise ConfigError(f"--init-from {run} and --init-from-hf {folder}: start from one or "
-                          "the other.")
+    need(not (run and folder), f"--init-from {run} and --init-from-hf {folder}: start from one "
+         "or the other.")
     if folder:
         return (hf.read_config(folder), os.path.join(folder, hf.CONFIG)), None
     if not run:
@@ -783,10 +751,8 @@ def model_source(cfg, prog: str = "train_dense.py") -> tuple[tuple[dict, str] | 
     # train_dense.py's model without the Gemma knobs.
     unknown = {k: v for k, v in saved.items()
                if k not in {f.name for f in dataclasses.fields(cfg.model)}}
-    if any(unknown.values()):
-        raise ConfigError(f"--init-from {run}: its model sets fields this file does not "
-                          f"have ({ {k: v for k, v in unknown.items() if v} }); was it "
-                          f"written by {prog}?")
+    need(not any(unknown.values()), f"--init-from {run}: its model sets fields this file does "
+         f"not have ({ {k: v for k, v in unknown.items() if v} }); was it written by {prog}?")
     return None, dataclasses.replace(cfg.model, **{k: v for k, v in saved.items()
                                                    if k not in unknown})
 
@@ -794,9 +760,7 @@ def model_source(cfg, prog: str = "train_dense.py") -> tuple[tuple[dict, str] | 
 def with_model(cfg, model):
     """cfg with the model its run starts from (None: its own), whose `how` fields
     (common/config.py) stay this run's flags."""
-    if model is None:
-        return cfg
-    return dataclasses.replace(cfg, model=dataclasses.replace(
+    return cfg if model is None else dataclasses.replace(cfg, model=dataclasses.replace(
         model, **{f: getattr(cfg.model, f) for f in compute_fields(type(cfg.model))}))
 
 
@@ -831,13 +795,11 @@ def peak_flops_per_device(override_tflops: float = 0.0) -> tuple[float, str]:
         out.block_until_ready()
         host = 5 * 2 * n ** 3 / (time.perf_counter() - t0)
     if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
         host = float(multihost_utils.broadcast_one_to_all(np.float32(host)))
     return host / jax.device_count(), f"measured f32 matmul, host {host / 1e9:.0f} GFLOP/s"
 
 
 def mfu(flops_per_token: float, tokens_per_s: float, peak: float) -> float:
-    """Model FLOPs utilisation over all devices; NaN when the peak is unknown."""
     return flops_per_token * tokens_per_s / (peak * jax.device_count()) if peak else math.nan
 
 
@@ -846,8 +808,7 @@ def mfu_text(util: float) -> str:
 
 
 # --- Start-up, dry run and bench --------------------------------------------------------------
-def start(quiet: bool) -> None:
-    """What every run does first: join the other processes, cache compiles, set the noise."""
+def start(quiet: bool) -> None:  # what every run does first
     multislice.initialize()
     multislice.enable_compilation_cache()
     observe.configure(quiet=quiet)
@@ -858,9 +819,8 @@ def devices(compile_topology: str = "", compile_slices: int = 1, dry_run: bool =
     slice's that exists only as a description (for --dry-run)."""
     if not compile_topology:
         return jax.devices()
-    if not dry_run:
-        raise ConfigError(f"--compile-topology {compile_topology} compiles for hardware this "
-                          "machine does not have, so it cannot train: add --dry-run.")
+    need(dry_run, f"--compile-topology {compile_topology} compiles for hardware this machine "
+         "does not have, so it cannot train: add --dry-run.")
     return tpu_topology_devices(compile_topology, compile_slices)
 
 
@@ -945,33 +905,29 @@ def bench(step_fn, state, batch, n_steps: int, *, tokens_per_step: int,
 
 def put(tree, mesh, batch_axes, abstract: bool = False):
     """Host arrays that every process holds whole -> global arrays split on their rows
-    (scalars replicated); with `abstract`, only their shapes, dtypes and shardings."""
+    (scalars replicated); with `abstract`, only their shapes, dtypes and shardings. Not
+    device_put: onto other processes' devices, it is not in every JAX we support."""
     def one(x):
         x = np.asarray(x)
         sh = NamedSharding(mesh, P(batch_axes, *[None] * (x.ndim - 1)) if x.ndim else P())
-        if abstract:
-            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh)
-        return jax.make_array_from_callback(x.shape, sh, lambda i: x[i])
+        return (jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh) if abstract else
+                jax.make_array_from_callback(x.shape, sh, lambda i: x[i]))
     return jax.tree.map(one, tree)
 
 
 def fetch(x) -> np.ndarray:
     """A global array, whole, on every process's host (gathered when several hold parts)."""
-    if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
-    return np.asarray(jax.device_get(x))
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True)
+                      if jax.process_count() > 1 else jax.device_get(x))
 
 
 MASKED = -1e30  # finite: exp() underflows to 0 and 0 * MASKED stays 0 (entropy is NaN-free)
 
 
 def draw(key, z_BV, temperature, top_k: int, top_p: float):
-    """One token per row from policy logits z; argmax where temperature == 0.
-
-    top-k keeps the k largest logits; top-p (Holtzman et al. 2020) keeps the smallest set of
-    most likely tokens whose mass reaches p: a token stays if the mass before it is < p.
-    """
+    """One token per row from policy logits z; argmax where temperature == 0. top-k keeps the
+    k largest logits; top-p (Holtzman et al. 2020) keeps the smallest set of most likely tokens
+    whose mass reaches p: a token stays if the mass before it is < p."""
     if top_k > 0:
         kth = jax.lax.top_k(z_BV, top_k)[0][:, -1:]
         z_BV = jnp.where(z_BV < kth, MASKED, z_BV)
@@ -1052,8 +1008,7 @@ class Run(contextlib.AbstractContextManager):
             self.ckpt = stack.enter_context(Checkpointer(self.dir, cfg.checkpoint))
             self._stack = stack.pop_all()
 
-    def __exit__(self, *exc) -> None:
-        self._stack.close()
+    __exit__ = lambda self, *exc: self._stack.close()
 
     def resume(self, abstract_state) -> tuple[dict | None, int]:
         """(the latest checkpoint's state, its step), or (None, 0) in a new run directory."""
@@ -1091,12 +1046,10 @@ class Loop:
         self.peak, self.peak_src = peak_flops_per_device(peak_tflops)
         self.step, self.stopped, self.seconds, self.compile_s = start, False, 0.0, None
         self.evals, self.first_loss, self.last_loss = [], None, None  # evals: (step, figures)
-        # (step, device metrics, steps covered, eval figures joined to it): fetched a step late
-        self._pending = None
-        self._logged = start    # the step of the last record
-        # (did any process get SIGTERM?, was the step non-finite?, its metrics): read a step
-        # late, when the device is done with it
-        self._late = None
+        # _pending: (step, device metrics, steps covered, eval figures joined to it), fetched a
+        # step late; _late: (did any process get SIGTERM?, was the step non-finite?, its
+        # metrics), read a step late, when the device is done with it; _logged: the last record's
+        self._pending, self._late, self._logged = None, None, start
 
     def compile(self, step_fn, state, batch):
         """The step compiled ahead of time (timed), unless nothing is left to train."""
@@ -1223,11 +1176,9 @@ class Loop:
             ("steps", f"{start} -> {end} ({end - start} this run, of {self.flag}.steps "
                       f"{self.steps})"),
             ("tokens", f"{(end - start) * self.tokens_per_step:,} this run ({per_step} per "
-                       "step)"), *rows,
-            ("wall time", timing),
+                       "step)"), *rows, ("wall time", timing),
             ("throughput", f"{fmt(tok_s / 1e3, '.1f')}k tok/s, {mfu_text(util)}, "
-                           f"{fmt(ms, '.0f')} ms/step (mean over logged steps after the "
-                           "first)"),
+                           f"{fmt(ms, '.0f')} ms/step (mean over logged steps after the first)"),
         ] + observe.where_rows(self.run.dir, self.run.metrics_log, self.run.profiler))
         return {"start_step": start, "final_step": end, "first_loss": self.first_loss,
                 "last_loss": self.last_loss, "compile_s": self.compile_s, "evals": evals,
@@ -1303,19 +1254,15 @@ def export(run_dir: str, step: int, saved: dict, tables: dict, dtype: str, max_s
     abstract = jax.tree.map(
         lambda e, sh: jax.ShapeDtypeStruct(e[0], jnp.float32, sharding=sh), tables,
         named(mesh, table_specs(tables)), is_leaf=is_entry)
-    with Checkpointer(run_dir, CheckpointConfig(restore_step=step)) as ckpt:
-        at = ckpt.resume_step()
-        if at is None:
-            raise CheckpointError(f"--run-dir {run_dir} has no checkpoint to export.")
-        state = ckpt.restore(at, abstract, partial=True)
+    state, at = read_checkpoint(run_dir, abstract, f"--run-dir {run_dir} has no checkpoint to "
+                                "export.", step)
     src, tok, base, tokenizer_dir = hf_origin(saved), None, {}, None
-    try:  # the data may be gone: then the export ships no tokenizer
+    # The data may be gone: then the export ships no tokenizer.
+    with contextlib.suppress(FileNotFoundError, ValueError, OSError):
         if not src and tokenizer_run:
             tok = run_tokenizer(tokenizer_run)
         elif not src and data is not None:
             tok = load_dataset(data).tokenizer_path
-    except (FileNotFoundError, ValueError, OSError):
-        tok = None
     if src and os.path.isfile(os.path.join(src, hf.CONFIG)):  # its config: token ids, chat
         base, tokenizer_dir = hf.read_config(src), src
     elif tok and os.path.isfile(tok):  # one trained from scratch: its data's tokenizer and ids
@@ -1350,10 +1297,9 @@ def hf_params(ckpt: hf.Checkpoint, mesh, table: dict, mapping: dict, sizes: dict
     mesh = mesh or make_mesh(MeshConfig(fsdp=1), jax.devices()[:1])
     check_divides(table, mesh, ckpt.path)
     mt = ckpt.config["model_type"]
-    # Some exports keep lm_head.weight although it is tied (so the mapping has none); older
-    # ones saved rotary tables.
-    # Layers past num_hidden_layers that the mapping does not read are DeepSeek-V3's multi-
-    # token-prediction module, when the model we train leaves it out (its config says 0).
+    # Some exports keep lm_head.weight although it is tied (so the mapping has none), older ones
+    # rotary tables; layers past num_hidden_layers that the mapping does not read are DeepSeek-
+    # V3's multi-token-prediction module, which the model we train leaves out (config says 0).
     layer = lambda n: int(m[1]) if (m := re.match(r"model\.layers\.(\d+)\.", n)) else -1
     last = max([layer(n) for t, p in jax.tree.leaves(mapping, is_leaf=hf._is_entry) for _, n in
                 hf._file_names(t, hf.parse_layout(p, sizes), sizes)] + [
