@@ -80,7 +80,17 @@ BUDGETS = {"train_dense.py": (1000 + 8 + 62 + 10 + 1 + 201 + 101 + 5 + 5 + 13 + 
                             0.65),
            "train_grpo.py": (1000, 0.60)}
 NOT_YET = {"train_grpo.py"}  # issue 31, still open for this one
-COMMON_BUDGET = 4300
+# common/'s 4300, plus what later issues brought to it (each commit's net lines in common/,
+# `git show --numstat`): issue 32, the blocked attention and its custom VJP, splash on TPU and
+# cuDNN on GPU by the compile target, XLA's cost analysis in the dry run, TPU names (434);
+# issue 34, context parallelism: all-gather, ring and Ulysses attention, the sequence's shards
+# (271); issue 33, sharding-aware Muon and QK-clip on the logits that run, maxima from the kernel
+# (118); issue 35, the GPipe/circular tick loop `pipelined` (100); issue 36, qwen3_5_moe's
+# fused experts in HF I/O (36); issue 37, Llama 4's multimodal folders and fbgemm float8 (59);
+# issue 38, MTP (3); issue 39, Gemma 4 (3); issue 40, the heads-first KV cache (25); issue 41,
+# DPO pairs, LoRA, distillation's teacher and saved top-k (272); issue 42, lm-eval on our forward
+# and during training (385).
+COMMON_BUDGET = 4300 + 434 + 271 + 118 + 100 + 36 + 59 + 3 + 3 + 25 + 272 + 385
 
 
 def shape(name: str) -> list[str]:
@@ -113,7 +123,6 @@ def test_sections_come_in_reading_order():
         assert at["huggingface"] == len(titles) - 1, (name, titles)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 31: common/ not yet within its budget")
 def test_common_within_budget():
     n = sum(len(p.read_text().splitlines()) for p in (anatomy.ROOT / "common").glob("*.py"))
     assert n <= COMMON_BUDGET, f"common/ has {n} lines > {COMMON_BUDGET}"
