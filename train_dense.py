@@ -795,8 +795,9 @@ def loss_fn(params, batch, cfg: ModelConfig, *, n=None, z_loss: float = 0.0,
     # Each context shard's positions as rows of their own: the loss's chunks stay local.
     h_BTD, targets, weights = fold_context(h_BTD, *to_context(targets, weights))
     w_DV = unembedding(params, cfg).astype(h_BTD.dtype)
-    if targets.size <= cfg.vocab_size:
-        h_BTD, w_DV = constrain(h_BTD, LOSS_BTD), constrain(w_DV, VOCAB_DV)
+    if targets.size <= cfg.vocab_size:  # cast where the master is: dW returns there in bf16
+        w_DV = constrain(constrain(w_DV, P("fsdp", "tensor")), VOCAB_DV)  # (not its moments to V)
+        h_BTD = constrain(h_BTD, LOSS_BTD)
     scan = _ce_fused if cfg.loss_impl == "fused" else _ce_remat
     obj, ce = scan(partial(cross_entropy, z_loss=z_loss, cap=cfg.final_softcap), h_BTD, w_DV,
                    targets, weights, cfg.loss_chunk, not cfg.scan_layers)
