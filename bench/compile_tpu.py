@@ -75,7 +75,7 @@ ROWS = [
     "maxtext=mixtral-8x7b",
     # One dense layer then MoE layers (the full model has 3 dense of 61): mostly experts.
     "name=deepseek-v3 trainer=moe preset=deepseek-v3 topology=v5p-32 batch=1 seq=4096 "
-    "layers=4 ours='--model.first-k-dense 1' maxtext=deepseek3-671b "
+    "layers=4 ours='--model.first-k-dense 1 --model.mtp-depth 0' maxtext=deepseek3-671b "
     "theirs='first_num_dense_layers=1'",
     # Six layers: Gemma 3's pattern once, five sliding-window (1024) layers and a global one.
     "name=gemma3-12b trainer=dense preset=gemma3-12b topology=v6e-8 batch=1 seq=4096 layers=6 "
@@ -254,7 +254,7 @@ def failure_reason(text: str, rc) -> str:
 
 def compile_ours(row: dict, extra: str, log_dir: str, timeout: float) -> dict:
     # Another process may hold libtpu's lock file; compiling needs no exclusive TPU.
-    env = dict(ENV, ALLOW_MULTIPLE_LIBTPU_LOAD="1")
+    env = dict(ENV, ALLOW_MULTIPLE_LIBTPU_LOAD="1") | hlo_env(row, "ours")
     cmd = [sys.executable, os.path.abspath(__file__), "--one", TRAINERS[row["trainer"]],
            *ours_argv(row, extra)]
     return run_one(cmd, OURS_PREFIX, os.path.join(log_dir, f"{row['name']}.ours.log"),
@@ -286,7 +286,14 @@ def compile_maxtext(row: dict, extra: str, python: str, log_dir: str, timeout: f
     """MaxText's compile, with the libtpu.so `maxtext_env` says."""
     cmd = [python, os.path.join(PEER, "maxtext_compile.py"), *maxtext_args(row, extra)]
     return run_one(cmd, PEER_PREFIX, os.path.join(log_dir, f"{row['name']}.maxtext.log"),
-                   timeout, maxtext_env(libtpu))
+                   timeout, maxtext_env(libtpu) | hlo_env(row, "maxtext"))
+
+
+HLO = []   # --hlo: the folder each compile writes its optimized HLO to
+
+
+def hlo_env(row: dict, side: str) -> dict:
+    return {"COMPILE_TPU_HLO": os.path.join(HLO[0], f"{row['name']}.{side}.hlo")} if HLO else {}
 
 
 def maxtext_env(libtpu: str) -> dict:
@@ -305,6 +312,18 @@ def one(trainer: str, argv: list[str]) -> None:
     # The trainers keep compiled steps on disk; a hit would time a load, not a compile.
     jax.config.update("jax_enable_compilation_cache", False)
     mod = importlib.import_module(trainer.removesuffix(".py"))
+    if path := os.environ.get("COMPILE_TPU_HLO"):   # --hlo: the step, the largest module
+        import jax.stages
+        lower, size = jax.stages.Lowered.compile, [0]
+
+        def compile(self, *a, **k):
+            c = lower(self, *a, **k)
+            if len(text := c.as_text()) > size[0]:
+                size[0] = len(text)
+                with open(path, "w") as f:
+                    f.write(text)
+            return c
+        jax.stages.Lowered.compile = compile
     report = mod.main(mod.cli(argv))
     report["versions"] = {p: version(p) for p in ("jax", "jaxlib", "libtpu")}
     report["versions"]["libtpu_path"] = os.environ.get("TPU_LIBRARY_PATH", "")
@@ -409,10 +428,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--log-dir", default=os.path.join(ROOT, "runs", "compile-tpu"),
                     help="each compile's whole output, ROW.ours.log / ROW.maxtext.log")
     ap.add_argument("--timeout", type=float, default=3600, help="seconds per compile")
+    ap.add_argument("--hlo", action="store_true", help="also each compile's optimized HLO, "
+                    "ROW.ours.hlo / ROW.maxtext.hlo in --log-dir, for bench/hlo_bytes.py")
     ap.add_argument("--maxtext-libtpu", choices=("ours", "own"), default="ours",
                     help="the compiler MaxText uses: ours (default: the libtpu our side "
                     "loads, so both sides have one compiler) or own (its venv's)")
     args = ap.parse_args(argv)
+    if args.hlo:
+        HLO.append(args.log_dir)
+        os.makedirs(args.log_dir, exist_ok=True)
     try:
         named, groups = ROWS + CONTEXT_ROWS + PIPELINE_ROWS, {"context": CONTEXT_ROWS,
                                                               "pipeline": PIPELINE_ROWS}

@@ -28,7 +28,7 @@ def test_builtin_rows_parse_and_name_their_chips_and_peak():
     by = {r["name"]: r for r in rows}
     assert by["llama70b-8k"]["chips"] == 128 and by["gemma3-12b"]["chips"] == 8
     assert by["gemma3-12b"]["peak"] == 918e12
-    assert by["deepseek-v3"]["ours"] == "--model.first-k-dense 1"   # quoted value kept whole
+    assert by["deepseek-v3"]["ours"] == "--model.first-k-dense 1 --model.mtp-depth 0"  # whole
 
 
 @pytest.mark.parametrize("spec,says", [
@@ -69,7 +69,8 @@ def test_both_sides_get_the_same_model_shape_and_unrolled_layers():
         assert kv in theirs
     ds = ct.parse_row(ct.ROWS[4])
     assert "first_num_dense_layers=1" in ct.maxtext_args(ds)
-    assert ct.ours_argv(ds)[-2:] == ["--model.first-k-dense", "1"]
+    # like MaxText's (mtp_num_layers 0): no multi-token prediction module
+    assert ct.ours_argv(ds)[-4:] == ["--model.first-k-dense", "1", "--model.mtp-depth", "0"]
 
 
 def test_pipeline_rows_compile_two_slices_with_the_stage_axis_across_them_on_both_sides():
@@ -221,3 +222,27 @@ def test_our_compile_for_a_tpu_slice_reports_an_estimated_step(tmp_path):
     assert report["est_step_s"] > 0 and report["xla_flops"] > 0
     assert report["xla_while_loops"] == 0 and report["versions"]["libtpu"]
     json.dumps(report)
+
+
+def test_hlo_bytes_counts_what_each_top_level_instruction_reads_and_writes():
+    """bench/hlo_bytes.py on a module written here: parameters move nothing, a fusion counts
+    its operands and output once (not the instructions inside it), and each row names the JAX
+    op that made it."""
+    from bench import hlo_bytes as hb
+    text = "\n".join([
+        "HloModule m", "",
+        "%fused (p0: f32[4,8]) -> f32[4,8] {",
+        "  %p0 = f32[4,8]{1,0} parameter(0)",
+        "  ROOT %mul = f32[4,8]{1,0} multiply(%p0, %p0)",
+        "}", "",
+        "ENTRY %main (a: f32[4,8], b: bf16[16]) -> f32[4,8] {",
+        "  %a = f32[4,8]{1,0} parameter(0)",
+        "  %b = bf16[16]{0} parameter(1)",
+        '  %c = f32[16]{0} convert(%b), metadata={op_name="jit(step)/convert_element_type"}',
+        "  ROOT %f = f32[4,8]{1,0} fusion(%a), kind=kLoop, calls=%fused, "
+        'metadata={op_name="jit(step)/jvp()/mul"}',
+        "}"])
+    rows = {r["name"]: r for r in hb.instructions(text)}
+    assert set(rows) == {"c", "f"}
+    assert rows["c"]["bytes"] == 16 * 4 + 16 * 2 and rows["f"]["bytes"] == 2 * 4 * 8 * 4
+    assert rows["f"]["op"] == "fusion:kLoop" and hb.source(rows["f"]["source"]) == "mul"

@@ -79,6 +79,9 @@ def main(overrides: list[str]) -> None:
         if isinstance(cost, dict) and isinstance(cost.get(k), (int, float)) and cost[k] >= 0:
             report[ours] = float(cost[k])
     report["xla_while_loops"] = compiled.as_text().count(" while(")  # bodies counted once
+    if os.environ.get("COMPILE_TPU_HLO"):  # compile_tpu.py --hlo: for bench/hlo_bytes.py
+        with open(os.environ["COMPILE_TPU_HLO"], "w") as f:
+            f.write(compiled.as_text())
     report["versions"] = {"jax": jax.__version__, "maxtext": _version("maxtext"),
                           "libtpu": _libtpu_version()}
     print(PREFIX + json.dumps(report), flush=True)
