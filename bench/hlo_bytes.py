@@ -1,7 +1,7 @@
 """Where a compiled step's bytes go: each top-level instruction of an optimized HLO module
 (`make compile-tpu ARGS=--hlo` writes runs/compile-tpu/ROW.ours.hlo and ROW.maxtext.hlo), its
 operands' and output's bytes, summed by opcode and by the JAX op that made it. A stand-in for
-XLA's `bytes accessed`, which gives only the total (on llama8b-2k it counts within 10% of it);
+XLA's `bytes accessed`, which gives only the total (llama8b-2k: 8-11% above it, each side);
 with two modules, side by side, to find what one side moves that the other does not.
 
     python bench/hlo_bytes.py runs/compile-tpu/llama8b-2k.ours.hlo \\
