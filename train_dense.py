@@ -797,8 +797,8 @@ def loss_fn(params, batch, cfg: ModelConfig, *, n=None, z_loss: float = 0.0,
     w_DV = unembedding(params, cfg).astype(h_BTD.dtype)
     if targets.size <= cfg.vocab_size:  # cast where the master is: dW returns there in bf16
         # (else the update moves its moments to V); not a tied table (Gemma: +1.5 GiB a chip)
-        w_DV = constrain(w_DV if cfg.tie_embeddings else constrain(w_DV, P("fsdp", "tensor")),
-                         VOCAB_DV)
+        w_DV = constrain(w_DV if cfg.tie_embeddings else constrain(
+            w_DV, param_specs(cfg)["unembed"]), VOCAB_DV)
         h_BTD = constrain(h_BTD, LOSS_BTD)
     scan = _ce_fused if cfg.loss_impl == "fused" else _ce_remat
     obj, ce = scan(partial(cross_entropy, z_loss=z_loss, cap=cfg.final_softcap), h_BTD, w_DV,

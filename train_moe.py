@@ -1085,7 +1085,7 @@ def loss_fn(params, batch_BT1, cfg: ModelConfig, t: TrainConfig = TrainConfig(),
         h_BTD, targets_BT, wt_BT = fold_context(h_BTD, *to_context(targets_BT, wt_BT))
         w_DV = unembedding(params, cfg).astype(h_BTD.dtype)  # (the loss's chunks stay local)
         if targets_BT.size <= cfg.vocab_size:  # cast where the master is (train_dense.py's)
-            own = w_DV if cfg.tie_embeddings else constrain(w_DV, P("fsdp", "tensor"))
+            own = w_DV if cfg.tie_embeddings else constrain(w_DV, param_specs(cfg)["unembed"])
             h_BTD, w_DV = constrain(h_BTD, LOSS_BTD), constrain(own, VOCAB_DV)
         return _ce_fused(partial(cross_entropy, z_loss=t.z_loss, cap=cfg.final_softcap), h_BTD,
                          w_DV, targets_BT, wt_BT, cfg.loss_chunk, not cfg.scan_layers)

@@ -252,9 +252,9 @@ def failure_reason(text: str, rc) -> str:
     return (lines[-1][:300] if lines else "no output") + f" (exit {rc})"
 
 
-def compile_ours(row: dict, extra: str, log_dir: str, timeout: float) -> dict:
+def compile_ours(row: dict, extra: str, log_dir: str, timeout: float, hlo: bool = False) -> dict:
     # Another process may hold libtpu's lock file; compiling needs no exclusive TPU.
-    env = dict(ENV, ALLOW_MULTIPLE_LIBTPU_LOAD="1") | hlo_env(row, "ours")
+    env = dict(ENV, ALLOW_MULTIPLE_LIBTPU_LOAD="1") | hlo_env(hlo, log_dir, row, "ours")
     cmd = [sys.executable, os.path.abspath(__file__), "--one", TRAINERS[row["trainer"]],
            *ours_argv(row, extra)]
     return run_one(cmd, OURS_PREFIX, os.path.join(log_dir, f"{row['name']}.ours.log"),
@@ -282,18 +282,17 @@ def our_libtpu() -> str:
 
 
 def compile_maxtext(row: dict, extra: str, python: str, log_dir: str, timeout: float,
-                    libtpu: str = "") -> dict:
+                    libtpu: str = "", hlo: bool = False) -> dict:
     """MaxText's compile, with the libtpu.so `maxtext_env` says."""
     cmd = [python, os.path.join(PEER, "maxtext_compile.py"), *maxtext_args(row, extra)]
     return run_one(cmd, PEER_PREFIX, os.path.join(log_dir, f"{row['name']}.maxtext.log"),
-                   timeout, maxtext_env(libtpu) | hlo_env(row, "maxtext"))
+                   timeout, maxtext_env(libtpu) | hlo_env(hlo, log_dir, row, "maxtext"))
 
 
-HLO = []   # --hlo: the folder each compile writes its optimized HLO to
-
-
-def hlo_env(row: dict, side: str) -> dict:
-    return {"COMPILE_TPU_HLO": os.path.join(HLO[0], f"{row['name']}.{side}.hlo")} if HLO else {}
+def hlo_env(hlo: bool, log_dir: str, row: dict, side: str) -> dict:
+    """--hlo: where the compile writes its optimized module (LOG_DIR/ROW.SIDE.hlo)."""
+    path = os.path.join(log_dir, f"{row['name']}.{side}.hlo")
+    return {"COMPILE_TPU_HLO": path} if hlo else {}
 
 
 def maxtext_env(libtpu: str) -> dict:
@@ -435,7 +434,6 @@ def main(argv: list[str] | None = None) -> None:
                     "loads, so both sides have one compiler) or own (its venv's)")
     args = ap.parse_args(argv)
     if args.hlo:
-        HLO.append(args.log_dir)
         os.makedirs(args.log_dir, exist_ok=True)
     try:
         named, groups = ROWS + CONTEXT_ROWS + PIPELINE_ROWS, {"context": CONTEXT_ROWS,
@@ -458,12 +456,12 @@ def main(argv: list[str] | None = None) -> None:
     for row in rows:
         res = {"row": row, "model_flops_per_step": flops[row["name"]]}
         print(f"{row['name']}: compiling ours ...", file=sys.stderr, flush=True)
-        res["ours"] = compile_ours(row, args.ours_flags, args.log_dir, args.timeout)
+        res["ours"] = compile_ours(row, args.ours_flags, args.log_dir, args.timeout, args.hlo)
         print(f"{row['name']}: ours {_brief(res['ours'])}", file=sys.stderr, flush=True)
         if python and row.get("maxtext"):
             print(f"{row['name']}: compiling MaxText ...", file=sys.stderr, flush=True)
             res["maxtext"] = compile_maxtext(row, args.maxtext_flags, python, args.log_dir,
-                                             args.timeout, libtpu)
+                                             args.timeout, libtpu, args.hlo)
             print(f"{row['name']}: MaxText {_brief(res['maxtext'])}", file=sys.stderr,
                   flush=True)
         results.append(res)
