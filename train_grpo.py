@@ -337,9 +337,10 @@ def block(x_BTD, lp: dict, cfg: ModelConfig, *, pos_BT, inv_freq, mask_BTS=None,
           index=0, max_logits: bool = False, is_global=True, shared=None, keep_kv=False,
           ple_BTP=None, cache=False):
     """train_dense.py's block (tests/test_grpo.py holds the two equal) with a padding mask and
-    a KV cache (`cache`): with `kv` (this layer's k and v [B, K, S, H], heads first) the new
-    keys and values are written at column `index` and the queries attend over the whole
-    cache; returns (x, (kv, stats: with max_logits the heads' largest logit)). Gemma 4: a layer without keys
+    a KV cache (`cache`): with `kv` (this layer's k and v [B, K, S, H], heads first, or the
+    whole stack [L, B, K, S, H] and this layer's index, written in place) the new keys and
+    values are written at column `index` and the queries attend over the whole cache; returns
+    (x, (kv, stats: with max_logits the heads' largest logit)). Gemma 4: a layer without keys
     and values of its own attends over `shared`, an earlier layer's (k, v) (its cache, when
     decoding), which stats hold with `keep_kv`."""
     dt, lp = x_BTD.dtype, train.merged(lp)  # LoRA: each adapted weight merged, in its layer
@@ -372,18 +373,14 @@ def block(x_BTD, lp: dict, cfg: ModelConfig, *, pos_BT, inv_freq, mask_BTS=None,
             k = rope(norm(k, "k_norm") if cfg.qk_norm else k, pos_BT, inv_freq)
             v = rms_norm(v, 1.0, cfg.norm_eps) if cfg.v_norm else v  # Gemma 4's: per head
             # Keys are cached after RoPE, so a cached key never needs its position again.
-            k, v = (k, v) if kv is None else (k.swapaxes(1, 2), v.swapaxes(1, 2))
-            if kv is not None and len(kv) == 3:  # the whole stack [L, B, K, S, H] and this layer's
-                # index: the new columns written in place, not the layer's [B, K, S, H] rewritten
-                ck, cv, i = kv
-                at = (i, 0, 0, index, 0)
-                ck = jax.lax.dynamic_update_slice(ck, k[None].astype(ck.dtype), at)
-                cv = jax.lax.dynamic_update_slice(cv, v[None].astype(cv.dtype), at)
-                k, v, kv = ck[i], cv[i], (ck, cv)
-            elif kv is not None:
-                k = jax.lax.dynamic_update_slice_in_dim(kv[0], k.astype(kv[0].dtype), index, axis=2)
-                v = jax.lax.dynamic_update_slice_in_dim(kv[1], v.astype(kv[1].dtype), index, axis=2)
-                kv = (k, v)
+            if kv is not None:  # the stack's columns in place, not a layer's [B, K, S, H] rewritten
+                whole = len(kv) == 3  # else one layer's (Gemma 4's periods): a stack of one
+                ck, cv, i = kv if whole else (kv[0][None], kv[1][None], 0)
+                put = lambda c, a: jax.lax.dynamic_update_slice(
+                    c, a.swapaxes(1, 2)[None].astype(c.dtype), (i, 0, 0, index, 0))
+                ck, cv = put(ck, k), put(cv, v)
+                k, v = ck[i], cv[i]
+                kv = (ck, cv) if whole else (k, v)
             shared = k, v
         k, v = shared
         if cfg.yarn_factor:  # YaRN's temperature where it stretches RoPE: logits x (0.1 ln s + 1)^2
@@ -636,17 +633,15 @@ def hidden(params: dict, tokens_BT, cfg: ModelConfig, *, positions=None, mask_BT
                   max_logits=max_logits, cache=cache is not None)
     kv_of = lambda p: None if cache is None else tuple(cache[p + w] for w in cache_parts(cfg, p))
     if not (cfg.global_head_dim or cfg.linear_k_heads):
-        layer = remat(lambda x, xs: run(x, xs[0], inv_freq=inv_freq, kv=xs[1], is_global=xs[2],
-                                        ple_BTP=xs[3]))
-        if cache is None:
-            x, (kv, stats) = scan(layer, x, (params["layers"], None, jnp.asarray(is_global_L),
-                                             ple_LBTP))
-        else:  # the cache carried whole, each layer writing its columns in place
-            def cached(c, xs):
-                x, (kv, st) = layer(c[0], (xs[0], (*c[1:], xs[1]), *xs[2:]))
-                return (x, *kv), st
-            (x, *kv), stats = scan(cached, (x, *kv_of("")), (
-                params["layers"], jnp.arange(L), jnp.asarray(is_global_L), ple_LBTP))
+        layer = remat(lambda x, lp, kv, is_global, ple: run(x, lp, inv_freq=inv_freq, kv=kv,
+                                                            is_global=is_global, ple_BTP=ple))
+
+        def each(c, xs):  # a cache is carried whole, each layer writing its columns in place
+            kv = None if cache is None else (*c[1:], xs[1])  # the stack and this layer's index
+            x, (kv, st) = layer(c[0], xs[0], kv, *xs[2:])
+            return (x, *(kv or ())), st
+        (x, *kv), stats = scan(each, (x, *(kv_of("") or ())), (
+            params["layers"], jnp.arange(L), jnp.asarray(is_global_L), ple_LBTP))
         new = {"": kv}
     else:  # Gemma 4's periods (train_dense.py's), each kind's cache [its layers, B, K, S, H];
         # Qwen3.5's, DeltaNet's states (`init_cache`) as the local layers' cache
@@ -717,48 +712,6 @@ def padded_mask(valid_BS, start, T: int):
     q_T = start + jnp.arange(T)
     causal_TS = jnp.arange(valid_BS.shape[1])[None, :] <= q_T[:, None]
     return causal_TS[None] & valid_BS[:, None, :]
-
-
-def init_cache(cfg: ModelConfig, B: int, S: int) -> dict:
-    """Keys and values [L, B, K, S, H] of the layers that make their own (heads first: see
-    common/attention.py `cached`); Gemma 4's global layers, of their own shape, as "global_k"
-    and "global_v". Qwen3.5's DeltaNet layers keep their state instead (`gated_deltanet`): q,
-    k and v's last C - 1 inputs to the convolution and the delta rule's S [Hv, Dk, Dv]."""
-    zeros = lambda L, K, H: constrain(jnp.zeros((L, B, K, S, H), jnp.dtype(cfg.dtype)),
-                                      CACHE_LBKSH)
-    if not (cfg.global_head_dim or cfg.linear_k_heads):
-        return {w: zeros(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim) for w in "kv"}
-    if cfg.linear_k_heads:
-        G, Hk, Dk, Dv = (cfg.n_layers // cfg.global_every, cfg.linear_k_heads, cfg.linear_k_dim,
-                         cfg.linear_v_dim)
-        L, C, r = cfg.n_layers - G, cfg.linear_conv - 1, cfg.linear_v_heads // Hk
-        state = lambda w, *shape, dt=jnp.dtype(cfg.dtype): constrain(jnp.zeros(shape, dt),
-                                                                     CACHE_SPECS[w])
-        return {"global_" + w: zeros(G, cfg.n_kv_heads, cfg.head_dim) for w in "kv"} | {
-            "conv_q": state("conv_q", L, B, C, Hk, Dk), "conv_k": state("conv_k", L, B, C, Hk, Dk),
-            "conv_v": state("conv_v", L, B, C, Hk, r, Dv),
-            "delta": state("delta", L, B, Hk * r, Dk, Dv, dt=jnp.float32)}
-    G = (cfg.n_layers - cfg.kv_shared) // cfg.global_every
-    return {p + w: zeros(*shape) for w in "kv" for p, shape in (
-        ("", (G * (cfg.global_every - 1), cfg.n_kv_heads, cfg.head_dim)),
-        ("global_", (G, cfg.global_kv_heads or cfg.n_kv_heads, cfg.global_head_dim)))}
-
-
-def cache_parts(cfg: ModelConfig, prefix: str) -> tuple[str, ...]:
-    """The names of one stack's cache entries (after its prefix), in the block's order."""
-    return ("conv_q", "conv_k", "conv_v", "delta") if cfg.linear_k_heads and not prefix else (
-        "k", "v")
-
-
-def forward_cached(params: dict, tokens_BT, cfg: ModelConfig, *, cache: dict, index, positions,
-                   mask_BTS):
-    """Logits [B, 1, V] after T new tokens at columns index..index+T-1 of a preallocated KV
-    cache, and the cache with their keys and values written in (prefill: the prompt at 0;
-    decoding: T = 1). Only the last position is unembedded: a prefill's [B, T, V] logits
-    (15 GiB for 128 prompts of 200 tokens over Qwen3's 152k vocabulary) are never made."""
-    h_BTD, cache, _ = hidden(params, tokens_BT, cfg, positions=positions, mask_BTS=mask_BTS,
-                             cache=cache, index=index)
-    return logits_of(params, h_BTD[:, -1:], cfg), cache
 
 
 # ----------------------------------------------------------------------------------------------
@@ -833,11 +786,10 @@ def train_step(state: dict, batch: dict, *, cfg: Config, n_valid: int):
     """One optimiser step (then QK-clip) on a rollout batch, accumulated over --grpo.microbatches;
     returns the new state and metrics (the diagnostics' means over the completion tokens)."""
     g, tx = cfg.grpo, make_optimizer(cfg.grpo, specs=param_specs(cfg.model))
-    M, tau = g.microbatches, g.qk_clip_threshold
+    M, tau, rows = g.microbatches, g.qk_clip_threshold, dict(batch)
     # DAPO divides by the whole batch's tokens; the mean over M microbatches below divides
     # by M again, so each microbatch is handed n_tokens / M.
-    rows = {k: v for k, v in batch.items() if k != "n_tokens"}
-    loss = partial(loss_fn, cfg=cfg, n_valid=n_valid, n_tokens=batch["n_tokens"] / M,
+    loss = partial(loss_fn, cfg=cfg, n_valid=n_valid, n_tokens=rows.pop("n_tokens") / M,
                    max_logits=tau > 0)
     on = lambda p, b: loss(train.weights(state, cfg.lora, p), b)  # LoRA: the adapters trained
     grads, sums = train.accumulate(jax.grad(on, has_aux=True), state["params"], rows, M,
@@ -916,10 +868,9 @@ def update(step_fn, state: dict, batch: dict, g: GRPOConfig, mesh) -> tuple[dict
                   | {"n_tokens": np.float32(batch["mask"][i * U:(i + 1) * U].sum())},
                   mesh, BATCH_AXES) for i in range(S)]
     passes = []
-    for _ in range(g.mu):
-        for part in parts:
-            state, m = step_fn(state, part)
-            passes.append(m)
+    for part in parts * g.mu:  # each pass over the updates in order
+        state, m = step_fn(state, part)
+        passes.append(m)
     return state, passes
 
 
@@ -954,8 +905,8 @@ def validate(cfg: Config, n_devices: int, tok) -> Task:
     check_model(m, mesh, "--grpo.qk-clip-threshold", g.qk_clip_threshold)
     train.check_lora(cfg.lora, g.optimizer, g.qk_clip_threshold, "--grpo")  # LoRA
     need(mesh.stage * mesh.dcn_stage == 1, f"--mesh.stage {mesh.stage}: pipeline stages are "
-         "train_dense.py's and train_moe.py's; here the devices would repeat one another's work. Keep it 1 "
-         "and spread the policy over --mesh.fsdp.")
+         "train_dense.py's and train_moe.py's; here the devices would repeat one another's "
+         "work. Keep it 1 and spread the policy over --mesh.fsdp.")
     need(mesh.context * mesh.dcn_context == 1, f"--mesh.context {mesh.context}: rollouts decode "
          "token by token, which a split sequence cannot; keep it 1 (train_dense.py and "
          "train_moe.py train long sequences over it).")
@@ -978,7 +929,7 @@ def validate(cfg: Config, n_devices: int, tok) -> Task:
          f"start fine-tunes on each prompt's 'answer', and --task.path {t.path} has none; pass "
          "--warm.max-steps 0 (a pretrained policy needs no warm start).")
     n = task.answer_tokens  # the longest answer + EOS: the warm start's target
-    need((w.max_steps <= 0 and t.path) or g.max_new_tokens >= n, f"--grpo.max-new-tokens "
+    need(w.max_steps <= 0 and t.path or g.max_new_tokens >= n, f"--grpo.max-new-tokens "
          f"{g.max_new_tokens} cannot hold the longest answer and its end-of-sequence token "
          f"({n} tokens); raise it.")
     need(task.width + g.max_new_tokens <= m.max_seq_len, f"prompt ({task.width}) + "
@@ -1058,6 +1009,45 @@ def policy_logits(logits_BV, temperature, n_valid: int):
     return jnp.where(jnp.arange(z.shape[-1]) < n_valid, z, train.MASKED)
 
 
+def init_cache(cfg: ModelConfig, B: int, S: int) -> dict:
+    """Keys and values [L, B, K, S, H] of the layers that make their own (heads first: see
+    common/attention.py `cached`); Gemma 4's and Qwen3.5's global layers, a stack of their own,
+    as "global_k" and "global_v". Qwen3.5's DeltaNet layers keep their state instead
+    (`gated_deltanet`): q, k and v's last C - 1 inputs to the convolution and the delta rule's
+    S [Hv, Dk, Dv]."""
+    zeros = lambda w, *shape, dt=jnp.dtype(cfg.dtype): constrain(jnp.zeros(shape, dt),
+                                                                 CACHE_SPECS[w])
+    L, K, H = cfg.n_layers - cfg.kv_shared, cfg.n_kv_heads, cfg.head_dim
+    G = L // cfg.global_every if cfg.global_head_dim or cfg.linear_k_heads else 0
+    cache = {"global_" + w: zeros(w, G, B, cfg.global_kv_heads or K, S, cfg.global_head_dim or H)
+             for w in "kv" if G}
+    if not cfg.linear_k_heads:
+        return cache | {w: zeros(w, L - G, B, K, S, H) for w in "kv"}
+    Hk, Dk, Dv, C = cfg.linear_k_heads, cfg.linear_k_dim, cfg.linear_v_dim, cfg.linear_conv - 1
+    r = cfg.linear_v_heads // Hk
+    return cache | {"conv_q": zeros("conv_q", L - G, B, C, Hk, Dk),
+                    "conv_k": zeros("conv_k", L - G, B, C, Hk, Dk),
+                    "conv_v": zeros("conv_v", L - G, B, C, Hk, r, Dv),
+                    "delta": zeros("delta", L - G, B, Hk * r, Dk, Dv, dt=jnp.float32)}
+
+
+def cache_parts(cfg: ModelConfig, prefix: str) -> tuple[str, ...]:
+    """The names of one stack's cache entries (after its prefix), in the block's order."""
+    return ("conv_q", "conv_k", "conv_v", "delta") if cfg.linear_k_heads and not prefix else (
+        "k", "v")
+
+
+def forward_cached(params: dict, tokens_BT, cfg: ModelConfig, *, cache: dict, index, positions,
+                   mask_BTS):
+    """Logits [B, 1, V] after T new tokens at columns index..index+T-1 of a preallocated KV
+    cache, and the cache with their keys and values written in (prefill: the prompt at 0;
+    decoding: T = 1). Only the last position is unembedded: a prefill's [B, T, V] logits
+    (15 GiB for 128 prompts of 200 tokens over Qwen3's 152k vocabulary) are never made."""
+    h_BTD, cache, _ = hidden(params, tokens_BT, cfg, positions=positions, mask_BTS=mask_BTS,
+                             cache=cache, index=index)
+    return logits_of(params, h_BTD[:, -1:], cfg), cache
+
+
 def rollout(params, prompt_BP, valid_BP, key, temperature, *, cfg: ModelConfig, max_new: int,
             eos_id: int, pad_id: int, n_valid: int, top_k: int = 0, top_p: float = 1.0):
     """Complete every row of a left-padded prompt batch, whole on the device: completion ids
@@ -1066,16 +1056,12 @@ def rollout(params, prompt_BP, valid_BP, key, temperature, *, cfg: ModelConfig, 
     top-k/top-p truncation is a sampling device, not part of the policy, as in TRL) and the
     decode steps run. `temperature` is traced: greedy eval and rollouts share one compile."""
     B, Pw = prompt_BP.shape
-    S = Pw + max_new
     valid_BS = jnp.concatenate([valid_BP, jnp.ones((B, max_new), bool)], axis=1)
-    pos_BS = padded_positions(valid_BS)
-    logits_B1V, cache = forward_cached(params, prompt_BP, cfg, cache=init_cache(cfg, B, S),
-                                       index=0, positions=pos_BS[:, :Pw],
-                                       mask_BTS=padded_mask(valid_BS, 0, Pw))
-    safe_t = jnp.where(temperature > 0, temperature, 1.0)
-
-    def cond(c):
-        return (c["i"] < max_new) & ~jnp.all(c["done_B"])
+    pos_BS, safe_t = padded_positions(valid_BS), jnp.where(temperature > 0, temperature, 1.0)
+    step = lambda tokens_BT, cache, col, T: forward_cached(  # T tokens at columns col..col+T-1
+        params, tokens_BT, cfg, cache=cache, index=col, mask_BTS=padded_mask(valid_BS, col, T),
+        positions=jax.lax.dynamic_slice_in_dim(pos_BS, col, T, axis=1))
+    logits_B1V, cache = step(prompt_BP, init_cache(cfg, B, Pw + max_new), 0, Pw)  # prefill
 
     def body(c):
         i = c["i"]
@@ -1085,10 +1071,7 @@ def rollout(params, prompt_BP, valid_BP, key, temperature, *, cfg: ModelConfig, 
         logp_B = jnp.take_along_axis(jax.nn.log_softmax(z_BV, axis=-1), tok_B[:, None], -1)[:, 0]
         live_B = ~c["done_B"]
         tok_B = jnp.where(live_B, tok_B, pad_id)
-        col = Pw + i
-        logits_B1V, cache = forward_cached(
-            params, tok_B[:, None], cfg, cache=c["cache"], index=col, mask_BTS=padded_mask(
-                valid_BS, col, 1), positions=jax.lax.dynamic_slice_in_dim(pos_BS, col, 1, axis=1))
+        logits_B1V, cache = step(tok_B[:, None], c["cache"], Pw + i, 1)
         return {"i": i + 1, "key": key, "cache": cache, "logits_BV": logits_B1V[:, 0],
                 "done_B": c["done_B"] | (tok_B == eos_id),
                 "tokens_BN": c["tokens_BN"].at[:, i].set(tok_B),
@@ -1100,7 +1083,7 @@ def rollout(params, prompt_BP, valid_BP, key, temperature, *, cfg: ModelConfig, 
             "tokens_BN": jnp.full((B, max_new), pad_id, jnp.int32),
             "mask_BN": jnp.zeros((B, max_new), bool),
             "logp_BN": jnp.zeros((B, max_new), jnp.float32)}
-    out = jax.lax.while_loop(cond, body, init)
+    out = jax.lax.while_loop(lambda c: (c["i"] < max_new) & ~jnp.all(c["done_B"]), body, init)
     return {k: out[k] for k in ("tokens_BN", "mask_BN", "logp_BN")} | {"steps": out["i"]}
 
 
@@ -1190,9 +1173,8 @@ def main(cfg: Config) -> dict:
     lo, hi = clip_range(g)
     log(f"model {count_params(cfg.model) / 1e6:.2f}M parameters | mesh {describe(mesh)} | "
         f"{jax.device_count()} {jax.devices()[0].platform} devices | loss {g.loss} (clip "
-        f"{1 - lo:g}..{1 + hi:g}, beta {g.beta:g}, mu {g.mu} x {updates_per_rollout(g)} "
-        f"updates per rollout, "
-        f"{'std-scaled' if g.scale_rewards else 'mean-centred'} advantages)")
+        f"{1 - lo:g}..{1 + hi:g}, beta {g.beta:g}, mu {g.mu} x {updates_per_rollout(g)} updates "
+        f"per rollout, {'std-scaled' if g.scale_rewards else 'mean-centred'} advantages)")
     batch = synthetic_batch(cfg, tok, task.width)  # --dry-run and --bench: one policy update on it
     if cfg.dry_run:
         return train.dry_run(step_fn, st.abstract(), train.put(batch, mesh, BATCH_AXES, True),
@@ -1200,11 +1182,10 @@ def main(cfg: Config) -> dict:
     with jax.set_mesh(mesh):
         if cfg.bench:
             T = task.width + g.max_new_tokens
-            return train.bench(step_fn, st.fresh(jax.random.key(g.seed)),
-                               train.put(batch, mesh, BATCH_AXES), cfg.bench,
-                               tokens_per_step=len(batch["prompt"]) * T,
-                               flops_per_token=flops_per_token(cfg.model, T),
-                               peak=train.peak_flops_per_device(g.peak_tflops))
+            return train.bench(step_fn, st.fresh(jax.random.key(g.seed)), train.put(
+                batch, mesh, BATCH_AXES), cfg.bench, tokens_per_step=len(batch["prompt"]) * T,
+                flops_per_token=flops_per_token(cfg.model, T),
+                peak=train.peak_flops_per_device(g.peak_tflops))
         with train.Run(cfg, g.profile_steps, defaults=Config()) as run:
             return train_loop(cfg, mesh, tok, task, st, step_fn, run)
 
@@ -1212,6 +1193,7 @@ def main(cfg: Config) -> dict:
 def train_loop(cfg: Config, mesh, tok, task: Task, st: train.TrainState, step_fn,
                run: train.Run) -> dict:
     g, generate, held_out = cfg.grpo, sampler(cfg, mesh, tok, task), {}
+    prompts = g.prompts_per_step * updates_per_rollout(g)  # a rollout's, each G times
     logp_fn = jax.jit(lambda p, b: completion_logps(p, b["prompt"], b["prompt_valid"],
                       b["completion"], cfg.model, g.temperature, tok.vocab_size)[0])
     merge = jax.jit(lambda s: train.merged(train.weights(s, cfg.lora)))  # LoRA: once a rollout
@@ -1224,8 +1206,7 @@ def train_loop(cfg: Config, mesh, tok, task: Task, st: train.TrainState, step_fn
         return {"eval_reward": float(r["reward"].mean())} | {
             f"eval_rewards/{n}/mean": float(v.mean()) for n, v in r["rewards"].items()}
 
-    state, start = run.resume(st.abstract())
-    warm = {}
+    (state, start), warm = run.resume(st.abstract()), {}
     if state is None:  # a new run: from --init-from-hf, --init-from, or random weights
         params = (load_hf(cfg.init_from_hf, mesh)[1] if cfg.init_from_hf else
                   train.restore_params(cfg.init_from, st.abstract()[st.model]) if cfg.init_from
@@ -1245,19 +1226,18 @@ def train_loop(cfg: Config, mesh, tok, task: Task, st: train.TrainState, step_fn
 
     for step in loop:
         t0 = time.perf_counter()
-        items = [p for p in task.rows_at(step, g.prompts_per_step * updates_per_rollout(g), 0)
-                 for _ in range(g.group_size)]
+        items = [p for p in task.rows_at(step, prompts, 0) for _ in range(g.group_size)]
         r = generate(p := policy(state), items, jax.random.fold_in(jax.random.key(g.seed), step),
                      g.temperature)
         lengths, t1 = r["mask"].sum(axis=1), time.perf_counter()
         rollout_tokens, rollout_s = rollout_tokens + int(lengths.sum()), rollout_s + r["seconds"]
-        adv = group_advantages(r["reward"], g.group_size, g.scale_rewards)
         # The log-probs and the update over the longest completion's columns, rounded up to a
         # power of two (a few programs, not one per length): the columns after it are masked
         # out of every loss, and causal attention never reads them (as TRL pads to the longest).
         N = min(g.max_new_tokens, max(8, 1 << (int(lengths.max()) - 1).bit_length()))
         batch = r["batch"] | {k: r["batch"][k][:, :N] for k in ("completion", "mask", "old_logp")}
-        batch |= train.put({"adv": adv, "n_tokens": np.float32(lengths.sum())}, mesh, BATCH_AXES)
+        batch |= train.put({"adv": group_advantages(r["reward"], g.group_size, g.scale_rewards),
+                            "n_tokens": np.float32(lengths.sum())}, mesh, BATCH_AXES)
         if cfg.model.dtype != "float32":  # the decode's bfloat16 log-probs differ from the
             batch["old_logp"] = logp_fn(p, batch)  # training forward's
         if g.beta > 0:
@@ -1291,13 +1271,11 @@ def train_loop(cfg: Config, mesh, tok, task: Task, st: train.TrainState, step_fn
     for row, c in zip(task.eval_rows[:4], held_out["texts"]):
         log(task.show(row, c))
     evals = [(s, e["eval_reward"]) for s, e in loop.evals]
-    best = max(evals, key=lambda e: e[1])
+    best, tok_s = max(evals, key=lambda e: e[1]), rollout_tokens / max(rollout_s, 1e-9)
     end = int(jax.device_get(state["step"])) // (g.mu * updates_per_rollout(g))
-    tok_s = rollout_tokens / max(rollout_s, 1e-9)
     timing = (f" (warm start {observe.duration(warm['warm_start_s'])} over "
               f"{warm['warm_start_steps']} steps)" if warm else "")
-    out = loop.summary(end, f"{g.prompts_per_step * updates_per_rollout(g)} prompts x "
-                       f"{g.group_size} completions x "
+    out = loop.summary(end, f"{prompts} prompts x {g.group_size} completions x "
                        f"{task.width + g.max_new_tokens} tokens", [
         ("held-out", f"reward {evals[0][1]:.3f} (step {evals[0][0]}) -> {evals[-1][1]:.3f} "
                      f"(step {evals[-1][0]}) | best {best[1]:.3f} (step {best[0]}), greedy"),
