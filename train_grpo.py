@@ -1630,13 +1630,12 @@ def config_from_hf(c: dict, where: str = "config.json") -> ModelConfig:
 def config_to_hf(cfg: ModelConfig, model_type: str = "", dtype: str = "float32") -> dict:
     """A config.json for `cfg` that transformers 4.4x and 5.x both read (each finds its own
     spelling of the rope settings). model_type "" picks the family from the knobs."""
-    gemma = cfg.sandwich_norm
-    mt = model_type or ("qwen3_5_text" if cfg.linear_k_heads else "gemma4_text" if (
-                        cfg.global_head_dim) else ("olmo3" if cfg.sliding_window else "olmo2")
-                        if cfg.post_norm else
-                        "gemma3_text" if gemma and cfg.qk_norm else "gemma2" if gemma else
-                        "gemma" if cfg.norm_plus_one else "qwen3" if cfg.qk_norm else "qwen2"
-                        if cfg.qkv_bias else "llama")
+    mt = model_type or next(m for m, knobs in (  # the first family whose knobs are all on
+        ("qwen3_5_text", "linear_k_heads"), ("gemma4_text", "global_head_dim"),
+        ("olmo3", "post_norm sliding_window"), ("olmo2", "post_norm"),
+        ("gemma3_text", "sandwich_norm qk_norm"), ("gemma2", "sandwich_norm"),
+        ("gemma", "norm_plus_one"), ("qwen3", "qk_norm"), ("qwen2", "qkv_bias"), ("llama", ""))
+        if all(getattr(cfg, k) for k in knobs.split()))
     if mt not in HF_ARCHITECTURES:
         raise hf.HFError(f"model_type {mt!r}: choose one of {', '.join(HF_ARCHITECTURES)}.")
     bad = {k: getattr(cfg, k) for k in ("qkv_bias", "qk_norm", *HF_KNOBS["olmo3"], *_GEMMA_KNOBS,
