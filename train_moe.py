@@ -2249,12 +2249,12 @@ def config_from_hf(c: dict, where: str = "config.json") -> ModelConfig:
 
 def _model_type(cfg: ModelConfig, model_type: str) -> str:
     """The family to write: the one asked for (or the knobs'), if the knobs fit it."""
-    fam = ("gemma4_text" if cfg.gemma4 else "llama4_text" if cfg.score_inputs else "qwen3_next"
-           if cfg.linear_k_heads else "qwen3_moe"
-           if cfg.qk_norm else "gpt_oss" if
-           cfg.attn_sinks else "deepseek_v32" if cfg.index_n_heads else "deepseek_v3" if
-           cfg.kv_lora_rank and cfg.sigmoid_routing else
-           "deepseek_v2" if cfg.kv_lora_rank else "mixtral")
+    fam = next(m for m, knobs in (  # the first family whose knobs are all on
+        ("gemma4_text", "gemma4"), ("llama4_text", "score_inputs"),
+        ("qwen3_next", "linear_k_heads"), ("qwen3_moe", "qk_norm"), ("gpt_oss", "attn_sinks"),
+        ("deepseek_v32", "index_n_heads"), ("deepseek_v3", "kv_lora_rank sigmoid_routing"),
+        ("deepseek_v2", "kv_lora_rank"), ("mixtral", ""))
+        if all(getattr(cfg, k) for k in knobs.split()))
     mt = model_type or fam
     if mt not in HF_ARCHITECTURES:
         raise hf.HFError(f"model_type {mt!r}: choose one of {', '.join(HF_ARCHITECTURES)}.")
