@@ -1450,8 +1450,9 @@ def moe(h_BTD, lp: dict, cfg: ModelConfig, route_BTD=None):
                                          lp["w_router"], cfg, lp.get("b_router"),
                                          lp.get("router_bias"))
     gate_BTR = gate_BTR * lp["expert_scale"][expert_BTR] if "expert_scale" in lp else gate_BTR
-    ws = {k: lp[k] for k in ("w_gate", "w_up", "w_down", "b_gate", "b_up", "b_down") if k in lp}
-    dt = h_BTD.dtype
+    dt = h_BTD.dtype  # cast outside the shard_map: mixtral's TPU step moves 6% fewer bytes
+    ws = {k: lp[k].astype(dt) for k in ("w_gate", "w_up", "w_down", "b_gate", "b_up", "b_down")
+          if k in lp}
     if cfg.n_experts == 1:  # `bench`'s dense twin: one expert of weight 1, routing the identity
         y = swiglu(h_BTD, {k: a[0].astype(dt) for k, a in ws.items()}, cfg)
         return constrain(y, ACT_BTD), stats | {"dropped": jnp.zeros((), jnp.float32)}
