@@ -85,9 +85,9 @@ def dense_cfg(model, impl):
 def dense_one_device(model):
     """(params, batch, loss, gradients) of `model` on one device, where there is no context to
     split and so no context strategy: one reference for the three strategies' tests, computed
-    once a file rather than once each."""
+    once a file rather than once each. Host arrays: nothing of JAX's is kept past the file."""
     cfg = dense.small_cfg(model)
-    params, batch = dense.perturbed_params(cfg), dense.tokens(cfg)
+    params, batch = jax.device_get(dense.perturbed_params(cfg)), dense.tokens(cfg)
     one = make_mesh(MeshConfig(fsdp=1), jax.devices()[:1])
     return (params, batch, *dense.grads_and_loss(cfg, params, batch, one))
 
