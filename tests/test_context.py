@@ -5,6 +5,7 @@ tiles small enough that the causal and window skipping is exercised), then the t
 and gradients on context meshes against one device, the order a user sees restored, and the
 refusals."""
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -80,15 +81,24 @@ def dense_cfg(model, impl):
     return dense.small_cfg(dataclasses.replace(model, context_attention=impl))
 
 
+@functools.cache
+def dense_one_device(model):
+    """(params, batch, loss, gradients) of `model` on one device, where there is no context to
+    split and so no context strategy: one reference for the three strategies' tests, computed
+    once a file rather than once each. Host arrays: nothing of JAX's is kept past the file."""
+    cfg = dense.small_cfg(model)
+    params, batch = jax.device_get(dense.perturbed_params(cfg)), dense.tokens(cfg)
+    one = make_mesh(MeshConfig(fsdp=1), jax.devices()[:1])
+    return (params, batch, *dense.grads_and_loss(cfg, params, batch, one))
+
+
 @pytest.mark.parametrize("impl", A.CONTEXT_IMPLS)
 @pytest.mark.parametrize("model", [dense.SMALL, dense.GEMMA2], ids=["llama", "gemma2"])
 def test_dense_context_equals_one_device(model, impl):
     """Causal, GQA, a sliding window (Gemma 2: 5 of 16 tokens, soft-caps) on context 2 with fsdp
     and with tensor, and context 4."""
     cfg = dense_cfg(model, impl)
-    params, batch = dense.perturbed_params(cfg), dense.tokens(cfg)
-    one = make_mesh(MeshConfig(fsdp=1), jax.devices()[:1])
-    ref_loss, ref_g = dense.grads_and_loss(cfg, params, batch, one)
+    params, batch, ref_loss, ref_g = dense_one_device(model)
     for mc in (MeshConfig(fsdp=4, context=2), MeshConfig(fsdp=2, context=2, tensor=2),
                MeshConfig(fsdp=2, context=4)):
         loss, g = dense.grads_and_loss(cfg, params, batch, make_mesh(mc))

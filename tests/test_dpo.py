@@ -1,7 +1,9 @@
 """Preference tuning (--data.format dpo, issue 41): pairs as rows, the DPO, IPO and SimPO
 losses against a hand computation, the frozen reference, sharding, a short run that learns
 the preference, and bad input refused before anything compiles."""
+import contextlib
 import dataclasses
+import io
 import json
 import math
 import os
@@ -236,12 +238,20 @@ def pretrained_and_pairs(tokenizer, tmp_path):
     return dpo
 
 
-def test_preference_tuning_from_a_pretraining_run(tokenizer, tmp_path, capsys):
+@pytest.fixture(scope="module")
+def kept_reference_run(tokenizer, tmp_path_factory):
+    """The pretraining run and the 2-step DPO run from it (the reference kept in the state),
+    made once for the file: both tests below need this same run. (config, result, its log)"""
+    dpo = pretrained_and_pairs(tokenizer, tmp_path_factory.mktemp("kept"))
+    with contextlib.redirect_stdout(io.StringIO()) as log:
+        out = td.main(dpo)
+    return dpo, out, log.getvalue()
+
+
+def test_preference_tuning_from_a_pretraining_run(kept_reference_run, capsys):
     """The loop end to end: --init-from a run, held-out figures before the first step and at
     each eval, greedy answers, and a resume that keeps the reference."""
-    dpo = pretrained_and_pairs(tokenizer, tmp_path)
-    out = td.main(dpo)
-    log = capsys.readouterr().out
+    dpo, out, log = kept_reference_run
     assert "data: dpo train: 32 pairs in 32 rows of 32" in log
     # Before the first step the policy is the reference: every pair a tie.
     assert "eval step 0 | eval_loss 0.693 | eval_accuracy 0.500 | eval_kl_chosen 0.000" in log
@@ -251,14 +261,14 @@ def test_preference_tuning_from_a_pretraining_run(tokenizer, tmp_path, capsys):
     assert "resumed from step 2" in capsys.readouterr().out and again["final_step"] == 3
 
 
-def test_precomputed_reference_trains_as_the_kept_one(tokenizer, tmp_path, capsys):
+def test_precomputed_reference_trains_as_the_kept_one(kept_reference_run, tmp_path):
     """--dpo.precompute-ref: the start's log-probs of every training and held-out pair made
     once and saved in the run; no reference copy in the state; the same run as one that keeps
     the reference; a resume reads them back, one that wants more steps is refused."""
-    kept = pretrained_and_pairs(tokenizer, tmp_path)
+    kept, a, _ = kept_reference_run
     pre = dataclasses.replace(kept, run_dir=str(tmp_path / "pre-ref"),
                               dpo=td.DPOConfig(precompute_ref=True))
-    a, b = td.main(kept), td.main(pre)
+    b = td.main(pre)
     assert "ref" in a["state"] and "ref" not in b["state"]
     assert os.path.isfile(os.path.join(pre.run_dir, "ref_logps.npz"))
     for x, y in zip(jax.tree.leaves(jax.device_get(a["state"]["params"])),

@@ -31,6 +31,32 @@ FORWARD = {k: jax.jit(lambda p, x, mod=mod, m=m: mod.forward(jax.device_get(p), 
            for k, (mod, m) in MODELS.items()}  # the plain reference: one row, unpadded
 
 
+@pytest.fixture(scope="module", autouse=True)
+def lm_evals_own_index_built_once():
+    """lm-eval's index of its own ~13,000 task YAMLs, which task_manager builds when a name is
+    not one of ours (~7 s a time here), built once for the file: the two refusals of a
+    misspelt task below each built it. The same index, from the same files: the name is still
+    looked up in it and refused. Our own tasks' manager (include_defaults=False, what a
+    run's evals use) is made afresh each time, as before."""
+    try:
+        import lm_eval.tasks as tasks
+    except ImportError:
+        yield
+        return
+    real, made = tasks.TaskManager, {}
+
+    def task_manager(*args, **kw):
+        if not kw.get("include_defaults", True):
+            return real(*args, **kw)
+        key = repr((args, sorted(kw.items())))
+        if key not in made:
+            made[key] = real(*args, **kw)
+        return made[key]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(tasks, "TaskManager", task_manager)
+        yield
+
+
 def scorer(name: str, mesh_cfg: MeshConfig, batch_size: int = 4, max_length: int = 64):
     mod, m = MODELS[name]
     n = int(np.prod([s for s in mesh_cfg.ici() if s > 0]))

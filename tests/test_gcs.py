@@ -35,14 +35,23 @@ def _bucket_metrics(run):
     return [json.loads(line) for line in (_path(run) / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_resumed_in_a_bucket_equals_uninterrupted_on_disk(gcs, data_path, tmp_path, capsys):
+@pytest.fixture(scope="module")
+def on_disk(data_path, tmp_path_factory):
+    """The uninterrupted 6-step run on local disk that both bucket runs below must equal:
+    trained once for the file, not once a test (its parameters and metrics.jsonl)."""
+    local = tmp_path_factory.mktemp("local")
+    return _params(td.main(config(local, data_path, steps=6))), metrics(local)
+
+
+def test_resumed_in_a_bucket_equals_uninterrupted_on_disk(gcs, data_path, on_disk, tmp_path,
+                                                          capsys):
     run = f"{gcs}/resume"
-    full = td.main(config(tmp_path / "local", data_path, steps=6))
+    full, local_metrics = on_disk
     first = config(run, data_path, steps=3)
     td.main(dataclasses.replace(first, train=dataclasses.replace(first.train, profile_steps=(2, 3))))
     resumed = td.main(config(run, data_path, steps=6))
     assert "resumed from step 3" in capsys.readouterr().out
-    for a, b in zip(_params(full), _params(resumed)):
+    for a, b in zip(full, _params(resumed)):
         np.testing.assert_array_equal(a, b)  # bitwise: the bucket changes nothing
 
     root = _path(run)
@@ -51,7 +60,7 @@ def test_resumed_in_a_bucket_equals_uninterrupted_on_disk(gcs, data_path, tmp_pa
         assert (root / "checkpoints" / step / "commit_success.txt").exists()
     # metrics.jsonl is appended across the restart although a bucket object cannot be.
     assert [m["step"] for m in _bucket_metrics(run)] == [1, 2, 3, 4, 5, 6]
-    assert [m["loss"] for m in _bucket_metrics(run)] == [m["loss"] for m in metrics(tmp_path / "local")]
+    assert [m["loss"] for m in _bucket_metrics(run)] == [m["loss"] for m in local_metrics]
     assert list((root / "tensorboard").glob("events.out.tfevents.*"))
     assert list((root / "profile").glob("plugins/profile/*/*.xplane.pb"))  # traced locally, then uploaded
     assert '"run_dir": "gs://' in (root / "config.json").read_text()
@@ -61,7 +70,7 @@ def test_resumed_in_a_bucket_equals_uninterrupted_on_disk(gcs, data_path, tmp_pa
     assert not (tmp_path / "gs:").exists() and not os.path.exists("gs:")
 
 
-def test_cut_off_save_in_a_bucket_is_ignored_then_swept(gcs, data_path, tmp_path, capsys):
+def test_cut_off_save_in_a_bucket_is_ignored_then_swept(gcs, data_path, on_disk, capsys):
     run = f"{gcs}/cutoff"
     td.main(config(run, data_path, steps=3))
     # A save of step 5 killed midway (by a run saving every step, say): Orbax's first file
@@ -76,8 +85,7 @@ def test_cut_off_save_in_a_bucket_is_ignored_then_swept(gcs, data_path, tmp_path
     assert "resumed from step 3" in capsys.readouterr().out
     assert not cut.exists()
     assert sorted(p.name for p in (_path(run) / "checkpoints").iterdir()) == ["3", "6"]
-    full = td.main(config(tmp_path / "local", data_path, steps=6))
-    for a, b in zip(_params(full), _params(resumed)):
+    for a, b in zip(on_disk[0], _params(resumed)):
         np.testing.assert_array_equal(a, b)
 
 
