@@ -1454,7 +1454,7 @@ def moe(h_BTD, lp: dict, cfg: ModelConfig, route_BTD=None):
     ws = {k: lp[k].astype(dt) for k in ("w_gate", "w_up", "w_down", "b_gate", "b_up", "b_down")
           if k in lp}
     if cfg.n_experts == 1:  # `bench`'s dense twin: one expert of weight 1, routing the identity
-        y = swiglu(h_BTD, {k: a[0].astype(dt) for k, a in ws.items()}, cfg)
+        y = swiglu(h_BTD, {k: a[0] for k, a in ws.items()}, cfg)
         return constrain(y, ACT_BTD), stats | {"dropped": jnp.zeros((), jnp.float32)}
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
@@ -1665,10 +1665,9 @@ def experts(x_BTD, expert_BTR, gate_BTR, w: dict, cfg: ModelConfig, peers: int =
             sharded: bool = False):
     """The experts' output for this device's tokens and how many assignments were dropped: in
     `shard_map` when sharded (a batch shard, X = E/P experts, d over fsdp, F over tensor), else
-    on everything at once. w: the layer's expert weights, named as in `swiglu`."""
+    on everything at once. w: the layer's expert weights in x's dtype, named as in `swiglu`."""
     (B, T, D), dt = x_BTD.shape, x_BTD.dtype
     R, n = cfg.top_k, B * T
-    w = {k: a.astype(dt) for k, a in w.items()}
     if sharded:
         # FSDP: gather d (axis 1 of w_gate, w_up [X, D, F], 2 of w_down) in the compute dtype,
         # half the traffic in bfloat16; autodiff turns it into a reduce-scatter of gradients.
