@@ -165,7 +165,8 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     dpo: DPOConfig = field(default_factory=DPOConfig)  # DPO
-    lora: LoRAConfig = field(default_factory=LoRAConfig)  # LoRA
+    lora: LoRAConfig = field(default_factory=partial(  # LoRA
+        LoRAConfig, targets="wq,wk,wv,wo,w_gate,w_up,w_down"))
     distill: DistillConfig = field(default_factory=DistillConfig)  # distillation
     mesh: MeshConfig = resumable(MeshConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -761,7 +762,8 @@ def train_step(state: dict, batch, *, cfg: Config, tx, teacher: ModelConfig | No
     # Pipelined, the microbatches are the pipeline's, in one pass: it needs them all at once.
     grads, aux = train.accumulate(jax.grad(on, has_aux=True), state["params"], batch,
                                   1 if train.stages() > 1 else cfg.train.microbatches, BATCH_AXES)
-    clip = partial(train.qk_clip, tops={"layers": aux.get("max_logit")}, tau=tau) if tau else None
+    clip = partial(train.qk_clip, tops={"layers": aux.get("max_logit")}, tau=tau,
+                   q=("wq", "bq"), k=("wk", "bk")) if tau else None
     new, metrics = train.update(tx, grads, state, aux["ce"], after=clip)
     clipped = {"max_attn_logit": jnp.max(aux["max_logit"])} if tau > 0 else {}
     metrics |= aux.get("dpo", {}) | {k: aux[k] for k in ("distill_kl",) if k in aux}

@@ -184,7 +184,8 @@ class Config:
     task: TaskConfig = field(default_factory=TaskConfig)
     mesh: MeshConfig = resumable(MeshConfig)
     checkpoint: CheckpointConfig = resumable(CheckpointConfig)
-    lora: LoRAConfig = field(default_factory=LoRAConfig)  # LoRA (the warm start trains it all)
+    lora: LoRAConfig = field(default_factory=partial(  # LoRA (the warm start trains it all)
+        LoRAConfig, targets="wq,wk,wv,wo,w_gate,w_up,w_down"))
     run_dir: str = resumable("runs/grpo-tiny")
     init_from: str = ""           # a train_dense.py run dir: its model, tokenizer and weights
     init_from_hf: str = ""        # a HuggingFace folder: its config.json, tokenizer and weights
@@ -797,7 +798,8 @@ def train_step(state: dict, batch: dict, *, cfg: Config, n_valid: int):
     grads, max_LN = jax.tree.map(lambda x: x / M, grads), sums.pop("max_logit", None)
     n = jnp.maximum(sums.pop("tokens"), 1.0)
     metrics = {k: v / n for k, v in sums.items()}  # the KL among them: checked with the update
-    clip = partial(train.qk_clip, tops={"layers": max_LN}, tau=tau) if tau else None
+    clip = partial(train.qk_clip, tops={"layers": max_LN}, tau=tau, q=("wq", "bq"),
+                   k=("wk", "bk")) if tau else None
     new, checks = train.update(tx, grads, state, *metrics.values(), after=clip)
     metrics |= {"max_attn_logit": jnp.max(max_LN)} if tau else {}
     return new, metrics | checks | {"lr": train.lr_schedule(

@@ -197,7 +197,8 @@ class Config:
     mesh: MeshConfig = resumable(MeshConfig)
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = resumable(CheckpointConfig)
-    lora: LoRAConfig = field(default_factory=LoRAConfig)  # LoRA
+    lora: LoRAConfig = field(default_factory=partial(  # LoRA
+        LoRAConfig, targets="wq,wk,wv,wo,w_gate,w_up,w_down"))
     run_dir: str = resumable("runs/tiny-moe")
     dry_run: bool = resumable(False)  # compile one step on abstract inputs, print memory, exit
     compile_topology: str = resumable("")  # --dry-run for this TPU type (v5p-256): libtpu
@@ -1048,8 +1049,9 @@ def train_step(state: dict, batch_BT1, *, cfg: Config, tx):
                                        ("mtp", "max_logit_mtp")) if k in aux}  # microbatches' max
     grads, aux = jax.tree.map(lambda x: x / M, (grads, aux))
     m = cfg.model   # MLA: the heads' own q/k parts and the rotary query, never the shared key
-    mla = dict(q=("wq", "wq_b"), k=("wkv_b",), nope=m.qk_nope_head_dim) if m.kv_lora_rank else {}
-    clip = partial(train.qk_clip, tops=tops, tau=tau, **mla) if tau > 0 else None
+    qk = dict(q=("wq", "wq_b"), k=("wkv_b",), nope=m.qk_nope_head_dim) if m.kv_lora_rank else dict(
+        q=("wq", "bq"), k=("wk", "bk"))
+    clip = partial(train.qk_clip, tops=tops, tau=tau, **qk) if tau > 0 else None
     new, metrics = train.update(tx, grads, state, aux["ce"], after=clip)
     if W:  # DSA's warm-up: all but the indexer frozen (no weight decay either); their moments
         # stay 0 (zero gradients), Adam's bias correction counts from step 0 all the same

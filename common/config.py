@@ -41,6 +41,7 @@ def _fields(cls, prefix: str = ""):
     for f in dataclasses.fields(cls):
         yield prefix + f.name, f
         sub = f.default_factory if f.default_factory is not dataclasses.MISSING else f.default
+        sub = getattr(sub, "func", sub)  # a section made with a few fields set (a partial)
         if isinstance(sub, type) and dataclasses.is_dataclass(sub):
             yield from _fields(sub, f"{prefix}{f.name}.")
 

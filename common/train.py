@@ -98,10 +98,11 @@ def split(tree: dict, like: dict) -> tuple[dict, dict]:
 class LoRAConfig:
     """--lora.rank r > 0: train w + (alpha / r) a @ b in place of each layer weight w named in
     --lora.targets, a [in, r] and b [r, out]; every weight of the model stays frozen (no
-    gradient, no optimiser state) and the adapters alone are trained and saved beside it."""
+    gradient, no optimiser state) and the adapters alone are trained and saved beside it.
+    The trainer names its weights: its Config's default_factory sets `targets`."""
     rank: int = knob(0, ">= 0")
     alpha: float = knob(16.0, "> 0")
-    targets: str = "wq,wk,wv,wo,w_gate,w_up,w_down"  # weight names, experts' included
+    targets: str = ""  # weight names, comma-separated, experts' included
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["w", "a", "b"],
@@ -440,8 +441,7 @@ def max_logits(q_BTNH, k_BSKH, mask_BTS=None, chunk: int = 512, *, segment_ids=N
     return jnp.max(jax.lax.map(one, jnp.arange(T // C)), axis=0) * (scale or H ** -0.5)
 
 
-def qk_clip(params: dict, tops: dict, tau: float, q=("wq", "bq"), k=("wk", "bk"),
-            nope: int = 0) -> dict:
+def qk_clip(params: dict, tops: dict, tau: float, q: tuple, k: tuple, nope: int = 0) -> dict:
     """MuonClip's QK-clip (Kimi K2 report, sec. 2.1), after an update: every head whose largest
     logit this step, tops[stack] [L, N] for each stack of layers in params (or a module's
     "layers" under it), exceeded tau has its query and key projections (weights and biases,

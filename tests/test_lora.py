@@ -24,7 +24,7 @@ from tests.test_moe import SMALL as MOE
 from tests.test_sft import SMALL
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-LORA = train.LoRAConfig(rank=4, alpha=8.0)
+LORA = train.LoRAConfig(rank=4, alpha=8.0, targets=td.Config().lora.targets)
 
 
 def table(targets="wq,wk,wv,wo,w_gate,w_up,w_down", model=SMALL):

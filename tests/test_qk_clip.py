@@ -145,6 +145,7 @@ def test_the_blocked_kernel_gives_its_maxima_without_a_second_pass(monkeypatch, 
 
 
 MLA = dict(q=("wq", "wq_b"), k=("wkv_b",), nope=8)   # DS's qk_nope_head_dim
+GQA = dict(q=("wq", "bq"), k=("wk", "bk"))   # the trainers' own q/k weights and biases
 
 
 @pytest.mark.parametrize("stack,key,shout", [("layers", "max_logit", (1, 1)),
@@ -213,7 +214,7 @@ def test_clipped_heads_reach_tau_and_the_others_are_untouched(kv_heads, bias):
     tau = float(np.sqrt(before[-1, 1] * before[others].max()))
     assert before[-1, 1] > tau > before[others].max()
 
-    clipped = jax.device_get(train.qk_clip(p, {"layers": jnp.asarray(before)}, tau))
+    clipped = jax.device_get(train.qk_clip(p, {"layers": jnp.asarray(before)}, tau, **GQA))
     after = np.asarray(max_of(clipped))
     np.testing.assert_allclose(after[-1, 1], tau, rtol=1e-5)
     np.testing.assert_array_equal(after[others], before[others])
@@ -297,7 +298,7 @@ def test_every_trainer_clips_after_the_update(mod, mla):
     tau = float(np.median(tops["mtp"] if mla == "mtp" else every))  # half the heads over it
     one = make_mesh(MeshConfig(fsdp=1), jax.devices()[:1])
     plain, _ = steps_of(mod, cfg, params, batch, one)
-    want = jax.device_get(train.qk_clip(plain, tops, tau, **(MLA if mla else {})))
+    want = jax.device_get(train.qk_clip(plain, tops, tau, **(MLA if mla else GQA)))
     mesh = MeshConfig(fsdp=2, expert=4) if mod is tm else MeshConfig(fsdp=4, tensor=2)
     for c, m in ((with_tau(mod, cfg, tau), one),
                  (dataclasses.replace(with_tau(mod, cfg, tau, 2), mesh=mesh), make_mesh(mesh))):
