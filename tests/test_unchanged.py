@@ -12,11 +12,12 @@ devices. The GRPO warm start's first four losses are held as before (to 1e-6: no
 Recorded on JAX 0.10.2 (Python 3.11). Compared with a tolerance, never bit for bit: another
 CPU's XLA code differs in the last bits, and Adam on a router amplifies them (JAX 0.12.0.1
 differs from 0.10.2 by up to 4e-6 in the squared parameters and 8e-5 in MoE AdamW's last
-losses; 1e-7 elsewhere). The squared parameters, held to 2e-5, move by at least 3.4e-4 under
-each mutation this guards against (measured): weight decay off (1.5e-3 dense AdamW), clipping
-off (2.1e-3), the schedule's floor at 0 (2.8e-3) or its warm-up a step off, Muon's scale
+losses; 1e-7 elsewhere; an AMD EPYC with AVX2 and no AVX-512, by 3.7e-5 in MoE AdamW's squared
+parameters and 4.2e-4 in its fourth gradient norm). The squared parameters, held to 1e-4,
+move by at least 3.4e-4 under each mutation this guards against (measured): weight decay off
+(1.5e-3 dense AdamW), clipping off (2.1e-3), the schedule's floor at 0 (2.8e-3) or its warm-up a step off, Muon's scale
 doubled (1.2e-2). The losses are held to 2e-4; the gradient norms, chaotic later, at the first
-steps only.
+four steps only, to 1e-3.
 """
 import dataclasses
 from functools import partial
@@ -109,10 +110,10 @@ CASES = [(name, mod, preset, axes, opt) for name, mod, preset, axes in [
 def test_a_default_run_trains_as_it_did(name, mod, preset, axes, opt):
     losses, norms, sq = trajectory(mod, preset, axes, opt)
     want_losses, want_norms, want_sq = BEFORE[f"{name}-{opt}"]
-    np.testing.assert_allclose(sq, want_sq, rtol=2e-5, err_msg="sum of squared parameters")
+    np.testing.assert_allclose(sq, want_sq, rtol=1e-4, err_msg="sum of squared parameters")
     np.testing.assert_allclose(losses, want_losses, rtol=2e-4, err_msg="loss")
     assert min(norms[:4]) > 1.0  # above the clip: clipping is on at the first steps
-    np.testing.assert_allclose(norms[:4], want_norms[:4], rtol=2e-4, err_msg="grad_norm")
+    np.testing.assert_allclose(norms[:4], want_norms[:4], rtol=1e-3, err_msg="grad_norm")
 
 
 def test_first_losses_of_the_grpo_warm_start_are_unchanged():
