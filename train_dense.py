@@ -801,10 +801,12 @@ def loss_fn(params, batch, cfg: ModelConfig, *, n=None, z_loss: float = 0.0,
         # (else the update moves its moments to V); not a tied table (Gemma: +1.5 GiB a chip)
         w_DV = constrain(w_DV if cfg.tie_embeddings else constrain(
             w_DV, param_specs(cfg)["unembed"]), VOCAB_DV)
-        h_BTD = constrain(h_BTD, LOSS_BTD)
+        h_BTD, chunk = constrain(h_BTD, LOSS_BTD), cfg.loss_chunk
+    else:  # the unembedding gathered: chunks large enough that summing dW is not the cost
+        chunk = train.ce_chunk(cfg.loss_chunk, *targets.shape, cfg.d_model, (*BATCH_AXES, "context"))
     scan = _ce_fused if cfg.loss_impl == "fused" else _ce_remat
     obj, ce = scan(partial(cross_entropy, z_loss=z_loss, cap=cfg.final_softcap), h_BTD, w_DV,
-                   targets, weights, cfg.loss_chunk, not cfg.scan_layers)
+                   targets, weights, chunk, not cfg.scan_layers)
     n = loss_weight(batch) if n is None else n
     if distill:  # distillation: the teacher run here, or its saved top-k (logits, token ids)
         (t, tm, d), sg = distill, jax.lax.stop_gradient

@@ -1089,8 +1089,10 @@ def loss_fn(params, batch_BT1, cfg: ModelConfig, t: TrainConfig = TrainConfig(),
         if targets_BT.size <= cfg.vocab_size:  # cast where the master is (train_dense.py's)
             own = w_DV if cfg.tie_embeddings else constrain(w_DV, param_specs(cfg)["unembed"])
             h_BTD, w_DV = constrain(h_BTD, LOSS_BTD), constrain(own, VOCAB_DV)
+        chunk = cfg.loss_chunk if targets_BT.size <= cfg.vocab_size else train.ce_chunk(
+            cfg.loss_chunk, *targets_BT.shape, cfg.d_model, (*MOE_BATCH, "context"))
         return _ce_fused(partial(cross_entropy, z_loss=t.z_loss, cap=cfg.final_softcap), h_BTD,
-                         w_DV, targets_BT, wt_BT, cfg.loss_chunk, not cfg.scan_layers)
+                         w_DV, targets_BT, wt_BT, chunk, not cfg.scan_layers)
     inputs, targets = batch_BT1[:, :-1], batch_BT1[:, 1:]
     h_BTD, stats = hidden(params, inputs, cfg, max_logits=t.qk_clip_threshold > 0, warm=warm,
                           pipeline=(t.microbatches, t.pipeline_repeats))

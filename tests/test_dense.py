@@ -1,5 +1,6 @@
 """The dense model against references: itself unsharded, a naive loop, hand counts."""
 import dataclasses
+import re
 from functools import partial
 
 import jax
@@ -184,6 +185,25 @@ def test_chunked_loss_equals_full_logits_values_and_gradients(impl):
         assert float(ce) == pytest.approx(float(ref_ce), rel=1e-5)
         for a, b in zip(jax.tree.leaves(ref_g), jax.tree.leaves(g)):
             np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("d_model,want", [(32, 32), (24, 32), (4, 8)])
+def test_a_gathered_unembedding_takes_chunks_of_d_model_targets_a_device(d_model, want):
+    """More targets than vocabulary: the unembedding is gathered whole on each device and each
+    chunk adds a whole [D, V] to dW, so a chunk holds at least d_model targets a device (one
+    row a device here: d_model positions), --model.loss-chunk (8) at the least, dividing T
+    (64). The loss is still the full logits' one."""
+    m = dataclasses.replace(SMALL, d_model=d_model, n_layers=3, vocab_size=128)
+    cfg = small_cfg(m, batch_size=8, seq_len=64)
+    params, batch = perturbed_params(cfg), tokens(cfg)
+    lg = td.forward(params, batch[:, :-1], m)
+    ref = jnp.mean(jax.nn.logsumexp(lg, -1)
+                   - jnp.take_along_axis(lg, batch[:, 1:, None], -1)[..., 0])
+    with jax.set_mesh(make_mesh(MeshConfig(fsdp=8))):
+        loss = lambda p: td.loss_fn(p, batch, m)[0]
+        scans = re.findall(r"length=(\d+)", str(jax.make_jaxpr(jax.grad(loss))(params)))
+        assert float(jax.jit(loss)(params)) == pytest.approx(float(ref), rel=1e-5)
+    assert set(map(int, scans)) == {3, 64 // want}, scans  # the layers', the chunks'
 
 
 def test_grouped_query_attention_equals_repeated_kv_heads():
