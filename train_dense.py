@@ -803,7 +803,8 @@ def loss_fn(params, batch, cfg: ModelConfig, *, n=None, z_loss: float = 0.0,
             w_DV, param_specs(cfg)["unembed"]), VOCAB_DV)
         h_BTD, chunk = constrain(h_BTD, LOSS_BTD), cfg.loss_chunk
     else:  # the unembedding gathered: chunks large enough that summing dW is not the cost
-        chunk = train.ce_chunk(cfg.loss_chunk, *targets.shape, cfg.d_model, (*BATCH_AXES, "context"))
+        chunk = train.ce_chunk(cfg.loss_chunk, *targets.shape, cfg.d_model,
+                               (*BATCH_AXES, "context"))
     scan = _ce_fused if cfg.loss_impl == "fused" else _ce_remat
     obj, ce = scan(partial(cross_entropy, z_loss=z_loss, cap=cfg.final_softcap), h_BTD, w_DV,
                    targets, weights, chunk, not cfg.scan_layers)

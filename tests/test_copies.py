@@ -68,6 +68,8 @@ def test_config_fields_agree():
     shared = fields(td.ModelConfig).keys() & fields(tm.ModelConfig).keys() - {"d_ff"}  # per expert
     assert {k: fields(td.ModelConfig)[k] for k in shared} == {
         k: fields(tm.ModelConfig)[k] for k in shared}
+    # LoRA's default targets: each trainer names its own weights, the same names in all three.
+    assert td.Config().lora == tm.Config().lora == tg.Config().lora
 
 
 FIELDS = dict(vocab_size=64, d_model=16, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,

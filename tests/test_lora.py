@@ -27,7 +27,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LORA = train.LoRAConfig(rank=4, alpha=8.0, targets=td.Config().lora.targets)
 
 
-def table(targets="wq,wk,wv,wo,w_gate,w_up,w_down", model=SMALL):
+def table(targets=LORA.targets, model=SMALL):
     return train.lora_table(td._param_table(model), td.MUON_DIMS,
                             dataclasses.replace(LORA, targets=targets))
 
