@@ -83,8 +83,11 @@ def same_steps(want, got):
                   "max_attn_logit"):
             if k in want_m:  # the routing figures: each microbatch's, as unpipelined
                 np.testing.assert_allclose(m[k], want_m[k], rtol=1e-6, err_msg=k)
+        # Each weight's gradient to 1e-5 of its largest entry: the microbatches sum in another
+        # order, and an entry that nearly cancels (1.3e-3 of a 5.7e-3 leaf) moved 2.3e-7 on an
+        # AMD EPYC; a stage that dropped or repeated a microbatch moves entries by their size.
         for a, b in zip(jax.tree.leaves(want_g), jax.tree.leaves(g)):
-            np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-7)
+            np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-5 * np.abs(a).max())
 
 
 @pytest.fixture(scope="module")
