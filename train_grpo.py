@@ -34,7 +34,7 @@ from common.checkpoint import CheckpointConfig
 from common.data import (CharTokenizer, ChatTemplate, PretrainedTokenizer, decode_completions,
                          encode_completions, open_tokenizer, run_tokenizer)
 from common.mesh import BATCH_AXES, MeshConfig, describe, make_mesh, resolve
-from common.task import (Row, Task, columns, exact, format_reward, left_pad, load_task,
+from common.task import (Row, Task, columns, exact, format_reward, left_pad, load_task, pack,
                          problems, prompt_width, score)
 from common.train import ConfigError, LoRAConfig, fetch, log, named, need
 
@@ -145,6 +145,7 @@ class GRPOConfig:
     # rollout's whole groups split into updates of that size, each an optimiser step, `mu`
     # passes over them (TRL's steps_per_generation): fewer, larger generate calls.
     rollout_batch: int = knob(0, ">= 0")
+    pack: bool = how(True)        # score and update the rollout's tokens, packed, not its pads
     microbatches: int = resumable(1)  # gradient accumulation within each pass
     lr: float = resumable(3e-4)   # the demo: 1e-3 dips first, 3e-3 collapses the policy
     warmup_steps: int = knob(10, ">= 0")
@@ -809,9 +810,8 @@ def train_step(state: dict, batch: dict, *, cfg: Config, n_valid: int):
 def loss_fn(params, batch: dict, cfg: Config, *, n_valid: int, n_tokens, max_logits=False):
     """A (micro)batch of rollouts' policy loss and its masked sums: policy_loss's, the
     policy's entropy and `hidden`'s stats (the largest attention logits, for QK-clip)."""
-    logp_BN, entropy_BN, stats = completion_logps(
-        params, batch["prompt"], batch["prompt_valid"], batch["completion"], cfg.model,
-        cfg.grpo.temperature, n_valid, max_logits=max_logits)
+    logp_BN, entropy_BN, stats = completion_logps(params, batch, cfg.model, cfg.grpo.temperature,
+                                                  n_valid, max_logits=max_logits)
     loss, sums = policy_loss(logp_BN, batch["old_logp"], batch["adv"], batch["mask"], cfg.grpo,
                              ref_BN=batch.get("ref_logp"), n_tokens=n_tokens)
     return loss, sums | stats | {"entropy": jnp.sum(entropy_BN * batch["mask"])}
@@ -822,8 +822,7 @@ def sft_step(state: dict, batch: dict, *, cfg: Config, n_valid: int):
     tx = make_optimizer(cfg.grpo, cfg.warm, param_specs(cfg.model))
 
     def sft_loss(params):
-        logp_BN = completion_logps(params, batch["prompt"], batch["prompt_valid"],
-                                   batch["completion"], cfg.model, 1.0, n_valid)[0]
+        logp_BN = completion_logps(params, batch, cfg.model, 1.0, n_valid)[0]
         return -jnp.sum(logp_BN * batch["mask"]) / jnp.sum(batch["mask"])
 
     loss, grads = jax.value_and_grad(sft_loss)(state["params"])
@@ -866,7 +865,8 @@ def update(step_fn, state: dict, batch: dict, g: GRPOConfig, mesh) -> tuple[dict
     group-size rows, in order: an optimiser step each; the state and each step's metrics."""
     S, U = updates_per_rollout(g), g.prompts_per_step * g.group_size
     parts = [batch] if S == 1 else [  # one update: the rollout's arrays stay where they are
-        train.put({k: v[i * U:(i + 1) * U] for k, v in batch.items() if k != "n_tokens"}
+        train.put({k: v[i * len(v) // S:(i + 1) * len(v) // S] for k, v in batch.items()
+                   if k != "n_tokens"}
                   | {"n_tokens": np.float32(batch["mask"][i * U:(i + 1) * U].sum())},
                   mesh, BATCH_AXES) for i in range(S)]
     passes = []
@@ -1051,51 +1051,69 @@ def forward_cached(params: dict, tokens_BT, cfg: ModelConfig, *, cache: dict, in
 
 
 def rollout(params, prompt_BP, valid_BP, key, temperature, *, cfg: ModelConfig, max_new: int,
-            eos_id: int, pad_id: int, n_valid: int, top_k: int = 0, top_p: float = 1.0):
+            eos_id: int, pad_id: int, n_valid: int, top_k: int = 0, top_p: float = 1.0,
+            min_rows: int = 0):
     """Complete every row of a left-padded prompt batch, whole on the device: completion ids
     [B, N] (pad after EOS), their mask (True up to and including EOS), the log-probs of the
     drawn tokens under the temperature-scaled policy (the importance ratio's "old" policy;
     top-k/top-p truncation is a sampling device, not part of the policy, as in TRL) and the
-    decode steps run. `temperature` is traced: greedy eval and rollouts share one compile."""
+    decode steps run. `temperature` is traced: greedy eval and rollouts share one compile.
+    With `min_rows` (a multiple of the batch shards), whenever half the rows are done the live
+    ones are gathered, KV cache and all, into a batch half as large, down to min_rows: a long
+    tail of a few rows stops costing the whole batch's matmuls and cache reads (each halving
+    is one more decode loop compiled). Every row draws with its own noise: the same tokens."""
     B, Pw = prompt_BP.shape
     valid_BS = jnp.concatenate([valid_BP, jnp.ones((B, max_new), bool)], axis=1)
     pos_BS, safe_t = padded_positions(valid_BS), jnp.where(temperature > 0, temperature, 1.0)
-    step = lambda tokens_BT, cache, col, T: forward_cached(  # T tokens at columns col..col+T-1
-        params, tokens_BT, cfg, cache=cache, index=col, mask_BTS=padded_mask(valid_BS, col, T),
-        positions=jax.lax.dynamic_slice_in_dim(pos_BS, col, T, axis=1))
-    logits_B1V, cache = step(prompt_BP, init_cache(cfg, B, Pw + max_new), 0, Pw)  # prefill
+    step = lambda tokens_BT, cache, col, T, rows: forward_cached(  # T tokens at columns col..
+        params, tokens_BT, cfg, cache=cache, index=col, mask_BTS=padded_mask(
+            valid_BS[rows], col, T), positions=jax.lax.dynamic_slice_in_dim(
+            pos_BS[rows], col, T, axis=1))
+    logits_B1V, cache = step(prompt_BP, init_cache(cfg, B, Pw + max_new), 0, Pw, slice(None))
 
     def body(c):
-        i = c["i"]
+        i, rows = c["i"], c["rows"]  # rows: the batch's rows that this one's are
         key, sub = jax.random.split(c["key"])
         z_BV = policy_logits(c["logits_BV"], safe_t, n_valid)
-        tok_B = train.draw(sub, z_BV, temperature, top_k, top_p)
+        tok_B = train.draw(sub, z_BV, temperature, top_k, top_p, rows, B)
         logp_B = jnp.take_along_axis(jax.nn.log_softmax(z_BV, axis=-1), tok_B[:, None], -1)[:, 0]
         live_B = ~c["done_B"]
         tok_B = jnp.where(live_B, tok_B, pad_id)
-        logits_B1V, cache = step(tok_B[:, None], c["cache"], Pw + i, 1)
-        return {"i": i + 1, "key": key, "cache": cache, "logits_BV": logits_B1V[:, 0],
-                "done_B": c["done_B"] | (tok_B == eos_id),
-                "tokens_BN": c["tokens_BN"].at[:, i].set(tok_B),
-                "mask_BN": c["mask_BN"].at[:, i].set(live_B),
-                "logp_BN": c["logp_BN"].at[:, i].set(jnp.where(live_B, logp_B, 0.0))}
+        logits_B1V, cache = step(tok_B[:, None], c["cache"], Pw + i, 1, rows)
+        return c | {"i": i + 1, "key": key, "cache": cache, "logits_BV": logits_B1V[:, 0],
+                    "done_B": c["done_B"] | (tok_B == eos_id),
+                    "tokens_BN": c["tokens_BN"].at[rows, i].set(tok_B),
+                    "mask_BN": c["mask_BN"].at[rows, i].set(live_B),
+                    "logp_BN": c["logp_BN"].at[rows, i].set(jnp.where(live_B, logp_B, 0.0))}
 
-    init = {"i": jnp.zeros((), jnp.int32), "key": key, "cache": cache,
-            "logits_BV": logits_B1V[:, 0], "done_B": jnp.zeros((B,), bool),
-            "tokens_BN": jnp.full((B, max_new), pad_id, jnp.int32),
-            "mask_BN": jnp.zeros((B, max_new), bool),
-            "logp_BN": jnp.zeros((B, max_new), jnp.float32)}
-    out = jax.lax.while_loop(lambda c: (c["i"] < max_new) & ~jnp.all(c["done_B"]), body, init)
-    return {k: out[k] for k in ("tokens_BN", "mask_BN", "logp_BN")} | {"steps": out["i"]}
+    c = {"i": jnp.zeros((), jnp.int32), "key": key, "cache": cache, "rows": jnp.arange(B),
+         "logits_BV": logits_B1V[:, 0], "done_B": jnp.zeros((B,), bool),
+         "tokens_BN": jnp.full((B, max_new), pad_id, jnp.int32),
+         "mask_BN": jnp.zeros((B, max_new), bool),
+         "logp_BN": jnp.zeros((B, max_new), jnp.float32)}
+    b = B
+    while True:
+        half = b // 2 if min_rows and b // 2 >= min_rows and b // 2 % min_rows == 0 else 0
+        c = jax.lax.while_loop(lambda c: (c["i"] < max_new) & ~jnp.all(c["done_B"]) & (
+            jnp.sum(~c["done_B"]) > half), body, c)
+        if not half:
+            break
+        keep = jnp.argsort(c["done_B"], stable=True)[:half]  # every live row, done ones after
+        c |= {k: c[k][keep] for k in ("rows", "logits_BV", "done_B")} | {"cache": {
+            n: constrain(x[:, keep], CACHE_SPECS[n.removeprefix("global_")])
+            for n, x in c["cache"].items()}}
+        b = half
+    return {k: c[k] for k in ("tokens_BN", "mask_BN", "logp_BN")} | {"steps": c["i"]}
 
 
 def sampler(cfg: Config, mesh, tok, task: Task):
     """`generate(params, rows, key, temperature)`: one completion of each prompt, sampled on the
     device (rollouts and greedy evals share one compile), decoded and scored on the host."""
     g = cfg.grpo
+    shards = math.prod(mesh.shape[a] for a in BATCH_AXES)  # halving down to 8 rows or so
     rollout_fn = jax.jit(partial(rollout, cfg=cfg.model, max_new=g.max_new_tokens,
                                  eos_id=tok.eos_id, pad_id=tok.pad_id, n_valid=tok.vocab_size,
-                                 top_k=g.top_k, top_p=g.top_p))
+                                 top_k=g.top_k, top_p=g.top_p, min_rows=-(-8 // shards) * shards))
 
     def generate(params, items: list[Row], key, temperature: float) -> dict:
         ids, valid = left_pad([r.ids for r in items], task.width, tok.pad_id)
@@ -1110,23 +1128,36 @@ def sampler(cfg: Config, mesh, tok, task: Task):
         batch |= {"completion": out["tokens_BN"], "mask": out["mask_BN"],
                   "old_logp": out["logp_BN"]}
         return {"batch": batch, "texts": texts, "mask": mask, "finished": finished,
+                "host": (ids, valid, tokens),
                 "reward": total, "rewards": each, "seconds": seconds,
                 "score_seconds": time.perf_counter() - t0 - seconds}
     return generate
 
 
-def completion_logps(params, prompt_BP, valid_BP, completion_BN, cfg: ModelConfig,
-                     temperature: float, n_valid: int, max_logits: bool = False):
+def completion_logps(params, b: dict, cfg: ModelConfig, temperature: float, n_valid: int,
+                     max_logits: bool = False):
     """Log-probs [B, N] of the completion tokens, the policy's entropy at each and `hidden`'s
-    stats, from one forward over prompt + completion. Only the N completion positions are
-    unembedded: the [B, T, V] logits of the prompt are never made."""
-    Pw = prompt_BP.shape[1]
-    tokens_BT = jnp.concatenate([prompt_BP, completion_BN], axis=1)[:, :-1]
-    valid_BT = jnp.concatenate([valid_BP, jnp.ones_like(completion_BN, bool)], axis=1)[:, :-1]
-    h_BTD, _, stats = hidden(params, tokens_BT, cfg, positions=padded_positions(valid_BT),
-                             mask_BTS=padded_mask(valid_BT, 0, tokens_BT.shape[1]),
-                             max_logits=max_logits)
-    z_BNV = policy_logits(logits_of(params, h_BTD[:, Pw - 1:], cfg), temperature, n_valid)
+    stats, from one forward over prompt + completion: left-padded rows (b's prompt,
+    prompt_valid, completion) or the packed rows of common/task.py `pack` (b's tokens,
+    positions, segment, where). Only the N completion positions are unembedded: the [B, T, V]
+    logits of the prompt are never made."""
+    if "tokens" in b:  # packed: causal within each sequence, pads (segment 0) never read
+        seg_BT, T = b["segment"], b["tokens"].shape[1]
+        mask_BTS = ((seg_BT[:, :, None] == seg_BT[:, None, :]) & (seg_BT[:, None, :] > 0)
+                    & (jnp.arange(T)[:, None] >= jnp.arange(T)))
+        h_BTD, _, stats = hidden(params, b["tokens"], cfg, positions=b["positions"],
+                                 mask_BTS=mask_BTS, max_logits=max_logits)
+        h_BND, completion_BN = h_BTD.reshape(-1, h_BTD.shape[-1])[b["where"]], b["completion"]
+    else:
+        Pw, completion_BN = b["prompt"].shape[1], b["completion"]
+        tokens_BT = jnp.concatenate([b["prompt"], completion_BN], axis=1)[:, :-1]
+        valid_BT = jnp.concatenate([b["prompt_valid"], jnp.ones_like(completion_BN, bool)],
+                                   axis=1)[:, :-1]
+        h_BTD, _, stats = hidden(params, tokens_BT, cfg, positions=padded_positions(valid_BT),
+                                 mask_BTS=padded_mask(valid_BT, 0, tokens_BT.shape[1]),
+                                 max_logits=max_logits)
+        h_BND = h_BTD[:, Pw - 1:]
+    z_BNV = policy_logits(logits_of(params, h_BND, cfg), temperature, n_valid)
     logp_BNV = jax.nn.log_softmax(z_BNV, axis=-1)
     logp_BN = jnp.take_along_axis(logp_BNV, completion_BN[..., None], axis=-1)[..., 0]
     entropy_BN = -jnp.sum(jnp.exp(logp_BNV) * logp_BNV, axis=-1)
@@ -1196,8 +1227,8 @@ def train_loop(cfg: Config, mesh, tok, task: Task, st: train.TrainState, step_fn
                run: train.Run) -> dict:
     g, generate, held_out = cfg.grpo, sampler(cfg, mesh, tok, task), {}
     prompts = g.prompts_per_step * updates_per_rollout(g)  # a rollout's, each G times
-    logp_fn = jax.jit(lambda p, b: completion_logps(p, b["prompt"], b["prompt_valid"],
-                      b["completion"], cfg.model, g.temperature, tok.vocab_size)[0])
+    logp_fn = jax.jit(lambda p, b: completion_logps(p, b, cfg.model, g.temperature,
+                                                    tok.vocab_size)[0])
     merge = jax.jit(lambda s: train.merged(train.weights(s, cfg.lora)))  # LoRA: once a rollout
     policy = lambda s: merge(s) if "base" in s else s["params"]
 
@@ -1225,6 +1256,7 @@ def train_loop(cfg: Config, mesh, tok, task: Task, st: train.TrainState, step_fn
     log(f"eval step {start} | held-out reward {ev['eval_reward']:.3f} (greedy, "
         f"{len(task.eval_rows)} prompts)")
     rollout_tokens, rollout_s, phases = 0, 0.0, []
+    shards = math.prod(mesh.shape[a] for a in BATCH_AXES)
 
     for step in loop:
         t0 = time.perf_counter()
@@ -1240,10 +1272,18 @@ def train_loop(cfg: Config, mesh, tok, task: Task, st: train.TrainState, step_fn
         batch = r["batch"] | {k: r["batch"][k][:, :N] for k in ("completion", "mask", "old_logp")}
         batch |= train.put({"adv": group_advantages(r["reward"], g.group_size, g.scale_rewards),
                             "n_tokens": np.float32(lengths.sum())}, mesh, BATCH_AXES)
+        scored = batch  # what logp_fn reads: the padded rows, or all the packed ones
+        if g.pack and not cfg.model.linear_k_heads:  # (DeltaNet's state would cross rows)
+            ids, valid, tokens = r["host"]
+            rows = pack(ids, valid, tokens[:, :N], lengths, parts=updates_per_rollout(g),
+                        microbatches=g.microbatches, multiple=shards)
+            batch = {k: v for k, v in batch.items() if k not in ("prompt", "prompt_valid")}
+            batch |= train.put(rows, mesh, BATCH_AXES)
+            scored = batch | {"where": batch.pop("where_all")}
         if cfg.model.dtype != "float32":  # the decode's bfloat16 log-probs differ from the
-            batch["old_logp"] = logp_fn(p, batch)  # training forward's
+            batch["old_logp"] = logp_fn(p, scored)  # training forward's
         if g.beta > 0:
-            batch["ref_logp"] = logp_fn(state.get("ref", state.get("base")), batch)
+            batch["ref_logp"] = logp_fn(state.get("ref", state.get("base")), scored)
         # Split on the host (each update's rows sharded anew), or waited for: the phases' times.
         batch = (jax.device_get if updates_per_rollout(g) > 1 else jax.block_until_ready)(batch)
         t2 = time.perf_counter()
@@ -1260,8 +1300,9 @@ def train_loop(cfg: Config, mesh, tok, task: Task, st: train.TrainState, step_fn
         run.profiler.after(loop.step, state)
         rec = {"step": loop.step} | rollout_record(r, lengths, g.group_size) | m
         rec["ms_per_step"] = 1e3 * (time.perf_counter() - t0)
-        tokens, flops = flops_per_step(cfg, task.width, N)  # the columns this step computed
-        rec["mfu"] = train.mfu(flops / tokens, tokens / rec["ms_per_step"] * 1e3, loop.peak)
+        tokens, flops = flops_per_step(cfg, task.width, N)  # padded: the useful share counts
+        real = (r["host"][1].sum() + lengths.sum()) / (len(lengths) * (task.width + N))
+        rec["mfu"] = train.mfu(flops / tokens, real * tokens / rec["ms_per_step"] * 1e3, loop.peak)
         if loop.eval_due:
             rec |= loop.eval(evaluate(policy(state)), write=False)
         if loop.step % g.log_every == 0 or loop.step == g.steps or "eval_reward" in rec:

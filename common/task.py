@@ -82,6 +82,50 @@ def left_pad(ids: list[list[int]], width: int, pad_id: int) -> tuple[np.ndarray,
     return out, valid
 
 
+def pack(prompt_BP, valid_BP, completion_BN, len_B, *, parts: int = 1, microbatches: int = 1,
+         multiple: int = 1) -> dict[str, np.ndarray]:
+    """Rollouts without their padding, for the forwards that score them: each sequence (the
+    prompt's real tokens, then its completion but the last token, which predicts nothing) laid
+    first-fit-decreasing into rows of P + N - 1 columns, so that a batch of short completions
+    costs its tokens, not B x (P + N) (verl's remove-padding; TRL's GRPO pads to the longest).
+    The rows of each of `parts` consecutive slices of the sequences (the updates of a rollout)
+    and, within one, of each microbatch (sequences m, m + M, ...: common/train.py `accumulate`
+    takes rows the same way) are packed apart, into the same number of rows, a multiple of
+    `multiple` (the batch shards) rounded up to one of 16 sizes at most: few compiles.
+    Returns tokens, positions and segment ids (0: padding) [R, C], `where` [B, N]: the flat
+    index into one microbatch's rows of the position whose output predicts each completion
+    token, and `where_all` the same into all R rows (positions past a completion's end point
+    at its last: the loss masks them)."""
+    B, N = completion_BN.shape
+    C, U, M = prompt_BP.shape[1] + N - 1, B // parts, microbatches
+    seqs = [np.concatenate([p[v], c[:max(int(n) - 1, 0)]])
+            for p, v, c, n in zip(prompt_BP, valid_BP, completion_BN, len_B)]
+    layouts = []  # per (part, microbatch): its rows, each a list of sequence indices
+    for g in range(parts * M):
+        rows, free = [], []
+        for b in sorted(range(g // M * U + g % M, (g // M + 1) * U, M), key=lambda b: -len(seqs[b])):
+            r = next((r for r, f in enumerate(free) if f >= len(seqs[b])), len(rows))
+            rows, free = (rows, free) if r < len(rows) else (rows + [[]], free + [C])
+            rows[r].append(b)
+            free[r] -= len(seqs[b])
+        layouts.append(rows)
+    step = multiple * max(1, -(-U // M // (16 * multiple)))
+    Rg = min(-(-max(map(len, layouts)) // step) * step, -(-(U // M) // multiple) * multiple)
+    out = {k: np.zeros((parts * M * Rg, C), np.int32) for k in ("tokens", "positions", "segment")}
+    where = np.zeros((2, B, N), np.int32)
+    for g, rows in enumerate(layouts):
+        for j, members in enumerate(rows):
+            r, col = g // M * M * Rg + j * M + g % M, 0  # accumulate's strided microbatches
+            for b in members:
+                n, p = len(seqs[b]), int(valid_BP[b].sum())
+                out["tokens"][r, col:col + n], out["segment"][r, col:col + n] = seqs[b], b + 1
+                out["positions"][r, col:col + n] = np.arange(n)
+                at = col + p - 1 + np.minimum(np.arange(N), max(int(len_B[b]) - 1, 0))
+                where[:, b] = j * C + at, r * C + at
+                col += n
+    return out | {"where": where[0], "where_all": where[1]}
+
+
 def draw(n_rows: int, n: int, *, seed: int, step: int, salt: int = 0) -> np.ndarray:
     """The n row indices of a step: every row once per epoch, as TRL's sampler, a pure function
     of (seed, salt, step), so a resumed run draws what an uninterrupted one would."""

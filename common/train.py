@@ -937,10 +937,12 @@ def fetch(x) -> np.ndarray:
 MASKED = -1e30  # finite: exp() underflows to 0 and 0 * MASKED stays 0 (entropy is NaN-free)
 
 
-def draw(key, z_BV, temperature, top_k: int, top_p: float):
+def draw(key, z_BV, temperature, top_k: int, top_p: float, rows=None, n_rows: int = 0):
     """One token per row from policy logits z; argmax where temperature == 0. top-k keeps the
     k largest logits; top-p (Holtzman et al. 2020) keeps the smallest set of most likely tokens
-    whose mass reaches p: a token stays if the mass before it is < p."""
+    whose mass reaches p: a token stays if the mass before it is < p. `rows`: z's rows are
+    these of a batch of n_rows, and each draws with that row's noise (jax.random.categorical's
+    Gumbel-max over the whole batch), so a row's token does not depend on the rows beside it."""
     if top_k > 0:
         kth = jax.lax.top_k(z_BV, top_k)[0][:, -1:]
         z_BV = jnp.where(z_BV < kth, MASKED, z_BV)
@@ -949,7 +951,8 @@ def draw(key, z_BV, temperature, top_k: int, top_p: float):
         p_BV = jax.nn.softmax(desc_BV, axis=-1)
         n_keep = jnp.sum(jnp.cumsum(p_BV, axis=-1) - p_BV < top_p, axis=-1, keepdims=True)
         z_BV = jnp.where(z_BV < jnp.take_along_axis(desc_BV, n_keep - 1, axis=-1), MASKED, z_BV)
-    drawn = jax.random.categorical(key, z_BV, axis=-1)
+    drawn = jax.random.categorical(key, z_BV, axis=-1) if rows is None else jnp.argmax(
+        jax.random.gumbel(key, (n_rows, z_BV.shape[-1]), z_BV.dtype)[rows] + z_BV, axis=-1)
     return jnp.where(temperature > 0, drawn, jnp.argmax(z_BV, axis=-1)).astype(jnp.int32)
 
 

@@ -18,6 +18,7 @@ import train_grpo as tg
 from common.checkpoint import CheckpointConfig, Checkpointer, check_run_config
 from common.data import DataConfig, encode_prompts, prepare
 from common.mesh import BATCH_AXES, MeshConfig, MeshError, make_mesh
+from common.task import pack
 from common import train
 
 SMALL = tg.ModelConfig(vocab_size=16, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
@@ -175,7 +176,7 @@ def test_rollout_masks_after_eos_and_its_logps_equal_the_training_forward(knobs)
         stopped += end < tokens.shape[1]
     assert 0 < stopped < len(tokens)              # both kinds of row are exercised
     ref, _, _ = jax.jit(partial(tg.completion_logps, cfg=m, temperature=1.0, n_valid=14))(
-        params, prompt, valid, tokens)
+        params, {"prompt": prompt, "prompt_valid": valid, "completion": tokens})
     np.testing.assert_allclose(logp[mask], np.asarray(ref)[mask], rtol=1e-5, atol=1e-5)
     # A row finishes early only when every row is done: run with EOS impossible to draw.
     full = run_rollout(m, params, prompt, valid, jax.random.key(0), 1.0, n_valid=2)
@@ -218,6 +219,29 @@ def test_sampled_rollout_is_the_same_sharded():
     np.testing.assert_array_equal(one["tokens_BN"], two["tokens_BN"])
     np.testing.assert_array_equal(one["mask_BN"], two["mask_BN"])
     assert len({tuple(r) for r in np.asarray(one["tokens_BN"])}) > 1  # sampled, not one path
+
+
+@pytest.mark.parametrize("knobs", ["small", "qwen35", "gemma4_ple"])
+def test_a_rollout_that_drops_its_done_rows_draws_the_same_tokens(knobs):
+    """`min_rows`: as rows finish, the live ones are gathered into batches of 16 then 8 (KV
+    cache, DeltaNet states and Gemma 4's global stack with them): the tokens are those of the
+    whole batch decoded to the end, and on a mesh of 4 batch shards too."""
+    m = dict(small=SMALL, qwen35=QWEN35, gemma4_ple=GEMMA4_PLE)[knobs]
+    params = perturbed_params(m, seed=6)
+    prompt, valid = left_padded([6, 3, 1, 4, 5, 2, 6, 1] * 4, 6, m.vocab_size)
+    run = partial(run_rollout, m, max_new=24, top_k=6, n_valid=8)  # EOS ~1 in 8
+    one = run(params, prompt, valid, jax.random.key(4), 1.0)
+    ends = one["mask_BN"].sum(1)
+    assert np.sort(ends)[24] < ends.max()        # 25 rows done before the last: both halvings
+    mesh = make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
+    with jax.set_mesh(mesh):
+        sp = jax.device_put(params, tg.named(mesh, tg.param_specs(m)))
+        two = run(sp, put(prompt, mesh), put(valid, mesh), jax.random.key(4), 1.0, min_rows=8)
+    np.testing.assert_array_equal(one["tokens_BN"], two["tokens_BN"])
+    np.testing.assert_array_equal(one["mask_BN"], two["mask_BN"])
+    # (Gemma 4's sharded forward rounds differently: 6e-5 in one entry of 768.)
+    np.testing.assert_allclose(one["logp_BN"], two["logp_BN"], rtol=1e-4, atol=1e-4)
+    assert int(one["steps"]) == int(two["steps"]) == ends.max()
 
 
 def test_sampling_temperature_top_k_top_p():
@@ -474,6 +498,59 @@ def test_a_rollout_split_into_updates_equals_a_naive_loop():
             assert float(m[k]) == pytest.approx(float(n[k]), rel=1e-5, abs=1e-8), k
     # Four different steps (a repeated slice would repeat a gradient's norm).
     assert len({round(float(m["grad_norm"]), 6) for m in passes}) == 4
+
+
+@pytest.mark.parametrize("knobs", ["small", "gemma2", "gemma4_ple"])
+def test_packed_rollouts_score_as_the_padded_ones(knobs):
+    """common/task.py `pack` drops the pads and lays several sequences in a row: the forward
+    over the packed rows gives each completion token the log-prob and entropy of the padded
+    forward (Gemma's windows shorter than a row, its shared keys and per-layer inputs included),
+    and the rows hold every real token once and nothing else."""
+    m = {"small": SMALL, "gemma2": GEMMA2, "gemma4_ple": GEMMA4_PLE}[knobs]
+    params = perturbed_params(m, seed=3)
+    prompt, valid = left_padded([6, 3, 1, 4, 2, 5, 6, 1], 6, m.vocab_size)
+    comp = np.random.default_rng(0).integers(3, 14, (8, 8)).astype(np.int32)
+    n_B = np.array([8, 1, 3, 5, 2, 8, 4, 6])
+    mask = np.arange(8) < n_B[:, None]
+    f = jax.jit(partial(tg.completion_logps, cfg=m, temperature=0.7, n_valid=14))
+    ref = f(params, {"prompt": prompt, "prompt_valid": valid, "completion": comp})
+    rows = pack(prompt, valid, comp, n_B)
+    assert rows["tokens"].shape == (5, 13)       # 8 rows of 13 columns in 5
+    assert (rows["segment"] > 0).sum() == valid.sum() + (n_B - 1).sum()
+    for b in range(8):                           # each sequence whole, in order, once
+        np.testing.assert_array_equal(rows["tokens"][rows["segment"] == b + 1], np.concatenate(
+            [prompt[b][valid[b]], comp[b, :n_B[b] - 1]]))
+    got = f(params, {k: rows[k] for k in ("tokens", "positions", "segment")} | {
+        "where": rows["where_all"], "completion": comp})
+    for a, b in zip(ref[:2], got[:2]):
+        np.testing.assert_allclose(np.asarray(a)[mask], np.asarray(b)[mask], rtol=1e-5, atol=2e-5)
+
+
+def test_a_packed_rollout_updates_as_the_padded_one():
+    """Two updates of a rollout (--grpo.rollout-batch), each in two microbatches on a mesh of
+    4 batch shards, mu 2, short answers in a budget of 24: the steps on the packed rows (each update's microbatches packed
+    apart, as accumulate splits them) equal the steps on the padded rows."""
+    cfg = small_cfg(loss="dapo", mu=2, rollout_batch=32, microbatches=2, max_new_tokens=24)
+    g = cfg.grpo
+    params = perturbed_params(SMALL, seed=8)
+    batch = rollout_batch(dataclasses.replace(cfg, grpo=dataclasses.replace(g, prompts_per_step=8)))
+    rows = pack(batch["prompt"], batch["prompt_valid"], batch["completion"],
+                batch["mask"].sum(1), parts=2, microbatches=2, multiple=4)
+    assert len(rows["tokens"]) < 32 and len(rows["tokens"]) % 16 == 0
+    packed = {k: v for k, v in batch.items() if k not in ("prompt", "prompt_valid")} | {
+        k: v for k, v in rows.items() if k != "where_all"}
+    mesh = make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
+    with jax.set_mesh(mesh):
+        st = tg.train_state(cfg, mesh, tg.make_optimizer(g))
+        fn = st.jit(partial(tg.train_step, cfg=cfg, n_valid=16))
+        fresh = lambda: st.from_params(jax.device_put(params, st.shardings["params"]))
+        (a, ma), (b, mb) = (tg.update(fn, fresh(), x, g, mesh) for x in (batch, packed))
+    for x, y in zip(ma, mb):
+        for k in ("grad_norm", "kl", "entropy", "clip_ratio/region_mean"):
+            assert float(x[k]) == pytest.approx(float(y[k]), rel=1e-5, abs=1e-7), k
+    for x, y in zip(jax.tree.leaves(jax.device_get(a["params"])),
+                    jax.tree.leaves(jax.device_get(b["params"]))):
+        np.testing.assert_allclose(x, y, rtol=1e-5, atol=2e-5)
 
 
 @pytest.mark.parametrize("loss", ["grpo", "dr_grpo", "dapo", "gspo"])

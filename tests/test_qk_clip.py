@@ -276,8 +276,7 @@ def case(mod, mla=False):
     else:
         cfg = test_grpo.small_cfg()
         params, batch = test_grpo.perturbed_params(test_grpo.SMALL, 5), test_grpo.rollout_batch(cfg)
-        m = tg.completion_logps(params, batch["prompt"], batch["prompt_valid"],
-                                batch["completion"], cfg.model, 1.0, 16, max_logits=True)[2]
+        m = tg.completion_logps(params, batch, cfg.model, 1.0, 16, max_logits=True)[2]
     return cfg, params, batch, {"layers": np.asarray(m["max_logit"])}
 
 
