@@ -344,7 +344,7 @@ RESUMABLE = {
                gmm_tile index_chunk linear_chunk
         : quiet mesh checkpoint dry_run compile_topology compile_slices bench bench_twin run_dir
         data: cache_dir""",
-    "train_grpo": f"""grpo: {LOOP}
+    "train_grpo": f"""grpo: {LOOP} pack
         model: dtype attention context_attention remat scan_layers loss_chunk loss_impl
                linear_chunk
         : quiet mesh checkpoint dry_run bench run_dir warm""",
