@@ -53,6 +53,14 @@ def pytest_runtest_teardown(item, nextitem):
         gc.collect()
 
 
+@pytest.fixture(autouse=True)
+def _processes_end_with_their_test():
+    yield
+    from tests.spawn import kill_spawned
+
+    kill_spawned()
+
+
 @pytest.fixture(scope="session")
 def gcs_server():
     """A fake GCS bucket served from this process (tests/fake_gcs.py), and this process and

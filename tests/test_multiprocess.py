@@ -18,6 +18,7 @@ import train_dense as td
 from common.checkpoint import Checkpointer
 from common.data import prepare
 from common.mesh import make_mesh
+from tests.spawn import run, spawn
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 10
@@ -55,8 +56,8 @@ def launcher(data_path, run_dir, *extra, nproc=2, restarts=3, script="train_dens
     cmd = [sys.executable, "-m", "common.launch", "--nproc", str(nproc), "--cpu-devices",
            str(8 // nproc), "--max-restarts", str(restarts), "--", sys.executable,
            script, *trainer_args(data_path, run_dir, *extra, preset=preset)]
-    return subprocess.Popen(cmd, cwd=ROOT, env=env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    return spawn(cmd, cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                 text=True, start_new_session=True)
 
 
 def finish(p, timeout=300):
@@ -248,9 +249,8 @@ def test_unreachable_coordinator_fails_fast_and_says_what_to_check(data_path, tm
 def test_bench_recovery_reports_its_figures(data_path):
     # `make bench-recovery` on a small model: one kill, one round of the overhead comparison.
     flags = " ".join(FLAGS[:-2] + ["--data.path", data_path])  # its own --checkpoint.every
-    r = subprocess.run([sys.executable, "bench/recovery.py", "--flags", flags, "--kills", "1",
-                        "--every", "2", "--overhead-steps", "10", "--rounds", "1"], cwd=ROOT,
-                       env=env(), capture_output=True, text=True, timeout=600)
+    r = run([sys.executable, "bench/recovery.py", "--flags", flags, "--kills", "1", "--every",
+             "2", "--overhead-steps", "10", "--rounds", "1"], timeout=600, cwd=ROOT, env=env())
     assert r.returncode == 0, r.stdout + r.stderr
     assert re.search(r"recovery: [\d.]+ s; median [\d.]+ s", r.stdout), r.stdout
     assert re.search(r"checkpoint overhead: \d+ vs \d+ ms/step \(medians\): [+-][\d.]+%", r.stdout)
@@ -290,7 +290,7 @@ def test_presets_end_cleanly_on_two_processes(data_path, tmp_path, script, args)
     cmd = [sys.executable, "-m", "common.launch", "--nproc", "2", "--cpu-devices", "4",
            "--max-restarts", "0", "--", sys.executable, script, *args, *data,
            "--run-dir", str(tmp_path)]
-    r = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=600)
+    r = run(cmd, timeout=600, cwd=ROOT, env=env())
     out = r.stdout + r.stderr
     assert r.returncode == 0, out
     assert out.count(f"run {tmp_path}: done") == 1, out
@@ -307,9 +307,8 @@ def test_presets_end_cleanly_on_two_processes(data_path, tmp_path, script, args)
 def test_launcher_retries_only_what_a_restart_can_fix(rc):
     """2: bad input, 3: a diverged run (its last good state is saved): both would fail the
     same way again, so the group is not restarted; any other failure is."""
-    r = subprocess.run([sys.executable, "-m", "common.launch", "--nproc", "2",
-                        "--max-restarts", "1", "--", sys.executable, "-c",
-                        f"import sys; sys.exit({rc})"], cwd=ROOT, env=env(), text=True,
-                       capture_output=True, timeout=120)
+    r = run([sys.executable, "-m", "common.launch", "--nproc", "2", "--max-restarts", "1", "--",
+             sys.executable, "-c", f"import sys; sys.exit({rc})"], timeout=120, cwd=ROOT,
+            env=env())
     assert r.returncode == rc, r.stdout + r.stderr
     assert ("restarting all 2 processes" in r.stdout) == (rc == 1), r.stdout

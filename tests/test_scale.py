@@ -13,6 +13,7 @@ from etils import epath
 
 import train_dense as td
 from common.data import DataConfig, RemoteTokens, batch_rows, load_dataset, prepare
+from tests.spawn import run, spawn
 from tests.test_multiprocess import ROOT, env
 from tests.test_train import config, metrics
 
@@ -61,8 +62,7 @@ def test_a_killed_prepare_leaves_nothing_a_trainer_loads(tmp_path):
     out = tmp_path / "data"
     cmd = [sys.executable, "-m", "common.data", "prepare", "--input", str(big), "--out",
            str(out), "--vocab-size", "300"]
-    p = subprocess.Popen(cmd, cwd=ROOT, env=env(), stdout=subprocess.DEVNULL,
-                         stderr=subprocess.DEVNULL)
+    p = spawn(cmd, cwd=ROOT, env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 120
     while not list(tmp_path.glob(".data.tmp-*/train.bin")):  # tokens being written
         assert p.poll() is None and time.time() < deadline, "prepare ended before the kill"
@@ -123,10 +123,9 @@ def test_two_processes_read_only_their_rows_of_a_bucket(gcs, gcs_server, bucket_
         epath.Path(remote, name).write_bytes(data)
     served = gcs_server.served
     steps, batch, seq = 5, 16, 32
-    r = subprocess.run([sys.executable, "-m", "common.launch", "--nproc", "2", "--cpu-devices",
-                        "4", "--max-restarts", "0", "--", sys.executable, "tests/read_batches.py",
-                        remote, local, str(steps), str(batch), str(seq)],
-                       cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
+    r = run([sys.executable, "-m", "common.launch", "--nproc", "2", "--cpu-devices", "4",
+             "--max-restarts", "0", "--", sys.executable, "tests/read_batches.py", remote, local,
+             str(steps), str(batch), str(seq)], timeout=300, cwd=ROOT, env=env())
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.count("batches equal") == 2, r.stdout + r.stderr
     # Each process its 8 rows of each step, and of the step after the last (read ahead):

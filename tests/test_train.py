@@ -17,6 +17,7 @@ import train_dense as td
 from common.checkpoint import CheckpointConfig, CheckpointError, Checkpointer, ConfigConflictError
 from common.data import DataConfig, prepare
 from common.mesh import MeshConfig, make_mesh
+from tests.spawn import spawn
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL = td.ModelConfig(vocab_size=512, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
@@ -142,8 +143,7 @@ def test_sigterm_saves_at_the_next_step_and_exits_0(data_path, tmp_path):
     cmd = [sys.executable, "train_dense.py", "tiny", *TINY_FLAGS, "--data.path", data_path,
            "--run-dir", str(tmp_path), "--train.steps", "100000", "--train.log-every", "1",
            "--checkpoint.every", "0", "--train.sample-tokens", "0"]
-    p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                         stderr=subprocess.STDOUT, text=True)
+    p = spawn(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines = []
     for line in p.stdout:
         lines.append(line)
