@@ -1110,7 +1110,7 @@ def sampler(cfg: Config, mesh, tok, task: Task):
     """`generate(params, rows, key, temperature)`: one completion of each prompt, sampled on the
     device (rollouts and greedy evals share one compile), decoded and scored on the host."""
     g = cfg.grpo
-    shards = math.prod(mesh.shape[a] for a in BATCH_AXES)  # halving down to 8 rows or so
+    shards = train.batch_shards(mesh)  # halving down to 8 rows or so
     rollout_fn = jax.jit(partial(rollout, cfg=cfg.model, max_new=g.max_new_tokens,
                                  eos_id=tok.eos_id, pad_id=tok.pad_id, n_valid=tok.vocab_size,
                                  top_k=g.top_k, top_p=g.top_p, min_rows=-(-8 // shards) * shards))
@@ -1256,7 +1256,7 @@ def train_loop(cfg: Config, mesh, tok, task: Task, st: train.TrainState, step_fn
     log(f"eval step {start} | held-out reward {ev['eval_reward']:.3f} (greedy, "
         f"{len(task.eval_rows)} prompts)")
     rollout_tokens, rollout_s, phases = 0, 0.0, []
-    shards = math.prod(mesh.shape[a] for a in BATCH_AXES)
+    shards = train.batch_shards(mesh)
 
     for step in loop:
         t0 = time.perf_counter()

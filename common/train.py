@@ -205,7 +205,9 @@ def check_sizes(mesh: MeshConfig, splits: dict[str, list[tuple[str, int]]]) -> N
                  f"parallelism splits it evenly; choose sizes dividing {v}.")
 
 
-def batch_shards(mesh: MeshConfig, axes=("data", "fsdp")) -> int:
+def batch_shards(mesh: MeshConfig | jax.sharding.Mesh, axes=("data", "fsdp")) -> int:
+    if isinstance(mesh, jax.sharding.Mesh):  # its axes are dcn x ici already
+        return math.prod(mesh.shape[a] for a in axes)
     return math.prod(getattr(mesh, a) * getattr(mesh, "dcn_" + a) for a in axes)
 
 

@@ -42,7 +42,7 @@ def kill_tree(p: subprocess.Popen) -> None:
             pass
 
 
-def spawn(cmd: list[str], deadline: float = 900, **kw) -> subprocess.Popen:
+def spawn(cmd: list[str], deadline: float = 600, **kw) -> subprocess.Popen:
     """subprocess.Popen(cmd, **kw), killed with its descendants after `deadline` seconds or
     when the test ends, whichever is first."""
     p = subprocess.Popen(cmd, **kw)

@@ -13,6 +13,8 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+pytestmark = pytest.mark.timeout(3600)  # `make train` at XLA's default level: ~6 min here
+
 
 def run(*argv):
     # One CPU device, as on the user's machine: not the 8 that conftest.py simulates, and

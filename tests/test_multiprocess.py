@@ -312,3 +312,29 @@ def test_launcher_retries_only_what_a_restart_can_fix(rc):
             env=env())
     assert r.returncode == rc, r.stdout + r.stderr
     assert ("restarting all 2 processes" in r.stdout) == (rc == 1), r.stdout
+
+
+def test_a_hung_launch_dies_with_its_tree_at_the_deadline_and_at_the_end_of_its_test():
+    """tests/spawn.py, what keeps a hung run from outliving its test: a parent whose child sits
+    in a session of its own (as the launcher's trainers do) and sleeps."""
+    from tests import spawn as sp
+    code = ("import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', "
+            "'import time; time.sleep(600)'], start_new_session=True); print('up', flush=True);"
+            " time.sleep(600)")
+    for deadline in (3, 600):
+        p = sp.spawn([sys.executable, "-c", code], deadline=deadline, stdout=subprocess.PIPE,
+                     text=True)
+        assert p.stdout.readline() == "up\n"
+        time.sleep(0.5)
+        tree = [p.pid, *sp.descendants(p.pid)]
+        assert len(tree) == 2, tree
+        if deadline == 600:
+            sp.kill_spawned()  # what conftest.py does after every test
+        assert p.wait(timeout=30) == -signal.SIGKILL
+        for _ in range(100):  # the orphaned child is reaped by init, not by us
+            if not os.path.exists(f"/proc/{tree[1]}") or "Z" in open(
+                    f"/proc/{tree[1]}/stat").read().split()[2]:
+                break
+            time.sleep(0.1)
+        else:
+            raise AssertionError(f"the child {tree[1]} outlived its parent")
