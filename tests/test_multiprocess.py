@@ -60,7 +60,7 @@ def launcher(data_path, run_dir, *extra, nproc=2, restarts=3, script="train_dens
                  text=True, start_new_session=True)
 
 
-def finish(p, timeout=300):
+def finish(p, timeout=600):  # a bound for a loaded machine (~2.5 min cold on a quiet one)
     out, _ = p.communicate(timeout=timeout)
     return out
 
@@ -68,7 +68,7 @@ def finish(p, timeout=300):
 def single_process(data_path, run_dir, *extra, script="train_dense.py", preset=("tiny", *FLAGS)):
     r = subprocess.run([sys.executable, script,
                         *trainer_args(data_path, run_dir, *extra, preset=preset)], cwd=ROOT,
-                       timeout=300,
+                       timeout=600,
                        env=env(XLA_FLAGS="--xla_force_host_platform_device_count=8"),
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
@@ -238,8 +238,8 @@ def test_unreachable_coordinator_fails_fast_and_says_what_to_check(data_path, tm
             e["JAX_COORDINATOR_ADDRESS"] = f"127.0.0.1:{s.getsockname()[1]}"
     t0 = time.monotonic()
     r = subprocess.run([sys.executable, "train_dense.py", *trainer_args(data_path, tmp_path)],
-                       cwd=ROOT, env=e, capture_output=True, text=True, timeout=120)
-    assert time.monotonic() - t0 < 60
+                       cwd=ROOT, env=e, capture_output=True, text=True, timeout=240)
+    assert time.monotonic() - t0 < 150  # the 10 s set, not the default 300 (17 s here, quiet)
     assert r.returncode != 0
     assert "coordinator 127.0.0.1:" in r.stderr and "every one of the 2 processes" in r.stderr
     if case == "wrong-address":   # a Python error with the fix, not a C++ abort

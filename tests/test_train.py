@@ -150,7 +150,7 @@ def test_sigterm_saves_at_the_next_step_and_exits_0(data_path, tmp_path):
         if line.startswith("step 3 |"):
             p.send_signal(signal.SIGTERM)
             break
-    rest, _ = p.communicate(timeout=120)
+    rest, _ = p.communicate(timeout=600)
     out = "".join(lines) + rest
     assert p.returncode == 0, out
     assert "SIGTERM: saved step" in out
