@@ -195,11 +195,9 @@ class Config:
     bench: int = resumable(0)     # time this many policy updates on synthetic rollouts, exit
 
 
-# The demo model: ~0.4M parameters, a 16-symbol character vocabulary (common/data.py). Its two
-# layers unrolled: a scan zero-fills and copies its stacked activations every step, ~10% of
-# this model's update on a CPU (`--bench`: 87-112 ms against 110-125, alternated).
+# The demo model: ~0.4M parameters, a 16-symbol character vocabulary (common/data.py).
 _TINY_MODEL = ModelConfig(vocab_size=16, d_model=128, n_layers=2, n_heads=4, n_kv_heads=2,
-                          head_dim=32, d_ff=384, max_seq_len=32, remat="none", scan_layers=False)
+                          head_dim=32, d_ff=384, max_seq_len=32, remat="none")
 
 PRESETS: dict[str, tuple[str, Config]] = {
     "tiny": ("~0.4M-parameter model on reversed addition: the `make train-grpo` run",
