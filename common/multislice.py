@@ -102,7 +102,13 @@ def any_process(flag: bool) -> jax.Array:
 def enable_compilation_cache() -> None:
     """Keep compiled steps over a second on disk, so a restart or a second run skips most
     compilation: JAX_COMPILATION_CACHE_DIR if set, else $JAX_TRAINERS_CACHE/xla (by default
-    ~/.cache/jax_trainers/xla)."""
+    ~/.cache/jax_trainers/xla). Off for CPU processes in a group: with JAX 0.12.1, a program
+    with gloo collectives read back from the cache deadlocks in its first collective (every
+    device of both processes waits in gloo's all-gather; compiled afresh, the same program
+    runs), and a CPU group is a test harness, where recompiling costs seconds."""
+    if jax.process_count() > 1 and jax.default_backend() == "cpu":
+        jax.config.update("jax_enable_compilation_cache", False)
+        return
     if jax.config.jax_compilation_cache_dir:
         return
     path = os.environ.get("JAX_TRAINERS_CACHE", os.path.expanduser("~/.cache/jax_trainers"))
