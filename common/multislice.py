@@ -106,7 +106,7 @@ def enable_compilation_cache() -> None:
     with gloo collectives read back from the cache deadlocks in its first collective (every
     device of both processes waits in gloo's all-gather; compiled afresh, the same program
     runs), and a CPU group is a test harness, where recompiling costs seconds."""
-    if jax.process_count() > 1 and jax.default_backend() == "cpu":
+    if jax.distributed.is_initialized() and jax.default_backend() == "cpu":
         jax.config.update("jax_enable_compilation_cache", False)
         return
     if jax.config.jax_compilation_cache_dir:
