@@ -104,7 +104,7 @@ def enable_compilation_cache() -> None:
     compilation: JAX_COMPILATION_CACHE_DIR if set, else $JAX_TRAINERS_CACHE/xla (by default
     ~/.cache/jax_trainers/xla). Off for CPU processes in a group: with JAX 0.12.1, a program
     with gloo collectives read back from the cache deadlocks in its first collective (every
-    device of both processes waits in gloo's all-gather; compiled afresh, the same program
+    device of every process waits in gloo's all-gather; compiled afresh, the same program
     runs), and a CPU group is a test harness, where recompiling costs seconds."""
     if jax.distributed.is_initialized() and jax.default_backend() == "cpu":
         jax.config.update("jax_enable_compilation_cache", False)
