@@ -84,6 +84,12 @@ ROWS = [
     "name=gemma3-12b-v5p trainer=dense preset=gemma3-12b topology=v5p-8 batch=1 seq=4096 "
     "layers=6 maxtext=gemma3-12b",
 ]
+# --fit's rows: the models whole (layers scanned), at 8k, for the largest per-chip batch.
+FIT_ROWS = [
+    "name=llama8b-8k-fit trainer=dense preset=llama3.1-8b topology=v5p-8 batch=1 seq=8192 "
+    "layers=32 maxtext=llama3.1-8b",
+    "name=llama70b-8k-fit trainer=dense preset=llama3.1-70b topology=v5p-256 batch=1 seq=8192 "
+    "layers=80 maxtext=llama3.1-70b"]
 REQUIRED = ("name", "trainer", "preset", "topology", "batch", "seq", "layers")
 OPTIONAL = ("maxtext", "ours", "theirs", "context", "slices")
 # Long context (issue 34): llama3.1-8b's first 4 layers at 8k, 32k and 128k tokens on 16 v5p
@@ -432,12 +438,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--maxtext-libtpu", choices=("ours", "own"), default="ours",
                     help="the compiler MaxText uses: ours (default: the libtpu our side "
                     "loads, so both sides have one compiler) or own (its venv's)")
+    ap.add_argument("--fit", action="store_true", help="instead of the table: the largest "
+                    "per-chip batch that fits the chip's HBM for each row, its layers scanned, "
+                    "on each side (a few compiles per side; give a row its full layer count)")
     args = ap.parse_args(argv)
     if args.hlo:
         os.makedirs(args.log_dir, exist_ok=True)
     try:
-        named, groups = ROWS + CONTEXT_ROWS + PIPELINE_ROWS, {"context": CONTEXT_ROWS,
-                                                              "pipeline": PIPELINE_ROWS}
+        named = ROWS + CONTEXT_ROWS + PIPELINE_ROWS + FIT_ROWS
+        groups = {"context": CONTEXT_ROWS, "pipeline": PIPELINE_ROWS, "fit": FIT_ROWS}
         rows = [parse_row(s) for s in named + args.row]
         if args.rows in groups:
             rows = [parse_row(s) for s in groups[args.rows]]
@@ -445,6 +454,8 @@ def main(argv: list[str] | None = None) -> None:
             rows = select(rows, args.rows)
         elif args.row:   # only the rows given
             rows = rows[len(named):]
+        elif args.fit:
+            rows = [parse_row(s) for s in FIT_ROWS]
         else:
             rows = rows[:len(ROWS)]
         flops = {r["name"]: model_flops_per_step(r, args.ours_flags) for r in rows}
@@ -452,6 +463,9 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"error: {e}")
     python = None if args.no_maxtext else maxtext_python()
     libtpu = our_libtpu() if args.maxtext_libtpu == "ours" else ""
+    if args.fit:
+        print(fit_rows(rows, args, python, libtpu))
+        return
     results = []
     for row in rows:
         res = {"row": row, "model_flops_per_step": flops[row["name"]]}
@@ -469,6 +483,87 @@ def main(argv: list[str] | None = None) -> None:
             with open(args.json, "w") as f:
                 json.dump({"command": sys.argv, "results": results}, f, indent=1)
     print(table(results))
+
+
+# ---- --fit: the largest per-chip batch that fits a chip's HBM
+
+# HBM a chip's program may use, GiB: v5p as libtpu 0.0.52 says when a step does not fit
+# ("exceeds available HBM (95.73G)"; 95 GB on the data sheet), the others the data sheets'.
+# A compile libtpu refuses as out of HBM counts as not fitting whatever the figure here.
+HBM_GIB = {"v4": 32, "v5e": 16, "v5litepod": 16, "v5p": 95.73, "v6e": 32}
+
+
+def hbm_gib(topology: str) -> float:
+    gen = tpu_type(topology)[0]
+    if gen not in HBM_GIB:
+        raise RowError(f"topology {topology!r}: no HBM figure for {gen} (HBM_GIB)")
+    return HBM_GIB[gen]
+
+
+def largest_batch(mem_at, hbm: float, most: int = 256) -> tuple[int, dict]:
+    """(the largest per-chip batch b whose compiled step fits `hbm` GiB, {b: GiB or None}).
+    mem_at(b) compiles at batch b and gives its GiB per chip (None: the compile failed, taken
+    as not fitting). Memory grows about linearly in b, a little more slowly at large b
+    (buffers are reused): until a batch fails, the next try is one past the line through the
+    two largest that fit; then the line between the largest that fits and the smallest that
+    does not, or the middle of that gap. About five compiles."""
+    seen = {}
+
+    def fits(b):
+        if b not in seen:
+            seen[b] = mem_at(b)
+        return seen[b] is not None and seen[b] <= hbm
+
+    def on_line(b1, b2):   # the batch at which the line through b1 and b2 meets hbm
+        m1, m2 = seen[b1], seen[b2]
+        return b1 + math.floor((hbm - m1) * (b2 - b1) / (m2 - m1)) if m2 > m1 else b1
+    if not fits(1):
+        return 0, seen
+    lo, hi, b = 1, most + 1, 2
+    while hi - lo > 1:
+        if fits(b):
+            lo = b
+        else:
+            hi = b
+        if hi > most:
+            ok = sorted(k for k in seen if fits(k))
+            guess = on_line(ok[-2], ok[-1]) + 1 if len(ok) > 1 else 2 * lo
+        else:
+            guess = on_line(lo, hi) if seen[hi] is not None else 0
+        b = guess if lo < guess < hi else (lo + hi) // 2
+    return lo, seen
+
+
+def fit_rows(rows: list[dict], args, python: str | None, libtpu: str) -> str:
+    """--fit: for each row (its model as given, layers scanned as the presets and MaxText's
+    defaults run them) the largest per-chip batch that fits on each side, as a table."""
+    lines = ["| row | model (layers) | TPU | seq | HBM GiB | ours: largest batch/chip (GiB) | "
+             "MaxText: largest batch/chip (GiB) | ours/MT |", "|" + " --- |" * 8]
+    for row in rows:
+        hbm = hbm_gib(row["topology"])
+        sides = {"ours": lambda b: compile_ours(
+            dict(row, batch=b, name=f"{row['name']}-b{b}"),
+            args.ours_flags + " --model.scan-layers", args.log_dir, args.timeout)}
+        if python and row.get("maxtext"):
+            sides["MaxText"] = lambda b: compile_maxtext(
+                dict(row, batch=b, name=f"{row['name']}-b{b}"),
+                args.maxtext_flags + " scan_layers=true", python, args.log_dir,
+                args.timeout, libtpu)
+        got = {}
+        for side, compile_at in sides.items():
+            def mem_at(b, compile_at=compile_at, side=side):
+                r = compile_at(b)
+                print(f"{row['name']}: {side} batch {b}: {_brief(r)}", file=sys.stderr,
+                      flush=True)
+                return r["per_device_bytes"] / GIB if "per_device_bytes" in r else None
+            got[side] = largest_batch(mem_at, hbm)
+        cell = lambda s: ("-" if s not in got else f"{got[s][0]} ({got[s][1][got[s][0]]:.2f})"
+                          if got[s][0] else "0 (batch 1 does not fit)")
+        ratio = (f"{got['ours'][0] / got['MaxText'][0]:.2f}" if got.get("MaxText", (0,))[0]
+                 else "-")
+        lines.append(f"| {row['name']} | {row['preset']} ({row['layers']}) | {row['topology']} "
+                     f"| {row['seq']} | {hbm:g} | {cell('ours')} | {cell('MaxText')} | {ratio} |")
+    return "\n".join(lines)
 
 
 def _brief(r: dict) -> str:

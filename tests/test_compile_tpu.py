@@ -246,3 +246,29 @@ def test_hlo_bytes_counts_what_each_top_level_instruction_reads_and_writes():
     assert set(rows) == {"c", "f"}
     assert rows["c"]["bytes"] == 16 * 4 + 16 * 2 and rows["f"]["bytes"] == 2 * 4 * 8 * 4
     assert rows["f"]["op"] == "fusion:kLoop" and hb.source(rows["f"]["source"]) == "mul"
+
+
+@pytest.mark.parametrize("mem", [
+    lambda b: 34.4 + 7.0 * b ** 0.85,   # llama3.1-8b at 8k on v5p-8: slower than linear
+    lambda b: 10.0 + 3.0 * b,
+    lambda b: 90.0 + 0.5 * b,
+    lambda b: 10.0 + 80.0 * b,           # batch 1 fits, 2 does not
+    lambda b: 120.0 + b,                 # nothing fits
+    lambda b: None if b > 5 else 10.0 + b,   # compiles fail (taken as not fitting) above 5
+])
+def test_fit_finds_the_largest_batch_under_the_hbm_in_a_few_compiles(mem):
+    def fits(b):
+        return mem(b) is not None and mem(b) <= 95
+    want = max([b for b in range(1, 257) if all(fits(c) for c in range(1, b + 1))], default=0)
+    got, seen = ct.largest_batch(mem, 95.0)
+    assert got == want, seen
+    # Five compiles where each reports its memory; a failing range is halved (log2 of 256).
+    assert len(seen) <= (5 if None not in seen.values() else 10), seen
+    assert want == 0 or (fits(want) and want + 1 in seen and not fits(want + 1)) or want == 256
+
+
+def test_fit_rows_are_the_models_whole_and_the_chips_hbm_is_known():
+    rows = [ct.parse_row(s) for s in ct.FIT_ROWS]
+    assert [r["layers"] for r in rows] == [32, 80] and {r["seq"] for r in rows} == {8192}
+    assert [ct.hbm_gib(r["topology"]) for r in rows] == [95.73, 95.73]
+    assert ct.hbm_gib("v6e-8") == 32

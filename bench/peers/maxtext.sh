@@ -15,7 +15,11 @@
 set -eu
 MODEL=${1:?usage: maxtext.sh dense|moe STEPS LOG, or maxtext.sh install}
 P=${PEER_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/jax-trainers/peer_maxtext}
-if [ ! -x "$P/venv/bin/python" ] || [ ! -f "$P/venv/.installed" ]; then
+# JAX pinned to the release MaxText 0.2.5 was measured with: left free, pip takes the newest,
+# whose Pallas kernels (splash attention) a libtpu of the `tpu` extra cannot read back
+# ("Failed to deserialize the Mosaic module: Unsupported version"), and the figures drift.
+PIN="jax==0.12.0.1 jaxlib==0.12.0.1"
+if [ ! -x "$P/venv/bin/python" ] || [ "$(cat "$P/venv/.installed" 2>/dev/null)" != "$PIN" ]; then
   mkdir -p "$P"
   is312() { "$1" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))' 2>/dev/null; }
   PY=${PYTHON312:-python3.12}
@@ -25,10 +29,10 @@ if [ ! -x "$P/venv/bin/python" ] || [ ! -f "$P/venv/.installed" ]; then
   fi
   is312 "$PY" || { echo "maxtext.sh: MaxText 0.2.5 needs Python 3.12: set PYTHON312=/path/to/python3.12" >&2
                    exit 2; }
-  echo "maxtext.sh: installing maxtext[tpu]==0.2.5 into $P/venv (once; a few GB)" >&2
-  "$PY" -m venv "$P/venv"
-  "$P/venv/bin/pip" install -q 'maxtext[tpu]==0.2.5'
-  touch "$P/venv/.installed"
+  echo "maxtext.sh: installing maxtext[tpu]==0.2.5 $PIN into $P/venv (once; a few GB)" >&2
+  [ -x "$P/venv/bin/python" ] || "$PY" -m venv "$P/venv"
+  "$P/venv/bin/pip" install -q 'maxtext[tpu]==0.2.5' $PIN
+  echo "$PIN" > "$P/venv/.installed"
 fi
 # bench/compile_tpu.py shares this install (one venv, one pinned version) and runs its own
 # wrapper (maxtext_compile.py) with the python printed here.
