@@ -539,6 +539,7 @@ def fit_rows(rows: list[dict], args, python: str | None, libtpu: str) -> str:
     defaults run them) the largest per-chip batch that fits on each side, as a table."""
     lines = ["| row | model (layers) | TPU | seq | HBM GiB | ours: largest batch/chip (GiB) | "
              "MaxText: largest batch/chip (GiB) | ours/MT |", "|" + " --- |" * 8]
+    done = {}
     for row in rows:
         hbm = hbm_gib(row["topology"])
         sides = {"ours": lambda b: compile_ours(
@@ -557,6 +558,10 @@ def fit_rows(rows: list[dict], args, python: str | None, libtpu: str) -> str:
                       flush=True)
                 return r["per_device_bytes"] / GIB if "per_device_bytes" in r else None
             got[side] = largest_batch(mem_at, hbm)
+        if args.json:   # {row: {side: {"largest": b, "gib": {batch: GiB or None}}}}, as it goes
+            done[row["name"]] = {s: {"largest": b, "gib": seen} for s, (b, seen) in got.items()}
+            with open(args.json, "w") as f:
+                json.dump({"command": sys.argv, "hbm_gib": HBM_GIB, "fit": done}, f, indent=1)
         cell = lambda s: ("-" if s not in got else f"{got[s][0]} ({got[s][1][got[s][0]]:.2f})"
                           if got[s][0] else "0 (batch 1 does not fit)")
         ratio = (f"{got['ours'][0] / got['MaxText'][0]:.2f}" if got.get("MaxText", (0,))[0]

@@ -272,3 +272,28 @@ def test_fit_rows_are_the_models_whole_and_the_chips_hbm_is_known():
     assert [r["layers"] for r in rows] == [32, 80] and {r["seq"] for r in rows} == {8192}
     assert [ct.hbm_gib(r["topology"]) for r in rows] == [95.73, 95.73]
     assert ct.hbm_gib("v6e-8") == 32
+
+
+def test_fit_compiles_each_side_scanned_and_tables_its_largest_batch(monkeypatch, tmp_path):
+    calls = []
+
+    def ours(row, extra, *a, **k):
+        calls.append(("ours", row["batch"], extra))
+        return {"per_device_bytes": (30 + 4 * row["batch"]) * ct.GIB, "wall_s": 1.0}
+
+    def theirs(row, extra, *a, **k):
+        calls.append(("maxtext", row["batch"], extra))
+        if row["batch"] > 8:
+            return {"error": "RESOURCE_EXHAUSTED: CompileTimeHbmOom", "wall_s": 1.0}
+        return {"per_device_bytes": (30 + 6 * row["batch"]) * ct.GIB, "wall_s": 1.0}
+    monkeypatch.setattr(ct, "compile_ours", ours)
+    monkeypatch.setattr(ct, "compile_maxtext", theirs)
+    args = ct.argparse.Namespace(ours_flags="", maxtext_flags="", log_dir=str(tmp_path),
+                                 timeout=1, json=str(tmp_path / "fit.json"))
+    out = ct.fit_rows([ct.parse_row(ct.FIT_ROWS[0])], args, "python", "")
+    # ours: 30 + 4b <= 95.73 up to b = 16; MaxText: 30 + 6b up to 10, refused above 8
+    assert "| 16 (94.00) | 8 (78.00) | 2.00 |" in out, out
+    assert all("--model.scan-layers" in e for s, _, e in calls if s == "ours")
+    assert all("scan_layers=true" in e for s, _, e in calls if s == "maxtext")
+    saved = json.load(open(tmp_path / "fit.json"))["fit"]["llama8b-8k-fit"]
+    assert saved["ours"]["largest"] == 16 and saved["MaxText"]["largest"] == 8
