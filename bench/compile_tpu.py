@@ -458,7 +458,9 @@ def main(argv: list[str] | None = None) -> None:
             rows = [parse_row(s) for s in FIT_ROWS]
         else:
             rows = rows[:len(ROWS)]
-        flops = {r["name"]: model_flops_per_step(r, args.ours_flags) for r in rows}
+        # --fit reads each chip's HBM instead of the model's FLOPs: a bad topology is refused here
+        flops = {r["name"]: hbm_gib(r["topology"]) if args.fit else
+                 model_flops_per_step(r, args.ours_flags) for r in rows}
     except RowError as e:
         sys.exit(f"error: {e}")
     python = None if args.no_maxtext else maxtext_python()
@@ -562,10 +564,13 @@ def fit_rows(rows: list[dict], args, python: str | None, libtpu: str) -> str:
             done[row["name"]] = {s: {"largest": b, "gib": seen} for s, (b, seen) in got.items()}
             with open(args.json, "w") as f:
                 json.dump({"command": sys.argv, "hbm_gib": HBM_GIB, "fit": done}, f, indent=1)
-        cell = lambda s: ("-" if s not in got else f"{got[s][0]} ({got[s][1][got[s][0]]:.2f})"
-                          if got[s][0] else "0 (batch 1 does not fit)")
-        ratio = (f"{got['ours'][0] / got['MaxText'][0]:.2f}" if got.get("MaxText", (0,))[0]
-                 else "-")
+        def cell(side):
+            if side not in got:
+                return "-"
+            b, seen = got[side]
+            return f"{b} ({seen[b]:.2f})" if b else "0 (batch 1 does not fit)"
+        theirs = got["MaxText"][0] if "MaxText" in got else 0
+        ratio = f"{got['ours'][0] / theirs:.2f}" if theirs else "-"
         lines.append(f"| {row['name']} | {row['preset']} ({row['layers']}) | {row['topology']} "
                      f"| {row['seq']} | {hbm:g} | {cell('ours')} | {cell('MaxText')} | {ratio} |")
     return "\n".join(lines)

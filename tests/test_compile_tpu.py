@@ -297,3 +297,12 @@ def test_fit_compiles_each_side_scanned_and_tables_its_largest_batch(monkeypatch
     assert all("scan_layers=true" in e for s, _, e in calls if s == "maxtext")
     saved = json.load(open(tmp_path / "fit.json"))["fit"]["llama8b-8k-fit"]
     assert saved["ours"]["largest"] == 16 and saved["MaxText"]["largest"] == 8
+
+
+def test_fit_refuses_a_chip_without_an_hbm_figure_before_compiling(monkeypatch):
+    monkeypatch.setattr(ct, "HBM_GIB", {"v5p": 95.73})
+    monkeypatch.setattr(ct, "compile_ours", lambda *a, **k: pytest.fail("compiled"))
+    with pytest.raises(SystemExit) as e:
+        ct.main(["--fit", "--no-maxtext", "--row", "name=x trainer=dense preset=tiny "
+                 "topology=v6e-8 batch=1 seq=256 layers=2"])
+    assert "v6e-8" in str(e.value) and "no HBM figure" in str(e.value)
