@@ -1219,8 +1219,7 @@ def _ce_fused(ce_fn, h_BTD, w_DV, t_BT, wt_BT, chunk: int, unroll: bool = False)
 
 def _ce_fused_fwd(ce_fn, h_BTD, w_DV, t_BT, wt_BT, chunk, unroll=False):
     def one(acc, xs):
-        # One chunk at a time: unrolled, XLA would make every chunk's float32 logits at once.
-        acc, xs = jax.lax.optimization_barrier((acc, xs))
+        acc, xs = jax.lax.optimization_barrier((acc, xs))  # chunk by chunk, not all logits at once
         (obj, ce), (dh_BCD, dw_DV) = ce_fn(xs[0], w_DV, *xs[1:], grad=True)
         return (acc[0] + obj, acc[1] + ce, acc[2] + dw_DV), dh_BCD
 
