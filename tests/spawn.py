@@ -71,3 +71,13 @@ def run(cmd: list[str], timeout: float, **kw) -> subprocess.CompletedProcess:
         kill_tree(p)
         raise
     return subprocess.CompletedProcess(cmd, p.returncode, out, err)
+
+
+def xla_flags(devices: int = 0) -> str:
+    """XLA_FLAGS for a process a test starts: the suite's own (conftest.py's level-0 compiles,
+    which halve a two-process launch's CPU time: each process compiles afresh, see
+    common/multislice.py) with `devices` simulated CPU devices (0: none named, as the
+    launcher's --cpu-devices then adds)."""
+    keep = [f for f in os.environ.get("XLA_FLAGS", "").split()
+            if not f.startswith("--xla_force_host_platform_device_count")]
+    return " ".join(keep + [f"--xla_force_host_platform_device_count={devices}"] * bool(devices))

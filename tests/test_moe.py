@@ -20,6 +20,7 @@ import train_moe as tm
 from common.attention import attend
 from common.data import DataConfig, prepare
 from common.mesh import MeshConfig, MeshError, make_mesh
+from tests.spawn import xla_flags
 from tests.test_dense import _has_libtpu
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -372,7 +373,7 @@ def test_bad_config_is_a_clear_error_before_compiling(mesh, model, train, flag):
 
 
 def test_cli_bad_input_exits_2_naming_the_flag(tmp_path):
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    env = dict(os.environ, XLA_FLAGS=xla_flags(8))
     r = subprocess.run([sys.executable, "train_moe.py", "tiny-moe", "--mesh.expert", "3",
                         "--mesh.fsdp", "1", "--mesh.data", "-1", "--run-dir", str(tmp_path)],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)

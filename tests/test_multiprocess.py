@@ -18,7 +18,7 @@ import train_dense as td
 from common.checkpoint import Checkpointer
 from common.data import prepare
 from common.mesh import make_mesh
-from tests.spawn import run, spawn
+from tests.spawn import run, spawn, xla_flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 10
@@ -46,9 +46,8 @@ def trainer_args(data_path, run_dir, *extra, preset=("tiny", *FLAGS)):
 
 
 def env(**kw):
-    e = dict(os.environ, PYTHONUNBUFFERED="1", JAX_PLATFORMS="cpu")
-    e.pop("XLA_FLAGS", None)  # the launcher (or the test) says how many devices a process has
-    return e | kw
+    # the launcher (or the test) says how many devices a process has
+    return dict(os.environ, PYTHONUNBUFFERED="1", JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags()) | kw
 
 
 def launcher(data_path, run_dir, *extra, nproc=2, restarts=3, script="train_dense.py",
@@ -69,7 +68,7 @@ def single_process(data_path, run_dir, *extra, script="train_dense.py", preset=(
     r = subprocess.run([sys.executable, script,
                         *trainer_args(data_path, run_dir, *extra, preset=preset)], cwd=ROOT,
                        timeout=600,
-                       env=env(XLA_FLAGS="--xla_force_host_platform_device_count=8"),
+                       env=env(XLA_FLAGS=xla_flags(8)),
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
     return r.stdout

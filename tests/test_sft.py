@@ -22,6 +22,7 @@ from common import data as D
 from common.checkpoint import CheckpointConfig, Checkpointer
 from common.config import may_change
 from common.mesh import MeshConfig, make_mesh
+from tests.spawn import xla_flags
 
 SMALL = td.ModelConfig(vocab_size=96, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
                        head_dim=8, d_ff=64, max_seq_len=64, loss_chunk=8)
@@ -465,7 +466,7 @@ def test_a_pretraining_fork_deletes_the_sft_lines_and_still_trains(tmp_path):
     data = prepare([os.path.join(stdlib, f) for f in ("argparse.py", "textwrap.py", "string.py",
                                                       "shlex.py", "fnmatch.py")],
                    str(tmp_path / "data"), vocab_size=400)
-    env = dict(os.environ, PYTHONPATH=root, XLA_FLAGS="--xla_force_host_platform_device_count=1")
+    env = dict(os.environ, PYTHONPATH=root, XLA_FLAGS=xla_flags(1))
     r = subprocess.run([sys.executable, str(tmp_path / "train_dense.py"), "tiny", "--data.path",
                         data, "--run-dir", str(tmp_path / "run"), "--model.vocab-size", "512",
                         "--model.d-model", "32", "--model.n-layers", "1", "--model.d-ff", "64",

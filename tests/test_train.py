@@ -17,7 +17,7 @@ import train_dense as td
 from common.checkpoint import CheckpointConfig, CheckpointError, Checkpointer, ConfigConflictError
 from common.data import DataConfig, prepare
 from common.mesh import MeshConfig, make_mesh
-from tests.spawn import spawn
+from tests.spawn import spawn, xla_flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL = td.ModelConfig(vocab_size=512, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
@@ -129,7 +129,7 @@ def test_missing_data_path_names_the_flag(tmp_path):
 
 
 def test_cli_bad_input_exits_2_with_the_flag(tmp_path):
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    env = dict(os.environ, XLA_FLAGS=xla_flags(8))
     r = subprocess.run([sys.executable, "train_dense.py", "tiny", "--mesh.fsdp", "3",
                         "--run-dir", str(tmp_path)], cwd=ROOT, env=env, capture_output=True,
                        text=True, timeout=120)
@@ -138,7 +138,7 @@ def test_cli_bad_input_exits_2_with_the_flag(tmp_path):
 
 
 def test_sigterm_saves_at_the_next_step_and_exits_0(data_path, tmp_path):
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1",
+    env = dict(os.environ, XLA_FLAGS=xla_flags(1),
                PYTHONUNBUFFERED="1")
     cmd = [sys.executable, "train_dense.py", "tiny", *TINY_FLAGS, "--data.path", data_path,
            "--run-dir", str(tmp_path), "--train.steps", "100000", "--train.log-every", "1",
