@@ -195,9 +195,10 @@ class Config:
     bench: int = resumable(0)     # time this many policy updates on synthetic rollouts, exit
 
 
-# The demo model: ~0.4M parameters, a 16-symbol character vocabulary (common/data.py).
+# The demo model: ~0.4M parameters, a 16-symbol character vocabulary (common/data.py). It
+# recomputes (remat full): kept, each stacked residual of the scan is zero-filled and copied.
 _TINY_MODEL = ModelConfig(vocab_size=16, d_model=128, n_layers=2, n_heads=4, n_kv_heads=2,
-                          head_dim=32, d_ff=384, max_seq_len=32, remat="none")
+                          head_dim=32, d_ff=384, max_seq_len=32)
 
 PRESETS: dict[str, tuple[str, Config]] = {
     "tiny": ("~0.4M-parameter model on reversed addition: the `make train-grpo` run",
