@@ -53,8 +53,7 @@ def recovery(preset: list[str], kills: int, every: int, seed: int) -> list[float
            "--run-dir", run, "--train.steps", str(steps), "--train.log-every", "1",
            "--train.eval-every", "100000", "--train.sample-tokens", "0",
            "--checkpoint.every", str(every)]
-    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
-    env = dict(os.environ, PYTHONUNBUFFERED="1", XLA_FLAGS=" ".join(flags))  # --cpu-devices: 4
+    env = dict(os.environ, PYTHONUNBUFFERED="1")  # the launcher sets each process's devices
     p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                          text=True, start_new_session=True)
     # Each kill lands a few steps after the group's first step (so past a save, sometimes).

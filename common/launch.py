@@ -43,8 +43,9 @@ class Group:
                        JAX_TRAINERS_ATTEMPT=str(attempt), PYTHONUNBUFFERED="1")
             if cpu_devices:
                 env["JAX_PLATFORMS"] = "cpu"
-                env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +
-                                    f" --xla_force_host_platform_device_count={cpu_devices}")
+                n = "--xla_force_host_platform_device_count"  # this one, not the caller's
+                env["XLA_FLAGS"] = " ".join([f for f in env.get("XLA_FLAGS", "").split()
+                                             if not f.startswith(n)] + [f"{n}={cpu_devices}"])
             if gpus:
                 env["CUDA_VISIBLE_DEVICES"] = str(i)
             # start_new_session: a Ctrl-C or SIGTERM to the launcher's terminal group reaches
