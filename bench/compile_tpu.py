@@ -458,9 +458,10 @@ def main(argv: list[str] | None = None) -> None:
             rows = [parse_row(s) for s in FIT_ROWS]
         else:
             rows = rows[:len(ROWS)]
-        # --fit reads each chip's HBM instead of the model's FLOPs: a bad topology is refused here
-        flops = {r["name"]: hbm_gib(r["topology"]) if args.fit else
-                 model_flops_per_step(r, args.ours_flags) for r in rows}
+        for r in rows if args.fit else []:  # --fit needs each chip's HBM: refused here, not later
+            hbm_gib(r["topology"])
+        flops = {} if args.fit else {r["name"]: model_flops_per_step(r, args.ours_flags)
+                                     for r in rows}
     except RowError as e:
         sys.exit(f"error: {e}")
     python = None if args.no_maxtext else maxtext_python()
