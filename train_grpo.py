@@ -1231,8 +1231,9 @@ def train_loop(cfg: Config, mesh, tok, task: Task, st: train.TrainState, step_fn
                run: train.Run) -> dict:
     g, generate, held_out = cfg.grpo, sampler(cfg, mesh, tok, task), {}
     prompts = g.prompts_per_step * updates_per_rollout(g)  # a rollout's, each G times
-    logp_fn = jax.jit(lambda p, b: completion_logps(p, b, cfg.model, g.temperature,
-                                                    tok.vocab_size)[0])
+    # The old and the reference log-probs, where both are needed, in one program.
+    logp_fn = jax.jit(lambda ps, b: [completion_logps(p, b, cfg.model, g.temperature,
+                                                      tok.vocab_size)[0] for p in ps])
     merge = jax.jit(lambda s: train.merged(train.weights(s, cfg.lora)))  # LoRA: once a rollout
     policy = lambda s: merge(s) if "base" in s else s["params"]
 
@@ -1284,10 +1285,12 @@ def train_loop(cfg: Config, mesh, tok, task: Task, st: train.TrainState, step_fn
             batch = {k: v for k, v in batch.items() if k not in ("prompt", "prompt_valid")}
             batch |= train.put(rows, mesh, BATCH_AXES)
             scored = batch | {"where": batch.pop("where_all")}
-        if cfg.model.dtype != "float32":  # the decode's bfloat16 log-probs differ from the
-            batch["old_logp"] = logp_fn(p, scored)  # training forward's
-        if g.beta > 0:
-            batch["ref_logp"] = logp_fn(state.get("ref", state.get("base")), scored)
+        # The old log-probs where the decode's (bfloat16) differ from the training forward's,
+        # and the reference's: one program.
+        need = {"old_logp": p} if cfg.model.dtype != "float32" else {}
+        need |= {"ref_logp": state.get("ref", state.get("base"))} if g.beta > 0 else {}
+        if need:
+            batch |= dict(zip(need, logp_fn(tuple(need.values()), scored)))
         # Split on the host (each update's rows sharded anew), or waited for: the phases' times.
         batch = (jax.device_get if updates_per_rollout(g) > 1 else jax.block_until_ready)(batch)
         t2 = time.perf_counter()

@@ -700,19 +700,23 @@ def test_warm_start_stops_at_the_target_and_is_never_repeated(tmp_path, capsys):
     assert "resumed from step 0" in capsys.readouterr().out and "warm_start_steps" not in again
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_bfloat16_first_update_is_on_policy(tmp_path, monkeypatch, dtype):
+@pytest.mark.parametrize("dtype, beta", [("bfloat16", 0.0), ("float32", 0.0), ("bfloat16", 0.04)])
+def test_bfloat16_first_update_is_on_policy(tmp_path, monkeypatch, dtype, beta):
     """In bfloat16 on an accelerator the KV-cache decode and the training forward round
     differently, enough to trip GSPO's 3e-4/4e-4 clip on the first, on-policy pass. The decode's
     log-probs are shifted here by 0.01 as such rounding might: in bfloat16 the ratio's "old"
     log-probs are the training forward's, so nothing clips; in float32 (where the two agree
-    to 1e-6) they are the decode's, and the shift shows as clipping."""
+    to 1e-6) they are the decode's, and the shift shows as clipping. With a reference too
+    (one program makes both): were the two swapped, step 2's old log-probs would be the
+    unmoved reference's, and clip."""
     real = tg.rollout
     monkeypatch.setattr(tg, "rollout", lambda *a, **k: (lambda out: out | {
         "logp_BN": out["logp_BN"] - 0.01})(real(*a, **k)))
-    cfg = grpo_config(tmp_path, 2, grpo={"loss": "gspo", "beta": 0.0, "mu": 1},
+    cfg = grpo_config(tmp_path, 2, grpo={"loss": "gspo", "beta": beta, "mu": 1},
                       warm={"max_steps": 20, "check_every": 10})
     tg.main(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, dtype=dtype)))
     clip = [r["clip_ratio/region_mean"] for r in metrics(tmp_path) if "clip_ratio/region_mean" in r]
     assert len(clip) == 2
     assert (max(clip) == 0.0) if dtype == "bfloat16" else (min(clip) > 0), clip
+    kl = [r["kl"] for r in metrics(tmp_path) if "kl" in r]
+    assert (len(kl) == 2 and kl[1] > 0) if beta else not kl, kl
