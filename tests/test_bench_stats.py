@@ -59,6 +59,11 @@ def test_grpo_sides_median_step_time_and_rollout_throughput_alike():
     assert stats.median_over(t_s, first, last) == pytest.approx(GRPO_TRL_S)
     assert stats.median_over(o_r, first, last) == pytest.approx(GRPO_OURS_TOK_S)
     assert stats.median_over(t_r, first, last) == pytest.approx(GRPO_TRL_TOK_S)
+    # The work each side's timed steps did (bench/grpo.py prints it): completion tokens, ours
+    # the mean length x 128 rollouts, TRL's its rollout counts (summed by hand, steps 6-15).
+    o_n = stats.metrics_step_seconds(ours, "completions/mean_length", 128)
+    assert sum(o_n[s] for s in range(first, last + 1)) == 4379
+    assert sum(stats.trl_step_seconds(trl, "rollout")[s] for s in range(first, last + 1)) == 6961
 
 
 def test_a_log_without_step_lines_is_an_error():
