@@ -198,7 +198,7 @@ class Config:
 # The demo model: ~0.4M parameters, a 16-symbol character vocabulary (common/data.py). It
 # recomputes (remat full): kept, each stacked residual of the scan is zero-filled and copied.
 # Its update runs as 4 microbatches of 32 rollouts: each one's activations stay in the CPU's
-# cache (one 128-row pass: 39 ms; four of 32: 27-29, `make bench-grpo`).
+# cache (`make bench-grpo`'s update: 31-39 ms in one pass, 27-29 in four).
 _TINY_MODEL = ModelConfig(vocab_size=16, d_model=128, n_layers=2, n_heads=4, n_kv_heads=2,
                           head_dim=32, d_ff=384, max_seq_len=32)
 
