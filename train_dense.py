@@ -102,6 +102,7 @@ class ModelConfig:
     scan_layers: bool = how(True)
     loss_chunk: int = how(256)    # sequence positions per cross-entropy chunk (bounds [B,T,V])
     loss_impl: Literal["fused", "remat"] = how("fused")  # gradient made with the loss, or rebuilt
+    vocab_split: bool = how(False)  # the unembedding kept split on V, as the loss reads it
 
 
 @dataclass(frozen=True)
@@ -186,7 +187,8 @@ _GEMMA = dict(head_dim=256, norm_eps=1e-6, tie_embeddings=True, norm_plus_one=Tr
               sandwich_norm=True, embed_scale=True, gelu=True, query_scale=256.0)
 FAMILIES = {  # Gemma: (1 + w) and sandwich norms, GeGLU, tied embeddings scaled by sqrt(d)
     "llama2": (4096, dict(vocab_size=32000, max_seq_len=4096)),
-    "llama3": (4096, dict(vocab_size=128256, max_seq_len=131072, rope_theta=5e5, rope_scaling=8.0)),
+    "llama3": (4096, dict(vocab_size=128256, max_seq_len=131072, rope_theta=5e5, rope_scaling=8.0,
+                          vocab_split=True)),
     "mistral": (4096, dict(vocab_size=32768, max_seq_len=32768, rope_theta=1e6)),
     "qwen3": (4096, dict(vocab_size=151936, max_seq_len=40960, rope_theta=1e6, norm_eps=1e-6,
                          qk_norm=True)),
@@ -214,8 +216,11 @@ SIZES = {  # name: (description, family, shape, other fields)
     "llama3.1-8b": ("Llama 3.1 8B (rope scaling 8x)", "llama3", (4096, 32, 32, 8, 128, 14336)),
     "llama3.2-1b": ("Llama 3.2 1B (tied embeddings, rope scaling 32x)", "llama3",
                     (2048, 16, 32, 8, 64, 8192), dict(tie_embeddings=True, rope_scaling=32.0)),
-    "llama3.1-70b": ("Llama 3.1 70B", "llama3", (8192, 80, 64, 8, 128, 28672)),
-    "llama3.1-405b": ("Llama 3.1 405B", "llama3", (16384, 126, 128, 8, 128, 53248)),
+    # Their batches outnumber the vocabulary: the loss gathers the unembedding (split: no gain).
+    "llama3.1-70b": ("Llama 3.1 70B", "llama3", (8192, 80, 64, 8, 128, 28672),
+                     dict(vocab_split=False)),
+    "llama3.1-405b": ("Llama 3.1 405B", "llama3", (16384, 126, 128, 8, 128, 53248),
+                      dict(vocab_split=False)),
     "mistral-7b": ("Mistral 7B v0.3 (vocab 32768)", "mistral", (4096, 32, 32, 8, 128, 14336)),
     "qwen3-0.6b": ("Qwen3 0.6B (tied embeddings, q/k norm)", "qwen3",
                    (1024, 28, 16, 8, 128, 3072), dict(tie_embeddings=True)),
@@ -389,7 +394,8 @@ def _param_table(cfg: ModelConfig) -> dict:
         table |= {"ple_embed": ((V, L * Pd), P("tensor", "fsdp"), std),
                   "ple_proj": ((D, L * Pd), P("fsdp", "tensor"), std),
                   "ple_norm": ((Pd,), P(None), one)}
-    unembed = {} if cfg.tie_embeddings else {"unembed": ((D, V), P("fsdp", "tensor"), std)}
+    w = P(None, ("tensor", "fsdp")) if cfg.vocab_split else P("fsdp", "tensor")
+    unembed = {} if cfg.tie_embeddings else {"unembed": ((D, V), w, std)}
     return table | unembed
 
 
@@ -1132,6 +1138,10 @@ def check_model(m: ModelConfig, mesh, clip_flag: str, tau: float) -> None:
         ("--model.global-kv-heads", m.global_kv_heads or m.n_kv_heads),
         ("--model.linear-k-heads", m.linear_k_heads)],
         "fsdp": [("--model.d-model", m.d_model)]})
+    ways = train.batch_shards(mesh, ("tensor", "fsdp", "context"))
+    need(not m.vocab_split or m.vocab_size % ways == 0, f"--model.vocab-split: --model.vocab-size "
+         f"{m.vocab_size} is not divisible by tensor x fsdp x context = {ways}; use "
+         "--model.no-vocab-split, or other mesh sizes.")
     need(m.n_heads % m.n_kv_heads == 0, f"--model.n-heads {m.n_heads} is not a multiple of "
          f"--model.n-kv-heads {m.n_kv_heads} (each key/value head serves a whole group).")
     need(m.head_dim % 2 == 0, f"--model.head-dim {m.head_dim} must be even (RoPE rotates pairs).")

@@ -107,6 +107,7 @@ class ModelConfig:
     scan_layers: bool = how(True)
     loss_chunk: int = how(256)    # sequence positions per cross-entropy chunk (bounds [B,T,V])
     loss_impl: Literal["fused", "remat"] = how("fused")  # gradient made with the loss, or rebuilt
+    vocab_split: bool = how(False)  # the unembedding kept split on V, as the loss reads it
 
 
 @dataclass(frozen=True)
@@ -305,7 +306,8 @@ def _param_table(cfg: ModelConfig) -> dict:
         table |= {"ple_embed": ((V, L * Pd), P("tensor", "fsdp"), std),
                   "ple_proj": ((D, L * Pd), P("fsdp", "tensor"), std),
                   "ple_norm": ((Pd,), P(None), one)}
-    unembed = {} if cfg.tie_embeddings else {"unembed": ((D, V), P("fsdp", "tensor"), std)}
+    w = P(None, ("tensor", "fsdp")) if cfg.vocab_split else P("fsdp", "tensor")
+    unembed = {} if cfg.tie_embeddings else {"unembed": ((D, V), w, std)}
     return table | unembed
 
 
@@ -954,6 +956,10 @@ def check_model(m: ModelConfig, mesh, clip_flag: str, tau: float) -> None:
         ("--model.global-kv-heads", m.global_kv_heads or m.n_kv_heads),
         ("--model.linear-k-heads", m.linear_k_heads)],
         "fsdp": [("--model.d-model", m.d_model)]})
+    ways = train.batch_shards(mesh, ("tensor", "fsdp", "context"))
+    need(not m.vocab_split or m.vocab_size % ways == 0, f"--model.vocab-split: --model.vocab-size "
+         f"{m.vocab_size} is not divisible by tensor x fsdp x context = {ways}; use "
+         "--model.no-vocab-split, or other mesh sizes.")
     need(m.n_heads % m.n_kv_heads == 0, f"--model.n-heads {m.n_heads} is not a multiple of "
          f"--model.n-kv-heads {m.n_kv_heads} (each key/value head serves a whole group).")
     need(m.head_dim % 2 == 0, f"--model.head-dim {m.head_dim} must be even (RoPE rotates pairs).")

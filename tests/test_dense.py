@@ -84,9 +84,12 @@ def grads_and_loss(cfg, params, batch, mesh):
         return float(loss), jax.device_get(g)
 
 
-@pytest.mark.parametrize("model", [SMALL, KNOBS, GEMMA2, GEMMA3, OLMO3],
-                         ids=["llama", "all-knobs", "gemma2", "gemma3", "olmo3"])
+@pytest.mark.parametrize("model", [SMALL, KNOBS, GEMMA2, GEMMA3, OLMO3,
+                                   dataclasses.replace(SMALL, vocab_split=True)],
+                         ids=["llama", "all-knobs", "gemma2", "gemma3", "olmo3", "vocab-split"])
 def test_sharded_equals_unsharded(model):
+    if model.vocab_split:  # the unembedding stored as the vocabulary-parallel loss reads it
+        assert td.param_specs(model)["unembed"] == P(None, ("tensor", "fsdp", "context"))
     cfg = small_cfg(model)
     params, batch = perturbed_params(cfg), tokens(cfg)
     ref_loss, ref_g = grads_and_loss(cfg, params, batch, make_mesh(MeshConfig(fsdp=1),
@@ -263,6 +266,8 @@ def test_schedule_warmup_and_end():
     (MeshConfig(fsdp=8), {"batch_size": 8, "microbatches": 2}, {}, "--train.batch-size"),
     (MeshConfig(fsdp=8), {"seq_len": 128}, {}, "--train.seq-len"),
     (MeshConfig(fsdp=8), {}, {"n_kv_heads": 3}, "--model.n-heads"),
+    (MeshConfig(fsdp=4, tensor=2), {}, {"vocab_size": 300, "vocab_split": True},
+     "--model.vocab-split: --model.vocab-size 300 is not divisible by tensor x fsdp x context = 8"),
 ])
 def test_bad_config_is_a_clear_error_before_compiling(mesh, train, model, flag):
     cfg = small_cfg(dataclasses.replace(SMALL, **model), mesh, **train)

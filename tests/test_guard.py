@@ -335,7 +335,7 @@ RESUMABLE = {
     "train_dense": f"""train: {LOOP} eval_batches sample_tokens temperature sample_prompt eval_samples
                eval_tasks eval_tasks_limit pipeline_repeats
         model: dtype attention context_attention remat scan_layers loss_chunk loss_impl
-               linear_chunk
+               linear_chunk vocab_split
         : quiet mesh checkpoint dry_run compile_topology compile_slices bench run_dir
         data: cache_dir""",
     "train_moe": f"""train: {LOOP} eval_batches sample_tokens temperature sample_prompt
@@ -346,16 +346,16 @@ RESUMABLE = {
         data: cache_dir""",
     "train_grpo": f"""grpo: {LOOP} pack
         model: dtype attention context_attention remat scan_layers loss_chunk loss_impl
-               linear_chunk
+               linear_chunk vocab_split
         : quiet mesh checkpoint dry_run bench run_dir warm""",
 }
 # Model fields kept from this run's flags under --init-from(-hf): how to compute, not what.
 COMPUTE = {"train_dense": "dtype attention context_attention remat scan_layers loss_chunk "
-                          "loss_impl linear_chunk",
+                          "loss_impl linear_chunk vocab_split",
            "train_moe": "dtype attention context_attention remat scan_layers loss_chunk "
                         "grouped_matmul gmm_tile capacity_factor index_chunk linear_chunk",
            "train_grpo": "dtype attention context_attention remat scan_layers loss_chunk "
-                         "loss_impl linear_chunk"}
+                         "loss_impl linear_chunk vocab_split"}
 
 
 @pytest.mark.parametrize("mod", [td, tm, tg], ids=lambda m: m.__name__)
