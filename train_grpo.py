@@ -1293,10 +1293,10 @@ def train_loop(cfg: Config, mesh, tok, task: Task, st: train.TrainState, step_fn
             scored = batch | {"where": batch.pop("where_all")}
         # The old log-probs where the decode's (bfloat16) differ from the training forward's,
         # and the reference's: one program.
-        need = {"old_logp": p} if cfg.model.dtype != "float32" else {}
-        need |= {"ref_logp": state.get("ref", state.get("base"))} if g.beta > 0 else {}
-        if need:
-            batch |= dict(zip(need, logp_fn(tuple(need.values()), scored)))
+        by = {"old_logp": p} if cfg.model.dtype != "float32" else {}
+        by |= {"ref_logp": state.get("ref", state.get("base"))} if g.beta > 0 else {}
+        if by:
+            batch |= dict(zip(by, logp_fn(tuple(by.values()), scored)))
         # Split on the host (each update's rows sharded anew), or waited for: the phases' times.
         batch = (jax.device_get if updates_per_rollout(g) > 1 else jax.block_until_ready)(batch)
         t2 = time.perf_counter()
