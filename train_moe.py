@@ -127,7 +127,7 @@ class ModelConfig:
     remat: Literal["full", "dots", "none"] = how("full")  # what the backward pass may keep
     scan_layers: bool = how(True)
     loss_chunk: int = how(256)    # sequence positions per cross-entropy chunk (bounds [B,T,V])
-    grouped_matmul: Literal["auto", "ragged_dot", "tiled"] = how("auto")  # auto: tiled on the CPU
+    grouped_matmul: Literal["auto", "ragged_dot", "tiled", "megablox"] = how("auto")  # see _grouped_impl
     gmm_tile: int = how(128)      # rows per tile of the tiled grouped matmul
     # DeepSeek-V3.2's sparse attention (DSA, see `dsa`): a lightning indexer of index_n_heads
     # heads (0 = off) picks each query's index_topk keys, to which alone MLA attends
@@ -1294,9 +1294,9 @@ def validate(cfg: Config, n_devices: int, platform: str = "") -> None:
                         ("--model.moe-every 2", m.moe_every > 1), ("--model.index-n-heads",
                         m.index_n_heads), ("--mesh.context", mesh.context * mesh.dcn_context > 1),
                         ("--lora.rank", cfg.lora.rank), ("dropless experts on --model.grouped-"
-                        "matmul ragged_dot (auto off the CPU), which XLA:TPU cannot compile "
-                        "batched over stages: set --model.capacity-factor 1.25 or --model."
-                        "grouped-matmul tiled", not m.capacity_factor and _grouped_impl(
+                        "matmul ragged_dot (auto on GPUs), which XLA:TPU cannot compile batched "
+                        "over stages: set --model.capacity-factor 1.25 or --model.grouped-matmul "
+                        "tiled (megablox on TPUs)", not m.capacity_factor and _grouped_impl(
                             m, platform) == "ragged_dot")) if on])
     need(m.n_experts >= 2, f"--model.n-experts {m.n_experts}: a mixture needs at least 2 "
          "experts; one expert is a dense MLP, which train_dense.py trains (with --model.d-ff "
@@ -1470,8 +1470,10 @@ def moe(h_BTD, lp: dict, cfg: ModelConfig, route_BTD=None):
             partial(experts, cfg=cfg, peers=mesh.shape["expert"], sharded=True),
             in_specs=(act, act, act, {k: P(*spec[k][1:]) for k in ws}),
             out_specs=(act, P((*MOE_BATCH, "context"))),
-            # Pipelined (a vmap over stages) its values vary over `stage`, which specs cannot name
-            check_vma=train.stages() == 1)(h_BTD, expert_BTR, gate_BTR, ws)
+            # Pipelined (a vmap over stages) its values vary over `stage`, which specs cannot name;
+            # megablox's kernel declares no varying axes
+            check_vma=train.stages() == 1 and _grouped_impl(cfg) != "megablox")(
+                h_BTD, expert_BTR, gate_BTR, ws)
     if cfg.n_shared_experts:  # DeepSeek's shared experts: one wider SwiGLU every token uses
         s = swiglu(h_BTD, {"w_" + k: lp["shared_" + k].astype(dt) for k in PROJ})
         y = y + (s * jax.nn.sigmoid(h_BTD @ lp["shared_router"].astype(dt)) if cfg.shared_gated
@@ -1577,10 +1579,12 @@ def swiglu(x, w: dict, cfg: ModelConfig | None = None, mm=jnp.matmul, at=lambda 
 
 def _grouped_impl(cfg: ModelConfig, platform: str = "") -> str:
     # auto: XLA:CPU rewrites ragged_dot as every row times every group's weights, zero-masked (E
-    # times the FLOPs; 2-6x slower than tiled at E=8 on a laptop); TPUs and GPUs run it as one
-    # grouped GEMM. The compile target decides, not the host (--compile-topology: the TPU's).
-    return cfg.grouped_matmul if cfg.grouped_matmul != "auto" else (
-        "tiled" if (platform or target_platform()) == "cpu" else "ragged_dot")
+    # times the FLOPs; 2-6x slower than tiled at E=8 on a laptop); GPUs run it as one grouped
+    # GEMM; on TPUs XLA copied each gathered expert weight to another layout for it (Mixtral's
+    # v5p-8 compile: 58 of 275 GB a step), which megablox's kernels do not. The compile target
+    # decides, not the host (--compile-topology: the TPU's).
+    return cfg.grouped_matmul if cfg.grouped_matmul != "auto" else {
+        "cpu": "tiled", "tpu": "megablox"}.get(platform or target_platform(), "ragged_dot")
 
 
 def _tile_layout(sizes_G, M: int, tile: int):
@@ -1603,11 +1607,20 @@ def grouped_mlp(x_MD, sizes_G, w, cfg: ModelConfig):
     (megablocks-style, for the CPU): each group padded to whole tiles of `gmm_tile` rows, one
     batched matmul over tiles: at most G tiles of padding, one weight copy per tile."""
     M, D = x_MD.shape
-    if _grouped_impl(cfg) == "ragged_dot":
+    if (impl := _grouped_impl(cfg)) in ("ragged_dot", "megablox"):
         group_M = jnp.minimum(jnp.searchsorted(jnp.cumsum(sizes_G), jnp.arange(M), side="right"),
                               sizes_G.shape[0] - 1)
-        return swiglu(x_MD, w, cfg, lambda x, w: jax.lax.ragged_dot(x, w, sizes_G),
-                      lambda b: b[group_M])
+        if impl == "ragged_dot":
+            return swiglu(x_MD, w, cfg, lambda x, w: jax.lax.ragged_dot(x, w, sizes_G),
+                          lambda b: b[group_M])
+        from jax.experimental.pallas.ops.tpu.megablox import gmm  # JAX's Pallas kernel for TPUs,
+        # MaxText's tiles: tm rows against their groups' weights as stored. Rows past sum(sizes)
+        # and the padding to whole tiles are never written: cut off.
+        tm = min(512, -(-M // 128) * 128)
+        pad = lambda a: jnp.pad(a, ((0, -M % tm), (0, 0)))
+        mm = lambda x, w: gmm(x, w, sizes_G, x.dtype, (tm, *(min(1024, n) for n in w.shape[1:])),
+                              interpret=target_platform() != "tpu")
+        return swiglu(pad(x_MD), w, cfg, mm, lambda b: pad(b[group_M]))[:M]
     tile = min(cfg.gmm_tile, M)
     dest_M, group_n, n = _tile_layout(sizes_G, M, tile)
     x_ntD = jnp.zeros((n * tile, D), x_MD.dtype).at[dest_M].set(x_MD, mode="drop")

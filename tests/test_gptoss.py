@@ -121,8 +121,9 @@ def naive_layer(h_BTD, lp, cfg):
 
 
 @pytest.mark.parametrize("knobs", [dict(), dict(grouped_matmul="ragged_dot"),
+                                   dict(grouped_matmul="megablox"),
                                    dict(capacity_factor=GPT.n_experts / GPT.top_k)],
-                         ids=["tiled", "ragged_dot", "capacity-room-for-all"])
+                         ids=["tiled", "ragged_dot", "megablox", "capacity-room-for-all"])
 def test_layer_with_biases_and_clamp_equals_token_by_token(knobs):
     model = dataclasses.replace(GPT, **knobs)
     lp = jax.tree.map(lambda a: a[0], gpt_params(model)["layers"])

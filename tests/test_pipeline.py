@@ -111,15 +111,17 @@ def moe_one_device():
     return want
 
 
-@pytest.mark.parametrize("mesh, repeats", [
-    (MeshConfig(stage=2, tensor=2, expert=2, fsdp=1), 1),  # GPipe; experts and heads split
-    (MeshConfig(stage=2, fsdp=2), 2),     # circular, the weights split in each stage
-], ids=["gpipe-2x-tensor2-expert2", "circular-2x-fsdp2"])
-def test_a_pipelined_moe_step_is_the_one_device_step(moe_one_device, mesh, repeats):
+@pytest.mark.parametrize("mesh, repeats, impl", [
+    (MeshConfig(stage=2, tensor=2, expert=2, fsdp=1), 1, "tiled"),  # GPipe; experts, heads split
+    (MeshConfig(stage=2, fsdp=2), 2, "tiled"),  # circular, the weights split in each stage
+    (MeshConfig(stage=2, tensor=2, expert=2, fsdp=1), 1, "megablox"),  # the TPU's, interpreted
+], ids=["gpipe-2x-tensor2-expert2", "circular-2x-fsdp2", "gpipe-megablox"])
+def test_a_pipelined_moe_step_is_the_one_device_step(moe_one_device, mesh, repeats, impl):
     """The same 4 microbatches: the aux losses, router z and loads are nonlinear in the batch, so
     they match only if each layer's come from each microbatch as accumulation takes them (and
     QK-clip's maxima, if each is the largest over them)."""
-    same_steps(moe_one_device, sgd_steps(config(mesh, model=MOE, mod=tm, **MOE_TRAIN,
+    model = dataclasses.replace(MOE, grouped_matmul=impl)
+    same_steps(moe_one_device, sgd_steps(config(mesh, model=model, mod=tm, **MOE_TRAIN,
                                                 pipeline_repeats=repeats), mesh_of(mesh), mod=tm))
 
 
