@@ -1306,6 +1306,8 @@ def validate(cfg: Config, n_devices: int, platform: str = "") -> None:
     need(m.capacity_factor >= 0, f"--model.capacity-factor {m.capacity_factor}: use 0 for "
          "dropless routing or a positive factor (1.25 is usual) for capacity mode.")
     need(m.gmm_tile >= 1, f"--model.gmm-tile {m.gmm_tile} must be >= 1.")
+    need(m.grouped_matmul != "megablox" or (platform or target_platform()) != "gpu", "--model."
+         "grouped-matmul megablox is a TPU kernel (interpreted on a CPU); use auto on a GPU.")
     # A device of the expert axis holds n_experts / expert whole experts.
     train.check_sizes(mesh, {"expert": [("--model.n-experts", m.n_experts)], "tensor": [
         ("--model.n-heads", m.n_heads), ("--model.n-kv-heads", m.n_kv_heads),

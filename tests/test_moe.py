@@ -375,6 +375,13 @@ def test_bad_config_is_a_clear_error_before_compiling(mesh, model, train, flag):
     assert flag in str(e.value)
 
 
+def test_megablox_is_refused_for_a_gpu():
+    cfg = small_cfg(dataclasses.replace(SMALL, grouped_matmul="megablox"), MeshConfig(fsdp=-1))
+    with pytest.raises(tm.ConfigError, match="--model.grouped-matmul megablox is a TPU kernel"):
+        tm.validate(cfg, jax.device_count(), "gpu")
+    tm.validate(cfg, jax.device_count(), "tpu")
+
+
 def test_cli_bad_input_exits_2_naming_the_flag(tmp_path):
     env = dict(os.environ, XLA_FLAGS=xla_flags(8))
     r = subprocess.run([sys.executable, "train_moe.py", "tiny-moe", "--mesh.expert", "3",
