@@ -102,7 +102,7 @@ class ModelConfig:
     scan_layers: bool = how(True)
     loss_chunk: int = how(256)    # sequence positions per cross-entropy chunk (bounds [B,T,V])
     loss_impl: Literal["fused", "remat"] = how("fused")  # gradient made with the loss, or rebuilt
-    vocab_split: bool = how(False)  # the unembedding kept split on V, as the loss reads it
+    vocab_split: bool = how(False)  # the unembedding (or tied table) split on V, as the loss uses
 
 
 @dataclass(frozen=True)
@@ -198,7 +198,7 @@ FAMILIES = {  # Gemma: (1 + w) and sandwich norms, GeGLU, tied embeddings scaled
                                    global_every=2, attn_softcap=50.0, final_softcap=30.0)),
     "gemma3": (4096, _GEMMA | dict(vocab_size=262208, max_seq_len=131072, sliding_window=1024,
                                    global_every=6, rope_theta=1e6, rope_local_theta=1e4,
-                                   rope_linear=8.0, qk_norm=True)),
+                                   rope_linear=8.0, qk_norm=True, vocab_split=True)),
     # Gemma 4: Gemma 3's windows and norms; wider global layers, K = V, proportional RoPE
     "gemma4": (4096, _GEMMA | dict(vocab_size=262144, max_seq_len=262144, sliding_window=1024,
                                    global_every=6, rope_theta=1e6, rope_local_theta=1e4,
@@ -374,7 +374,9 @@ def _param_table(cfg: ModelConfig) -> dict:
         return {k: ((count, *s), P(None, *p), i) for k, (s, p, i, on) in rows.items()
                 if on and not (lin and k in attn)}
 
-    table = {"embed": ((V, D), P("tensor", "fsdp"), std), "final_norm": ((D,), P(None), one)}
+    split = cfg.vocab_split and cfg.tie_embeddings  # the tied table split on V, as the loss uses it
+    table = {"embed": ((V, D), P(("tensor", "fsdp"), None) if split else P("tensor", "fsdp"), std),
+             "final_norm": ((D,), P(None), one)}
     if cfg.global_head_dim:  # Gemma 4: local and global layers of different shapes, and the
         # last kv_shared of each without keys and values of their own: four stacks
         n, S, GH, GK = cfg.global_every, cfg.kv_shared, cfg.global_head_dim, cfg.global_kv_heads
@@ -649,9 +651,9 @@ def hidden(params: dict, tokens_BT, cfg: ModelConfig, *, segment_ids=None, posit
     # With --mesh.context the sequence is reordered for its shards (common/attention.py);
     # the hidden states stay in that order, the loss reorders its targets to match.
     tokens_BT, segment_ids, pos_BT = to_context(tokens_BT, segment_ids, pos_BT)
-    # Every token is looked up in each device's fsdp shard of d (the ids are small), then the
-    # rows go to their batch shards: gathering the table instead would put all of it, and
-    # its whole gradient, on every device (2 GiB each for a 128k vocabulary at d 8192).
+    # Every token is looked up in each device's fsdp shard of d (the ids are small; a table
+    # split on V: in its rows, summed), then the rows go to their batch shards: gathering the
+    # table would put all of it, and its gradient, on every device (2 GiB each at 128k x 8192).
     tokens = constrain(tokens_BT, P(None, None))
     look = lambda table: constrain(constrain(jnp.take(table.astype(dt), tokens, axis=0), P(
         None, None, ("fsdp", "context"))), ACT_BTD)

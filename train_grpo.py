@@ -107,7 +107,7 @@ class ModelConfig:
     scan_layers: bool = how(True)
     loss_chunk: int = how(256)    # sequence positions per cross-entropy chunk (bounds [B,T,V])
     loss_impl: Literal["fused", "remat"] = how("fused")  # gradient made with the loss, or rebuilt
-    vocab_split: bool = how(False)  # the unembedding kept split on V, as the loss reads it
+    vocab_split: bool = how(False)  # the unembedding (or tied table) split on V, as the loss uses
 
 
 @dataclass(frozen=True)
@@ -286,7 +286,9 @@ def _param_table(cfg: ModelConfig) -> dict:
         return {k: ((count, *s), P(None, *p), i) for k, (s, p, i, on) in rows.items()
                 if on and not (lin and k in attn)}
 
-    table = {"embed": ((V, D), P("tensor", "fsdp"), std), "final_norm": ((D,), P(None), one)}
+    split = cfg.vocab_split and cfg.tie_embeddings  # the tied table split on V, as the loss uses it
+    table = {"embed": ((V, D), P(("tensor", "fsdp"), None) if split else P("tensor", "fsdp"), std),
+             "final_norm": ((D,), P(None), one)}
     if cfg.global_head_dim:  # Gemma 4: local and global layers of different shapes, and the
         # last kv_shared of each without keys and values of their own: four stacks
         n, S, GH, GK = cfg.global_every, cfg.kv_shared, cfg.global_head_dim, cfg.global_kv_heads

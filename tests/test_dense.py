@@ -85,11 +85,15 @@ def grads_and_loss(cfg, params, batch, mesh):
 
 
 @pytest.mark.parametrize("model", [SMALL, KNOBS, GEMMA2, GEMMA3, OLMO3,
-                                   dataclasses.replace(SMALL, vocab_split=True)],
-                         ids=["llama", "all-knobs", "gemma2", "gemma3", "olmo3", "vocab-split"])
+                                   dataclasses.replace(SMALL, vocab_split=True),
+                                   dataclasses.replace(GEMMA3, vocab_split=True)],
+                         ids=["llama", "all-knobs", "gemma2", "gemma3", "olmo3", "vocab-split",
+                              "tied-vocab-split"])
 def test_sharded_equals_unsharded(model):
     if model.vocab_split:  # the unembedding stored as the vocabulary-parallel loss reads it
-        assert td.param_specs(model)["unembed"] == P(None, ("tensor", "fsdp", "context"))
+        V = ("tensor", "fsdp", "context")  # (a tied table: its rows, looked up where they lie)
+        assert td.param_specs(model)["embed" if model.tie_embeddings else "unembed"] == (
+            P(V, None) if model.tie_embeddings else P(None, V))
     cfg = small_cfg(model)
     params, batch = perturbed_params(cfg), tokens(cfg)
     ref_loss, ref_g = grads_and_loss(cfg, params, batch, make_mesh(MeshConfig(fsdp=1),
