@@ -826,7 +826,8 @@ def loss_fn(params, batch, cfg: ModelConfig, *, n=None, z_loss: float = 0.0,
     return obj / n, stats | {"ce": ce / n}
 
 
-def cross_entropy(h_BCD, w_DV, t_BC, wt_BC, *, z_loss: float, cap: float, grad: bool):
+def cross_entropy(h_BCD, w_DV, t_BC, wt_BC, *, z_loss: float, cap: float, grad: bool,
+                  dw_dtype=jnp.float32):
     """One chunk's (objective, cross-entropy) sums, and with `grad` the objective's gradient
     (dh, dW). Weights wt_BC (None = all 1) scale each target's terms and gradient alike.
 
@@ -851,7 +852,7 @@ def cross_entropy(h_BCD, w_DV, t_BC, wt_BC, *, z_loss: float, cap: float, grad: 
     dh_BCD = jnp.einsum("bcv,dv->bcd", dl.astype(w_DV.dtype), w_DV,
                         preferred_element_type=jnp.float32).astype(h_BCD.dtype)
     dw_DV = jnp.einsum("bcd,bcv->dv", h_BCD, dl.astype(h_BCD.dtype),
-                       preferred_element_type=jnp.float32)
+                       preferred_element_type=dw_dtype)
     return sums, (dh_BCD, dw_DV)
 
 
@@ -1052,14 +1053,18 @@ def _ce_fused(ce_fn, h_BTD, w_DV, t_BT, wt_BT, chunk: int, unroll: bool = False)
 
 
 def _ce_fused_fwd(ce_fn, h_BTD, w_DV, t_BT, wt_BT, chunk, unroll=False):
+    # One chunk: its dW straight in the weight's dtype, so that the devices' partial sums are
+    # reduced in it (the 70B's gathered unembedding: half the bytes); several add up in float32.
+    dt = w_DV.dtype if h_BTD.shape[1] <= chunk else jnp.float32
+
     def one(acc, xs):
         acc, xs = jax.lax.optimization_barrier((acc, xs))  # chunk by chunk, not all logits at once
-        (obj, ce), (dh_BCD, dw_DV) = ce_fn(xs[0], w_DV, *xs[1:], grad=True)
+        (obj, ce), (dh_BCD, dw_DV) = ce_fn(xs[0], w_DV, *xs[1:], grad=True, dw_dtype=dt)
         return (acc[0] + obj, acc[1] + ce, acc[2] + dw_DV), dh_BCD
 
     zero = jnp.zeros((), jnp.float32)
     (obj, ce, dw_DV), dh_nBCD = jax.lax.scan(
-        one, (zero, zero, jnp.zeros(w_DV.shape, jnp.float32)),
+        one, (zero, zero, jnp.zeros(w_DV.shape, dt)),
         _chunked(chunk, h_BTD, t_BT, wt_BT), unroll=unroll)
     dh_BTD = dh_nBCD.swapaxes(0, 1).reshape(h_BTD.shape)
     return (obj, ce), (dh_BTD, dw_DV.astype(w_DV.dtype))

@@ -194,6 +194,22 @@ def test_chunked_loss_equals_full_logits_values_and_gradients(impl):
             np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.parametrize("chunk,dw", [(16, "bf16"), (4, "f32")])
+def test_one_loss_chunk_makes_dw_in_the_weights_dtype(chunk, dw):
+    """One chunk: dW comes out of its matmul in the weight's dtype, so the devices' partial sums
+    are reduced in it (bfloat16: half the bytes); several chunks add up in float32. Either way
+    the gradient is float32's to bfloat16's precision."""
+    cfg = small_cfg(dataclasses.replace(SMALL, dtype="bfloat16", loss_chunk=chunk))
+    params, batch = perturbed_params(cfg), tokens(cfg)
+    grad = lambda m: jax.grad(lambda p: td.loss_fn(p, batch, m)[0])(params)
+    D, V = SMALL.d_model, SMALL.vocab_size
+    assert re.findall(rf"(\w+)\[{D},{V}\] = dot_general", str(jax.make_jaxpr(
+        lambda: grad(cfg.model))())) == [dw]
+    want = grad(dataclasses.replace(cfg.model, dtype="float32"))["unembed"]
+    got = grad(cfg.model)["unembed"]
+    np.testing.assert_allclose(got, want, atol=0.02 * float(np.abs(want).max()))
+
+
 @pytest.mark.parametrize("d_model,want", [(32, 32), (24, 32), (4, 8)])
 def test_a_gathered_unembedding_takes_chunks_of_d_model_targets_a_device(d_model, want):
     """More targets than vocabulary: the unembedding is gathered whole on each device and each
