@@ -127,7 +127,7 @@ class ModelConfig:
     remat: Literal["full", "dots", "none"] = how("full")  # what the backward pass may keep
     scan_layers: bool = how(True)
     loss_chunk: int = how(256)    # sequence positions per cross-entropy chunk (bounds [B,T,V])
-    grouped_matmul: Literal["auto", "ragged_dot", "tiled", "megablox"] = how("auto")  # see _grouped_impl
+    grouped_matmul: Literal["auto", "ragged_dot", "tiled", "megablox"] = how("auto")  # _grouped_impl
     gmm_tile: int = how(128)      # rows per tile of the tiled grouped matmul
     # DeepSeek-V3.2's sparse attention (DSA, see `dsa`): a lightning indexer of index_n_heads
     # heads (0 = off) picks each query's index_topk keys, to which alone MLA attends

@@ -86,7 +86,7 @@ def grads_and_loss(cfg, params, batch, mesh):
 
 @pytest.mark.parametrize("model", [SMALL, KNOBS, GEMMA2, GEMMA3, OLMO3,
                                    dataclasses.replace(SMALL, vocab_split=True),
-                                   dataclasses.replace(GEMMA3, vocab_split=True)],
+                                   dataclasses.replace(KNOBS, vocab_split=True)],
                          ids=["llama", "all-knobs", "gemma2", "gemma3", "olmo3", "vocab-split",
                               "tied-vocab-split"])
 def test_sharded_equals_unsharded(model):
