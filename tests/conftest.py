@@ -1,9 +1,15 @@
 """Test set-up: 8 simulated CPU devices, set before JAX is imported anywhere."""
+import importlib.metadata
 import logging
 import os
 import sys
 
 import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+from tests.spawn import LEGACY  # noqa: E402
 
 # The suite's programs are tiny and compiled once or twice each: most of its time was XLA:CPU's
 # LLVM optimising machine code that then ran for milliseconds. Level 0 changes no HLO pass, only
@@ -12,6 +18,12 @@ import pytest
 _flags = os.environ.get("XLA_FLAGS", "")
 if "--xla_backend_optimization_level" not in _flags:
     _flags += " --xla_backend_optimization_level=0"
+# JAX 0.10's XLA:CPU still has its older fusion code generator, which compiles these programs in
+# about half the time (tests/test_dense.py, cold cache: 77 s -> 39 s on two cores) and runs them
+# as fast; it expands a scatter (the embedding's gradient) into a loop (tests/spawn.py
+# `scatter_loops`). Later jaxlibs dropped it (0.11.2 and 0.12 refuse the flag).
+if importlib.metadata.version("jaxlib").startswith("0.10.") and LEGACY not in _flags:
+    _flags += " " + LEGACY
 os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # With libtpu installed, the ahead-of-time TPU compiles of two xdist workers would contend for
@@ -23,10 +35,6 @@ os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(os.environ.get(
     "JAX_TRAINERS_CACHE", os.path.expanduser("~/.cache/jax_trainers")), "xla"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
 
 # The slowest files first: xdist's two workers then end on short tests, rather than one running
 # a long trajectory while the other waits (test_make_train.py is ~6 min, test_unchanged.py ~3.5).

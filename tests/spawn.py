@@ -73,6 +73,15 @@ def run(cmd: list[str], timeout: float, **kw) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(cmd, p.returncode, out, err)
 
 
+LEGACY = "--xla_cpu_use_fusion_emitters=false"  # JAX 0.10's older CPU code generator (conftest.py)
+
+
+def scatter_loops() -> int:
+    """The loops XLA:CPU adds to a step by expanding a scatter (the embedding's gradient) under
+    the older code generator: a step with no loop of its own has this many."""
+    return int(LEGACY in os.environ.get("XLA_FLAGS", "").split())
+
+
 def xla_flags(devices: int = 0) -> str:
     """XLA_FLAGS for a process a test starts: the suite's own (conftest.py's level-0 compiles,
     which halve a two-process launch's CPU time: each process compiles afresh, see

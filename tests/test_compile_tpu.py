@@ -11,6 +11,7 @@ import pytest
 import train_dense as td
 from bench import compile_tpu as ct
 from common import train
+from tests.spawn import scatter_loops
 from tests.test_dense import _has_libtpu
 
 LLAMA_2K = ct.parse_row(ct.ROWS[0])
@@ -197,7 +198,7 @@ def test_dry_run_reports_xla_cost_on_the_cpu():
     cfg = td.cli(["tiny"])
     model = td.flops_per_token(cfg.model, cfg.train.seq_len) * cfg.train.batch_size * \
         cfg.train.seq_len
-    assert flat["xla_while_loops"] == 0 and flat["xla_bytes_accessed"] > 0
+    assert flat["xla_while_loops"] == scatter_loops() and flat["xla_bytes_accessed"] > 0
     assert 1.0 < flat["xla_flops"] * flat["devices"] / model < 1.5
     assert flat.get("est_step_s", 1.0) > 0
     scanned = td.main(td.cli(["tiny", "--dry-run", "--mesh.fsdp", "8", "--quiet"]))

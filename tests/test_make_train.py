@@ -11,6 +11,8 @@ import sys
 
 import pytest
 
+from tests.spawn import LEGACY
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 pytestmark = pytest.mark.timeout(3600)  # `make train` at XLA's default level: ~6 min here
@@ -18,9 +20,10 @@ pytestmark = pytest.mark.timeout(3600)  # `make train` at XLA's default level: ~
 
 def run(*argv):
     # One CPU device, as on the user's machine: not the 8 that conftest.py simulates, and
-    # XLA's own optimisation level, not the suite's level 0 (which halves this run's speed).
+    # XLA's own optimisation level and code generator, not the suite's (level 0 halves this
+    # run's speed).
     flags = " ".join(f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith(
-        ("--xla_force_host_platform_device_count", "--xla_backend_optimization_level")))
+        ("--xla_force_host_platform_device_count", "--xla_backend_optimization_level", LEGACY)))
     r = subprocess.run([sys.executable, *argv], cwd=ROOT, capture_output=True, text=True,
                        timeout=3600, env=dict(os.environ, XLA_FLAGS=flags))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
