@@ -177,7 +177,9 @@ def test_rollout_masks_after_eos_and_its_logps_equal_the_training_forward(knobs)
     assert 0 < stopped < len(tokens)              # both kinds of row are exercised
     ref, _, _ = jax.jit(partial(tg.completion_logps, cfg=m, temperature=1.0, n_valid=14))(
         params, {"prompt": prompt, "prompt_valid": valid, "completion": tokens})
-    np.testing.assert_allclose(logp[mask], np.asarray(ref)[mask], rtol=1e-5, atol=1e-5)
+    # float32 rounding: DeltaNet's state decoded token by token against the chunked forward
+    # differed by 2.1e-5 here (JAX 0.10's older CPU code generator); the state 1% off, by 0.59
+    np.testing.assert_allclose(logp[mask], np.asarray(ref)[mask], rtol=1e-5, atol=5e-5)
     # A row finishes early only when every row is done: run with EOS impossible to draw.
     full = run_rollout(m, params, prompt, valid, jax.random.key(0), 1.0, n_valid=2)
     assert int(full["steps"]) == 8 and full["mask_BN"].all()
