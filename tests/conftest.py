@@ -22,7 +22,7 @@ if "--xla_backend_optimization_level" not in _flags:
 # about half the time (tests/test_dense.py, cold cache: 77 s -> 39 s on two cores) and runs them
 # as fast; it expands a scatter (the embedding's gradient) into a loop (tests/spawn.py
 # `scatter_loops`). Later jaxlibs dropped it (0.11.2 and 0.12 refuse the flag).
-if importlib.metadata.version("jaxlib").startswith("0.10.") and LEGACY not in _flags:
+if importlib.metadata.version("jaxlib").startswith("0.10.") and LEGACY.split("=")[0] not in _flags:
     _flags += " " + LEGACY
 os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
