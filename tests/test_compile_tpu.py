@@ -202,7 +202,7 @@ def test_dry_run_reports_xla_cost_on_the_cpu():
     assert 1.0 < flat["xla_flops"] * flat["devices"] / model < 1.5
     assert flat.get("est_step_s", 1.0) > 0
     scanned = td.main(td.cli(["tiny", "--dry-run", "--mesh.fsdp", "8", "--quiet"]))
-    assert scanned["xla_while_loops"] >= 1
+    assert scanned["xla_while_loops"] >= 1 + scatter_loops()
     assert scanned["xla_flops"] < 0.6 * flat["xla_flops"]   # 1 of tiny's 4 layers counted
 
 
