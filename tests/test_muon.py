@@ -109,6 +109,41 @@ def test_one_update_equals_the_formula_and_only_hidden_matrices_get_muon():
     assert not {"embed", "unembed", "final_norm", "attn_norm", "bq", "q_norm"} & names
 
 
+@pytest.mark.parametrize("kind", ["adamw", "muon"])
+def test_steps_follow_optax_and_a_nonfinite_one_keeps_the_whole_state(kind):
+    """common/train.py `update`: AdamW's moments are kept inside the optimiser
+    (`scale_by_adam_kept`), so each step equals optax.adamw's, within float32 rounding (XLA
+    fuses the two differently), over steps that clip and decay; a gradient with a NaN then
+    leaves the parameters, the moments and every count exactly as they were."""
+    params = perturbed_params(small_cfg(KNOBS))
+    mask = lambda p: jax.tree_util.tree_map_with_path(
+        lambda path, _: path[-1].key in {"embed", "unembed"} | set(td.MUON_DIMS), p)
+    ref = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(
+        optax.linear_schedule(0.0, 0.01, 3), 0.9, 0.95, weight_decay=0.1, mask=mask))
+    tx = train.optimizer(kind, optax.linear_schedule(0.0, 0.01, 3), b1=0.9, b2=0.95,
+                         weight_decay=0.1, clip_norm=1.0, decayed={"embed", "unembed"} | set(
+                             td.MUON_DIMS), muon_dims=td.MUON_DIMS)
+    step = jax.jit(lambda s, g: train.update(tx, g, s))
+    state = {"params": params, "opt_state": tx.init(params), "step": jnp.zeros((), jnp.int32)}
+    p_ref, s_ref = params, ref.init(params)
+    for i in range(4):
+        grads = jax.tree.map(lambda p: (i + 1) * jnp.cos(3 * p + i), params)  # norm > 1: clipped
+        state, m = step(state, grads)
+        u, s_ref = jax.jit(ref.update)(grads, s_ref, p_ref)
+        p_ref = optax.apply_updates(p_ref, u)
+        assert not bool(m["nonfinite"]) and float(m["grad_norm"]) > 1
+        if kind == "adamw":
+            for a, b in zip(jax.tree.leaves((state["params"], state["opt_state"])),
+                            jax.tree.leaves((p_ref, s_ref))):
+                np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-9)
+    bad = jax.tree.map(lambda g: g.at[(0,) * g.ndim].set(jnp.nan), grads)
+    after, m = step(state, bad)
+    assert bool(m["nonfinite"]) and int(after["step"]) == 5
+    for a, b in zip(jax.tree.leaves((after["params"], after["opt_state"])),
+                    jax.tree.leaves((state["params"], state["opt_state"]))):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_moe_muon_is_per_expert_and_leaves_the_router_to_adamw():
     cfg = tm.ModelConfig(vocab_size=64, d_model=16, n_layers=1, n_heads=2, n_kv_heads=2,
                          head_dim=8, d_ff=12, n_experts=4, top_k=2)
