@@ -574,7 +574,8 @@ def update(tx, grads, state: dict, *checked, after: Callable | None = None) -> t
     ok = jnp.isfinite(norm)
     for x in checked:
         ok &= jnp.all(jnp.isfinite(x))
-    updates, opt_state = tx.update(grads, state["opt_state"], state["params"], ok=ok)
+    updates, opt_state = optax.with_extra_args_support(tx).update(  # any optax transformation
+        grads, state["opt_state"], state["params"], ok=ok)
     params = optax.apply_updates(state["params"], updates)
     params = after(params) if after else params
     kept = lambda x: isinstance(x, optax.ScaleByAdamState)  # by `scale_by_adam_kept` itself
