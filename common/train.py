@@ -390,7 +390,7 @@ def optimizer(kind: str, schedule, *, b1: float, b2: float, weight_decay: float,
     adam = optax.chain(scale_by_adam_kept(b1, b2), optax.add_decayed_weights(weight_decay, mask),
                        optax.scale_by_learning_rate(schedule))   # optax.adamw's chain and state
     if kind == "adamw":
-        return optax.chain(optax.clip_by_global_norm(clip_norm), adam)
+        return _keeps_adam(optax.chain(optax.clip_by_global_norm(clip_norm), adam))
 
     def rms_match(updates, state, params=None):
         def scale(path, u):
@@ -408,8 +408,13 @@ def optimizer(kind: str, schedule, *, b1: float, b2: float, weight_decay: float,
         optax.add_decayed_weights(weight_decay), optax.scale_by_learning_rate(schedule))
     labels = lambda params: jax.tree_util.tree_map_with_path(
         lambda path, _: "muon" if path[-1].key in muon_dims else "adamw", params)
-    return optax.chain(optax.clip_by_global_norm(clip_norm),
-                       optax.partition({"muon": muon, "adamw": adam}, labels))
+    return _keeps_adam(optax.chain(optax.clip_by_global_norm(clip_norm),
+                                   optax.partition({"muon": muon, "adamw": adam}, labels)))
+
+
+def _keeps_adam(tx):
+    tx.update.adam_kept = True  # `update` leaves its Adam state to `scale_by_adam_kept`
+    return tx
 
 
 def scale_by_adam_kept(b1: float, b2: float, eps: float = 1e-8):
@@ -578,7 +583,8 @@ def update(tx, grads, state: dict, *checked, after: Callable | None = None) -> t
         grads, state["opt_state"], state["params"], ok=ok)
     params = optax.apply_updates(state["params"], updates)
     params = after(params) if after else params
-    kept = lambda x: isinstance(x, optax.ScaleByAdamState)  # by `scale_by_adam_kept` itself
+    inside = getattr(tx.update, "adam_kept", False)  # `optimizer()`'s: kept by Adam itself
+    kept = lambda x: inside and isinstance(x, optax.ScaleByAdamState)
     keep = lambda new, old: jax.tree.map(lambda a, b: a if kept(a) else jnp.where(ok, a, b), new,
                                          old, is_leaf=kept)
     return state | {"params": keep(params, state["params"]),

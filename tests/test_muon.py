@@ -142,6 +142,11 @@ def test_steps_follow_optax_and_a_nonfinite_one_keeps_the_whole_state(kind):
     for a, b in zip(jax.tree.leaves((after["params"], after["opt_state"])),
                     jax.tree.leaves((state["params"], state["opt_state"]))):
         np.testing.assert_array_equal(a, b)
+    # Any other optax optimiser handed to `update` is kept by its selects, its Adam state too.
+    s_ref = {"params": p_ref, "opt_state": s_ref, "step": jnp.zeros((), jnp.int32)}
+    after = jax.jit(lambda s, g: train.update(ref, g, s))(s_ref, bad)[0]
+    for a, b in zip(jax.tree.leaves(after), jax.tree.leaves(s_ref | {"step": 1})):
+        np.testing.assert_array_equal(a, b)
 
 
 def test_moe_muon_is_per_expert_and_leaves_the_router_to_adamw():
