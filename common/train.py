@@ -428,7 +428,7 @@ def scale_by_adam_kept(b1: float, b2: float, eps: float = 1e-8):
         new = jax.tree.map(lambda a, b: jnp.where(ok, a, b), adam.update(g, state)[1], state)
         mu, nu = (optax.tree.bias_correction(m, b, new.count) for m, b in ((new.mu, b1),
                                                                            (new.nu, b2)))
-        return jax.tree.map(lambda m, v: m / (jnp.sqrt(v + 0.0) + eps), mu, nu), new
+        return jax.tree.map(lambda m, v: m / (jnp.sqrt(v + 0.0) + eps), mu, nu), new  # 0: eps_root
     return optax.GradientTransformationExtraArgs(adam.init, update)
 
 
