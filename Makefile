@@ -50,8 +50,14 @@ train-moe: $(VENV)/.installed  ## train the tiny mixture of experts (MOE_PRESET)
 train-grpo: $(VENV)/.installed  ## SFT warm start, then GRPO (GRPO_PRESET) on reversed addition, on the CPU; resumes
 	$(PY) train_grpo.py $(GRPO_PRESET) $(ARGS)
 
-test: $(VENV)/.installed  ## run the test suite on 8 simulated CPU devices
-	$(PY) -m pytest -n 2 --dist worksteal tests $(ARGS)
+# One pytest worker per core this process may use, and at most one per 3 GiB of memory (a
+# worker peaked at 0.9 GiB, its two-process tests' processes as much again): 2 on a 2-core
+# machine, as many as a workstation has cores. TEST_WORKERS=n overrides.
+TEST_WORKERS ?= $(shell $(PYTHON) -c 'import os; cores = len(os.sched_getaffinity(0)) if \
+  hasattr(os, "sched_getaffinity") else os.cpu_count(); gib = os.sysconf("SC_PHYS_PAGES") * \
+  os.sysconf("SC_PAGE_SIZE") / 2**30; print(max(1, min(cores or 1, int(gib // 3))))')
+test: $(VENV)/.installed  ## run the test suite on 8 simulated CPU devices, a worker per core
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist worksteal tests $(ARGS)
 
 # The lowest versions pyproject.toml allows, pinned (pip has no lowest-version resolution):
 # the tests of every optimiser (test_muon.py holds AdamW's and Muon's updates to their formulas
@@ -67,7 +73,7 @@ test-floors:  ## FLOOR_TESTS on the lowest versions of every dependency pyprojec
 	  p["dependencies"] + p["optional-dependencies"]["test"]))' > $(FLOORS_VENV)/floors.txt
 	$(FLOORS_VENV)/bin/pip install -q -c $(FLOORS_VENV)/floors.txt -e '.[test]'
 	$(FLOORS_VENV)/bin/pip list 2>/dev/null | grep -iE "^(jax|jaxlib|optax|orbax-checkpoint|numpy|tyro|sentencepiece) "
-	$(FLOORS_VENV)/bin/python -m pytest -n 2 --dist worksteal $(FLOOR_TESTS) $(ARGS)
+	$(FLOORS_VENV)/bin/python -m pytest -n $(TEST_WORKERS) --dist worksteal $(FLOOR_TESTS) $(ARGS)
 
 # libtpu's ahead-of-time compiler, on this CPU host: the dense and MoE steps for a v5p-8.
 test-tpu: $(VENV)/.installed  ## compile the training steps for a TPU slice here (installs the tpu extra)
