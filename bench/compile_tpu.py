@@ -258,9 +258,9 @@ def failure_reason(text: str, rc) -> str:
     return (lines[-1][:300] if lines else "no output") + f" (exit {rc})"
 
 
-def compile_ours(row: dict, extra: str, log_dir: str, timeout: float, hlo: bool = False) -> dict:
+def compile_ours(row: dict, extra: str, log_dir: str, timeout: float, dumps=()) -> dict:
     # Another process may hold libtpu's lock file; compiling needs no exclusive TPU.
-    env = dict(ENV, ALLOW_MULTIPLE_LIBTPU_LOAD="1") | hlo_env(hlo, log_dir, row, "ours")
+    env = dict(ENV, ALLOW_MULTIPLE_LIBTPU_LOAD="1") | dump_env(dumps, log_dir, row, "ours")
     cmd = [sys.executable, os.path.abspath(__file__), "--one", TRAINERS[row["trainer"]],
            *ours_argv(row, extra)]
     return run_one(cmd, OURS_PREFIX, os.path.join(log_dir, f"{row['name']}.ours.log"),
@@ -288,17 +288,44 @@ def our_libtpu() -> str:
 
 
 def compile_maxtext(row: dict, extra: str, python: str, log_dir: str, timeout: float,
-                    libtpu: str = "", hlo: bool = False) -> dict:
+                    libtpu: str = "", dumps=()) -> dict:
     """MaxText's compile, with the libtpu.so `maxtext_env` says."""
     cmd = [python, os.path.join(PEER, "maxtext_compile.py"), *maxtext_args(row, extra)]
     return run_one(cmd, PEER_PREFIX, os.path.join(log_dir, f"{row['name']}.maxtext.log"),
-                   timeout, maxtext_env(libtpu) | hlo_env(hlo, log_dir, row, "maxtext"))
+                   timeout, maxtext_env(libtpu) | dump_env(dumps, log_dir, row, "maxtext"))
 
 
-def hlo_env(hlo: bool, log_dir: str, row: dict, side: str) -> dict:
-    """--hlo: where the compile writes its optimized module (LOG_DIR/ROW.SIDE.hlo)."""
-    path = os.path.join(log_dir, f"{row['name']}.{side}.hlo")
-    return {"COMPILE_TPU_HLO": path} if hlo else {}
+def dump_env(dumps, log_dir: str, row: dict, side: str) -> dict:
+    """`dumps` "hlo" (--hlo): the compile writes its optimized module to LOG_DIR/ROW.SIDE.hlo;
+    "schedule" (--schedule): XLA dumps the step's latency-hiding schedule in LOG_DIR/ROW.SIDE.dump."""
+    path = os.path.join(log_dir, f"{row['name']}.{side}")
+    env = {"COMPILE_TPU_HLO": path + ".hlo"} if "hlo" in dumps else {}
+    if "schedule" in dumps:
+        env["XLA_FLAGS"] = (ENV.get("XLA_FLAGS", "") + f" --xla_dump_to={path}.dump "
+                            "--xla_dump_hlo_module_re=.*train_step.* "
+                            "--xla_dump_latency_hiding_schedule=true").strip()
+    return env
+
+
+
+def schedule_notes(results: list[dict], log_dir: str) -> list[str]:
+    """--schedule: each row's span on the scheduler's timeline (bench/schedule.py), per side."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import schedule
+    notes = []
+    for res in results:
+        name, spans = res["row"]["name"], {}
+        for side in ("ours", "maxtext"):
+            folder = os.path.join(log_dir, f"{name}.{side}.dump")
+            if (res.get(side) or {}).get("est_step_s") and os.path.isdir(folder):
+                spans[side] = schedule.read(folder)["span_s"]
+        if spans:
+            pair = " / ".join(f"{spans[k]:.4f}" if k in spans else "-" for k in ("ours", "maxtext"))
+            ratio = (f" ({spans['ours'] / spans['maxtext']:.3f})" if len(spans) == 2 else "")
+            notes.append(f"- {name}: the latency-hiding scheduler's timeline, ours / MaxText: "
+                         f"{pair} s{ratio} (bench/schedule.py {os.path.join(log_dir, name)}"
+                         ".ours.dump ...)")
+    return notes
 
 
 def maxtext_env(libtpu: str) -> dict:
@@ -435,6 +462,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--timeout", type=float, default=3600, help="seconds per compile")
     ap.add_argument("--hlo", action="store_true", help="also each compile's optimized HLO, "
                     "ROW.ours.hlo / ROW.maxtext.hlo in --log-dir, for bench/hlo_bytes.py")
+    ap.add_argument("--schedule", action="store_true", help="also the step time on libtpu's "
+                    "other model, its latency-hiding scheduler's timeline (bench/schedule.py), "
+                    "from a dump of each compile in --log-dir")
     ap.add_argument("--maxtext-libtpu", choices=("ours", "own"), default="ours",
                     help="the compiler MaxText uses: ours (default: the libtpu our side "
                     "loads, so both sides have one compiler) or own (its venv's)")
@@ -442,7 +472,8 @@ def main(argv: list[str] | None = None) -> None:
                     "per-chip batch that fits the chip's HBM for each row, its layers scanned, "
                     "on each side (a few compiles per side; give a row its full layer count)")
     args = ap.parse_args(argv)
-    if args.hlo:
+    dumps = [k for k in ("hlo", "schedule") if getattr(args, k)]
+    if dumps:
         os.makedirs(args.log_dir, exist_ok=True)
     try:
         named = ROWS + CONTEXT_ROWS + PIPELINE_ROWS + FIT_ROWS
@@ -473,12 +504,12 @@ def main(argv: list[str] | None = None) -> None:
     for row in rows:
         res = {"row": row, "model_flops_per_step": flops[row["name"]]}
         print(f"{row['name']}: compiling ours ...", file=sys.stderr, flush=True)
-        res["ours"] = compile_ours(row, args.ours_flags, args.log_dir, args.timeout, args.hlo)
+        res["ours"] = compile_ours(row, args.ours_flags, args.log_dir, args.timeout, dumps)
         print(f"{row['name']}: ours {_brief(res['ours'])}", file=sys.stderr, flush=True)
         if python and row.get("maxtext"):
             print(f"{row['name']}: compiling MaxText ...", file=sys.stderr, flush=True)
             res["maxtext"] = compile_maxtext(row, args.maxtext_flags, python, args.log_dir,
-                                             args.timeout, libtpu, args.hlo)
+                                             args.timeout, libtpu, dumps)
             print(f"{row['name']}: MaxText {_brief(res['maxtext'])}", file=sys.stderr,
                   flush=True)
         results.append(res)
@@ -486,6 +517,8 @@ def main(argv: list[str] | None = None) -> None:
             with open(args.json, "w") as f:
                 json.dump({"command": sys.argv, "results": results}, f, indent=1)
     print(table(results))
+    if args.schedule:
+        print("\n".join(schedule_notes(results, args.log_dir)))
 
 
 # ---- --fit: the largest per-chip batch that fits a chip's HBM

@@ -217,12 +217,51 @@ def test_maxtext_wrapper_refuses_words_that_are_not_overrides():
 def test_our_compile_for_a_tpu_slice_reports_an_estimated_step(tmp_path):
     row = ct.parse_row("name=t trainer=dense preset=tiny topology=v5p-8 batch=2 seq=256 "
                        "layers=2")
-    report = ct.compile_ours(row, "", str(tmp_path), timeout=600)
+    report = ct.compile_ours(row, "", str(tmp_path), timeout=600, dumps=("schedule",))
     assert "error" not in report, report
     assert report["devices"] == 4 and report["platform"] == "tpu"
     assert report["est_step_s"] > 0 and report["xla_flops"] > 0
     assert report["xla_while_loops"] == 0 and report["versions"]["libtpu"]
     json.dumps(report)
+    # --schedule: libtpu's scheduler wrote the step's timeline, which bench/schedule.py reads
+    from bench import schedule
+    timeline = schedule.read(str(tmp_path / "t.ours.dump"))
+    assert timeline["span_s"] > 0 and timeline["by_opcode"]["fusion"][1] > 0
+    notes = ct.schedule_notes([{"row": row, "ours": report}], str(tmp_path))
+    assert len(notes) == 1 and f"{timeline['span_s']:.4f} / - s" in notes[0], notes
+
+
+def test_schedule_reads_the_entry_computations_last_timeline(tmp_path):
+    """bench/schedule.py on a dump written here: the entry's instructions by opcode, in seconds
+    at the file's clock; a rerun of the scheduler (a second timeline) replaces the first, and
+    another computation's timeline is not the step's."""
+    from bench import schedule
+
+    def inst(i, name, op):
+        return ["    instructions {", f'      name: "{name}"',
+                f'      opcode: "{op}"', "      shape {", "        element_type: F32", "      }",
+                f"      id: {i}", "    }"]
+
+    def timeline(comp, *spans):
+        return (["computation_schedules {", f"  computation_id: {comp}"]
+                + [line for i, a, b in spans for line in (
+                    "  instructions {", f"    id: {i}", f"    start_timestamp_cycles: {a}",
+                    f"    end_timestamp_cycles: {b}", "  }")] + ["}"])
+    text = (["hlo_module {", '  name: "jit_train_step"', '  entry_computation_name: "main"',
+             "  computations {", '    name: "body"'] + inst(1, "add.1", "add")
+            + ["    id: 7", "  }", "  computations {", '    name: "main"']
+            + inst(2, "fusion.3", "fusion") + inst(3, "all-gather.4", "all-gather")
+            + inst(4, "fusion.5", "fusion") + ["    id: 9", "  }", "}"]
+            + timeline(7, (1, 0, 5e9))
+            + timeline(9, (2, 0, 1750), (3, 1750, 2625), (4, 2625, 7000))   # replaced below
+            + timeline(9, (2, 0, 1750), (3, 1750, 5250), (4, 5250, 7000))[:-1]
+            + ["  cycles_per_microsecond: 1750", "}"])
+    (tmp_path / "jit_train_step.schedule.txt").write_text("\n".join(l for l in text if l))
+    got = schedule.read(str(tmp_path))
+    assert got["span_s"] == pytest.approx(4e-6)
+    assert got["by_opcode"] == {"fusion": (pytest.approx(2e-6), 2),
+                                "all-gather": (pytest.approx(2e-6), 1)}
+    assert got["top"][0][1:] == ("all-gather", "all-gather.4")
 
 
 def test_hlo_bytes_counts_what_each_top_level_instruction_reads_and_writes():
