@@ -297,7 +297,7 @@ def compile_maxtext(row: dict, extra: str, python: str, log_dir: str, timeout: f
 
 def dump_env(dumps, log_dir: str, row: dict, side: str) -> dict:
     """`dumps` "hlo" (--hlo): the compile writes its optimized module to LOG_DIR/ROW.SIDE.hlo;
-    "schedule" (--schedule): XLA dumps the step's latency-hiding schedule in LOG_DIR/ROW.SIDE.dump."""
+    "schedule" (--schedule): XLA dumps the step's scheduled timeline in LOG_DIR/ROW.SIDE.dump."""
     path = os.path.join(log_dir, f"{row['name']}.{side}")
     env = {"COMPILE_TPU_HLO": path + ".hlo"} if "hlo" in dumps else {}
     if "schedule" in dumps:
@@ -305,7 +305,6 @@ def dump_env(dumps, log_dir: str, row: dict, side: str) -> dict:
                             "--xla_dump_hlo_module_re=.*train_step.* "
                             "--xla_dump_latency_hiding_schedule=true").strip()
     return env
-
 
 
 def schedule_notes(results: list[dict], log_dir: str) -> list[str]:

@@ -8,8 +8,12 @@ compute they were scheduled beside, and XLA writes that timeline out with
 This reads one or two such dumps (a `*.schedule.txt`, or the folder holding it) and prints the
 timeline's span, in seconds at the clock the file names, split by what each instruction is
 (a fusion, a Pallas kernel, a collective left waiting), and with two files their ratio.
+Each instruction's time is its own on the timeline, and they do not overlap there (the
+scheduler's collectives run beside compute as async pairs of no length), so the kinds add up
+to the span.
 
-    python bench/schedule.py runs/compile-tpu/mixtral.ours.dump runs/compile-tpu/mixtral.maxtext.dump
+    python bench/schedule.py runs/compile-tpu/mixtral.ours.dump \
+        runs/compile-tpu/mixtral.maxtext.dump
 """
 from __future__ import annotations
 
