@@ -50,12 +50,9 @@ train-moe: $(VENV)/.installed  ## train the tiny mixture of experts (MOE_PRESET)
 train-grpo: $(VENV)/.installed  ## SFT warm start, then GRPO (GRPO_PRESET) on reversed addition, on the CPU; resumes
 	$(PY) train_grpo.py $(GRPO_PRESET) $(ARGS)
 
-# One pytest worker per core this process may use, and at most one per 3 GiB of memory (a
-# worker peaked at 0.9 GiB, its two-process tests' processes as much again): 2 on a 2-core
-# machine, as many as a workstation has cores. TEST_WORKERS=n overrides.
-TEST_WORKERS ?= $(shell $(PYTHON) -c 'import os; cores = len(os.sched_getaffinity(0)) if \
-  hasattr(os, "sched_getaffinity") else os.cpu_count(); gib = os.sysconf("SC_PHYS_PAGES") * \
-  os.sysconf("SC_PAGE_SIZE") / 2**30; print(max(1, min(cores or 1, int(gib // 3))))')
+# A pytest worker per core, at most one per 3 GiB of memory (tests/workers.py): 2 on a 2-core
+# machine, a workstation's cores all used. TEST_WORKERS=n overrides.
+TEST_WORKERS ?= $(shell $(PYTHON) tests/workers.py)
 test: $(VENV)/.installed  ## run the test suite on 8 simulated CPU devices, a worker per core
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist worksteal tests $(ARGS)
 
