@@ -52,6 +52,7 @@ ENV = dict(os.environ)
 sys.path.insert(0, ROOT)
 from common.mesh import MeshError, tpu_type  # noqa: E402
 from common.train import PEAK_TFLOPS  # noqa: E402
+from bench import schedule  # noqa: E402
 
 PEER = os.path.join(ROOT, "bench", "peers")
 OURS_PREFIX, PEER_PREFIX = "COMPILE_TPU_REPORT ", "MAXTEXT_COMPILE "
@@ -309,8 +310,6 @@ def dump_env(dumps, log_dir: str, row: dict, side: str) -> dict:
 
 def schedule_notes(results: list[dict], log_dir: str) -> list[str]:
     """--schedule: each row's span on the scheduler's timeline (bench/schedule.py), per side."""
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    import schedule
     notes = []
     for res in results:
         name, spans = res["row"]["name"], {}

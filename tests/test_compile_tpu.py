@@ -256,7 +256,7 @@ def test_schedule_reads_the_entry_computations_last_timeline(tmp_path):
             + timeline(9, (2, 0, 1750), (3, 1750, 2625), (4, 2625, 7000))   # replaced below
             + timeline(9, (2, 0, 1750), (3, 1750, 5250), (4, 5250, 7000))[:-1]
             + ["  cycles_per_microsecond: 1750", "}"])
-    (tmp_path / "jit_train_step.schedule.txt").write_text("\n".join(l for l in text if l))
+    (tmp_path / "jit_train_step.schedule.txt").write_text("\n".join(text))
     got = schedule.read(str(tmp_path))
     assert got["span_s"] == pytest.approx(4e-6)
     assert got["by_opcode"] == {"fusion": (pytest.approx(2e-6), 2),
