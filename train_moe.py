@@ -129,6 +129,7 @@ class ModelConfig:
     loss_chunk: int = how(256)    # sequence positions per cross-entropy chunk (bounds [B,T,V])
     grouped_matmul: Literal["auto", "ragged_dot", "tiled", "megablox"] = how("auto")  # _grouped_impl
     gmm_tile: int = how(128)      # rows per tile of the tiled grouped matmul
+    down_split: Literal["f", "d"] = how("f")  # the axis of w_down fsdp splits (`_layer_table`)
     # DeepSeek-V3.2's sparse attention (DSA, see `dsa`): a lightning indexer of index_n_heads
     # heads (0 = off) picks each query's index_topk keys, to which alone MLA attends
     index_n_heads: int = 0
@@ -449,7 +450,10 @@ def _layer_table(cfg: ModelConfig, L: int, moe: bool, glob: bool = False) -> dic
         "w_router": ((D, E), ("fsdp", None), std, moe),
         "w_gate": ((E, D, F), (ex, "fsdp", "tensor"), std, moe),
         "w_up": ((E, D, F), (ex, "fsdp", "tensor"), std, moe),
-        "w_down": ((E, F, D), (ex, "tensor", "fsdp"), out_std, moe),
+        # fsdp on F: on d, its last axis, XLA:TPU copied each gradient to a d-major layout to
+        # reduce it (DeepSeek-V3, v5p-32: 3 x 7.5 GB a step, est. 0.6308 s -> 0.5643 without)
+        "w_down": ((E, F, D), (ex, ("tensor", "fsdp"), None) if cfg.down_split == "f" else (
+            ex, "tensor", "fsdp"), out_std, moe),
         "shared_gate": ((D, Fs), ("fsdp", "tensor"), std, moe and Fs),
         "shared_up": ((D, Fs), ("fsdp", "tensor"), std, moe and Fs),
         "shared_down": ((Fs, D), ("tensor", "fsdp"), out_std, moe and Fs),
@@ -1316,10 +1320,16 @@ def validate(cfg: Config, n_devices: int, platform: str = "") -> None:
     # A device of the expert axis holds n_experts / expert whole experts.
     train.check_sizes(mesh, {"expert": [("--model.n-experts", m.n_experts)], "tensor": [
         ("--model.n-heads", m.n_heads), ("--model.n-kv-heads", m.n_kv_heads),
-        ("--model.d-ff", m.d_ff), ("--model.dense-d-ff", m.dense_d_ff),
+        ("--model.dense-d-ff", m.dense_d_ff),
         ("--model.global-kv-heads", m.global_kv_heads), ("--model.index-n-heads", m.index_n_heads),
         ("--model.linear-k-heads", m.linear_k_heads),
         ("--model.vocab-size", m.vocab_size)], "fsdp": [("--model.d-model", m.d_model)]})
+    f = m.down_split == "f"  # w_down's F split over tensor, fsdp and context (`_layer_table`)
+    ways = train.batch_shards(mesh, ("tensor", "fsdp", "context")[:3 if f else 1])
+    need(m.d_ff % ways == 0, f"--model.d-ff {m.d_ff} is not divisible by "
+         f"{'tensor x fsdp x context' if f else 'tensor'} = {ways}: each expert's down projection "
+         "is split on it. Choose sizes dividing it" + ", or --model.down-split d (fsdp on "
+         "d_model: a TPU then copies its gradient to reduce it)" * f + ".")
     need(m.n_heads % m.n_kv_heads == 0, f"--model.n-heads {m.n_heads} is not a multiple of "
          f"--model.n-kv-heads {m.n_kv_heads} (each key/value head serves a whole group).")
     need(m.head_dim % 2 == 0, f"--model.head-dim {m.head_dim} must be even (RoPE rotates pairs).")
@@ -1689,16 +1699,15 @@ def _capacity_exchange(x_AD, e_A, sizes_E, w, cfg: ModelConfig, peers: int, C: i
 def experts(x_BTD, expert_BTR, gate_BTR, w: dict, cfg: ModelConfig, peers: int = 1,
             sharded: bool = False):
     """The experts' output for this device's tokens and how many assignments were dropped: in
-    `shard_map` when sharded (a batch shard, X = E/P experts, d over fsdp, F over tensor), else
+    `shard_map` when sharded (a batch shard, X = E/P experts, F over tensor), else
     on everything at once. w: the layer's expert weights in x's dtype, named as in `swiglu`."""
     (B, T, D), dt = x_BTD.shape, x_BTD.dtype
     R, n = cfg.top_k, B * T
     if sharded:
-        # FSDP: gather d (axis 1 of w_gate, w_up [X, D, F], 2 of w_down) in the compute dtype,
-        # half the traffic in bfloat16; autodiff turns it into a reduce-scatter of gradients.
-        w |= {k: jax.lax.all_gather(w[k], ("fsdp", "context"), axis=2 if k == "w_down" else 1,
-                                    tiled=True)
-              for k in ("w_gate", "w_up", "w_down")}
+        # FSDP: gather d of w_gate, w_up [X, D, F] and F (or d) of w_down [X, F, D] in the
+        # compute dtype, half the traffic in bfloat16; autodiff makes it a reduce of gradients.
+        w |= {k: jax.lax.all_gather(w[k], ("fsdp", "context"), axis=2 if k == "w_down" and (
+            cfg.down_split == "d") else 1, tiled=True) for k in ("w_gate", "w_up", "w_down")}
         if "b_down" in w:  # the tensor shards' outputs are summed: the down bias joins one
             w["b_down"] = jnp.where(jax.lax.axis_index("tensor") == 0, w["b_down"], 0).astype(dt)
     # Assignments choice-major (a = r * n + token): within an expert the sort keeps every

@@ -341,7 +341,7 @@ RESUMABLE = {
     "train_moe": f"""train: {LOOP} eval_batches sample_tokens temperature sample_prompt
                eval_tasks eval_tasks_limit mtp_weight pipeline_repeats
         model: dtype attention context_attention remat scan_layers loss_chunk grouped_matmul
-               gmm_tile index_chunk linear_chunk
+               gmm_tile down_split index_chunk linear_chunk
         : quiet mesh checkpoint dry_run compile_topology compile_slices bench bench_twin run_dir
         data: cache_dir""",
     "train_grpo": f"""grpo: {LOOP} pack
@@ -353,7 +353,8 @@ RESUMABLE = {
 COMPUTE = {"train_dense": "dtype attention context_attention remat scan_layers loss_chunk "
                           "loss_impl linear_chunk vocab_split",
            "train_moe": "dtype attention context_attention remat scan_layers loss_chunk "
-                        "grouped_matmul gmm_tile capacity_factor index_chunk linear_chunk",
+                        "grouped_matmul gmm_tile down_split capacity_factor index_chunk "
+                        "linear_chunk",
            "train_grpo": "dtype attention context_attention remat scan_layers loss_chunk "
                          "loss_impl linear_chunk vocab_split"}
 
