@@ -422,7 +422,7 @@ def test_compile_topology_compiles_the_moe_step_for_a_tpu_slice():
 
 @pytest.mark.skipif(not _has_libtpu(), reason="ahead-of-time TPU compilation needs libtpu "
                     "(pip install -e '.[tpu]'): `make test-tpu`")
-def test_tpu_step_reduce_scatters_expert_gradients_from_the_kernel(monkeypatch):
+def test_compile_topology_reduce_scatters_expert_gradients_from_the_kernel(monkeypatch):
     """w_down split over fsdp on F (`_layer_table`): each expert weight's gradient is
     reduce-scattered as megablox's kernel leaves it. Split on d, its last axis, XLA:TPU copied
     it to another layout first (here 1 copy; DeepSeek-V3 on v5p-32: 3 of 7.5 GB a step)."""
