@@ -1325,7 +1325,7 @@ def validate(cfg: Config, n_devices: int, platform: str = "") -> None:
         ("--model.linear-k-heads", m.linear_k_heads),
         ("--model.vocab-size", m.vocab_size)], "fsdp": [("--model.d-model", m.d_model)]})
     f = m.down_split == "f"  # w_down's F split over tensor, fsdp and context (`_layer_table`)
-    ways = train.batch_shards(mesh, ("tensor", "fsdp", "context")[:3 if f else 1])
+    ways = train.batch_shards(mesh, ("tensor", "fsdp", "context") if f else ("tensor",))
     need(m.d_ff % ways == 0, f"--model.d-ff {m.d_ff} is not divisible by "
          f"{'tensor x fsdp x context' if f else 'tensor'} = {ways}: each expert's down projection "
          "is split on it. Choose sizes dividing it" + ", or --model.down-split d (fsdp on "
