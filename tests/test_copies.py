@@ -3,6 +3,7 @@ tests hold every copy of more than a few lines equal, so that a fix in one file 
 the others: the same source text where the code is the same, the same values where a
 declaration is (config fields, constants, parameter tables), the same numbers where only the
 comments differ."""
+import ast
 import dataclasses
 import inspect
 
@@ -19,8 +20,9 @@ SAME_SOURCE = {
     "param_specs": (td, tm, tg), "_init": (td, tm, tg),
     "init_params": (td, tm, tg), "count_params": (td, tm, tg), "unembedding": (td, tm, tg),
     "cli": (td, tm, tg), "make_schedule": (td, tm),
-    # The MoE trainer's loss is dense's fused chunked cross-entropy, soft-cap included.
-    "_chunked": (td, tm), "_softcap": (td, tm), "cross_entropy": (td, tm), "_ce_fused": (td, tm),
+    # The MoE trainer's loss is dense's fused chunked cross-entropy, soft-cap included (its
+    # `_softcap` is held below, in all three files).
+    "_chunked": (td, tm), "cross_entropy": (td, tm), "_ce_fused": (td, tm),
     "_ce_fused_fwd": (td, tm), "_ce_fused_bwd": (td, tm),
     # Qwen3.5's Gated DeltaNet and partial RoPE: the dense models' are the MoE models'
     # (and train_grpo.py's policy's, whose decode carries the DeltaNet state)
@@ -45,6 +47,18 @@ def test_copied_functions_have_the_same_source(name):
     for mod in others:
         assert inspect.getsource(getattr(mod, name)) == inspect.getsource(
             getattr(first, name)), f"{mod.__name__}.{name} differs from {first.__name__}'s"
+
+
+def test_no_check_is_listed_twice():
+    """A key written twice in a dict literal keeps only its last value: the first check would
+    silently never run (`_softcap` once was)."""
+    twice = []
+    for node in ast.walk(ast.parse(open(__file__).read())):
+        if isinstance(node, ast.Dict):
+            keys = [ast.literal_eval(k) for k in node.keys if isinstance(k, ast.Constant)]
+            twice += [f"line {node.lineno}: {k!r}" for k in sorted(set(keys), key=repr)
+                      if keys.count(k) > 1]
+    assert not twice, twice
 
 
 @pytest.mark.parametrize("name", sorted(SAME_VALUE))
