@@ -8,19 +8,23 @@ no index: `--wheels` alone means --no-index). MaxText 0.2.5 declares Python >= 3
 with JAX 0.10 it trains after two source edits made here (`patch_maxtext`), its packages
 pinned by bench/peers/maxtext-py311-pins.txt, every one installed with --no-deps.
 
-Then, for each row and repeat: our setting 0, MaxText's setting 0, our setting 1, MaxText's
-setting 1, ... (alternating, so drift on the host spreads over both sides), one process per
-run: a chip's `peak_bytes_in_use` is its process's high-water mark, which no JAX call resets,
-so each run's peak HBM needs a process of its own (each start opens the chip, ~15 s). Every
-run goes through this file's `--run` (the program via runpy, then the chip's memory_stats at
-exit), so both sides' peak HBM is read the same way. Each side's step times come from its
+Then, for each row and repeat: MaxText's setting 0, our settings, MaxText's setting 1, ...:
+the sides alternate, so drift on the host spreads over both. Each MaxText setting is a process
+(its trainer takes one config); ours run one after another in one process (`--apart`: one
+each), which saves opening the chip (~15 s) and importing for each. Both go through this
+file's `--run` (the program via runpy, or our trainer's main on each set of flags, then the
+chip's memory_stats: `peak_bytes_in_use`, a process's high-water mark, which nothing resets;
+where a later setting of ours did not raise it, the table says "<= x": its own peak is at
+most x), so both sides' peak HBM is read the same way. Each side's step times come from its
 own log (bench/stats.py): MaxText's steps 0..S-1 (0 compiles), ours 1..S-1 after an untimed
 warm-up step 0; both keep steps D..S-1 (--discard D) and take their median; tokens/s =
 batch x seq / that median. MFU is given on two formulas, for both sides alike: MaxText's
 (causal attention counted as half, as its TFLOP/s/device does since July 2025) and ours (the
 trainers' flops_per_token: every key of every query, as XLA computes them); the peak is the
-chip's data-sheet figure (common/train.py PEAK_TFLOPS). The table goes to stdout and, as
-markdown and JSON, to --out (with every run's log).
+chip's data-sheet figure (common/train.py PEAK_TFLOPS). Per row, "best" sets each side's
+fastest setting that ran against the other's. The table goes to stdout at the end and, as
+markdown and JSON, to --out after every process (with each process's log): a run cut short
+(or stopped by --budget) leaves what it measured.
 
     python bench/tpu.py                                   # install once, every row, both sides
     python bench/tpu.py --rows qwen3-0.6b-2k --sides ours --steps 12 --repeats 2
@@ -182,27 +186,41 @@ def batch_of(row: str, setting: str) -> int:
     return int(words(setting).get("batch", ROWS[row]["batch"]))
 
 
-def command(a, row: str, side: str, setting: str, tag: str) -> tuple[list[str], dict]:
-    """The command of one run and its environment."""
+def our_args(a, row: str, setting: str, run_dir: str) -> list[str]:
     r, w = ROWS[row], words(setting)
+    model = [x for k, v in r["model"].items()
+             for x in (f"--model.{k.replace('_', '-')}", str(v))]
+    args = [r["preset"], "--bench", str(a.steps - 1), "--train.batch-size",
+            str(batch_of(row, setting)), "--train.seq-len", str(r["seq"]), *model,
+            "--run-dir", run_dir]
+    return args + (["--model.remat", w["remat"]] if "remat" in w else []) + shlex.split(
+        w.get("flags", ""))
+
+
+def maxtext_args(a, row: str, setting: str, tag: str) -> list[str]:
+    r, w = ROWS[row], words(setting)
+    args = [os.path.join(a.deps, "maxtext", "maxtext", "configs", "base.yml"), f"run_name={tag}",
+            f"base_output_directory={os.path.join(a.out, 'maxtext')}", "dataset_type=synthetic",
+            "enable_checkpointing=false", "skip_jax_distributed_system=true", f"steps={a.steps}",
+            "attention=flash", f"per_device_batch_size={batch_of(row, setting)}",
+            f"max_target_length={r['seq']}", *r["maxtext"].split()]
+    return args + ([f"remat_policy={w['remat']}"] if "remat" in w else []) + shlex.split(
+        w.get("flags", ""))
+
+
+def command(a, row: str, side: str, todo: list[tuple[int, str]], tag: str
+            ) -> tuple[list[str], dict]:
+    """The command of one process and its environment: MaxText's one setting, or our
+    settings `todo` one after the other (separated by ---)."""
     wrap = [sys.executable, os.path.abspath(__file__), "--run"]
     if side == "ours":
-        model = [x for k, v in r["model"].items()
-                 for x in (f"--model.{k.replace('_', '-')}", str(v))]
-        cmd = [*wrap, os.path.join(ROOT, r["trainer"]), r["preset"], "--bench", str(a.steps - 1),
-               "--train.batch-size", str(batch_of(row, setting)), "--train.seq-len",
-               str(r["seq"]), *model, "--run-dir", os.path.join(a.out, "runs", tag)]
-        cmd += ["--model.remat", w["remat"]] if "remat" in w else []
+        cmd = [*wrap, os.path.join(ROOT, ROWS[row]["trainer"])]
+        for n, (i, setting) in enumerate(todo):
+            cmd += ["---"] * (n > 0) + our_args(a, row, setting, os.path.join(
+                a.out, "runs", f"{tag}.{i}"))
     else:
-        cmd = [*wrap, "-m", MAXTEXT_MAIN, os.path.join(a.deps, "maxtext", "maxtext", "configs",
-                                                       "base.yml"),
-               f"run_name={tag}", f"base_output_directory={os.path.join(a.out, 'maxtext')}",
-               "dataset_type=synthetic", "enable_checkpointing=false",
-               "skip_jax_distributed_system=true", f"steps={a.steps}", "attention=flash",
-               f"per_device_batch_size={batch_of(row, setting)}",
-               f"max_target_length={r['seq']}", *r["maxtext"].split()]
-        cmd += [f"remat_policy={w['remat']}"] if "remat" in w else []
-    cmd += shlex.split(w.get("flags", ""))
+        (i, setting), = todo
+        cmd = [*wrap, "-m", MAXTEXT_MAIN, *maxtext_args(a, row, setting, f"{tag}.{i}")]
     path = [p for p in (ENV.get("PYTHONPATH", ""), ROOT if side == "ours" else "",
                         os.path.join(a.deps, side)) if p]
     env = dict(ENV, PYTHONPATH=os.pathsep.join(path))
@@ -211,16 +229,20 @@ def command(a, row: str, side: str, setting: str, tag: str) -> tuple[list[str], 
     return cmd, env
 
 
-def plan(a) -> list[tuple[int, str, str, int, str]]:
-    """(repeat, row, side, setting index, setting), in the order they run: per row, each side's
-    setting i in turn (ours, MaxText, ours, MaxText)."""
+def plan(a) -> list[tuple[int, str, str, list[tuple[int, str]]]]:
+    """(repeat, row, side, [(setting index, setting)]) a process, in the order they run. Per
+    row: MaxText's setting 0, our settings (one process: --apart, one each), MaxText's 1, ...:
+    the sides alternate, so drift on the host spreads over both."""
     out = []
     for rep in range(a.repeats):
         for row in a.rows:
-            n = max(len(SETTINGS[row][s]) for s in a.sides)
-            for i in range(n):
-                out += [(rep, row, s, i, SETTINGS[row][s][i]) for s in a.sides
-                        if i < len(SETTINGS[row][s]) and (a.settings == "all" or i <= 1)]
+            todo = {s: [(i, x) for i, x in enumerate(SETTINGS[row][s])
+                        if a.settings == "all" or i <= 1] for s in a.sides}
+            ours = [[x] for x in todo.get("ours", [])] if a.apart else [todo.get("ours", [])]
+            theirs = [[x] for x in todo.get("maxtext", [])]
+            for n in range(max(len(ours), len(theirs))):
+                out += [(rep, row, "maxtext", t) for t in theirs[n:n + 1]]
+                out += [(rep, row, "ours", o) for o in ours[n:n + 1] if o]
     return out
 
 
@@ -262,6 +284,22 @@ def read_run(log: str, side: str, steps: int, discard: int) -> dict:
         tf = {int(s): float(f) * float(t) for s, t, f in re.findall(
             r"completed step: (\d+), seconds: ([0-9.]+), TFLOP/s/device: ([0-9.]+)", log)}
         out["maxtext_tflop_per_step"] = stats.median_over(tf, discard, steps - 1)
+    return out
+
+
+def read_process(log: str, side: str, settings: list[tuple[int, str]], steps: int,
+                 discard: int) -> list[dict]:
+    """read_run of each setting a process ran: our settings' parts of its log (each ends with
+    the chip's peak so far), or MaxText's whole log."""
+    parts = re.split(r"(?m)^bench-tpu setting \d+: .*$", log)[1:] if side == "ours" else [log]
+    parts += [log[-2000:]] * (len(settings) - len(parts))  # killed before their turn
+    out, prev = [], None
+    for (i, setting), part in zip(settings, parts):
+        r = {"side": side, "i": i, "setting": setting, **read_run(part, side, steps, discard)}
+        # A high-water mark that did not rise: this setting's own peak is at most that.
+        r["peak_at_most"] = prev is not None and r.get("peak_bytes") == prev
+        prev = r.get("peak_bytes")
+        out.append(r)
     return out
 
 
@@ -314,6 +352,7 @@ def summarize(runs: list[dict], rows: list[str]) -> tuple[list[dict], list[str]]
                         "status": "ok" if ok else rs[0]["status"], "runs": len(rs)}
                 peaks = [r["peak_bytes"] for r in rs if "peak_bytes" in r]
                 line["peak_gib"] = max(peaks) / 2**30 if peaks else None
+                line["peak_at_most"] = any(r.get("peak_at_most") for r in rs)
                 if ok:
                     t, peak = statistics.median(tok), peak_flops(ok[0].get("device", ""))
                     line |= {"tok_s": t, "spread": (max(tok) - min(tok)) / t,
@@ -347,17 +386,20 @@ def summarize(runs: list[dict], rows: list[str]) -> tuple[list[dict], list[str]]
 
 
 def markdown(lines: list[dict]) -> str:
+    """The table; a peak HBM "<= x": a setting after another in one process whose high-water
+    mark it did not raise."""
     fmt = lambda v, spec: "-" if v is None else format(v, spec)
+    peak = lambda x: ("<= " if x.get("peak_at_most") else "") + fmt(x.get("peak_gib"), ".2f")
     out = ["| " + " | ".join(COLUMNS) + " |", "|" + " --- |" * len(COLUMNS)]
     for x in lines:
         if x["status"] != "ok":
             cells = [x["row"], x["side"], x["setting"], x["status"], "-", "-",
-                     fmt(x.get("peak_gib"), ".2f"), "-", "-", "-"]
+                     peak(x), "-", "-", "-"]
         else:
             pct = lambda k: fmt(x.get(k) and 100 * x[k], ".1f") + ("%" if x.get(k) else "")
             cells = [x["row"], x["side"], x["setting"], f"{x['tok_s']:,.0f}",
                      "-" if x.get("runs", 1) < 2 else f"{100 * x['spread']:.1f}%",
-                     fmt(x.get("ms_step"), ".1f"), fmt(x.get("peak_gib"), ".2f"),
+                     fmt(x.get("ms_step"), ".1f"), peak(x),
                      pct("mfu_causal"), pct("mfu_full"), fmt(x.get("ratio"), ".2f")]
         out.append("| " + " | ".join(c.replace("|", "/") for c in cells) + " |")
     return "\n".join(out)
@@ -367,7 +409,7 @@ def parse_table(md: str) -> list[dict]:
     """The markdown table back into one dict a line, numbers as numbers (None for '-')."""
     rows = [[c.strip() for c in ln.strip().strip("|").split("|")] for ln in md.splitlines()
             if ln.startswith("| ") and not ln.startswith(("| row |", "| --- |"))]
-    num = lambda c: None if c == "-" else float(c.rstrip("%").replace(",", ""))
+    num = lambda c: None if c == "-" else float(c.rstrip("%").replace(",", "").lstrip("<= "))
     out = []
     for cells in rows:
         x = dict(zip(COLUMNS, cells), status="ok")
@@ -378,25 +420,44 @@ def parse_table(md: str) -> list[dict]:
 
 
 # ---- the wrapper every run goes through --------------------------------------------------------
+def peak_line(note: str = "") -> None:
+    import jax
+    d = jax.devices()[0]
+    stats = d.memory_stats() or {}   # None on the CPU
+    print(f"{PEAK_LINE}: {stats.get('peak_bytes_in_use', -1)} device: {d.device_kind}{note}",
+          flush=True)
+
+
 def run_wrapped(argv: list[str]) -> None:
-    """argv: SCRIPT ARGS... or -m MODULE ARGS...; runs it as __main__, then prints the chip's
-    peak bytes in use (as JAX's memory_stats gives them) whatever way it ended."""
+    """argv: -m MODULE ARGS... (run as __main__), or TRAINER ARGS [--- ARGS ...]: the trainer's
+    main on each set of flags in turn. After each, whatever way it ended, the chip's peak bytes
+    in use so far, as JAX's memory_stats gives them: a process's high-water mark."""
     import runpy
-    try:
-        if argv[0] == "-m":
+    if argv[0] == "-m":
+        try:
             sys.argv = argv[1:]
             runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
-        else:
-            sys.argv = argv
-            sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))
-            runpy.run_path(argv[0], run_name="__main__")
-    finally:
-        if "jax" in sys.modules:
-            import jax
-            d = jax.devices()[0]
-            stats = d.memory_stats() or {}
-            print(f"{PEAK_LINE}: {stats.get('peak_bytes_in_use', -1)} device: {d.device_kind}",
-                  flush=True)
+        finally:
+            if "jax" in sys.modules:
+                peak_line()
+        return
+    import gc
+    import importlib
+    import traceback
+    sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))
+    mod, groups, failed = importlib.import_module(os.path.basename(argv[0])[:-3]), [[]], 0
+    for x in argv[1:]:
+        groups[-1:] = [groups[-1], []] if x == "---" else [groups[-1] + [x]]
+    for i, args in enumerate(groups):
+        print(f"bench-tpu setting {i}: {shlex.join(args)}", flush=True)
+        try:
+            mod.main(mod.cli(args))
+        except BaseException:  # out of memory, bad flags: the next setting still runs
+            traceback.print_exc()
+            failed += 1
+        gc.collect()   # the failed step's buffers, held by its traceback, let go
+        peak_line()
+    sys.exit(1 if failed else 0)
 
 
 def main() -> None:
@@ -410,7 +471,12 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=12, help="steps a run (MaxText's 0 compiles)")
     ap.add_argument("--discard", type=int, default=3, help="steps 0..D-1 left out of the median")
     ap.add_argument("--repeats", type=int, default=1, help="the whole alternation, N times")
-    ap.add_argument("--timeout", type=int, default=300, help="seconds a run may take")
+    ap.add_argument("--timeout", type=int, default=300, help="seconds a setting may take")
+    ap.add_argument("--budget", type=int, default=0,
+                    help="seconds: start no process after this (0: no limit); the table so far "
+                    "is in --out after every process")
+    ap.add_argument("--apart", action="store_true",
+                    help="our settings each in a process of its own (exact peaks; + ~15 s each)")
     ap.add_argument("--deps", default=os.path.join(ROOT, ".bench-tpu"), help="install folder")
     ap.add_argument("--wheels", default="", help="a folder of wheels (alone: no index is read)")
     ap.add_argument("--index", default="", help="a pip index URL to read instead of the host's")
@@ -431,8 +497,8 @@ def main() -> None:
         for side, cmd in install_commands(a):
             print(f"# install {side}" + (" (then patch_maxtext)" if side == "maxtext" else ""))
             print(("PIP_CONFIG_FILE=/dev/null " if a.index else "") + shlex.join(cmd))
-        for rep, row, side, i, setting in todo:
-            cmd, env = command(a, row, side, setting, f"{row}.{side}.{i}.r{rep}")
+        for rep, row, side, settings in todo:
+            cmd, env = command(a, row, side, settings, f"{row}.{side}.r{rep}")
             extra = "".join(f"{k}={shlex.quote(env[k])} " for k in ("PYTHONPATH", "DECOUPLE_GCLOUD")
                             if k in env)
             print(extra + shlex.join(cmd))
@@ -446,31 +512,41 @@ def main() -> None:
     sys.path.append(os.path.join(a.deps, "ours"))
     os.makedirs(os.path.join(a.out, "logs"), exist_ok=True)
     runs, t0 = [], time.perf_counter()
-    for n, (rep, row, side, i, setting) in enumerate(todo):
-        tag = f"{row}.{side}.{i}.r{rep}"
-        cmd, env = command(a, row, side, setting, tag)
-        log_path = os.path.join(a.out, "logs", tag + ".log")
+    for n, (rep, row, side, settings) in enumerate(todo):
+        if a.budget and time.perf_counter() - t0 > a.budget:
+            print(f"bench-tpu: --budget {a.budget} s spent: {len(todo) - n} process(es) not "
+                  "started", flush=True)
+            break
+        tag = f"{row}.{side}.r{rep}"
+        cmd, env = command(a, row, side, settings, tag)
+        log_path = os.path.join(a.out, "logs", f"{tag}.{settings[0][0]}.log")
         t1 = time.perf_counter()
-        run_one(cmd, env, log_path, a.timeout)
-        r = {"row": row, "side": side, "i": i, "setting": setting, "repeat": rep,
-             "tokens": batch_of(row, setting) * ROWS[row]["seq"],
-             "wall_s": time.perf_counter() - t1,
-             **read_run(open(log_path, errors="replace").read(), side, a.steps, a.discard)}
-        runs.append(r)
-        got = (f"{r['tokens'] / r['step_s']:,.0f} tok/s" if r["status"] == "ok" else r["status"])
-        print(f"[{n + 1}/{len(todo)} {time.perf_counter() - t0:.0f} s] {tag} "
-              f"({setting or 'default'}): {got}, {r['wall_s']:.0f} s", flush=True)
+        run_one(cmd, env, log_path, a.timeout * len(settings))
+        for r in read_process(open(log_path, errors="replace").read(), side, settings,
+                              a.steps, a.discard):
+            r |= {"row": row, "repeat": rep, "process_s": time.perf_counter() - t1,
+                  "tokens": batch_of(row, r["setting"]) * ROWS[row]["seq"]}
+            runs.append(r)
+            got = f"{r['tokens'] / r['step_s']:,.0f} tok/s" if r["status"] == "ok" else r["status"]
+            print(f"[{n + 1}/{len(todo)} {time.perf_counter() - t0:.0f} s] {tag}.{r['i']} "
+                  f"({r['setting'] or 'default'}): {got}", flush=True)
+        write(a, runs, time.perf_counter() - t0, final=n + 1 == len(todo))
+
+
+def write(a, runs: list[dict], seconds: float, final: bool) -> None:
+    """The table of the runs so far to --out (markdown and JSON); at the end, to stdout too."""
     lines, notes = summarize(runs, a.rows)
     md = (markdown(lines) + "\n\n" + "\n".join(f"- {x}" for x in notes) +
           f"\n- steps {a.discard}-{a.steps - 1} of {a.steps} a run, median; {a.repeats} "
-          f"repeat(s); MFU on the chip's data-sheet peak; {time.perf_counter() - t0:.0f} s "
-          "in all\n")
-    print(md)
+          f"repeat(s); MFU on the chip's data-sheet peak; {seconds:.0f} s in all"
+          + ("" if final else " (so far)") + "\n")
+    if final:
+        print(md)
     with open(os.path.join(a.out, "bench-tpu.md"), "w") as f:
         f.write(md)
     with open(os.path.join(a.out, "bench-tpu.json"), "w") as f:
         json.dump({"runs": runs, "table": lines, "notes": notes, "steps": a.steps,
-                   "discard": a.discard}, f, indent=1)
+                   "discard": a.discard, "seconds": seconds}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -46,7 +46,8 @@ def chip():
 
 def on_cpu(f, *args):
     """f(*args) on the host's CPU in float32 at 'highest' matmul precision: the reference."""
-    up = lambda x: np.asarray(x, np.float32) if hasattr(x, "dtype") else x
+    up = lambda x: (np.asarray(x, np.float32) if hasattr(x, "dtype") and jnp.issubdtype(
+        x.dtype, jnp.floating) else x)   # segment ids stay integers
     with jax.default_device(jax.devices("cpu")[0]), jax.default_matmul_precision("highest"):
         return jax.device_get(jax.jit(f)(*jax.tree.map(up, args)))
 
@@ -73,8 +74,6 @@ CASES = {  # name: (dtype, head width, knobs)
     "causal-bf16-h64": (jnp.bfloat16, 64, {}),   # llama3.2-1b's heads
     "all-f32": (jnp.float32, 128, dict(window=100, cap=5.0, sinks=True, packed=True)),
     "all-bf16": (jnp.bfloat16, 128, dict(window=100, cap=5.0, sinks=True, packed=True)),
-    "window-bf16": (jnp.bfloat16, 128, dict(window=256)),
-    "softcap-packed-f32": (jnp.float32, 128, dict(cap=20.0, packed=True)),
 }
 
 
@@ -144,6 +143,15 @@ def test_megablox_on_the_chip_equals_the_naive_expert_loop(chip, dtype):
     assert_as_close_as_xla(got[1], xla[1], want[1], dtype, "gradient")
     _, e, _ = jax.jit(partial(tm.router, cfg=model))(args[0], args[1]["w_router"])
     assert len(set(np.bincount(np.asarray(e).ravel(), minlength=8).tolist())) > 2  # ragged
+
+
+@pytest.mark.chip
+def test_the_chip_reports_its_peak_memory(chip):
+    """What `make bench-tpu` reads on both sides: memory_stats' high-water mark, in bytes."""
+    x = jax.device_put(np.ones((64, 2**20), np.float32), chip).block_until_ready()   # 256 MiB
+    stats = chip.memory_stats()
+    assert stats["peak_bytes_in_use"] >= stats["bytes_in_use"] >= x.nbytes
+    assert stats["bytes_limit"] > 2**30
 
 
 # ---- a train step, a checkpoint: the chip against a CPU process --------------------------------
@@ -288,10 +296,14 @@ def test_bench_tpu_alternates_sides_and_says_how_it_installs(tmp_path):
     assert "--no-deps --ignore-requires-python -r" in pip[1] and "maxtext==0.2.5" in pip[1]
     runs = [ln for ln in lines if "--run" in ln]
     sides = ["ours" if "train_" in ln else "maxtext" for ln in runs]
-    assert sides == ["ours", "maxtext"] * 8   # 2 repeats x 2 rows x 2 settings, alternating
-    assert "--model.n-experts 32" in runs[4] and "num_experts=32" in runs[5]
-    assert "--train.batch-size 4" in runs[2] and "per_device_batch_size=4" in runs[3]
-    assert "remat_policy=minimal" in runs[3] and "DECOUPLE_GCLOUD=TRUE" in runs[3]
+    # Per row: MaxText's default, our two settings in one process, MaxText's second.
+    assert sides == ["maxtext", "ours", "maxtext"] * 4   # 2 repeats x 2 rows
+    assert "--model.n-experts 32" in runs[4] and "num_experts=32" in runs[3]
+    first, second = runs[1].split(" --- ")
+    assert "--train.batch-size 8" in first and "--train.batch-size 4 " in second
+    assert "--model.remat dots" in second and "--model.remat" not in first
+    assert "per_device_batch_size=4" in runs[2] and "remat_policy=minimal" in runs[2]
+    assert "DECOUPLE_GCLOUD=TRUE" in runs[2] and "remat_policy" not in runs[0]
     index = bt.pip("T", ["x"], index="file:///opt/pypi/simple", wheels="", no_deps=False)
     assert "--isolated" in index and "--no-index" not in index
 
@@ -313,3 +325,26 @@ def test_maxtext_source_edits_apply_once(tmp_path):
                                                               "no_such_module"), ns)
     assert ns["must_fuse_call"]("qk")(len)("ab") == 2
     assert (mhc / "common.py").read_text() == "KernelContext = tuple[int, int]\n  type = 3\n"
+
+
+def test_our_settings_in_one_process_each_report_their_steps_and_peak(tmp_path):
+    """bench/tpu.py --run TRAINER ARGS --- ARGS: each setting's bench and peak line in turn, a
+    failing one (a bad flag) reported and the next still run; the log read back per setting."""
+    tiny = ["tiny", "--bench", "6", "--train.batch-size", "2", "--train.seq-len", "64",
+            "--run-dir", str(tmp_path / "r")]
+    out = subprocess.run([sys.executable, "bench/tpu.py", "--run", "train_dense.py", *tiny,
+                          "--model.remat", "bogus", "---", *tiny],
+                         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         timeout=600, env=dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=os.environ[
+                             "XLA_FLAGS"].replace("device_count=8", "device_count=1")))
+    assert out.returncode == 1, out.stdout[-3000:]   # one setting failed
+    bad, ok = bt.read_process(out.stdout, "ours", [(0, "remat=bogus"), (1, "")], 7, 2)
+    assert bad["status"].startswith("failed") and ok["status"] == "ok"
+    assert ok["device"] == "cpu" and "peak_bytes" not in ok   # the CPU keeps no memory_stats
+    settings = [(0, ""), (1, "remat=dots"), (2, "")]
+    peaks = [f"peak_bytes_in_use: {n} device: TPU" for n in (5, 5, 7)]
+    log = "".join(f"bench-tpu setting {i}: x\nbench | step seconds 1-6: 1 1 1 1 1 1\n"
+                  f"bench-tpu {p}\n" for i, p in enumerate(peaks))
+    got = bt.read_process(log, "ours", settings, 7, 2)
+    assert [r["peak_bytes"] for r in got] == [5, 5, 7]
+    assert [r["peak_at_most"] for r in got] == [False, True, False]
