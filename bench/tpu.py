@@ -38,6 +38,7 @@ import json
 import os
 import re
 import shlex
+import signal
 import statistics
 import subprocess
 import sys
@@ -158,6 +159,20 @@ def patch_maxtext(site: str) -> list[str]:
     return changed
 
 
+def download_commands(a) -> list[list[str]]:
+    """`pip download` of every wheel both sides install, for Python --python-version on x86-64
+    Linux: MaxText's and its pins without their dependencies, ours with theirs (two resolves:
+    tokamax pins typeguard 2.13.3, tyro needs 4). --wheels DIR on the TPU host then needs no
+    index (the host's JAX aside)."""
+    base = [sys.executable, "-m", "pip", "download", "-q", "--only-binary=:all:", "-d",
+            a.download, "--python-version", a.python_version, "--implementation", "cp",
+            *(x for p in ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64",  # jaxlib's
+                          "manylinux_2_24_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64")
+              for x in ("--platform", p))]
+    return [base + ["--no-deps", "--ignore-requires-python", "-r", PINS, *MAXTEXT_WHEELS],
+            base + [n for n in our_packages() if n != "jax[tpu]"]]
+
+
 def install(a) -> None:
     for side, cmd in install_commands(a):
         marker = os.path.join(a.deps, side, ".installed")
@@ -247,16 +262,20 @@ def plan(a) -> list[tuple[int, str, str, list[tuple[int, str]]]]:
 
 
 def run_one(cmd, env, log_path: str, timeout: int) -> int:
+    """The process in a session of its own, killed whole after `timeout` seconds, or when this
+    one is ended (SIGTERM, ^C): none may go on holding the chip."""
     with open(log_path, "w") as log:
         p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
                              start_new_session=True)
         try:
             return p.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            os.killpg(p.pid, 9)
-            p.wait()
             log.write(f"\nbench-tpu: killed after {timeout} s\n")
             return -9
+        finally:
+            if p.poll() is None:
+                os.killpg(p.pid, 9)
+                p.wait()
 
 
 OOM = re.compile(r"RESOURCE_EXHAUSTED|[Oo]ut of memory|ran out of memory")
@@ -484,6 +503,10 @@ def main() -> None:
                     help="logs, bench-tpu.md and bench-tpu.json")
     ap.add_argument("--print", action="store_true", help="print the commands; run nothing")
     ap.add_argument("--install-only", action="store_true", help="install, then stop")
+    ap.add_argument("--download", default="", metavar="DIR",
+                    help="on a host with an index: every wheel into DIR, for --wheels DIR on one "
+                    "without; then stop")
+    ap.add_argument("--python-version", default="3.11", help="the TPU host's, for --download")
     a = ap.parse_args()
     a.rows, a.sides = a.rows.split(","), a.sides.split(",")
     for name, got, known in (("--rows", a.rows, ROWS), ("--sides", a.sides, SIDES)):
@@ -493,6 +516,10 @@ def main() -> None:
         ap.error(f"--discard {a.discard} must leave steps to time of --steps {a.steps}")
     a.deps, a.out = os.path.abspath(a.deps), os.path.abspath(a.out)
     todo = plan(a)
+    if a.download:
+        for cmd in download_commands(a):
+            print(shlex.join(cmd), flush=True) if a.print else subprocess.run(cmd, check=True)
+        return
     if a.print:
         for side, cmd in install_commands(a):
             print(f"# install {side}" + (" (then patch_maxtext)" if side == "maxtext" else ""))
@@ -506,6 +533,7 @@ def main() -> None:
     install(a)
     if a.install_only:
         return
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))   # `timeout`: the run's child too
     # This process only reads configs and counts FLOPs: on the CPU, so the chip stays free.
     os.environ["JAX_PLATFORMS"] = "cpu"
     sys.path[1:1] = [ROOT]

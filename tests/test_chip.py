@@ -348,3 +348,12 @@ def test_our_settings_in_one_process_each_report_their_steps_and_peak(tmp_path):
     got = bt.read_process(log, "ours", settings, 7, 2)
     assert [r["peak_bytes"] for r in got] == [5, 5, 7]
     assert [r["peak_at_most"] for r in got] == [False, True, False]
+
+
+def test_bench_tpu_moe_row_is_maxtexts_model():
+    """The MoE row's model (qwen3-30b-a3b's block, 2 layers, 32 experts, vocab 32000) has the
+    parameters MaxText's qwen3_moe layers hold: untied embeddings, q/k norms, a router, each
+    expert's three matrices, two norms a layer (bench-tpu also checks MaxText's printed count)."""
+    V, D, L, N, K, H, E, F = 32000, 2048, 2, 32, 4, 128, 32, 768
+    layer = D * N * H + 2 * D * K * H + N * H * D + 2 * H + 2 * D + D * E + E * 3 * D * F
+    assert bt.flops_per_token("moe-2k")["params"] == 2 * V * D + L * layer + D == 470_952_448
