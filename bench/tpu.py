@@ -295,9 +295,10 @@ def read_run(log: str, side: str, steps: int, discard: int) -> dict:
     try:
         times = (stats.ours_step_seconds if side == "ours" else stats.maxtext_step_seconds)(log)
         out |= {"status": "ok", "step_s": stats.median_over(times, discard, steps - 1)}
-    except ValueError as e:
-        out["status"] = ("out of memory" if OOM.search(log) else
-                         "killed (timeout)" if "bench-tpu: killed" in log else f"failed: {e}")
+    except ValueError as e:   # no steps: the log's last error line says why
+        why = re.findall(r"(?m)^\S*(?:Error|error)\b:? ?(.*)$", log)
+        out["status"] = ("out of memory" if OOM.search(log) else "killed (timeout)"
+                         if "bench-tpu: killed" in log else f"failed: {(why or [e])[-1]}"[:120])
         return out
     if side == "maxtext":  # its TFLOP/s/device x seconds: the FLOPs it counts a step
         tf = {int(s): float(f) * float(t) for s, t, f in re.findall(
