@@ -263,7 +263,7 @@ def test_bench_tpu_table_from_both_sides_logs_parses_back():
             dict(row=row, side="maxtext", i=0, setting="", tokens=tokens,
                  **bt.read_run(maxtext_log(theirs_s, 13 * 2**30, 80.0, "0.596"), "maxtext",
                                steps, 3)),
-            dict(row=row, side="ours", i=1, setting="remat=dots batch=4", tokens=tokens // 2,
+            dict(row=row, side="ours", i=1, setting=bt.SETTINGS[row]["ours"][1], tokens=tokens,
                  **bt.read_run("...RESOURCE_EXHAUSTED: Out of memory while trying to allocate\n"
                                f"{bt.PEAK_LINE}: {15 * 2**30} device: TPU v5 lite", "ours",
                                steps, 3))]
@@ -279,7 +279,7 @@ def test_bench_tpu_table_from_both_sides_logs_parses_back():
     assert ours["MFU causal/2"] == round(100 * f["causal"] * tokens / 0.81 / 197e12, 1)
     assert ours["MFU full"] == round(100 * f["full"] * tokens / 0.81 / 197e12, 1)
     assert ours["ours/MaxText"] == round(0.88 / 0.81, 2) and theirs["ours/MaxText"] is None
-    assert oom["status"] == "out of memory" and oom["setting"] == "remat=dots batch=4"
+    assert oom["status"] == "out of memory" and oom["setting"] == bt.SETTINGS[row]["ours"][1]
     assert best["side"] == "best" and best["ours/MaxText"] == round(0.88 / 0.81, 2)
     # MaxText's own count: 80 TFLOP/s x 0.88 s over 16384 tokens; its parameters agree with ours.
     assert f"MaxText counts {80 * 0.88e12 / tokens / 1e9:.3f} GFLOP a token" in notes[1]
@@ -299,10 +299,10 @@ def test_bench_tpu_alternates_sides_and_says_how_it_installs(tmp_path):
     # Per row: MaxText's default, our two settings in one process, MaxText's second.
     assert sides == ["maxtext", "ours", "maxtext"] * 4   # 2 repeats x 2 rows
     assert "--model.n-experts 32" in runs[4] and "num_experts=32" in runs[3]
-    first, second = runs[1].split(" --- ")
-    assert "--train.batch-size 8" in first and "--train.batch-size 4 " in second
-    assert "--model.remat dots" in second and "--model.remat" not in first
-    assert "per_device_batch_size=4" in runs[2] and "remat_policy=minimal" in runs[2]
+    first, second = runs[1].split(" --- ")   # the default, then the one thought best
+    assert "--train.batch-size 8" in first and "--train.batch-size 8" in second
+    assert "--model.remat auto" in second and "--model.remat" not in first
+    assert "per_device_batch_size=4" in runs[2] and "remat_policy=save_qkv_proj" in runs[2]
     assert "DECOUPLE_GCLOUD=TRUE" in runs[2] and "remat_policy" not in runs[0]
     index = bt.pip("T", ["x"], index="file:///opt/pypi/simple", wheels="", no_deps=False)
     assert "--isolated" in index and "--no-index" not in index
