@@ -15,7 +15,7 @@ PORT   ?= 6006
 comma  := ,
 
 .DEFAULT_GOAL := help
-.PHONY: help train distill test test-floors test-tpu muonclip-demo bench bench-gpu bench-context bench-window bench-parity bench-parity-moe bench-grpo bench-recovery bench-scale compile-tpu dry-run prepare clean train-moe bench-moe train-grpo \
+.PHONY: help train distill test test-floors test-tpu test-chip muonclip-demo bench bench-gpu bench-tpu bench-context bench-window bench-parity bench-parity-moe bench-grpo bench-recovery bench-scale compile-tpu dry-run prepare clean train-moe bench-moe train-grpo \
         plot tensorboard need-run sft dpo export-hf finetune-hf hf-fixtures eval
 
 help:  ## list the targets
@@ -77,6 +77,24 @@ test-tpu: $(VENV)/.installed  ## compile the training steps for a TPU slice here
 	$(PY) -m pip install -q -e '.[tpu]'
 	$(PY) -m pytest tests/test_dense.py tests/test_moe.py tests/test_compile_tpu.py \
 	  -k "compile_topology or tpu_slice" $(ARGS)
+
+# One TPU host from a fresh clone, no venv: each side's packages into BENCH_DEPS/ours and
+# BENCH_DEPS/maxtext (pip --target, after the host's JAX on PYTHONPATH) from the host's index,
+# INDEX=url, and/or WHEELS=dir (alone: no index read). bench/tpu.py's head says what it runs.
+BENCH_DEPS ?= .bench-tpu
+BENCH_OUT  ?= runs/bench-tpu
+TPU_PIP     = --deps $(BENCH_DEPS) $(if $(WHEELS),--wheels $(WHEELS)) $(if $(INDEX),--index $(INDEX))
+bench-tpu:  ## ours vs MaxText 0.2.5 on this host's TPU chip, alternating: one table (ROWS SIDES STEPS REPEATS PRINT=1)
+	$(PYTHON) bench/tpu.py $(TPU_PIP) --out $(BENCH_OUT) $(if $(ROWS),--rows $(ROWS)) \
+	  $(if $(SIDES),--sides $(SIDES)) $(if $(STEPS),--steps $(STEPS)) \
+	  $(if $(REPEATS),--repeats $(REPEATS)) $(if $(PRINT),--print) $(ARGS)
+
+# In one process (a TPU takes one program at a time); JAX_PLATFORMS left to JAX, which picks the
+# accelerator (tests/conftest.py would set cpu). Without one, each test says why it skips.
+test-chip:  ## tests/test_chip.py on this host's accelerator: splash, megablox, a step and a checkpoint vs the CPU
+	$(PYTHON) bench/tpu.py $(TPU_PIP) --sides ours --install-only
+	JAX_PLATFORMS= PYTHONPATH=$${PYTHONPATH:+$$PYTHONPATH:}$(abspath $(BENCH_DEPS))/ours \
+	  $(PYTHON) -m pytest -p no:cacheprovider -m chip -rs tests/test_chip.py $(ARGS)
 
 # Ahead-of-time compiles for TPU slices (libtpu, on this host), ours and MaxText's on the same
 # models: memory per chip, XLA's FLOPs and estimated step time, the MFU it implies. docs/tpu.md.
