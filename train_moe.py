@@ -1992,12 +1992,13 @@ _HF_ROPE = {"default": (tuple(HF_ARCHITECTURES), {}),
             "yarn": (("gpt_oss", *HF_DEEPSEEK), dict(
                 factor="yarn_factor", beta_fast="yarn_beta_fast", beta_slow="yarn_beta_slow",
                 truncate="yarn_truncate", original_max_position_embeddings="yarn_original_max_len",
-                mscale_all_dim="yarn_mscale_all_dim")),
+                mscale="yarn_mscale_all_dim", mscale_all_dim="yarn_mscale_all_dim")),
             "llama3": (("llama4_text",), dict(
                 factor="rope_scaling", low_freq_factor="rope_low_freq_factor",
                 high_freq_factor="rope_high_freq_factor",
                 original_max_position_embeddings="rope_original_max_len")),
             "proportional": (("gemma4_text",), {"partial_rotary_factor": "rope_partial"})}
+_HF_UNSET = ("truncate", "mscale", "mscale_all_dim")  # written only off our defaults
 _ROPES = ("the default, GPT-OSS's YaRN, DeepSeek's YaRN with mscale == mscale_all_dim, Llama 4's "
           "'llama3', Gemma 4's 'proportional'")
 _HOW = compute_fields(ModelConfig)  # how to compute, not what: no config.json says it
@@ -2294,24 +2295,16 @@ def config_to_hf(cfg: ModelConfig, model_type: str = "", dtype: str = "float32")
 def _to_hf(cfg: ModelConfig, mt: str, dtype: str = "float32") -> dict:
     """`config_to_hf` as family `mt`, unchecked (`config_from_hf` reads it back to check)."""
     fam = "deepseek_v3" if mt == "kimi_k2" else mt
-    rope = dict(rope_type="default", rope_theta=cfg.rope_theta) | ({"partial_rotary_factor": (
-        cfg.rotary_dim or cfg.head_dim) / cfg.head_dim} if mt in HF_QWEN_NEXT else {})
-    if cfg.yarn_factor:
-        rope |= dict(rope_type="yarn", factor=cfg.yarn_factor, beta_fast=cfg.yarn_beta_fast,
-                     beta_slow=cfg.yarn_beta_slow,
-                     original_max_position_embeddings=cfg.yarn_original_max_len,
-                     **({} if cfg.yarn_truncate else {"truncate": False}), **(dict(
-                         mscale=cfg.yarn_mscale_all_dim, mscale_all_dim=cfg.yarn_mscale_all_dim)
-                         if cfg.kv_lora_rank else {}))
-    if cfg.rope_scaling:
-        rope |= dict(rope_type="llama3", factor=cfg.rope_scaling,
-                     low_freq_factor=cfg.rope_low_freq_factor,
-                     high_freq_factor=cfg.rope_high_freq_factor,
-                     original_max_position_embeddings=cfg.rope_original_max_len)
+    kind = next((k for k, (ms, knobs) in _HF_ROPE.items() if mt in ms and knobs and getattr(
+        cfg, [*knobs.values()][0])), "default")  # the one whose first knob is on
+    rope = {"rope_type": kind, "rope_theta": cfg.rope_theta} | {
+        p: getattr(cfg, k) for p, k in _HF_ROPE[kind][1].items() if p not in _HF_UNSET or
+        getattr(cfg, k) != getattr(ModelConfig, k)} | ({"partial_rotary_factor": (
+            cfg.rotary_dim or cfg.head_dim) / cfg.head_dim} if mt in HF_QWEN_NEXT else {})
     c = dict(architectures=[HF_ARCHITECTURES[mt]], model_type=mt) | {
         k: getattr(cfg, f) for k, f in (_HF_FIELDS | _HF_FAMILY_FIELDS[fam]).items()} | dict(
         hidden_act="silu", rope_parameters=rope, rope_theta=cfg.rope_theta,
-        rope_scaling=rope if cfg.yarn_factor or cfg.rope_scaling else None, sliding_window=None,
+        rope_scaling=rope if kind != "default" else None, sliding_window=None,
         attention_dropout=0.0, initializer_range=0.02, use_cache=True, dtype=dtype,
         torch_dtype=dtype) | _HF_CONSTANTS[fam]
     if mt in ("qwen3_moe", "qwen3_next"):  # intermediate_size: dense layers', none of which
