@@ -1612,7 +1612,8 @@ def _hf_sizes(cfg: ModelConfig) -> dict:
 
 
 def _hf_keys(mt: str) -> dict:
-    return HF_KEYS | {k: v for ms, keys in HF_FAMILY_KEYS.items() if mt in ms for k, v in keys.items()}
+    return HF_KEYS | {k: v for ms, keys in HF_FAMILY_KEYS.items() if mt in ms
+                      for k, v in keys.items()}
 
 
 def _layer_types(L: int, n: int, local: str) -> list[str]:
@@ -1654,7 +1655,8 @@ def config_from_hf(c: dict, where: str = "config.json") -> ModelConfig:
     f = {k: v for k, v in f.items() if k != "rope_local_theta" or v != f["rope_theta"]}  # 1 base
     families, knobs, fixed, off = HF_ROPE.get(kind, ((), {}, {}, 0))
     if mt not in families:
-        raise unsupported(f"rope type {kind!r} (only {[k for k, r in HF_ROPE.items() if mt in r[0]]})")
+        ok = [k for k, r in HF_ROPE.items() if mt in r[0]]
+        raise unsupported(f"rope type {kind!r} (only {', '.join(ok)})")
     if lacking := [p for p in knobs if p not in rope and not off]:
         raise hf.HFError(f"{where}: rope type {kind!r} without {', '.join(sorted(lacking))}.")
     f |= {k: typed(k, rope[p]) for p, k in knobs.items() if rope.get(p, off) != off}
@@ -1662,12 +1664,13 @@ def config_from_hf(c: dict, where: str = "config.json") -> ModelConfig:
     window = c.get("sliding_window") if mt == "mistral" or c.get("use_sliding_window") else None
     if window is not None and mt not in GEMMA:
         f["max_seq_len"] = min(f["max_seq_len"], window)
-    L, local = c["num_hidden_layers"], "linear_attention" if mt == "qwen3_5_text" else "sliding_attention"
+    L = c["num_hidden_layers"]
+    local = "linear_attention" if mt == "qwen3_5_text" else "sliding_attention"
     if "global_every" in says:  # every n-th layer global (or full attention), the others local
         kinds = c.get("layer_types") or _layer_types(L, dict(gemma2=2, olmo3=4).get(mt) or c.get(
             "_sliding_window_pattern", c.get("sliding_window_pattern",
                                              c.get("full_attention_interval", 4))), local)
-        f["global_every"] = n = kinds.index("full_attention") + 1 if "full_attention" in kinds else 0
+        n = f["global_every"] = kinds.index("full_attention") + 1 if "full_attention" in kinds else 0
     if mt == "gemma4_text":  # the global layers' width and heads: per layer (5.x) or not
         if c["hidden_size_per_layer_input"] and c["vocab_size_per_layer_input"] != c["vocab_size"]:
             raise unsupported("a per-layer input vocabulary unlike vocab_size")

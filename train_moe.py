@@ -1945,10 +1945,6 @@ _HF_FAMILY_FIELDS = {
                         num_nextn_predict_layers="mtp_depth") | {k: k for k in (
         "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
         "rope_interleave", "n_shared_experts", "seq_aux")},
-    "deepseek_v2": dict(n_routed_experts="n_experts", moe_intermediate_size="d_ff",
-                        routed_scaling_factor="routed_scale", first_k_dense_replace="first_k_dense")
-    | {k: k for k in ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
-                      "v_head_dim", "n_shared_experts", "seq_aux")},
     "llama4_text": dict(num_local_experts="n_experts", intermediate_size="d_ff",
                         interleave_moe_layer_step="moe_every", use_qk_norm="qk_l2_norm",
                         attention_chunk_size="attn_chunk", floor_scale="attn_temp_floor"),
@@ -1962,6 +1958,8 @@ _HF_FAMILY_FIELDS = {
                        "linear_v_dim", linear_conv_kernel_dim="linear_conv")}
 _HF_FAMILY_FIELDS["qwen3_5_moe_text"] = {  # it always renormalises the top k
     k: f for k, f in _HF_FAMILY_FIELDS["qwen3_next"].items() if k != "norm_topk_prob"}
+_HF_FAMILY_FIELDS["deepseek_v2"] = {k: f for k, f in _HF_FAMILY_FIELDS["deepseek_v3"].items() if k not
+                                    in ("norm_topk_prob", "num_nextn_predict_layers", "rope_interleave")}
 _HF_FAMILY_FIELDS["deepseek_v32"] = {k: f for k, f in _HF_FAMILY_FIELDS["deepseek_v3"].items() if
                                      k != "rope_interleave"} | {k: k for k in (
     "index_n_heads", "index_head_dim", "index_topk")}
@@ -2201,7 +2199,8 @@ def config_from_hf(c: dict, where: str = "config.json") -> ModelConfig:
         raise unsupported(f"rope {kind!r} {rope} (only {_ROPES})")
     m = {f: type(getattr(ModelConfig, f))(c.get(k) or 0)
          for k, f in (_HF_FIELDS | _HF_FAMILY_FIELDS[fam]).items()} | {
-        f: type(getattr(ModelConfig, f))(rope[p]) for p, f in knobs.items() if rope.get(p) is not None}
+        f: type(getattr(ModelConfig, f))(rope[p]) for p, f in knobs.items()
+        if rope.get(p) is not None}
     # A window of W tokens changes nothing on sequences of at most W (GPT-OSS's: per layer, below).
     window = c.get("sliding_window") if mt != "gpt_oss" and (
         mt == "mixtral" or c.get("use_sliding_window")) else None
