@@ -1471,7 +1471,7 @@ _HF_DEFAULTS = {mt: dict(rms_norm_eps=1e-6) | d for mt, d in {
                          linear_conv_kernel_dim=4),
 }.items()}
 # config.json keys that are our knobs as they stand, in every family and then in some: read as the
-# knob's type (absent, null or 0: its default), written as its value (HF_NULL's 0 as null).
+# knob's type (absent, null or 0: its default), written as its value.
 HF_KEYS = {"vocab_size": "vocab_size", "hidden_size": "d_model", "head_dim": "head_dim",
            "intermediate_size": "d_ff", "num_hidden_layers": "n_layers", "rms_norm_eps": "norm_eps",
            "num_attention_heads": "n_heads", "num_key_value_heads": "n_kv_heads",
@@ -1486,7 +1486,7 @@ HF_FAMILY_KEYS = {(*GEMMA, "olmo3"): dict(sliding_window="sliding_window"),
                   GEMMA[2:]: dict(attention_k_eq_v="k_eq_v", num_kv_shared_layers="kv_shared",
                                   hidden_size_per_layer_input="ple_dim"),
                   ("qwen3_5_text",): QWEN35_KEYS}
-HF_NULL = ("sliding_window", "attn_softcap", "final_softcap")
+HF_NULL = ("sliding_window", "attn_softcap", "final_softcap")  # 0 (off) written as null
 # Knobs config.json says in its own way (`config_from_hf`), and the families that say them.
 HF_SPELLED = dict(global_every=(*GEMMA, "olmo3", "qwen3_5_text"), rotary_dim=("qwen3_5_text",),
                   rope_local_theta=("gemma3_text", "olmo3", "gemma4_text"), **dict.fromkeys(
@@ -1505,8 +1505,9 @@ HF_ROPE = {"proportional": (GEMMA[2:], dict(partial_rotary_factor="rope_partial"
                     dict(beta_fast=32.0, beta_slow=1.0), 0),
            "linear": (_NOT_GEMMA2, {"factor": "rope_linear"}, {}, 0),  # Gemma 2's: local too
            "default": (_ALL, {}, {}, 0)}
-# config.json keys that change the model: a value other than null, what `config_to_hf` writes
-# or (where it writes none) these is refused, in these words (v: the value, w: ours).
+# config.json keys that change what the model computes. We implement the value `config_to_hf`
+# writes back for the model read (where it writes none: null or these); another is refused, the
+# error saying so in these words ({v}: its value, {w}: ours).
 _BIAS = ((False,), "attention_bias / mlp_bias {v!r} (biases on every projection)")
 HF_REFUSED = dict(
     hidden_act=((), "hidden activation {v!r} (only {w})"), attention_bias=_BIAS, mlp_bias=_BIAS,

@@ -1981,11 +1981,10 @@ _HF_CONSTANTS = {"mixtral": dict(router_jitter_noise=0.0),
 _HF_CONSTANTS["deepseek_v32"] = _HF_CONSTANTS["deepseek_v3"]
 _HF_CONSTANTS["qwen3_next"] = dict(decoder_sparse_step=1, mlp_only_layers=[], attention_bias=False)
 _HF_CONSTANTS["qwen3_5_moe_text"] = dict(attention_bias=False)
-# The RoPE types of the (global) layers: the families that may use one and its parameters that
-# are knobs; the others, and the types of other families, are refused where `config_to_hf`
-# would not write them back. DeepSeek's YaRN gives mscale == mscale_all_dim: transformers then
-# leaves the rotation unscaled (its factor is their ratio) and the logits times
-# mscale(factor, all_dim)^2.
+# The RoPE types of the (global) layers: the families that have one and its parameters that are
+# knobs, read and written by this table; any other type or parameter value is refused (one knob
+# for DeepSeek's mscale and mscale_all_dim: with them equal, transformers leaves the rotation
+# unscaled, their ratio, and scales the logits by mscale(factor, all_dim)^2).
 _HF_ROPE = {"default": (tuple(HF_ARCHITECTURES), {}),
             "yarn": (("gpt_oss", *HF_DEEPSEEK), dict(
                 factor="yarn_factor", beta_fast="yarn_beta_fast", beta_slow="yarn_beta_slow",
@@ -2003,8 +2002,9 @@ _HOW = compute_fields(ModelConfig)  # how to compute, not what: no config.json s
 # Knob values that are the same model (MLA's heads have their own widths; no routed scale is 1).
 _SAME = dict(head_dim=lambda m: 0 if m["kv_lora_rank"] else m["head_dim"],
              routed_scale=lambda m: m["routed_scale"] or 1.0)
-# config.json keys that change the model: a value other than null, what `config_to_hf` writes
-# or (where it writes none) these is refused, in these words (v: the value, w: ours).
+# config.json keys that change what the model computes. We implement the value `config_to_hf`
+# writes back for the model read (where it writes none: null or these); another is refused, the
+# error saying so in these words ({v}: its value, {w}: ours).
 _HF_REFUSED = dict(
     hidden_act=(("silu",), "hidden_act {v!r} (only silu)"),
     hidden_activation=((), "hidden_activation {v!r} (only {w})"),
@@ -2180,9 +2180,8 @@ def config_from_hf(c: dict, where: str = "config.json") -> ModelConfig:
     c = _HF_DEFAULTS[fam] | c
     unsupported = lambda what: hf.HFError(f"{where}: {what} is not implemented by train_moe.py, "
                                           f"so this {mt} model cannot be loaded faithfully.")
-    wide = ("moe_intermediate_size" if mt in ("qwen3_moe", "gemma4_text", *HF_QWEN_NEXT,
-                                              *HF_DEEPSEEK) else
-            "intermediate_size")
+    wide = ("intermediate_size" if mt in ("mixtral", "gpt_oss", "llama4_text")
+            else "moe_intermediate_size")  # the experts' width
     if lacking := [k for k in ("vocab_size", "hidden_size", "num_hidden_layers",
                                "num_attention_heads", wide) if k not in c]:
         raise hf.HFError(f"{where} has no {lacking[0]!r}; it is not a complete {mt} config.")
@@ -2279,10 +2278,7 @@ def _model_type(cfg: ModelConfig, model_type: str) -> str:
         raise hf.HFError(f"model_type {mt!r}: choose one of {', '.join(HF_ARCHITECTURES)}.")
     if bad := _misfit(cfg, mt):
         raise hf.HFError(f"model_type {mt!r} does not fit this model: its config.json would not "
-                         f"say {bad}. Each family says its own knobs only: q/k norms "
-                         "qwen3_moe's; sinks, biases, windows and the clamp gpt_oss's; MLA, "
-                         "shared experts, dense layers and YaRN DeepSeek's (the indexer "
-                         "deepseek_v32's); NoPE, chunks and scaled expert inputs llama4_text's.")
+                         f"say {bad}; model_type '' picks the family that does, if one does.")
     return mt
 
 
