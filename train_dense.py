@@ -1468,20 +1468,53 @@ _HF_DEFAULTS = {mt: dict(rms_norm_eps=1e-6) | d for mt, d in {
                          linear_key_head_dim=128, linear_value_head_dim=128,
                          linear_conv_kernel_dim=4),
 }.items()}
-# config.json keys that are our fields as they stand (Gemma's: only in Gemma's files).
+# config.json keys that are our knobs as they stand, in every family and then in some: read as the
+# knob's type (absent, null or 0: its default), written as its value.
 HF_KEYS = {"vocab_size": "vocab_size", "hidden_size": "d_model", "head_dim": "head_dim",
            "intermediate_size": "d_ff", "num_hidden_layers": "n_layers", "rms_norm_eps": "norm_eps",
            "num_attention_heads": "n_heads", "num_key_value_heads": "n_kv_heads",
            "max_position_embeddings": "max_seq_len", "tie_word_embeddings": "tie_embeddings"}
-GEMMA_KEYS = {"sliding_window": "sliding_window", "attn_logit_softcapping": "attn_softcap",
-              "final_logit_softcapping": "final_softcap", "query_pre_attn_scalar": "query_scale"}
-LLAMA3_ROPE = {"factor": "rope_scaling", "low_freq_factor": "rope_low_freq_factor",
-               "high_freq_factor": "rope_high_freq_factor",
-               "original_max_position_embeddings": "rope_original_max_len"}
-YARN_ROPE = {"factor": "yarn_factor", "original_max_position_embeddings": "yarn_original_max_len"}
 QWEN35_KEYS = {"linear_num_key_heads": "linear_k_heads", "linear_num_value_heads": "linear_v_heads",
                "linear_key_head_dim": "linear_k_dim", "linear_value_head_dim": "linear_v_dim",
                "linear_conv_kernel_dim": "linear_conv"}
+HF_FAMILY_KEYS = {(*GEMMA, "olmo3"): dict(sliding_window="sliding_window"),
+                  GEMMA: dict(final_logit_softcapping="final_softcap"),
+                  GEMMA[:2]: dict(attn_logit_softcapping="attn_softcap",
+                                  query_pre_attn_scalar="query_scale"),
+                  GEMMA[2:]: dict(attention_k_eq_v="k_eq_v", num_kv_shared_layers="kv_shared",
+                                  hidden_size_per_layer_input="ple_dim"),
+                  ("qwen3_5_text",): QWEN35_KEYS}
+HF_NULL = ("sliding_window", "attn_softcap", "final_softcap")  # 0 (off) written as null
+# Knobs config.json says in its own way (`config_from_hf`), and the families that say them.
+HF_SPELLED = dict(global_every=(*GEMMA, "olmo3", "qwen3_5_text"), rotary_dim=("qwen3_5_text",),
+                  rope_local_theta=("gemma3_text", "olmo3", "gemma4_text"), **dict.fromkeys(
+                      ("global_head_dim", "global_kv_heads", "wide_shared_mlp"), GEMMA[2:]))
+# The global layers' RoPE types, in the order one is picked to write: the families that have
+# it, its parameters that are knobs, the others at HF's defaults (written so, read only so) and
+# the value that leaves a knob at its default (Gemma 4's 1.0).
+_ALL, _NOT_GEMMA2 = tuple(HF_ARCHITECTURES), tuple(m for m in HF_ARCHITECTURES if m != "gemma2")
+HF_ROPE = {"proportional": (GEMMA[2:], dict(partial_rotary_factor="rope_partial",
+                                            factor="rope_linear"), {}, 1.0),
+           "llama3": (_ALL, dict(factor="rope_scaling", low_freq_factor="rope_low_freq_factor",
+                                 high_freq_factor="rope_high_freq_factor",
+                                 original_max_position_embeddings="rope_original_max_len"), {}, 0),
+           "yarn": (_NOT_GEMMA2, dict(factor="yarn_factor",  # OLMo 3's
+                                      original_max_position_embeddings="yarn_original_max_len"),
+                    dict(beta_fast=32.0, beta_slow=1.0), 0),
+           "linear": (_NOT_GEMMA2, {"factor": "rope_linear"}, {}, 0),  # Gemma 2's: local too
+           "default": (_ALL, {}, {}, 0)}
+# config.json keys that change what the model computes. We implement the value `config_to_hf`
+# writes back for the model read (where it writes none: null or these); another is refused, the
+# error saying so in these words ({v}: its value, {w}: ours).
+_BIAS = ((False,), "attention_bias / mlp_bias {v!r} (biases on every projection)")
+HF_REFUSED = dict(
+    hidden_act=((), "hidden activation {v!r} (only {w})"), attention_bias=_BIAS, mlp_bias=_BIAS,
+    partial_rotary_factor=((1.0,), "partial_rotary_factor {v}"),
+    use_bidirectional_attention=((False, "vision"),  # "vision": only images' tokens see ahead
+                                 "use_bidirectional_attention {v!r} (an encoder)"),
+    enable_moe_block=((), "enable_moe_block (26B-A4B's experts; train_moe.py loads it)"),
+    layer_types=((), "layer_types {v} (only every n-th layer global)"),
+    per_layer_config=((), "per_layer_config {v} (only the global layers', all alike)"))
 # The knobs a family implies (config.json does not spell them); the others are off.
 _GEMMA_KNOBS = dict(norm_plus_one=True, sandwich_norm=True, embed_scale=True, gelu=True)
 HF_KNOBS = {"llama": {}, "mistral": {}, "qwen2": dict(qkv_bias=True), "qwen3": dict(qk_norm=True),
@@ -1491,6 +1524,7 @@ HF_KNOBS = {"llama": {}, "mistral": {}, "qwen2": dict(qkv_bias=True), "qwen3": d
             "gemma4_text": _GEMMA_KNOBS | dict(norm_plus_one=False, qk_norm=True, v_norm=True,
                                                layer_scale=True, query_scale=1.0),
             "qwen3_5_text": dict(norm_plus_one=True, qk_norm=True, attn_gate=True)}
+HF_NEEDS = {"gemma4_text": "global_head_dim", "qwen3_5_text": "linear_k_heads"}  # on, to write
 # What transformers itself writes into each family's config.json, beyond our fields.
 _GELU_TANH = dict(hidden_act="gelu_pytorch_tanh", hidden_activation="gelu_pytorch_tanh",
                   attention_bias=False)
@@ -1578,9 +1612,20 @@ def _hf_sizes(cfg: ModelConfig) -> dict:
                 lr=Hv // max(Hk, 1), lx=2 * Hk * Dk + Hv * Dv, lw=cfg.linear_conv, lv=Hv, ly=Dv)
 
 
+def _hf_keys(mt: str) -> dict:
+    return HF_KEYS | {k: v for ms, keys in HF_FAMILY_KEYS.items() if mt in ms
+                      for k, v in keys.items()}
+
+
+def _layer_types(L: int, n: int, local: str) -> list[str]:
+    """Every n-th of L layers full attention, the others `local` ("": none)."""
+    return ["full_attention" if not local or n and (i + 1) % n == 0 else local for i in range(L)]
+
+
 def config_from_hf(c: dict, where: str = "config.json") -> ModelConfig:
-    """Our ModelConfig from a HuggingFace config.json (as a dict). Anything that would change
-    what the model computes and that we do not implement is an error, never ignored."""
+    """Our ModelConfig from a HuggingFace config.json (as a dict), by the tables above. What we
+    implement is what `config_to_hf` writes back for it: anything else that would change what
+    the model computes (HF_REFUSED, the RoPE's parameters) is an error, never ignored."""
     mt = c.get("model_type")
     if mt not in HF_ARCHITECTURES:
         raise hf.HFError(f"{where}: model_type {mt!r} is not a dense family this trainer loads "
@@ -1592,26 +1637,14 @@ def config_from_hf(c: dict, where: str = "config.json") -> ModelConfig:
     if lacking := [k for k in ("vocab_size", "hidden_size", "intermediate_size",
                                "num_hidden_layers", "num_attention_heads") if k not in c]:
         raise hf.HFError(f"{where} has no {lacking[0]!r}; it is not a complete {mt} config.")
-    gemma = mt in GEMMA  # Gemma 1's "gelu" means the tanh approximation, as transformers reads it
-    act, want = ((c.get("hidden_activation") or c.get("hidden_act"), "gelu_pytorch_tanh")
-                 if mt.startswith("gemma") else (c.get("hidden_act"), "silu"))
-    if (act or "silu") not in (want, "gelu" if mt == "gemma" else want):
-        raise unsupported(f"hidden activation {act!r} (only {want})")
-    if c.get("attention_bias") or c.get("mlp_bias"):
-        raise unsupported("attention_bias / mlp_bias (biases on every projection)")
-    if c.get("partial_rotary_factor", 1.0) != 1.0 and mt != "qwen3_5_text":
-        raise unsupported(f"partial_rotary_factor {c['partial_rotary_factor']}")
-    if c.get("use_bidirectional_attention") not in (None, False, "vision"):  # Gemma 4's
-        # "vision" lets an image's tokens see each other; text stays causal
-        raise unsupported("use_bidirectional_attention (an encoder, not a causal decoder)")
-    # Each value in its field's type (HF writes 256 for a float); absent, null or 0: the default.
-    typed = lambda d, keys: {k: type(getattr(ModelConfig, k))(d[key]) for key, k in keys.items()
-                             if d.get(key)}
-    f = typed(c, HF_KEYS | (GEMMA_KEYS if gemma else {}) | (QWEN35_KEYS if mt == "qwen3_5_text"
-                                                           else {}))
+    if mt.startswith("gemma"):  # its hidden_activation first; Gemma 1's "gelu" is the tanh one
+        act = c.get("hidden_activation") or c.get("hidden_act")
+        c |= dict(hidden_act="gelu_pytorch_tanh" if (mt, act) == ("gemma", "gelu") else act)
+    typed = lambda k, v: type(getattr(ModelConfig, k))(v)  # HF writes 256 for a float
+    f = {k: typed(k, c[key]) for key, k in _hf_keys(mt).items() if c.get(key)}  # 0: ours
     f = dict(n_kv_heads=f["n_heads"], head_dim=f["d_model"] // f["n_heads"]) | f | HF_KNOBS[mt]
-    rope = c.get("rope_parameters") or {}
-    if mt in ("gemma3_text", "olmo3", "gemma4_text"):  # global and local RoPE: per layer type
+    rope, says = c.get("rope_parameters") or {}, [k for k, ms in HF_SPELLED.items() if mt in ms]
+    if "rope_local_theta" in says:  # global and local RoPE: per layer type
         local = {"rope_parameters": rope.get("sliding_attention", {})}
         f["rope_local_theta"], kind, _ = hf.rope_parameters(
             local, c.get("rope_local_base_freq", c["rope_theta"]), where)
@@ -1621,96 +1654,72 @@ def config_from_hf(c: dict, where: str = "config.json") -> ModelConfig:
     f["rope_theta"], kind, rope = hf.rope_parameters(c, 10_000.0, where)
     rope = {"original_max_position_embeddings": c["max_position_embeddings"]} | rope  # if absent
     f = {k: v for k, v in f.items() if k != "rope_local_theta" or v != f["rope_theta"]}  # 1 base
-    if kind == "llama3":
-        if lacking := {"factor", "low_freq_factor", "high_freq_factor"} - set(rope):
-            raise hf.HFError(f"{where}: rope type 'llama3' without {', '.join(sorted(lacking))}.")
-        f |= typed(rope, LLAMA3_ROPE)
-    elif kind == "linear" and "factor" in rope and mt != "gemma2":  # Gemma 2's would go local too
-        f["rope_linear"] = float(rope["factor"])
-    elif kind == "proportional" and mt == "gemma4_text":  # Gemma 4's global layers
-        part, factor = (float(rope.get(k, 1.0)) for k in ("partial_rotary_factor", "factor"))
-        f |= dict(rope_partial=part % 1.0, rope_linear=factor if factor != 1.0 else 0.0)
-    elif kind == "yarn" and "factor" in rope and mt != "gemma2":  # OLMo 3's: HF's defaults only
-        f |= typed(rope, YARN_ROPE)
-        want = dict(beta_fast=32, beta_slow=1, truncate=True,
-                    attention_factor=0.1 * math.log(max(f["yarn_factor"], 1)) + 1)
-        if odd := {k: v for k, v in rope.items() if k not in YARN_ROPE and v is not None
-                   and not math.isclose(v, want.get(k, math.nan))}:
-            raise unsupported(f"YaRN with {odd} (only {want})")
-    elif kind != "default":
-        raise unsupported(f"rope type {kind!r} (only the default, 'linear', 'llama3' and 'yarn')")
+    families, knobs, fixed, off = HF_ROPE.get(kind, ((), {}, {}, 0))
+    if mt not in families:
+        ok = [k for k, r in HF_ROPE.items() if mt in r[0]]
+        raise unsupported(f"rope type {kind!r} (only {', '.join(ok)})")
+    if lacking := [p for p in knobs if p not in rope and not off]:
+        raise hf.HFError(f"{where}: rope type {kind!r} without {', '.join(sorted(lacking))}.")
+    f |= {k: typed(k, rope[p]) for p, k in knobs.items() if rope.get(p, off) != off}
     # A window changes nothing on sequences no longer than itself: it becomes the maximum length.
     window = c.get("sliding_window") if mt == "mistral" or c.get("use_sliding_window") else None
-    if window is not None and not gemma:
+    if window is not None and mt not in GEMMA:
         f["max_seq_len"] = min(f["max_seq_len"], window)
-    if gemma or mt == "olmo3":  # every n-th layer global, the others windowed
-        types = lambda n: ["full_attention" if n and (i + 1) % n == 0 else "sliding_attention"
-                           for i in range(c["num_hidden_layers"])]
-        kinds = c.get("layer_types") or types(dict(gemma2=2, olmo3=4).get(mt) or c.get(
-            "_sliding_window_pattern", c["sliding_window_pattern"]))
-        n = kinds.index("full_attention") + 1 if "full_attention" in kinds else 0
-        if kinds != types(n):
-            raise unsupported(f"layer_types {kinds} (only every n-th layer global)")
-        f |= dict(global_every=n, sliding_window=int(c["sliding_window"] or 0))
-    if mt == "gemma4_text":  # the global layers' width and heads, their own or per layer
-        if c.get("enable_moe_block"):
-            raise unsupported("enable_moe_block (26B-A4B's experts; train_moe.py loads it)")
-        glob = [str(i) for i, k in enumerate(kinds) if k == "full_attention"]
-        own = {"head_dim": c["global_head_dim"]} | ({"num_key_value_heads": c[
-            "num_global_key_value_heads"]} if c["attention_k_eq_v"] and c.get(
-            "num_global_key_value_heads") else {})
-        per = {str(i): v for i, v in (c.get("per_layer_config") or dict.fromkeys(glob, own)
-                                      ).items()}
-        if sorted(per) != sorted(glob) or any(v != per[glob[0]] or set(v) - set(own) - {
-                "num_key_value_heads"} for v in per.values()):
-            raise unsupported(f"per_layer_config {per} (only the global layers', all alike)")
+    L = c["num_hidden_layers"]
+    local = "linear_attention" if mt == "qwen3_5_text" else "sliding_attention"
+    if "global_every" in says:  # every n-th layer global (or full attention), the others local
+        kinds = c.get("layer_types") or _layer_types(L, dict(gemma2=2, olmo3=4).get(mt) or c.get(
+            "_sliding_window_pattern", c.get("sliding_window_pattern",
+                                             c.get("full_attention_interval", 4))), local)
+        n = f["global_every"] = kinds.index("full_attention") + 1 if "full_attention" in kinds else 0
+    if mt == "gemma4_text":  # the global layers' width and heads: per layer (5.x) or not
         if c["hidden_size_per_layer_input"] and c["vocab_size_per_layer_input"] != c["vocab_size"]:
             raise unsupported("a per-layer input vocabulary unlike vocab_size")
-        S = c["num_kv_shared_layers"] or 0
-        f |= dict(global_head_dim=per[glob[0]].get("head_dim", f["head_dim"]), k_eq_v=bool(
-            c["attention_k_eq_v"]), global_kv_heads=per[glob[0]].get("num_key_value_heads", 0),
-                  ple_dim=c["hidden_size_per_layer_input"] or 0, kv_shared=S,
-                  wide_shared_mlp=bool(S and c["use_double_wide_mlp"]))
-    if mt == "qwen3_5_text":  # every n-th layer (gated) attention turning a share, DeltaNet between
-        kinds, L, H = c.get("layer_types") or [], f["n_layers"], f["head_dim"]
-        n = kinds.index("full_attention") + 1 if "full_attention" in kinds else c.get(
-            "full_attention_interval", 4)
+        own = (c.get("per_layer_config") or {}).get(str(n - 1)) or dict(head_dim=c[
+            "global_head_dim"], num_key_value_heads=c["attention_k_eq_v"] and c.get(
+            "num_global_key_value_heads"))
+        f |= dict(global_head_dim=own.get("head_dim", f["head_dim"]), global_kv_heads=own.get(
+            "num_key_value_heads") or 0, wide_shared_mlp=bool(f.get("kv_shared") and c[
+            "use_double_wide_mlp"]))
+    if mt == "qwen3_5_text":  # the gated attention turns a share of each head
+        H = f["head_dim"]
         R = int(H * float(c.get("partial_rotary_factor") or rope.get("partial_rotary_factor", 1)))
-        if n < 2 or L % n or kinds and kinds != (["linear_attention"] * (n - 1) + [
-                "full_attention"]) * (L // n) or R % 2:
+        if R % 2 or n < 2 or L % n:
             raise unsupported(f"layer_types {kinds} (only every n-th layer full, n > 1 dividing "
                               f"{L}) or {R} dims turned (odd)")
-        f |= dict(global_every=n, rotary_dim=R if R < H else 0)
-    return ModelConfig(**f)
+        f["rotary_dim"], c = R if R < H else 0, c | {"partial_rotary_factor": None}
+    m = ModelConfig(**f)
+    w = config_to_hf(m, mt)
+    for key, (also, what) in HF_REFUSED.items():
+        if c.get(key) not in (None, w.get(key), *also) and (key in w or also):
+            raise unsupported(what.format(v=c[key], w=w.get(key)))
+    ours = {"truncate": True} | w["rope_parameters"].get("full_attention", w["rope_parameters"])
+    if fixed and (odd := {p: v for p, v in rope.items() if v is not None and not math.isclose(
+            v, ours.get(p, math.nan))}):
+        raise unsupported(f"YaRN with {odd} (only {ours})")
+    return m
+
+
+def _misfit(cfg: ModelConfig, mt: str) -> dict:
+    """The knobs of `cfg` that family `mt`'s config.json cannot say, by the tables above: one the
+    family implies, at another value; one that only others say, off its default; one it needs."""
+    says = set(_hf_keys(mt).values()) | {k for k, ms in HF_SPELLED.items() if mt in ms} | {
+        k for ms, knobs, *_ in HF_ROPE.values() if mt in ms for k in knobs.values()}
+    some = {k for m in _ALL for k in [*HF_KNOBS[m], *_hf_keys(m).values()]} | set(HF_SPELLED) | {
+        k for _, knobs, *_ in HF_ROPE.values() for k in knobs.values()}
+    want = lambda k: HF_KNOBS[mt].get(k, getattr(cfg if k in says else ModelConfig, k))
+    return {k: getattr(cfg, k) for k in sorted(some) if getattr(cfg, k) != want(k) or k == (
+        HF_NEEDS.get(mt)) and not getattr(cfg, k) or k == "query_scale" and cfg.query_scale % 1}
 
 
 def config_to_hf(cfg: ModelConfig, model_type: str = "", dtype: str = "float32") -> dict:
     """A config.json for `cfg` that transformers 4.4x and 5.x both read (each finds its own
-    spelling of the rope settings). model_type "" picks the family from the knobs."""
-    mt = model_type or next(m for m, knobs in (  # the first family whose knobs are all on
-        ("qwen3_5_text", "linear_k_heads"), ("gemma4_text", "global_head_dim"),
-        ("olmo3", "post_norm sliding_window"), ("olmo2", "post_norm"),
-        ("gemma3_text", "sandwich_norm qk_norm"), ("gemma2", "sandwich_norm"),
-        ("gemma", "norm_plus_one"), ("qwen3", "qk_norm"), ("qwen2", "qkv_bias"), ("llama", ""))
-        if all(getattr(cfg, k) for k in knobs.split()))
+    spelling of the rope settings), by the tables above. model_type "" picks the first family
+    whose config.json says this model."""
+    mt = model_type or next((m for m in HF_ARCHITECTURES if not _misfit(cfg, m)), "llama")
     if mt not in HF_ARCHITECTURES:
         raise hf.HFError(f"model_type {mt!r}: choose one of {', '.join(HF_ARCHITECTURES)}.")
-    bad = {k: getattr(cfg, k) for k in ("qkv_bias", "qk_norm", *HF_KNOBS["olmo3"], *_GEMMA_KNOBS,
-                                        "v_norm", "layer_scale", "attn_gate")
-           if getattr(cfg, k) != HF_KNOBS[mt].get(k, False)}
-    may = dict.fromkeys(GEMMA_KEYS.values(), GEMMA) | dict(  # rope_linear: Gemma 2 has one RoPE
-        sliding_window=(*GEMMA, "olmo3"), rope_local_theta=(*GEMMA[1:], "olmo3"),
-        attn_softcap=GEMMA[:2], **dict.fromkeys(("rope_linear", "yarn_factor"), set(
-            HF_ARCHITECTURES) - {"gemma2"}), **dict.fromkeys(("global_head_dim", "k_eq_v",
-            "global_kv_heads", "rope_partial", "ple_dim", "kv_shared"), ("gemma4_text",)),
-        **dict.fromkeys(("rotary_dim", "linear_k_heads"), ("qwen3_5_text",)))
-    bad |= {k: getattr(cfg, k) for k, ok in may.items() if getattr(cfg, k) and mt not in ok
-            or k == "query_scale" and getattr(cfg, k) % 1}   # HF's query_pre_attn_scalar: an int
-    if mt == "gemma4_text" and (cfg.query_scale != 1.0 or not cfg.global_head_dim):
-        bad |= dict(query_scale=cfg.query_scale, global_head_dim=cfg.global_head_dim)
-    if mt == "qwen3_5_text" and not cfg.linear_k_heads:
-        bad |= dict(linear_k_heads=0)
-    if bad:
+    if bad := _misfit(cfg, mt):
         raise hf.HFError(f"model_type {mt!r} does not fit this model ({bad}): q/k/v biases "
                          "are qwen2's; q/k norms qwen3's, gemma3_text's, OLMo's (whole, with post "
                          "norms); (1 + w) norms, GeGLU, the embedding scale Gemmas'; sandwich "
@@ -1718,52 +1727,40 @@ def config_to_hf(cfg: ModelConfig, model_type: str = "", dtype: str = "float32")
                          "a local RoPE gemma3_text's and olmo3's; gemma4_text needs global layers "
                          "of their own, normed values, scaled layers, a query scale of 1; "
                          "qwen3_5_text Gated DeltaNet layers and gated attention.")
-    rope = {"rope_type": "default", "rope_theta": cfg.rope_theta} | (
-        {"rope_type": "linear", "factor": cfg.rope_linear} if cfg.rope_linear else {}) | (
-        dict(rope_type="yarn", factor=cfg.yarn_factor, beta_fast=32.0, beta_slow=1.0,  # OLMo 3's
-             attention_factor=0.1 * math.log(max(cfg.yarn_factor, 1)) + 1,
-             original_max_position_embeddings=cfg.yarn_original_max_len) if cfg.yarn_factor else {})
-    if cfg.rope_scaling > 0:
-        rope = {"rope_type": "llama3", "rope_theta": cfg.rope_theta} | {
-            key: getattr(cfg, k) for key, k in LLAMA3_ROPE.items()}
-    L, n = cfg.n_layers, cfg.global_every
-    c = dict(architectures=[HF_ARCHITECTURES[mt]], model_type=mt, hidden_act="silu",
-             **{key: getattr(cfg, k) for key, k in HF_KEYS.items()},
-             rope_parameters=rope, rope_theta=cfg.rope_theta,
+    kind, (_, knobs, fixed, off) = next((k, r) for k, r in HF_ROPE.items() if mt in r[0] and (
+        r[3] or all(getattr(cfg, k) for k in [*r[1].values()][:1])))  # the first that is on
+    rope = {"rope_type": kind, "rope_theta": cfg.rope_theta} | {
+        p: getattr(cfg, k) for p, k in knobs.items() if getattr(cfg, k) or not off} | ({
+        "partial_rotary_factor": 1.0} if kind == "proportional" and not cfg.rope_partial else {})
+    rope |= fixed | ({"attention_factor": 0.1 * math.log(max(cfg.yarn_factor, 1)) + 1}  # HF's
+                     if kind == "yarn" else {})
+    L, n, says = cfg.n_layers, cfg.global_every, [k for k, ms in HF_SPELLED.items() if mt in ms]
+    c = dict(architectures=[HF_ARCHITECTURES[mt]], model_type=mt, hidden_act="silu", **{
+        key: getattr(cfg, k) if getattr(cfg, k) or k not in HF_NULL else None
+        for key, k in _hf_keys(mt).items()}, rope_parameters=rope, rope_theta=cfg.rope_theta,
              rope_scaling={k: v for k, v in rope.items() if k != "rope_theta"}
-             if cfg.rope_scaling > 0 or cfg.rope_linear or cfg.yarn_factor else None,
-             attention_dropout=0.0, initializer_range=0.02, use_cache=True, dtype=dtype,
-             torch_dtype=dtype) | HF_CONSTANTS[mt]
+             if kind != "default" else None, attention_dropout=0.0, initializer_range=0.02,
+             use_cache=True, dtype=dtype, torch_dtype=dtype) | HF_CONSTANTS[mt]
+    if "global_every" in says or mt in ("qwen2", "qwen3"):  # each layer's kind
+        c["layer_types"] = _layer_types(L, n, "linear_attention" if mt == "qwen3_5_text" else
+                                        "sliding_attention" if cfg.sliding_window else "")
     if mt in ("qwen2", "qwen3"):
-        c |= dict(max_window_layers=L, layer_types=["full_attention"] * L)
+        c["max_window_layers"] = L
     if mt in GEMMA:
-        c |= {key: getattr(cfg, k) or None for key, k in GEMMA_KEYS.items()} | dict(
-            query_pre_attn_scalar=int(cfg.query_scale or cfg.head_dim),
-            sliding_window_pattern=n or L + 1)
-    if mt in (*GEMMA, "olmo3"):
-        c |= dict(sliding_window=cfg.sliding_window or None, layer_types=[
-            "full_attention" if not cfg.sliding_window or n and (i + 1) % n == 0
-            else "sliding_attention" for i in range(L)])
+        c |= dict(query_pre_attn_scalar=int(cfg.query_scale or cfg.head_dim),
+                  sliding_window_pattern=n or L + 1)
     if mt == "gemma4_text":  # no 4.x spellings; the global layers' shape per layer, as 5.x
         G, K = cfg.global_head_dim, cfg.global_kv_heads
-        rope = dict(rope_type="proportional", partial_rotary_factor=cfg.rope_partial or 1.0,
-                    rope_theta=cfg.rope_theta) | ({"factor": cfg.rope_linear} if cfg.rope_linear
-                                                  else {})
         c = {k: v for k, v in c.items() if k not in ("rope_theta", "rope_scaling", "hidden_act",
-                                                     "query_pre_attn_scalar",
-                                                     "attn_logit_softcapping")} | dict(
-            attention_k_eq_v=cfg.k_eq_v, num_kv_shared_layers=cfg.kv_shared,
-            use_double_wide_mlp=cfg.wide_shared_mlp, hidden_size_per_layer_input=cfg.ple_dim,
+                                                     "query_pre_attn_scalar")} | dict(
+            use_double_wide_mlp=cfg.wide_shared_mlp,
             vocab_size_per_layer_input=cfg.vocab_size if cfg.ple_dim else 262144,  # HF's
-            per_layer_config={
-                str(i): {"head_dim": G} | ({"num_key_value_heads": K} if K else {})
-                for i in range(n - 1, L, n)})
+            per_layer_config={str(i): {"head_dim": G} | ({"num_key_value_heads": K} if K else {})
+                              for i in range(n - 1, L, n)})
     if mt == "qwen3_5_text":  # n - 1 DeltaNet layers, then gated attention turning a share
-        c |= {key: getattr(cfg, k) for key, k in QWEN35_KEYS.items()} | dict(
-            rope_parameters=rope | {"partial_rotary_factor": (cfg.rotary_dim or cfg.head_dim) /
-                                    cfg.head_dim}, full_attention_interval=n, layer_types=(
-                ["linear_attention"] * (n - 1) + ["full_attention"]) * (L // n))
-    if mt in ("gemma3_text", "olmo3", "gemma4_text"):  # 5.x: rope_parameters per layer type
+        c |= dict(full_attention_interval=n, rope_parameters=rope | {
+            "partial_rotary_factor": (cfg.rotary_dim or cfg.head_dim) / cfg.head_dim})
+    if "rope_local_theta" in says:  # 5.x: rope_parameters per layer type
         local = cfg.rope_local_theta or cfg.rope_theta  # 4.x Gemma 3 its local base
         c |= dict(rope_parameters={"full_attention": rope, "sliding_attention": {
             "rope_type": "default", "rope_theta": local}}) | (

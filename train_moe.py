@@ -39,7 +39,7 @@ from jax.sharding import PartitionSpec as P
 
 from common import hf, train
 from common.attention import attend, check_kernel, choose, fold_context, from_context, to_context
-from common.config import how, knob, resumable
+from common.config import compute_fields, how, knob, resumable
 from common.checkpoint import CheckpointConfig
 from common.data import DataConfig, get_batch, load_dataset
 from common.eval import DuringTraining
@@ -1945,10 +1945,6 @@ _HF_FAMILY_FIELDS = {
                         num_nextn_predict_layers="mtp_depth") | {k: k for k in (
         "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
         "rope_interleave", "n_shared_experts", "seq_aux")},
-    "deepseek_v2": dict(n_routed_experts="n_experts", moe_intermediate_size="d_ff",
-                        routed_scaling_factor="routed_scale", first_k_dense_replace="first_k_dense")
-    | {k: k for k in ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
-                      "v_head_dim", "n_shared_experts", "seq_aux")},
     "llama4_text": dict(num_local_experts="n_experts", intermediate_size="d_ff",
                         interleave_moe_layer_step="moe_every", use_qk_norm="qk_l2_norm",
                         attention_chunk_size="attn_chunk", floor_scale="attn_temp_floor"),
@@ -1962,6 +1958,8 @@ _HF_FAMILY_FIELDS = {
                        "linear_v_dim", linear_conv_kernel_dim="linear_conv")}
 _HF_FAMILY_FIELDS["qwen3_5_moe_text"] = {  # it always renormalises the top k
     k: f for k, f in _HF_FAMILY_FIELDS["qwen3_next"].items() if k != "norm_topk_prob"}
+_HF_FAMILY_FIELDS["deepseek_v2"] = {k: f for k, f in _HF_FAMILY_FIELDS["deepseek_v3"].items() if k not
+                                    in ("norm_topk_prob", "num_nextn_predict_layers", "rope_interleave")}
 _HF_FAMILY_FIELDS["deepseek_v32"] = {k: f for k, f in _HF_FAMILY_FIELDS["deepseek_v3"].items() if
                                      k != "rope_interleave"} | {k: k for k in (
     "index_n_heads", "index_head_dim", "index_topk")}
@@ -1983,23 +1981,44 @@ _HF_CONSTANTS = {"mixtral": dict(router_jitter_noise=0.0),
 _HF_CONSTANTS["deepseek_v32"] = _HF_CONSTANTS["deepseek_v3"]
 _HF_CONSTANTS["qwen3_next"] = dict(decoder_sparse_step=1, mlp_only_layers=[], attention_bias=False)
 _HF_CONSTANTS["qwen3_5_moe_text"] = dict(attention_bias=False)
-# The knobs some families' config.json says and no other's: on exactly in those families, or
-# (the second table) on only in those. Mixtral and GPT-OSS always renormalise the top k.
-_HF_OWN = dict(attn_sinks=("gpt_oss",), moe_bias=("gpt_oss",), swiglu_limit=("gpt_oss",),
-               sigmoid_routing=("deepseek_v3", "llama4_text", "deepseek_v32"),
-               score_inputs=("llama4_text",), gemma4=("gemma4_text",),
-               global_head_dim=("gemma4_text",), index_n_heads=("deepseek_v32",),
-               **dict.fromkeys(("linear_k_heads", "attn_gate", "norm_offset", "shared_gated"),
-                               ("qwen3_next",)))
-_HF_ONLY = dict(attn_bias=("gpt_oss",), sliding_window=("gpt_oss", "gemma4_text"),
-                n_shared_experts=("deepseek_v3", "deepseek_v2", "llama4_text", "deepseek_v32",
-                                  "qwen3_next"), rotary_dim=("qwen3_next",),
-                first_k_dense=("deepseek_v3", "deepseek_v2", "deepseek_v32"), mtp_depth=("deepseek_v3",),
-                yarn_factor=("gpt_oss", "deepseek_v3", "deepseek_v2", "deepseek_v32"),
-                **dict.fromkeys((
-                    "attn_chunk", "global_nope", "attn_temp_scale", "qk_l2_norm", "rope_scaling"),
-                    ("llama4_text",)), **dict.fromkeys(("rope_local_theta", "global_kv_heads",
-                    "k_eq_v", "rope_partial", "final_softcap"), ("gemma4_text",)))
+# The RoPE types of the (global) layers: the families that have one and its parameters that are
+# knobs, read and written by this table; any other type or parameter value is refused (one knob
+# for DeepSeek's mscale and mscale_all_dim: with them equal, transformers leaves the rotation
+# unscaled, their ratio, and scales the logits by mscale(factor, all_dim)^2).
+_HF_ROPE = {"default": (tuple(HF_ARCHITECTURES), {}),
+            "yarn": (("gpt_oss", *HF_DEEPSEEK), dict(
+                factor="yarn_factor", beta_fast="yarn_beta_fast", beta_slow="yarn_beta_slow",
+                truncate="yarn_truncate", original_max_position_embeddings="yarn_original_max_len",
+                mscale="yarn_mscale_all_dim", mscale_all_dim="yarn_mscale_all_dim")),
+            "llama3": (("llama4_text",), dict(
+                factor="rope_scaling", low_freq_factor="rope_low_freq_factor",
+                high_freq_factor="rope_high_freq_factor",
+                original_max_position_embeddings="rope_original_max_len")),
+            "proportional": (("gemma4_text",), {"partial_rotary_factor": "rope_partial"})}
+_HF_UNSET = ("truncate", "mscale", "mscale_all_dim")  # written only off our defaults
+_ROPES = ("the default, GPT-OSS's YaRN, DeepSeek's YaRN with mscale == mscale_all_dim, Llama 4's "
+          "'llama3', Gemma 4's 'proportional'")
+_HOW = compute_fields(ModelConfig)  # how to compute, not what: no config.json says it
+# Knob values that are the same model (MLA's heads have their own widths; no routed scale is 1).
+_SAME = dict(head_dim=lambda m: 0 if m["kv_lora_rank"] else m["head_dim"],
+             routed_scale=lambda m: m["routed_scale"] or 1.0)
+# config.json keys that change what the model computes. We implement the value `config_to_hf`
+# writes back for the model read (where it writes none: null or these); another is refused, the
+# error saying so in these words ({v}: its value, {w}: ours).
+_HF_REFUSED = dict(
+    hidden_act=(("silu",), "hidden_act {v!r} (only silu)"),
+    hidden_activation=((), "hidden_activation {v!r} (only {w})"),
+    partial_rotary_factor=((1.0,), "partial_rotary_factor {v!r}"),
+    decoder_sparse_step=((1,), "decoder_sparse_step {v!r} (only 1)"),
+    moe_layer_freq=((1,), "moe_layer_freq {v!r} (only 1)"),
+    **{k: ((), f"{k} {{v!r}} (only {{w!r}})") for k in (
+        "swiglu_alpha", "scoring_func", "topk_method", "hidden_size_per_layer_input",
+        "num_kv_shared_layers")},
+    attention_bias=((False,), "attention_bias (biases on the attention projections)"),
+    mlp_only_layers=(([],), "dense MLP layers between the MoE layers (mlp_only_layers)"),
+    **{k: ((), f"{k} {{v}} (only {{w}})") for k in (
+        "layer_types", "no_rope_layers", "moe_layers", "per_layer_config")},
+    shared_expert_intermediate_size=((), "a shared expert {v} wide, not as the routed ones"))
 
 # Each weight's HuggingFace name (after model.layers.{i}. for a layer's) and layout (common/hf.py;
 # a stack's layer axis goes first on our side), in the atoms of `_hf_sizes`: l the MoE layers, j
@@ -2146,8 +2165,9 @@ def _hf_sizes(cfg: ModelConfig) -> dict:
 
 
 def config_from_hf(c: dict, where: str = "config.json") -> ModelConfig:
-    """Our ModelConfig from a HuggingFace config.json (as a dict). Anything that would change
-    what the model computes and that we do not implement is an error, never ignored."""
+    """Our ModelConfig from a HuggingFace config.json (as a dict), by the tables above. What we
+    implement is what `config_to_hf` writes back for it: anything else that would change what
+    the model computes (_HF_REFUSED, the RoPE's parameters) is an error, never ignored."""
     mt = c.get("model_type")
     if mt not in HF_ARCHITECTURES or mt == "gemma4_text" and not c.get("enable_moe_block"):
         raise hf.HFError(f"{where}: model_type {mt!r} is not a mixture-of-experts family that "
@@ -2160,32 +2180,11 @@ def config_from_hf(c: dict, where: str = "config.json") -> ModelConfig:
     c = _HF_DEFAULTS[fam] | c
     unsupported = lambda what: hf.HFError(f"{where}: {what} is not implemented by train_moe.py, "
                                           f"so this {mt} model cannot be loaded faithfully.")
-    wide = ("moe_intermediate_size" if mt in ("qwen3_moe", "gemma4_text", *HF_QWEN_NEXT,
-                                              *HF_DEEPSEEK) else
-            "intermediate_size")
+    wide = ("intermediate_size" if mt in ("mixtral", "gpt_oss", "llama4_text")
+            else "moe_intermediate_size")  # the experts' width
     if lacking := [k for k in ("vocab_size", "hidden_size", "num_hidden_layers",
                                "num_attention_heads", wide) if k not in c]:
         raise hf.HFError(f"{where} has no {lacking[0]!r}; it is not a complete {mt} config.")
-    only = dict(hidden_act="silu", partial_rotary_factor=1.0, decoder_sparse_step=1,
-                moe_layer_freq=1)  # the one value we implement of each
-    only |= dict(swiglu_alpha=SWIGLU_ALPHA) if mt == "gpt_oss" else dict(
-        scoring_func="sigmoid", topk_method="noaux_tc") if fam in ("deepseek_v3", "deepseek_v32") else dict(
-        scoring_func="softmax") if fam == "deepseek_v2" else dict(
-        hidden_activation="gelu_pytorch_tanh", hidden_size_per_layer_input=0,
-        num_kv_shared_layers=0) if mt == "gemma4_text" else {}
-    only = {k: v for k, v in only.items() if not (mt in HF_QWEN_NEXT and k[0] == "p")}
-    for key, want in only.items():
-        if c.get(key, want) != want:
-            raise unsupported(f"{key} {c[key]!r} (only {want!r})")
-    if fam == "deepseek_v2" and c["topk_method"] not in ("greedy", "group_limited_greedy"):
-        raise unsupported(f"topk_method {c['topk_method']!r} (only 'greedy' and "
-                          "'group_limited_greedy')")
-    if c.get("attention_bias") and mt != "gpt_oss":
-        raise unsupported("attention_bias (biases on the attention projections)")
-    if c.get("mlp_only_layers"):
-        raise unsupported("dense MLP layers between the MoE layers (mlp_only_layers)")
-    # DeepSeek's YaRN gives mscale == mscale_all_dim: transformers then leaves the rotation
-    # unscaled (its factor is their ratio) and the logits times mscale(factor, all_dim)^2.
     if mt == "gemma4_text":  # RoPE per layer kind: the local layers' default, the global ones'
         per = c.get("rope_parameters") or {}   # proportional (a share turned: `rope_partial`)
         local, kind, _ = hf.rope_parameters({"rope_parameters": per.get("sliding_attention")},
@@ -2194,39 +2193,24 @@ def config_from_hf(c: dict, where: str = "config.json") -> ModelConfig:
         if kind != "default":
             raise unsupported(f"rope type {kind!r} on the sliding-window layers")
     theta, kind, rope = hf.rope_parameters(c, c.get("rope_theta", 1e6), where)
-    if not (kind == "default" or kind == "llama3" and mt == "llama4_text" or kind == "yarn" and (
-            mt == "gpt_oss" or mt in HF_DEEPSEEK and not rope.get("attention_factor") and
-            rope.get("mscale_all_dim") and rope.get("mscale") == rope["mscale_all_dim"]) or
-            kind == "proportional" and mt == "gemma4_text" and rope.get("factor", 1.0) == 1.0):
-        raise unsupported(f"rope {kind!r} {rope} (only the default, GPT-OSS's YaRN, DeepSeek's "
-                          "YaRN with mscale == mscale_all_dim, Llama 4's 'llama3', Gemma 4's "
-                          "'proportional')")
+    families, knobs = _HF_ROPE.get(kind, ((), {}))
+    if mt not in families:
+        raise unsupported(f"rope {kind!r} {rope} (only {_ROPES})")
     m = {f: type(getattr(ModelConfig, f))(c.get(k) or 0)
-         for k, f in (_HF_FIELDS | _HF_FAMILY_FIELDS[fam]).items()}
+         for k, f in (_HF_FIELDS | _HF_FAMILY_FIELDS[fam]).items()} | {
+        f: type(getattr(ModelConfig, f))(rope[p]) for p, f in knobs.items()
+        if rope.get(p) is not None}
     # A window of W tokens changes nothing on sequences of at most W (GPT-OSS's: per layer, below).
     window = c.get("sliding_window") if mt != "gpt_oss" and (
         mt == "mixtral" or c.get("use_sliding_window")) else None
     m |= dict(n_kv_heads=m["n_kv_heads"] or m["n_heads"], rope_theta=theta,
               head_dim=m["head_dim"] or m["d_model"] // m["n_heads"], qk_norm=mt in ("qwen3_moe", *HF_QWEN_NEXT),
               max_seq_len=min(m["max_seq_len"], window or m["max_seq_len"]))
-    if kind == "yarn":
-        m |= dict(yarn_factor=float(rope["factor"]),
-                  yarn_beta_fast=float(rope.get("beta_fast") or 32),
-                  yarn_beta_slow=float(rope.get("beta_slow") or 1),
-                  yarn_truncate=bool(rope.get("truncate", True)),
-                  yarn_original_max_len=rope["original_max_position_embeddings"])
-    if kind == "llama3":
-        m |= dict(rope_scaling=float(rope["factor"]), rope_low_freq_factor=float(rope[
-            "low_freq_factor"]), rope_high_freq_factor=float(rope["high_freq_factor"]),
-            rope_original_max_len=int(rope["original_max_position_embeddings"]))
     if mt == "qwen3_moe":
         m["n_experts"] = qwen_experts or c["num_experts"]
     elif mt == "gpt_oss":  # every second layer windowed, or none
-        L, W = m["n_layers"], c.get("sliding_window") or 0
-        alternate = ["full_attention" if i % 2 else "sliding_attention" for i in range(L)]
-        if (kinds := c.get("layer_types") or alternate) not in (alternate, ["full_attention"] * L):
-            raise unsupported(f"layer_types {kinds} (windows on every second layer, or none)")
-        windowed = W > 0 and "sliding_attention" in kinds
+        W = c.get("sliding_window") or 0
+        windowed = W > 0 and "sliding_attention" in (c.get("layer_types") or ["sliding_attention"])
         m |= dict(sliding_window=W if windowed else 0, global_every=2 if windowed else 0,
                   attn_sinks=True, moe_bias=True)
     elif mt in HF_DEEPSEEK:  # one group = none; head_dim: the rotated part's
@@ -2234,107 +2218,88 @@ def config_from_hf(c: dict, where: str = "config.json") -> ModelConfig:
         G = c.get("n_group") or 1 if not v2 or c["topk_method"] != "greedy" else 1
         m |= dict(head_dim=m["qk_rope_head_dim"], sigmoid_routing=not v2, n_group=G if G > 1 else 0,
                   seq_aux=bool(c.get("seq_aux", True)), topk_group=c["topk_group"] if G > 1 else 0,
-                  yarn_mscale_all_dim=float(rope.get("mscale_all_dim") or 0),
                   dense_d_ff=c["intermediate_size"] if Kd else 0)
         m |= dict(norm_topk=False, rope_interleave=True) if v2 else dict(
             rope_interleave=True) if mt == "deepseek_v32" else {}
+        if mt == "deepseek_v32" and not m["index_n_heads"]:
+            raise unsupported("deepseek_v32 without its indexer (index_n_heads 0)")
+        if kind == "yarn" and not m.get("yarn_mscale_all_dim"):
+            raise unsupported(f"rope {kind!r} {rope} (only {_ROPES})")
     elif mt == "llama4_text":  # every n-th layer global and unrotated, chunks on the others
-        L, n, s = m["n_layers"], c["no_rope_layer_interval"], m["moe_every"]
-        rope_at = [int((i + 1) % n != 0) for i in range(L)]  # HF's no_rope_layers: 1 = RoPE
-        kinds = ["chunked_attention" if r and m["attn_chunk"] else "full_attention"
-                 for r in rope_at]
-        want = [rope_at, list(range(s - 1, L, s)), kinds]
-        if [c.get(k) or w for k, w in zip(("no_rope_layers", "moe_layers", "layer_types"),
-                                          want)] != want:
-            raise unsupported("no_rope_layers, moe_layers or layer_types other than NoPE on "
-                              "every n-th layer and MoE on every (or every second) layer")
-        m |= dict(global_every=n, global_nope=True, sigmoid_routing=True, norm_topk=False,
-                  score_inputs=True, n_shared_experts=1, rope_interleave=True,
+        m |= dict(global_every=c["no_rope_layer_interval"], global_nope=True, sigmoid_routing=True,
+                  norm_topk=False, score_inputs=True, n_shared_experts=1, rope_interleave=True,
                   attn_temp_scale=float(c["attn_scale"]) if c["attn_temperature_tuning"] else 0.0,
-                  dense_d_ff=c["intermediate_size_mlp"] if s > 1 else 0)
+                  dense_d_ff=c["intermediate_size_mlp"] if m["moe_every"] > 1 else 0)
     elif mt == "gemma4_text":  # every n-th layer global, of its own shape: per layer (5.x) or not
-        kinds, L = c.get("layer_types") or [], m["n_layers"]
-        n, K = kinds.index("full_attention") + 1 if "full_attention" in kinds else 0, c.get(
-            "num_global_key_value_heads") if m["k_eq_v"] else None
-        glob = {int(i): v for i, v in (c.get("per_layer_config") or dict.fromkeys(range(
-            n - 1, L, n), {"head_dim": c["global_head_dim"]} | ({"num_key_value_heads": K} if K
-                                                                 else {}))).items()}
-        if n < 2 or kinds != (["sliding_attention"] * (n - 1) + ["full_attention"]) * (L // n) or \
-                sorted(glob) != list(range(n - 1, L, n)) or any(v != glob[n - 1] or set(v) - {
-                    "head_dim", "num_key_value_heads"} for v in glob.values()):
-            raise unsupported(f"layer_types {kinds} with per_layer_config {glob} (only every "
-                              "n-th layer global, all alike, the last one global)")
-        m |= dict(gemma4=True, qk_norm=True, global_every=n, rope_local_theta=local, rope_partial=
-                  float(rope.get("partial_rotary_factor", 1.0)) % 1.0, global_head_dim=glob[
-                      n - 1]["head_dim"], global_kv_heads=glob[n - 1].get("num_key_value_heads", 0))
+        kinds = c.get("layer_types") or []
+        n = kinds.index("full_attention") + 1 if "full_attention" in kinds else 0
+        if n < 2:
+            raise unsupported(f"layer_types {kinds} (only every n-th layer global, n > 1)")
+        own = (c.get("per_layer_config") or {}).get(str(n - 1)) or {"head_dim": c[
+            "global_head_dim"], "num_key_value_heads": m["k_eq_v"] and c.get(
+            "num_global_key_value_heads")}
+        m |= dict(gemma4=True, qk_norm=True, global_every=n, rope_local_theta=local,
+                  rope_partial=m.get("rope_partial", 1.0) % 1.0, global_head_dim=own["head_dim"],
+                  global_kv_heads=own.get("num_key_value_heads") or 0)
     elif mt in HF_QWEN_NEXT:  # every n-th layer full attention, DeltaNet between
-        kinds, L, H = c.get("layer_types") or [], m["n_layers"], m["head_dim"]
+        kinds, H = c.get("layer_types") or [], m["head_dim"]
         n = c.get("full_attention_interval") or (kinds.index("full_attention") + 1 if
                                                   "full_attention" in kinds else 4)
         R = int(H * (c.get("partial_rotary_factor") or rope.get("partial_rotary_factor", 0.25)))
-        if kinds and kinds != (["linear_attention"] * (n - 1) + ["full_attention"]) * (L // n) or \
-                c.get("shared_expert_intermediate_size") != m["d_ff"] or R % 2:
-            raise unsupported(f"layer_types {kinds} (only every n-th layer full), a shared expert "
-                              f"not as wide as the routed ones, or {R} dims turned (odd)")
+        if R % 2:
+            raise unsupported(f"{R} dims turned (odd)")
         m |= dict(global_every=n, attn_gate=True, norm_offset=True, n_shared_experts=1,
                   shared_gated=True, rotary_dim=R if R < H else 0)
-    return ModelConfig(**m)
+    model = ModelConfig(**m)
+    w = _to_hf(model, mt)
+    for key, (also, what) in _HF_REFUSED.items():
+        if c.get(key) not in (None, w.get(key), *also) and (key in w or also):
+            raise unsupported(what.format(v=c[key], w=w.get(key)))
+    ours = {"truncate": True} | w["rope_parameters"].get("full_attention", w["rope_parameters"])
+    if kind != "default" and any(v is not None and v != ours.get(p) for p, v in rope.items()):
+        raise unsupported(f"rope {kind!r} {rope} (only {_ROPES})")
+    return model
+
+
+def _misfit(cfg: ModelConfig, mt: str) -> dict:
+    """The knobs of `cfg` that family `mt`'s config.json cannot say: they read back otherwise."""
+    try:
+        back = vars(config_from_hf(_to_hf(cfg, mt)))
+    except (hf.HFError, ArithmeticError, ValueError) as e:
+        return {"config.json": str(e)}
+    same = lambda m: m | {k: f(m) for k, f in _SAME.items()}
+    return {k: v for k, v in same(vars(cfg)).items() if k not in _HOW and same(back)[k] != v}
 
 
 def _model_type(cfg: ModelConfig, model_type: str) -> str:
-    """The family to write: the one asked for (or the knobs'), if the knobs fit it."""
-    fam = next(m for m, knobs in (  # the first family whose knobs are all on
-        ("gemma4_text", "gemma4"), ("llama4_text", "score_inputs"),
-        ("qwen3_next", "linear_k_heads"), ("qwen3_moe", "qk_norm"), ("gpt_oss", "attn_sinks"),
-        ("deepseek_v32", "index_n_heads"), ("deepseek_v3", "kv_lora_rank sigmoid_routing"),
-        ("deepseek_v2", "kv_lora_rank"), ("mixtral", ""))
-        if all(getattr(cfg, k) for k in knobs.split()))
-    mt = model_type or fam
+    """The family to write: the one asked for, or the first whose config.json says the model."""
+    mt = model_type or next((m for m in HF_ARCHITECTURES if not _misfit(cfg, m)), "mixtral")
     if mt not in HF_ARCHITECTURES:
         raise hf.HFError(f"model_type {mt!r}: choose one of {', '.join(HF_ARCHITECTURES)}.")
-    kind = "deepseek_v3" if mt == "kimi_k2" else "qwen3_next" if mt in HF_QWEN_NEXT else mt
-    if (kind != fam or any(bool(getattr(cfg, k)) != (kind in f) for k, f in _HF_OWN.items()) or
-            any(getattr(cfg, k) and kind not in fs for k, fs in _HF_ONLY.items()) or
-            mt in ("mixtral", "gpt_oss", "gemma4_text", "qwen3_5_moe_text") and not cfg.norm_topk or
-            cfg.moe_every > 1 and
-            kind != "llama4_text" or kind in ("deepseek_v2", "deepseek_v32") and (
-                kind == "deepseek_v2" and cfg.norm_topk or not cfg.rope_interleave) or
-            kind == "llama4_text" and (cfg.norm_topk or not (
-                cfg.rope_interleave and cfg.n_shared_experts == 1 and cfg.global_nope))):
-        raise hf.HFError(f"model_type {mt!r} does not fit this model: q/k norms are qwen3_moe's; "
-                         "mixtral and gpt_oss always renormalise the top-k weights; sinks, "
-                         "biases, windows and the clamp are gpt_oss's (and all of its); MLA, "
-                         "shared experts and dense layers deepseek_v3's, kimi_k2's and (with "
-                         "softmax routing, not renormalised, RoPE pairs) deepseek_v2's, the indexer "
-                         "(RoPE pairs) deepseek_v32's, sigmoid "
-                         "routing theirs; YaRN is theirs and gpt_oss's; scaled expert inputs, one "
-                         "shared expert, RoPE pairs, NoPE, chunks, moe_every and Llama 3.1's "
-                         "RoPE llama4_text's; Gemma 4's block gemma4_text's.")
+    if bad := _misfit(cfg, mt):
+        raise hf.HFError(f"model_type {mt!r} does not fit this model: its config.json would not "
+                         f"say {bad}; model_type '' picks the family that does, if one does.")
     return mt
 
 
 def config_to_hf(cfg: ModelConfig, model_type: str = "", dtype: str = "float32") -> dict:
     """A config.json for `cfg` that transformers 4.4x and 5.x both read."""
-    mt = _model_type(cfg, model_type)
+    return _to_hf(cfg, _model_type(cfg, model_type), dtype)
+
+
+def _to_hf(cfg: ModelConfig, mt: str, dtype: str = "float32") -> dict:
+    """`config_to_hf` as family `mt`, unchecked (`config_from_hf` reads it back to check)."""
     fam = "deepseek_v3" if mt == "kimi_k2" else mt
-    rope = dict(rope_type="default", rope_theta=cfg.rope_theta) | ({"partial_rotary_factor": (
-        cfg.rotary_dim or cfg.head_dim) / cfg.head_dim} if mt in HF_QWEN_NEXT else {})
-    if cfg.yarn_factor:
-        rope |= dict(rope_type="yarn", factor=cfg.yarn_factor, beta_fast=cfg.yarn_beta_fast,
-                     beta_slow=cfg.yarn_beta_slow,
-                     original_max_position_embeddings=cfg.yarn_original_max_len,
-                     **({} if cfg.yarn_truncate else {"truncate": False}), **(dict(
-                         mscale=cfg.yarn_mscale_all_dim, mscale_all_dim=cfg.yarn_mscale_all_dim)
-                         if cfg.kv_lora_rank else {}))
-    if cfg.rope_scaling:
-        rope |= dict(rope_type="llama3", factor=cfg.rope_scaling,
-                     low_freq_factor=cfg.rope_low_freq_factor,
-                     high_freq_factor=cfg.rope_high_freq_factor,
-                     original_max_position_embeddings=cfg.rope_original_max_len)
+    kind = next((k for k, (ms, knobs) in _HF_ROPE.items() if mt in ms and knobs and getattr(
+        cfg, [*knobs.values()][0])), "default")  # the one whose first knob is on
+    rope = {"rope_type": kind, "rope_theta": cfg.rope_theta} | {
+        p: getattr(cfg, k) for p, k in _HF_ROPE[kind][1].items() if p not in _HF_UNSET or
+        getattr(cfg, k) != getattr(ModelConfig, k)} | ({"partial_rotary_factor": (
+            cfg.rotary_dim or cfg.head_dim) / cfg.head_dim} if mt in HF_QWEN_NEXT else {})
     c = dict(architectures=[HF_ARCHITECTURES[mt]], model_type=mt) | {
         k: getattr(cfg, f) for k, f in (_HF_FIELDS | _HF_FAMILY_FIELDS[fam]).items()} | dict(
         hidden_act="silu", rope_parameters=rope, rope_theta=cfg.rope_theta,
-        rope_scaling=rope if cfg.yarn_factor or cfg.rope_scaling else None, sliding_window=None,
+        rope_scaling=rope if kind != "default" else None, sliding_window=None,
         attention_dropout=0.0, initializer_range=0.02, use_cache=True, dtype=dtype,
         torch_dtype=dtype) | _HF_CONSTANTS[fam]
     if mt in ("qwen3_moe", "qwen3_next"):  # intermediate_size: dense layers', none of which

@@ -33,12 +33,13 @@ SAME_SOURCE = {
     "ModelConfig": (td, tg), "_param_table": (td, tg), "rope_inv_freq": (td, tg),
     "_softcap": (td, tm, tg), "hf_mapping": (td, tg), "_hf_sizes": (td, tg),
     "config_from_hf": (td, tg), "config_to_hf": (td, tg), "load_hf": (td, tg), "save_hf": (td, tg),
-    "flops_per_token": (td, tg), "check_model": (td, tg),
+    "flops_per_token": (td, tg), "check_model": (td, tg), "_hf_keys": (td, tg),
+    "_layer_types": (td, tg), "_misfit": (td, tg),
 }
 SAME_VALUE = {name: (td, tg) for name in (
-    "MUON_DIMS", "HF_ARCHITECTURES", "GEMMA", "_HF_DEFAULTS", "HF_KEYS", "GEMMA_KEYS",
-    "LLAMA3_ROPE", "YARN_ROPE", "HF_KNOBS", "HF_CONSTANTS", "HF_TOP", "HF_LAYER", "QWEN35_KEYS",
-    "HF_GATE")}
+    "MUON_DIMS", "HF_ARCHITECTURES", "GEMMA", "_HF_DEFAULTS", "HF_KEYS", "HF_FAMILY_KEYS",
+    "HF_NULL", "HF_SPELLED", "HF_REFUSED", "HF_KNOBS", "HF_NEEDS", "HF_CONSTANTS", "HF_TOP",
+    "HF_LAYER", "QWEN35_KEYS", "HF_GATE", "HF_ROPE")}
 
 
 @pytest.mark.parametrize("name", sorted(SAME_SOURCE))
