@@ -1360,12 +1360,13 @@ def hf_params(ckpt: hf.Checkpoint, mesh, table: dict, mapping: dict, sizes: dict
                    what=f"{mt} model of this config", ignore=ignore)
 
 
-def cli(presets: dict, args: list[str] | None = None):
+def cli(presets: dict, args: list[str] | None = None, free: tuple[str, ...] = ()):
     """A preset by name, any field as a flag (tyro). With --init-from-hf the model's shape is
-    the folder's config.json: a --model.* flag other than a `how` field (common/config.py)
-    would contradict it, and is refused."""
+    the folder's config.json: a --model.* flag other than a `how` field (common/config.py) or
+    one of `free` (what the trainer adds to a folder that lacks it) would contradict it, and is
+    refused."""
     cfg = tyro.extras.overridable_config_cli(presets, args=args)
-    allowed = compute_fields(type(cfg.model))
+    allowed = compute_fields(type(cfg.model)) + free
     names = [a.split("=")[0] for a in (sys.argv[1:] if args is None else args)]
     for name in names if getattr(cfg, "init_from_hf", "") else ():
         field = name.removeprefix("--model.").replace("-", "_").removeprefix("no_")
