@@ -419,11 +419,15 @@ def test_init_from_hf_train_and_export(tmp_path, preset, knobs):
     src = str(tmp_path / "published")
     tm.save_hf(published, model, src, base_config={"eos_token_id": 2})
     shutil.copy(os.path.join(data, "tokenizer.model"), src)
+    if knobs:  # as transformers saves DeepSeek: an MTP module counted, none there; one fresh
+        hf.write_json(os.path.join(src, hf.CONFIG), hf.read_config(src) | {
+            "num_nextn_predict_layers": 1})
 
     args = [preset, "--init-from-hf", src, "--data.path", data, "--run-dir",
             str(tmp_path / "run"), "--train.steps", "2", "--train.batch-size", "8",
             "--train.seq-len", "32", "--train.sample-tokens", "0", "--train.log-every", "1",
-            "--checkpoint.every", "2", "--mesh.expert", "2", "--mesh.fsdp", "-1"]
+            "--checkpoint.every", "2", "--mesh.expert", "2", "--mesh.fsdp", "-1"] + [
+                "--model.mtp-depth", "1"] * bool(knobs)
     with pytest.raises(tm.ConfigError, match=r"--model.n-experts conflicts with --init-from-hf"):
         tm.cli(args + ["--model.n-experts", "8"])
     cfg = tm.cli(args)
@@ -431,6 +435,8 @@ def test_init_from_hf_train_and_export(tmp_path, preset, knobs):
     batch = batch_rows(load_dataset(DataConfig(path=data)).train, seed=0, step=0,
                        batch_size=8, seq_len=32)
     h, _ = tm.hidden(published, batch[:, :-1], train.with_model(cfg, tm.config_from_hf(*train.model_source(cfg)[0])).model)
+    assert ("mtp_loss" in json.loads(open(tmp_path / "run" / "metrics.jsonl").readline())) == bool(
+        knobs) == ("mtp" in summary["state"]["params"])
     logp = jax.nn.log_softmax(h @ published["unembed"], axis=-1)
     want = -float(np.mean(np.take_along_axis(np.asarray(logp), batch[:, 1:, None], -1)))
     first = json.loads(open(tmp_path / "run" / "metrics.jsonl").readline())
