@@ -95,7 +95,7 @@ class ModelConfig:
     n_group: int = 0              # group-limited routing: experts in this many groups ...
     topk_group: int = 0           # ... of which each token may use the best this many
     n_shared_experts: int = 0     # a SwiGLU n_shared_experts x d_ff wide that every token uses
-    shared_d_ff: int = 0          # ... with this in place of d_ff (Qwen3-Next's own width); 0 = d_ff
+    shared_d_ff: int = 0          # ... this wide in place of d_ff (Qwen3-Next's own); 0 = d_ff
     first_k_dense: int = 0        # the first this many layers have a dense MLP, no experts
     dense_d_ff: int = 0           # that MLP's hidden width
     # Llama 4 (its config.json's names in `_HF_FAMILY_FIELDS`): see `block` and `attention`.
@@ -1746,8 +1746,8 @@ def experts(x_BTD, expert_BTR, gate_BTR, w: dict, cfg: ModelConfig, peers: int =
 # ----------------------------------------------------------------------------------------------
 def main(cfg: Config) -> dict:
     hf_config, model = train.model_source(cfg)  # --init-from-hf's config, --init-from's model
-    cfg = train.with_model(cfg, hf_model_config(hf.Checkpoint(cfg.init_from_hf), cfg.model.mtp_depth,
-                                                say=False) if hf_config else model)
+    cfg = train.with_model(cfg, hf_model_config(hf.Checkpoint(
+        cfg.init_from_hf), cfg.model.mtp_depth, say=False) if hf_config else model)
     train.start(cfg.quiet)
     devices = train.devices(cfg.compile_topology, cfg.compile_slices, cfg.dry_run)
     validate(cfg, len(devices), devices[0].platform)
@@ -1999,7 +1999,8 @@ _HF_OWN = dict(attn_sinks=("gpt_oss",), moe_bias=("gpt_oss",), swiglu_limit=("gp
                                ("qwen3_next",)))
 _HF_ONLY = dict(attn_bias=("gpt_oss",), sliding_window=("gpt_oss", "gemma4_text"),
                 n_shared_experts=("deepseek_v3", "deepseek_v2", "llama4_text", "deepseek_v32",
-                                  "qwen3_next"), rotary_dim=("qwen3_next",), shared_d_ff=("qwen3_next",),
+                                  "qwen3_next"), **dict.fromkeys(("rotary_dim", "shared_d_ff"),
+                                                                 ("qwen3_next",)),
                 first_k_dense=("deepseek_v3", "deepseek_v2", "deepseek_v32"), mtp_depth=("deepseek_v3",),
                 yarn_factor=("gpt_oss", "deepseek_v3", "deepseek_v2", "deepseek_v32"),
                 **dict.fromkeys((
@@ -2145,7 +2146,8 @@ def _hf_sizes(cfg: ModelConfig) -> dict:
                 z=cfg.global_head_dim or cfg.head_dim, e=cfg.n_experts, d=cfg.d_model, n=cfg.n_heads,
                 k=cfg.n_kv_heads, h=cfg.head_dim, f=cfg.d_ff, v=cfg.vocab_size,
                 j=cfg.n_layers - moe_layers(cfg), a=C + Hr, c=C, r=cfg.q_lora_rank, q=Hn + Hr,
-                x=Hn + Hv, w=Hv, g=cfg.dense_d_ff, s=cfg.n_shared_experts * (cfg.shared_d_ff or cfg.d_ff),
+                x=Hn + Hv, w=Hv, g=cfg.dense_d_ff,
+                s=cfg.n_shared_experts * (cfg.shared_d_ff or cfg.d_ff),
                 m=cfg.index_n_heads, i=cfg.index_head_dim, p=cfg.mtp_depth, b=2 * cfg.d_model,
                 lk=Lk, lq=Dk, lr=r, lx=2 * Lk * Dk + Lv * Dv,
                 lw=cfg.linear_conv, lv=Lv, ly=Dv)
@@ -2411,7 +2413,8 @@ def load_hf(path: str, mesh=None, mtp_depth: int = 0) -> tuple[ModelConfig, dict
         ckpt, mesh, _hf_table(have), hf_mapping(have, mt, fused), _hf_sizes(have),
         unused=lambda n: n.endswith(MTP_COPIES) or n.startswith("mtp."))
     if have != cfg:  # fresh modules, made in their shards, router biases 0
-        mesh, table = mesh or make_mesh(MeshConfig(fsdp=1), jax.devices()[:1]), _hf_table(cfg)["mtp"]
+        mesh = mesh or make_mesh(MeshConfig(fsdp=1), jax.devices()[:1])
+        table = _hf_table(cfg)["mtp"]
         params["mtp"] = jax.jit(partial(train.table_init, table), out_shardings=named(
             mesh, train.table_specs(table)))(jax.random.key(0))
     return cfg, params
