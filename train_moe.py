@@ -137,7 +137,8 @@ class ModelConfig:
     index_head_dim: int = 128
     index_topk: int = 2048
     index_chunk: int = how(64)    # queries per block of the indexer's scores and the attention
-    mtp_depth: int = knob(0, ">= 0")  # DeepSeek-V3's multi-token prediction modules (`mtp`)
+    # DeepSeek-V3's multi-token prediction modules (`mtp`); fresh where a folder lacks them
+    mtp_depth: int = knob(0, ">= 0", added=True)
     # Qwen3-Next (see `gated_deltanet`): with global_every n, the layers between the global ones
     # are Gated DeltaNet with this many key heads (0 = none), each serving value heads in groups
     linear_k_heads: int = 0
@@ -2471,7 +2472,7 @@ export_hf.__doc__ = train.EXPORT_HF_DOC
 
 
 def cli(args=None) -> Config:
-    return train.cli(PRESETS, args, free=("mtp_depth",))  # fresh MTP on a folder without (load_hf)
+    return train.cli(PRESETS, args)
 
 
 if __name__ == "__main__":
