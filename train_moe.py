@@ -95,6 +95,7 @@ class ModelConfig:
     n_group: int = 0              # group-limited routing: experts in this many groups ...
     topk_group: int = 0           # ... of which each token may use the best this many
     n_shared_experts: int = 0     # a SwiGLU n_shared_experts x d_ff wide that every token uses
+    shared_d_ff: int = 0          # ... this wide in place of d_ff (Qwen3-Next's own); 0 = d_ff
     first_k_dense: int = 0        # the first this many layers have a dense MLP, no experts
     dense_d_ff: int = 0           # that MLP's hidden width
     # Llama 4 (its config.json's names in `_HF_FAMILY_FIELDS`): see `block` and `attention`.
@@ -136,7 +137,8 @@ class ModelConfig:
     index_head_dim: int = 128
     index_topk: int = 2048
     index_chunk: int = how(64)    # queries per block of the indexer's scores and the attention
-    mtp_depth: int = knob(0, ">= 0")  # DeepSeek-V3's multi-token prediction modules (`mtp`)
+    # DeepSeek-V3's multi-token prediction modules (`mtp`); fresh where a folder lacks them
+    mtp_depth: int = knob(0, ">= 0", added=True)
     # Qwen3-Next (see `gated_deltanet`): with global_every n, the layers between the global ones
     # are Gated DeltaNet with this many key heads (0 = none), each serving value heads in groups
     linear_k_heads: int = 0
@@ -409,7 +411,7 @@ def _layer_table(cfg: ModelConfig, L: int, moe: bool, glob: bool = False) -> dic
                         cfg.d_ff)
     C, Qr, Hn, Hr, Hv = (cfg.kv_lora_rank, cfg.q_lora_rank, cfg.qk_nope_head_dim,
                          cfg.qk_rope_head_dim, cfg.v_head_dim)
-    Fd, Fs, q_latent = cfg.dense_d_ff, cfg.n_shared_experts * F, bool(C and Qr)
+    Fd, Fs, q_latent = cfg.dense_d_ff, cfg.n_shared_experts * (cfg.shared_d_ff or F), bool(C and Qr)
     Mi, Hi = cfg.index_n_heads, cfg.index_head_dim
     std, out_std = 0.02, 0.02 / math.sqrt(2 * cfg.n_layers)
     H, K = (cfg.global_head_dim, cfg.global_kv_heads or K) if glob and cfg.global_head_dim else (
@@ -776,7 +778,8 @@ def dsa(h_BTD, lp: dict, pos_BT, inv_freq, cfg: ModelConfig, warm=None):
         B, n, Q, *x.shape[2:]).swapaxes(0, 1) for x in (q, pos_BT, iq, iw)]
     scores = lambda p, iq, iw: index_scores(iq, ik, iw, p, pos_BT)
 
-    def sparse(q, p, iq, iw):
+    def sparse(q, p, iq, iw):  # equal scores (keys all of whose heads' ReLU is 0, common with
+        # few indexer heads) go to the earlier key; torch's top-k breaks such ties its own way
         top_BQK, i_BQK = jax.lax.top_k(scores(p, iq, iw), K)
         ok = jnp.isfinite(top_BQK)[:, :, None]   # fewer than k causal keys: -inf ones chosen
         kv_BQKc = jax.vmap(lambda x, i: x[i])(lat, i_BQK)
@@ -1261,7 +1264,8 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
         attn = ((D * Qr + Qr * N * Hq) if Qr else D * N * Hq) + D * (C + Hr) + \
             C * N * (Hn + Hv) + N * Hv * D
     Lm = moe_layers(cfg)
-    mlp = D * cfg.n_experts + (cfg.top_k + cfg.n_shared_experts) * 3 * D * cfg.d_ff
+    mlp = D * cfg.n_experts + (cfg.top_k * cfg.d_ff + cfg.n_shared_experts * (
+        cfg.shared_d_ff or cfg.d_ff)) * 3 * D
     matmul_weights = L * attn + Lm * mlp + (L - Lm) * 3 * D * cfg.dense_d_ff + D * cfg.vocab_size
     W, n = cfg.sliding_window or cfg.attn_chunk, cfg.global_every  # a local layer: min(T, W) keys
     n_global = (L // n if n else 0) if W else L
@@ -1375,12 +1379,14 @@ def _validate_qwen3_next(m: ModelConfig, t: TrainConfig, context: int) -> None:
          "--mesh.context 1 and --train.qk-clip-threshold 0.")
     need(m.linear_k_heads or not m.linear_v_heads, f"--model.linear-v-heads {m.linear_v_heads} "
          "without --model.linear-k-heads: give both (Gated DeltaNet) or neither.")
-    need(m.rotary_dim % 2 == 0 and m.rotary_dim <= m.head_dim and not (m.rotary_dim and (
-        m.kv_lora_rank or m.gemma4)), f"--model.rotary-dim {m.rotary_dim}: an even number of "
-         f"dims at most --model.head-dim {m.head_dim} (RoPE turns pairs), not with MLA or Gemma 4 "
-         "(which rotate their own way).")
-    need(m.n_shared_experts or not m.shared_gated, "--model.shared-gated gates a shared expert: "
-         "add --model.n-shared-experts 1.")
+    # An odd R turns R + 1 dims at theta^(-2i/R), as transformers' int(head_dim * partial_rotary_
+    # factor) does: too many only where that passes the head.
+    need(m.rotary_dim + m.rotary_dim % 2 <= m.head_dim and not (m.rotary_dim and (
+        m.kv_lora_rank or m.gemma4)), f"--model.rotary-dim {m.rotary_dim} turns "
+         f"{m.rotary_dim + m.rotary_dim % 2} dims (RoPE turns pairs): at most --model.head-dim "
+         f"{m.head_dim}, and not with MLA or Gemma 4 (which rotate their own way).")
+    need(m.n_shared_experts or not (m.shared_gated or m.shared_d_ff), "--model.shared-gated and "
+         "--model.shared-d-ff shape a shared expert: add --model.n-shared-experts 1.")
 
 
 def _validate_dsa(m: ModelConfig, t: TrainConfig, context: int, lora: int) -> None:
@@ -1741,7 +1747,8 @@ def experts(x_BTD, expert_BTR, gate_BTR, w: dict, cfg: ModelConfig, peers: int =
 # ----------------------------------------------------------------------------------------------
 def main(cfg: Config) -> dict:
     hf_config, model = train.model_source(cfg)  # --init-from-hf's config, --init-from's model
-    cfg = train.with_model(cfg, config_from_hf(*hf_config) if hf_config else model)
+    cfg = train.with_model(cfg, hf_model_config(hf.Checkpoint(
+        cfg.init_from_hf), cfg.model.mtp_depth, say=False) if hf_config else model)
     train.start(cfg.quiet)
     devices = train.devices(cfg.compile_topology, cfg.compile_slices, cfg.dry_run)
     validate(cfg, len(devices), devices[0].platform)
@@ -1805,7 +1812,7 @@ def train_loop(cfg: Config, mesh, st: train.TrainState, step_fn) -> dict:
     with train.Run(cfg, tc.profile_steps, defaults=Config()) as run:
         state, start = run.resume(st.abstract())
         if state is None and cfg.init_from_hf:  # the router biases come with the weights
-            weights_and_biases = load_hf(cfg.init_from_hf, mesh)[1]
+            weights_and_biases = load_hf(cfg.init_from_hf, mesh, mc.mtp_depth)[1]
             state = st.from_params(*train.split(weights_and_biases, _buffer_table(mc)))
         elif state is None:
             state = st.fresh(jax.random.key(tc.seed))
@@ -2001,7 +2008,8 @@ _ROPES = ("the default, GPT-OSS's YaRN, DeepSeek's YaRN with mscale == mscale_al
 _HOW = compute_fields(ModelConfig)  # how to compute, not what: no config.json says it
 # Knob values that are the same model (MLA's heads have their own widths; no routed scale is 1).
 _SAME = dict(head_dim=lambda m: 0 if m["kv_lora_rank"] else m["head_dim"],
-             routed_scale=lambda m: m["routed_scale"] or 1.0)
+             routed_scale=lambda m: m["routed_scale"] or 1.0,
+             shared_d_ff=lambda m: m["shared_d_ff"] * (m["shared_d_ff"] != m["d_ff"]))
 # config.json keys that change what the model computes. We implement the value `config_to_hf`
 # writes back for the model read (where it writes none: null or these); another is refused, the
 # error saying so in these words ({v}: its value, {w}: ours).
@@ -2017,8 +2025,7 @@ _HF_REFUSED = dict(
     attention_bias=((False,), "attention_bias (biases on the attention projections)"),
     mlp_only_layers=(([],), "dense MLP layers between the MoE layers (mlp_only_layers)"),
     **{k: ((), f"{k} {{v}} (only {{w}})") for k in (
-        "layer_types", "no_rope_layers", "moe_layers", "per_layer_config")},
-    shared_expert_intermediate_size=((), "a shared expert {v} wide, not as the routed ones"))
+        "layer_types", "no_rope_layers", "moe_layers", "per_layer_config")})
 
 # Each weight's HuggingFace name (after model.layers.{i}. for a layer's) and layout (common/hf.py;
 # a stack's layer axis goes first on our side), in the atoms of `_hf_sizes`: l the MoE layers, j
@@ -2158,7 +2165,8 @@ def _hf_sizes(cfg: ModelConfig) -> dict:
                 z=cfg.global_head_dim or cfg.head_dim, e=cfg.n_experts, d=cfg.d_model, n=cfg.n_heads,
                 k=cfg.n_kv_heads, h=cfg.head_dim, f=cfg.d_ff, v=cfg.vocab_size,
                 j=cfg.n_layers - moe_layers(cfg), a=C + Hr, c=C, r=cfg.q_lora_rank, q=Hn + Hr,
-                x=Hn + Hv, w=Hv, g=cfg.dense_d_ff, s=cfg.n_shared_experts * cfg.d_ff,
+                x=Hn + Hv, w=Hv, g=cfg.dense_d_ff,
+                s=cfg.n_shared_experts * (cfg.shared_d_ff or cfg.d_ff),
                 m=cfg.index_n_heads, i=cfg.index_head_dim, p=cfg.mtp_depth, b=2 * cfg.d_model,
                 lk=Lk, lq=Dk, lr=r, lx=2 * Lk * Dk + Lv * Dv,
                 lw=cfg.linear_conv, lv=Lv, ly=Dv)
@@ -2246,10 +2254,11 @@ def config_from_hf(c: dict, where: str = "config.json") -> ModelConfig:
         n = c.get("full_attention_interval") or (kinds.index("full_attention") + 1 if
                                                   "full_attention" in kinds else 4)
         R = int(H * (c.get("partial_rotary_factor") or rope.get("partial_rotary_factor", 0.25)))
-        if R % 2:
-            raise unsupported(f"{R} dims turned (odd)")
+        if R + R % 2 > H:  # an odd R turns R + 1 dims (transformers' _validate_qwen3_next)
+            raise unsupported(f"{R + R % 2} dims turned of {H}")
+        S = c.get("shared_expert_intermediate_size") or m["d_ff"]  # its own width (Qwen3.5)
         m |= dict(global_every=n, attn_gate=True, norm_offset=True, n_shared_experts=1,
-                  shared_gated=True, rotary_dim=R if R < H else 0)
+                  shared_gated=True, rotary_dim=R if R < H else 0, shared_d_ff=S * (S != m["d_ff"]))
     model = ModelConfig(**m)
     w = _to_hf(model, mt)
     for key, (also, what) in _HF_REFUSED.items():
@@ -2306,7 +2315,8 @@ def _to_hf(cfg: ModelConfig, mt: str, dtype: str = "float32") -> dict:
         c["intermediate_size"] = cfg.d_ff
     if mt in HF_QWEN_NEXT:
         n = cfg.global_every
-        c |= dict(shared_expert_intermediate_size=cfg.d_ff, full_attention_interval=n,
+        c |= dict(shared_expert_intermediate_size=cfg.shared_d_ff or cfg.d_ff,
+                  full_attention_interval=n,
                   layer_types=(["linear_attention"] * (n - 1) + ["full_attention"]) * (
                       cfg.n_layers // n), partial_rotary_factor=rope["partial_rotary_factor"])
     elif mt == "gpt_oss":
@@ -2353,17 +2363,47 @@ def _hf_table(cfg: ModelConfig) -> dict:
     return train.join(_param_table(cfg), _buffer_table(cfg))
 
 
-def load_hf(path: str, mesh=None) -> tuple[ModelConfig, dict]:
+def load_hf(path: str, mesh=None, mtp_depth: int = 0) -> tuple[ModelConfig, dict]:
     """A HuggingFace folder (config.json and safetensors, one file or sharded with an index)
     as our ModelConfig and float32 parameters placed by `param_specs` on `mesh` (each device
-    reads only its experts' blocks), the router biases inside the layers (`with_buffers`)."""
+    reads only its experts' blocks), the router biases inside the layers (`with_buffers`). A
+    folder without the MTP modules its config.json counts loads with `mtp_depth` fresh ones
+    (`hf_model_config`)."""
     ckpt = hf.Checkpoint(path)
-    cfg, mt = config_from_hf(ckpt.config, ckpt.config_file), ckpt.config["model_type"]
+    cfg, mt = hf_model_config(ckpt, mtp_depth), ckpt.config["model_type"]
+    have = cfg if hf_mtp_layers(ckpt, cfg) else dataclasses.replace(cfg, mtp_depth=0)
     fused = "w_gate" not in _HF_FAMILY_NAMES.get(mt, {}) and any(  # transformers 5's experts
         n.endswith("mlp.experts.gate_up_proj") for n in ckpt.names())
-    return cfg, train.hf_params(  # Qwen's text-only exports may keep the MTP module (mtp.*)
-        ckpt, mesh, _hf_table(cfg), hf_mapping(cfg, mt, fused), _hf_sizes(cfg),
+    params = train.hf_params(  # Qwen's text-only exports may keep the MTP module (mtp.*)
+        ckpt, mesh, _hf_table(have), hf_mapping(have, mt, fused), _hf_sizes(have),
         unused=lambda n: n.endswith(MTP_COPIES) or n.startswith("mtp."))
+    if have != cfg:  # fresh modules, made in their shards, router biases 0
+        mesh = mesh or make_mesh(MeshConfig(fsdp=1), jax.devices()[:1])
+        table = _hf_table(cfg)["mtp"]
+        params["mtp"] = jax.jit(partial(train.table_init, table), out_shardings=named(
+            mesh, train.table_specs(table)))(jax.random.key(0))
+    return cfg, params
+
+
+def hf_mtp_layers(ckpt: hf.Checkpoint, cfg: ModelConfig) -> bool:
+    """Whether the folder holds DeepSeek-V3's MTP modules (layers num_hidden_layers on)."""
+    return any(n.startswith(f"model.layers.{cfg.n_layers}.") and not n.endswith(MTP_COPIES)
+               for n in ckpt.names())
+
+
+def hf_model_config(ckpt: hf.Checkpoint, mtp_depth: int = 0, say: bool = True) -> ModelConfig:
+    """config.json's model, with the MTP modules the folder has: transformers leaves DeepSeek-
+    V3's out when it saves (every fine-tune it writes), yet keeps num_nextn_predict_layers; such
+    a folder's model has `mtp_depth` of them (fresh: --model.mtp-depth), said once."""
+    cfg = config_from_hf(ckpt.config, ckpt.config_file)
+    if not cfg.mtp_depth or hf_mtp_layers(ckpt, cfg):
+        return cfg
+    if say:
+        log(f"{ckpt.path}: config.json says num_nextn_predict_layers {cfg.mtp_depth} but the "
+            f"folder has no MTP module (model.layers.{cfg.n_layers}.*: transformers drops it on "
+            "saving): " + (f"{mtp_depth} MTP module(s) start fresh (--model.mtp-depth)" if
+                           mtp_depth else "MTP off (--model.mtp-depth N trains N fresh ones)"))
+    return dataclasses.replace(cfg, mtp_depth=mtp_depth)
 
 
 def save_hf(params: dict, cfg: ModelConfig, path: str, *, model_type: str = "",

@@ -18,12 +18,14 @@ class ConfigError(ValueError):
     """A flag's value cannot work; the message names the flag, the value and the fix."""
 
 
-def knob(default, range: str = "", *, resume: bool = False, compute: bool = False):
-    """A dataclass field with its range and what a resumed or initialised run may change.
+def knob(default, range: str = "", *, resume: bool = False, compute: bool = False,
+         added: bool = False):
+    """A dataclass field with its range and what a resumed or initialised run may change
+    (`added`: a part of the model that --init-from-hf may add where the folder lacks it).
     `default` may be a dataclass (a section), made afresh for each config."""
     kind = {"default_factory": default} if isinstance(default, type) else {"default": default}
     return dataclasses.field(**kind, metadata={"range": range, "resume": resume,
-                                               "compute": compute})
+                                               "compute": compute, "added": added})
 
 
 def resumable(default, range: str = ""):

@@ -1362,10 +1362,12 @@ def hf_params(ckpt: hf.Checkpoint, mesh, table: dict, mapping: dict, sizes: dict
 
 def cli(presets: dict, args: list[str] | None = None):
     """A preset by name, any field as a flag (tyro). With --init-from-hf the model's shape is
-    the folder's config.json: a --model.* flag other than a `how` field (common/config.py)
-    would contradict it, and is refused."""
+    the folder's config.json: a --model.* flag other than a `how` field or an `added` one
+    (common/config.py: what the trainer adds where the folder lacks it) would contradict it,
+    and is refused."""
     cfg = tyro.extras.overridable_config_cli(presets, args=args)
-    allowed = compute_fields(type(cfg.model))
+    allowed = compute_fields(type(cfg.model)) + tuple(
+        f.name for f in dataclasses.fields(cfg.model) if f.metadata.get("added"))
     names = [a.split("=")[0] for a in (sys.argv[1:] if args is None else args)]
     for name in names if getattr(cfg, "init_from_hf", "") else ():
         field = name.removeprefix("--model.").replace("-", "_").removeprefix("no_")

@@ -36,6 +36,7 @@ its dense models (qwen3_5) the same block with a SwiGLU MLP in every layer, over
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -47,6 +48,7 @@ import transformers
 
 OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "hf")
 TOKENS_SHAPE = (2, 16)
+TOKENS = {"deepseek_v32_long": (2, 37)}  # families run on rows of their own length
 
 _LLAMA3_ROPE = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                     original_max_position_embeddings=64)
@@ -260,6 +262,28 @@ FAMILIES = {
         max_position_embeddings=64), vision_config=dict(
             depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=32,
             num_position_embeddings=4)), "16KB"),
+    # DeepSeek-V3 as transformers saves it: config.json keeps num_nextn_predict_layers 1 (its
+    # default) but the folder holds no MTP module (transformers has none to save).
+    "deepseek_v3_no_mtp": ("deepseek_v3", dict(
+        {k: v for k, v in _DEEPSEEK.items() if k != "num_mtp_layers"}, num_hidden_layers=2,
+        n_group=4, topk_group=2), None),
+    # DeepSeek-V3.2 on longer rows (37 tokens, not a multiple of a query block): an indexer of 4
+    # heads 16 wide keeping 12 keys, so many keys score exactly 0 (ReLU) and tie at the edge,
+    # which the reference breaks toward the earlier key (`stable_topk`).
+    "deepseek_v32_long": ("deepseek_v32", dict(
+        {k: v for k, v in _DEEPSEEK.items() if k not in ("rope_interleave", "num_mtp_layers")},
+        n_group=4, topk_group=2, index_n_heads=4, index_head_dim=16, index_topk=12), None),
+    # Qwen3-Next with a shared expert of its own width (24, the experts 16) and RoPE on an odd
+    # count (int(16 x 0.3125) = 5: transformers turns 6 dims at theta^(-2i/5)); one period of 2.
+    "qwen3_next_own_shared": ("qwen3_next", dict(
+        vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+        shared_expert_intermediate_size=24, num_hidden_layers=2, full_attention_interval=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4,
+        num_experts_per_tok=2, linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=8, linear_value_head_dim=6, linear_conv_kernel_dim=4,
+        rms_norm_eps=1e-6, rope_parameters=dict(rope_type="default", rope_theta=1000.0,
+                                                partial_rotary_factor=0.3125),
+        max_position_embeddings=64), None),
 }
 # Written as this model_type (the checkpoint is the other's, as Moonshot ships it).
 RENAMED = {"kimi_k2": "kimi_k2"}
@@ -297,6 +321,21 @@ def randomize(model: torch.nn.Module, seed: int, model_type: str = "") -> None:
                 p.copy_(noise / p.shape[-1] ** 0.5)
 
 
+@contextlib.contextmanager
+def stable_topk():
+    """torch's top-k with equal values in index order (the earlier first, as jax.lax.top_k):
+    its own order among ties is its selection algorithm's, and DeepSeek-V3.2's indexer ties
+    wherever every head's ReLU is 0."""
+    def topk(x, k, dim=-1, largest=True, sorted=True):
+        v, i = torch.sort(x, dim=dim, descending=largest, stable=True)
+        return torch.return_types.topk((v.narrow(dim, 0, k), i.narrow(dim, 0, k)))
+    own, torch.Tensor.topk = torch.Tensor.topk, topk
+    try:
+        yield
+    finally:
+        torch.Tensor.topk = own
+
+
 def make(name: str, model_type: str, kwargs: dict, shard: str | None, seed: int) -> dict:
     folder = os.path.join(OUT, name)
     shutil.rmtree(folder, ignore_errors=True)
@@ -313,9 +352,13 @@ def make(name: str, model_type: str, kwargs: dict, shard: str | None, seed: int)
     ref = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32,
                                                             attn_implementation="eager")
     vocab = kwargs.get("text_config", kwargs)["vocab_size"]
-    tokens = np.random.default_rng(seed).integers(0, vocab, TOKENS_SHAPE)
+    tokens = np.random.default_rng(seed).integers(0, vocab, TOKENS.get(name, TOKENS_SHAPE))
     with torch.no_grad():
-        logits = ref(torch.from_numpy(tokens)).logits.float().numpy()
+        with stable_topk():
+            logits = ref(torch.from_numpy(tokens)).logits.float().numpy()
+        # what torch's own order among the indexer's ties would move (the manifest says)
+        own = ref(torch.from_numpy(tokens)).logits.float().numpy() if "index_topk" in kwargs \
+            else logits
     np.savez(os.path.join(folder, "expected.npz"), tokens=tokens.astype(np.int32),
              logits=logits.astype(np.float32))
     if name in RENAMED:
@@ -326,7 +369,8 @@ def make(name: str, model_type: str, kwargs: dict, shard: str | None, seed: int)
             json.dump(c | {"model_type": RENAMED[name]}, f, indent=2)
     files = sorted(os.listdir(folder))
     size = sum(os.path.getsize(os.path.join(folder, f)) for f in files)
-    return {"files": files, "bytes": size, "logit_absmax": float(np.abs(logits).max())}
+    return {"files": files, "bytes": size, "logit_absmax": float(np.abs(logits).max())} | (
+        {"torch_topk_diff": float(np.abs(own - logits).max())} if "index_topk" in kwargs else {})
 
 
 def main(names: list[str]) -> None:

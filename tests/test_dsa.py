@@ -118,6 +118,19 @@ def test_sparse_attention_equals_masked_dense_mla(topk):
     assert all(float(np.abs(g_got[k]).max()) == 0 for k in lp if k.startswith("idx_"))
 
 
+def test_tied_scores_choose_the_earlier_keys():
+    """Keys all of whose indexer heads' ReLU is 0 score alike (common with few heads: the
+    4-head, 12-of-37 V3.2 fixture of tests/fixtures/hf, whose transformers reference breaks ties
+    so too, differs by 2.9 in its logits under torch's own order): each query then keeps its
+    earliest keys, in every query block (of 5 here, the last one padded)."""
+    lp, h, pos, inv = setup(DSA)
+    lp = dict(lp, idx_w=jnp.zeros_like(lp["idx_w"]))   # every score 0
+    first = np.tril(np.ones((T, T), bool)) & (np.arange(T) < DSA.index_topk)
+    want = masked_mla(jnp.asarray(h), lp, pos, inv, DSA, jnp.asarray(np.stack([first] * 2)))
+    np.testing.assert_allclose(tm.dsa(jnp.asarray(h), lp, pos, inv, DSA)[0], want, rtol=2e-4,
+                               atol=2e-5)
+
+
 def hand_kl(h, lp, cfg, sparse):
     """The report's KL by hand, one batch row: p_t = the mean over heads of dense MLA's softmax
     (over every causal key), or of the sparse one (over the chosen keys); the indexer's

@@ -8,6 +8,7 @@ DeepSeek-V3's model under model_type kimi_k2, which transformers reads only as d
 """
 import dataclasses
 import json
+from functools import partial
 import os
 import shutil
 import sysconfig
@@ -28,7 +29,8 @@ from common.mesh import MeshConfig, make_mesh
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIXTURES = os.path.join(ROOT, "tests", "fixtures", "hf")
 FAMILIES = ["mixtral", "qwen3_moe", "gpt_oss", "deepseek_v3", "kimi_k2", "llama4_text",
-            "deepseek_v2", "gemma4_moe", "deepseek_v32", "qwen3_next", "qwen3_5_moe"]
+            "deepseek_v2", "gemma4_moe", "deepseek_v32", "qwen3_next", "qwen3_5_moe",
+            "deepseek_v3_no_mtp", "deepseek_v32_long", "qwen3_next_own_shared"]
 TOL = 1e-4
 # Written as this model_type; the others as the knobs say (Qwen3.5's would be qwen3_next's).
 AS = {"kimi_k2": "kimi_k2", "qwen3_5_moe": "qwen3_5_moe_text"}
@@ -98,16 +100,22 @@ def test_config_mapping_and_routing_matters(loaded):
         assert max_diff(logits(params | ones, cfg, tokens), want) > 1e-2
 
 
-def test_deepseek_v32_choice_matters(loaded):
-    """The fixture's queries keep 5 of up to 16 keys: attending every key, or choosing with the
-    indexer's key bias zeroed, misses transformers' logits by far."""
-    cfg, params = loaded["deepseek_v32"]
-    tokens, want = expected("deepseek_v32")
-    assert cfg.index_topk == 5 < tokens.shape[1] and cfg.rope_interleave
+@pytest.mark.parametrize("name", ["deepseek_v32", "deepseek_v32_long"])
+def test_deepseek_v32_choice_matters(name, loaded):
+    """The fixtures' queries keep 5 of up to 16 keys, or 12 of up to 37 (4 indexer heads, so
+    many keys tie at 0, the earlier chosen): attending every key, or choosing with the indexer's
+    key bias zeroed, misses transformers' logits by far; query blocks of 5 or 7, the last one
+    padded, change nothing."""
+    cfg, params = loaded[name]
+    tokens, want = expected(name)
+    T = tokens.shape[1]
+    assert cfg.index_topk < T and cfg.rope_interleave and T % 5 and T % 7
     zero = {s: dict(params[s], idx_k_bias=np.zeros_like(params[s]["idx_k_bias"])) for s in (
         "layers", "dense_layers")}
-    for p, c in ((params, dataclasses.replace(cfg, index_topk=16)), (params | zero, cfg)):
+    for p, c in ((params, dataclasses.replace(cfg, index_topk=T)), (params | zero, cfg)):
         assert max_diff(logits(p, c, tokens), want) > 1e-2
+    for Q in (5, 7):
+        assert max_diff(logits(params, dataclasses.replace(cfg, index_chunk=Q), tokens), want) < TOL
 
 
 transformers = None
@@ -120,13 +128,16 @@ live = pytest.mark.skipif(transformers is None, reason="transformers not install
 
 
 def hf_logits(folder, tokens):
+    """transformers' logits, its top-k taking tied values in index order (as ours and as the
+    fixtures were made: V3.2's indexer ties where every head's ReLU is 0)."""
+    from make_hf_fixtures import stable_topk
     if hf.read_config(folder)["model_type"] == "kimi_k2":  # Moonshot's own code otherwise
         with tempfile.TemporaryDirectory() as tmp:
             return hf_logits(copy("", os.path.join(tmp, "as-deepseek"), lambda c: c.update(
                 model_type="deepseek_v3"), src=folder), tokens)
     model = transformers.AutoModelForCausalLM.from_pretrained(
         folder, dtype=torch.float32, attn_implementation="eager")
-    with torch.no_grad():
+    with torch.no_grad(), stable_topk():
         return model(torch.from_numpy(np.asarray(tokens, np.int64))).logits.numpy()
 
 
@@ -148,8 +159,10 @@ def test_save_load_round_trip(name, loaded, tmp_path):
         want["head_dim"] = want["hidden_size"] // want["num_attention_heads"]
     differ = {k: (v, ours.config.get(k, "(absent)")) for k, v in want.items()
               if k not in BOOKKEEPING and ours.config.get(k, "(absent)") != v}
-    if name in ("qwen3_moe", "qwen3_next"):  # the width of dense layers, which they have none of
+    if name in ("qwen3_moe", "qwen3_next", "qwen3_next_own_shared"):  # dense layers' width (none)
         assert differ == {"intermediate_size": (48, 16)}
+    elif name == "deepseek_v3_no_mtp":  # the MTP module it counts and lacks: none, said so
+        assert differ == {"num_nextn_predict_layers": (1, 0)}
     elif name == "qwen3_5_moe":  # RoPE's sections for images' positions: a text model has none
         assert list(differ) == ["rope_parameters"] and ours.config["rope_parameters"] == {
             k: v for k, v in want["rope_parameters"].items() if not k.startswith("mrope")}
@@ -256,9 +269,50 @@ def test_multi_token_prediction_layer_is_left_out(tmp_path, capsys):
     assert max_diff(logits(params, cfg, tokens), want) < TOL
     assert "1 tensors of layers past num_hidden_layers" in capsys.readouterr().out
     hf.write_json(os.path.join(dst, hf.CONFIG), hf.read_config(dst) | {
-        "num_nextn_predict_layers": 1})
+        "num_nextn_predict_layers": 1})  # a module in part: the rest of it is missing
     with pytest.raises(hf.HFError, match=r"missing, e.g. model.layers.3.enorm.weight"):
         tm.load_hf(dst)
+
+
+@pytest.mark.parametrize("depth", [0, 1])
+def test_deepseek_saved_by_transformers_loads_trains_and_exports(depth, tmp_path, capsys):
+    """transformers saves DeepSeek-V3 without its MTP module yet num_nextn_predict_layers 1: the
+    folder loads with MTP off (said in one line), or with --model.mtp-depth 1 a fresh module
+    (router biases 0); a step trains it and the export reads back as trained, the module too
+    (and in transformers, with its logits)."""
+    folder = fixture("deepseek_v3_no_mtp")
+    cfg, params = tm.load_hf(folder, mtp_depth=depth)
+    params, said = host(params), capsys.readouterr().out   # on the host: the step donates
+    assert said.count("no MTP module") == 1 and ("start fresh" in said) == bool(depth)
+    assert cfg.mtp_depth == depth and ("mtp" in params) == bool(depth)
+    assert cfg == tm.hf_model_config(hf.Checkpoint(folder), depth, say=False)
+    tokens, want = expected("deepseek_v3_no_mtp")
+    assert max_diff(logits(params, cfg, tokens), want) < TOL   # the module is not in the logits
+    if depth:
+        assert np.all(np.asarray(params["mtp"]["layers"]["router_bias"]) == 0)
+        assert tm.cli(["tiny-deepseek", "--init-from-hf", folder, "--model.mtp-depth", "1"]
+                      ).model.mtp_depth == 1   # the one shape flag a folder may lack
+    run = tm.Config(model=cfg, train=tm.TrainConfig(batch_size=2, seq_len=16, warmup_steps=0),
+                    mesh=MeshConfig(fsdp=1))
+    tm.validate(run, 1)
+    mesh = make_mesh(run.mesh, jax.devices()[:1])
+    st = tm.train_state(run, mesh)
+    with jax.set_mesh(mesh):
+        state = st.from_params(*train.split(params, tm._buffer_table(cfg)))
+        batch = train.put(np.random.default_rng(0).integers(0, 64, (2, 17), np.int32), mesh,
+                          tm.MOE_BATCH)
+        state, metrics = st.jit(partial(tm.train_step, cfg=run, tx=st.tx))(state, batch)
+    assert not bool(metrics["nonfinite"]) and (depth == 0 or np.isfinite(metrics["mtp_loss"]))
+    trained = host(train.join(state["params"], state["buffers"]))
+    assert max_diff(trained["embed"], params["embed"]) > 0
+    out = str(tmp_path / "out")
+    tm.save_hf(trained, cfg, out)
+    cfg2, params2 = tm.load_hf(out)
+    assert cfg2 == cfg and jax.tree.structure(params2) == jax.tree.structure(trained)
+    for a, b in zip(jax.tree.leaves(trained), jax.tree.leaves(host(params2))):
+        np.testing.assert_array_equal(a, b)
+    if transformers is not None:
+        assert max_diff(hf_logits(out, tokens), logits(trained, cfg, tokens)) < TOL
 
 
 def float8_folders(src: hf.Checkpoint, tmp_path, monkeypatch, quantise, quantization_config):
@@ -365,11 +419,15 @@ def test_init_from_hf_train_and_export(tmp_path, preset, knobs):
     src = str(tmp_path / "published")
     tm.save_hf(published, model, src, base_config={"eos_token_id": 2})
     shutil.copy(os.path.join(data, "tokenizer.model"), src)
+    if knobs:  # as transformers saves DeepSeek: an MTP module counted, none there; one fresh
+        hf.write_json(os.path.join(src, hf.CONFIG), hf.read_config(src) | {
+            "num_nextn_predict_layers": 1})
 
     args = [preset, "--init-from-hf", src, "--data.path", data, "--run-dir",
             str(tmp_path / "run"), "--train.steps", "2", "--train.batch-size", "8",
             "--train.seq-len", "32", "--train.sample-tokens", "0", "--train.log-every", "1",
-            "--checkpoint.every", "2", "--mesh.expert", "2", "--mesh.fsdp", "-1"]
+            "--checkpoint.every", "2", "--mesh.expert", "2", "--mesh.fsdp", "-1"] + [
+                "--model.mtp-depth", "1"] * bool(knobs)
     with pytest.raises(tm.ConfigError, match=r"--model.n-experts conflicts with --init-from-hf"):
         tm.cli(args + ["--model.n-experts", "8"])
     cfg = tm.cli(args)
@@ -377,6 +435,8 @@ def test_init_from_hf_train_and_export(tmp_path, preset, knobs):
     batch = batch_rows(load_dataset(DataConfig(path=data)).train, seed=0, step=0,
                        batch_size=8, seq_len=32)
     h, _ = tm.hidden(published, batch[:, :-1], train.with_model(cfg, tm.config_from_hf(*train.model_source(cfg)[0])).model)
+    assert ("mtp_loss" in json.loads(open(tmp_path / "run" / "metrics.jsonl").readline())) == bool(
+        knobs) == ("mtp" in summary["state"]["params"])
     logp = jax.nn.log_softmax(h @ published["unembed"], axis=-1)
     want = -float(np.mean(np.take_along_axis(np.asarray(logp), batch[:, 1:, None], -1)))
     first = json.loads(open(tmp_path / "run" / "metrics.jsonl").readline())

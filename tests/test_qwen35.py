@@ -24,6 +24,7 @@ import train_moe as tm
 from common import hf
 from common.mesh import MeshConfig, make_mesh
 from common.train import ConfigError
+from test_deepseek import DS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIXTURE = os.path.join(ROOT, "tests", "fixtures", "hf", "qwen3_next")
@@ -167,11 +168,44 @@ def test_bad_flags():
         tm.validate(tm.Config(model=dataclasses.replace(CFG, n_layers=6)), 8)
     with pytest.raises(ConfigError, match="--model.linear-v-heads 3"):
         tm.validate(tm.Config(model=dataclasses.replace(CFG, linear_v_heads=3)), 8)
-    with pytest.raises(ConfigError, match="--model.rotary-dim 5"):
-        tm.validate(tm.Config(model=dataclasses.replace(CFG, rotary_dim=5)), 8)
+    with pytest.raises(ConfigError, match="--model.rotary-dim 17 turns 18 dims"):
+        tm.validate(tm.Config(model=dataclasses.replace(CFG, rotary_dim=17)), 8)
     with pytest.raises(ConfigError, match="--model.linear-k-heads"):
         tm.validate(tm.Config(model=dataclasses.replace(CFG, n_kv_heads=4), mesh=MeshConfig(
             fsdp=1, tensor=4, data=2)), 8)
+
+
+def test_shared_expert_of_its_own_width_and_odd_rotary_counts():
+    """--model.shared-d-ff: a shared expert of its own width (Qwen3.5's and Qwen3-Next's
+    shared_expert_intermediate_size; the qwen3_next_own_shared fixture's logits, round trip and
+    export: tests/test_hf_moe.py), counted, written and read back, only where a shared expert is
+    and in Qwen's folders. An odd rotary count R turns R + 1 dims at theta^(-2i/R), as
+    transformers' int(head_dim x partial_rotary_factor) does: refused only past the head."""
+    D, L, F, wide = CFG.d_model, CFG.n_layers, CFG.d_ff, dataclasses.replace(CFG, shared_d_ff=48)
+    tm.validate(tm.Config(model=wide), 8)
+    shapes = jax.eval_shape(lambda: tm.init_params(wide, jax.random.key(0)))
+    assert shapes["layers"]["shared_up"].shape == (L - 1, D, 48)
+    assert shapes["global_layers"]["shared_down"].shape == (1, 48, D)
+    assert tm.count_params(wide) - tm.count_params(CFG) == 3 * D * (48 - F) * L == \
+        tm.count_active_params(wide) - tm.count_active_params(CFG)
+    assert tm.flops_per_token(wide, 16) - tm.flops_per_token(CFG, 16) == 6 * 3 * D * (48 - F) * L
+    c = tm.config_to_hf(wide)
+    assert c["shared_expert_intermediate_size"] == 48 and tm.config_from_hf(c).shared_d_ff == 48
+    assert tm.config_from_hf(tm.config_to_hf(CFG)).shared_d_ff == 0   # as wide as the experts
+    with pytest.raises(ConfigError, match="--model.shared-d-ff shape a shared expert"):
+        tm.validate(tm.Config(model=dataclasses.replace(wide, n_shared_experts=0,
+                                                        shared_gated=False)), 8)
+    with pytest.raises(hf.HFError, match="does not fit"):
+        tm.config_to_hf(dataclasses.replace(DS, shared_d_ff=8))
+    odd = dataclasses.replace(CFG, rotary_dim=5)
+    tm.validate(tm.Config(model=odd), 8)
+    np.testing.assert_allclose(tm.rope_inv_freq(odd), CFG.rope_theta ** -(np.arange(0, 5, 2) / 5),
+                               rtol=1e-6)
+    c = tm.config_to_hf(odd)
+    assert tm.config_from_hf(c).rotary_dim == 5
+    c["rope_parameters"]["partial_rotary_factor"] = c["partial_rotary_factor"] = 1.0
+    with pytest.raises(hf.HFError, match="16 dims turned of 15"):
+        tm.config_from_hf(c | {"head_dim": 15})
 
 
 def test_a_few_steps_lower_the_loss():
