@@ -494,35 +494,34 @@ ACT_BTD = P(BATCH_AXES, "context", None)  # between blocks: batch and sequence s
 # the f32 master weights take the gradient straight through. The same in train_moe.py.
 QUANT = {"int8": (jnp.int8, 127.0), "e4m3": (jnp.float8_e4m3fn, 448.0),
          "e5m2": (jnp.float8_e5m2, 57344.0)}
+F32 = jnp.float32
 
 
 def quantize(x, fmt: str, axes=None):
     """(q, scale), x ~ q scale: scale = max |x| over `axes` (None: all) over the format's largest
     value; int8 rounds to the nearest integer, fp8 casts (to nearest even)."""
     dt, top = QUANT[fmt]
-    s = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=axes, keepdims=True) / top
+    s = jnp.max(jnp.abs(x.astype(F32)), axis=axes, keepdims=True) / top
     y = jnp.clip(x / jnp.where(s > 0, s, 1.0), -top, top)
     return (jnp.round(y) if fmt == "int8" else y).astype(dt), jnp.where(s > 0, s, 1.0)
 
 
 def _qdot(spec: str, a, b, fa: str, fb: str):
-    """einsum(spec, a, b) of a and b quantized. int8: a scale per index the product keeps (per
-    token, per output channel), so the scales factor out of the sum, which runs on int8 and
-    adds up in int32; fp8: a scale per tensor (its exponent spans the channels), summed in f32."""
+    """einsum(spec, a, b) of a and b quantized. int8: a scale per index the product keeps (token,
+    output channel): they factor out of the int32 sum of int8 products; fp8: one per tensor."""
     (ia, ib), out = spec.split("->")[0].split(","), spec.split("->")[1]
     axes = lambda i, f: tuple(k for k, c in enumerate(i) if c not in out) if f == "int8" else None
     (qa, sa), (qb, sb) = quantize(a, fa, axes(ia, fa)), quantize(b, fb, axes(ib, fb))
     y = jnp.einsum(spec, qa, qb, preferred_element_type=jnp.int32) if fa == "int8" else (
-        jnp.einsum(spec, qa.astype(a.dtype), qb.astype(a.dtype), preferred_element_type=jnp.float32))
+        jnp.einsum(spec, qa.astype(a.dtype), qb.astype(a.dtype), preferred_element_type=F32))
     # the scales' contracted axes are 1 long: their einsum is their product, the output's shape
-    return (y.astype(jnp.float32) * jnp.einsum(spec, sa, sb)).astype(a.dtype)
+    return (y.astype(F32) * jnp.einsum(spec, sa, sb)).astype(a.dtype)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def qdot(spec: str, fmt: str, x, w):
-    """einsum(spec, x, w) with --model.quant `fmt` (`_qdot`), and so are its gradients: dx = g w^T
-    and dw = x^T g, each quantized along its own contraction. fp8: e4m3 forward, the gradient in
-    e5m2 (more range, less precision: Micikevicius et al. 2022, arXiv 2209.05433)."""
+    """einsum(spec, x, w) quantized with --model.quant `fmt` (`_qdot`), and so are dx = g w^T and
+    dw = x^T g, each along its own contraction; fp8: e4m3, the gradient e5m2 (arXiv 2209.05433)."""
     return _qdot(spec, x, w, *(("e4m3",) * 2 if fmt == "fp8" else (fmt, fmt)))
 
 
@@ -1181,9 +1180,8 @@ def validate(cfg: Config, n_devices: int) -> None:
     need(not (cfg.data.format == "sft" and cfg.data.pack and m.attention == "cudnn"),  # SFT
          "--model.attention cudnn cannot mask packed SFT rows (JAX's cuDNN path takes causal "
          "and length masks only); use --model.attention auto or xla, or --data.no-pack.")
-    need(m.quant == "none" or not m.linear_k_heads, f"--model.quant {m.quant} with --model."
-         "linear-k-heads: Gated DeltaNet's layers have no quantized path (their projections and "
-         "delta rule run in the compute dtype); use --model.quant none for them.")
+    need(m.quant == "none" or not m.linear_k_heads, f"--model.quant {m.quant} with --model.linear"
+         "-k-heads: Gated DeltaNet's layers have no quantized path; use --model.quant none.")
     train.check_lora(cfg.lora, t.optimizer, t.qk_clip_threshold)  # LoRA
     need(cfg.data.format != "dpo" or (cfg.init_from or cfg.init_from_hf) and m.attention != (  # DPO
         "cudnn") and not t.qk_clip_threshold, "--data.format dpo needs --init-from RUN_DIR or "

@@ -560,7 +560,8 @@ def block(x_BTD, lp: dict, pos_BT, inv_freq, cfg: ModelConfig, max_logits: bool 
     # (The experts' post-norm undoes any factor common to a token's k weights: renormalising
     # them or not changes the output only through the norm's epsilon.)
     norm = lambda x, name: rms_norm(x, lp[name], cfg.norm_eps)
-    y = norm(swiglu(h, {"w_" + k: w("mlp_" + k) for k in PROJ}, cfg, dense_mm(cfg)), "dense_post_norm")
+    y = norm(swiglu(h, {"w_" + k: w("mlp_" + k) for k in PROJ}, cfg, dense_mm(cfg)),
+             "dense_post_norm")
     y_BTD, stats = moe(norm(x_BTD, "moe_norm"), lp, cfg, rms_norm(
         x_BTD, lp["router_scale"] / math.sqrt(x_BTD.shape[-1]), cfg.norm_eps))
     x_BTD = x_BTD + norm(y + norm(y_BTD, "moe_post_norm"), "mlp_post_norm")
@@ -872,35 +873,34 @@ def weights(lp: dict, dt, cfg: ModelConfig):
 # the f32 master weights take the gradient straight through. The same in train_dense.py.
 QUANT = {"int8": (jnp.int8, 127.0), "e4m3": (jnp.float8_e4m3fn, 448.0),
          "e5m2": (jnp.float8_e5m2, 57344.0)}
+F32 = jnp.float32
 
 
 def quantize(x, fmt: str, axes=None):
     """(q, scale), x ~ q scale: scale = max |x| over `axes` (None: all) over the format's largest
     value; int8 rounds to the nearest integer, fp8 casts (to nearest even)."""
     dt, top = QUANT[fmt]
-    s = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=axes, keepdims=True) / top
+    s = jnp.max(jnp.abs(x.astype(F32)), axis=axes, keepdims=True) / top
     y = jnp.clip(x / jnp.where(s > 0, s, 1.0), -top, top)
     return (jnp.round(y) if fmt == "int8" else y).astype(dt), jnp.where(s > 0, s, 1.0)
 
 
 def _qdot(spec: str, a, b, fa: str, fb: str):
-    """einsum(spec, a, b) of a and b quantized. int8: a scale per index the product keeps (per
-    token, per output channel), so the scales factor out of the sum, which runs on int8 and
-    adds up in int32; fp8: a scale per tensor (its exponent spans the channels), summed in f32."""
+    """einsum(spec, a, b) of a and b quantized. int8: a scale per index the product keeps (token,
+    output channel): they factor out of the int32 sum of int8 products; fp8: one per tensor."""
     (ia, ib), out = spec.split("->")[0].split(","), spec.split("->")[1]
     axes = lambda i, f: tuple(k for k, c in enumerate(i) if c not in out) if f == "int8" else None
     (qa, sa), (qb, sb) = quantize(a, fa, axes(ia, fa)), quantize(b, fb, axes(ib, fb))
     y = jnp.einsum(spec, qa, qb, preferred_element_type=jnp.int32) if fa == "int8" else (
-        jnp.einsum(spec, qa.astype(a.dtype), qb.astype(a.dtype), preferred_element_type=jnp.float32))
+        jnp.einsum(spec, qa.astype(a.dtype), qb.astype(a.dtype), preferred_element_type=F32))
     # the scales' contracted axes are 1 long: their einsum is their product, the output's shape
-    return (y.astype(jnp.float32) * jnp.einsum(spec, sa, sb)).astype(a.dtype)
+    return (y.astype(F32) * jnp.einsum(spec, sa, sb)).astype(a.dtype)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def qdot(spec: str, fmt: str, x, w):
-    """einsum(spec, x, w) with --model.quant `fmt` (`_qdot`), and so are its gradients: dx = g w^T
-    and dw = x^T g, each quantized along its own contraction. fp8: e4m3 forward, the gradient in
-    e5m2 (more range, less precision: Micikevicius et al. 2022, arXiv 2209.05433)."""
+    """einsum(spec, x, w) quantized with --model.quant `fmt` (`_qdot`), and so are dx = g w^T and
+    dw = x^T g, each along its own contraction; fp8: e4m3, the gradient e5m2 (arXiv 2209.05433)."""
     return _qdot(spec, x, w, *(("e4m3",) * 2 if fmt == "fp8" else (fmt, fmt)))
 
 
@@ -921,13 +921,12 @@ def matmuls(cfg: ModelConfig):
 
 @partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
 def rounded(x, fwd: str, bwd: str, axes):
-    """x rounded to format `fwd` ("": as is) and back, its gradient to `bwd` ("": as is)."""
-    return (lambda q, s: (q.astype(jnp.float32) * s).astype(x.dtype))(*quantize(x, fwd, axes)) \
-        if fwd else x
+    """x rounded to format `fwd` ("": as is) and back; its gradient to `bwd` on the way back."""
+    q, s = quantize(x, fwd, axes) if fwd else (x, 1.0)
+    return (q.astype(F32) * s).astype(x.dtype)
 
 
-rounded.defvjp(lambda x, *f: (rounded(x, *f), None),
-               lambda fwd, bwd, axes, _, g: (rounded(g, bwd, "", axes),))
+rounded.defvjp(lambda x, *f: (rounded(x, *f), None), lambda f, b, ax, _, g: (rounded(g, b, "", ax),))
 
 
 def rms_norm(x, w, eps):
@@ -1379,9 +1378,8 @@ def validate(cfg: Config, n_devices: int, platform: str = "") -> None:
     need(m.capacity_factor >= 0, f"--model.capacity-factor {m.capacity_factor}: use 0 for "
          "dropless routing or a positive factor (1.25 is usual) for capacity mode.")
     need(m.gmm_tile >= 1, f"--model.gmm-tile {m.gmm_tile} must be >= 1.")
-    need(m.quant == "none" or not m.linear_k_heads, f"--model.quant {m.quant} with --model."
-         "linear-k-heads: Gated DeltaNet's layers have no quantized path (their projections and "
-         "delta rule run in the compute dtype); use --model.quant none for them.")
+    need(m.quant == "none" or not m.linear_k_heads, f"--model.quant {m.quant} with --model.linear"
+         "-k-heads: Gated DeltaNet's layers have no quantized path; use --model.quant none.")
     need(m.grouped_matmul != "megablox" or (platform or target_platform()) != "gpu", "--model."
          "grouped-matmul megablox is a TPU kernel (interpreted on a CPU); use auto on a GPU.")
     # A device of the expert axis holds n_experts / expert whole experts.
@@ -1559,7 +1557,8 @@ def moe(h_BTD, lp: dict, cfg: ModelConfig, route_BTD=None):
             check_vma=train.stages() == 1 and _grouped_impl(cfg) != "megablox")(
                 h_BTD, expert_BTR, gate_BTR, ws)
     if cfg.n_shared_experts:  # DeepSeek's shared experts: one wider SwiGLU every token uses
-        s = swiglu(h_BTD, {"w_" + k: lp["shared_" + k].astype(dt) for k in PROJ}, mm=dense_mm(cfg))
+        s = swiglu(h_BTD, {"w_" + k: lp["shared_" + k].astype(dt) for k in PROJ},
+                   mm=dense_mm(cfg))
         y = y + (s * jax.nn.sigmoid(h_BTD @ lp["shared_router"].astype(dt)) if cfg.shared_gated
                  else s)  # Qwen3-Next: a per-token gate on it
     return y, stats | {"dropped": jnp.sum(dropped) / expert_BTR.size}  # of the assignments
@@ -1661,17 +1660,14 @@ def swiglu(x, w: dict, cfg: ModelConfig | None = None, mm=jnp.matmul, at=lambda 
     return proj(glu(proj(x, "gate"), proj(x, "up"), cfg), "down")
 
 
-def dense_mm(cfg: ModelConfig):
-    """`swiglu`'s mm for a dense MLP on [B, T, D]: quantized with --model.quant."""
+def dense_mm(cfg: ModelConfig):  # `swiglu`'s mm for a dense MLP on [B, T, D]
     return partial(matmuls(cfg), "btd,df->btf")
 
 
 def floats(mm, cfg: ModelConfig):
-    """A grouped matmul whose kernel takes floats only (megablox: bf16 or f32; ragged_dot) with
-    --model.quant: x and w rounded to the format's values with `qdot`'s scales (per row and per
-    expert's column; fp8 per tensor), g to the gradient's, and run in the compute dtype, which
-    holds them exactly (int8 per channel: within its rounding). Numbers as `qdot`'s, speed as
-    the float kernel's (docs/quant.md)."""
+    """--model.quant on a grouped matmul whose kernel takes floats only (megablox, ragged_dot):
+    x, w and on the way back g rounded to the format's values with `qdot`'s scales, the product
+    in the compute dtype. Quantized numbers at the float kernel's speed (docs/quant.md)."""
     f, g, ax = ("e4m3", "e5m2", None) if cfg.quant == "fp8" else (cfg.quant, cfg.quant, -1)
     return mm if cfg.quant == "none" else lambda x, w: rounded(mm(
         rounded(x, f, "", ax), rounded(w, f, "", ax and -2)), "", g, ax)
@@ -1711,7 +1707,8 @@ def grouped_mlp(x_MD, sizes_G, w, cfg: ModelConfig):
         group_M = jnp.minimum(jnp.searchsorted(jnp.cumsum(sizes_G), jnp.arange(M), side="right"),
                               sizes_G.shape[0] - 1)
         if impl == "ragged_dot":
-            return swiglu(x_MD, w, cfg, floats(lambda x, w: jax.lax.ragged_dot(x, w, sizes_G), cfg),
+            ragged = lambda x, w: jax.lax.ragged_dot(x, w, sizes_G)
+            return swiglu(x_MD, w, cfg, floats(ragged, cfg),
                           lambda b: b[group_M])
         from jax.experimental.pallas.ops.tpu.megablox import gmm  # JAX's Pallas kernel for TPUs,
         # MaxText's tiles: tm rows against their groups' weights as stored. Rows past sum(sizes)

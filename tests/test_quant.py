@@ -14,7 +14,8 @@ import train_dense as td
 import train_grpo as tg
 import train_moe as tm
 from common.mesh import MeshConfig, make_mesh
-from tests.test_dense import SMALL, grads_and_loss, perturbed_params, small_cfg, tokens
+from tests.test_dense import (SMALL, _has_libtpu, grads_and_loss, perturbed_params, small_cfg,
+                              tokens)
 
 RNG = np.random.default_rng(0)
 # Rows of very different sizes: per-channel scales must follow each one.
@@ -156,6 +157,31 @@ def test_quant_is_refused_where_a_layer_kind_cannot_take_it(module, model, match
     with pytest.raises(module.ConfigError) as e:
         module.validate(cfg, 1, *((None,) if module is tg else ()))
     assert "--model.quant int8" in str(e.value) and match in str(e.value)
+
+
+@pytest.mark.skipif(not _has_libtpu(), reason="needs libtpu (`make test-tpu`)")
+def test_int8_compiles_to_integer_dots_for_a_tpu_slice():
+    """Compiled for a TPU v5e here, a quantized step's projections are s8 x s8 -> s32
+    products (XLA:TPU writes dots as convolutions): the integer units, not bf16."""
+    import re
+    from functools import partial
+
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from common.mesh import tpu_topology_devices
+    cfg = dataclasses.replace(SMALL, dtype="bfloat16", quant="int8", d_model=256, d_ff=512)
+    mesh = make_mesh(MeshConfig(fsdp=1), tpu_topology_devices("v5e-1"))
+    shapes = jax.eval_shape(partial(td._init, cfg), jax.random.key(0))
+    with jax.set_mesh(mesh):
+        p = jax.tree.map(lambda s, sp: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=(
+            NamedSharding(mesh, sp))), shapes, td.param_specs(cfg))
+        b = jax.ShapeDtypeStruct((2, 65), jnp.int32, sharding=NamedSharding(mesh, P()))
+        hlo = jax.jit(jax.grad(lambda p, b: td.loss_fn(p, b, cfg)[0])).lower(p, b).compile()
+    lines = hlo.as_text().splitlines()
+    kind = {m[1]: m[2] for x in lines if (m := re.match(r"\s*(?:ROOT )?%(\S+) = (\w+)\[", x))}
+    ops = [m.groups() for x in lines if (m := re.search(
+        r"= s32\[.*? (?:convolution|dot)\(%([^,]+), %([^,)]+)\)", x))]
+    assert len(ops) >= 2 * 7 and all(kind[a] == kind[b] == "s8" for a, b in ops)
 
 
 @pytest.mark.chip
