@@ -1665,9 +1665,8 @@ def dense_mm(cfg: ModelConfig):  # `swiglu`'s mm for a dense MLP on [B, T, D]
 
 
 def floats(mm, cfg: ModelConfig):
-    """--model.quant on a grouped matmul whose kernel takes floats only (megablox, ragged_dot):
-    x, w and on the way back g rounded to the format's values with `qdot`'s scales, the product
-    in the compute dtype. Quantized numbers at the float kernel's speed (docs/quant.md)."""
+    """--model.quant on an experts' matmul (in shard_map; megablox takes floats only): x, w and
+    g rounded with `qdot`'s scales, multiplied in the compute dtype (docs/quant.md)."""
     f, g, ax = ("e4m3", "e5m2", None) if cfg.quant == "fp8" else (cfg.quant, cfg.quant, -1)
     return mm if cfg.quant == "none" else lambda x, w: rounded(mm(
         rounded(x, f, "", ax), rounded(w, f, "", ax and -2)), "", g, ax)
@@ -1722,7 +1721,7 @@ def grouped_mlp(x_MD, sizes_G, w, cfg: ModelConfig):
     dest_M, group_n, n = _tile_layout(sizes_G, M, tile)
     x_ntD = jnp.zeros((n * tile, D), x_MD.dtype).at[dest_M].set(x_MD, mode="drop")
     y_ntD = swiglu(x_ntD.reshape(n, tile, D), w, cfg,
-                   lambda x, w: matmuls(cfg)("ntd,ndf->ntf", x, w[group_n]),
+                   floats(lambda x, w: jnp.einsum("ntd,ndf->ntf", x, w[group_n]), cfg),
                    lambda b: b[group_n][:, None])
     return y_ntD.reshape(n * tile, -1).at[dest_M].get(mode="fill", fill_value=0)
 
@@ -1768,7 +1767,8 @@ def _capacity_exchange(x_AD, e_A, sizes_E, w, cfg: ModelConfig, peers: int, C: i
     if peers > 1:
         buf_PXCD = jax.lax.all_to_all(buf_PXCD, "expert", 0, 0)  # now [source peer, X, C, d]
     x_XMD = buf_PXCD.transpose(1, 0, 2, 3).reshape(X, peers * C, D)
-    y_XMD = swiglu(x_XMD, w, cfg, partial(matmuls(cfg), "xmd,xdf->xmf"), lambda b: b[:, None])
+    y_XMD = swiglu(x_XMD, w, cfg, floats(partial(jnp.einsum, "xmd,xdf->xmf"), cfg),
+                   lambda b: b[:, None])
     y_PXCD = y_XMD.reshape(X, peers, C, D).transpose(1, 0, 2, 3)
     if peers > 1:
         y_PXCD = jax.lax.all_to_all(y_PXCD, "expert", 0, 0)      # [expert's peer, X, C, d]

@@ -77,9 +77,8 @@ def test_fp8_matmul_is_e4m3_forward_and_e5m2_gradients():
 
 
 def test_the_moe_trainers_copy_and_its_float_kernel_fallback_give_qdots_numbers():
-    """megablox and ragged_dot take no int8: `floats` runs them on the rounded values. With f32
-    operands (which hold int8 values times their scales closely) it matches `qdot`'s
-    forward and dx; its dw rounds x per token, not per channel over the tokens: close."""
+    """The experts' matmuls (megablox takes no int8) run on `floats`' rounded values: in f32,
+    `qdot`'s forward; its gradients round w and x along the forward's axes: close to qdot's."""
     x, w = jnp.asarray(X.reshape(30, 32)), jnp.asarray(W)[None]
     cfg = tm.ModelConfig(quant="int8")
     q = lambda x, w: tm.qdot("md,df->mf", "int8", x, w[0])
@@ -111,7 +110,7 @@ def test_a_quantized_step_on_fsdp_x_tensor_equals_one_device(quant):
 
 
 def test_moe_quantized_step_sharded_equals_one_device():
-    """The experts too (the CPU's tiled grouped matmul: int8 einsums), over expert x tensor."""
+    """The experts too (rounded around the CPU's tiled grouped matmul), over expert x tensor."""
     from tests import test_moe as t
     cfg = t.small_cfg(dataclasses.replace(t.SMALL, quant="int8"))
     params, batch = t.perturbed_params(cfg.model), t.tokens(cfg)
