@@ -110,12 +110,14 @@ def test_a_quantized_step_on_fsdp_x_tensor_equals_one_device(quant):
 
 
 def test_moe_quantized_step_sharded_equals_one_device():
-    """The experts too (rounded around the CPU's tiled grouped matmul), over expert x tensor."""
+    """The experts too (rounded around the CPU's tiled grouped matmul), over expert x fsdp.
+    (With --mesh.tensor the experts' F is split inside shard_map, and the scales of the products
+    contracting it are per shard of F: tiles, not the one device's channels.)"""
     from tests import test_moe as t
     cfg = t.small_cfg(dataclasses.replace(t.SMALL, quant="int8"))
     params, batch = t.perturbed_params(cfg.model), t.tokens(cfg)
     one = t.loss_and_grads(cfg, params, batch, make_mesh(MeshConfig(fsdp=1), jax.devices()[:1]))
-    two = t.loss_and_grads(cfg, params, batch, make_mesh(MeshConfig(fsdp=2, expert=2, tensor=2)))
+    two = t.loss_and_grads(cfg, params, batch, make_mesh(MeshConfig(data=2, fsdp=2, expert=2)))
     assert two[0] == pytest.approx(one[0], rel=1e-5)
     for a, b in zip(jax.tree.leaves(one[2]), jax.tree.leaves(two[2])):
         assert np.linalg.norm(a - b) <= 1e-3 * np.linalg.norm(a) + 1e-7
@@ -152,7 +154,7 @@ def test_a_run_saved_quantized_resumes_without_and_exports_float32(tmp_path):
 def test_quant_is_refused_where_a_layer_kind_cannot_take_it(module, model, match):
     model = dataclasses.replace(model, quant="int8", **(
         {"global_every": 2, "linear_k_heads": 2, "linear_v_heads": 2} if module is td else {}))
-    cfg = module.Config(model=model)
+    cfg = small_cfg(model) if module is td else module.Config(model=model)
     with pytest.raises(module.ConfigError) as e:
         module.validate(cfg, 1, *((None,) if module is tg else ()))
     assert "--model.quant int8" in str(e.value) and match in str(e.value)
