@@ -12,7 +12,7 @@ declare -A ROW=(
   [qwen3-0.6b-2k]="train_dense.py qwen3-0.6b --train.batch-size 8 --train.seq-len 2048"
   # Qwen3-30B-A3B's block, 2 layers, 32 experts, vocab 32k; its experts' megablox kernel takes
   # floats only: their operands are rounded around it (docs/quant.md), attention runs in int8
-  [moe-2k]="train_moe.py qwen3-30b-a3b --model.n-layers 2 --model.n-experts 32 --model.vocab-size 32000 --train.batch-size 8 --train.seq-len 2048"
+  [moe-2k]="train_moe.py qwen3-30b-a3b --model.n-layers 2 --model.n-experts 32 --model.vocab-size 32000 --train.batch-size 8 --train.seq-len 2048 --no-bench-twin"
 )
 printf '%-16s %-5s %10s %10s %8s %8s\n' row quant "tok/s" "ms/step" MFU "x bf16" > "$OUT/table.txt"
 for row in qwen3-0.6b-2k moe-2k; do
@@ -20,8 +20,8 @@ for row in qwen3-0.6b-2k moe-2k; do
   for q in $QUANTS; do
     log="$OUT/$row-$q.log"
     $PY ${ROW[$row]} --model.quant "$q" --bench "$N" --run-dir "$OUT/runs/$row-$q" > "$log" 2>&1
-    line=$(grep -E '^bench \| [0-9]+ tok/s' "$log" | tail -1)
-    tok=$(sed -E 's/^bench \| ([0-9]+) tok\/s.*/\1/' <<< "$line")
+    line=$(grep -E '^bench( moe)? \| [0-9]+ tok/s' "$log" | tail -1)
+    tok=$(sed -E 's/^bench( moe)? \| ([0-9]+) tok\/s.*/\2/' <<< "$line")
     ms=$(sed -E 's/.*\| ([0-9.]+) ms\/step.*/\1/' <<< "$line")
     mfu=$(grep -oE 'MFU [0-9.]+%' <<< "$line" | cut -d' ' -f2)
     if [ -z "$line" ]; then tok=failed; ms="see $log"; mfu=-; fi
