@@ -3,7 +3,7 @@
 # row of `make bench-tpu` (issue 71), bf16 against --model.quant int8 (and fp8, which a v5e,
 # having no fp8 units, runs as bf16), in one invocation; prints one table. Every column's MFU
 # counts the same bf16 FLOPs against the chip's bf16 peak (int8's peak is twice that on a v5e).
-#   bash bench/quant_tpu.sh            # N=10 timed steps a run; QUANTS="none int8 fp8"
+#   bash bench/quant_tpu.sh     # N=10 timed steps a run; QUANTS="none int8 fp8"; ROWS=moe-2k
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-python}; N=${N:-10}; QUANTS=${QUANTS:-none int8 fp8}; OUT=${OUT:-/tmp/quant-bench}
@@ -15,7 +15,7 @@ declare -A ROW=(
   [moe-2k]="train_moe.py qwen3-30b-a3b --model.n-layers 2 --model.n-experts 32 --model.vocab-size 32000 --train.batch-size 8 --train.seq-len 2048 --no-bench-twin"
 )
 printf '%-16s %-5s %10s %10s %8s %8s\n' row quant "tok/s" "ms/step" MFU "x bf16" > "$OUT/table.txt"
-for row in qwen3-0.6b-2k moe-2k; do
+for row in ${ROWS:-qwen3-0.6b-2k moe-2k}; do
   base=""
   for q in $QUANTS; do
     log="$OUT/$row-$q.log"
