@@ -103,6 +103,7 @@ class ModelConfig:
     loss_chunk: int = how(256)    # sequence positions per cross-entropy chunk (bounds [B,T,V])
     loss_impl: Literal["fused", "remat"] = how("fused")  # gradient made with the loss, or rebuilt
     vocab_split: bool = how(False)  # the unembedding (or tied table) split on V, as the loss uses
+    quant: Literal["none", "int8", "fp8"] = how("none")  # the big matmuls (docs/quant.md)
 
 
 @dataclass(frozen=True)
@@ -412,7 +413,7 @@ def block(x_BTD, lp: dict, cfg: ModelConfig, *, pos_BT, inv_freq, segment_ids=No
     keys and values of its own attends over `kv`, an earlier layer's (k, v), which stats hold
     with `keep_kv`; ple_BTP is the layer's own input."""
     dt, lp = x_BTD.dtype, train.merged(lp)  # LoRA: each adapted weight merged, in its layer
-    w = weights(lp, dt, cfg)
+    w, mm = weights(lp, dt, cfg), matmuls(cfg)
 
     def norm(x, name):  # a gain [N, H] (OLMo's q/k norms) normalises all heads at once
         g = 1.0 + lp[name] if cfg.norm_plus_one else lp[name]
@@ -427,12 +428,12 @@ def block(x_BTD, lp: dict, cfg: ModelConfig, *, pos_BT, inv_freq, segment_ids=No
     else:
         if np.ndim(inv_freq) == 2:
             inv_freq = jnp.where(is_global, inv_freq[1], inv_freq[0])
-        q = jnp.einsum("btd,dnh->btnh", h, w("wq")) + (w("bq") if cfg.qkv_bias else 0)
+        q = mm("btd,dnh->btnh", h, w("wq")) + (w("bq") if cfg.qkv_bias else 0)
         rope = partial_rope if cfg.rotary_dim else apply_rope  # Qwen3.5: a share of the dims
         q = rope(norm(q, "q_norm") if cfg.qk_norm else q, pos_BT, inv_freq)
         if kv is None:  # else a Gemma 4 layer reusing an earlier layer's (kv_shared)
-            k = jnp.einsum("btd,dkh->btkh", h, w("wk"))
-            v = jnp.einsum("btd,dkh->btkh", h, w("wv")) if "wv" in lp else k  # else k_eq_v
+            k = mm("btd,dkh->btkh", h, w("wk"))
+            v = mm("btd,dkh->btkh", h, w("wv")) if "wv" in lp else k  # else k_eq_v
             if cfg.qkv_bias:
                 k, v = k + w("bk"), v + w("bv")
             kv = (rope(norm(k, "k_norm") if cfg.qk_norm else k, pos_BT, inv_freq),
@@ -453,14 +454,14 @@ def block(x_BTD, lp: dict, cfg: ModelConfig, *, pos_BT, inv_freq, segment_ids=No
             q, k, segment_ids=segment_ids, scale=scale, window=W, is_global=is_global)
                  } if max_logits else {}
         if cfg.attn_gate:  # Qwen3.5: a gate per head and channel
-            o = o * jax.nn.sigmoid(jnp.einsum("btd,dnh->btnh", h, w("wq_gate")))
-        o = jnp.einsum("btnh,nhd->btd", o, w("wo"))
+            o = o * jax.nn.sigmoid(mm("btd,dnh->btnh", h, w("wq_gate")))
+        o = mm("btnh,nhd->btd", o, w("wo"))
     x_BTD = x_BTD + (norm(o, "attn_post_norm") if cfg.sandwich_norm or cfg.post_norm else o)
     h = x_BTD if cfg.post_norm else norm(x_BTD, "mlp_norm")
     act = lambda g: jax.nn.gelu(g, approximate=True) if cfg.gelu else jax.nn.silu(g)
-    g = jnp.einsum("btd,df->btf", h, w("w_gate"))
-    u = jnp.einsum("btd,df->btf", h, w("w_up"))
-    y = jnp.einsum("btf,fd->btd", act(g) * u, w("w_down"))
+    g = mm("btd,df->btf", h, w("w_gate"))
+    u = mm("btd,df->btf", h, w("w_up"))
+    y = mm("btf,fd->btd", act(g) * u, w("w_down"))
     x_BTD = x_BTD + (norm(y, "mlp_post_norm") if cfg.sandwich_norm or cfg.post_norm else y)
     if cfg.ple_dim:  # Gemma 4: the layer's own input, gated by the stream, normed, added
         g = act(jnp.einsum("btd,dp->btp", x_BTD, w("ple_gate"))) * ple_BTP
@@ -486,6 +487,57 @@ def weights(lp: dict, dt, cfg: ModelConfig):
 
 
 ACT_BTD = P(BATCH_AXES, "context", None)  # between blocks: batch and sequence split, d whole
+
+
+# Quantized training (--model.quant, docs/quant.md): a big matmul's operands rounded to int8 or
+# fp8 with scales taken from the tensors themselves, in the forward and both backward matmuls;
+# the f32 master weights take the gradient straight through. The same in train_moe.py.
+QUANT = {"int8": (jnp.int8, 127.0), "e4m3": (jnp.float8_e4m3fn, 448.0),
+         "e5m2": (jnp.float8_e5m2, 57344.0)}
+F32 = jnp.float32
+
+
+def quantize(x, fmt: str, axes=None):
+    """(q, scale), x ~ q scale: scale = max |x| over `axes` (None: all) over the format's largest
+    value; int8 rounds to the nearest integer, fp8 casts (to nearest even)."""
+    dt, top = QUANT[fmt]
+    s = jnp.max(jnp.abs(x.astype(F32)), axis=axes, keepdims=True) / top
+    y = jnp.clip(x / jnp.where(s > 0, s, 1.0), -top, top)
+    return (jnp.round(y) if fmt == "int8" else y).astype(dt), jnp.where(s > 0, s, 1.0)
+
+
+def _qdot(spec: str, a, b, fa: str, fb: str):
+    """einsum(spec, a, b) of a and b quantized. int8: a scale per index the product keeps (token,
+    output channel): they factor out of the int32 sum of int8 products; fp8: one per tensor."""
+    (ia, ib), out = spec.split("->")[0].split(","), spec.split("->")[1]
+    axes = lambda i, f: tuple(k for k, c in enumerate(i) if c not in out) if f == "int8" else None
+    (qa, sa), (qb, sb) = quantize(a, fa, axes(ia, fa)), quantize(b, fb, axes(ib, fb))
+    y = jnp.einsum(spec, qa, qb, preferred_element_type=jnp.int32) if fa == "int8" else (
+        jnp.einsum(spec, qa.astype(a.dtype), qb.astype(a.dtype), preferred_element_type=F32))
+    # the scales' contracted axes are 1 long: their einsum is their product, the output's shape
+    return (y.astype(F32) * jnp.einsum(spec, sa, sb)).astype(a.dtype)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def qdot(spec: str, fmt: str, x, w):
+    """einsum(spec, x, w) quantized with --model.quant `fmt` (`_qdot`), and so are dx = g w^T and
+    dw = x^T g, each along its own contraction; fp8: e4m3, the gradient e5m2 (arXiv 2209.05433)."""
+    return _qdot(spec, x, w, *(("e4m3",) * 2 if fmt == "fp8" else (fmt, fmt)))
+
+
+def _qdot_bwd(spec: str, fmt: str, res, g):
+    (x, w), ((ix, iw), out) = res, (spec.split("->")[0].split(","), spec.split("->")[1])
+    fg, fw = ("e5m2", "e4m3") if fmt == "fp8" else (fmt, fmt)
+    return (_qdot(f"{out},{iw}->{ix}", g, w, fg, fw).astype(x.dtype),
+            _qdot(f"{ix},{out}->{iw}", x, g, fw, fg).astype(w.dtype))
+
+
+qdot.defvjp(lambda spec, fmt, x, w: (qdot(spec, fmt, x, w), (x, w)), _qdot_bwd)
+
+
+def matmuls(cfg: ModelConfig):
+    """The big matmuls' einsum(spec, x, w): quantized with --model.quant, else as is."""
+    return jnp.einsum if cfg.quant == "none" else (lambda spec, x, w: qdot(spec, cfg.quant, x, w))
 
 
 def rms_norm(x, w, eps):
@@ -1128,6 +1180,8 @@ def validate(cfg: Config, n_devices: int) -> None:
     need(not (cfg.data.format == "sft" and cfg.data.pack and m.attention == "cudnn"),  # SFT
          "--model.attention cudnn cannot mask packed SFT rows (JAX's cuDNN path takes causal "
          "and length masks only); use --model.attention auto or xla, or --data.no-pack.")
+    need(m.quant == "none" or not m.linear_k_heads, f"--model.quant {m.quant} with --model.linear"
+         "-k-heads: Gated DeltaNet's layers have no quantized path; use --model.quant none.")
     train.check_lora(cfg.lora, t.optimizer, t.qk_clip_threshold)  # LoRA
     need(cfg.data.format != "dpo" or (cfg.init_from or cfg.init_from_hf) and m.attention != (  # DPO
         "cudnn") and not t.qk_clip_threshold, "--data.format dpo needs --init-from RUN_DIR or "

@@ -108,6 +108,7 @@ class ModelConfig:
     loss_chunk: int = how(256)    # sequence positions per cross-entropy chunk (bounds [B,T,V])
     loss_impl: Literal["fused", "remat"] = how("fused")  # gradient made with the loss, or rebuilt
     vocab_split: bool = how(False)  # the unembedding (or tied table) split on V, as the loss uses
+    quant: Literal["none", "int8", "fp8"] = how("none")  # the big matmuls (docs/quant.md)
 
 
 @dataclass(frozen=True)
@@ -913,6 +914,8 @@ def validate(cfg: Config, n_devices: int, tok) -> Task:
     train.check_ranges(cfg)
     mesh = resolve(cfg.mesh, n_devices, max(1, math.prod(cfg.mesh.dcn())))
     check_model(m, mesh, "--grpo.qk-clip-threshold", g.qk_clip_threshold)
+    need(m.quant == "none", f"--model.quant {m.quant}: quantized training is train_dense.py's "
+         "and train_moe.py's; the policy here trains in --model.dtype. Use --model.quant none.")
     train.check_lora(cfg.lora, g.optimizer, g.qk_clip_threshold, "--grpo")  # LoRA
     need(mesh.stage * mesh.dcn_stage == 1, f"--mesh.stage {mesh.stage}: pipeline stages are "
          "train_dense.py's and train_moe.py's; here the devices would repeat one another's "

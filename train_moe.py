@@ -131,6 +131,7 @@ class ModelConfig:
     grouped_matmul: Literal["auto", "ragged_dot", "tiled", "megablox"] = how("auto")  # _grouped_impl
     gmm_tile: int = how(128)      # rows per tile of the tiled grouped matmul
     down_split: Literal["f", "d"] = how("f")  # the axis of w_down fsdp splits (`_layer_table`)
+    quant: Literal["none", "int8", "fp8"] = how("none")  # the big matmuls (docs/quant.md)
     # DeepSeek-V3.2's sparse attention (DSA, see `dsa`): a lightning indexer of index_n_heads
     # heads (0 = off) picks each query's index_topk keys, to which alone MLA attends
     index_n_heads: int = 0
@@ -506,7 +507,7 @@ def block(x_BTD, lp: dict, pos_BT, inv_freq, cfg: ModelConfig, max_logits: bool 
     with DSA, `warm` (traced) picks its stage and its KL is a statistic of every layer)."""
     lp = train.merged(lp)  # LoRA: each adapted weight merged, in its layer
     lp = lp | {k: 1 + lp[k] for k in OFFSET_NORMS if k in lp} if cfg.norm_offset else lp
-    w = weights(lp, x_BTD.dtype, cfg)
+    w, mm = weights(lp, x_BTD.dtype, cfg), matmuls(cfg)
     h = rms_norm(x_BTD, lp["attn_norm"], cfg.norm_eps)
     if lin := "lin_q" in lp:  # Qwen3-Next's linear layers: no attention, no logits to clip
         a_BTNV, ind, max_logits = None, {}, False
@@ -515,8 +516,8 @@ def block(x_BTD, lp: dict, pos_BT, inv_freq, cfg: ModelConfig, max_logits: bool 
     elif cfg.kv_lora_rank:
         q, k, v = mla(h, lp, pos_BT, inv_freq, cfg)
     else:
-        q, k = (jnp.einsum("btd,dnh->btnh", h, w(name)) for name in ("wq", "wk"))
-        v = jnp.einsum("btd,dnh->btnh", h, w("wv")) if "wv" in lp else k  # else Gemma 4's K = V
+        q, k = (mm("btd,dnh->btnh", h, w(name)) for name in ("wq", "wk"))
+        v = mm("btd,dnh->btnh", h, w("wv")) if "wv" in lp else k  # else Gemma 4's K = V
         if cfg.attn_bias:
             q, k, v = q + w("bq"), k + w("bk"), v + w("bv")
         if cfg.qk_norm:
@@ -538,9 +539,9 @@ def block(x_BTD, lp: dict, pos_BT, inv_freq, cfg: ModelConfig, max_logits: bool 
         a_BTNV, ind = attention(q, k, v, lp, cfg, is_global, max_logits), {}
     a_BTNV, top_N = a_BTNV if max_logits else (a_BTNV, None)  # DSA refuses QK-clip
     if cfg.attn_gate and not lin:  # Qwen3-Next: a gate per head and channel
-        a_BTNV = a_BTNV * jax.nn.sigmoid(jnp.einsum("btd,dnh->btnh", h, w("wq_gate")))
+        a_BTNV = a_BTNV * jax.nn.sigmoid(mm("btd,dnh->btnh", h, w("wq_gate")))
     o = (gated_deltanet(h, lp, cfg)[0] if lin else
-         jnp.einsum("btnh,nhd->btd", a_BTNV, w("wo")))
+         mm("btnh,nhd->btd", a_BTNV, w("wo")))
     o = rms_norm(o, lp["attn_post_norm"], cfg.norm_eps) if cfg.gemma4 else o
     x_BTD = constrain(x_BTD + (o + w("bo") if cfg.attn_bias else o), ACT_BTD)
     h = rms_norm(x_BTD, lp["mlp_norm"], cfg.norm_eps)
@@ -550,7 +551,8 @@ def block(x_BTD, lp: dict, pos_BT, inv_freq, cfg: ModelConfig, max_logits: bool 
         q, k, scale=logit_scale(cfg, q.shape[-1]), window=W, local_chunk=0 if W else C,
         is_global=is_global)} if max_logits else {}
     if "w_router" not in lp:
-        return constrain(x_BTD + swiglu(h, {"w_" + k: w("mlp_" + k) for k in PROJ}), ACT_BTD
+        return constrain(x_BTD + swiglu(h, {"w_" + k: w("mlp_" + k) for k in PROJ},
+                                              mm=dense_mm(cfg)), ACT_BTD
                          ), top | ind
     if not cfg.gemma4:
         y_BTD, stats = moe(h, lp, cfg)
@@ -560,7 +562,8 @@ def block(x_BTD, lp: dict, pos_BT, inv_freq, cfg: ModelConfig, max_logits: bool 
     # (The experts' post-norm undoes any factor common to a token's k weights: renormalising
     # them or not changes the output only through the norm's epsilon.)
     norm = lambda x, name: rms_norm(x, lp[name], cfg.norm_eps)
-    y = norm(swiglu(h, {"w_" + k: w("mlp_" + k) for k in PROJ}, cfg), "dense_post_norm")
+    y = norm(swiglu(h, {"w_" + k: w("mlp_" + k) for k in PROJ}, cfg, dense_mm(cfg)),
+             "dense_post_norm")
     y_BTD, stats = moe(norm(x_BTD, "moe_norm"), lp, cfg, rms_norm(
         x_BTD, lp["router_scale"] / math.sqrt(x_BTD.shape[-1]), cfg.norm_eps))
     x_BTD = x_BTD + norm(y + norm(y_BTD, "moe_post_norm"), "mlp_post_norm")
@@ -618,14 +621,14 @@ def mla(h_BTD, lp: dict, pos_BT, inv_freq, cfg: ModelConfig, latents: bool = Fal
     numbers a token, not 2 N H), W_k_b absorbed into the query and W_v_b into W_o. rope_interleave
     takes pairs (2i, 2i+1), put out in halves as transformers does: the same for q and k. With
     `latents`: (q, the query latent c_q, c_kv, k_rope), which DSA attends with (`dsa`)."""
-    w = weights(lp, h_BTD.dtype, cfg)
+    w, mm = weights(lp, h_BTD.dtype, cfg), matmuls(cfg)
     C, Hn, eps, c_q = cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.norm_eps, None
     if cfg.q_lora_rank:
-        c_q = rms_norm(jnp.einsum("btd,dc->btc", h_BTD, w("wq_a")), lp["q_norm_a"], eps)
-        q = jnp.einsum("btc,cnh->btnh", c_q, w("wq_b"))
+        c_q = rms_norm(mm("btd,dc->btc", h_BTD, w("wq_a")), lp["q_norm_a"], eps)
+        q = mm("btc,cnh->btnh", c_q, w("wq_b"))
     else:
-        q = jnp.einsum("btd,dnh->btnh", h_BTD, w("wq"))
-    kv = jnp.einsum("btd,dc->btc", h_BTD, w("wkv_a"))
+        q = mm("btd,dnh->btnh", h_BTD, w("wq"))
+    kv = mm("btd,dc->btc", h_BTD, w("wkv_a"))
     c_kv = rms_norm(kv[..., :C], lp["kv_norm"], eps)
     pairs = halves if cfg.rope_interleave else (lambda x: x)
     k_rope = apply_rope(pairs(kv[:, :, None, C:]), pos_BT, inv_freq)[:, :, 0]
@@ -635,7 +638,7 @@ def mla(h_BTD, lp: dict, pos_BT, inv_freq, cfg: ModelConfig, latents: bool = Fal
 
 def mla_kv(c_kv_BTC, k_rope_BTR, lp: dict, cfg: ModelConfig):
     """Every head's key [k_nope_n, k_rope] and value [B, T, N, .] from the latents."""
-    kv_b = jnp.einsum("btc,cnh->btnh", c_kv_BTC, weights(lp, c_kv_BTC.dtype, cfg)("wkv_b"))
+    kv_b = matmuls(cfg)("btc,cnh->btnh", c_kv_BTC, weights(lp, c_kv_BTC.dtype, cfg)("wkv_b"))
     k_nope, v = kv_b[..., :cfg.qk_nope_head_dim], kv_b[..., cfg.qk_nope_head_dim:]
     k_rope = jnp.broadcast_to(k_rope_BTR[:, :, None], k_nope.shape[:3] + k_rope_BTR.shape[2:])
     return jnp.concatenate([k_nope, k_rope], -1), v
@@ -867,6 +870,66 @@ def weights(lp: dict, dt, cfg: ModelConfig):
     specs = param_specs(cfg)
     spec = {**specs.get("dense_layers", {}), **specs.get("global_layers", {}), **specs["layers"]}
     return lambda name: constrain(lp[name].astype(dt), P(*spec[name][1:]))
+
+# Quantized training (--model.quant, docs/quant.md): a big matmul's operands rounded to int8 or
+# fp8 with scales taken from the tensors themselves, in the forward and both backward matmuls;
+# the f32 master weights take the gradient straight through. The same in train_dense.py.
+QUANT = {"int8": (jnp.int8, 127.0), "e4m3": (jnp.float8_e4m3fn, 448.0),
+         "e5m2": (jnp.float8_e5m2, 57344.0)}
+F32 = jnp.float32
+
+
+def quantize(x, fmt: str, axes=None):
+    """(q, scale), x ~ q scale: scale = max |x| over `axes` (None: all) over the format's largest
+    value; int8 rounds to the nearest integer, fp8 casts (to nearest even)."""
+    dt, top = QUANT[fmt]
+    s = jnp.max(jnp.abs(x.astype(F32)), axis=axes, keepdims=True) / top
+    y = jnp.clip(x / jnp.where(s > 0, s, 1.0), -top, top)
+    return (jnp.round(y) if fmt == "int8" else y).astype(dt), jnp.where(s > 0, s, 1.0)
+
+
+def _qdot(spec: str, a, b, fa: str, fb: str):
+    """einsum(spec, a, b) of a and b quantized. int8: a scale per index the product keeps (token,
+    output channel): they factor out of the int32 sum of int8 products; fp8: one per tensor."""
+    (ia, ib), out = spec.split("->")[0].split(","), spec.split("->")[1]
+    axes = lambda i, f: tuple(k for k, c in enumerate(i) if c not in out) if f == "int8" else None
+    (qa, sa), (qb, sb) = quantize(a, fa, axes(ia, fa)), quantize(b, fb, axes(ib, fb))
+    y = jnp.einsum(spec, qa, qb, preferred_element_type=jnp.int32) if fa == "int8" else (
+        jnp.einsum(spec, qa.astype(a.dtype), qb.astype(a.dtype), preferred_element_type=F32))
+    # the scales' contracted axes are 1 long: their einsum is their product, the output's shape
+    return (y.astype(F32) * jnp.einsum(spec, sa, sb)).astype(a.dtype)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def qdot(spec: str, fmt: str, x, w):
+    """einsum(spec, x, w) quantized with --model.quant `fmt` (`_qdot`), and so are dx = g w^T and
+    dw = x^T g, each along its own contraction; fp8: e4m3, the gradient e5m2 (arXiv 2209.05433)."""
+    return _qdot(spec, x, w, *(("e4m3",) * 2 if fmt == "fp8" else (fmt, fmt)))
+
+
+def _qdot_bwd(spec: str, fmt: str, res, g):
+    (x, w), ((ix, iw), out) = res, (spec.split("->")[0].split(","), spec.split("->")[1])
+    fg, fw = ("e5m2", "e4m3") if fmt == "fp8" else (fmt, fmt)
+    return (_qdot(f"{out},{iw}->{ix}", g, w, fg, fw).astype(x.dtype),
+            _qdot(f"{ix},{out}->{iw}", x, g, fw, fg).astype(w.dtype))
+
+
+qdot.defvjp(lambda spec, fmt, x, w: (qdot(spec, fmt, x, w), (x, w)), _qdot_bwd)
+
+
+def matmuls(cfg: ModelConfig):
+    """The big matmuls' einsum(spec, x, w): quantized with --model.quant, else as is."""
+    return jnp.einsum if cfg.quant == "none" else (lambda spec, x, w: qdot(spec, cfg.quant, x, w))
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
+def rounded(x, fwd: str, bwd: str, axes):
+    """x rounded to format `fwd` ("": as is) and back; its gradient to `bwd` on the way back."""
+    q, s = quantize(x, fwd, axes) if fwd else (x, 1.0)
+    return (q.astype(F32) * s).astype(x.dtype)
+
+
+rounded.defvjp(lambda x, *f: (rounded(x, *f), None), lambda f, b, ax, _, g: (rounded(g, b, "", ax),))
 
 
 def rms_norm(x, w, eps):
@@ -1319,6 +1382,8 @@ def validate(cfg: Config, n_devices: int, platform: str = "") -> None:
     need(m.capacity_factor >= 0, f"--model.capacity-factor {m.capacity_factor}: use 0 for "
          "dropless routing or a positive factor (1.25 is usual) for capacity mode.")
     need(m.gmm_tile >= 1, f"--model.gmm-tile {m.gmm_tile} must be >= 1.")
+    need(m.quant == "none" or not m.linear_k_heads, f"--model.quant {m.quant} with --model.linear"
+         "-k-heads: Gated DeltaNet's layers have no quantized path; use --model.quant none.")
     need(m.grouped_matmul != "megablox" or (platform or target_platform()) != "gpu", "--model."
          "grouped-matmul megablox is a TPU kernel (interpreted on a CPU); use auto on a GPU.")
     # A device of the expert axis holds n_experts / expert whole experts.
@@ -1482,7 +1547,7 @@ def moe(h_BTD, lp: dict, cfg: ModelConfig, route_BTD=None):
     ws = {k: lp[k].astype(dt) for k in ("w_gate", "w_up", "w_down", "b_gate", "b_up", "b_down")
           if k in lp}
     if cfg.n_experts == 1:  # `bench`'s dense twin: one expert of weight 1, routing the identity
-        y = swiglu(h_BTD, {k: a[0] for k, a in ws.items()}, cfg)
+        y = swiglu(h_BTD, {k: a[0] for k, a in ws.items()}, cfg, dense_mm(cfg))
         return constrain(y, ACT_BTD), stats | {"dropped": jnp.zeros((), jnp.float32)}
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
@@ -1498,7 +1563,8 @@ def moe(h_BTD, lp: dict, cfg: ModelConfig, route_BTD=None):
             check_vma=train.stages() == 1 and _grouped_impl(cfg) != "megablox")(
                 h_BTD, expert_BTR, gate_BTR, ws)
     if cfg.n_shared_experts:  # DeepSeek's shared experts: one wider SwiGLU every token uses
-        s = swiglu(h_BTD, {"w_" + k: lp["shared_" + k].astype(dt) for k in PROJ})
+        s = swiglu(h_BTD, {"w_" + k: lp["shared_" + k].astype(dt) for k in PROJ},
+                   mm=dense_mm(cfg))
         y = y + (s * jax.nn.sigmoid(h_BTD @ lp["shared_router"].astype(dt)) if cfg.shared_gated
                  else s)  # Qwen3-Next: a per-token gate on it
     return y, stats | {"dropped": jnp.sum(dropped) / expert_BTR.size}  # of the assignments
@@ -1600,6 +1666,18 @@ def swiglu(x, w: dict, cfg: ModelConfig | None = None, mm=jnp.matmul, at=lambda 
     return proj(glu(proj(x, "gate"), proj(x, "up"), cfg), "down")
 
 
+def dense_mm(cfg: ModelConfig):  # `swiglu`'s mm for a dense MLP on [B, T, D]
+    return partial(matmuls(cfg), "btd,df->btf")
+
+
+def floats(mm, cfg: ModelConfig):
+    """--model.quant on an experts' matmul (in shard_map; megablox takes floats only): x, w and
+    g rounded with `qdot`'s scales, multiplied in the compute dtype (docs/quant.md)."""
+    f, g, ax = ("e4m3", "e5m2", None) if cfg.quant == "fp8" else (cfg.quant, cfg.quant, -1)
+    return mm if cfg.quant == "none" else lambda x, w: rounded(mm(
+        rounded(x, f, "", ax), rounded(w, f, "", ax and -2)), "", g, ax)
+
+
 def _grouped_impl(cfg: ModelConfig, platform: str = "") -> str:
     # auto: XLA:CPU rewrites ragged_dot as every row times every group's weights, zero-masked (E
     # times the FLOPs; 2-6x slower than tiled at E=8 on a laptop); GPUs run it as one grouped
@@ -1634,7 +1712,8 @@ def grouped_mlp(x_MD, sizes_G, w, cfg: ModelConfig):
         group_M = jnp.minimum(jnp.searchsorted(jnp.cumsum(sizes_G), jnp.arange(M), side="right"),
                               sizes_G.shape[0] - 1)
         if impl == "ragged_dot":
-            return swiglu(x_MD, w, cfg, lambda x, w: jax.lax.ragged_dot(x, w, sizes_G),
+            ragged = lambda x, w: jax.lax.ragged_dot(x, w, sizes_G)
+            return swiglu(x_MD, w, cfg, floats(ragged, cfg),
                           lambda b: b[group_M])
         from jax.experimental.pallas.ops.tpu.megablox import gmm  # JAX's Pallas kernel for TPUs,
         # MaxText's tiles: tm rows against their groups' weights as stored. Rows past sum(sizes)
@@ -1643,12 +1722,12 @@ def grouped_mlp(x_MD, sizes_G, w, cfg: ModelConfig):
         pad = lambda a: jnp.pad(a, ((0, -M % tm), (0, 0)))
         mm = lambda x, w: gmm(x, w, sizes_G, x.dtype, (tm, *(min(1024, n) for n in w.shape[1:])),
                               interpret=target_platform() != "tpu")
-        return swiglu(pad(x_MD), w, cfg, mm, lambda b: pad(b[group_M]))[:M]
+        return swiglu(pad(x_MD), w, cfg, floats(mm, cfg), lambda b: pad(b[group_M]))[:M]
     tile = min(cfg.gmm_tile, M)
     dest_M, group_n, n = _tile_layout(sizes_G, M, tile)
     x_ntD = jnp.zeros((n * tile, D), x_MD.dtype).at[dest_M].set(x_MD, mode="drop")
     y_ntD = swiglu(x_ntD.reshape(n, tile, D), w, cfg,
-                   lambda x, w: jnp.einsum("ntd,ndf->ntf", x, w[group_n]),
+                   floats(lambda x, w: jnp.einsum("ntd,ndf->ntf", x, w[group_n]), cfg),
                    lambda b: b[group_n][:, None])
     return y_ntD.reshape(n * tile, -1).at[dest_M].get(mode="fill", fill_value=0)
 
@@ -1694,7 +1773,8 @@ def _capacity_exchange(x_AD, e_A, sizes_E, w, cfg: ModelConfig, peers: int, C: i
     if peers > 1:
         buf_PXCD = jax.lax.all_to_all(buf_PXCD, "expert", 0, 0)  # now [source peer, X, C, d]
     x_XMD = buf_PXCD.transpose(1, 0, 2, 3).reshape(X, peers * C, D)
-    y_XMD = swiglu(x_XMD, w, cfg, partial(jnp.einsum, "xmd,xdf->xmf"), lambda b: b[:, None])
+    y_XMD = swiglu(x_XMD, w, cfg, floats(partial(jnp.einsum, "xmd,xdf->xmf"), cfg),
+                   lambda b: b[:, None])
     y_PXCD = y_XMD.reshape(X, peers, C, D).transpose(1, 0, 2, 3)
     if peers > 1:
         y_PXCD = jax.lax.all_to_all(y_PXCD, "expert", 0, 0)      # [expert's peer, X, C, d]

@@ -35,6 +35,9 @@ SAME_SOURCE = {
     "config_from_hf": (td, tg), "config_to_hf": (td, tg), "load_hf": (td, tg), "save_hf": (td, tg),
     "flops_per_token": (td, tg), "check_model": (td, tg), "_hf_keys": (td, tg),
     "_layer_types": (td, tg), "_misfit": (td, tg),
+    # Quantized training's matmul (--model.quant): the same in both trainers
+    "quantize": (td, tm), "_qdot": (td, tm), "qdot": (td, tm), "_qdot_bwd": (td, tm),
+    "matmuls": (td, tm),
 }
 SAME_VALUE = {name: (td, tg) for name in (
     "MUON_DIMS", "HF_ARCHITECTURES", "GEMMA", "_HF_DEFAULTS", "HF_KEYS", "HF_FAMILY_KEYS",
