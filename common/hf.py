@@ -43,6 +43,7 @@ import jax
 import ml_dtypes
 import numpy as np
 
+from common.data import open_tokenizer
 from common.observe import write_json
 
 INDEX, SINGLE, CONFIG = "model.safetensors.index.json", "model.safetensors", "config.json"
@@ -571,7 +572,7 @@ def save(path: str, params, mapping, sizes: dict, config: dict, base: dict | Non
 
 def save_adapter(path: str, adapters: dict, mapping: dict, sizes: dict, rank: int, alpha: float,
                  base_model: str = "", dtype: str = "float32") -> list[str]:
-    """A LoRA run's adapters (common/train.py `lora_table`) as a folder that `peft` loads onto
+    """A LoRA run's adapters (common/lora.py `lora_table`) as a folder that `peft` loads onto
     the HuggingFace model (PeftModel.from_pretrained): adapter_config.json, and each adapted
     Linear's lora_A [r, in] and lora_B [out, r] in adapter_model.safetensors, named after its
     weight. `mapping`: the model's (its HF name and layout of each weight, [out, in] in the
@@ -629,7 +630,6 @@ def tokenizer(path: str, prefer_json: bool = False) -> tuple[str, int, int]:
     round with `prefer_json`, as transformers picks), its end-of-sequence id and the id after
     which a document begins (BOS for Llama; Qwen has none and separates documents with EOS).
     Generation stops at EOS, so a folder without one is refused."""
-    from common.data import open_tokenizer
     names = ("tokenizer.json", "tokenizer.model") if prefer_json else (
         "tokenizer.model", "tokenizer.json")
     files = [os.path.join(path, n) for n in names if os.path.isfile(os.path.join(path, n))]

@@ -31,7 +31,8 @@ from typing import Callable, NamedTuple
 import numpy as np
 
 from common.data import ChatTemplate, DataError, check_messages, epoch_order, jsonl_file
-from common.train import ConfigError, log
+from common.config import ConfigError
+from common.observe import say as log
 
 PASSED = ("completions", "finished")  # what every reward receives besides the lines' fields
 
@@ -69,17 +70,6 @@ class Task:
 
 def columns(rows: list[Row]) -> dict[str, list]:  # one list per field, aligned with the rows
     return {k: [r.fields[k] for r in rows] for k in (rows[0].fields if rows else {})}
-
-
-def left_pad(ids: list[list[int]], width: int, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
-    """Left-padded ids [B, width] and their validity mask: every row ends at the same column,
-    so generation starts at one column for the whole batch."""
-    out, valid = np.full((len(ids), width), pad_id, np.int32), np.zeros((len(ids), width), bool)
-    for r, p in enumerate(ids):
-        if len(p) > width:
-            raise ValueError(f"a prompt of {len(p)} tokens is wider than the batch ({width})")
-        out[r, width - len(p):], valid[r, width - len(p):] = p, True
-    return out, valid
 
 
 def pack(prompt_BP, valid_BP, completion_BN, len_B, *, parts: int = 1, microbatches: int = 1,

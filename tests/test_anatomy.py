@@ -51,7 +51,7 @@ import anatomy  # noqa: E402
 # QK-clip's maxima from the blocked kernel (issue 33): the kernel asked for them, the separate
 # pass only where it gives none: 2 in dense, 6 in MoE; and the MTP modules' heads clipped (4).
 # Pipeline stages (issue 35) 24 in dense: the repeats knob, the layer stacks split over stage,
-# the step's and eval's microbatches handed to the GPipe/circular tick loop (common/train.py's
+# the step's and eval's microbatches handed to the GPipe/circular tick loop (common/pipeline.py's
 # `pipelined`, with its checks and schedule line), the refusals; 35 in MoE: the same for its
 # MoE stack (each microbatch's router stats out of the pipeline), the MTP modules run per
 # microbatch after it, the expert shard_map's check relaxed under the stage vmap, the dense
