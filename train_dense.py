@@ -11,8 +11,6 @@ Lines ending in "# SFT" or "# DPO" (with their brackets and blocks) serve fine-t
 preference tuning only: a pre-training fork deletes them. Tensor names end in their shapes: B
 batch, T sequence, S key sequence, D model width, N query heads, K key/value heads, H head width,
 F MLP width, V vocabulary, L layers."""
-from __future__ import annotations
-
 import math
 from dataclasses import dataclass, field, replace
 from functools import partial
@@ -23,9 +21,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from common import convert, hf, lora, optim, sampling, train
+from common import hf, lora, optim, sampling, train
 from common.attention import attend, check_kernel, choose, fold_context, from_context, to_context
-from common.config import check_ranges, how, knob, resumable
+from common.config import check_ranges, how, knob, need, resumable
 from common.checkpoint import CheckpointConfig
 from common.data import DataConfig, get_batch, load_dataset, run_tokenizer
 from common.data import SFTDataset, held_out_batches  # SFT
@@ -33,7 +31,7 @@ from common.eval import DuringTraining, run_eval
 from common.lora import LoRAConfig, lora_table
 from common.mesh import BATCH_AXES, MeshConfig, describe, make_mesh, resolve
 from common.pipeline import check_pipeline, pipeline_report, pipelined, stages
-from common.train import ConfigError, log, named, need  # ConfigError: for callers
+from common.train import ConfigError, log, named  # ConfigError: for callers
 
 # ----------------------------------------------------------------------------------------------
 # 1. Config
@@ -1205,7 +1203,7 @@ def check_model(m: ModelConfig, mesh, clip_flag: str, tau: float) -> None:
 # 5. Main and the training loop
 # ----------------------------------------------------------------------------------------------
 def main(cfg: Config) -> dict:
-    hf_config, model = train.model_source(cfg)  # --init-from-hf's config, --init-from's model
+    hf_config, model = hf.model_source(cfg)  # --init-from-hf's config, --init-from's model
     cfg = train.with_model(cfg, config_from_hf(*hf_config) if hf_config else model)
     train.start(cfg.quiet)
     devices = train.devices(cfg.compile_topology, cfg.compile_slices, cfg.dry_run)
@@ -1295,7 +1293,7 @@ def train_loop(cfg: Config, mesh, st: train.TrainState, step_fn) -> dict:
             f"{cfg.run_dir}.")) as run:
         state, start = run.resume(st.abstract())
         if state is None:  # a new run: from --init-from-hf, --init-from, or random weights
-            teacher = {"teacher": train.frozen_params(cfg.distill.teacher, "--distill.teacher",
+            teacher = {"teacher": hf.frozen_params(cfg.distill.teacher, "--distill.teacher",
                        st.abstract()["teacher"], load_hf)} if st.frozen else {}  # distillation
             state = st.from_params(load_hf(cfg.init_from_hf, mesh)[1] if cfg.init_from_hf else
                                    train.restore_params(cfg.init_from, st.abstract()[st.model])
@@ -1388,7 +1386,7 @@ def teacher_model(cfg: Config, student: ModelConfig) -> ModelConfig | None:  # d
          "data; set --train.microbatches 1, and not --data.format dpo.")
     if not t or d.logits and not d.save:
         return None
-    m = train.frozen_model(t, "--distill.teacher", config_from_hf, ModelConfig)
+    m = hf.frozen_model(t, "--distill.teacher", config_from_hf, ModelConfig)
     need(m.vocab_size == student.vocab_size and cfg.data.format != "dpo", f"--distill.teacher "
          f"{t}: its vocabulary ({m.vocab_size}) must be the student's ({student.vocab_size}), "
          "the same tokenizer, and the data pre-training or SFT (not --data.format dpo).")
@@ -1409,7 +1407,7 @@ def save_top_k(cfg: Config, st: train.TrainState, teacher: ModelConfig, batches)
         z = lambda _, h: (None, jax.lax.top_k(chunk_logits(h, w, m.final_softcap), d.top_k))
         return jax.tree.map(lambda x: x.swapaxes(0, 1).reshape(*inputs.shape, -1), jax.lax.scan(
             z, None, _chunked(m.loss_chunk, h)[0])[1])
-    tp = train.frozen_params(d.teacher, "--distill.teacher", st.abstract()["teacher"], load_hf)
+    tp = hf.frozen_params(d.teacher, "--distill.teacher", st.abstract()["teacher"], load_hf)
     for step in range(cfg.train.steps):
         out = dict(zip(("values", "indices"), map(train.fetch, top(tp, batches(step)))))
         train.write_top_k(d.logits, step, out, top_k_meta(cfg))
@@ -1782,8 +1780,8 @@ def load_hf(path: str, mesh=None) -> tuple[ModelConfig, dict]:
     unused = lambda name: (p := name.split("."))[:2] == ["model", "layers"] and p[3:4] == [
         "self_attn"] and p[4] in ("k_proj", "v_proj", "k_norm") and int(p[2]) >= (
         cfg.n_layers - cfg.kv_shared) or p[0] == "mtp"  # Qwen3.5's MTP module (text-only exports)
-    return cfg, convert.hf_params(ckpt, mesh, _param_table(cfg), hf_mapping(cfg), _hf_sizes(cfg),
-                                  unused)
+    return cfg, hf.hf_params(ckpt, mesh, _param_table(cfg), hf_mapping(cfg), _hf_sizes(cfg),
+                             unused)
 
 
 def save_hf(params: dict, cfg: ModelConfig, path: str, *, model_type: str = "",
@@ -1798,20 +1796,20 @@ def save_hf(params: dict, cfg: ModelConfig, path: str, *, model_type: str = "",
 
 
 # export-hf: an SFT run's tokenizer is its --init-from's (common/data.py `run_tokenizer`).
-def export_hf(run_dir: str, out: str, step: int = -1, dtype: convert.ExportDtype = "float32",
+def export_hf(run_dir: str, out: str, step: int = -1, dtype: hf.ExportDtype = "float32",
               model_type: Literal[("", *HF_ARCHITECTURES)] = "", max_shard_gb: float = 5.0,
               adapter: bool = False):
-    with convert.run_config(run_dir) as saved:  # unreadable: a ConfigError naming it
+    with hf.run_config(run_dir) as saved:  # unreadable: a ConfigError naming it
         cfg = Config(model=ModelConfig(**saved["model"]), train=TrainConfig(**saved["train"]),
                      data=DataConfig(**saved["data"]), run_dir=run_dir)
-    ex = convert.export(run_dir, step, saved, {"params": _param_table(cfg.model)}, dtype,
-                        max_shard_gb, tokenizer_run=run_dir, dims=MUON_DIMS)
+    ex = hf.export(run_dir, step, saved, {"params": _param_table(cfg.model)}, dtype,
+                   max_shard_gb, tokenizer_run=run_dir, dims=MUON_DIMS)
     if adapter:  # LoRA: the adapters alone, for peft to load onto the model the run started from
         need(ex.adapters, f"--adapter: {run_dir} is not a LoRA run (no --lora.rank).")
         return ex.written(hf.save_adapter(out, ex.adapters, hf_mapping(cfg.model), _hf_sizes(
-            cfg.model), ex.lora.rank, ex.lora.alpha, convert.hf_origin(saved), dtype), out)
+            cfg.model), ex.lora.rank, ex.lora.alpha, hf.hf_origin(saved), dtype), out)
     return ex.written(save_hf(ex.params, cfg.model, out, model_type=model_type, **ex.hf_args), out)
-export_hf.__doc__ = convert.EXPORT_HF_DOC + ("    adapter: A LoRA run's adapters as a peft folder "
+export_hf.__doc__ = hf.EXPORT_HF_DOC + ("    adapter: A LoRA run's adapters as a peft folder "
                                            "(adapter_config.json), not the merged model.\n")
 
 

@@ -14,8 +14,6 @@ is train_dense.py's model, Gemma's knobs included, held to it by tests/test_copi
 tests/test_grpo.py. Shapes: B batch (rollouts), T sequence, S key sequence (the KV cache), P
 prompt, N new (completion) tokens, D model, H head, K key/value heads, V vocabulary.
 """
-from __future__ import annotations
-
 import math
 import time
 from dataclasses import dataclass, field, replace
@@ -27,9 +25,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from common import convert, hf, lora, observe, optim, sampling, train
+from common import hf, lora, observe, optim, sampling, train
 from common.attention import attend, cached
-from common.config import check_ranges, how, knob, resumable
+from common.config import check_ranges, how, knob, need, resumable
 from common.checkpoint import CheckpointConfig
 from common.data import (CharTokenizer, ChatTemplate, PretrainedTokenizer, decode_completions,
                          encode_completions, left_pad, open_tokenizer, run_tokenizer)
@@ -37,7 +35,7 @@ from common.lora import LoRAConfig, lora_table
 from common.mesh import BATCH_AXES, MeshConfig, describe, make_mesh, resolve
 from common.task import (Row, Task, columns, exact, format_reward, load_task, pack, problems,
                          prompt_width, score)
-from common.train import ConfigError, fetch, log, named, need
+from common.train import ConfigError, fetch, log, named
 
 # ----------------------------------------------------------------------------------------------
 # 1. Config
@@ -1209,7 +1207,7 @@ def make_task(cfg: Config, tok) -> Task:
 # ----------------------------------------------------------------------------------------------
 def main(cfg: Config) -> dict:
     train.start(cfg.quiet)
-    hf_config, model = train.model_source(cfg)  # --init-from-hf's config, --init-from's model
+    hf_config, model = hf.model_source(cfg)  # --init-from-hf's config, --init-from's model
     cfg = train.with_model(cfg, config_from_hf(*hf_config) if hf_config else model)
     g, tok = cfg.grpo, make_tokenizer(cfg)
     task = validate(cfg, jax.device_count(), tok)
@@ -1782,8 +1780,8 @@ def load_hf(path: str, mesh=None) -> tuple[ModelConfig, dict]:
     unused = lambda name: (p := name.split("."))[:2] == ["model", "layers"] and p[3:4] == [
         "self_attn"] and p[4] in ("k_proj", "v_proj", "k_norm") and int(p[2]) >= (
         cfg.n_layers - cfg.kv_shared) or p[0] == "mtp"  # Qwen3.5's MTP module (text-only exports)
-    return cfg, convert.hf_params(ckpt, mesh, _param_table(cfg), hf_mapping(cfg), _hf_sizes(cfg),
-                                  unused)
+    return cfg, hf.hf_params(ckpt, mesh, _param_table(cfg), hf_mapping(cfg), _hf_sizes(cfg),
+                             unused)
 
 
 def save_hf(params: dict, cfg: ModelConfig, path: str, *, model_type: str = "",
@@ -1798,14 +1796,14 @@ def save_hf(params: dict, cfg: ModelConfig, path: str, *, model_type: str = "",
 
 
 # export-hf: the policy, and the tokenizer of the model it started from (the demo's has none).
-def export_hf(run_dir: str, out: str, step: int = -1, dtype: convert.ExportDtype = "float32",
+def export_hf(run_dir: str, out: str, step: int = -1, dtype: hf.ExportDtype = "float32",
               model_type: Literal[("", *HF_ARCHITECTURES)] = "", max_shard_gb: float = 5.0):
-    with convert.run_config(run_dir) as saved:  # unreadable: a ConfigError naming it
+    with hf.run_config(run_dir) as saved:  # unreadable: a ConfigError naming it
         model = ModelConfig(**saved["model"])
-    ex = convert.export(run_dir, step, saved, {"params": _param_table(model)}, dtype, max_shard_gb,
-                        tokenizer_run=saved.get("init_from", ""), dims=MUON_DIMS)
+    ex = hf.export(run_dir, step, saved, {"params": _param_table(model)}, dtype, max_shard_gb,
+                   tokenizer_run=saved.get("init_from", ""), dims=MUON_DIMS)
     return ex.written(save_hf(ex.params, model, out, model_type=model_type, **ex.hf_args), out)
-export_hf.__doc__ = convert.EXPORT_HF_DOC
+export_hf.__doc__ = hf.EXPORT_HF_DOC
 
 
 def cli(args=None) -> Config:

@@ -24,8 +24,6 @@ C = ceil(cf * tokens * R / E) rows per batch shard, first choices first; the res
 residual stream carries them). Expert parallelism: the `expert` mesh axis splits the experts
 and the batch; in a `shard_map` each device sends each peer the rows for its experts and gets
 the results back (two all-to-alls). Data and fsdp sharding work as in train_dense.py."""
-from __future__ import annotations
-
 import dataclasses
 import math
 from dataclasses import dataclass, field
@@ -37,16 +35,16 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from common import convert, hf, lora, optim, sampling, train
+from common import hf, lora, optim, sampling, train
 from common.attention import attend, check_kernel, choose, fold_context, from_context, to_context
-from common.config import check_ranges, how, knob, resumable
+from common.config import check_ranges, how, knob, need, resumable
 from common.checkpoint import CheckpointConfig
 from common.data import DataConfig, get_batch, load_dataset
 from common.eval import DuringTraining, run_eval
 from common.lora import LoRAConfig, lora_table
 from common.mesh import BATCH_AXES, MeshConfig, describe, make_mesh, resolve, target_platform
 from common.pipeline import check_pipeline, pipeline_report, pipelined, stages
-from common.train import ConfigError, log, named, need
+from common.train import ConfigError, log, named
 
 # ----------------------------------------------------------------------------------------------
 # 1. Config
@@ -1742,7 +1740,7 @@ def experts(x_BTD, expert_BTR, gate_BTR, w: dict, cfg: ModelConfig, peers: int =
 # 6. Main and the training loop
 # ----------------------------------------------------------------------------------------------
 def main(cfg: Config) -> dict:
-    hf_config, model = train.model_source(cfg)  # --init-from-hf's config, --init-from's model
+    hf_config, model = hf.model_source(cfg)  # --init-from-hf's config, --init-from's model
     cfg = train.with_model(cfg, config_from_hf(*hf_config) if hf_config else model)
     train.start(cfg.quiet)
     devices = train.devices(cfg.compile_topology, cfg.compile_slices, cfg.dry_run)
@@ -1833,7 +1831,7 @@ def train_loop(cfg: Config, mesh, st: train.TrainState, step_fn) -> dict:
             def decode(params, buf, key):  # every new token in one program
                 def one(i, carry):
                     return sampling.next_token(forward(params, carry[0], mc), *carry, i,
-                                             temperature=tc.temperature, n_valid=ds.vocab_size)
+                                               temperature=tc.temperature, n_valid=ds.vocab_size)
                 return jax.lax.fori_loop(width, width + tc.sample_tokens, one, (buf, key))[0]
             new = sampling.completions(decode(params, buf, jax.random.key(tc.seed + 7)), 1, width)
             log("sample:\n" + ds.decode(prompt + new[0]))
@@ -2398,7 +2396,7 @@ def load_hf(path: str, mesh=None) -> tuple[ModelConfig, dict]:
     cfg, mt = config_from_hf(ckpt.config, ckpt.config_file), ckpt.config["model_type"]
     fused = "w_gate" not in _HF_FAMILY_NAMES.get(mt, {}) and any(  # transformers 5's experts
         n.endswith("mlp.experts.gate_up_proj") for n in ckpt.names())
-    return cfg, convert.hf_params(  # Qwen's text-only exports may keep the MTP module (mtp.*)
+    return cfg, hf.hf_params(  # Qwen's text-only exports may keep the MTP module (mtp.*)
         ckpt, mesh, _hf_table(cfg), hf_mapping(cfg, mt, fused), _hf_sizes(cfg),
         unused=lambda n: n.endswith(MTP_COPIES) or n.startswith("mtp."))
 
@@ -2420,16 +2418,16 @@ def save_hf(params: dict, cfg: ModelConfig, path: str, *, model_type: str = "",
 
 
 # export-hf: a run's checkpoint, router biases included, as a HuggingFace folder.
-def export_hf(run_dir: str, out: str, step: int = -1, dtype: convert.ExportDtype = "float32",
+def export_hf(run_dir: str, out: str, step: int = -1, dtype: hf.ExportDtype = "float32",
               model_type: Literal[("", *HF_ARCHITECTURES)] = "", max_shard_gb: float = 5.0):
-    with convert.run_config(run_dir) as saved:  # unreadable: a ConfigError naming it
+    with hf.run_config(run_dir) as saved:  # unreadable: a ConfigError naming it
         cfg = Config(model=ModelConfig(**saved["model"]), train=TrainConfig(**saved["train"]),
                      data=DataConfig(**saved["data"]), run_dir=run_dir)
-    ex = convert.export(run_dir, step, saved, {"params": _param_table(cfg.model), "buffers":
-                        _buffer_table(cfg.model)}, dtype, max_shard_gb, data=cfg.data,
-                        dims=MUON_DIMS)
+    ex = hf.export(run_dir, step, saved, {"params": _param_table(cfg.model), "buffers":
+                   _buffer_table(cfg.model)}, dtype, max_shard_gb, data=cfg.data,
+                   dims=MUON_DIMS)
     return ex.written(save_hf(ex.params, cfg.model, out, model_type=model_type, **ex.hf_args), out)
-export_hf.__doc__ = convert.EXPORT_HF_DOC
+export_hf.__doc__ = hf.EXPORT_HF_DOC
 
 
 def cli(args=None) -> Config:

@@ -1,8 +1,7 @@
 """A run or a HuggingFace folder scored by lm-evaluation-harness on our own JAX forward.
 
     make eval RUN=runs/tiny                        # the shipped task, evals/nextline
-    python train_dense.py eval --run-dir runs/tiny --tasks nextline,hellaswag --include-path ~/t
-    python train_dense.py eval --hf ~/hf/Llama-3.2-1B --tasks arc_easy --mesh.fsdp 8
+    python train_dense.py eval --hf ~/hf/Llama-3.2-1B --tasks arc_easy --include-path ~/tasks
 
 `JaxLM` is an lm-eval model (registered as "jax-trainers"): loglikelihood, loglikelihood_rolling
 and generate_until over the `forward` of the trainer whose `eval` subcommand runs (it hands its
@@ -13,8 +12,6 @@ see the padding after them, so a padded row scores as it would alone. Generation
 reruns the whole forward for each token (no KV cache): a measurement, not an inference server.
 Nothing is downloaded: lm-eval reads each task's YAML and data from local files (docs/eval.md).
 """
-from __future__ import annotations
-
 import dataclasses
 import functools
 import json
@@ -30,7 +27,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from common.checkpoint import read_checkpoint, read_run_config
 from common.config import ConfigError, check_ranges, knob
-from common.convert import hf_origin
+from common.hf import hf_origin
 from common.data import open_tokenizer, run_tokenizer
 from common.mesh import MeshConfig, make_mesh
 from common.observe import MetricsLog
@@ -82,8 +79,7 @@ def load(cfg: EvalConfig, mesh, mod):
     fields = {f.name for f in dataclasses.fields(mod.ModelConfig)}
     if unknown := sorted(set(saved["model"]) - fields):
         raise ConfigError(f"--run-dir {cfg.run_dir}: its model has fields this trainer's lacks "
-                          f"({', '.join(unknown[:3])}); score it with the trainer that trained it "
-                          "(python train_moe.py eval ... for a mixture of experts).")
+                          f"({', '.join(unknown[:3])}): score it with its own (train_moe.py eval).")
     m = dropless(mod.ModelConfig(**saved["model"]))
     want = {k: v for k, v in mod.train_state(mod.Config(model=m), mesh).abstract().items()
             if k in ("params", "buffers")}  # DeepSeek's router biases are buffers
@@ -364,6 +360,5 @@ def evaluate(cfg: EvalConfig, mod) -> dict:
 
 
 def run_eval(mod, args: list[str], prog: str) -> dict:
-    """`python train_x.py eval --run-dir R --tasks T`: lm-eval on trainer `mod`'s model (the
-    trainer's run_cli hands itself in)."""
+    """`python train_x.py eval --run-dir R --tasks T`: trainer `mod` (its run_cli's) scored."""
     return evaluate(tyro.cli(EvalConfig, args=args, prog=prog), mod)

@@ -1,5 +1,4 @@
-"""LoRA (Hu et al. 2021): frozen weights, each plus a trained low-rank update; the adapters'
-table, the model's weights adapted in place, and merged back."""
+"""LoRA (Hu et al. 2021): the adapters' table, frozen weights adapted in place, merged."""
 import dataclasses
 import functools
 import math
@@ -8,8 +7,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from common.config import knob
-from common.train import need
+from common.config import knob, need
 
 
 @dataclasses.dataclass(frozen=True)

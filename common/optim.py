@@ -1,5 +1,4 @@
-"""The optimisers: AdamW with moments kept on a skipped step, Muon on the hidden matrices, the
-learning-rate schedules, and QK-clip (MuonClip's per-head rescale after an update)."""
+"""The optimisers: AdamW (moments kept on a skipped step), Muon, lr schedules, QK-clip."""
 import functools
 import math
 
@@ -9,7 +8,7 @@ import numpy as np
 import optax
 from jax.sharding import PartitionSpec as P
 
-from common.train import need
+from common.config import need
 
 
 def lr_schedule(kind: str, lr: float, warmup_steps: int, steps: int = 0,

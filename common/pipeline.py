@@ -1,12 +1,12 @@
-"""Pipeline parallelism over the mesh's `stage` axis: GPipe and circular schedules in one SPMD
-program (`pipelined`), its checks before compiling and its bubble."""
+"""Pipeline parallelism on the `stage` axis: GPipe/circular ticks in one SPMD program."""
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from common.config import need
 from common.mesh import MeshConfig
-from common.train import is_max, log, need
+from common.train import is_max, log
 
 def check_pipeline(mesh: MeshConfig, microbatches: int, repeats: int, layers: tuple[str, int],
                    off: list[str]) -> None:

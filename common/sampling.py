@@ -1,5 +1,4 @@
-"""Sampling: a token drawn from logits (temperature, top-k, top-p), and prompts in a buffer
-that a decode loop fills one column at a time (the loop's samples, GRPO's rollouts)."""
+"""Sampling: tokens drawn from logits, in prompt buffers a decode loop fills column by column."""
 import math
 
 import jax

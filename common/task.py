@@ -16,8 +16,6 @@ a prompt get G copies of its line's values), plus `finished` (each completion st
 within the budget). `--task.rewards my_rewards.py:correct,fmt` loads functions from a file; `exact`
 and `format` are built in. Model-agnostic: the trainer brings the tokenizer and the rollouts.
 """
-from __future__ import annotations
-
 import importlib.util
 import inspect
 import math
@@ -31,8 +29,7 @@ from typing import Callable, NamedTuple
 import numpy as np
 
 from common.data import ChatTemplate, DataError, check_messages, epoch_order, jsonl_file
-from common.config import ConfigError
-from common.observe import say as log
+from common.train import ConfigError, log
 
 PASSED = ("completions", "finished")  # what every reward receives besides the lines' fields
 

@@ -1,14 +1,11 @@
 """A training run's state, step and loop: the plumbing that no model changes, written once.
 
 A trainer (train_*.py) keeps what a forker edits: config and presets, parameter table, model,
-loss, `train_step` and a short loop in plain sight. This file holds the rest, in the order of
-its sections: parameter tables, checks before compiling, the state on a mesh and its update,
-where a run's model comes from, FLOPs and MFU, dry run and bench, and the loop's mechanics.
-It knows no model: it reads no ModelConfig field and calls no trainer function (the trainer
-hands it data: tables, configs, logits). Beside it: optim.py, lora.py, pipeline.py, sample.py.
+loss, `train_step` and a short loop in plain sight. This file holds the rest: parameter tables,
+checks before compiling, the state on a mesh and its update, FLOPs and MFU, dry run and bench,
+the loop's mechanics and the command line. It knows no model: it reads no ModelConfig field (the
+trainer hands it tables, configs, logits and, on the command line, its own functions).
 """
-from __future__ import annotations
-
 import contextlib
 import dataclasses
 import json
@@ -24,14 +21,13 @@ import numpy as np
 import optax
 import tyro
 from jax.experimental import multihost_utils
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
-from common import hf, multislice, observe
-from common.config import ConfigError, compute_fields, may_change
+from common import multislice, observe
+from common.config import ConfigError, compute_fields, may_change, need
 from common.checkpoint import (CheckpointError, Checkpointer, ConfigConflictError,
                                PreemptionGuard, RunConfigError, check_run_config, read_checkpoint,
-                               read_run_config, run_path)
+                               run_path)
 from common.data import DataError
 from common.mesh import MeshConfig, MeshError, describe, tpu_topology_devices
 
@@ -44,7 +40,7 @@ class NonFiniteError(RuntimeError):
 
 # Bad input of any kind: the command line prints the reason and exits 2, never a traceback.
 INPUT_ERRORS = (ConfigError, MeshError, ConfigConflictError, CheckpointError, FileNotFoundError,
-                DataError, multislice.DistributedInitError, hf.HFError, RunConfigError)
+                DataError, multislice.DistributedInitError, RunConfigError)  # hf.HFError too
 
 
 # --- Parameter tables: name -> (shape, PartitionSpec, init std) -------------------------------
@@ -108,11 +104,6 @@ def check_divides(table: dict, mesh, where: str) -> None:  # each sharded dimens
 
 
 # --- Checks that need no compilation, so that a bad launch fails in a second ------------------
-def need(ok, message: str) -> None:  # the message names the flag and the fix
-    if not ok:
-        raise ConfigError(message)
-
-
 def check_sizes(mesh: MeshConfig, splits: dict[str, list[tuple[str, int]]]) -> None:
     """Each model size that a mesh axis splits ({axis: [(flag, size), ...]}) divides evenly."""
     for axis, sizes in splits.items():
@@ -364,45 +355,6 @@ def precomputed(run_dir: str, name: str, start: int, make: Callable[[], dict]) -
             np.savez(f, **out)
         tmp.rename(path)
     return out
-
-
-def _is_hf(path: str) -> bool:
-    return os.path.isfile(os.path.join(path, hf.CONFIG)) and "model_type" in hf.read_config(path)
-
-
-def frozen_model(path: str, flag: str, config_from_hf: Callable, model_cls):
-    """The model config of a model the run reads but never trains (a distillation teacher):
-    a HuggingFace folder's (`config_from_hf`) or a run directory's (`model_cls`)."""
-    return (config_from_hf(hf.read_config(path), path) if _is_hf(path) else
-            model_cls(**read_run_config(path, flag, trained=True)["model"]))
-
-
-def frozen_params(path: str, flag: str, abstract, load_hf: Callable) -> dict:
-    """Its parameters, placed as `abstract` says: `load_hf`'s, or the run's latest."""
-    return (load_hf(path, jax.tree.leaves(abstract)[0].sharding.mesh)[1] if _is_hf(path) else
-            restore_params(path, abstract, flag))
-
-
-def model_source(cfg, prog: str = "train_dense.py") -> tuple[tuple[dict, str] | None, object]:
-    """What the run's model comes from: ((--init-from-hf's config.json, its path), None), which
-    the trainer's config_from_hf reads; or (None, cfg.model with the fields that --init-from's
-    run, written by `prog`, saved); or (None, None): a fresh model. See `with_model`."""
-    run, folder = getattr(cfg, "init_from", ""), getattr(cfg, "init_from_hf", "")
-    need(not (run and folder), f"--init-from {run} and --init-from-hf {folder}: start from one "
-         "or the other.")
-    if folder:
-        return (hf.read_config(folder), os.path.join(folder, hf.CONFIG)), None
-    if not run:
-        return None, None
-    saved = read_run_config(run, "--init-from", trained=True).get("model", {})
-    # A knob this file lacks is fine while it is off (falsy): train_grpo.py's policy is
-    # train_dense.py's model without the Gemma knobs.
-    unknown = {k: v for k, v in saved.items()
-               if k not in {f.name for f in dataclasses.fields(cfg.model)}}
-    need(not any(unknown.values()), f"--init-from {run}: its model sets fields this file does "
-         f"not have ({ {k: v for k, v in unknown.items() if v} }); was it written by {prog}?")
-    return None, dataclasses.replace(cfg.model, **{k: v for k, v in saved.items()
-                                                   if k not in unknown})
 
 
 def with_model(cfg, model):

@@ -376,7 +376,7 @@ def test_init_from_hf_train_and_export(tmp_path, preset, knobs):
     summary = tm.main(cfg)
     batch = batch_rows(load_dataset(DataConfig(path=data)).train, seed=0, step=0,
                        batch_size=8, seq_len=32)
-    h, _ = tm.hidden(published, batch[:, :-1], train.with_model(cfg, tm.config_from_hf(*train.model_source(cfg)[0])).model)
+    h, _ = tm.hidden(published, batch[:, :-1], train.with_model(cfg, tm.config_from_hf(*hf.model_source(cfg)[0])).model)
     logp = jax.nn.log_softmax(h @ published["unembed"], axis=-1)
     want = -float(np.mean(np.take_along_axis(np.asarray(logp), batch[:, 1:, None], -1)))
     first = json.loads(open(tmp_path / "run" / "metrics.jsonl").readline())

@@ -16,7 +16,7 @@ import pytest
 
 import train_dense as td
 import train_moe as tm
-from common import lora, train
+from common import hf, lora, train
 from common.data import DataConfig
 from common.mesh import MeshConfig, make_mesh
 from tests.test_hf import data_path, host  # noqa: F401
@@ -158,7 +158,7 @@ def test_moe_experts_adapted_sharded_equals_one_device():
 def test_a_frozen_model_needs_less_memory(fmt, monkeypatch):
     """The dry run's per-device bytes: no gradient or moments for the base (nor, in DPO, a
     copy of it as the reference: the base is the reference)."""
-    monkeypatch.setattr(td.train, "model_source", lambda cfg: (None, cfg.model))  # no run read
+    monkeypatch.setattr(td.hf, "model_source", lambda cfg: (None, cfg.model))  # no run read
 
     def report(rank):
         args = ["tiny", "--dry-run", "--lora.rank", str(rank), "--train.batch-size", "8",
@@ -209,7 +209,7 @@ def test_peft_loads_our_adapter(data_path, tmp_path):  # noqa: F811
                   "constant", "--train.sample-tokens", "0", "--checkpoint.every", "3",
                   "--model.dtype", "float32", "--lora.rank", "4", "--lora.alpha", "8"])
     state = td.main(cfg)["state"]
-    m = train.with_model(cfg, td.config_from_hf(*train.model_source(cfg)[0])).model
+    m = train.with_model(cfg, td.config_from_hf(*hf.model_source(cfg)[0])).model
     tokens = rng.integers(0, 512, (2, 24))
     ours = np.asarray(td.forward(lora.weights(state, cfg.lora), jnp.asarray(tokens), m))
     base = np.asarray(td.forward(state["base"], jnp.asarray(tokens), m))
