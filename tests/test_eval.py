@@ -254,7 +254,7 @@ def test_refusals(tmp_path):
     run = tmp_path / "moe"  # an MoE run's config, scored by the dense trainer
     os.makedirs(run / "checkpoints" / "3")
     (run / "config.json").write_text(json.dumps({"model": dataclasses.asdict(MOE)}))
-    with pytest.raises(ConfigError, match="n_experts.*python train_moe.py eval"):
+    with pytest.raises(ConfigError, match=r"lacks \(.*\): score it with its own \(train_moe.py"):
         ev.load(ev.EvalConfig(run_dir=str(run)), None, td)
     pytest.importorskip("lm_eval")
     with pytest.raises(ConfigError, match="--tasks hellaswagg: no such task.*nextline"):
