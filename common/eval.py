@@ -63,9 +63,8 @@ class EvalConfig:
 
 
 def load(cfg: EvalConfig, mesh, mod):
-    """(ModelConfig, parameters sharded on `mesh` as training shards them, tokenizer path,
-    step) of --run-dir or --hf, read by the trainer module `mod` (its ModelConfig, Config,
-    train_state and load_hf)."""
+    """(ModelConfig, parameters sharded on `mesh` as training shards them, tokenizer path, step)
+    of --run-dir or --hf, read by trainer `mod` (its ModelConfig, Config, train_state, load_hf)."""
     if bool(cfg.run_dir) == bool(cfg.hf):
         raise ConfigError("name what to score: --run-dir RUN (a run of this trainer) or --hf "
                           "FOLDER (a HuggingFace model folder), one of them.")

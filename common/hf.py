@@ -1,4 +1,4 @@
-"""HuggingFace checkpoint folders: safetensors files, their index, and config.json.
+"""HuggingFace folders: safetensors files, their index, config.json; and a run's way in and out.
 
 Model-agnostic on purpose: each trainer states its family's name mapping in plain sight (at the
 end of its file) as a tree shaped like its parameters, every leaf a pair (HF tensor name, layout):
@@ -810,7 +810,7 @@ def frozen_params(path: str, flag: str, abstract, load_hf: Callable) -> dict:
 def model_source(cfg, prog: str = "train_dense.py") -> tuple[tuple[dict, str] | None, object]:
     """What the run's model comes from: ((--init-from-hf's config.json, its path), None), which
     the trainer's config_from_hf reads; or (None, cfg.model with the fields that --init-from's
-    run, written by `prog`, saved); or (None, None): a fresh model. See `with_model`."""
+    run, written by `prog`, saved); or (None, None): a fresh model. See train.py `with_model`."""
     run, folder = getattr(cfg, "init_from", ""), getattr(cfg, "init_from_hf", "")
     need(not (run and folder), f"--init-from {run} and --init-from-hf {folder}: start from one "
          "or the other.")

@@ -8,6 +8,7 @@ from common.config import need
 from common.mesh import MeshConfig
 from common.train import is_max, log
 
+
 def check_pipeline(mesh: MeshConfig, microbatches: int, repeats: int, layers: tuple[str, int],
                    off: list[str]) -> None:
     """The pipeline (`pipelined`) against its microbatches and its stack (`layers`: the flag
