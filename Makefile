@@ -179,10 +179,11 @@ tensorboard: need-run $(VENV)/.installed  ## TensorBoard (scalars, config, profi
 
 # TASKS: lm-eval task names, comma-separated (nextline: ours, evals/); ARGS=--include-path DIR
 # for task YAMLs whose data are on this machine (docs/eval.md). Results: RUN/eval/<task>.json.
+# The run's own trainer scores it: TRAINER=train_moe.py for an MoE run.
 TASKS ?= nextline
 eval: $(VENV)/.installed  ## score RUN (default runs/tiny) with lm-evaluation-harness on TASKS: RUN/eval/<task>.json
 	@$(PY) -c 'import lm_eval' 2>/dev/null || $(PY) -m pip install -q -e '.[eval]'
-	$(PY) -m common.eval --run-dir $(or $(RUN),runs/tiny) --tasks $(TASKS) $(ARGS)
+	$(PY) $(TRAINER) eval --run-dir $(or $(RUN),runs/tiny) --tasks $(TASKS) $(ARGS)
 
 export-hf: $(VENV)/.installed  ## a run's checkpoint as a HuggingFace folder: make export-hf ARGS="--run-dir runs/tiny --out hf/tiny"
 	$(PY) train_dense.py export-hf $(ARGS)

@@ -11,8 +11,6 @@ Lines ending in "# SFT" or "# DPO" (with their brackets and blocks) serve fine-t
 preference tuning only: a pre-training fork deletes them. Tensor names end in their shapes: B
 batch, T sequence, S key sequence, D model width, N query heads, K key/value heads, H head width,
 F MLP width, V vocabulary, L layers."""
-from __future__ import annotations
-
 import math
 from dataclasses import dataclass, field, replace
 from functools import partial
@@ -23,15 +21,17 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from common import hf, train
+from common import hf, lora, optim, sampling, train
 from common.attention import attend, check_kernel, choose, fold_context, from_context, to_context
-from common.config import how, knob, resumable
+from common.config import check_ranges, how, knob, need, resumable
 from common.checkpoint import CheckpointConfig
 from common.data import DataConfig, get_batch, load_dataset, run_tokenizer
 from common.data import SFTDataset, held_out_batches  # SFT
-from common.eval import DuringTraining
+from common.eval import DuringTraining, run_eval
+from common.lora import LoRAConfig, lora_table
 from common.mesh import BATCH_AXES, MeshConfig, describe, make_mesh, resolve
-from common.train import ConfigError, LoRAConfig, log, named, need  # ConfigError: for callers
+from common.pipeline import check_pipeline, pipeline_report, pipelined, stages
+from common.train import ConfigError, log, named  # ConfigError: for callers
 
 # ----------------------------------------------------------------------------------------------
 # 1. Config
@@ -122,7 +122,7 @@ class TrainConfig:
     b1: float = knob(0.9, "[0, 1)")
     b2: float = knob(0.95, "[0, 1)")
     clip_norm: float = 1.0
-    optimizer: Literal["adamw", "muon"] = "adamw"  # muon: the hidden matrices (common/train.py)
+    optimizer: Literal["adamw", "muon"] = "adamw"  # muon: the hidden matrices (common/optim.py)
     muon_dtype: Literal["float32", "bfloat16"] = "float32"  # Muon's momentum and iteration
     qk_clip_threshold: float = resumable(0.0, ">= 0")  # MuonClip: q.k logits <= this; 0 = off
     z_loss: float = 0.0           # weight of mean(logsumexp^2) (PaLM); 0 = off
@@ -412,7 +412,7 @@ def block(x_BTD, lp: dict, cfg: ModelConfig, *, pos_BT, inv_freq, segment_ids=No
     inv_freq is then [2, H/2], the local and the global frequencies. Gemma 4: a layer without
     keys and values of its own attends over `kv`, an earlier layer's (k, v), which stats hold
     with `keep_kv`; ple_BTP is the layer's own input."""
-    dt, lp = x_BTD.dtype, train.merged(lp)  # LoRA: each adapted weight merged, in its layer
+    dt, lp = x_BTD.dtype, lora.merged(lp)  # LoRA: each adapted weight merged, in its layer
     w, mm = weights(lp, dt, cfg), matmuls(cfg)
 
     def norm(x, name):  # a gain [N, H] (OLMo's q/k norms) normalises all heads at once
@@ -450,7 +450,7 @@ def block(x_BTD, lp: dict, cfg: ModelConfig, *, pos_BT, inv_freq, segment_ids=No
             jax.lax.cond, is_global)  # a stack of one kind (Gemma 4's) knows it when traced
         out = pick(full, partial(full, window=W)) if W else full()
         o, top = out if max_logits else (out, None)  # QK-clip: the kernel's own row maxima, or
-        stats = {"max_logit": top if top is not None else train.max_logits(  # made again
+        stats = {"max_logit": top if top is not None else optim.max_logits(  # made again
             q, k, segment_ids=segment_ids, scale=scale, window=W, is_global=is_global)
                  } if max_logits else {}
         if cfg.attn_gate:  # Qwen3.5: a gate per head and channel
@@ -696,7 +696,7 @@ def hidden(params: dict, tokens_BT, cfg: ModelConfig, *, segment_ids=None, posit
     example, so that attention stays inside each example (a block-diagonal causal mask), and
     `positions` [B, T], restarting at 0 in each example, for RoPE. Without them: one sequence
     per row, positions 0..T-1. With `pipeline` (microbatches, repeats) and a `stage` mesh axis,
-    the layers run as a pipeline (`train.pipelined`); embeddings and the final norm outside it."""
+    the layers run as a pipeline (`pipelined`); embeddings and the final norm outside it."""
     dt = jnp.dtype(cfg.dtype)
     pos_BT = (jnp.broadcast_to(jnp.arange(tokens_BT.shape[1]), tokens_BT.shape)
               if positions is None else positions)
@@ -740,10 +740,10 @@ def hidden(params: dict, tokens_BT, cfg: ModelConfig, *, segment_ids=None, posit
     if not (cfg.global_head_dim or cfg.linear_k_heads):
         layer = remat(lambda x, xs: run(x, xs[0], inv_freq=inv_freq, is_global=xs[1],
                                         ple_BTP=xs[2]))
-        if pipeline and train.stages() > 1:  # each microbatch's own positions and segments
+        if pipeline and stages() > 1:  # each microbatch's own positions and segments
             layer = lambda x, xs, rows: block(x, xs[0], cfg, pos_BT=rows[0], segment_ids=(
                 rows[1]), inv_freq=inv_freq, is_global=xs[1])
-            x, stats = train.pipelined(layer, x, (params["layers"], is_global_L), (
+            x, stats = pipelined(layer, x, (params["layers"], is_global_L), (
                 pos_BT, segment_ids), *pipeline, BATCH_AXES, scan, remat)
         else:
             x, stats = scan(layer, x, (params["layers"], jnp.asarray(is_global_L), ple_LBTP))
@@ -804,7 +804,7 @@ def train_step(state: dict, batch, *, cfg: Config, tx, teacher: ModelConfig | No
     their gradients add up to the gradient of the batch mean even when they hold different
     numbers of trained tokens (SFT). With --train.qk-clip-threshold tau, heads whose logits
     exceeded tau have their query and key projections scaled down after the update (MuonClip,
-    see common/train.py `qk_clip`)."""
+    see common/optim.py `qk_clip`)."""
     tau, (batch, top_k) = cfg.train.qk_clip_threshold, (
         batch if isinstance(batch, tuple) else (batch, None))  # distillation, offline
     loss = partial(loss_fn, cfg=cfg.model, n=loss_weight(batch), z_loss=cfg.train.z_loss,
@@ -818,11 +818,11 @@ def train_step(state: dict, batch, *, cfg: Config, tx, teacher: ModelConfig | No
         # pairs, against the frozen start; each microbatch over the whole batch's pairs
         loss = partial(dpo_loss, cfg=cfg, ref=state.get("ref", state.get("base")),
                        n=jnp.sum(jnp.max(batch["weights"], axis=-1) > 0))
-    on = lambda p, b: loss(train.weights(state, cfg.lora, p), b)  # LoRA: the adapters trained
+    on = lambda p, b: loss(lora.weights(state, cfg.lora, p), b)  # LoRA: the adapters trained
     # Pipelined, the microbatches are the pipeline's, in one pass: it needs them all at once.
     grads, aux = train.accumulate(jax.grad(on, has_aux=True), state["params"], batch,
-                                  1 if train.stages() > 1 else cfg.train.microbatches, BATCH_AXES)
-    clip = partial(train.qk_clip, tops={"layers": aux.get("max_logit")}, tau=tau,
+                                  1 if stages() > 1 else cfg.train.microbatches, BATCH_AXES)
+    clip = partial(optim.qk_clip, tops={"layers": aux.get("max_logit")}, tau=tau,
                    q=("wq", "bq"), k=("wk", "bk")) if tau else None
     new, metrics = train.update(tx, grads, state, aux["ce"], after=clip)
     clipped = {"max_attn_logit": jnp.max(aux["max_logit"])} if tau > 0 else {}
@@ -1011,7 +1011,7 @@ def distill_kl(h_BTD, w_DV, teacher, wt_BT, d: DistillConfig, cap, chunk: int): 
 
 
 def make_schedule(t: TrainConfig):
-    return train.lr_schedule(t.schedule, t.lr, t.warmup_steps, t.steps, t.min_lr_ratio,
+    return optim.lr_schedule(t.schedule, t.lr, t.warmup_steps, t.steps, t.min_lr_ratio,
                              t.decay_fraction)
 
 
@@ -1024,7 +1024,7 @@ MUON_DIMS = {"wq": ((1,), (2, 3)), "wk": ((1,), (2, 3)), "wv": ((1,), (2, 3)),
 
 
 def make_optimizer(t: TrainConfig, specs: dict | None = None):
-    return train.optimizer(t.optimizer, make_schedule(t), b1=t.b1, b2=t.b2,
+    return optim.optimizer(t.optimizer, make_schedule(t), b1=t.b1, b2=t.b2,
                            weight_decay=t.weight_decay, clip_norm=t.clip_norm,
                            decayed={"embed", "unembed", "ple_embed", "ple_proj", *MUON_DIMS},
                            muon_dims=MUON_DIMS, muon_dtype=t.muon_dtype, specs=specs)
@@ -1051,7 +1051,7 @@ def train_state(cfg: Config, mesh, teacher: ModelConfig | None = None) -> train.
     ref = cfg.data.format == "dpo" and cfg.dpo.loss != "simpo" and not (  # DPO
         cfg.lora.rank or cfg.dpo.precompute_ref)
     if cfg.lora.rank:  # LoRA: the adapters trained, the model frozen (and DPO's reference)
-        lora = train.lora_table(_param_table(cfg.model), MUON_DIMS, cfg.lora), cfg.train.seed
+        lora = lora_table(_param_table(cfg.model), MUON_DIMS, cfg.lora), cfg.train.seed
     frozen = {"teacher": (partial(_init, teacher), param_specs(teacher))} if teacher else None
     specs = param_specs(cfg.model)  # --mesh.stage: each stage holds its share of the layers
     if mesh.shape["stage"] > 1:
@@ -1157,7 +1157,7 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
 def validate(cfg: Config, n_devices: int) -> None:
     """Every check that needs no compilation, so a bad launch fails in a second."""
     m, t = cfg.model, cfg.train
-    train.check_ranges(cfg)
+    check_ranges(cfg)
     mesh = resolve(cfg.mesh, n_devices, max(1, math.prod(cfg.mesh.dcn())))
     check_model(m, mesh, "--train.qk-clip-threshold", t.qk_clip_threshold)
     train.check_batch(t.batch_size, t.microbatches, mesh)
@@ -1166,7 +1166,7 @@ def validate(cfg: Config, n_devices: int) -> None:
     train.check_sequence(mesh, t.seq_len, m.loss_chunk, t.qk_clip_threshold,
                          heads=(m.context_attention, m.n_heads, m.n_kv_heads))
     train.check_profile(t.profile_steps, t.steps)
-    train.check_pipeline(mesh, t.microbatches, t.pipeline_repeats, (  # the pipeline
+    check_pipeline(mesh, t.microbatches, t.pipeline_repeats, (  # the pipeline
         f"--model.n-layers {m.n_layers}", m.n_layers), [f for f, on in (
         ("--model.global-head-dim (Gemma 4's stacks)", m.global_head_dim), (
         "--model.ple-dim", m.ple_dim), ("--mesh.context", mesh.context * mesh.dcn_context > 1), (
@@ -1182,7 +1182,7 @@ def validate(cfg: Config, n_devices: int) -> None:
          "and length masks only); use --model.attention auto or xla, or --data.no-pack.")
     need(m.quant == "none" or not m.linear_k_heads, f"--model.quant {m.quant} with --model.linear"
          "-k-heads: Gated DeltaNet's layers have no quantized path; use --model.quant none.")
-    train.check_lora(cfg.lora, t.optimizer, t.qk_clip_threshold)  # LoRA
+    lora.check_lora(cfg.lora, t.optimizer, t.qk_clip_threshold)  # LoRA
     need(cfg.data.format != "dpo" or (cfg.init_from or cfg.init_from_hf) and m.attention != (  # DPO
         "cudnn") and not t.qk_clip_threshold, "--data.format dpo needs --init-from RUN_DIR or "
          "--init-from-hf FOLDER (the model to tune, and the frozen reference), attention that "
@@ -1245,7 +1245,7 @@ def check_model(m: ModelConfig, mesh, clip_flag: str, tau: float) -> None:
     need(m.rotary_dim % 2 == 0 and m.rotary_dim <= m.head_dim and not (m.rotary_dim and (
         G or m.rope_partial)), f"--model.rotary-dim {m.rotary_dim}: an even number of dims at "
          f"most --model.head-dim {m.head_dim} (RoPE turns pairs), not with Gemma 4's RoPE.")
-    train.check_qk_clip(clip_flag, tau, m.qk_norm)
+    optim.check_qk_clip(clip_flag, tau, m.qk_norm)
     need(not (tau and G), f"{clip_flag} {tau} with --model.global-head-dim: Gemma 4's periods "
          f"record no logits to clip. Set {clip_flag} 0.")
     need(not (tau and (m.attn_softcap or m.query_scale)), f"{clip_flag} {tau} with Gemma's "
@@ -1257,7 +1257,7 @@ def check_model(m: ModelConfig, mesh, clip_flag: str, tau: float) -> None:
 # 5. Main and the training loop
 # ----------------------------------------------------------------------------------------------
 def main(cfg: Config) -> dict:
-    hf_config, model = train.model_source(cfg)  # --init-from-hf's config, --init-from's model
+    hf_config, model = hf.model_source(cfg)  # --init-from-hf's config, --init-from's model
     cfg = train.with_model(cfg, config_from_hf(*hf_config) if hf_config else model)
     train.start(cfg.quiet)
     devices = train.devices(cfg.compile_topology, cfg.compile_slices, cfg.dry_run)
@@ -1273,9 +1273,9 @@ def main(cfg: Config) -> dict:
                     context=(mesh.shape["context"], m.context_attention))
     log(f"model {count_params(m) / 1e6:.1f}M parameters, {kernel} attention | mesh "
         f"{describe(mesh)} | {len(devices)} {pf} devices, {jax.process_count()} process(es)")
-    pipe = train.pipeline_report(mesh, tc.pipeline_repeats, tc.microbatches, m.n_layers, "the "
-                                 "embeddings on every stage, the final norm, head and loss on 1/S"
-                                 " of the rows each")
+    pipe = pipeline_report(mesh, tc.pipeline_repeats, tc.microbatches, m.n_layers, "the "
+                           "embeddings on every stage, the final norm, head and loss on 1/S"
+                           " of the rows each")
     tokens = np.random.default_rng(0).integers(0, m.vocab_size, (tc.batch_size, tc.seq_len + 1),
                                                dtype=np.int32)
     if cfg.data.format == "dpo":  # DPO: random pairs, one a row, each answer ending its half
@@ -1347,7 +1347,7 @@ def train_loop(cfg: Config, mesh, st: train.TrainState, step_fn) -> dict:
             f"{cfg.run_dir}.")) as run:
         state, start = run.resume(st.abstract())
         if state is None:  # a new run: from --init-from-hf, --init-from, or random weights
-            teacher = {"teacher": train.frozen_params(cfg.distill.teacher, "--distill.teacher",
+            teacher = {"teacher": hf.frozen_params(cfg.distill.teacher, "--distill.teacher",
                        st.abstract()["teacher"], load_hf)} if st.frozen else {}  # distillation
             state = st.from_params(load_hf(cfg.init_from_hf, mesh)[1] if cfg.init_from_hf else
                                    train.restore_params(cfg.init_from, st.abstract()[st.model])
@@ -1366,7 +1366,7 @@ def train_loop(cfg: Config, mesh, st: train.TrainState, step_fn) -> dict:
         refs = {}
         if dpo and cfg.dpo.precompute_ref:  # DPO: the start's log-probs of every pair, once
             lps = jax.jit(lambda p, b: sequence_logps(p, b, mc)[0])
-            w0 = train.weights(state, cfg.lora)
+            w0 = lora.weights(state, cfg.lora)
             refs = train.precomputed(cfg.run_dir, "ref_logps.npz", start, lambda: {
                 "train": [lps(w0, batch(ds.train, seed=cfg.data.seed, step=s))
                           for s in range(tc.steps)], "eval": [lps(w0, b) for b in (
@@ -1374,7 +1374,7 @@ def train_loop(cfg: Config, mesh, st: train.TrainState, step_fn) -> dict:
             need(len(refs["train"]) >= tc.steps, f"--train.steps {tc.steps}: the reference's "
                  f"log-probs were made for {len(refs['train'])} steps; train longer in a new run.")
         if start == 0 and cfg.init_from and tc.steps > 0:  # the starting point, to compare
-            loop.eval(evaluate(train.weights(state, cfg.lora)))
+            loop.eval(evaluate(lora.weights(state, cfg.lora)))
         next_batch = partial(batch, ds.train, seed=cfg.data.seed)
         if refs:  # DPO, precomputed: each batch with its reference log-probs
             next_batch = lambda step, f=next_batch: f(step=step) | {"ref_logps": train.put(
@@ -1387,13 +1387,13 @@ def train_loop(cfg: Config, mesh, st: train.TrainState, step_fn) -> dict:
             state, metrics = step_fn(state, next_batch(step=step))
             loop.log(metrics)
             if loop.eval_due:
-                loop.eval(evaluate(train.weights(state, cfg.lora)))
+                loop.eval(evaluate(lora.weights(state, cfg.lora)))
             loop.checkpoint(state)
 
         run.ckpt.wait()
         if tc.sample_tokens > 0 and not sft:  # SFT samples at eval
             prompt = ds.encode(tc.sample_prompt)
-            out = sample(train.weights(state, cfg.lora), [prompt], cfg, mesh, key, ds.vocab_size)[0]
+            out = sample(lora.weights(state, cfg.lora), [prompt], cfg, mesh, key, ds.vocab_size)[0]
             log("sample:\n" + ds.decode(prompt + out))
         end = int(jax.device_get(state["step"]))
         out = loop.summary(end, f"{tc.batch_size} x {tc.seq_len}") | {"state": state}
@@ -1405,16 +1405,16 @@ def train_loop(cfg: Config, mesh, st: train.TrainState, step_fn) -> dict:
 def sample(params, prompts: list[list[int]], cfg: Config, mesh, key, n_valid: int):
     """--train.sample-tokens tokens after each prompt, at --train.temperature (0 = greedy)."""
     t, m = cfg.train, cfg.model
-    buf, seg, pos, width = train.prompt_rows(prompts, t.sample_tokens,
-                                             min(t.seq_len, m.max_seq_len), mesh, BATCH_AXES)
+    buf, seg, pos, width = sampling.prompt_rows(prompts, t.sample_tokens,
+                                                min(t.seq_len, m.max_seq_len), mesh, BATCH_AXES)
 
     @jax.jit
     def decode(params, buf, seg, pos, key):  # every new token in one program
         def one(i, carry):
             z_BTV = forward(params, carry[0], m, segment_ids=seg, positions=pos)
-            return train.next_token(z_BTV, *carry, i, temperature=t.temperature, n_valid=n_valid)
+            return sampling.next_token(z_BTV, *carry, i, temperature=t.temperature, n_valid=n_valid)
         return jax.lax.fori_loop(width, width + t.sample_tokens, one, (buf, key))[0]
-    return train.completions(decode(params, buf, seg, pos, key), len(prompts), width)
+    return sampling.completions(decode(params, buf, seg, pos, key), len(prompts), width)
 
 
 def sft_samples(params, ds: SFTDataset, cfg: Config, mesh, key) -> list[dict]:  # SFT
@@ -1440,7 +1440,7 @@ def teacher_model(cfg: Config, student: ModelConfig) -> ModelConfig | None:  # d
          "data; set --train.microbatches 1, and not --data.format dpo.")
     if not t or d.logits and not d.save:
         return None
-    m = train.frozen_model(t, "--distill.teacher", config_from_hf, ModelConfig)
+    m = hf.frozen_model(t, "--distill.teacher", config_from_hf, ModelConfig)
     need(m.vocab_size == student.vocab_size and cfg.data.format != "dpo", f"--distill.teacher "
          f"{t}: its vocabulary ({m.vocab_size}) must be the student's ({student.vocab_size}), "
          "the same tokenizer, and the data pre-training or SFT (not --data.format dpo).")
@@ -1461,7 +1461,7 @@ def save_top_k(cfg: Config, st: train.TrainState, teacher: ModelConfig, batches)
         z = lambda _, h: (None, jax.lax.top_k(chunk_logits(h, w, m.final_softcap), d.top_k))
         return jax.tree.map(lambda x: x.swapaxes(0, 1).reshape(*inputs.shape, -1), jax.lax.scan(
             z, None, _chunked(m.loss_chunk, h)[0])[1])
-    tp = train.frozen_params(d.teacher, "--distill.teacher", st.abstract()["teacher"], load_hf)
+    tp = hf.frozen_params(d.teacher, "--distill.teacher", st.abstract()["teacher"], load_hf)
     for step in range(cfg.train.steps):
         out = dict(zip(("values", "indices"), map(train.fetch, top(tp, batches(step)))))
         train.write_top_k(d.logits, step, out, top_k_meta(cfg))
@@ -1831,8 +1831,8 @@ def load_hf(path: str, mesh=None) -> tuple[ModelConfig, dict]:
     unused = lambda name: (p := name.split("."))[:2] == ["model", "layers"] and p[3:4] == [
         "self_attn"] and p[4] in ("k_proj", "v_proj", "k_norm") and int(p[2]) >= (
         cfg.n_layers - cfg.kv_shared) or p[0] == "mtp"  # Qwen3.5's MTP module (text-only exports)
-    return cfg, train.hf_params(ckpt, mesh, _param_table(cfg), hf_mapping(cfg), _hf_sizes(cfg),
-                                unused)
+    return cfg, hf.hf_params(ckpt, mesh, _param_table(cfg), hf_mapping(cfg), _hf_sizes(cfg),
+                             unused)
 
 
 def save_hf(params: dict, cfg: ModelConfig, path: str, *, model_type: str = "",
@@ -1847,20 +1847,20 @@ def save_hf(params: dict, cfg: ModelConfig, path: str, *, model_type: str = "",
 
 
 # export-hf: an SFT run's tokenizer is its --init-from's (common/data.py `run_tokenizer`).
-def export_hf(run_dir: str, out: str, step: int = -1, dtype: train.ExportDtype = "float32",
+def export_hf(run_dir: str, out: str, step: int = -1, dtype: hf.ExportDtype = "float32",
               model_type: Literal[("", *HF_ARCHITECTURES)] = "", max_shard_gb: float = 5.0,
               adapter: bool = False):
-    with train.run_config(run_dir) as saved:  # unreadable: a ConfigError naming it
+    with hf.run_config(run_dir) as saved:  # unreadable: a ConfigError naming it
         cfg = Config(model=ModelConfig(**saved["model"]), train=TrainConfig(**saved["train"]),
                      data=DataConfig(**saved["data"]), run_dir=run_dir)
-    ex = train.export(run_dir, step, saved, {"params": _param_table(cfg.model)}, dtype,
-                      max_shard_gb, tokenizer_run=run_dir, dims=MUON_DIMS)
+    ex = hf.export(run_dir, step, saved, {"params": _param_table(cfg.model)}, dtype,
+                   max_shard_gb, tokenizer_run=run_dir, dims=MUON_DIMS)
     if adapter:  # LoRA: the adapters alone, for peft to load onto the model the run started from
         need(ex.adapters, f"--adapter: {run_dir} is not a LoRA run (no --lora.rank).")
         return ex.written(hf.save_adapter(out, ex.adapters, hf_mapping(cfg.model), _hf_sizes(
-            cfg.model), ex.lora.rank, ex.lora.alpha, train.hf_origin(saved), dtype), out)
+            cfg.model), ex.lora.rank, ex.lora.alpha, hf.hf_origin(saved), dtype), out)
     return ex.written(save_hf(ex.params, cfg.model, out, model_type=model_type, **ex.hf_args), out)
-export_hf.__doc__ = train.EXPORT_HF_DOC + ("    adapter: A LoRA run's adapters as a peft folder "
+export_hf.__doc__ = hf.EXPORT_HF_DOC + ("    adapter: A LoRA run's adapters as a peft folder "
                                            "(adapter_config.json), not the merged model.\n")
 
 
@@ -1869,4 +1869,4 @@ def cli(args=None) -> Config:
 
 
 if __name__ == "__main__":
-    train.run_cli(main, cli, export_hf)
+    train.run_cli(main, cli, export_hf, run_eval)

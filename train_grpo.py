@@ -14,8 +14,6 @@ is train_dense.py's model, Gemma's knobs included, held to it by tests/test_copi
 tests/test_grpo.py. Shapes: B batch (rollouts), T sequence, S key sequence (the KV cache), P
 prompt, N new (completion) tokens, D model, H head, K key/value heads, V vocabulary.
 """
-from __future__ import annotations
-
 import math
 import time
 from dataclasses import dataclass, field, replace
@@ -27,16 +25,17 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from common import hf, observe, train
+from common import hf, lora, observe, optim, sampling, train
 from common.attention import attend, cached
-from common.config import how, knob, resumable
+from common.config import check_ranges, how, knob, need, resumable
 from common.checkpoint import CheckpointConfig
 from common.data import (CharTokenizer, ChatTemplate, PretrainedTokenizer, decode_completions,
-                         encode_completions, open_tokenizer, run_tokenizer)
+                         encode_completions, left_pad, open_tokenizer, run_tokenizer)
+from common.lora import LoRAConfig, lora_table
 from common.mesh import BATCH_AXES, MeshConfig, describe, make_mesh, resolve
-from common.task import (Row, Task, columns, exact, format_reward, left_pad, load_task, pack,
-                         problems, prompt_width, score)
-from common.train import ConfigError, LoRAConfig, fetch, log, named, need
+from common.task import (Row, Task, columns, exact, format_reward, load_task, pack, problems,
+                         prompt_width, score)
+from common.train import ConfigError, fetch, log, named
 
 # ----------------------------------------------------------------------------------------------
 # 1. Config
@@ -155,7 +154,7 @@ class GRPOConfig:
     b1: float = knob(0.9, "[0, 1)")
     b2: float = knob(0.99, "[0, 1)")
     clip_norm: float = 1.0
-    optimizer: Literal["adamw", "muon"] = "adamw"  # muon: the hidden matrices (common/train.py)
+    optimizer: Literal["adamw", "muon"] = "adamw"  # muon: the hidden matrices (common/optim.py)
     muon_dtype: Literal["float32", "bfloat16"] = "float32"  # Muon's momentum and iteration
     qk_clip_threshold: float = resumable(0.0, ">= 0")  # MuonClip: q.k logits <= this; 0 = off
     format_weight: float = knob(0.1, ">= 0")  # reward of the format check (correctness: 1)
@@ -336,7 +335,7 @@ def train_state(cfg: Config, mesh, tx, ref: bool = False, lora: bool = True) -> 
     """{params, opt_state, step} with optimiser `tx` on `mesh`; `ref`: the KL reference too
     (under --lora.rank, the frozen base is the reference)."""
     lora = lora and cfg.lora.rank and (  # LoRA
-        train.lora_table(_param_table(cfg.model), MUON_DIMS, cfg.lora), cfg.grpo.seed)
+        lora_table(_param_table(cfg.model), MUON_DIMS, cfg.lora), cfg.grpo.seed)
     return train.TrainState(partial(_init, cfg.model), param_specs(cfg.model), tx, mesh,
                             ref=ref and not lora, lora=lora or None)
 
@@ -354,7 +353,7 @@ def block(x_BTD, lp: dict, cfg: ModelConfig, *, pos_BT, inv_freq, mask_BTS=None,
     (x, (kv, stats: with max_logits the heads' largest logit)). Gemma 4: a layer without keys
     and values of its own attends over `shared`, an earlier layer's (k, v) (its cache, when
     decoding), which stats hold with `keep_kv`."""
-    dt, lp = x_BTD.dtype, train.merged(lp)  # LoRA: each adapted weight merged, in its layer
+    dt, lp = x_BTD.dtype, lora.merged(lp)  # LoRA: each adapted weight merged, in its layer
     w = lambda name: lp[name].astype(dt)   # f32 master weights, compute-dtype matmuls
 
     def norm(x, name):  # a gain [N, H] (OLMo's q/k norms) normalises all heads at once
@@ -398,7 +397,7 @@ def block(x_BTD, lp: dict, cfg: ModelConfig, *, pos_BT, inv_freq, mask_BTS=None,
             q = q * jnp.where(is_global, (0.1 * math.log(max(cfg.yarn_factor, 1)) + 1) ** 2, 1.0)
         S = k.shape[2 if cache else 1]
         W = cfg.sliding_window if cfg.sliding_window < S else 0  # else: all within reach
-        stats = {"max_logit": train.max_logits(q, k, mask_BTS, window=W, is_global=is_global)
+        stats = {"max_logit": optim.max_logits(q, k, mask_BTS, window=W, is_global=is_global)
                  } if max_logits else {}
         # The mask: left padding and a cache's empty tail, which XLA's masked softmax takes.
         full = partial(cached, q, k, v) if cache else partial(attend, q, k, v, impl=cfg.attention)
@@ -802,17 +801,17 @@ def train_step(state: dict, batch: dict, *, cfg: Config, n_valid: int):
     # by M again, so each microbatch is handed n_tokens / M.
     loss = partial(loss_fn, cfg=cfg, n_valid=n_valid, n_tokens=rows.pop("n_tokens") / M,
                    max_logits=tau > 0)
-    on = lambda p, b: loss(train.weights(state, cfg.lora, p), b)  # LoRA: the adapters trained
+    on = lambda p, b: loss(lora.weights(state, cfg.lora, p), b)  # LoRA: the adapters trained
     grads, sums = train.accumulate(jax.grad(on, has_aux=True), state["params"], rows, M,
                                    BATCH_AXES)
     grads, max_LN = jax.tree.map(lambda x: x / M, grads), sums.pop("max_logit", None)
     n = jnp.maximum(sums.pop("tokens"), 1.0)
     metrics = {k: v / n for k, v in sums.items()}  # the KL among them: checked with the update
-    clip = partial(train.qk_clip, tops={"layers": max_LN}, tau=tau, q=("wq", "bq"),
+    clip = partial(optim.qk_clip, tops={"layers": max_LN}, tau=tau, q=("wq", "bq"),
                    k=("wk", "bk")) if tau else None
     new, checks = train.update(tx, grads, state, *metrics.values(), after=clip)
     metrics |= {"max_attn_logit": jnp.max(max_LN)} if tau else {}
-    return new, metrics | checks | {"lr": train.lr_schedule(
+    return new, metrics | checks | {"lr": optim.lr_schedule(
         "constant", g.lr, g.warmup_steps)(state["step"])}
 
 
@@ -850,7 +849,7 @@ def make_optimizer(g: GRPOConfig, warm: WarmStartConfig | None = None, specs: di
     """train_dense.py's optimiser (a dense run's state fits it), flat after a linear warmup:
     GRPO's, or with `warm` the warm start's; `specs` (the parameters') split Muon's matrices."""
     lr, warmup = (warm.lr, warm.warmup_steps) if warm else (g.lr, g.warmup_steps)
-    return train.optimizer(g.optimizer, train.lr_schedule("constant", lr, warmup), b1=g.b1,
+    return optim.optimizer(g.optimizer, optim.lr_schedule("constant", lr, warmup), b1=g.b1,
                            b2=g.b2, weight_decay=g.weight_decay, clip_norm=g.clip_norm,
                            decayed={"embed", "unembed", "ple_embed", "ple_proj", *MUON_DIMS},
                            muon_dims=MUON_DIMS, muon_dtype=g.muon_dtype, specs=specs)
@@ -911,12 +910,12 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
 def validate(cfg: Config, n_devices: int, tok) -> Task:
     """Every check that needs no compilation, so a bad launch fails in a second; the task."""
     m, g, w, t = cfg.model, cfg.grpo, cfg.warm, cfg.task
-    train.check_ranges(cfg)
+    check_ranges(cfg)
     mesh = resolve(cfg.mesh, n_devices, max(1, math.prod(cfg.mesh.dcn())))
     check_model(m, mesh, "--grpo.qk-clip-threshold", g.qk_clip_threshold)
     need(m.quant == "none", f"--model.quant {m.quant}: quantized training is train_dense.py's "
          "and train_moe.py's; the policy here trains in --model.dtype. Use --model.quant none.")
-    train.check_lora(cfg.lora, g.optimizer, g.qk_clip_threshold, "--grpo")  # LoRA
+    lora.check_lora(cfg.lora, g.optimizer, g.qk_clip_threshold, "--grpo")  # LoRA
     need(mesh.stage * mesh.dcn_stage == 1, f"--mesh.stage {mesh.stage}: pipeline stages are "
          "train_dense.py's and train_moe.py's; here the devices would repeat one another's "
          "work. Keep it 1 and spread the policy over --mesh.fsdp.")
@@ -1007,7 +1006,7 @@ def check_model(m: ModelConfig, mesh, clip_flag: str, tau: float) -> None:
     need(m.rotary_dim % 2 == 0 and m.rotary_dim <= m.head_dim and not (m.rotary_dim and (
         G or m.rope_partial)), f"--model.rotary-dim {m.rotary_dim}: an even number of dims at "
          f"most --model.head-dim {m.head_dim} (RoPE turns pairs), not with Gemma 4's RoPE.")
-    train.check_qk_clip(clip_flag, tau, m.qk_norm)
+    optim.check_qk_clip(clip_flag, tau, m.qk_norm)
     need(not (tau and G), f"{clip_flag} {tau} with --model.global-head-dim: Gemma 4's periods "
          f"record no logits to clip. Set {clip_flag} 0.")
     need(not (tau and (m.attn_softcap or m.query_scale)), f"{clip_flag} {tau} with Gemma's "
@@ -1023,7 +1022,7 @@ def policy_logits(logits_BV, temperature, n_valid: int):
     padded) are impossible, and the temperature divides. The loss scores tokens under this
     same distribution, so rollout-time and training-time log-probs are comparable."""
     z = logits_BV / temperature
-    return jnp.where(jnp.arange(z.shape[-1]) < n_valid, z, train.MASKED)
+    return jnp.where(jnp.arange(z.shape[-1]) < n_valid, z, sampling.MASKED)
 
 
 def init_cache(cfg: ModelConfig, B: int, S: int) -> dict:
@@ -1090,7 +1089,7 @@ def rollout(params, prompt_BP, valid_BP, key, temperature, *, cfg: ModelConfig, 
         i, rows = c["i"], c["rows"]  # rows: the batch's rows that this one's are
         key, sub = jax.random.split(c["key"])
         z_BV = policy_logits(c["logits_BV"], safe_t, n_valid)
-        tok_B = train.draw(sub, z_BV, temperature, top_k, top_p, rows, B)
+        tok_B = sampling.draw(sub, z_BV, temperature, top_k, top_p, rows, B)
         logp_B = jnp.take_along_axis(jax.nn.log_softmax(z_BV, axis=-1), tok_B[:, None], -1)[:, 0]
         live_B = ~c["done_B"]
         tok_B = jnp.where(live_B, tok_B, pad_id)
@@ -1211,7 +1210,7 @@ def make_task(cfg: Config, tok) -> Task:
 # ----------------------------------------------------------------------------------------------
 def main(cfg: Config) -> dict:
     train.start(cfg.quiet)
-    hf_config, model = train.model_source(cfg)  # --init-from-hf's config, --init-from's model
+    hf_config, model = hf.model_source(cfg)  # --init-from-hf's config, --init-from's model
     cfg = train.with_model(cfg, config_from_hf(*hf_config) if hf_config else model)
     g, tok = cfg.grpo, make_tokenizer(cfg)
     task = validate(cfg, jax.device_count(), tok)
@@ -1245,7 +1244,7 @@ def train_loop(cfg: Config, mesh, tok, task: Task, st: train.TrainState, step_fn
     # The old and the reference log-probs, where both are needed, in one program.
     logp_fn = jax.jit(lambda ps, b: [completion_logps(p, b, cfg.model, g.temperature,
                                                       tok.vocab_size)[0] for p in ps])
-    merge = jax.jit(lambda s: train.merged(train.weights(s, cfg.lora)))  # LoRA: once a rollout
+    merge = jax.jit(lambda s: lora.merged(lora.weights(s, cfg.lora)))  # LoRA: once a rollout
     policy = lambda s: merge(s) if "base" in s else s["params"]
 
     def evaluate(params) -> dict:
@@ -1781,8 +1780,8 @@ def load_hf(path: str, mesh=None) -> tuple[ModelConfig, dict]:
     unused = lambda name: (p := name.split("."))[:2] == ["model", "layers"] and p[3:4] == [
         "self_attn"] and p[4] in ("k_proj", "v_proj", "k_norm") and int(p[2]) >= (
         cfg.n_layers - cfg.kv_shared) or p[0] == "mtp"  # Qwen3.5's MTP module (text-only exports)
-    return cfg, train.hf_params(ckpt, mesh, _param_table(cfg), hf_mapping(cfg), _hf_sizes(cfg),
-                                unused)
+    return cfg, hf.hf_params(ckpt, mesh, _param_table(cfg), hf_mapping(cfg), _hf_sizes(cfg),
+                             unused)
 
 
 def save_hf(params: dict, cfg: ModelConfig, path: str, *, model_type: str = "",
@@ -1797,14 +1796,14 @@ def save_hf(params: dict, cfg: ModelConfig, path: str, *, model_type: str = "",
 
 
 # export-hf: the policy, and the tokenizer of the model it started from (the demo's has none).
-def export_hf(run_dir: str, out: str, step: int = -1, dtype: train.ExportDtype = "float32",
+def export_hf(run_dir: str, out: str, step: int = -1, dtype: hf.ExportDtype = "float32",
               model_type: Literal[("", *HF_ARCHITECTURES)] = "", max_shard_gb: float = 5.0):
-    with train.run_config(run_dir) as saved:  # unreadable: a ConfigError naming it
+    with hf.run_config(run_dir) as saved:  # unreadable: a ConfigError naming it
         model = ModelConfig(**saved["model"])
-    ex = train.export(run_dir, step, saved, {"params": _param_table(model)}, dtype, max_shard_gb,
-                      tokenizer_run=saved.get("init_from", ""), dims=MUON_DIMS)
+    ex = hf.export(run_dir, step, saved, {"params": _param_table(model)}, dtype, max_shard_gb,
+                   tokenizer_run=saved.get("init_from", ""), dims=MUON_DIMS)
     return ex.written(save_hf(ex.params, model, out, model_type=model_type, **ex.hf_args), out)
-export_hf.__doc__ = train.EXPORT_HF_DOC
+export_hf.__doc__ = hf.EXPORT_HF_DOC
 
 
 def cli(args=None) -> Config:

@@ -24,8 +24,6 @@ C = ceil(cf * tokens * R / E) rows per batch shard, first choices first; the res
 residual stream carries them). Expert parallelism: the `expert` mesh axis splits the experts
 and the batch; in a `shard_map` each device sends each peer the rows for its experts and gets
 the results back (two all-to-alls). Data and fsdp sharding work as in train_dense.py."""
-from __future__ import annotations
-
 import dataclasses
 import math
 from dataclasses import dataclass, field
@@ -37,14 +35,16 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from common import hf, train
+from common import hf, lora, optim, sampling, train
 from common.attention import attend, check_kernel, choose, fold_context, from_context, to_context
-from common.config import compute_fields, how, knob, resumable
+from common.config import check_ranges, compute_fields, how, knob, need, resumable
 from common.checkpoint import CheckpointConfig
 from common.data import DataConfig, get_batch, load_dataset
-from common.eval import DuringTraining
+from common.eval import DuringTraining, run_eval
+from common.lora import LoRAConfig, lora_table
 from common.mesh import BATCH_AXES, MeshConfig, describe, make_mesh, resolve, target_platform
-from common.train import ConfigError, LoRAConfig, log, named, need
+from common.pipeline import check_pipeline, pipeline_report, pipelined, stages
+from common.train import ConfigError, log, named
 
 # ----------------------------------------------------------------------------------------------
 # 1. Config
@@ -170,7 +170,7 @@ class TrainConfig:
     b1: float = knob(0.9, "[0, 1)")
     b2: float = knob(0.95, "[0, 1)")
     clip_norm: float = 1.0
-    optimizer: Literal["adamw", "muon"] = "adamw"  # muon: the hidden matrices (common/train.py)
+    optimizer: Literal["adamw", "muon"] = "adamw"  # muon: the hidden matrices (common/optim.py)
     muon_dtype: Literal["float32", "bfloat16"] = "float32"  # Muon's momentum and iteration
     qk_clip_threshold: float = resumable(0.0, ">= 0")  # MuonClip: q.k logits <= this; 0 = off
     z_loss: float = 0.0           # weight of the output mean(logsumexp^2) (PaLM); 0 = off
@@ -505,7 +505,7 @@ def block(x_BTD, lp: dict, pos_BT, inv_freq, cfg: ModelConfig, max_logits: bool 
           is_global=True, warm=None):
     """One layer: attention, then the experts (first_k_dense layers: a dense SwiGLU, no stats;
     with DSA, `warm` (traced) picks its stage and its KL is a statistic of every layer)."""
-    lp = train.merged(lp)  # LoRA: each adapted weight merged, in its layer
+    lp = lora.merged(lp)  # LoRA: each adapted weight merged, in its layer
     lp = lp | {k: 1 + lp[k] for k in OFFSET_NORMS if k in lp} if cfg.norm_offset else lp
     w, mm = weights(lp, x_BTD.dtype, cfg), matmuls(cfg)
     h = rms_norm(x_BTD, lp["attn_norm"], cfg.norm_eps)
@@ -547,7 +547,7 @@ def block(x_BTD, lp: dict, pos_BT, inv_freq, cfg: ModelConfig, max_logits: bool 
     h = rms_norm(x_BTD, lp["mlp_norm"], cfg.norm_eps)
     W, C = (n if n < x_BTD.shape[1] else 0 for n in (cfg.sliding_window, cfg.attn_chunk))
     # for QK-clip: each head's largest attention logit, the kernel's or as `attention` computes it
-    top = {"max_logit": top_N if top_N is not None else train.max_logits(
+    top = {"max_logit": top_N if top_N is not None else optim.max_logits(
         q, k, scale=logit_scale(cfg, q.shape[-1]), window=W, local_chunk=0 if W else C,
         is_global=is_global)} if max_logits else {}
     if "w_router" not in lp:
@@ -1009,7 +1009,7 @@ def hidden(params: dict, tokens_BT, cfg: ModelConfig, max_logits: bool = False, 
     """Token ids -> (final-normed hidden states [B, T, D], per-layer routing stats [L], and
     with max_logits each head's largest attention logit, "max_logit" [L, N]). With `pipeline`
     (microbatches, repeats) and a `stage` mesh axis the MoE stack runs as a pipeline
-    (`train.pipelined`, its stats each microbatch's, as accumulation makes them); the
+    (`pipelined`, its stats each microbatch's, as accumulation makes them); the
     embeddings and the dense first layers before it, on every stage and all rows."""
     x, pos_BT = embed(params, tokens_BT, cfg)
     inv_freq = rope_inv_freq(cfg)
@@ -1048,9 +1048,9 @@ def hidden(params: dict, tokens_BT, cfg: ModelConfig, max_logits: bool = False, 
         g = jnp.asarray(is_global_L.reshape(-1, 2))
         x, stats = jax.lax.scan(pair, x, (params["dense_layers"], params["layers"], g[:, 0],
                                           g[:, 1]), unroll=not cfg.scan_layers)
-    elif pipeline and train.stages() > 1:
-        x, stats = train.pipelined(bare, x, (params["layers"], is_global_L[Kd:]), pos_BT,
-                                   *pipeline, MOE_BATCH, scan, remat)
+    elif pipeline and stages() > 1:
+        x, stats = pipelined(bare, x, (params["layers"], is_global_L[Kd:]), pos_BT,
+                             *pipeline, MOE_BATCH, scan, remat)
     else:
         x, stats = scan(layer, x, (params["layers"], jnp.asarray(is_global_L[Kd:])))
     stats |= dense(top) if Kd else {}
@@ -1084,7 +1084,7 @@ def mtp(params: dict, h_BTD, inputs_BT, targets_BT, cfg: ModelConfig, head, max_
     mean objectives' mean, their cross-entropies' mean, and the modules' stats [D] (routing;
     with max_logits, for QK-clip, each head's largest logit)."""
     mp, spec, inv_freq = params["mtp"], param_specs(cfg)["mtp"]["eh_proj"], rope_inv_freq(cfg)
-    top = train.merged({k: v for k, v in mp.items() if k != "layers"})  # LoRA: eh_proj's
+    top = lora.merged({k: v for k, v in mp.items() if k != "layers"})  # LoRA: eh_proj's
     obj, ce, stats = 0.0, 0.0, []
     for k in range(1, cfg.mtp_depth + 1):
         ahead = lambda x: jnp.pad(x[:, k:], ((0, 0), (0, k)))  # position i holds i+k's
@@ -1110,10 +1110,10 @@ def train_step(state: dict, batch_BT1, *, cfg: Config, tx):
     the router biases (state["buffers"]) moved by the step's load unless it is skipped."""
     tau, W = cfg.train.qk_clip_threshold, cfg.train.indexer_warmup_steps
     # Pipelined, the microbatches are the pipeline's, in one pass: it needs them all at once.
-    M = 1 if train.stages() > 1 else cfg.train.microbatches
+    M = 1 if stages() > 1 else cfg.train.microbatches
     buffers, warm = state.get("buffers", {}), state["step"] < W if W else None  # DSA's stage
     grad_fn = jax.grad(lambda p, b: loss_fn(with_buffers(  # LoRA: p the adapters
-        train.weights(state, cfg.lora, p), buffers), b, cfg.model, cfg.train, warm), has_aux=True)
+        lora.weights(state, cfg.lora, p), buffers), b, cfg.model, cfg.train, warm), has_aux=True)
     grads, aux = train.accumulate(grad_fn, state["params"], batch_BT1, M, MOE_BATCH)
     tops = {s: aux.pop(k) for s, k in (("layers", "max_logit"), ("dense_layers", "max_logit_dense"),
                                        ("mtp", "max_logit_mtp")) if k in aux}  # microbatches' max
@@ -1121,7 +1121,7 @@ def train_step(state: dict, batch_BT1, *, cfg: Config, tx):
     m = cfg.model   # MLA: the heads' own q/k parts and the rotary query, never the shared key
     qk = dict(q=("wq", "wq_b"), k=("wkv_b",), nope=m.qk_nope_head_dim) if m.kv_lora_rank else dict(
         q=("wq", "bq"), k=("wk", "bk"))
-    clip = partial(train.qk_clip, tops=tops, tau=tau, **qk) if tau > 0 else None
+    clip = partial(optim.qk_clip, tops=tops, tau=tau, **qk) if tau > 0 else None
     new, metrics = train.update(tx, grads, state, aux["ce"], after=clip)
     if W:  # DSA's warm-up: all but the indexer frozen (no weight decay either); their moments
         # stay 0 (zero gradients), Adam's bias correction counts from step 0 all the same
@@ -1169,7 +1169,7 @@ def loss_fn(params, batch_BT1, cfg: ModelConfig, t: TrainConfig = TrainConfig(),
     (obj, ce), n, extra = head(h_BTD, targets), targets.size, {}
     loss = obj / n
     if cfg.mtp_depth:  # pipelined: each microbatch's routing stats, as accumulation makes them
-        M = t.microbatches if train.stages() > 1 else 1
+        M = t.microbatches if stages() > 1 else 1
         mtp_obj, mtp_ce, mtp_stats = jax.tree_util.tree_map_with_path(
             lambda path, a: a if train.is_max(path) else a / M, train.accumulate(
                 lambda _, b: mtp(params, *b, cfg, head, t.qk_clip_threshold > 0), None, (
@@ -1219,7 +1219,7 @@ def cross_entropy(h_BCD, w_DV, t_BC, wt_BC, *, z_loss: float, cap: float, grad: 
 
 
 def make_schedule(t: TrainConfig):
-    return train.lr_schedule(t.schedule, t.lr, t.warmup_steps, t.steps, t.min_lr_ratio,
+    return optim.lr_schedule(t.schedule, t.lr, t.warmup_steps, t.steps, t.min_lr_ratio,
                              t.decay_fraction)
 
 
@@ -1233,7 +1233,7 @@ MUON_DIMS = {"wo": ((1, 2), (3,)), **dict.fromkeys(("w_gate", "w_up", "w_down"),
 
 
 def make_optimizer(t: TrainConfig, specs: dict | None = None):
-    return train.optimizer(t.optimizer, make_schedule(t), b1=t.b1, b2=t.b2,
+    return optim.optimizer(t.optimizer, make_schedule(t), b1=t.b1, b2=t.b2,
                            weight_decay=t.weight_decay, clip_norm=t.clip_norm,
                            decayed={"embed", "unembed", "w_router", "idx_wq", "idx_wk", "idx_w",
                                     *MUON_DIMS},
@@ -1247,7 +1247,7 @@ def train_state(cfg: Config, mesh) -> train.TrainState:
         specs["layers"] = {k: P("stage", *s[1:]) for k, s in specs["layers"].items()}
     buffers = (lambda: train.table_init(bt, jax.random.key(0)), train.table_specs(bt))
     lora = cfg.lora.rank and (  # LoRA
-        train.lora_table(_param_table(cfg.model), MUON_DIMS, cfg.lora), cfg.train.seed)
+        lora_table(_param_table(cfg.model), MUON_DIMS, cfg.lora), cfg.train.seed)
     return train.TrainState(partial(_init, cfg.model), specs, make_optimizer(cfg.train, specs),
                             mesh, buffers=buffers if bt else None, lora=lora or None)
 
@@ -1360,12 +1360,12 @@ def validate(cfg: Config, n_devices: int, platform: str = "") -> None:
     """Every check that needs no compilation, so a bad launch fails in a second (`platform`:
     the compile target's, where it is not this host's)."""
     m, t = cfg.model, cfg.train
-    train.check_ranges(cfg)
+    check_ranges(cfg)
     mesh = resolve(cfg.mesh, n_devices, max(1, math.prod(cfg.mesh.dcn())))
-    train.check_lora(cfg.lora, t.optimizer, t.qk_clip_threshold)  # LoRA
+    lora.check_lora(cfg.lora, t.optimizer, t.qk_clip_threshold)  # LoRA
     Kd = m.first_k_dense  # the pipeline runs the MoE stack; the dense layers come before it
-    train.check_pipeline(mesh, t.microbatches, t.pipeline_repeats, (f"--model.n-layers {m.n_layers}"
-                         + f" less --model.first-k-dense {Kd}" * bool(Kd), moe_layers(m)), [
+    check_pipeline(mesh, t.microbatches, t.pipeline_repeats, (f"--model.n-layers {m.n_layers}"
+                   + f" less --model.first-k-dense {Kd}" * bool(Kd), moe_layers(m)), [
         f for f, on in (("--model.gemma4", m.gemma4), ("--model.linear-k-heads", m.linear_k_heads),
                         ("--model.moe-every 2", m.moe_every > 1), ("--model.index-n-heads",
                         m.index_n_heads), ("--mesh.context", mesh.context * mesh.dcn_context > 1),
@@ -1416,7 +1416,7 @@ def validate(cfg: Config, n_devices: int, platform: str = "") -> None:
     train.check_sequence(mesh, t.seq_len, m.loss_chunk, t.qk_clip_threshold, m.attn_chunk,
                          (m.context_attention, m.n_heads, m.n_kv_heads))
     train.check_profile(t.profile_steps, t.steps)
-    train.check_qk_clip("--train.qk-clip-threshold", t.qk_clip_threshold,
+    optim.check_qk_clip("--train.qk-clip-threshold", t.qk_clip_threshold,
                         m.qk_norm or m.qk_l2_norm)
     _validate_deepseek(m, t)
     _validate_gemma4(m)
@@ -1560,7 +1560,7 @@ def moe(h_BTD, lp: dict, cfg: ModelConfig, route_BTD=None):
             out_specs=(act, P((*MOE_BATCH, "context"))),
             # Pipelined (a vmap over stages) its values vary over `stage`, which specs cannot name;
             # megablox's kernel declares no varying axes
-            check_vma=train.stages() == 1 and _grouped_impl(cfg) != "megablox")(
+            check_vma=stages() == 1 and _grouped_impl(cfg) != "megablox")(
                 h_BTD, expert_BTR, gate_BTR, ws)
     if cfg.n_shared_experts:  # DeepSeek's shared experts: one wider SwiGLU every token uses
         s = swiglu(h_BTD, {"w_" + k: lp["shared_" + k].astype(dt) for k in PROJ},
@@ -1826,7 +1826,7 @@ def experts(x_BTD, expert_BTR, gate_BTR, w: dict, cfg: ModelConfig, peers: int =
 # 6. Main and the training loop
 # ----------------------------------------------------------------------------------------------
 def main(cfg: Config) -> dict:
-    hf_config, model = train.model_source(cfg)  # --init-from-hf's config, --init-from's model
+    hf_config, model = hf.model_source(cfg)  # --init-from-hf's config, --init-from's model
     cfg = train.with_model(cfg, hf_model_config(hf.Checkpoint(
         cfg.init_from_hf), cfg.model.mtp_depth, say=False) if hf_config else model)
     train.start(cfg.quiet)
@@ -1845,7 +1845,7 @@ def main(cfg: Config) -> dict:
         f"experts, top-{m.top_k}, {drop}, {_grouped_impl(m, pf)} grouped matmul, {kernel} "
         f"attention; MFU counts active FLOPs) | mesh {describe(mesh)} | {len(devices)} {pf} "
         f"devices, {jax.process_count()} process(es)")
-    pipe = train.pipeline_report(mesh, tc.pipeline_repeats, tc.microbatches, moe_layers(m), (
+    pipe = pipeline_report(mesh, tc.pipeline_repeats, tc.microbatches, moe_layers(m), (
         "the embeddings" + f", the {m.first_k_dense} dense layers" * bool(m.first_k_dense) +
         " on every stage (all rows), the final norm, head and loss on 1/S of the rows each" +
         f", the {m.mtp_depth} MTP module(s) on every stage" * bool(m.mtp_depth)))
@@ -1871,7 +1871,7 @@ def train_loop(cfg: Config, mesh, st: train.TrainState, step_fn) -> dict:
     batch = partial(get_batch, batch_size=tc.batch_size, seq_len=tc.seq_len,
                     sharding=named(mesh, P(MOE_BATCH, None)))
     eval_fn = jax.jit(lambda params, b: loss_fn(params, b, mc, tc)[1]["ce"])  # held-out ce
-    weights = lambda s: with_buffers(train.weights(s, cfg.lora), s.get("buffers", {}))
+    weights = lambda s: with_buffers(lora.weights(s, cfg.lora), s.get("buffers", {}))
     tasks = DuringTraining(tc, mc, forward, mesh, ds.tokenizer_path)  # --train.eval-tasks
 
     def evaluate(params) -> dict:
@@ -1911,16 +1911,16 @@ def train_loop(cfg: Config, mesh, st: train.TrainState, step_fn) -> dict:
         run.ckpt.wait()
         if tc.sample_tokens > 0:  # one prompt: this forward has no segments to left-pad with
             prompt, params = ds.encode(tc.sample_prompt), weights(state)
-            buf, _, _, width = train.prompt_rows(
+            buf, _, _, width = sampling.prompt_rows(
                 [prompt], tc.sample_tokens, min(tc.seq_len, mc.max_seq_len), mesh, MOE_BATCH)
 
             @jax.jit
             def decode(params, buf, key):  # every new token in one program
                 def one(i, carry):
-                    return train.next_token(forward(params, carry[0], mc), *carry, i,
-                                            temperature=tc.temperature, n_valid=ds.vocab_size)
+                    return sampling.next_token(forward(params, carry[0], mc), *carry, i,
+                                               temperature=tc.temperature, n_valid=ds.vocab_size)
                 return jax.lax.fori_loop(width, width + tc.sample_tokens, one, (buf, key))[0]
-            new = train.completions(decode(params, buf, jax.random.key(tc.seed + 7)), 1, width)
+            new = sampling.completions(decode(params, buf, jax.random.key(tc.seed + 7)), 1, width)
             log("sample:\n" + ds.decode(prompt + new[0]))
         r = ([r for r in run.metrics_log.records if "load_max" in r] or [None])[-1]
         routing = r and (f"expert shares {min(r['load_min']):.3f}-{max(r['load_max']):.3f} "
@@ -2454,7 +2454,7 @@ def load_hf(path: str, mesh=None, mtp_depth: int = 0) -> tuple[ModelConfig, dict
     have = cfg if hf_mtp_layers(ckpt, cfg) else dataclasses.replace(cfg, mtp_depth=0)
     fused = "w_gate" not in _HF_FAMILY_NAMES.get(mt, {}) and any(  # transformers 5's experts
         n.endswith("mlp.experts.gate_up_proj") for n in ckpt.names())
-    params = train.hf_params(  # Qwen's text-only exports may keep the MTP module (mtp.*)
+    params = hf.hf_params(  # Qwen's text-only exports may keep the MTP module (mtp.*)
         ckpt, mesh, _hf_table(have), hf_mapping(have, mt, fused), _hf_sizes(have),
         unused=lambda n: n.endswith(MTP_COPIES) or n.startswith("mtp."))
     if have != cfg:  # fresh modules, made in their shards, router biases 0
@@ -2503,16 +2503,16 @@ def save_hf(params: dict, cfg: ModelConfig, path: str, *, model_type: str = "",
 
 
 # export-hf: a run's checkpoint, router biases included, as a HuggingFace folder.
-def export_hf(run_dir: str, out: str, step: int = -1, dtype: train.ExportDtype = "float32",
+def export_hf(run_dir: str, out: str, step: int = -1, dtype: hf.ExportDtype = "float32",
               model_type: Literal[("", *HF_ARCHITECTURES)] = "", max_shard_gb: float = 5.0):
-    with train.run_config(run_dir) as saved:  # unreadable: a ConfigError naming it
+    with hf.run_config(run_dir) as saved:  # unreadable: a ConfigError naming it
         cfg = Config(model=ModelConfig(**saved["model"]), train=TrainConfig(**saved["train"]),
                      data=DataConfig(**saved["data"]), run_dir=run_dir)
-    ex = train.export(run_dir, step, saved, {"params": _param_table(cfg.model), "buffers":
-                      _buffer_table(cfg.model)}, dtype, max_shard_gb, data=cfg.data,
-                      dims=MUON_DIMS)
+    ex = hf.export(run_dir, step, saved, {"params": _param_table(cfg.model), "buffers":
+                   _buffer_table(cfg.model)}, dtype, max_shard_gb, data=cfg.data,
+                   dims=MUON_DIMS)
     return ex.written(save_hf(ex.params, cfg.model, out, model_type=model_type, **ex.hf_args), out)
-export_hf.__doc__ = train.EXPORT_HF_DOC
+export_hf.__doc__ = hf.EXPORT_HF_DOC
 
 
 def cli(args=None) -> Config:
@@ -2520,4 +2520,4 @@ def cli(args=None) -> Config:
 
 
 if __name__ == "__main__":
-    train.run_cli(main, cli, export_hf)
+    train.run_cli(main, cli, export_hf, run_eval)

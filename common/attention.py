@@ -549,7 +549,7 @@ def attend(q_BTNH, k_BSKH, v_BSKV, *, impl: str = "auto", scale: float, causal: 
     with a context axis the sequence is split (`context_attention`, by `context`). with_max
     (QK-clip): (output, each head's largest logit [N]) from the blocked kernel, which keeps the
     row maxima anyway; (output, None) from the others (splash keeps a logsumexp, cuDNN
-    nothing), whose callers make the maxima again (common/train.py `max_logits`)."""
+    nothing), whose callers make the maxima again (common/optim.py `max_logits`)."""
     T, H, V = q_BTNH.shape[1], q_BTNH.shape[3], v_BSKV.shape[-1]
     kind = choose(impl, target_platform(), dtype=q_BTNH.dtype, T=T, H=H, V=V, cap=cap,
                   sinks=sinks_N is not None, segments=segment_ids is not None)

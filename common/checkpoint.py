@@ -17,8 +17,6 @@ no shared disk); files go through `etils.epath`, as Orbax's do, and a bucket nee
 (`pip install '.[gcs]'`). What this module adds is mostly refusal (someone else's files, a
 changed model, a failed background save), each saying what is wrong and what to do.
 """
-from __future__ import annotations
-
 import contextlib
 import dataclasses
 import json
@@ -416,7 +414,7 @@ class PreemptionGuard:
 
     requested = property(lambda self: self._requested.is_set())
 
-    def __enter__(self) -> PreemptionGuard:
+    def __enter__(self) -> "PreemptionGuard":
         # ValueError: the main thread of a sub-interpreter, whose signals are not ours to take.
         with contextlib.suppress(ValueError):
             if threading.current_thread() is threading.main_thread():

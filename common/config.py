@@ -8,14 +8,17 @@ A field without a range keeps its default's sign (> 0, or >= 0 when the default 
 `how` field may change on resume, and with --init-from or --init-from-hf stays this run's
 flag while the rest of the model is the source's. A section (`mesh`) may be a knob as a whole.
 """
-from __future__ import annotations
-
 import dataclasses
 import math
 
 
 class ConfigError(ValueError):
     """A flag's value cannot work; the message names the flag, the value and the fix."""
+
+
+def need(ok, message: str) -> None:  # the message names the flag and the fix
+    if not ok:
+        raise ConfigError(message)
 
 
 def knob(default, range: str = "", *, resume: bool = False, compute: bool = False,

@@ -352,8 +352,18 @@ class CharTokenizer:
 
 
 # Prompts and completions as generation batches (train_grpo.py's rollouts and warm start)
+def left_pad(ids: list[list[int]], width: int, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+    """Left-padded ids [B, width] and their validity mask: every row ends at the same column,
+    so generation starts at one column for the whole batch."""
+    out, valid = np.full((len(ids), width), pad_id, np.int32), np.zeros((len(ids), width), bool)
+    for r, p in enumerate(ids):
+        if len(p) > width:
+            raise ValueError(f"a prompt of {len(p)} tokens is wider than the batch ({width})")
+        out[r, width - len(p):], valid[r, width - len(p):] = p, True
+    return out, valid
+
+
 def encode_prompts(tok, texts: list[str], width: int):
-    from common.task import left_pad  # task builds on this module
     return left_pad([tok.prompt(text) for text in texts], width, tok.pad_id)
 
 

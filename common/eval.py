@@ -1,26 +1,22 @@
 """A run or a HuggingFace folder scored by lm-evaluation-harness on our own JAX forward.
 
     make eval RUN=runs/tiny                        # the shipped task, evals/nextline
-    python -m common.eval --run-dir runs/tiny --tasks nextline,hellaswag --include-path ~/tasks
-    python -m common.eval --hf ~/hf/Llama-3.2-1B --tasks arc_easy --mesh.fsdp 8
+    python train_dense.py eval --hf ~/hf/Llama-3.2-1B --tasks arc_easy --include-path ~/tasks
 
 `JaxLM` is an lm-eval model (registered as "jax-trainers"): loglikelihood, loglikelihood_rolling
-and generate_until over a trainer's `forward`, on the parameters as training shards them (read
-from the checkpoint onto --mesh, never exported). Requests are padded on the right into length
+and generate_until over the `forward` of the trainer whose `eval` subcommand runs (it hands its
+module in: common/ imports no trainer), on the parameters as training shards them (read from
+the checkpoint onto --mesh, never exported). Requests are padded on the right into length
 buckets (powers of two), so each (batch, length) compiles once; a causal model's positions never
 see the padding after them, so a padded row scores as it would alone. Generation is greedy and
 reruns the whole forward for each token (no KV cache): a measurement, not an inference server.
 Nothing is downloaded: lm-eval reads each task's YAML and data from local files (docs/eval.md).
 """
-from __future__ import annotations
-
 import dataclasses
 import functools
-import importlib
 import json
 import math
 import os
-import sys
 import time
 
 import jax
@@ -29,13 +25,13 @@ import numpy as np
 import tyro
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from common import hf
 from common.checkpoint import read_checkpoint, read_run_config
 from common.config import ConfigError, check_ranges, knob
+from common.hf import hf_origin
 from common.data import open_tokenizer, run_tokenizer
 from common.mesh import MeshConfig, make_mesh
 from common.observe import MetricsLog
-from common.train import INPUT_ERRORS, hf_origin, join, log, put as place
+from common.train import join, log, put as place
 
 EVALS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "evals")
 
@@ -43,7 +39,7 @@ EVALS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 @dataclasses.dataclass(frozen=True)
 class EvalConfig:
     run_dir: str = ""
-    """A run directory (train_dense.py or train_moe.py): its checkpoint, model and tokenizer."""
+    """A run directory of this trainer: its checkpoint, model and tokenizer."""
     hf: str = ""
     """Or a HuggingFace folder, as --init-from-hf reads it, with its own tokenizer."""
     tasks: str = "nextline"
@@ -66,24 +62,23 @@ class EvalConfig:
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
 
 
-def load(cfg: EvalConfig, mesh):
-    """(trainer module, ModelConfig, parameters sharded on `mesh` as training shards them,
-    tokenizer path, step) of --run-dir or --hf. The trainer is imported here, by what the run
-    or folder is: common/ imports none at module level."""
+def load(cfg: EvalConfig, mesh, mod):
+    """(ModelConfig, parameters sharded on `mesh` as training shards them, tokenizer path, step)
+    of --run-dir or --hf, read by trainer `mod` (its ModelConfig, Config, train_state, load_hf)."""
     if bool(cfg.run_dir) == bool(cfg.hf):
-        raise ConfigError("name what to score: --run-dir RUN (a run of train_dense.py or "
-                          "train_moe.py) or --hf FOLDER (a HuggingFace model folder), one of them.")
+        raise ConfigError("name what to score: --run-dir RUN (a run of this trainer) or --hf "
+                          "FOLDER (a HuggingFace model folder), one of them.")
     if cfg.hf:
-        mt = hf.read_config(cfg.hf).get("model_type", "")
-        dense = importlib.import_module("train_dense")
-        mod = dense if mt in dense.HF_ARCHITECTURES else importlib.import_module("train_moe")
         m, params = mod.load_hf(cfg.hf, mesh)
-        return mod, m, params, folder_tokenizer(cfg.hf, "--hf"), 0
+        return m, params, folder_tokenizer(cfg.hf, "--hf"), 0
     saved = read_run_config(cfg.run_dir, "--run-dir", trained=True)
     if "grpo" in saved:
         raise ConfigError(f"--run-dir {cfg.run_dir} is a train_grpo.py run: export it "
                           "(python train_grpo.py export-hf --run-dir ... --out F) and pass --hf F.")
-    mod = importlib.import_module("train_moe" if "n_experts" in saved["model"] else "train_dense")
+    fields = {f.name for f in dataclasses.fields(mod.ModelConfig)}
+    if unknown := sorted(set(saved["model"]) - fields):
+        raise ConfigError(f"--run-dir {cfg.run_dir}: its model has fields this trainer's lacks "
+                          f"({', '.join(unknown[:3])}): score it with its own (train_moe.py eval).")
     m = dropless(mod.ModelConfig(**saved["model"]))
     want = {k: v for k, v in mod.train_state(mod.Config(model=m), mesh).abstract().items()
             if k in ("params", "buffers")}  # DeepSeek's router biases are buffers
@@ -91,7 +86,7 @@ def load(cfg: EvalConfig, mesh):
                                   "yet: train it first.", cfg.step, ConfigError)
     src = hf_origin(saved)
     tok = folder_tokenizer(src, "--init-from-hf") if src else run_tokenizer(cfg.run_dir)
-    return mod, m, join(state["params"], state.get("buffers", {})), tok, step
+    return m, join(state["params"], state.get("buffers", {})), tok, step
 
 
 def dropless(m):
@@ -196,10 +191,11 @@ class Scorer:
         return out
 
 
-def open_model(cfg: EvalConfig) -> tuple[Scorer, str, int]:
-    """(a Scorer over the model of --run-dir or --hf on --mesh, its tokenizer path, the step)."""
+def open_model(cfg: EvalConfig, mod) -> tuple[Scorer, str, int]:
+    """(a Scorer over trainer `mod`'s model of --run-dir or --hf on --mesh, its tokenizer path,
+    the step)."""
     mesh = make_mesh(cfg.mesh)
-    mod, m, params, tok, step = load(cfg, mesh)
+    m, params, tok, step = load(cfg, mesh, mod)
     longest = cfg.max_length or min(m.max_seq_len, 2048)
     log(f"eval: {cfg.run_dir or cfg.hf} (step {step}) with {mod.__name__}.forward on mesh "
         f"{dict(mesh.shape)}, sequences up to {longest} tokens, tokenizer {tok}")
@@ -217,15 +213,8 @@ def lm_class():
 
     @register_model("jax-trainers")
     class JaxLM(TemplateLM):
-        def __init__(self, scorer: Scorer | None = None, tokenizer: str = "", step: int = 0,
-                     **flags):
-            """From a Scorer and a tokenizer path, or by name from EvalConfig's fields:
-            simple_evaluate(model="jax-trainers", model_args="run_dir=runs/tiny")."""
+        def __init__(self, scorer: Scorer, tokenizer: str, step: int = 0):
             super().__init__()
-            if scorer is None:
-                names = {f.name for f in dataclasses.fields(EvalConfig)}
-                scorer, tokenizer, step = open_model(EvalConfig(**{
-                    k: v for k, v in flags.items() if k in names and v is not None}))
             self.scorer, self.tok, self.step = scorer, open_tokenizer(tokenizer), step
             self.max_length = scorer.max_length
 
@@ -342,12 +331,13 @@ class DuringTraining:
         return flat(summary)
 
 
-def evaluate(cfg: EvalConfig) -> dict:
-    """Every task of --tasks on the model: eval/<task>.json, a line each, and (for a run) one
-    record in its metrics.jsonl at the checkpoint's step. Returns {task: {metric: value}}."""
+def evaluate(cfg: EvalConfig, mod) -> dict:
+    """Every task of --tasks on trainer `mod`'s model: eval/<task>.json, a line each, and (for
+    a run) one record in its metrics.jsonl at the checkpoint's step. Returns {task: {metric:
+    value}}."""
     check_ranges(cfg)
     tm, names = task_manager(cfg.tasks, cfg.include_path)
-    lm = lm_class()(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)})
+    lm = lm_class()(*open_model(cfg, mod))
     res, summary = run_tasks(lm, tm, names, cfg.limit, cfg.num_fewshot)
     sc, out_dir = lm.scorer, cfg.out or os.path.join(cfg.run_dir or cfg.hf, "eval")
     speed = {"requests": sc.requests, "seconds": round(sc.seconds, 3), "requests_per_s":
@@ -368,13 +358,6 @@ def evaluate(cfg: EvalConfig) -> dict:
     return summary | {"speed": speed}
 
 
-def main(args: list[str] | None = None) -> None:
-    try:
-        evaluate(tyro.cli(EvalConfig, args=args, prog="python -m common.eval"))
-    except INPUT_ERRORS as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
-
-
-if __name__ == "__main__":
-    main()
+def run_eval(mod, args: list[str], prog: str) -> dict:
+    """`python train_x.py eval --run-dir R --tasks T`: trainer `mod` (its run_cli's) scored."""
+    return evaluate(tyro.cli(EvalConfig, args=args, prog=prog), mod)

@@ -13,8 +13,6 @@ next step boundary and exits 0, and nothing is restarted. Exit codes 2 (bad flag
 before anything runs) and 3 (the run diverged: a non-finite loss or gradient, and its last good
 state is saved) are not retried either: a restart would fail the same way.
 """
-from __future__ import annotations
-
 import argparse
 import os
 import re

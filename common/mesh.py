@@ -12,8 +12,6 @@
 The mesh is validated against the device count before anything is compiled, so a wrong
 launch fails in a second with the flag to change, not after minutes of compilation.
 """
-from __future__ import annotations
-
 import dataclasses
 import math
 

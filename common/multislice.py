@@ -7,8 +7,6 @@ Several processes are recognised from:
 - Slurm (SLURM_NTASKS > 1) and multi-host TPU VMs, which JAX's own cluster detection handles
   when `initialize()` is called without arguments.
 """
-from __future__ import annotations
-
 import functools
 import os
 import socket

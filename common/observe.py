@@ -10,8 +10,6 @@ whose writer thread does the file work, so a log step costs the loop a queue put
 Without it a run writes metrics.jsonl only and says once how to get the rest. Only process 0
 writes; the others keep quiet. A bucket (gs://) has no append: see `Mirror`.
 """
-from __future__ import annotations
-
 import contextlib
 import json
 import math
@@ -152,7 +150,7 @@ class progress:
                 print(f"\r{self.what} ... {self._counts()}{elapsed:.0f} s {self.note}\x1b[K",
                       end="", flush=True)
 
-    def __enter__(self) -> progress:
+    def __enter__(self) -> "progress":
         self.t0 = time.perf_counter()
         if self.live:
             self._ticker = threading.Thread(target=self._tick, daemon=True)

@@ -16,8 +16,6 @@ a prompt get G copies of its line's values), plus `finished` (each completion st
 within the budget). `--task.rewards my_rewards.py:correct,fmt` loads functions from a file; `exact`
 and `format` are built in. Model-agnostic: the trainer brings the tokenizer and the rollouts.
 """
-from __future__ import annotations
-
 import importlib.util
 import inspect
 import math
@@ -69,17 +67,6 @@ class Task:
 
 def columns(rows: list[Row]) -> dict[str, list]:  # one list per field, aligned with the rows
     return {k: [r.fields[k] for r in rows] for k in (rows[0].fields if rows else {})}
-
-
-def left_pad(ids: list[list[int]], width: int, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
-    """Left-padded ids [B, width] and their validity mask: every row ends at the same column,
-    so generation starts at one column for the whole batch."""
-    out, valid = np.full((len(ids), width), pad_id, np.int32), np.zeros((len(ids), width), bool)
-    for r, p in enumerate(ids):
-        if len(p) > width:
-            raise ValueError(f"a prompt of {len(p)} tokens is wider than the batch ({width})")
-        out[r, width - len(p):], valid[r, width - len(p):] = p, True
-    return out, valid
 
 
 def pack(prompt_BP, valid_BP, completion_BN, len_B, *, parts: int = 1, microbatches: int = 1,

@@ -284,7 +284,7 @@ def test_dry_run_and_bench_take_random_pairs(capsys, monkeypatch):
     """--dry-run and --bench read no data: the step compiles and runs on random pairs, the
     frozen reference counted in the memory (the parameters twice, Adam's moments once more)."""
     # --init-from's model, without a run to read it from (neither reads its weights)
-    monkeypatch.setattr(td.train, "model_source", lambda cfg: (None, cfg.model))
+    monkeypatch.setattr(td.hf, "model_source", lambda cfg: (None, cfg.model))
     cfg = dataclasses.replace(dpo_cfg(batch_size=8, seq_len=32, steps=2), dry_run=True)
     dpo = td.main(cfg)["argument_size"]
     plain = td.main(dataclasses.replace(cfg, data=D.DataConfig()))["argument_size"]

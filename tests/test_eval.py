@@ -9,6 +9,7 @@ metrics record). The tests needing lm-eval skip without it (the `eval` extra).""
 import dataclasses
 import json
 import os
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -17,7 +18,7 @@ import pytest
 
 import train_dense as td
 import train_moe as tm
-from common import eval as ev
+from common import eval as ev, train
 from common.config import ConfigError
 from common.data import DataConfig
 from common.mesh import MeshConfig, make_mesh
@@ -177,7 +178,7 @@ def test_equals_lm_eval_hf_model_on_our_export(tmp_path):
     from lm_eval.api.instance import Instance
     from lm_eval.models.huggingface import HFLM
     folder = tiny_hf_folder(tmp_path)
-    ours = ev.lm_class()(hf=folder, batch_size=4)  # on all 8 devices (fsdp)
+    ours = ev.lm_class()(*ev.open_model(ev.EvalConfig(hf=folder, batch_size=4), td))  # 8 devices
     theirs = HFLM(pretrained=folder, device="cpu", dtype="float32", batch_size=4)
     texts = ["red green blue", "The cat sat on the", "one two three four", "Say bird.", "yes"]
     ll = [Instance("loglikelihood", {}, (a, " " + b), i)
@@ -192,18 +193,22 @@ def test_equals_lm_eval_hf_model_on_our_export(tmp_path):
     assert ours.generate_until(gen) == theirs.generate_until(gen)
 
 
-def test_make_eval_end_to_end(tmp_path):
+def test_make_eval_end_to_end(tmp_path, monkeypatch):
     """A tiny run trained here for a few steps, scored on the shipped task as `make eval`
-    scores one: eval/nextline.json and one metrics.jsonl record at the checkpoint's step. (Its
-    accuracy is not asserted: beating chance takes the `make train` run, 300 steps of the
-    5M-parameter model; measured in docs/eval.md.)"""
+    scores one (`python train_dense.py eval`, the trainer's own subcommand): eval/nextline.json
+    and one metrics.jsonl record at the checkpoint's step. (Its accuracy is not asserted:
+    beating chance takes the `make train` run, 300 steps of the 5M-parameter model; measured in
+    docs/eval.md.)"""
     pytest.importorskip("lm_eval")
     run = str(tmp_path / "run")
     td.main(td.Config(model=dataclasses.replace(DENSE, vocab_size=4096), train=td.TrainConfig(
         steps=4, batch_size=8, seq_len=32, warmup_steps=1, eval_every=100, sample_tokens=0),
         data=DataConfig(), run_dir=run, quiet=True))
-    out = ev.evaluate(ev.EvalConfig(run_dir=run, limit=20, max_length=64))
+    monkeypatch.setattr(sys, "argv", ["train_dense.py", "eval", "--run-dir", run, "--limit", "20",
+                                      "--max-length", "64"])
+    train.run_cli(td.main, td.cli, td.export_hf, ev.run_eval)
     saved = json.load(open(os.path.join(run, "eval", "nextline.json")))
+    out = {"nextline": {k.split(",")[0]: v for k, v in saved["metrics"].items()}}
     assert saved["step"] == 4 and saved["examples"]["effective"] == 20
     assert saved["speed"]["requests"] == 80 and 0 <= out["nextline"]["acc"] <= 1
     with open(os.path.join(run, "metrics.jsonl")) as f:
@@ -225,7 +230,7 @@ def test_eval_tasks_during_training_equal_make_eval(tmp_path, name):
     with open(os.path.join(run, "metrics.jsonl")) as f:
         recs = [r for r in map(json.loads, f) if "lm_eval/nextline/acc" in r]
     assert [r["step"] for r in recs] == [2, 4] and all("eval_loss" in r for r in recs)
-    out = ev.evaluate(ev.EvalConfig(run_dir=run, limit=12, max_length=64))["nextline"]
+    out = ev.evaluate(ev.EvalConfig(run_dir=run, limit=12, max_length=64), mod)["nextline"]
     assert (recs[-1]["lm_eval/nextline/acc"], recs[-1]["lm_eval/nextline/acc_norm"]) == (
         out["acc"], out["acc_norm"])
 
@@ -241,11 +246,16 @@ def test_eval_tasks_refused_before_training(tmp_path):
 
 def test_refusals(tmp_path):
     with pytest.raises(ConfigError, match="--run-dir RUN .* or --hf FOLDER"):
-        ev.load(ev.EvalConfig(), None)
+        ev.load(ev.EvalConfig(), None, td)
     with pytest.raises(ConfigError, match="--run-dir RUN .* or --hf FOLDER"):
-        ev.load(ev.EvalConfig(run_dir="a", hf="b"), None)
+        ev.load(ev.EvalConfig(run_dir="a", hf="b"), None, td)
     with pytest.raises(ConfigError, match="--batch-size 0: must be > 0"):
-        ev.evaluate(ev.EvalConfig(hf="x", batch_size=0))
+        ev.evaluate(ev.EvalConfig(hf="x", batch_size=0), td)
+    run = tmp_path / "moe"  # an MoE run's config, scored by the dense trainer
+    os.makedirs(run / "checkpoints" / "3")
+    (run / "config.json").write_text(json.dumps({"model": dataclasses.asdict(MOE)}))
+    with pytest.raises(ConfigError, match=r"lacks \(.*\): score it with its own \(train_moe.py"):
+        ev.load(ev.EvalConfig(run_dir=str(run)), None, td)
     pytest.importorskip("lm_eval")
     with pytest.raises(ConfigError, match="--tasks hellaswagg: no such task.*nextline"):
-        ev.evaluate(ev.EvalConfig(hf="x", tasks="nextline,hellaswagg"))
+        ev.evaluate(ev.EvalConfig(hf="x", tasks="nextline,hellaswagg"), td)

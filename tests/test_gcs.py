@@ -15,7 +15,7 @@ import pytest
 from etils import epath
 
 import train_dense as td
-from common import train
+from common import hf
 from tools import plot
 from common.checkpoint import CheckpointConfig, CheckpointError, Checkpointer, ConfigConflictError
 from tests.test_train import config, data_path, metrics  # noqa: F401  (data_path: a fixture)
@@ -116,5 +116,5 @@ def test_init_from_and_export_read_a_bucket(gcs, data_path, tmp_path):
                     jax.tree.leaves(jax.device_get(params))):
         np.testing.assert_array_equal(a, b)
     with pytest.raises(FileNotFoundError, match="not a train_dense.py run directory"):
-        train.model_source(dataclasses.replace(config(tmp_path / "x", data_path, steps=2),
-                                               init_from=f"{gcs}/nothing-here"))
+        hf.model_source(dataclasses.replace(config(tmp_path / "x", data_path, steps=2),
+                                            init_from=f"{gcs}/nothing-here"))

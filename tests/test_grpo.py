@@ -19,7 +19,7 @@ from common.checkpoint import CheckpointConfig, Checkpointer, check_run_config
 from common.data import DataConfig, encode_prompts, prepare
 from common.mesh import BATCH_AXES, MeshConfig, MeshError, make_mesh
 from common.task import pack
-from common import train
+from common import sampling, train
 
 SMALL = tg.ModelConfig(vocab_size=16, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
                        head_dim=8, d_ff=64, max_seq_len=32, loss_chunk=8, remat="none")
@@ -249,7 +249,7 @@ def test_a_rollout_that_drops_its_done_rows_draws_the_same_tokens(knobs):
 def test_sampling_temperature_top_k_top_p():
     probs = np.array([0.5, 0.3, 0.15, 0.05])
     z = jnp.asarray(np.log(np.tile(probs, (20000, 1))), jnp.float32)
-    draw = lambda **kw: np.asarray(train.draw(jax.random.key(0), z, jnp.float32(1.0), **kw))
+    draw = lambda **kw: np.asarray(sampling.draw(jax.random.key(0), z, jnp.float32(1.0), **kw))
     freq = lambda x: np.bincount(x, minlength=4) / len(x)
     np.testing.assert_allclose(freq(draw(top_k=0, top_p=1.0)), probs, atol=0.015)
     np.testing.assert_allclose(freq(draw(top_k=2, top_p=1.0)), [0.625, 0.375, 0, 0], atol=0.015)
@@ -257,7 +257,7 @@ def test_sampling_temperature_top_k_top_p():
     np.testing.assert_allclose(freq(draw(top_k=0, top_p=0.7)), [0.625, 0.375, 0, 0], atol=0.015)
     np.testing.assert_allclose(freq(draw(top_k=0, top_p=0.85)), [*probs[:3] / 0.95, 0], atol=0.015)
     assert freq(draw(top_k=0, top_p=0.4))[0] == 1.0
-    greedy = train.draw(jax.random.key(0), z[:3], jnp.float32(0.0), 0, 1.0)
+    greedy = sampling.draw(jax.random.key(0), z[:3], jnp.float32(0.0), 0, 1.0)
     np.testing.assert_array_equal(greedy, [0, 0, 0])
     # policy_logits divides by the temperature and forbids ids past the tokenizer's vocabulary
     pz = tg.policy_logits(jnp.asarray([[2.0, 4.0, 8.0]]), 2.0, n_valid=2)

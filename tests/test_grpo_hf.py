@@ -36,7 +36,7 @@ def hf_tokenizer(path):
 
 
 def with_source(cfg):
-    hf_config, model = train.model_source(cfg)
+    hf_config, model = hf.model_source(cfg)
     return train.with_model(cfg, tg.config_from_hf(*hf_config) if hf_config else model)
 
 

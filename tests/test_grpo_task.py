@@ -17,6 +17,7 @@ import pytest
 
 import train_dense as td
 import train_grpo as tg
+from common import data as D
 from common import task as T
 from common import train
 from common.checkpoint import CheckpointConfig
@@ -86,7 +87,7 @@ def recording_left_pad(monkeypatch):
     batches = []
 
     def left_pad(ids, width, pad_id):
-        out = T.left_pad(ids, width, pad_id)
+        out = D.left_pad(ids, width, pad_id)
         batches.append(out)
         return out
     monkeypatch.setattr(tg, "left_pad", left_pad)

@@ -27,7 +27,7 @@ import train_grpo as tg
 import train_moe as tm
 from common import train
 from common.checkpoint import CheckpointConfig, Checkpointer
-from common.config import compute_fields, may_change
+from common.config import check_ranges, compute_fields, may_change
 from tests.test_train import MODEL, data_path  # noqa: F401  (data_path: a pytest fixture)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -296,8 +296,8 @@ def test_every_numeric_flag_is_checked_before_compiling(mod, preset, path, is_in
     for i, value in enumerate(out):
         if i and not mesh:
             with pytest.raises((train.ConfigError, ValueError), match=re.escape(flag)):
-                train.check_ranges(with_value(mod.PRESETS[preset][1], path,
-                                              (int if is_int else float)(value)))
+                check_ranges(with_value(mod.PRESETS[preset][1], path,
+                                        (int if is_int else float)(value)))
             continue
         monkeypatch.setattr(sys, "argv", [f"{mod.__name__}.py", preset, flag, value,
                                           "--run-dir", str(tmp_path)])
@@ -308,10 +308,10 @@ def test_every_numeric_flag_is_checked_before_compiling(mod, preset, path, is_in
         assert flag in err and "Traceback" not in err, f"{flag} {value}: {err}"
     if mesh:
         return  # a mesh size in range may still not multiply to the devices
-    train.check_ranges(mod.cli([preset, flag, inside[0]]))  # the parse takes the edge value
+    check_ranges(mod.cli([preset, flag, inside[0]]))  # the parse takes the edge value
     for value in inside[1:]:
-        train.check_ranges(with_value(mod.PRESETS[preset][1], path,
-                                      (int if is_int else float)(value)))
+        check_ranges(with_value(mod.PRESETS[preset][1], path,
+                                (int if is_int else float)(value)))
 
 
 def test_a_run_directory_that_cannot_be_written_is_refused(data_path, tmp_path, monkeypatch,

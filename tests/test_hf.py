@@ -480,7 +480,7 @@ def test_init_from_hf_train_and_export(data_path, tmp_path, knobs):
     # The first step's loss is the published model's, not a fresh init's (ln 512 = 6.24).
     batch = batch_rows(load_dataset(DataConfig(path=data_path)).train, seed=0, step=0,
                        batch_size=8, seq_len=32)
-    model = train.with_model(cfg, td.config_from_hf(*train.model_source(cfg)[0])).model
+    model = train.with_model(cfg, td.config_from_hf(*hf.model_source(cfg)[0])).model
     want = float(td.loss_fn(published, batch, model)[1]["ce"])
     first = json.loads(open(tmp_path / "run" / "metrics.jsonl").readline())
     assert first["step"] == 1 and first["loss"] == pytest.approx(want, rel=1e-5)

@@ -434,7 +434,7 @@ def test_init_from_hf_train_and_export(tmp_path, preset, knobs):
     summary = tm.main(cfg)
     batch = batch_rows(load_dataset(DataConfig(path=data)).train, seed=0, step=0,
                        batch_size=8, seq_len=32)
-    h, _ = tm.hidden(published, batch[:, :-1], train.with_model(cfg, tm.config_from_hf(*train.model_source(cfg)[0])).model)
+    h, _ = tm.hidden(published, batch[:, :-1], train.with_model(cfg, tm.config_from_hf(*hf.model_source(cfg)[0])).model)
     assert ("mtp_loss" in json.loads(open(tmp_path / "run" / "metrics.jsonl").readline())) == bool(
         knobs) == ("mtp" in summary["state"]["params"])
     logp = jax.nn.log_softmax(h @ published["unembed"], axis=-1)

@@ -16,7 +16,7 @@ import pytest
 
 import train_dense as td
 import train_moe as tm
-from common import train
+from common import hf, lora, train
 from common.data import DataConfig
 from common.mesh import MeshConfig, make_mesh
 from tests.test_hf import data_path, host  # noqa: F401
@@ -24,12 +24,12 @@ from tests.test_moe import SMALL as MOE
 from tests.test_sft import SMALL
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-LORA = train.LoRAConfig(rank=4, alpha=8.0, targets=td.Config().lora.targets)
+LORA = lora.LoRAConfig(rank=4, alpha=8.0, targets=td.Config().lora.targets)
 
 
 def table(targets=LORA.targets, model=SMALL):
-    return train.lora_table(td._param_table(model), td.MUON_DIMS,
-                            dataclasses.replace(LORA, targets=targets))
+    return lora.lora_table(td._param_table(model), td.MUON_DIMS,
+                           dataclasses.replace(LORA, targets=targets))
 
 
 def random_adapters(model=SMALL, seed=3):
@@ -64,10 +64,10 @@ def test_start_is_the_base_model_and_the_merge_is_by_hand():
     base, tokens = base_params(td, SMALL), jnp.arange(24).reshape(2, 12) % SMALL.vocab_size
     fresh = train.table_init(table(), jax.random.key(0))
     want = td.forward(base, tokens, SMALL)
-    np.testing.assert_array_equal(td.forward(train.adapt(base, fresh, 2.0), tokens, SMALL), want)
+    np.testing.assert_array_equal(td.forward(lora.adapt(base, fresh, 2.0), tokens, SMALL), want)
 
     ad, s = random_adapters(), LORA.alpha / LORA.rank
-    merged = train.merged(train.adapt(base, ad, s))["layers"]
+    merged = lora.merged(lora.adapt(base, ad, s))["layers"]
     a, b, w = (lambda n: np.asarray(ad["layers"][n]["a"], np.float64),
                lambda n: np.asarray(ad["layers"][n]["b"], np.float64),
                lambda n: np.asarray(base["layers"][n], np.float64))
@@ -78,7 +78,7 @@ def test_start_is_the_base_model_and_the_merge_is_by_hand():
         np.testing.assert_allclose(merged[n], w(n) + s * d, rtol=1e-5, atol=1e-6)
     np.testing.assert_array_equal(merged["attn_norm"], base["layers"]["attn_norm"])
     # each layer merging its own in the scan == the whole model merged first
-    got = td.forward(train.adapt(base, ad, s), tokens, SMALL)
+    got = td.forward(lora.adapt(base, ad, s), tokens, SMALL)
     whole = td.forward(base | {"layers": merged}, tokens, SMALL)
     np.testing.assert_allclose(got, whole, rtol=1e-5, atol=1e-5)
     assert np.max(np.abs(np.asarray(got) - np.asarray(want))) > 0.1
@@ -137,13 +137,13 @@ def test_moe_experts_adapted_sharded_equals_one_device():
     expert axis as theirs are); the start is the base model; 8 devices == 1."""
     cfg = tm.Config(model=dataclasses.replace(MOE, dtype="float32"), train=tm.TrainConfig(
         batch_size=8, seq_len=16, lr=0.01, warmup_steps=0, schedule="constant"), lora=LORA)
-    t = train.lora_table(tm._param_table(cfg.model), tm.MUON_DIMS, LORA)["layers"]
+    t = lora.lora_table(tm._param_table(cfg.model), tm.MUON_DIMS, LORA)["layers"]
     assert t["w_gate"]["a"][0] == (2, 8, 32, 4) and t["w_gate"]["b"][0] == (2, 8, 4, 16)
     assert t["w_gate"]["a"][1][1] == tm._param_table(cfg.model)["layers"]["w_gate"][1][1]
     base, tokens = base_params(tm, cfg.model), jnp.arange(32).reshape(2, 16)
-    fresh = train.table_init(train.lora_table(tm._param_table(cfg.model), tm.MUON_DIMS, LORA),
+    fresh = train.table_init(lora.lora_table(tm._param_table(cfg.model), tm.MUON_DIMS, LORA),
                              jax.random.key(0))
-    np.testing.assert_array_equal(tm.forward(train.adapt(base, fresh, 2.0), tokens, cfg.model),
+    np.testing.assert_array_equal(tm.forward(lora.adapt(base, fresh, 2.0), tokens, cfg.model),
                                   tm.forward(base, tokens, cfg.model))
     one, _ = steps(cfg, make_mesh(MeshConfig(), jax.devices()[:1]), mod=tm)
     many, m = steps(cfg, make_mesh(MeshConfig(expert=4, fsdp=2), jax.devices()), mod=tm)
@@ -158,7 +158,7 @@ def test_moe_experts_adapted_sharded_equals_one_device():
 def test_a_frozen_model_needs_less_memory(fmt, monkeypatch):
     """The dry run's per-device bytes: no gradient or moments for the base (nor, in DPO, a
     copy of it as the reference: the base is the reference)."""
-    monkeypatch.setattr(td.train, "model_source", lambda cfg: (None, cfg.model))  # no run read
+    monkeypatch.setattr(td.hf, "model_source", lambda cfg: (None, cfg.model))  # no run read
 
     def report(rank):
         args = ["tiny", "--dry-run", "--lora.rank", str(rank), "--train.batch-size", "8",
@@ -209,9 +209,9 @@ def test_peft_loads_our_adapter(data_path, tmp_path):  # noqa: F811
                   "constant", "--train.sample-tokens", "0", "--checkpoint.every", "3",
                   "--model.dtype", "float32", "--lora.rank", "4", "--lora.alpha", "8"])
     state = td.main(cfg)["state"]
-    m = train.with_model(cfg, td.config_from_hf(*train.model_source(cfg)[0])).model
+    m = train.with_model(cfg, td.config_from_hf(*hf.model_source(cfg)[0])).model
     tokens = rng.integers(0, 512, (2, 24))
-    ours = np.asarray(td.forward(train.weights(state, cfg.lora), jnp.asarray(tokens), m))
+    ours = np.asarray(td.forward(lora.weights(state, cfg.lora), jnp.asarray(tokens), m))
     base = np.asarray(td.forward(state["base"], jnp.asarray(tokens), m))
     assert np.max(np.abs(ours - base)) > 0.05  # the adapters moved the logits
 
@@ -259,6 +259,6 @@ def test_grpo_trains_adapters_over_its_full_warm_start_and_resumes(tmp_path, cap
     out = str(tmp_path / "hf")
     tg.export_hf(str(tmp_path / "a"), out)
     _, merged = tg.load_hf(out)
-    want = train.merged(train.weights(state, LORA))
+    want = lora.merged(lora.weights(state, LORA))
     for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(jax.device_get(merged))):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)

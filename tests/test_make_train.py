@@ -49,7 +49,7 @@ def test_make_train_then_make_eval(tmp_path):
     # make eval RUN=runs/tiny: nextline is four-way multiple choice (chance 0.25) over its
     # 500 examples; the binomial spread at chance is 0.019, and 0.336 was measured (0.330
     # from the same run on 8 simulated devices).
-    run("-m", "common.eval", "--run-dir", rd, "--tasks", "nextline")
+    run("train_dense.py", "eval", "--run-dir", rd, "--tasks", "nextline")
     res = json.load(open(os.path.join(rd, "eval", "nextline.json")))
     assert res["step"] == 300 and res["examples"]["effective"] == 500
     acc = res["metrics"]["acc_norm,none"]

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import train_moe as tm
-from common import hf, train
+from common import hf, lora, train
 from common.mesh import MeshConfig, make_mesh
 from common.train import ConfigError
 
@@ -150,7 +150,7 @@ def test_lora_adapts_the_modules():
     """LoRA's adapters reach the modules' block and projection (merged where they are used)."""
     cfg = tm.Config(model=dataclasses.replace(DS, mtp_depth=1), train=tm.TrainConfig(
         batch_size=8, seq_len=16, lr=1e-2, warmup_steps=0), mesh=MeshConfig(fsdp=1),
-        lora=train.LoRAConfig(rank=2, targets="wo,w_gate,eh_proj"))
+        lora=lora.LoRAConfig(rank=2, targets="wo,w_gate,eh_proj"))
     tm.validate(cfg, 1)
     mesh = make_mesh(cfg.mesh, jax.devices()[:1])
     st = tm.train_state(cfg, mesh)

@@ -259,6 +259,7 @@ def test_eval_tasks_over_two_processes_equal_make_eval(data_path, tmp_path):
     """--train.eval-tasks in a 2-process MoE run whose experts span both processes: every
     process runs the harness in step, and the scores equal `make eval` of the saved step."""
     pytest.importorskip("lm_eval")
+    import train_moe as tm
     from common import eval as ev
     p = launcher(data_path, tmp_path, "--mesh.expert", "4", "--mesh.fsdp", "2",
                  "--train.eval-tasks", "nextline", "--train.eval-tasks-limit", "8",
@@ -269,7 +270,7 @@ def test_eval_tasks_over_two_processes_equal_make_eval(data_path, tmp_path):
     rec = [json.loads(r) for r in epath.Path(tmp_path, "metrics.jsonl").read_text().splitlines()
            if "lm_eval" in r]
     assert [r["step"] for r in rec] == [STEPS]
-    theirs = ev.evaluate(ev.EvalConfig(run_dir=str(tmp_path), limit=8))["nextline"]
+    theirs = ev.evaluate(ev.EvalConfig(run_dir=str(tmp_path), limit=8), tm)["nextline"]
     assert (rec[0]["lm_eval/nextline/acc"], rec[0]["lm_eval/nextline/acc_norm"]) == (
         theirs["acc"], theirs["acc_norm"])
 

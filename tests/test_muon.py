@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 import train_dense as td
 import train_grpo as tg
 import train_moe as tm
-from common import train
+from common import optim, train
 from common.checkpoint import ConfigConflictError
 from common.mesh import MeshConfig, make_mesh
 from tests import test_moe
@@ -37,7 +37,7 @@ def newton_schulz(g, steps=5):
 
 
 def optimizer(kind, lr=0.01, wd=0.1, dims=td.MUON_DIMS):
-    return train.optimizer(kind, optax.constant_schedule(lr), b1=0.9, b2=0.95,
+    return optim.optimizer(kind, optax.constant_schedule(lr), b1=0.9, b2=0.95,
                            weight_decay=wd, clip_norm=1e9, decayed={"embed", "unembed"} | set(dims),
                            muon_dims=dims)
 
@@ -62,7 +62,7 @@ def test_bfloat16_runs_the_iteration_in_bfloat16():
     params = {"w": jnp.zeros(g.shape)}
     out = {}
     for dtype in ("float32", "bfloat16"):
-        tx = train.optimizer("muon", optax.constant_schedule(1.0), b1=0.9, b2=0.95,
+        tx = optim.optimizer("muon", optax.constant_schedule(1.0), b1=0.9, b2=0.95,
                              weight_decay=0.0, clip_norm=1e9, decayed={"w"},
                              muon_dims={"w": ((0,), (1,))}, muon_dtype=dtype)
         state = tx.init(params)
@@ -120,7 +120,7 @@ def test_steps_follow_optax_and_a_nonfinite_one_keeps_the_whole_state(kind):
         lambda path, _: path[-1].key in {"embed", "unembed"} | set(td.MUON_DIMS), p)
     ref = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(
         optax.linear_schedule(0.0, 0.01, 3), 0.9, 0.95, weight_decay=0.1, mask=mask))
-    tx = train.optimizer(kind, optax.linear_schedule(0.0, 0.01, 3), b1=0.9, b2=0.95,
+    tx = optim.optimizer(kind, optax.linear_schedule(0.0, 0.01, 3), b1=0.9, b2=0.95,
                          weight_decay=0.1, clip_norm=1.0, decayed={"embed", "unembed"} | set(
                              td.MUON_DIMS), muon_dims=td.MUON_DIMS)
     step = jax.jit(lambda s, g: train.update(tx, g, s))
@@ -194,7 +194,7 @@ def test_the_update_is_optax_scale_by_muon():
     dims = {"wq": ((1,), (2, 3)), "w_down": ((1,), (2,))}
     rng = np.random.default_rng(3)
     params = {"wq": jnp.zeros((2, 16, 4, 8)), "w_down": jnp.zeros((3, 40, 16))}
-    ours, theirs = train.scale_by_muon(dims, jnp.float32), optax_muon(dims)
+    ours, theirs = optim.scale_by_muon(dims, jnp.float32), optax_muon(dims)
     s_ours, s_theirs = ours.init(params), theirs.init(params)
     assert jax.tree.structure(s_ours) == jax.tree.structure(s_theirs)  # checkpoints unchanged
     for _ in range(3):
@@ -234,8 +234,8 @@ def test_each_device_orthogonalises_its_share(name):
     x = np.random.default_rng(4).standard_normal(shape).astype(np.float32)
     x[1] = 0.0
     mesh = make_mesh(mesh_cfg)
-    f = jax.jit(partial(train.orthogonalise_stack, ins=ins, outs=outs,
-                        coeffs=jnp.asarray(train.NS_COEFFS), spec=spec))
+    f = jax.jit(partial(optim.orthogonalise_stack, ins=ins, outs=outs,
+                        coeffs=jnp.asarray(optim.NS_COEFFS), spec=spec))
     with jax.set_mesh(mesh):
         got = f(jax.device_put(x, NamedSharding(mesh, spec or P())))
     if spec is not None:
@@ -286,7 +286,7 @@ def test_the_update_holds_a_share_of_the_matrices_not_all():
     params = {k: jax.ShapeDtypeStruct(shape, jnp.float32, sharding=NamedSharding(mesh, specs[k]))
               for k, shape in (("w_up", (32, 128, 512)), ("w_down", (32, 512, 128)))}
     temp = []
-    for tx in (train.scale_by_muon(dims, jnp.float32, specs), optax_muon(dims)):
+    for tx in (optim.scale_by_muon(dims, jnp.float32, specs), optax_muon(dims)):
         with jax.set_mesh(mesh):
             c = jax.jit(tx.update).lower(params, jax.eval_shape(tx.init, params)).compile()
         temp.append(c.memory_analysis().temp_size_in_bytes)

@@ -13,7 +13,7 @@ import pytest
 import train_dense as td
 import train_grpo as tg
 import train_moe as tm
-from common import train
+from common import optim, train
 from common.mesh import MeshConfig, make_mesh
 from tests import test_grpo, test_moe
 from tests.test_dense import SMALL, small_cfg, tokens
@@ -37,7 +37,7 @@ def test_max_logits_equal_a_plain_reference(chunk):
     causal = np.broadcast_to(np.tril(np.ones((16, 16), bool)), (2, 16, 16))
     packed = causal & (np.arange(16)[:, None] // 8 == np.arange(16)[None, :] // 8)
     for mask, allowed in ((None, causal), (packed, packed)):
-        got = train.max_logits(jnp.asarray(q), jnp.asarray(k), mask, chunk=chunk)
+        got = optim.max_logits(jnp.asarray(q), jnp.asarray(k), mask, chunk=chunk)
         np.testing.assert_allclose(got, reference_max(q, k, allowed), rtol=1e-5)
     full = np.ones((2, 16, 16), bool)
     assert not np.allclose(reference_max(q, k, full), reference_max(q, k, causal))
@@ -55,7 +55,7 @@ def test_max_logits_see_windows_chunks_and_the_scale():
     for kw, allowed in (({"window": 3}, causal & (t - s < 3)),
                         ({"local_chunk": 5}, causal & (t // 5 == s // 5))):
         for is_global in (False, True):
-            got = train.max_logits(jnp.asarray(q), jnp.asarray(k), chunk=4, scale=0.7 / np.sqrt(8),
+            got = optim.max_logits(jnp.asarray(q), jnp.asarray(k), chunk=4, scale=0.7 / np.sqrt(8),
                                    is_global=jnp.asarray(is_global), **kw)
             want = reference_max(q, k, causal if is_global else allowed) * 0.7
             np.testing.assert_allclose(got, want, rtol=1e-5, err_msg=f"{kw} global {is_global}")
@@ -137,8 +137,8 @@ def test_the_blocked_kernel_gives_its_maxima_without_a_second_pass(monkeypatch, 
     params = (td.init_params(cfg, jax.random.key(0)) if mod is td else
               test_moe.perturbed_params(cfg))
     x = tokens(small_cfg(cfg) if mod is td else test_moe.small_cfg(cfg))[:, :-1]
-    calls, real = [], train.max_logits
-    monkeypatch.setattr(train, "max_logits", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    calls, real = [], optim.max_logits
+    monkeypatch.setattr(optim, "max_logits", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     stats = mod.hidden(params, jnp.asarray(x), cfg, max_logits=True)[1]
     assert np.all(np.isfinite(np.asarray(stats["max_logit"])))
     assert bool(calls) == again
@@ -170,7 +170,7 @@ def test_mla_clip_scales_the_heads_own_parts_and_never_the_shared_rotary_key(sta
     tau = float(np.sqrt(before[key][l, n] * quiet))
     assert before[key][l, n] > tau > quiet
     tops = {"layers": before["max_logit"], "dense_layers": before["max_logit_dense"]}
-    clipped = jax.device_get(train.qk_clip(params, tops, tau, **MLA))
+    clipped = jax.device_get(optim.qk_clip(params, tops, tau, **MLA))
     after = jax.device_get(tops_of(clipped))
     np.testing.assert_allclose(after[key][l, n], tau, rtol=1e-5)
     rest[l + 1:] = False   # the layers after it read what the clipped head wrote
@@ -214,7 +214,7 @@ def test_clipped_heads_reach_tau_and_the_others_are_untouched(kv_heads, bias):
     tau = float(np.sqrt(before[-1, 1] * before[others].max()))
     assert before[-1, 1] > tau > before[others].max()
 
-    clipped = jax.device_get(train.qk_clip(p, {"layers": jnp.asarray(before)}, tau, **GQA))
+    clipped = jax.device_get(optim.qk_clip(p, {"layers": jnp.asarray(before)}, tau, **GQA))
     after = np.asarray(max_of(clipped))
     np.testing.assert_allclose(after[-1, 1], tau, rtol=1e-5)
     np.testing.assert_array_equal(after[others], before[others])
@@ -297,7 +297,7 @@ def test_every_trainer_clips_after_the_update(mod, mla):
     tau = float(np.median(tops["mtp"] if mla == "mtp" else every))  # half the heads over it
     one = make_mesh(MeshConfig(fsdp=1), jax.devices()[:1])
     plain, _ = steps_of(mod, cfg, params, batch, one)
-    want = jax.device_get(train.qk_clip(plain, tops, tau, **(MLA if mla else GQA)))
+    want = jax.device_get(optim.qk_clip(plain, tops, tau, **(MLA if mla else GQA)))
     mesh = MeshConfig(fsdp=2, expert=4) if mod is tm else MeshConfig(fsdp=4, tensor=2)
     for c, m in ((with_tau(mod, cfg, tau), one),
                  (dataclasses.replace(with_tau(mod, cfg, tau, 2), mesh=mesh), make_mesh(mesh))):

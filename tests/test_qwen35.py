@@ -356,7 +356,7 @@ def test_dense_refusals_by_name():
 
 
 def test_dense_left_padding_is_as_if_absent():
-    """A prompt left-padded for decoding (`train.prompt_rows`: padding a segment 0 of its own,
+    """A prompt left-padded for decoding (`sampling.prompt_rows`: padding a segment 0 of its own,
     positions from the prompt's start) gives the logits of the prompt alone: DeltaNet's state
     stays 0 through the zeroed padding, its convolution sees zeros as before a row's start."""
     params = td.init_params(DENSE, jax.random.key(2))

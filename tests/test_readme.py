@@ -19,7 +19,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAINERS = ("train_dense.py", "train_moe.py", "train_grpo.py")
-MODULES = ("common.data", "common.eval", "common.launch")
+MODULES = ("common.data", "common.launch")
 MAKEFILE = open(os.path.join(ROOT, "Makefile")).read()
 TARGETS = set(re.findall(r"^([a-z][\w.-]*)\s*:(?!=)", MAKEFILE, re.M))
 VARIABLES = set(re.findall(r"^([A-Z_][A-Z0-9_]*)\s*[?:+]?=", MAKEFILE, re.M)) | set(
@@ -89,7 +89,11 @@ def parse_problem(prog: str, args: list[str]) -> str:
             if prog in TRAINERS:
                 mod = importlib.import_module(prog[:-3])
                 sub = args[0].replace("-", "_") if args else ""
-                if args and args[0] not in mod.PRESETS and callable(getattr(mod, sub, None)):
+                if args[:1] == ["eval"]:  # the trainer's eval subcommand, run_cli's route
+                    import common.eval as m
+                    with mock.patch.object(m, "evaluate", lambda cfg, mod: calls.append(cfg)):
+                        m.run_eval(mod, args[1:], f"{prog} eval")
+                elif args and args[0] not in mod.PRESETS and callable(getattr(mod, sub, None)):
                     import tyro
                     tyro.cli(recorder(getattr(mod, sub)), args=args[1:])  # export-hf
                 else:
@@ -97,10 +101,6 @@ def parse_problem(prog: str, args: list[str]) -> str:
             elif prog == "common.data":
                 import common.data as m
                 with mock.patch.object(m, "prepare", recorder(m.prepare)):
-                    m.main(args)
-            elif prog == "common.eval":
-                import common.eval as m
-                with mock.patch.object(m, "evaluate", lambda cfg: calls.append(cfg)):
                     m.main(args)
             elif prog == "common.launch":
                 import common.launch as m
@@ -167,7 +167,7 @@ def test_readme_command_works(line, command):
     ("python train_moe.py tiny-moe --init-from-hf x --model.n-experts 2", "conflicts"),
     ("python train_dense.py export-hf --run-dirr runs/x --out y", "--run-dirr"),
     ("python -m common.data prepare --inputs a --out b", "--inputs"),
-    ("python -m common.eval --run-dir runs/x --taskz a", "--taskz"),
+    ("python train_dense.py eval --run-dir runs/x --taskz a", "--taskz"),
     ("python -m common.launch --nprocs 2 -- python train_dense.py tiny", "--nprocs"),
     ("python -m common.launch --nproc 2 -- python train_grpo.py tiny --init-from-hf x "
      "--model.n-layers 2", "conflicts"),
