@@ -1088,6 +1088,9 @@ class Loop:
         self.tokens_per_step, self.fpt = tokens_per_step, flops_per_token
         self.peak, self.peak_src = peak_flops_per_device(peak_tflops)
         self.step, self.stopped, self.seconds, self.compile_s = start, False, 0.0, None
+        # Seconds of eval and checkpoint steps, kept out of the steps' timing: in all, and in the
+        # interval the next log record covers; _t_aside: when the eval now due began.
+        self.aside, self._aside_now, self._t_aside = {"eval": 0.0, "checkpoint": 0.0}, 0.0, None
         self.evals, self.first_loss, self.last_loss = [], None, None  # evals: (step, figures)
         # _pending: (step, device metrics, steps covered, eval figures joined to it), fetched a
         # step late; _late: (did any process get SIGTERM?, was the step non-finite?, its
@@ -1136,7 +1139,8 @@ class Loop:
         # Explicit, like every fetch here: float(x) of a device array would hide a wait.
         m = jax.device_get(metrics)
         now = time.perf_counter()
-        dt_s, self._t_log, self._pending = now - self._t_log, now, None
+        dt_s, self._t_log, self._pending = now - self._t_log - self._aside_now, now, None
+        self._aside_now = 0.0
         tok_s = self.tokens_per_step * n_steps / dt_s
         util = mfu(self.fpt, tok_s, self.peak)
         rec = {"step": step} | {k: np.asarray(v).tolist() if np.ndim(v) else float(v)
@@ -1153,12 +1157,26 @@ class Loop:
 
     @property
     def eval_due(self) -> bool:
-        return self.step % self.eval_every == 0 or self.step == self.steps
+        """Whether to evaluate after this step; if so, the eval's time starts now, once the step
+        is done (its time stays the training steps'), and ends at `eval`."""
+        due = self.step % self.eval_every == 0 or self.step == self.steps
+        if due:
+            jax.block_until_ready(self._metrics)
+            self._t_aside = time.perf_counter()
+        return due
+
+    def _set_aside(self, what: str, t0: float) -> None:
+        dt = time.perf_counter() - t0
+        self.aside[what] += dt
+        self._aside_now += dt
 
     def eval(self, figures: dict, write: bool = True) -> dict:
         """Held-out figures of this step: joined to its log record, else (unless the caller
         writes them itself) a record of their own."""
         self.evals.append((self.step, figures))
+        if self._t_aside is not None:
+            self._set_aside("eval", self._t_aside)
+            self._t_aside = None
         if self._pending is not None and self._pending[0] == self.step:
             self._pending[3].update(figures)
         elif write:
@@ -1178,8 +1196,14 @@ class Loop:
         if (force or self.run.ckpt.due(self.step)) and jax.device_get(bad):
             self.nonfinite(self.step, m)
             self._late = (self._late[0], False, m)  # counted once
+        t0 = None
+        if force or self.run.ckpt.due(self.step):  # a save's time from when its step is done
+            jax.block_until_ready(state)
+            t0 = time.perf_counter()
         if self.run.ckpt.save(self.step, state, force=force):
             self.run.metrics_log.checkpointed()
+        if t0:
+            self._set_aside("checkpoint", t0)
         if stop:
             log(f"SIGTERM: saved step {self.step}, exiting")
             self.stopped = True
@@ -1214,17 +1238,22 @@ class Loop:
         util = mfu(self.fpt, tok_s, self.peak)
         timing = observe.duration(time.perf_counter() - self.run.t_start)
         if self.compile_s is not None:
-            timing += f" (compile {self.compile_s:.1f} s, steps {observe.duration(self.seconds)})"
+            timing += (f" (compile {self.compile_s:.1f} s, steps "
+                       f"{observe.duration(self.seconds - sum(self.aside.values()))}, eval "
+                       f"{self.aside['eval']:.1f} s, checkpoints {self.aside['checkpoint']:.1f} s)")
         observe.print_summary(f"run {self.run.dir}: done", [
             ("steps", f"{start} -> {end} ({end - start} this run, of {self.flag}.steps "
                       f"{self.steps})"),
             ("tokens", f"{(end - start) * self.tokens_per_step:,} this run ({per_step} per "
                        "step)"), *rows, ("wall time", timing),
             ("throughput", f"{fmt(tok_s / 1e3, '.1f')}k tok/s, {mfu_text(util)}, "
-                           f"{fmt(ms, '.0f')} ms/step (mean over logged steps after the first)"),
+                           f"{fmt(ms, '.0f')} ms/step (training steps: mean over logged steps after the "
+                           "first, eval and checkpoints apart)"),
         ] + observe.where_rows(self.run.dir, self.run.metrics_log, self.run.profiler))
         return {"start_step": start, "final_step": end, "first_loss": self.first_loss,
                 "last_loss": self.last_loss, "compile_s": self.compile_s, "evals": evals,
+                "ms_per_step": ms, "eval_s": self.aside["eval"],
+                "checkpoint_s": self.aside["checkpoint"],
                 "best_eval": best} | (self.evals[-1][1] if self.evals else {})
 
 
