@@ -173,6 +173,14 @@ def weights(state: dict, lora: LoRAConfig, params: dict | None = None) -> dict:
     return adapt(state["base"], p, lora.alpha / lora.rank) if "base" in state else p
 
 
+def cast_matrices(params: dict, dtype: str, matrices: set[str]) -> dict:
+    """--train.weight-dtype: the master copy of the weights named in `matrices` in `dtype`. Norm
+    gains, biases and scalars stay float32: their updates are small against their size, which
+    bfloat16's 8 bits round away, and they are few."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, x: x.astype(dtype) if path[-1].key in matrices else x, params)
+
+
 def named(mesh, specs):
     return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
 
@@ -373,7 +381,7 @@ def scale_by_muon(muon_dims: dict, mu_dtype, specs: dict | None = None, beta: fl
 
 def optimizer(kind: str, schedule, *, b1: float, b2: float, weight_decay: float,
               clip_norm: float, decayed: set[str], muon_dims: dict, muon_dtype: str = "float32",
-              specs: dict | None = None):
+              specs: dict | None = None, mu_dtype: str = "float32", nu_dtype: str = "float32"):
     """Clip by global norm, then AdamW, or Muon on the hidden matrices and AdamW on the rest. AdamW
     decays only the parameters whose name is in `decayed` (the matrices): decaying norm gains and
     biases only hurts. Muon (Jordan et al. 2024; Liu et al. 2025, "Muon is Scalable", the Moonlight
@@ -384,10 +392,12 @@ def optimizer(kind: str, schedule, *, b1: float, b2: float, weight_decay: float,
     axes) of the hidden matrices; every other axis (the scanned layers, the experts) is a batch of
     separate matrices, split over the devices (`orthogonalise_stack`, given the parameters'
     PartitionSpecs `specs`). Embeddings, unembedding, norms, biases and the router are not in it and
-    keep AdamW. The momentum is sharded like its parameter."""
+    keep AdamW. The momentum is sharded like its parameter. Adam's moments are kept in `mu_dtype`
+    and `nu_dtype` (MaxText's mu_dtype): bfloat16 halves their 8 bytes a parameter."""
     mask = lambda params: jax.tree_util.tree_map_with_path(
         lambda path, _: path[-1].key in decayed, params)
-    adam = optax.chain(scale_by_adam_kept(b1, b2), optax.add_decayed_weights(weight_decay, mask),
+    adam = optax.chain(scale_by_adam_kept(b1, b2, mu_dtype=mu_dtype, nu_dtype=nu_dtype),
+                       optax.add_decayed_weights(weight_decay, mask),
                        optax.scale_by_learning_rate(schedule))   # optax.adamw's chain and state
     if kind == "adamw":
         return _keeps_adam(optax.chain(optax.clip_by_global_norm(clip_norm), adam))
@@ -417,19 +427,23 @@ def _keeps_adam(tx):
     return tx
 
 
-def scale_by_adam_kept(b1: float, b2: float, eps: float = 1e-8):
+def scale_by_adam_kept(b1: float, b2: float, eps: float = 1e-8, *, mu_dtype: str = "float32",
+                       nu_dtype: str = "float32"):
     """optax.scale_by_adam, whose state stays as it was where `update`'s verdict `ok` is False,
     and whose update reads the moments so kept: the same numbers. Selected only after Adam, the
     moments made XLA split each weight's update into two passes over it (Mixtral's v5p-8 step:
-    est. 0.2204 s, 0.2166 so, as with no check at all)."""
-    adam = optax.scale_by_adam(b1, b2, eps)
+    est. 0.2204 s, 0.2166 so, as with no check at all). The moments are stored in their dtypes
+    (optax updates them in float32, then rounds) and read back in float32: with bfloat16 ones
+    the update differs from optax's (mu_dtype) by their rounding only."""
+    adam, f32 = optax.scale_by_adam(b1, b2, eps, mu_dtype=jnp.dtype(mu_dtype)), jnp.float32
+    init = lambda params: (s := adam.init(params))._replace(nu=optax.tree.cast(s.nu, nu_dtype))
 
     def update(g, state, params=None, *, ok=True, **_):
         new = jax.tree.map(lambda a, b: jnp.where(ok, a, b), adam.update(g, state)[1], state)
-        mu, nu = (optax.tree.bias_correction(m, b, new.count) for m, b in ((new.mu, b1),
-                                                                           (new.nu, b2)))
+        mu, nu = (optax.tree.bias_correction(optax.tree.cast(m, f32), b, new.count)
+                  for m, b in ((new.mu, b1), (new.nu, b2)))
         return jax.tree.map(lambda m, v: m / (jnp.sqrt(v + 0.0) + eps), mu, nu), new  # 0: eps_root
-    return optax.GradientTransformationExtraArgs(adam.init, update)
+    return optax.GradientTransformationExtraArgs(init, update)
 
 
 def max_logits(q_BTNH, k_BSKH, mask_BTS=None, chunk: int = 512, *, segment_ids=None,
@@ -509,19 +523,23 @@ class TrainState:
     `lora` = (the adapters' table, seed): "params" are then the adapters, the model a frozen
     "base" (`weights`), and `model` names which of the two a model's weights restore into.
     `frozen` = {name: (init, specs)}: other models the step reads and never changes (a
-    distillation teacher), placed by their specs, given to `from_params` by name."""
+    distillation teacher), placed by their specs, given to `from_params` by name.
+    `cast(params)`: the master weights' dtypes (`cast_matrices`); `offload`: the optimiser state
+    lives in host memory (pinned_host) between steps and is brought to the device inside each
+    (MaxText's optimizer_memory_host_offload): only the weights and gradients stay in HBM."""
 
     def __init__(self, init: Callable, specs: dict, tx, mesh, *, ref: bool = False,
                  buffers: tuple[Callable, dict] | None = None, lora: tuple | None = None,
-                 frozen: dict | None = None):
+                 frozen: dict | None = None, cast: Callable = lambda p: p, offload: bool = False):
         self.init, self.tx, self.mesh, self.ref = init, tx, mesh, ref
+        self.cast, self.offload = cast, offload
         self.buffers, self.lora, self.model = buffers, lora, "base" if lora else "params"
         self.frozen = frozen or {}
         p_sh = named(mesh, specs)
         if lora:  # the model frozen, the adapters trained: the optimiser sees only those
             p_sh, self.base_sh = named(mesh, table_specs(lora[0])), p_sh
         # No concrete key: with --compile-topology the mesh's devices do not exist here.
-        abstract = jax.eval_shape(lambda: self._trained(init(jax.random.key(0))))
+        abstract = jax.eval_shape(lambda: self._trained(cast(init(jax.random.key(0)))))
         replicated = NamedSharding(mesh, P())
         # Moments take their parameter's sharding; Muon's partition leaves MaskedNodes (no
         # state) where the other optimiser's parameters are.
@@ -531,6 +549,9 @@ class TrainState:
                                        transform_non_params=lambda _: replicated)
         optional = {"ref": p_sh if ref else None, "base": self.base_sh if lora else None,
                     "buffers": named(mesh, buffers[1]) if buffers else None}
+        self.opt_on_device = opt_sh
+        if offload:
+            opt_sh = jax.tree.map(lambda s: s.with_memory_kind("pinned_host"), opt_sh)
         self.shardings = {"params": p_sh, "opt_state": opt_sh, "step": replicated} | {
             k: v for k, v in optional.items() if v is not None} | {
             k: named(mesh, specs) for k, (_, specs) in self.frozen.items()}
@@ -539,6 +560,7 @@ class TrainState:
         return table_init(self.lora[0], jax.random.key(self.lora[1])) if self.lora else params
 
     def _make(self, params, buffers=None, frozen=None):
+        params = self.cast(params)
         s = {"params": self._trained(params), "step": jnp.zeros((), jnp.int32)}
         s |= frozen or {k: init(jax.random.key(0)) for k, (init, _) in self.frozen.items()}
         s |= {"opt_state": self.tx.init(s["params"])} | ({"base": params} if self.lora else {})
@@ -564,7 +586,11 @@ class TrainState:
 
     def jit(self, step_fn):
         """step_fn(state, batch) -> (state, metrics), jitted, the state donated: a step holds
-        one copy of the state, not two."""
+        one copy of the state, not two. Offloaded, the optimiser state comes to the device for
+        the step and goes back to the host as its output (out_shardings)."""
+        if self.offload:
+            step_fn = functools.partial(lambda f, state, *a: f(state | {"opt_state": jax.device_put(
+                state["opt_state"], self.opt_on_device)}, *a), step_fn)
         return jax.jit(step_fn, donate_argnums=0, out_shardings=(self.shardings, None))
 
 
@@ -616,6 +642,80 @@ def accumulate(grad_fn, params, batch, microbatches: int, batch_axes):
     zeros = jax.tree_util.tree_map_with_path(
         lambda path, s: jnp.full(s.shape, -jnp.inf if is_max(path) else 0, s.dtype), shapes)
     return jax.lax.scan(acc, zeros, mbs)[0]
+
+
+# --model.remat: what a layer's backward pass keeps of its forward pass; the rest is recomputed.
+# The named policies keep the tensors a trainer's layer names (jax.ad_checkpoint.checkpoint_name):
+# its projections' outputs and attention's, cheap to keep next to what they cost to recompute.
+REMAT_NAMES = {"qkv": ("q", "k", "v"), "attn": ("q", "k", "v", "attn"),
+               "proj": ("q", "k", "v", "attn", "o", "mlp_in", "mlp_out")}
+REMAT_ORDER = ("none", "proj", "dots", "attn", "qkv", "full")  # `auto`'s: most kept first
+
+
+def remat_policy(name: str):
+    """jax.checkpoint's policy for --model.remat `name` (`auto` unresolved: `full`'s). offload:
+    `proj`'s tensors go to host memory in the forward pass and come back for the backward."""
+    cp = jax.checkpoint_policies
+    if name == "offload":
+        return cp.save_and_offload_only_these_names(
+            names_which_can_be_saved=[], names_which_can_be_offloaded=list(REMAT_NAMES["proj"]),
+            offload_src="device", offload_dst="pinned_host")
+    if name in REMAT_NAMES:
+        return cp.save_only_these_names(*REMAT_NAMES[name])
+    return cp.dots_with_no_batch_dims_saveable if name == "dots" else cp.nothing_saveable
+
+
+def remat(f, policy: str, scan: bool = True):
+    """A layer under --model.remat. Inside a rolled scan the recomputation cannot be merged
+    away; unrolled, XLA would merge it into the forward pass (and keep every activation)."""
+    return f if policy == "none" else jax.checkpoint(f, policy=remat_policy(policy),
+                                                     prevent_cse=not scan)
+
+
+def step_bytes(compiled) -> dict:
+    """A compiled step's memory per device (XLA's analysis), `per_device_bytes` their sum."""
+    mem = compiled.memory_analysis()
+    if mem is None:
+        return {}
+    out = {k: int(getattr(mem, k + "_in_bytes")) for k in
+           ("argument_size", "output_size", "alias_size", "temp_size")}
+    return out | {"per_device_bytes": out["argument_size"] + out["output_size"]
+                  - out["alias_size"] + out["temp_size"]}
+
+
+def memory_limit(device) -> int | None:
+    """The bytes a device's programs may use (a TPU's HBM less what the runtime keeps), or None
+    where it states none (the CPU, a --compile-topology device)."""
+    try:
+        return (device.memory_stats() or {}).get("bytes_limit")
+    except Exception:  # a device without a client (a topology's) raises; the type varies
+        return None
+
+
+def auto_remat(step_for: Callable[[str], Callable], abstract_state, batch, mesh) -> str:
+    """--model.remat auto: the policy that keeps the most (REMAT_ORDER) whose step, compiled on
+    abstract inputs before training, fits the device's memory (`memory_limit`); where no limit is
+    stated (the CPU), the first, `none`. `step_for(policy)`: the jitted step under it."""
+    limit, gib = memory_limit(mesh.devices.flat[0]), lambda b: f"{b / 2**30:.2f} GiB"
+    if limit is None:
+        log(f"remat auto: {mesh.devices.flat[0].platform} devices state no memory limit: "
+            f"{REMAT_ORDER[0]}")
+        return REMAT_ORDER[0]
+    for name in REMAT_ORDER:
+        try:
+            with jax.set_mesh(mesh):
+                need = step_bytes(step_for(name).lower(abstract_state, batch).compile()).get(
+                    "per_device_bytes", 0)
+        except Exception as e:  # XLA refuses a program larger than the device's memory
+            if "RESOURCE_EXHAUSTED" not in str(e) and "memory" not in str(e).lower():
+                raise
+            need = math.inf
+        log(f"remat auto: {name} needs {gib(need)} of {gib(limit)} per device" + (
+            ": chosen" if need <= limit else ""))
+        if need <= limit:
+            return name
+    log("remat auto: no policy fits; full, the least kept (add devices or shrink the batch)")
+    return "full"
 
 
 def is_max(path) -> bool:  # a largest logit (QK-clip's): combined over microbatches by max
@@ -895,16 +995,12 @@ def dry_run(step_fn, abstract_state, batch, mesh, n_params: int, **extra) -> dic
     # so no eager array may be created while it is set.
     with jax.set_mesh(mesh):
         compiled = step_fn.lower(abstract_state, batch).compile()
-    mem = compiled.memory_analysis()
     report = {"params": n_params, **extra, "devices": mesh.size, "compile_s": time.perf_counter()
               - t0, "platform": mesh.devices.flat[0].platform, **xla_cost(compiled)}
     log(f"dry run | {n_params:,} parameters | mesh {describe(mesh)} | compiled in "
         f"{report['compile_s']:.1f} s")
-    if mem is not None:
-        report |= {k: int(getattr(mem, k + "_in_bytes")) for k in
-                   ("argument_size", "output_size", "alias_size", "temp_size")}
-        report["per_device_bytes"] = (report["argument_size"] + report["output_size"]
-                                      - report["alias_size"] + report["temp_size"])
+    if mem := step_bytes(compiled):
+        report |= mem
         gib = lambda b: f"{b / 2**30:.2f} GiB"
         log(f"per device: {gib(report['per_device_bytes'])} = arguments "
             f"{gib(report['argument_size'])} + outputs {gib(report['output_size'])} - donated "
