@@ -1036,7 +1036,7 @@ def bench(step_fn, state, batch, n_steps: int, *, tokens_per_step: int,
     # Each step's wall time, the warm-up being step 0: what bench/stats.py reads.
     log(f"bench{what} | step seconds 1-{n_steps}: " + " ".join(f"{t:.4f}" for t in times))
     return {"tokens_per_s": tok_s, "ms_per_step": 1e3 * dt, "mfu": util, "compile_s": compile_s,
-            "step_seconds": times}
+            "step_seconds": times} | step_bytes(step)
 
 
 def put(tree, mesh, batch_axes, abstract: bool = False):
