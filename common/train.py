@@ -1343,8 +1343,8 @@ class Loop:
             ("tokens", f"{(end - start) * self.tokens_per_step:,} this run ({per_step} per "
                        "step)"), *rows, ("wall time", timing),
             ("throughput", f"{fmt(tok_s / 1e3, '.1f')}k tok/s, {mfu_text(util)}, "
-                           f"{fmt(ms, '.0f')} ms/step (training steps: mean over logged steps after the "
-                           "first, eval and checkpoints apart)"),
+                           f"{fmt(ms, '.0f')} ms/step (training steps: mean over logged steps "
+                           "after the first, eval and checkpoints apart)"),
         ] + observe.where_rows(self.run.dir, self.run.metrics_log, self.run.profiler))
         return {"start_step": start, "final_step": end, "first_loss": self.first_loss,
                 "last_loss": self.last_loss, "compile_s": self.compile_s, "evals": evals,

@@ -90,8 +90,9 @@ def test_auto_remat_picks_the_most_kept_policy_that_fits(capsys):
         def memory_analysis(self):
             if self.remat == "none":
                 raise RuntimeError("RESOURCE_EXHAUSTED: Ran out of memory in memory space hbm")
-            return SimpleNamespace(argument_size_in_bytes=100, output_size_in_bytes=100,
-                                   alias_size_in_bytes=100, temp_size_in_bytes=needs[self.remat] - 100)
+            return SimpleNamespace(
+                argument_size_in_bytes=100, output_size_in_bytes=100, alias_size_in_bytes=100,
+                temp_size_in_bytes=needs[self.remat] - 100)
 
     mesh = make_mesh(MeshConfig())
     for limit, want in ((10**6, "proj"), (700, "proj"), (699, "dots"), (500, "attn"),
