@@ -62,7 +62,7 @@ def row(name: str, mod, args: list[str]) -> None:
         print(f"ROW | {name} | {out['tokens_per_s']:,.0f} tok/s | {out['ms_per_step']:.1f} "
               f"ms/step | {gib:.2f} GiB compiled | wall {time.perf_counter() - t0:.0f} s",
               flush=True)
-    except Exception as e:  # out of memory, a compiler error: the row says so, the rest go on
+    except (Exception, SystemExit) as e:  # out of memory, a bad flag: the row says so, go on
         traceback.print_exc(limit=1)
         print(f"ROW | {name} | failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}",
               flush=True)
