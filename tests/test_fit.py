@@ -184,3 +184,11 @@ def test_bfloat16_state_and_host_offload_save_restore_and_resume(data_path, tmp_
             state = ckpt.restore(4, st.abstract())
     assert state["params"]["layers"]["w_up"].dtype == jnp.bfloat16
     assert adam_state(state).nu["embed"].dtype == jnp.bfloat16
+
+
+def test_grpo_names_its_policy():
+    """train_grpo.py shares the dense ModelConfig, `auto` included, but picks no policy."""
+    import train_grpo as tg
+    cfg = tg.cli(["tiny", "--model.remat", "auto"])
+    with pytest.raises(tg.ConfigError, match="--model.remat auto"):
+        tg.validate(cfg, jax.device_count(), tg.CharTokenizer())
