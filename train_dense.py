@@ -19,6 +19,7 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name as named_as  # what --model.remat may keep
 from jax.sharding import PartitionSpec as P
 
 from common import hf, lora, optim, sampling, train
@@ -98,7 +99,8 @@ class ModelConfig:
     # auto: splash on TPU, cuDNN on GPU where it applies, else blocked (common/attention.py)
     attention: Literal["auto", "splash", "cudnn", "blocked", "xla", "einsum"] = how("auto")
     context_attention: Literal["allgather", "ring", "ulysses"] = how("allgather")  # --mesh.context
-    remat: Literal["full", "dots", "none"] = how("full")  # what the backward pass may keep
+    # What the backward pass may keep (common/train.py's REMAT_NAMES); auto: the most that fits
+    remat: Literal["auto", "full", "qkv", "attn", "proj", "offload", "dots", "none"] = how("full")
     scan_layers: bool = how(True)
     loss_chunk: int = how(256)    # sequence positions per cross-entropy chunk (bounds [B,T,V])
     loss_impl: Literal["fused", "remat"] = how("fused")  # gradient made with the loss, or rebuilt
@@ -124,6 +126,12 @@ class TrainConfig:
     clip_norm: float = 1.0
     optimizer: Literal["adamw", "muon"] = "adamw"  # muon: the hidden matrices (common/optim.py)
     muon_dtype: Literal["float32", "bfloat16"] = "float32"  # Muon's momentum and iteration
+    # Fitting a chip (docs/speed.md): the matrices' master copy and Adam's moments in bfloat16
+    # (MaxText's weight_dtype, mu_dtype); the optimiser state in host memory between steps
+    weight_dtype: Literal["float32", "bfloat16"] = "float32"
+    mu_dtype: Literal["float32", "bfloat16"] = "float32"
+    nu_dtype: Literal["float32", "bfloat16"] = "float32"
+    offload_opt_state: bool = resumable(False)
     qk_clip_threshold: float = resumable(0.0, ">= 0")  # MuonClip: q.k logits <= this; 0 = off
     z_loss: float = 0.0           # weight of mean(logsumexp^2) (PaLM); 0 = off
     seed: int = 0
@@ -438,7 +446,7 @@ def block(x_BTD, lp: dict, cfg: ModelConfig, *, pos_BT, inv_freq, segment_ids=No
                 k, v = k + w("bk"), v + w("bv")
             kv = (rope(norm(k, "k_norm") if cfg.qk_norm else k, pos_BT, inv_freq),
                   rms_norm(v, 1.0, cfg.norm_eps) if cfg.v_norm else v)  # Gemma 4's: per head
-        k, v = kv
+        q, k, v = (named_as(x, n) for x, n in zip((q, *kv), "qkv"))
         if cfg.yarn_factor:  # YaRN's temperature where it stretches RoPE: logits x (0.1 ln s + 1)^2
             q = q * jnp.where(is_global, (0.1 * math.log(max(cfg.yarn_factor, 1)) + 1) ** 2, 1.0)
         W = cfg.sliding_window if cfg.sliding_window < q.shape[1] else 0  # else: all within reach
@@ -455,13 +463,12 @@ def block(x_BTD, lp: dict, cfg: ModelConfig, *, pos_BT, inv_freq, segment_ids=No
                  } if max_logits else {}
         if cfg.attn_gate:  # Qwen3.5: a gate per head and channel
             o = o * jax.nn.sigmoid(mm("btd,dnh->btnh", h, w("wq_gate")))
-        o = mm("btnh,nhd->btd", o, w("wo"))
+        o = named_as(mm("btnh,nhd->btd", named_as(o, "attn"), w("wo")), "o")
     x_BTD = x_BTD + (norm(o, "attn_post_norm") if cfg.sandwich_norm or cfg.post_norm else o)
     h = x_BTD if cfg.post_norm else norm(x_BTD, "mlp_norm")
     act = lambda g: jax.nn.gelu(g, approximate=True) if cfg.gelu else jax.nn.silu(g)
-    g = mm("btd,df->btf", h, w("w_gate"))
-    u = mm("btd,df->btf", h, w("w_up"))
-    y = mm("btf,fd->btd", act(g) * u, w("w_down"))
+    g, u = (named_as(mm("btd,df->btf", h, w(n)), "mlp_in") for n in ("w_gate", "w_up"))
+    y = named_as(mm("btf,fd->btd", act(g) * u, w("w_down")), "mlp_out")
     x_BTD = x_BTD + (norm(y, "mlp_post_norm") if cfg.sandwich_norm or cfg.post_norm else y)
     if cfg.ple_dim:  # Gemma 4: the layer's own input, gated by the stream, normed, added
         g = act(jnp.einsum("btd,dp->btp", x_BTD, w("ple_gate"))) * ple_BTP
@@ -684,10 +691,6 @@ def delta_rule_chunked(q_BTHK, k_BTHK, v_BTHV, g_BTH, beta_BTH, chunk: int, S=No
     return o.transpose(1, 0, 3, 2, 4).reshape(B, n * C, H, Dv)[:, :T], S
 
 
-REMAT_POLICIES = {"full": jax.checkpoint_policies.nothing_saveable,
-                  "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
-
-
 def hidden(params: dict, tokens_BT, cfg: ModelConfig, *, segment_ids=None, positions=None,
            max_logits: bool = False, pipeline: tuple[int, int] | None = None):
     """Token ids -> (final-normed hidden states [B, T, D] in the compute dtype, per-layer stats:
@@ -730,10 +733,7 @@ def hidden(params: dict, tokens_BT, cfg: ModelConfig, *, segment_ids=None, posit
         pr = rms_norm(pr.reshape(*pr.shape[:2], L, -1), gain(params["ple_norm"]), cfg.norm_eps)
         e = scale(look(params["ple_embed"]), math.sqrt(cfg.ple_dim)).reshape(pr.shape)
         ple_LBTP = jnp.moveaxis(scale(pr + e, 2 ** -0.5), 2, 0)
-    remat = lambda f: f if cfg.remat == "none" else jax.checkpoint(
-        # Inside a rolled scan the recomputation cannot be merged away; unrolled, XLA would
-        # merge it into the forward pass (and keep every activation) unless prevented.
-        f, policy=REMAT_POLICIES[cfg.remat], prevent_cse=not cfg.scan_layers)
+    remat = partial(train.remat, policy=cfg.remat, scan=cfg.scan_layers)
     # Unrolled (--model.no-scan-layers), each layer is compiled on its own.
     scan = partial(jax.lax.scan, unroll=not cfg.scan_layers)
     run = partial(block, cfg=cfg, pos_BT=pos_BT, segment_ids=segment_ids, max_logits=max_logits)
@@ -1023,11 +1023,14 @@ MUON_DIMS = {"wq": ((1,), (2, 3)), "wk": ((1,), (2, 3)), "wv": ((1,), (2, 3)),
              "lin_v": ((1,), (2, 3, 4)), "lin_z": ((1,), (2, 3, 4)), "lin_wo": ((1, 2), (3,))}
 
 
+MATRICES = {"embed", "unembed", "ple_embed", "ple_proj", *MUON_DIMS}  # decayed; weight_dtype
+
+
 def make_optimizer(t: TrainConfig, specs: dict | None = None):
     return optim.optimizer(t.optimizer, make_schedule(t), b1=t.b1, b2=t.b2,
                            weight_decay=t.weight_decay, clip_norm=t.clip_norm,
-                           decayed={"embed", "unembed", "ple_embed", "ple_proj", *MUON_DIMS},
-                           muon_dims=MUON_DIMS, muon_dtype=t.muon_dtype, specs=specs)
+                           decayed=MATRICES, muon_dims=MUON_DIMS, muon_dtype=t.muon_dtype,
+                           specs=specs, mu_dtype=t.mu_dtype, nu_dtype=t.nu_dtype)
 
 
 def param_specs(cfg: ModelConfig) -> dict:
@@ -1057,7 +1060,9 @@ def train_state(cfg: Config, mesh, teacher: ModelConfig | None = None) -> train.
     if mesh.shape["stage"] > 1:
         specs["layers"] = {k: P("stage", *s[1:]) for k, s in specs["layers"].items()}
     return train.TrainState(partial(_init, cfg.model), specs, make_optimizer(cfg.train, specs),
-                            mesh, ref=ref, lora=lora, frozen=frozen)
+                            mesh, ref=ref, lora=lora, frozen=frozen, cast=partial(
+                                train.cast_matrices, dtype=cfg.train.weight_dtype,
+                                matrices=MATRICES), offload=cfg.train.offload_opt_state)
 
 
 def count_params(cfg: ModelConfig) -> int:
@@ -1287,9 +1292,15 @@ def main(cfg: Config) -> dict:
     if cfg.distill.logits and not cfg.distill.save:  # distillation, offline: random top-k
         k = (tc.batch_size, tc.seq_len, cfg.distill.top_k)
         tokens = (tokens, (np.ones(k, np.float32), np.zeros(k, np.int32) + np.arange(k[2])))
+    if m.remat == "auto":  # the policy that keeps the most and fits, from compiled steps
+        with_remat = lambda r: replace(cfg, model=replace(m, remat=r))
+        cfg = with_remat(train.auto_remat(lambda r: st.jit(partial(
+            train_step, cfg=with_remat(r), tx=st.tx, teacher=teacher)), st.abstract(),
+            train.put(tokens, mesh, BATCH_AXES, True), mesh))
+        m, step_fn = cfg.model, st.jit(partial(train_step, cfg=cfg, tx=st.tx, teacher=teacher))
     if cfg.dry_run:  # on random tokens, as --bench: no data read, no checkpoint written
         return train.dry_run(step_fn, st.abstract(), train.put(tokens, mesh, BATCH_AXES, True),
-                             mesh, count_params(m), attention=kernel, **pipe)
+                             mesh, count_params(m), attention=kernel, remat=m.remat, **pipe)
     with jax.set_mesh(mesh):
         if cfg.bench:
             return train.bench(step_fn, st.fresh(jax.random.key(tc.seed)),

@@ -23,6 +23,7 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name as named_as  # what --model.remat may keep
 from jax.sharding import PartitionSpec as P
 
 from common import hf, lora, observe, optim, sampling, train
@@ -102,7 +103,8 @@ class ModelConfig:
     # auto: splash on TPU, cuDNN on GPU where it applies, else blocked (common/attention.py)
     attention: Literal["auto", "splash", "cudnn", "blocked", "xla", "einsum"] = how("auto")
     context_attention: Literal["allgather", "ring", "ulysses"] = how("allgather")  # --mesh.context
-    remat: Literal["full", "dots", "none"] = how("full")  # what the backward pass may keep
+    # What the backward pass may keep (common/train.py's REMAT_NAMES); auto: the most that fits
+    remat: Literal["auto", "full", "qkv", "attn", "proj", "offload", "dots", "none"] = how("full")
     scan_layers: bool = how(True)
     loss_chunk: int = how(256)    # sequence positions per cross-entropy chunk (bounds [B,T,V])
     loss_impl: Literal["fused", "remat"] = how("fused")  # gradient made with the loss, or rebuilt
@@ -392,7 +394,7 @@ def block(x_BTD, lp: dict, cfg: ModelConfig, *, pos_BT, inv_freq, mask_BTS=None,
                 k, v = ck[i], cv[i]
                 kv = (ck, cv) if whole else (k, v)
             shared = k, v
-        k, v = shared
+        q, k, v = (named_as(x, n) for x, n in zip((q, *shared), "qkv"))
         if cfg.yarn_factor:  # YaRN's temperature where it stretches RoPE: logits x (0.1 ln s + 1)^2
             q = q * jnp.where(is_global, (0.1 * math.log(max(cfg.yarn_factor, 1)) + 1) ** 2, 1.0)
         S = k.shape[2 if cache else 1]
@@ -413,13 +415,12 @@ def block(x_BTD, lp: dict, cfg: ModelConfig, *, pos_BT, inv_freq, mask_BTS=None,
         o = pick(full, local) if W else full()
         if cfg.attn_gate:  # Qwen3.5: a gate per head and channel
             o = o * jax.nn.sigmoid(jnp.einsum("btd,dnh->btnh", h, w("wq_gate")))
-        o = jnp.einsum("btnh,nhd->btd", o, w("wo"))
+        o = named_as(jnp.einsum("btnh,nhd->btd", named_as(o, "attn"), w("wo")), "o")
     x_BTD = x_BTD + (norm(o, "attn_post_norm") if cfg.sandwich_norm or cfg.post_norm else o)
     h = x_BTD if cfg.post_norm else norm(x_BTD, "mlp_norm")
     act = lambda g: jax.nn.gelu(g, approximate=True) if cfg.gelu else jax.nn.silu(g)
-    g = jnp.einsum("btd,df->btf", h, w("w_gate"))
-    u = jnp.einsum("btd,df->btf", h, w("w_up"))
-    y = jnp.einsum("btf,fd->btd", act(g) * u, w("w_down"))
+    g, u = (named_as(jnp.einsum("btd,df->btf", h, w(n)), "mlp_in") for n in ("w_gate", "w_up"))
+    y = named_as(jnp.einsum("btf,fd->btd", act(g) * u, w("w_down")), "mlp_out")
     x_BTD = x_BTD + (norm(y, "mlp_post_norm") if cfg.sandwich_norm or cfg.post_norm else y)
     if cfg.ple_dim:  # Gemma 4: the layer's own input, gated by the stream, normed, added
         g = act(jnp.einsum("btd,dp->btp", x_BTD, w("ple_gate"))) * ple_BTP
@@ -595,10 +596,6 @@ def delta_rule_chunked(q_BTHK, k_BTHK, v_BTHV, g_BTH, beta_BTH, chunk: int, S=No
     return o.transpose(1, 0, 3, 2, 4).reshape(B, n * C, H, Dv)[:, :T], S
 
 
-REMAT_POLICIES = {"full": jax.checkpoint_policies.nothing_saveable,
-                  "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
-
-
 def hidden(params: dict, tokens_BT, cfg: ModelConfig, *, positions=None, mask_BTS=None,
            cache=None, index=0, max_logits: bool = False):
     """Token ids -> (final-normed hidden states [B, T, D] in the compute dtype, KV cache, stats):
@@ -632,11 +629,8 @@ def hidden(params: dict, tokens_BT, cfg: ModelConfig, *, positions=None, mask_BT
         pr = rms_norm(pr.reshape(*pr.shape[:2], L, -1), gain(params["ple_norm"]), cfg.norm_eps)
         e = scale(look(params["ple_embed"]), math.sqrt(cfg.ple_dim)).reshape(pr.shape)
         ple_LBTP = jnp.moveaxis(scale(pr + e, 2 ** -0.5), 2, 0)
-    remat = lambda f: f if cfg.remat == "none" or cache is not None else jax.checkpoint(
-        # Decoding keeps no activations for a backward. Inside a rolled scan the recomputation
-        # cannot be merged away; unrolled, XLA would merge it into the forward pass (and keep
-        # every activation) unless prevented.
-        f, policy=REMAT_POLICIES[cfg.remat], prevent_cse=not cfg.scan_layers)
+    # Decoding keeps no activations for a backward.
+    remat = lambda f: f if cache is not None else train.remat(f, cfg.remat, cfg.scan_layers)
     # Unrolled (--model.no-scan-layers), each layer is compiled on its own.
     scan = partial(jax.lax.scan, unroll=not cfg.scan_layers)
     run = partial(block, cfg=cfg, pos_BT=pos_BT, mask_BTS=mask_BTS, index=index,
@@ -916,6 +910,8 @@ def validate(cfg: Config, n_devices: int, tok) -> Task:
     need(m.quant == "none", f"--model.quant {m.quant}: quantized training is train_dense.py's "
          "and train_moe.py's; the policy here trains in --model.dtype. Use --model.quant none.")
     lora.check_lora(cfg.lora, g.optimizer, g.qk_clip_threshold, "--grpo")  # LoRA
+    need(m.remat != "auto", "--model.remat auto: train_dense.py and train_moe.py pick it; here "
+         "name a policy (full, qkv, attn, proj, offload, dots or none).")
     need(mesh.stage * mesh.dcn_stage == 1, f"--mesh.stage {mesh.stage}: pipeline stages are "
          "train_dense.py's and train_moe.py's; here the devices would repeat one another's "
          "work. Keep it 1 and spread the policy over --mesh.fsdp.")

@@ -33,6 +33,7 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name as named_as  # what --model.remat may keep
 from jax.sharding import PartitionSpec as P
 
 from common import hf, lora, optim, sampling, train
@@ -125,7 +126,8 @@ class ModelConfig:
     # auto: splash on TPU, cuDNN on GPU where it applies, else blocked (common/attention.py)
     attention: Literal["auto", "splash", "cudnn", "blocked", "xla", "einsum"] = how("auto")
     context_attention: Literal["allgather", "ring", "ulysses"] = how("allgather")  # --mesh.context
-    remat: Literal["full", "dots", "none"] = how("full")  # what the backward pass may keep
+    # What the backward pass may keep (common/train.py's REMAT_NAMES); auto: the most that fits
+    remat: Literal["auto", "full", "qkv", "attn", "proj", "offload", "dots", "none"] = how("full")
     scan_layers: bool = how(True)
     loss_chunk: int = how(256)    # sequence positions per cross-entropy chunk (bounds [B,T,V])
     grouped_matmul: Literal["auto", "ragged_dot", "tiled", "megablox"] = how("auto")  # _grouped_impl
@@ -172,6 +174,12 @@ class TrainConfig:
     clip_norm: float = 1.0
     optimizer: Literal["adamw", "muon"] = "adamw"  # muon: the hidden matrices (common/optim.py)
     muon_dtype: Literal["float32", "bfloat16"] = "float32"  # Muon's momentum and iteration
+    # Fitting a chip (docs/speed.md): the matrices' master copy and Adam's moments in bfloat16
+    # (MaxText's weight_dtype, mu_dtype); the optimiser state in host memory between steps
+    weight_dtype: Literal["float32", "bfloat16"] = "float32"
+    mu_dtype: Literal["float32", "bfloat16"] = "float32"
+    nu_dtype: Literal["float32", "bfloat16"] = "float32"
+    offload_opt_state: bool = resumable(False)
     qk_clip_threshold: float = resumable(0.0, ">= 0")  # MuonClip: q.k logits <= this; 0 = off
     z_loss: float = 0.0           # weight of the output mean(logsumexp^2) (PaLM); 0 = off
     load_balance_loss: float = knob(0.01, ">= 0")  # Switch balancing loss weight (layer mean)
@@ -536,12 +544,13 @@ def block(x_BTD, lp: dict, pos_BT, inv_freq, cfg: ModelConfig, max_logits: bool 
             kr = jnp.where(is_global, k, kr)
         q, k = qr, kr
     if not (cfg.index_n_heads or lin):
+        q, k, v = (named_as(x, n) for x, n in zip((q, k, v), "qkv"))
         a_BTNV, ind = attention(q, k, v, lp, cfg, is_global, max_logits), {}
     a_BTNV, top_N = a_BTNV if max_logits else (a_BTNV, None)  # DSA refuses QK-clip
     if cfg.attn_gate and not lin:  # Qwen3-Next: a gate per head and channel
         a_BTNV = a_BTNV * jax.nn.sigmoid(mm("btd,dnh->btnh", h, w("wq_gate")))
-    o = (gated_deltanet(h, lp, cfg)[0] if lin else
-         mm("btnh,nhd->btd", a_BTNV, w("wo")))
+    o = named_as(gated_deltanet(h, lp, cfg)[0] if lin else
+                 mm("btnh,nhd->btd", named_as(a_BTNV, "attn"), w("wo")), "o")
     o = rms_norm(o, lp["attn_post_norm"], cfg.norm_eps) if cfg.gemma4 else o
     x_BTD = constrain(x_BTD + (o + w("bo") if cfg.attn_bias else o), ACT_BTD)
     h = rms_norm(x_BTD, lp["mlp_norm"], cfg.norm_eps)
@@ -556,7 +565,7 @@ def block(x_BTD, lp: dict, pos_BT, inv_freq, cfg: ModelConfig, max_logits: bool 
                          ), top | ind
     if not cfg.gemma4:
         y_BTD, stats = moe(h, lp, cfg)
-        return constrain(x_BTD + y_BTD, ACT_BTD), stats | top | ind
+        return constrain(x_BTD + named_as(y_BTD, "mlp_out"), ACT_BTD), stats | top | ind
     # Gemma 4: a dense GeGLU and the experts side by side, each normed in and out, then their
     # sum; the router reads the stream normed, times its gain over sqrt(d); the layer's scalar.
     # (The experts' post-norm undoes any factor common to a token's k weights: renormalising
@@ -996,12 +1005,7 @@ def embed(params: dict, tokens_BT, cfg: ModelConfig):
 
 
 def rematted(f, cfg: ModelConfig):
-    """A layer under --model.remat. Inside a rolled scan the recomputation cannot be merged
-    away; unrolled, XLA would merge it into the forward pass (and keep every activation)."""
-    return f if cfg.remat == "none" else jax.checkpoint(
-        f, prevent_cse=not cfg.scan_layers, policy={
-            "full": jax.checkpoint_policies.nothing_saveable,
-            "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}[cfg.remat])
+    return train.remat(f, cfg.remat, cfg.scan_layers)  # a layer under --model.remat
 
 
 def hidden(params: dict, tokens_BT, cfg: ModelConfig, max_logits: bool = False, warm=None,
@@ -1232,12 +1236,16 @@ MUON_DIMS = {"wo": ((1, 2), (3,)), **dict.fromkeys(("w_gate", "w_up", "w_down"),
                               "mlp_gate", "mlp_up", "mlp_down"), ((1,), (2,)))}
 
 
+# Decayed, and bfloat16 with --train.weight-dtype (the router, which picks experts, stays float32)
+MATRICES = {"embed", "unembed", "idx_wq", "idx_wk", "idx_w", *MUON_DIMS}
+
+
 def make_optimizer(t: TrainConfig, specs: dict | None = None):
     return optim.optimizer(t.optimizer, make_schedule(t), b1=t.b1, b2=t.b2,
                            weight_decay=t.weight_decay, clip_norm=t.clip_norm,
-                           decayed={"embed", "unembed", "w_router", "idx_wq", "idx_wk", "idx_w",
-                                    *MUON_DIMS},
-                           muon_dims=MUON_DIMS, muon_dtype=t.muon_dtype, specs=specs)
+                           decayed={"w_router", *MATRICES}, muon_dims=MUON_DIMS,
+                           muon_dtype=t.muon_dtype, specs=specs, mu_dtype=t.mu_dtype,
+                           nu_dtype=t.nu_dtype)
 
 
 def train_state(cfg: Config, mesh) -> train.TrainState:
@@ -1249,7 +1257,10 @@ def train_state(cfg: Config, mesh) -> train.TrainState:
     lora = cfg.lora.rank and (  # LoRA
         lora_table(_param_table(cfg.model), MUON_DIMS, cfg.lora), cfg.train.seed)
     return train.TrainState(partial(_init, cfg.model), specs, make_optimizer(cfg.train, specs),
-                            mesh, buffers=buffers if bt else None, lora=lora or None)
+                            mesh, buffers=buffers if bt else None, lora=lora or None,
+                            offload=cfg.train.offload_opt_state, cast=partial(
+                                train.cast_matrices, dtype=cfg.train.weight_dtype,
+                                matrices=MATRICES))
 
 
 def count_params(cfg: ModelConfig) -> int:
@@ -1852,10 +1863,17 @@ def main(cfg: Config) -> dict:
     # Random tokens for --dry-run and --bench: no data, no checkpoints.
     tokens = np.random.default_rng(0).integers(0, m.vocab_size, (tc.batch_size, tc.seq_len + 1),
                                                np.int32)
+    if m.remat == "auto":  # the policy that keeps the most and fits, from compiled steps
+        with_remat = lambda r: dataclasses.replace(cfg, model=dataclasses.replace(m, remat=r))
+        cfg = with_remat(train.auto_remat(lambda r: st.jit(partial(
+            train_step, cfg=with_remat(r), tx=st.tx)), st.abstract(),
+            train.put(tokens, mesh, MOE_BATCH, True), mesh))
+        m, step_fn = cfg.model, st.jit(partial(train_step, cfg=cfg, tx=st.tx))
     if cfg.dry_run:
         return train.dry_run(step_fn, st.abstract(), train.put(tokens, mesh, MOE_BATCH, True),
                              mesh, count_params(m), active_params=count_active_params(m),
-                             attention=kernel, grouped_matmul=_grouped_impl(m, pf), **pipe)
+                             attention=kernel, grouped_matmul=_grouped_impl(m, pf),
+                             remat=m.remat, **pipe)
     with jax.set_mesh(mesh):
         if cfg.bench:
             return bench(cfg, mesh, train.put(tokens, mesh, MOE_BATCH))

@@ -106,7 +106,7 @@ def scale_by_muon(muon_dims: dict, mu_dtype, specs: dict | None = None, beta: fl
 
 def optimizer(kind: str, schedule, *, b1: float, b2: float, weight_decay: float,
               clip_norm: float, decayed: set[str], muon_dims: dict, muon_dtype: str = "float32",
-              specs: dict | None = None):
+              specs: dict | None = None, mu_dtype: str = "float32", nu_dtype: str = "float32"):
     """Clip by global norm, then AdamW, or Muon on the hidden matrices and AdamW on the rest. AdamW
     decays only the parameters whose name is in `decayed` (the matrices): decaying norm gains and
     biases only hurts. Muon (Jordan et al. 2024; Liu et al. 2025, "Muon is Scalable", the Moonlight
@@ -117,10 +117,12 @@ def optimizer(kind: str, schedule, *, b1: float, b2: float, weight_decay: float,
     axes) of the hidden matrices; every other axis (the scanned layers, the experts) is a batch of
     separate matrices, split over the devices (`orthogonalise_stack`, given the parameters'
     PartitionSpecs `specs`). Embeddings, unembedding, norms, biases and the router are not in it and
-    keep AdamW. The momentum is sharded like its parameter."""
+    keep AdamW. The momentum is sharded like its parameter. Adam's moments are kept in `mu_dtype`
+    and `nu_dtype` (MaxText's mu_dtype): bfloat16 halves their 8 bytes a parameter."""
     mask = lambda params: jax.tree_util.tree_map_with_path(
         lambda path, _: path[-1].key in decayed, params)
-    adam = optax.chain(scale_by_adam_kept(b1, b2), optax.add_decayed_weights(weight_decay, mask),
+    adam = optax.chain(scale_by_adam_kept(b1, b2, mu_dtype=mu_dtype, nu_dtype=nu_dtype),
+                       optax.add_decayed_weights(weight_decay, mask),
                        optax.scale_by_learning_rate(schedule))   # optax.adamw's chain and state
     if kind == "adamw":
         return _keeps_adam(optax.chain(optax.clip_by_global_norm(clip_norm), adam))
@@ -150,19 +152,23 @@ def _keeps_adam(tx):
     return tx
 
 
-def scale_by_adam_kept(b1: float, b2: float, eps: float = 1e-8):
+def scale_by_adam_kept(b1: float, b2: float, eps: float = 1e-8, *, mu_dtype: str = "float32",
+                       nu_dtype: str = "float32"):
     """optax.scale_by_adam, whose state stays as it was where `update`'s verdict `ok` is False,
     and whose update reads the moments so kept: the same numbers. Selected only after Adam, the
     moments made XLA split each weight's update into two passes over it (Mixtral's v5p-8 step:
-    est. 0.2204 s, 0.2166 so, as with no check at all)."""
-    adam = optax.scale_by_adam(b1, b2, eps)
+    est. 0.2204 s, 0.2166 so, as with no check at all). The moments are stored in their dtypes
+    (optax updates them in float32, then rounds) and read back in float32: with bfloat16 ones
+    the update differs from optax's (mu_dtype) by their rounding only."""
+    adam, f32 = optax.scale_by_adam(b1, b2, eps, mu_dtype=jnp.dtype(mu_dtype)), jnp.float32
+    init = lambda params: (s := adam.init(params))._replace(nu=optax.tree.cast(s.nu, nu_dtype))
 
     def update(g, state, params=None, *, ok=True, **_):
         new = jax.tree.map(lambda a, b: jnp.where(ok, a, b), adam.update(g, state)[1], state)
-        mu, nu = (optax.tree.bias_correction(m, b, new.count) for m, b in ((new.mu, b1),
-                                                                           (new.nu, b2)))
+        mu, nu = (optax.tree.bias_correction(optax.tree.cast(m, f32), b, new.count)
+                  for m, b in ((new.mu, b1), (new.nu, b2)))
         return jax.tree.map(lambda m, v: m / (jnp.sqrt(v + 0.0) + eps), mu, nu), new  # 0: eps_root
-    return optax.GradientTransformationExtraArgs(adam.init, update)
+    return optax.GradientTransformationExtraArgs(init, update)
 
 
 def max_logits(q_BTNH, k_BSKH, mask_BTS=None, chunk: int = 512, *, segment_ids=None,

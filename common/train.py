@@ -8,6 +8,7 @@ trainer hands it tables, configs, logits and, on the command line, its own funct
 """
 import contextlib
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -86,6 +87,14 @@ def split(tree: dict, like: dict) -> tuple[dict, dict]:
             for k, v in tree.items() if not (k in like and not isinstance(like[k], dict))}
     return rest, {k: split(tree[k], v)[1] if isinstance(v, dict) else tree[k]
                   for k, v in like.items()}
+
+
+def cast_matrices(params: dict, dtype: str, matrices: set[str]) -> dict:
+    """--train.weight-dtype: the master copy of the weights named in `matrices` in `dtype`. Norm
+    gains, biases and scalars stay float32: their updates are small against their size, which
+    bfloat16's 8 bits round away, and they are few."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, x: x.astype(dtype) if path[-1].key in matrices else x, params)
 
 
 def named(mesh, specs):
@@ -173,19 +182,23 @@ class TrainState:
     `lora` = (the adapters' table, seed): "params" are then the adapters, the model a frozen
     "base" (`weights`), and `model` names which of the two a model's weights restore into.
     `frozen` = {name: (init, specs)}: other models the step reads and never changes (a
-    distillation teacher), placed by their specs, given to `from_params` by name."""
+    distillation teacher), placed by their specs, given to `from_params` by name.
+    `cast(params)`: the master weights' dtypes (`cast_matrices`); `offload`: the optimiser state
+    lives in host memory (pinned_host) between steps and is brought to the device inside each
+    (MaxText's optimizer_memory_host_offload): only the weights and gradients stay in HBM."""
 
     def __init__(self, init: Callable, specs: dict, tx, mesh, *, ref: bool = False,
                  buffers: tuple[Callable, dict] | None = None, lora: tuple | None = None,
-                 frozen: dict | None = None):
+                 frozen: dict | None = None, cast: Callable = lambda p: p, offload: bool = False):
         self.init, self.tx, self.mesh, self.ref = init, tx, mesh, ref
+        self.cast, self.offload = cast, offload
         self.buffers, self.lora, self.model = buffers, lora, "base" if lora else "params"
         self.frozen = frozen or {}
         p_sh = named(mesh, specs)
         if lora:  # the model frozen, the adapters trained: the optimiser sees only those
             p_sh, self.base_sh = named(mesh, table_specs(lora[0])), p_sh
         # No concrete key: with --compile-topology the mesh's devices do not exist here.
-        abstract = jax.eval_shape(lambda: self._trained(init(jax.random.key(0))))
+        abstract = jax.eval_shape(lambda: self._trained(cast(init(jax.random.key(0)))))
         replicated = NamedSharding(mesh, P())
         # Moments take their parameter's sharding; Muon's partition leaves MaskedNodes (no
         # state) where the other optimiser's parameters are.
@@ -195,6 +208,9 @@ class TrainState:
                                        transform_non_params=lambda _: replicated)
         optional = {"ref": p_sh if ref else None, "base": self.base_sh if lora else None,
                     "buffers": named(mesh, buffers[1]) if buffers else None}
+        self.opt_on_device = opt_sh
+        if offload:
+            opt_sh = jax.tree.map(lambda s: s.with_memory_kind("pinned_host"), opt_sh)
         self.shardings = {"params": p_sh, "opt_state": opt_sh, "step": replicated} | {
             k: v for k, v in optional.items() if v is not None} | {
             k: named(mesh, specs) for k, (_, specs) in self.frozen.items()}
@@ -203,6 +219,7 @@ class TrainState:
         return table_init(self.lora[0], jax.random.key(self.lora[1])) if self.lora else params
 
     def _make(self, params, buffers=None, frozen=None):
+        params = self.cast(params)
         s = {"params": self._trained(params), "step": jnp.zeros((), jnp.int32)}
         s |= frozen or {k: init(jax.random.key(0)) for k, (init, _) in self.frozen.items()}
         s |= {"opt_state": self.tx.init(s["params"])} | ({"base": params} if self.lora else {})
@@ -228,7 +245,11 @@ class TrainState:
 
     def jit(self, step_fn):
         """step_fn(state, batch) -> (state, metrics), jitted, the state donated: a step holds
-        one copy of the state, not two."""
+        one copy of the state, not two. Offloaded, the optimiser state comes to the device for
+        the step and goes back to the host as its output (out_shardings)."""
+        if self.offload:
+            step_fn = functools.partial(lambda f, state, *a: f(state | {"opt_state": jax.device_put(
+                state["opt_state"], self.opt_on_device)}, *a), step_fn)
         return jax.jit(step_fn, donate_argnums=0, out_shardings=(self.shardings, None))
 
 
@@ -280,6 +301,80 @@ def accumulate(grad_fn, params, batch, microbatches: int, batch_axes):
     zeros = jax.tree_util.tree_map_with_path(
         lambda path, s: jnp.full(s.shape, -jnp.inf if is_max(path) else 0, s.dtype), shapes)
     return jax.lax.scan(acc, zeros, mbs)[0]
+
+
+# --model.remat: what a layer's backward pass keeps of its forward pass; the rest is recomputed.
+# The named policies keep the tensors a trainer's layer names (jax.ad_checkpoint.checkpoint_name):
+# its projections' outputs and attention's, cheap to keep next to what they cost to recompute.
+REMAT_NAMES = {"qkv": ("q", "k", "v"), "attn": ("q", "k", "v", "attn"),
+               "proj": ("q", "k", "v", "attn", "o", "mlp_in", "mlp_out")}
+REMAT_ORDER = ("none", "proj", "dots", "attn", "qkv", "full")  # `auto`'s: most kept first
+
+
+def remat_policy(name: str):
+    """jax.checkpoint's policy for --model.remat `name` (`auto` unresolved: `full`'s). offload:
+    `proj`'s tensors go to host memory in the forward pass and come back for the backward."""
+    cp = jax.checkpoint_policies
+    if name == "offload":
+        return cp.save_and_offload_only_these_names(
+            names_which_can_be_saved=[], names_which_can_be_offloaded=list(REMAT_NAMES["proj"]),
+            offload_src="device", offload_dst="pinned_host")
+    if name in REMAT_NAMES:
+        return cp.save_only_these_names(*REMAT_NAMES[name])
+    return cp.dots_with_no_batch_dims_saveable if name == "dots" else cp.nothing_saveable
+
+
+def remat(f, policy: str, scan: bool = True):
+    """A layer under --model.remat. Inside a rolled scan the recomputation cannot be merged
+    away; unrolled, XLA would merge it into the forward pass (and keep every activation)."""
+    return f if policy == "none" else jax.checkpoint(f, policy=remat_policy(policy),
+                                                     prevent_cse=not scan)
+
+
+def step_bytes(compiled) -> dict:
+    """A compiled step's memory per device (XLA's analysis), `per_device_bytes` their sum."""
+    mem = compiled.memory_analysis()
+    if mem is None:
+        return {}
+    out = {k: int(getattr(mem, k + "_in_bytes")) for k in
+           ("argument_size", "output_size", "alias_size", "temp_size")}
+    return out | {"per_device_bytes": out["argument_size"] + out["output_size"]
+                  - out["alias_size"] + out["temp_size"]}
+
+
+def memory_limit(device) -> int | None:
+    """The bytes a device's programs may use (a TPU's HBM less what the runtime keeps), or None
+    where it states none (the CPU, a --compile-topology device)."""
+    try:
+        return (device.memory_stats() or {}).get("bytes_limit")
+    except Exception:  # a device without a client (a topology's) raises; the type varies
+        return None
+
+
+def auto_remat(step_for: Callable[[str], Callable], abstract_state, batch, mesh) -> str:
+    """--model.remat auto: the policy that keeps the most (REMAT_ORDER) whose step, compiled on
+    abstract inputs before training, fits the device's memory (`memory_limit`); where no limit is
+    stated (the CPU), the first, `none`. `step_for(policy)`: the jitted step under it."""
+    limit, gib = memory_limit(mesh.devices.flat[0]), lambda b: f"{b / 2**30:.2f} GiB"
+    if limit is None:
+        log(f"remat auto: {mesh.devices.flat[0].platform} devices state no memory limit: "
+            f"{REMAT_ORDER[0]}")
+        return REMAT_ORDER[0]
+    for name in REMAT_ORDER:
+        try:
+            with jax.set_mesh(mesh):
+                need = step_bytes(step_for(name).lower(abstract_state, batch).compile()).get(
+                    "per_device_bytes", 0)
+        except Exception as e:  # XLA refuses a program larger than the device's memory
+            if "RESOURCE_EXHAUSTED" not in str(e) and "memory" not in str(e).lower():
+                raise
+            need = math.inf
+        log(f"remat auto: {name} needs {gib(need)} of {gib(limit)} per device" + (
+            ": chosen" if need <= limit else ""))
+        if need <= limit:
+            return name
+    log("remat auto: no policy fits; full, the least kept (add devices or shrink the batch)")
+    return "full"
 
 
 def is_max(path) -> bool:  # a largest logit (QK-clip's): combined over microbatches by max
@@ -455,16 +550,12 @@ def dry_run(step_fn, abstract_state, batch, mesh, n_params: int, **extra) -> dic
     # so no eager array may be created while it is set.
     with jax.set_mesh(mesh):
         compiled = step_fn.lower(abstract_state, batch).compile()
-    mem = compiled.memory_analysis()
     report = {"params": n_params, **extra, "devices": mesh.size, "compile_s": time.perf_counter()
               - t0, "platform": mesh.devices.flat[0].platform, **xla_cost(compiled)}
     log(f"dry run | {n_params:,} parameters | mesh {describe(mesh)} | compiled in "
         f"{report['compile_s']:.1f} s")
-    if mem is not None:
-        report |= {k: int(getattr(mem, k + "_in_bytes")) for k in
-                   ("argument_size", "output_size", "alias_size", "temp_size")}
-        report["per_device_bytes"] = (report["argument_size"] + report["output_size"]
-                                      - report["alias_size"] + report["temp_size"])
+    if mem := step_bytes(compiled):
+        report |= mem
         gib = lambda b: f"{b / 2**30:.2f} GiB"
         log(f"per device: {gib(report['per_device_bytes'])} = arguments "
             f"{gib(report['argument_size'])} + outputs {gib(report['output_size'])} - donated "
@@ -500,7 +591,7 @@ def bench(step_fn, state, batch, n_steps: int, *, tokens_per_step: int,
     # Each step's wall time, the warm-up being step 0: what bench/stats.py reads.
     log(f"bench{what} | step seconds 1-{n_steps}: " + " ".join(f"{t:.4f}" for t in times))
     return {"tokens_per_s": tok_s, "ms_per_step": 1e3 * dt, "mfu": util, "compile_s": compile_s,
-            "step_seconds": times}
+            "step_seconds": times} | step_bytes(step)
 
 
 def put(tree, mesh, batch_axes, abstract: bool = False):
@@ -588,6 +679,9 @@ class Loop:
         self.tokens_per_step, self.fpt = tokens_per_step, flops_per_token
         self.peak, self.peak_src = peak_flops_per_device(peak_tflops)
         self.step, self.stopped, self.seconds, self.compile_s = start, False, 0.0, None
+        # Seconds of eval and checkpoint steps, kept out of the steps' timing: in all, and in the
+        # interval the next log record covers; _t_aside: when the eval now due began.
+        self.aside, self._aside_now, self._t_aside = {"eval": 0.0, "checkpoint": 0.0}, 0.0, None
         self.evals, self.first_loss, self.last_loss = [], None, None  # evals: (step, figures)
         # _pending: (step, device metrics, steps covered, eval figures joined to it), fetched a
         # step late; _late: (did any process get SIGTERM?, was the step non-finite?, its
@@ -636,7 +730,8 @@ class Loop:
         # Explicit, like every fetch here: float(x) of a device array would hide a wait.
         m = jax.device_get(metrics)
         now = time.perf_counter()
-        dt_s, self._t_log, self._pending = now - self._t_log, now, None
+        dt_s, self._t_log, self._pending = now - self._t_log - self._aside_now, now, None
+        self._aside_now = 0.0
         tok_s = self.tokens_per_step * n_steps / dt_s
         util = mfu(self.fpt, tok_s, self.peak)
         rec = {"step": step} | {k: np.asarray(v).tolist() if np.ndim(v) else float(v)
@@ -653,12 +748,26 @@ class Loop:
 
     @property
     def eval_due(self) -> bool:
-        return self.step % self.eval_every == 0 or self.step == self.steps
+        """Whether to evaluate after this step; if so, the eval's time starts now, once the step
+        is done (its time stays the training steps'), and ends at `eval`."""
+        due = self.step % self.eval_every == 0 or self.step == self.steps
+        if due:
+            jax.block_until_ready(self._metrics)
+            self._t_aside = time.perf_counter()
+        return due
+
+    def _set_aside(self, what: str, t0: float) -> None:
+        dt = time.perf_counter() - t0
+        self.aside[what] += dt
+        self._aside_now += dt
 
     def eval(self, figures: dict, write: bool = True) -> dict:
         """Held-out figures of this step: joined to its log record, else (unless the caller
         writes them itself) a record of their own."""
         self.evals.append((self.step, figures))
+        if self._t_aside is not None:
+            self._set_aside("eval", self._t_aside)
+            self._t_aside = None
         if self._pending is not None and self._pending[0] == self.step:
             self._pending[3].update(figures)
         elif write:
@@ -678,8 +787,14 @@ class Loop:
         if (force or self.run.ckpt.due(self.step)) and jax.device_get(bad):
             self.nonfinite(self.step, m)
             self._late = (self._late[0], False, m)  # counted once
+        t0 = None
+        if force or self.run.ckpt.due(self.step):  # a save's time from when its step is done
+            jax.block_until_ready(state)
+            t0 = time.perf_counter()
         if self.run.ckpt.save(self.step, state, force=force):
             self.run.metrics_log.checkpointed()
+        if t0:
+            self._set_aside("checkpoint", t0)
         if stop:
             log(f"SIGTERM: saved step {self.step}, exiting")
             self.stopped = True
@@ -714,17 +829,22 @@ class Loop:
         util = mfu(self.fpt, tok_s, self.peak)
         timing = observe.duration(time.perf_counter() - self.run.t_start)
         if self.compile_s is not None:
-            timing += f" (compile {self.compile_s:.1f} s, steps {observe.duration(self.seconds)})"
+            timing += (f" (compile {self.compile_s:.1f} s, steps "
+                       f"{observe.duration(self.seconds - sum(self.aside.values()))}, eval "
+                       f"{self.aside['eval']:.1f} s, checkpoints {self.aside['checkpoint']:.1f} s)")
         observe.print_summary(f"run {self.run.dir}: done", [
             ("steps", f"{start} -> {end} ({end - start} this run, of {self.flag}.steps "
                       f"{self.steps})"),
             ("tokens", f"{(end - start) * self.tokens_per_step:,} this run ({per_step} per "
                        "step)"), *rows, ("wall time", timing),
             ("throughput", f"{fmt(tok_s / 1e3, '.1f')}k tok/s, {mfu_text(util)}, "
-                           f"{fmt(ms, '.0f')} ms/step (mean over logged steps after the first)"),
+                           f"{fmt(ms, '.0f')} ms/step (training steps: mean over logged steps "
+                           "after the first, eval and checkpoints apart)"),
         ] + observe.where_rows(self.run.dir, self.run.metrics_log, self.run.profiler))
         return {"start_step": start, "final_step": end, "first_loss": self.first_loss,
                 "last_loss": self.last_loss, "compile_s": self.compile_s, "evals": evals,
+                "ms_per_step": ms, "eval_s": self.aside["eval"],
+                "checkpoint_s": self.aside["checkpoint"],
                 "best_eval": best} | (self.evals[-1][1] if self.evals else {})
 
 

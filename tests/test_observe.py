@@ -383,3 +383,33 @@ def test_make_targets_for_plots_and_tensorboard():
     assert not os.path.exists("/nonexistent-venv")   # refused before building a venv
     helped = subprocess.run(["make", "help"], cwd=ROOT, capture_output=True, text=True).stdout
     assert "make plot " in helped and "make tensorboard " in helped
+
+
+def test_summary_throughput_is_the_training_steps_with_eval_and_checkpoints_apart(tmp_path):
+    """A 10 ms step, a 300 ms eval every 4 steps and a 200 ms save every 4: counted in, they
+    would make the mean 135 ms/step; the summary says the steps' own ~10 ms, the rest apart."""
+    from types import SimpleNamespace
+    from common import train
+
+    class Saves:  # a checkpointer whose every save is slow
+        due = staticmethod(lambda step: step % 4 == 0)
+        save = staticmethod(lambda step, state, force=False: (force or step % 4 == 0) and (
+            time.sleep(0.2) or True))
+
+    with observe.MetricsLog(str(tmp_path)) as log, observe.Profiler(str(tmp_path), ()) as prof:
+        run = SimpleNamespace(dir=str(tmp_path), t_start=time.perf_counter(), metrics_log=log,
+                              profiler=prof, ckpt=Saves())
+        loop = train.Loop(run, 0, 12, log_every=2, eval_every=4, tokens_per_step=1000,
+                          flops_per_token=1e6, peak_tflops=1.0, show=lambda r: "")
+        for step in loop:
+            time.sleep(0.01)
+            loop.log({"loss": jnp.float32(step)})
+            if loop.eval_due:
+                time.sleep(0.3)
+                loop.eval({"eval_loss": 1.0})
+            loop.checkpoint({"w": jnp.zeros(())})
+        out = loop.summary(12, "1 x 1000")
+    assert 10 <= out["ms_per_step"] < 40, out["ms_per_step"]
+    assert 0.9 <= out["eval_s"] < 1.5 and 0.6 <= out["checkpoint_s"] < 1.0, out
+    assert all(r["ms_per_step"] < 60 for r in log.records[1:] if "ms_per_step" in r), [
+        r.get("ms_per_step") for r in log.records]
