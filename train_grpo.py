@@ -1142,9 +1142,9 @@ def decode_params(params: dict, cfg: ModelConfig) -> dict:
     """The policy as a rollout reads it, made once: LoRA's adapters merged, the matrices in the
     compute dtype (norm gains stay float32, as the training forward reads them). Cast inside
     the decode loop instead, every step would read the float32 masters: twice the bytes."""
-    dt = jnp.dtype(cfg.dtype)
-    one = lambda path, x: (x.merged() if isinstance(x, train.Adapted) else x).astype(
-        dt if path[-1].key in MATMULS else None)
+    def one(path, x):
+        x = x.merged() if isinstance(x, train.Adapted) else x
+        return x.astype(cfg.dtype) if path[-1].key in MATMULS else x
     return jax.tree_util.tree_map_with_path(one, params, is_leaf=lambda x: isinstance(
         x, train.Adapted))
 
