@@ -95,7 +95,7 @@ def decoder(cfg: tg.Config):
 
 
 def run(args) -> list[dict]:
-    m = model(args.size)
+    m = dataclasses.replace(model(args.size), remat=args.remat)
     rank = args.lora_rank if args.lora_rank >= 0 else LORA.get(args.size, 0)
     cfg = tg.Config(model=m, grpo=tg.GRPOConfig(
         max_new_tokens=args.new, prompts_per_step=args.update_rows // 4, group_size=4,
@@ -151,6 +151,7 @@ def main(argv=None):
     p.add_argument("--update-rows", type=int, default=64, help="rows of the timed update")
     p.add_argument("--microbatches", type=int, default=8, help="of the update")
     p.add_argument("--update-steps", type=int, default=5)
+    p.add_argument("--remat", default="full", choices=("full", "dots", "none"), help="update's")
     p.add_argument("--lora-rank", type=int, default=-1, help="-1: 16 for llama3.2-1b, else 0")
     p.add_argument("--repeats", type=int, default=2)
     args = p.parse_args(argv)
