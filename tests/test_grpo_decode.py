@@ -12,7 +12,7 @@ import pytest
 import train_grpo as tg
 from bench import grpo_tpu
 from common import train
-from test_grpo import KNOBS, SMALL, left_padded, perturbed_params
+from test_grpo import GEMMA2, KNOBS, SMALL, grpo_config, left_padded, perturbed_params
 
 KW = dict(max_new=8, eos_id=2, pad_id=0, n_valid=14)
 
@@ -74,6 +74,13 @@ def test_refilled_rows_equal_the_prompts_decoded_alone():
     mask = out["mask_QN"]
     np.testing.assert_allclose(out["logp_QN"][mask], np.asarray(ref)[mask], rtol=1e-5,
                                atol=5e-5)
+
+
+def test_refill_on_a_model_it_does_not_fit_is_a_clear_error():
+    cfg = dataclasses.replace(grpo_config("/nonexistent", 1, grpo=dict(decode="refill")),
+                              model=GEMMA2)  # a window: columns counted per row, not shared
+    with pytest.raises(tg.ConfigError, match="--grpo.decode refill.*--grpo.decode halving"):
+        tg.validate(cfg, jax.device_count(), tg.CharTokenizer())
 
 
 def test_decode_params_merge_lora_and_cast_the_matrices_once():
