@@ -394,8 +394,12 @@ def block(x_BTD, lp: dict, cfg: ModelConfig, *, pos_BT, inv_freq, mask_BTS=None,
                 ck, cv, i = kv if whole else (kv[0][None], kv[1][None], 0)
                 put = lambda c, a: jax.lax.dynamic_update_slice(
                     c, a.swapaxes(1, 2)[None].astype(c.dtype), (i, 0, 0, index, 0)
-                ) if jnp.ndim(index) == 0 else c.at[i, jnp.arange(len(a))[:, None], :, index[  # a
-                    :, None] + jnp.arange(a.shape[1])].set(a.astype(c.dtype))  # column per row
+                ) if jnp.ndim(index) == 0 else c.at[  # a column per row, written as one H-vector
+                    # per (row, head, token): a [K, H] window would make XLA:TPU lay the whole
+                    # cache out S before K, copying it in and out at every step
+                    i, jnp.arange(len(a))[:, None, None], jnp.arange(a.shape[2])[:, None],
+                    index[:, None, None] + jnp.arange(a.shape[1])].set(
+                    a.swapaxes(1, 2).astype(c.dtype))
                 ck, cv = put(ck, k), put(cv, v)
                 live = slice(None if mask_BTS is None else mask_BTS.shape[-1])  # only columns
                 k, v = ck[i, :, :, live], cv[i, :, :, live]  # the mask spans are read
