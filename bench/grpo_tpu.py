@@ -8,7 +8,8 @@ written, 2 x its bytes a pass), over the seconds they took. A step's bytes are t
 weights in the compute dtype (train_grpo.decode_params: the unembedding, or the tied table,
 read whole; an untied embedding only looked up) plus each row's keys and values up to its
 new token. Then the policy update's MFU (`train_grpo.py --bench`: 6N + attention FLOPs per
-token over the data-sheet peak). The policy is random weights of the preset's shape (no
+token over the data-sheet peak) on --update-rows rows of --update-new completion tokens (512:
+see --update-new). The policy is random weights of the preset's shape (no
 download): rows never draw EOS (its id is out of range), so every row decodes all its tokens.
 
     python bench/grpo_tpu.py                          # qwen3-0.6b, 64 rows x 1024 new, 2 repeats
@@ -112,7 +113,8 @@ def run(args) -> list[dict]:
         print(f"repeat {r}: rollout {seconds:.2f} s ({steps} steps), bound {bound_s:.2f} s",
               flush=True)
         try:  # an update that does not fit (say) still leaves the decode's figures
-            upd = tg.main(dataclasses.replace(cfg, bench=args.update_steps))
+            upd = tg.main(dataclasses.replace(cfg, bench=args.update_steps, grpo=dataclasses.replace(
+                cfg.grpo, max_new_tokens=args.update_new)))
         except Exception as e:
             print(f"repeat {r}: update failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
             upd = {"mfu": math.nan, "ms_per_step": math.nan}
@@ -156,7 +158,10 @@ def main(argv=None):
     p.add_argument("--segment", type=int, default=256, help="--grpo.decode-segment (128: "
                    "about twice the decode loops to compile, for ~6%% fewer bytes)")
     p.add_argument("--update-rows", type=int, default=64, help="rows of the timed update")
-    p.add_argument("--microbatches", type=int, default=8, help="of the update")
+    # The update scores its N completion tokens' [B, N, V] logits whole (completion_logps): at
+    # 1024 tokens of Qwen3's 152k vocabulary, 2 rows a microbatch need 16.1 GiB (v5e: 15.75).
+    p.add_argument("--update-new", type=int, default=512, help="completion tokens per row")
+    p.add_argument("--microbatches", type=int, default=16, help="of the update")
     p.add_argument("--update-steps", type=int, default=5)
     p.add_argument("--remat", default="full", choices=("full", "dots", "none"), help="update's")
     p.add_argument("--lora-rank", type=int, default=-1, help="-1: 16 for llama3.2-1b, else 0")
