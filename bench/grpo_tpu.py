@@ -8,12 +8,13 @@ written, 2 x its bytes a pass), over the seconds they took. A step's bytes are t
 weights in the compute dtype (train_grpo.decode_params: the unembedding, or the tied table,
 read whole; an untied embedding only looked up) plus each row's keys and values up to its
 new token. Then the policy update's MFU (`train_grpo.py --bench`: 6N + attention FLOPs per
-token over the data-sheet peak) on --update-rows rows of --update-new completion tokens (512:
+token over the data-sheet peak; 4N under LoRA, the default at both real sizes: see LORA) on
+--update-rows rows of --update-new completion tokens (512:
 see --update-new). The policy is random weights of the preset's shape (no
 download): rows never draw EOS (its id is out of range), so every row decodes all its tokens.
 
     python bench/grpo_tpu.py                          # qwen3-0.6b, 64 rows x 1024 new, 2 repeats
-    python bench/grpo_tpu.py --size llama3.2-1b       # with LoRA (rank 16): the base frozen
+    python bench/grpo_tpu.py --size llama3.2-1b       # LoRA (rank 16) as qwen3-0.6b: base frozen
     python bench/grpo_tpu.py --size tiny --new 16     # the CPU's smoke test
 
 The table's rows (`parse` reads them back): `| size | repeat | rows | new | decode tok/s |
@@ -38,7 +39,9 @@ from common import multislice  # noqa: E402
 
 COLUMNS = ("size", "repeat", "rows", "new", "decode tok/s", "bound tok/s", "share",
            "copy GB/s", "update MFU")
-LORA = {"llama3.2-1b": 16}  # sizes trained through adapters: 1B's AdamW state fills a v5e
+# Sizes trained through adapters on one v5e: full AdamW of qwen3-0.6b (float32 masters, m, v,
+# gradients) needs 16.0 GiB there (AOT-compiled, 4 rows x 512 tokens a microbatch), llama3.2-1b more
+LORA = {"llama3.2-1b": 16, "qwen3-0.6b": 16}
 
 
 def model(size: str) -> tg.ModelConfig:
@@ -122,7 +125,9 @@ def run(args) -> list[dict]:
                       "decode tok/s": args.rows * args.new / seconds,
                       "bound tok/s": args.rows * args.new / bound_s,
                       "share": bound_s / seconds, "copy GB/s": bw / 1e9,
-                      "update MFU": upd["mfu"]})
+                      # Under LoRA the frozen weights get no gradient: the weight-gradient
+                      # matmuls, a third of the 6N per token, are not done, so 4N is counted
+                      "update MFU": upd["mfu"] * (2 / 3 if rank else 1)})
         print(f"repeat {r}: update {upd['ms_per_step']:.1f} ms/step\n" + render(table[-1:]),
               flush=True)
     return table
@@ -164,7 +169,7 @@ def main(argv=None):
     p.add_argument("--microbatches", type=int, default=16, help="of the update")
     p.add_argument("--update-steps", type=int, default=5)
     p.add_argument("--remat", default="full", choices=("full", "dots", "none"), help="update's")
-    p.add_argument("--lora-rank", type=int, default=-1, help="-1: 16 for llama3.2-1b, else 0")
+    p.add_argument("--lora-rank", type=int, default=-1, help="-1: LORA's, else 0; 0: full")
     p.add_argument("--repeats", type=int, default=2)
     args = p.parse_args(argv)
     table = run(args)
