@@ -15,7 +15,7 @@ PORT   ?= 6006
 comma  := ,
 
 .DEFAULT_GOAL := help
-.PHONY: help train distill test test-floors test-tpu test-chip muonclip-demo bench bench-gpu bench-tpu bench-context bench-window bench-parity bench-parity-moe bench-grpo bench-recovery bench-scale compile-tpu dry-run prepare clean train-moe bench-moe train-grpo \
+.PHONY: help train distill test test-floors test-tpu test-chip muonclip-demo bench bench-gpu bench-tpu bench-context bench-window bench-parity bench-parity-moe bench-grpo bench-grpo-tpu bench-recovery bench-scale compile-tpu dry-run prepare clean train-moe bench-moe train-grpo \
         plot tensorboard need-run sft dpo export-hf finetune-hf hf-fixtures eval
 
 help:  ## list the targets
@@ -145,6 +145,11 @@ bench-parity-moe: $(VENV)/.installed  ## MoE step vs MaxText 0.2.5's Mixtral blo
 
 bench-grpo: $(VENV)/.installed  ## one GRPO step (rollouts + update) vs TRL's GRPOTrainer, same model, medians + ratios
 	$(PY) bench/grpo.py $(ARGS)
+
+# One accelerator at a real size (bench/grpo_tpu.py): decode tok/s at 64 rows x 1024 new tokens,
+# its share of the memory-bandwidth bound (copy bandwidth measured in the run), update MFU, twice.
+bench-grpo-tpu: $(VENV)/.installed  ## GRPO on one chip: qwen3-0.6b decode tok/s, share of the bandwidth bound, update MFU
+	$(PY) bench/grpo_tpu.py $(ARGS)
 
 bench-recovery: $(VENV)/.installed  ## seconds from a kill -9 to the first step of the restarted group; checkpoint overhead
 	$(PY) bench/recovery.py --preset $(PRESET) $(ARGS)

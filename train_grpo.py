@@ -149,6 +149,11 @@ class GRPOConfig:
     # passes over them (TRL's steps_per_generation): fewer, larger generate calls.
     rollout_batch: int = knob(0, ">= 0")
     pack: bool = how(True)        # score and update the rollout's tokens, packed, not its pads
+    # Rollouts: `refill_rollout` (rows that finish take waiting prompts; the live cache read)
+    # or `rollout` (done rows dropped by halvings); auto: refill off the CPU where it applies
+    decode: Literal["auto", "halving", "refill"] = how("auto")
+    decode_rows: int = how(0, ">= 0")  # refill: rows decoded at once; 0 = the whole rollout
+    decode_segment: int = how(128, ">= 1")  # refill: the cache columns read grow by this
     microbatches: int = resumable(1)  # gradient accumulation within each pass
     lr: float = resumable(3e-4)   # the demo: 1e-3 dips first, 3e-3 collapses the policy
     warmup_steps: int = knob(10, ">= 0")
@@ -351,7 +356,8 @@ def block(x_BTD, lp: dict, cfg: ModelConfig, *, pos_BT, inv_freq, mask_BTS=None,
     """train_dense.py's block (tests/test_grpo.py holds the two equal) with a padding mask and
     a KV cache (`cache`): with `kv` (this layer's k and v [B, K, S, H], heads first, or the
     whole stack [L, B, K, S, H] and this layer's index, written in place) the new keys and
-    values are written at column `index` and the queries attend over the whole cache; returns
+    values are written at column `index` (or each row's own, [B]) and the queries attend over
+    the cache's first columns, as many as the mask spans (the live ones, when decoding); returns
     (x, (kv, stats: with max_logits the heads' largest logit)). Gemma 4: a layer without keys
     and values of its own attends over `shared`, an earlier layer's (k, v) (its cache, when
     decoding), which stats hold with `keep_kv`."""
@@ -389,9 +395,16 @@ def block(x_BTD, lp: dict, cfg: ModelConfig, *, pos_BT, inv_freq, mask_BTS=None,
                 whole = len(kv) == 3  # else one layer's (Gemma 4's periods): a stack of one
                 ck, cv, i = kv if whole else (kv[0][None], kv[1][None], 0)
                 put = lambda c, a: jax.lax.dynamic_update_slice(
-                    c, a.swapaxes(1, 2)[None].astype(c.dtype), (i, 0, 0, index, 0))
+                    c, a.swapaxes(1, 2)[None].astype(c.dtype), (i, 0, 0, index, 0)
+                ) if jnp.ndim(index) == 0 else c.at[  # a column per row, written as one H-vector
+                    # per (row, head, token): a [K, H] window would make XLA:TPU lay the whole
+                    # cache out S before K, copying it in and out at every step
+                    i, jnp.arange(len(a))[:, None, None], jnp.arange(a.shape[2])[:, None],
+                    index[:, None, None] + jnp.arange(a.shape[1])].set(
+                    a.swapaxes(1, 2).astype(c.dtype))
                 ck, cv = put(ck, k), put(cv, v)
-                k, v = ck[i], cv[i]
+                live = slice(None if mask_BTS is None else mask_BTS.shape[-1])  # only columns
+                k, v = ck[i, :, :, live], cv[i, :, :, live]  # the mask spans are read
                 kv = (ck, cv) if whole else (k, v)
             shared = k, v
         q, k, v = (named_as(x, n) for x, n in zip((q, *shared), "qkv"))
@@ -943,7 +956,14 @@ def validate(cfg: Config, n_devices: int, tok) -> Task:
     need(task.width + g.max_new_tokens <= m.max_seq_len, f"prompt ({task.width}) + "
          f"--grpo.max-new-tokens ({g.max_new_tokens}) exceed --model.max-seq-len {m.max_seq_len}.")
     train.check_profile(g.profile_steps, g.steps, "--grpo")
+    need(g.decode != "refill" or refills(m), f"--grpo.decode refill: rows at their own columns "
+         "need every layer to attend over a cache of its own, without a window (not Gemma's "
+         "windows or shared layers, nor DeltaNet); use --grpo.decode halving.")
     return task
+
+
+def refills(m: ModelConfig) -> bool:  # `refill_rollout` applies to this model
+    return not (m.sliding_window or m.global_head_dim or m.linear_k_heads or m.kv_shared)
 
 
 def check_model(m: ModelConfig, mesh, clip_flag: str, tau: float) -> None:
@@ -1073,6 +1093,7 @@ def rollout(params, prompt_BP, valid_BP, key, temperature, *, cfg: ModelConfig, 
     tail of a few rows stops costing the whole batch's matmuls and cache reads (each halving
     is one more decode loop compiled). Every row draws with its own noise: the same tokens."""
     B, Pw = prompt_BP.shape
+    params = decode_params(params, cfg)
     valid_BS = jnp.concatenate([valid_BP, jnp.ones((B, max_new), bool)], axis=1)
     pos_BS, safe_t = padded_positions(valid_BS), jnp.where(temperature > 0, temperature, 1.0)
     step = lambda tokens_BT, cache, col, T, rows: forward_cached(  # T tokens at columns col..
@@ -1116,21 +1137,103 @@ def rollout(params, prompt_BP, valid_BP, key, temperature, *, cfg: ModelConfig, 
     return {k: c[k] for k in ("tokens_BN", "mask_BN", "logp_BN")} | {"steps": c["i"]}
 
 
+MATMULS = {*MUON_DIMS, "embed", "unembed", "ple_embed", "ple_proj", "bq", "bk", "bv"}
+
+
+def decode_params(params: dict, cfg: ModelConfig) -> dict:
+    """The policy as a rollout reads it, made once: LoRA's adapters merged, the matrices in the
+    compute dtype (norm gains stay float32, as the training forward reads them). Cast inside
+    the decode loop instead, every step would read the float32 masters: twice the bytes."""
+    def one(path, x):
+        x = x.merged() if isinstance(x, lora.Adapted) else x
+        return x.astype(cfg.dtype) if path[-1].key in MATMULS else x
+    return jax.tree_util.tree_map_with_path(one, params, is_leaf=lambda x: isinstance(
+        x, lora.Adapted))
+
+
+def refill_rollout(params, prompt_QP, len_Q, key, temperature, *, cfg: ModelConfig, rows: int,
+                   max_new: int, eos_id: int, pad_id: int, n_valid: int, top_k: int = 0,
+                   top_p: float = 1.0, segment: int = 128, ids_Q=None):
+    """`rollout` for Q right-padded prompts (their lengths len_Q) on `rows` decode rows: a row
+    whose completion ends takes the next waiting prompt, fed one token a step from column 0 of
+    its cache row while the other rows decode (each row writes its own column). Every prompt
+    draws with noise of its own, fold_in(key, ids_Q[q]) then its token index, so its completion
+    is the one it gets decoded alone. A step attends over the cache's first W columns only,
+    W growing in `segment`s as the longest row does (a decode loop compiled per segment):
+    the keys and values read are about the live ones, not the whole budget's."""
+    Q, Pw = prompt_QP.shape
+    B, S = rows, Pw + max_new
+    params, ids_Q = decode_params(params, cfg), jnp.arange(Q) if ids_Q is None else ids_Q
+    safe_t = jnp.where(temperature > 0, temperature, 1.0)
+    col_P = jnp.arange(Pw)
+    mask_BPP = (col_P[:, None] >= col_P) & (col_P < len_Q[:B, None])[:, None, :]
+    h_BPD, cache, _ = hidden(params, prompt_QP[:B], cfg, positions=jnp.broadcast_to(col_P, (
+        B, Pw)), mask_BTS=mask_BPP, cache=init_cache(cfg, B, S), index=0)
+    last_BD = jnp.take_along_axis(h_BPD, len_Q[:B, None, None] - 1, axis=1)
+
+    def body(c, W):
+        n, q = c["n_B"], c["q_B"]  # n: the tokens of row's prompt q in its cache
+        qs = jnp.minimum(q, Q - 1)
+        j, gen = n - len_Q[qs], (q < Q) & (n >= len_Q[qs])  # j: the completion token due
+        keys = jax.vmap(lambda i, j: jax.random.fold_in(jax.random.fold_in(key, i), j))(
+            ids_Q[qs], j)
+        z_BV = policy_logits(c["logits_BV"], safe_t, n_valid)
+        tok_B = jax.vmap(lambda k, z: sampling.draw(k, z[None], temperature, top_k, top_p)[0])(
+            keys, z_BV)
+        logp_B = jnp.take_along_axis(jax.nn.log_softmax(z_BV, axis=-1), tok_B[:, None], -1)[:, 0]
+        at = (jnp.where(gen, q, Q), j)  # rows not sampling write nowhere (dropped)
+        done = gen & ((tok_B == eos_id) | (j + 1 >= max_new))
+        q = jnp.where(done, c["next"] + jnp.cumsum(done) - 1, q)  # the next waiting prompts
+        n, qs = jnp.where(done, 0, n), jnp.minimum(q, Q - 1)
+        feed_B = jnp.where(q >= Q, pad_id, jnp.where(n < len_Q[qs], prompt_QP[qs, jnp.minimum(
+            n, Pw - 1)], tok_B))
+        h_B1D, cache, _ = hidden(params, feed_B[:, None], cfg, positions=n[:, None],
+                                 mask_BTS=(jnp.arange(W) <= n[:, None])[:, None],
+                                 cache=c["cache"], index=n)
+        return c | {"i": c["i"] + 1, "cache": cache, "logits_BV": logits_of(params, h_B1D, cfg
+                                                                             )[:, 0],
+                    "n_B": jnp.where(q < Q, n + 1, 0), "q_B": q, "next": c["next"] + done.sum(),
+                    "tokens_QN": c["tokens_QN"].at[at].set(tok_B, mode="drop"),
+                    "mask_QN": c["mask_QN"].at[at].set(True, mode="drop"),
+                    "logp_QN": c["logp_QN"].at[at].set(logp_B, mode="drop")}
+
+    c = {"i": jnp.zeros((), jnp.int32), "cache": cache, "n_B": len_Q[:B], "q_B": jnp.arange(B),
+         "next": jnp.int32(B), "logits_BV": logits_of(params, last_BD, cfg)[:, 0],
+         "tokens_QN": jnp.full((Q, max_new), pad_id, jnp.int32),
+         "mask_QN": jnp.zeros((Q, max_new), bool), "logp_QN": jnp.zeros((Q, max_new), jnp.float32)}
+    for W in range(Pw + segment, S + segment, segment):  # columns 0..W-1 read, W <= S
+        W = min(W, S)
+        c = jax.lax.while_loop(lambda c: jnp.any(c["q_B"] < Q) & (jnp.max(c["n_B"]) < W),
+                               partial(body, W=W), c)
+    return {k: c[k] for k in ("tokens_QN", "mask_QN", "logp_QN")} | {"steps": c["i"]}
+
+
 def sampler(cfg: Config, mesh, tok, task: Task):
     """`generate(params, rows, key, temperature)`: one completion of each prompt, sampled on the
     device (rollouts and greedy evals share one compile), decoded and scored on the host."""
     g = cfg.grpo
     shards = train.batch_shards(mesh)  # halving down to 8 rows or so
-    rollout_fn = jax.jit(partial(rollout, cfg=cfg.model, max_new=g.max_new_tokens,
-                                 eos_id=tok.eos_id, pad_id=tok.pad_id, n_valid=tok.vocab_size,
-                                 top_k=g.top_k, top_p=g.top_p, min_rows=-(-8 // shards) * shards))
+    same = dict(cfg=cfg.model, max_new=g.max_new_tokens, eos_id=tok.eos_id, pad_id=tok.pad_id,
+                n_valid=tok.vocab_size, top_k=g.top_k, top_p=g.top_p)
+    refill = g.decode == "refill" or g.decode == "auto" and refills(cfg.model) and (
+        mesh.size == 1 and mesh.devices.flat[0].platform != "cpu")
+    rollout_fn = jax.jit(partial(rollout, **same, min_rows=-(-8 // shards) * shards))
+    refill_fn = jax.jit(partial(refill_rollout, **same, segment=g.decode_segment),
+                        static_argnames="rows")
 
     def generate(params, items: list[Row], key, temperature: float) -> dict:
         ids, valid = left_pad([r.ids for r in items], task.width, tok.pad_id)
         t0 = time.perf_counter()
         batch = train.put({"prompt": ids, "prompt_valid": valid}, mesh, BATCH_AXES)
-        out = rollout_fn(params, batch["prompt"], batch["prompt_valid"], key,
-                         jnp.float32(temperature))
+        if refill:  # the prompts right-padded: each row's tokens from column 0
+            right = np.stack([np.roll(r, -(~v).sum()) for r, v in zip(ids, valid)])
+            out = refill_fn(params, right, valid.sum(1).astype(np.int32), key,
+                            jnp.float32(temperature), rows=min(g.decode_rows or len(ids), len(ids)))
+            out = train.put({k.replace("_Q", "_B"): fetch(v) for k, v in out.items()}, mesh,
+                            BATCH_AXES)  # split over the batch shards as the update's batch
+        else:
+            out = rollout_fn(params, batch["prompt"], batch["prompt_valid"], key,
+                             jnp.float32(temperature))
         tokens, mask = fetch(out["tokens_BN"]), fetch(out["mask_BN"])
         seconds = time.perf_counter() - t0
         texts, finished = decode_completions(tok, tokens, mask)
