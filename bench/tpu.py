@@ -393,7 +393,7 @@ def summarize(runs: list[dict], rows: list[str]) -> tuple[list[dict], list[str]]
                     if best.get(side) is None or t > best[side]["tok_s"]:
                         best[side] = line
                 lines.append(line)
-        d = {s: next((x for x in lines if (x["row"], x["side"], x["i"]) == (row, s, 0)), None)
+        d = {s: next((x for x in lines if (x["row"], x["side"], x.get("i")) == (row, s, 0)), None)
              for s in SIDES}
         if d["ours"] and d["maxtext"] and "tok_s" in d["ours"] and "tok_s" in d["maxtext"]:
             d["ours"]["ratio"] = d["ours"]["tok_s"] / d["maxtext"]["tok_s"]
