@@ -1346,7 +1346,7 @@ def hf_params(ckpt: hf.Checkpoint, mesh, table: dict, mapping: dict, sizes: dict
     layer = lambda n: int(m[1]) if (m := re.match(r"model\.layers\.(\d+)\.", n)) else -1
     last = max([layer(n) for t, p in jax.tree.leaves(mapping, is_leaf=hf._is_entry) for _, n in
                 hf._file_names(t, hf.parse_layout(p, sizes), sizes)] + [
-        ckpt.config["num_hidden_layers"] - 1])
+        ckpt.config.get("num_hidden_layers", 0) - 1])  # GPT-2's n_layer: no "model.layers"
     extra = lambda n: layer(n) > last
     ignore = lambda n: (n == "lm_head.weight" or n.endswith("rotary_emb.inv_freq") or extra(n)
                         or unused(n))
