@@ -1250,6 +1250,8 @@ def check_model(m: ModelConfig, mesh, clip_flag: str, tau: float) -> None:
          "says how the q/k norms span the heads. Add --model.qk-norm, or drop it.")
     need(not (m.yarn_factor and (m.rope_scaling or m.rope_linear)), "--model.yarn-factor with "
          "--model.rope-scaling or --model.rope-linear: RoPE is stretched one way. Keep one.")
+    need(not (m.layer_norm and (m.post_norm or m.sandwich_norm or m.qk_norm)), "--model.layer-norm "
+         "with post, sandwich or q/k norms: GPT-2's LayerNorms are the pre-norms. Drop those.")
     n, G, S = m.global_every, m.global_head_dim, m.kv_shared
     need(not G or m.sliding_window and n > 1 and m.n_layers % n == 0 and G % 2 == 0, f"--model."
          f"global-head-dim {G}: the global layers, a stack of their own, run in periods of "

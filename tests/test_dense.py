@@ -59,7 +59,12 @@ def perturbed_params(cfg):
     ("mistral-7b", 7_248_023_552), ("llama3.2-1b", 1_235_814_400),
     ("qwen3-0.6b", 596_049_920), ("qwen3-8b", 8_190_735_360),
     # OLMo 3: what transformers' Olmo3ForCausalLM has at the released configs' shapes.
-    ("olmo3-7b", 7_298_011_136), ("olmo3-32b", 32_233_522_176)])
+    ("olmo3-7b", 7_298_011_136), ("olmo3-32b", 32_233_522_176),
+    # GPT-3: 96 layers of 12 d^2 + 13 d, the tables and the final LayerNorm: the paper's 174.6B;
+    # MaxText's 22B, 6B (16384 positions) and its 52k test model
+    ("gpt3-175b", 96 * (12 * 12288**2 + 13 * 12288) + (50257 + 2048 + 2) * 12288),
+    ("gpt3-22b", 22_049_107_968), ("gpt3-6b", 5_588_736_000), ("gpt3-52k", 52_464),
+    ("tiny-gpt3", 4_339_200)])
 def test_preset_parameter_counts(name, count):
     assert td.count_params(td.PRESETS[name][1].model) == count
 
@@ -305,6 +310,14 @@ def test_bad_config_is_a_clear_error_before_compiling(mesh, train, model, flag):
 def test_bad_olmo_flags(flags, match):
     with pytest.raises(td.ConfigError, match=match):
         td.validate(td.cli(["tiny", *flags]), 1)
+
+
+def test_gpt3_175b_is_the_published_count_and_bad_gpt2_flags():
+    assert td.count_params(td.PRESETS["gpt3-175b"][1].model) == 174_604_259_328
+    with pytest.raises(td.ConfigError, match="--model.layer-norm with post"):
+        td.validate(td.cli(["tiny-gpt3", "--model.sandwich-norm"]), 1)
+    with pytest.raises(td.ConfigError, match="exceeds the model's maximum"):
+        td.validate(td.cli(["tiny-gpt3", "--train.seq-len", "1024"]), 1)
 
 
 def test_tiny_olmo3_windows_and_stretches_its_training_sequence():
