@@ -28,6 +28,8 @@ GEMMA3 = dataclasses.replace(GEMMA2, n_layers=3, global_every=3, attn_softcap=0.
                              final_softcap=0.0, qk_norm=True, rope_local_theta=100.0,
                              rope_linear=2.0)
 # OLMo 3's: post norms, q/k norms over all heads, a window of 5 on layer 0, YaRN on layer 1.
+# GPT-2's block (GPT-3's): LayerNorm, learned positions, a plain GELU MLP, biases everywhere.
+GPT2 = dataclasses.replace(SMALL, n_kv_heads=SMALL.n_heads, tie_embeddings=True, **td._GPT2)
 OLMO3 = dataclasses.replace(SMALL, post_norm=True, qk_norm=True, qk_norm_whole=True,
                             sliding_window=5, global_every=2, rope_local_theta=100.0,
                             yarn_factor=4.0, yarn_original_max_len=16)
@@ -70,7 +72,7 @@ def test_preset_parameter_counts(name, count):
 
 
 def test_param_specs_match_params_tree():
-    for model in (SMALL, KNOBS, OLMO3):
+    for model in (SMALL, KNOBS, OLMO3, GPT2):
         shapes = jax.eval_shape(partial(td._init, model), jax.random.key(0))
         specs = td.param_specs(model)
         assert jax.tree.structure(shapes) == jax.tree.structure(
