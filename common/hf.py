@@ -245,6 +245,9 @@ class Checkpoint:
             named = {n: _language_model(n) for n in self._tensors}
             self.other_towers = sorted(n for n, t in named.items() if t is None)
             self._tensors = {t: self._tensors[n] for n, t in named.items() if t}
+        if self.config.get("model_type") == "gpt2" and "wte.weight" in self._tensors:
+            # GPT-2's releases keep its base model's names: as GPT2LMHeadModel names them
+            self._tensors = {"transformer." + n: t for n, t in self._tensors.items()}
         self._mxfp4 = mxfp4_pairs(self._tensors, path)   # name -> (its blocks, its scales)
         quant = self.config.get("quantization_config") or {}
         self._block = tuple(quant.get("weight_block_size") or (128, 128))

@@ -320,6 +320,15 @@ def test_gpt3_175b_is_the_published_count_and_bad_gpt2_flags():
         td.validate(td.cli(["tiny-gpt3", "--model.sandwich-norm"]), 1)
     with pytest.raises(td.ConfigError, match="exceeds the model's maximum"):
         td.validate(td.cli(["tiny-gpt3", "--train.seq-len", "1024"]), 1)
+    # GPT-3's knobs are gpt2's alone, which says neither grouped queries nor a head width
+    assert td.config_to_hf(GPT2)["model_type"] == "gpt2"
+    with pytest.raises(td.hf.HFError, match="does not fit this model.*'layer_norm': True"):
+        td.config_to_hf(GPT2, "llama")
+    for odd in (dict(n_kv_heads=2), dict(head_dim=16)):
+        with pytest.raises(td.hf.HFError, match="'gpt2' does not fit"):
+            td.config_to_hf(dataclasses.replace(GPT2, **odd), "gpt2")
+    with pytest.raises(td.hf.HFError, match="'gpt2' does not fit.*'qk_norm': True"):
+        td.config_to_hf(dataclasses.replace(GPT2, qk_norm=True), "gpt2")
 
 
 def test_tiny_olmo3_windows_and_stretches_its_training_sequence():

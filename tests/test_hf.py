@@ -377,6 +377,11 @@ def test_unsupported_options(tmp_path, edit, match):
         rope_type="linear", factor=2.0), r"rope type 'linear' on the sliding-window layers"),
     ("gemma3_text", lambda c: c.update(hidden_activation="gelu"),
      r"hidden activation 'gelu' \(only gelu_pytorch_tanh\)"),
+    ("gpt2", lambda c: c.update(activation_function="gelu"),
+     r"activation_function 'gelu' \(only gelu_new\)"),
+    ("gpt2", lambda c: c.update(scale_attn_by_inverse_layer_idx=True),
+     r"scale_attn_by_inverse_layer_idx True"),
+    ("gpt2", lambda c: c.update(scale_attn_weights=False), r"scale_attn_weights False"),
 ])
 def test_unsupported_gemma_options(tmp_path, name, edit, match):
     with pytest.raises(hf.HFError, match=match):
@@ -428,6 +433,25 @@ def test_weights_we_would_drop(tmp_path):
     folder = copy("qwen2", tmp_path, lambda c: c.update(model_type="llama"))
     with pytest.raises(hf.HFError, match=r"tensors have no place .*q_proj.bias"):
         td.load_hf(folder)
+
+
+def test_a_gpt2_release_loads(loaded, tmp_path):
+    """openai-community/gpt2's file: the base model's names (no "transformer.") and each
+    layer's causal mask (attn.bias, a buffer) beside the weights."""
+    src, out = hf.Checkpoint(fixture("gpt2")), copy("gpt2", tmp_path)
+    for f in os.listdir(out):
+        if f.startswith("model"):
+            os.remove(os.path.join(out, f))
+    names = sorted(src.names())
+    hf._write_file(os.path.join(out, "model.safetensors"), [
+        (n.removeprefix("transformer."), src.shape(n), np.dtype(np.float32),
+         lambda n=n: src.array(n).astype(np.float32)) for n in names] + [
+        (f"h.{i}.attn.bias", (1, 1, 32, 32), np.dtype(np.float32),
+         lambda: np.tril(np.ones((1, 1, 32, 32), np.float32))) for i in range(2)])
+    cfg, params = td.load_hf(out)
+    assert cfg == loaded["gpt2"][0]
+    for a, b in zip(jax.tree.leaves(host(params)), jax.tree.leaves(host(loaded["gpt2"][1]))):
+        np.testing.assert_array_equal(a, b)
 
 
 def test_truncated_file(tmp_path):
