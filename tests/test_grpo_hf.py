@@ -27,7 +27,7 @@ from common.mesh import MeshConfig
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIXTURES = os.path.join(ROOT, "tests", "fixtures", "hf")
 FAMILIES = ["llama2", "llama3.1", "llama3.2", "mistral", "qwen2", "qwen3", "gemma2",
-            "gemma3_text", "olmo3", "olmo2", "qwen3_5"]
+            "gemma3_text", "olmo3", "olmo2", "qwen3_5", "gpt2"]
 TOL = 1e-4  # float32, as tests/test_hf.py
 
 
