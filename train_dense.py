@@ -93,8 +93,7 @@ class ModelConfig:
     linear_chunk: int = how(64)   # positions per chunk of the chunkwise delta rule
     attn_gate: bool = False       # attention output times sigmoid of a second query projection
     rotary_dim: int = 0           # rotate only each head's first this many dims; 0 = all
-    # GPT-2 / GPT-3 (with `gelu`, and `qkv_bias`: a bias on every projection)
-    layer_norm: bool = False      # LayerNorm (mean removed, a bias added): pre and final norms
+    layer_norm: bool = False      # GPT-2/3 (with gelu, qkv_bias): LayerNorm, with a bias
     learned_pos: bool = False     # a learned table of max_seq_len positions added, no RoPE
     plain_mlp: bool = False       # act(x W_up) W_down: no gate
     proj_bias: bool = False       # biases on the attention output and the MLP's projections
@@ -255,12 +254,10 @@ SIZES = {  # name: (description, family, shape, other fields)
                    (2560, 42, 8, 2, 256, 10240), _E | dict(kv_shared=18)),
     "olmo3-7b": ("OLMo 3 7B (post norms, windows, YaRN)", "olmo3", (4096, 32, 32, 32, 128, 11008)),
     "olmo3-32b": ("OLMo 3 32B", "olmo3", (5120, 64, 40, 8, 128, 27648)),
-    "gpt3-175b": ("GPT-3 175B (Brown et al. 2020: vocabulary 50257, context 2048)", "gpt3",
-                  (12288, 96, 96, 96, 128, 49152)),
+    "gpt3-175b": ("GPT-3 175B, the paper's", "gpt3", (12288, 96, 96, 96, 128, 49152)),
     "gpt3-22b": ("GPT-3 22B, MaxText's", "gpt3", (6144, 48, 24, 24, 256, 24576), _GPT3),
     "gpt3-6b": ("GPT-3 6B, MaxText's", "gpt3", (3072, 48, 12, 12, 256, 12288), _GPT3),
-    "gpt3-52k": ("GPT-3 52k, MaxText's test model", "gpt3", (16, 1, 2, 2, 8, 64),
-                 dict(vocab_size=1024)),
+    "gpt3-52k": ("MaxText's GPT-3 test model", "gpt3", (16, 1, 2, 2, 8, 64), dict(vocab_size=1024)),
 }
 
 
@@ -305,10 +302,9 @@ PRESETS: dict[str, tuple[str, Config]] = {
                               norm_eps=1e-6, qk_norm=True, norm_plus_one=True, attn_gate=True,
                               global_every=4, linear_k_heads=2, linear_v_heads=4, linear_k_dim=64,
                               linear_v_dim=64, rotary_dim=16), run_dir="runs/tiny-qwen35-dense")),
-    "tiny-gpt3": ("`tiny` as GPT-3: LayerNorm, learned positions, a GELU MLP, biases, tied",
-                  Config(model=ModelConfig(**FAMILIES["gpt3"][1] | dict(
-                      vocab_size=4096, max_seq_len=512, d_ff=1024, n_kv_heads=4)),
-                         run_dir="runs/tiny-gpt3")),
+    "tiny-gpt3": ("`tiny` as GPT-3: LayerNorm, learned positions, a GELU MLP, biases, tied", Config(
+        ModelConfig(**_GPT2, tie_embeddings=True, n_kv_heads=4, d_ff=1024, max_seq_len=512),
+        run_dir="runs/tiny-gpt3")),
     # `make sft`: tools/sft_demo.py writes the data; the model is the `make train` run's.
     "tiny-sft": (  # SFT
         "fine-tune runs/tiny on the generated instruction set: the `make sft` demo",
@@ -353,9 +349,8 @@ def _param_table(cfg: ModelConfig) -> dict:
     std, out_std = 0.02, 0.02 / math.sqrt(2 * L)
     one = 0.0 if cfg.norm_plus_one else None   # a (1 + w) gain starts at w = 0
     bias, qk, sw = cfg.qkv_bias, cfg.qk_norm, cfg.sandwich_norm or cfg.post_norm
-    ln, pb = cfg.layer_norm, cfg.proj_bias  # GPT-2's
     pre, hs = not cfg.post_norm, ("tensor", None) if cfg.qk_norm_whole else (None,)  # q/k norms
-    ple, Pd = bool(cfg.ple_dim), cfg.ple_dim
+    ple, Pd, ln, pb = bool(cfg.ple_dim), cfg.ple_dim, cfg.layer_norm, cfg.proj_bias  # pb: GPT-2's
     Hk, Lv, Dk, Dv = (cfg.linear_k_heads, cfg.linear_v_heads, cfg.linear_k_dim, cfg.linear_v_dim)
 
     def stack(count, H=H, K=K, F=F, kv=True, wv=True, lin=False):  # kv: the layer makes its
@@ -568,9 +563,8 @@ def matmuls(cfg: ModelConfig):
     return jnp.einsum if cfg.quant == "none" else (lambda spec, x, w: qdot(spec, cfg.quant, x, w))
 
 
-def rms_norm(x, w, eps, b=None):
+def rms_norm(x, w, eps, b=None):  # with a bias b: LayerNorm (GPT-2's), the mean removed first
     # Statistics in float32 whatever the compute dtype: bfloat16 squares lose the small values.
-    # With a bias: LayerNorm (GPT-2's), the mean removed first.
     x32 = x.astype(jnp.float32)
     x32 = x32 if b is None else x32 - jnp.mean(x32, axis=-1, keepdims=True)
     y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
@@ -740,8 +734,7 @@ def hidden(params: dict, tokens_BT, cfg: ModelConfig, *, segment_ids=None, posit
     look = lambda table, ids=tokens: constrain(constrain(jnp.take(
         table.astype(dt), ids, axis=0), P(None, None, ("fsdp", "context"))), ACT_BTD)
     x = look(params["embed"])
-    if cfg.learned_pos:  # GPT-2's: each position's own embedding
-        x = x + look(params["pos_embed"], constrain(pos_BT, P(None, None)))
+    x = x + look(params["pos_embed"], constrain(pos_BT, P(None, None))) if cfg.learned_pos else x
     x = x * jnp.asarray(math.sqrt(cfg.d_model), dt) if cfg.embed_scale else x
     inv_freq = rope_inv_freq(replace(cfg, head_dim=cfg.global_head_dim or cfg.rotary_dim or (
         cfg.head_dim))) / (cfg.rope_linear or 1.0)
@@ -1679,9 +1672,8 @@ HF_GPT2 = {k: ("transformer." + n, lay) for k, (n, lay) in dict(
     wo=("attn.c_proj.weight", "(n h) d -> n h d"), bo=("attn.c_proj.bias", "d -> d"),
     w_up=("mlp.c_fc.weight", "d f -> d f"), b_up=("mlp.c_fc.bias", "f -> f"),
     w_down=("mlp.c_proj.weight", "f d -> f d"), b_down=("mlp.c_proj.bias", "d -> d")) | {
-    w + x: ("attn.c_attn." + n, f"{d}(3:{i} {a} h) -> {d.strip('()')}{a} h")
-    for i, (x, a) in enumerate(zip("qkv", "nkk")) for w, n, d in (("w", "weight", "d "),
-                                                                  ("b", "bias", ""))}
+    w + x: ("attn.c_attn." + n, f"{d}(3:{i} {a} h) -> {d}{a} h") for i, (x, a) in enumerate(
+        zip("qkv", "nkk")) for w, n, d in (("w", "weight", "d "), ("b", "bias", ""))}
 # Qwen3.5's gated attention: each head's query, then its gate, in one projection
 HF_GATE = {k: ("self_attn.q_proj.weight", f"(n 2:{i} h) d -> d n h") for i, k in enumerate(
     ("wq", "wq_gate"))}
@@ -1810,8 +1802,7 @@ def config_from_hf(c: dict, where: str = "config.json") -> ModelConfig:
     for key, (also, what) in HF_REFUSED.items():
         if c.get(key) not in (None, w.get(key), *also) and (key in w or also):
             raise unsupported(what.format(v=c[key], w=w.get(key)))
-    rp = w.get("rope_parameters", {})  # GPT-2: none
-    ours = {"truncate": True} | rp.get("full_attention", rp)
+    ours = {"truncate": True} | (rp := w.get("rope_parameters", {})).get("full_attention", rp)
     if fixed and (odd := {p: v for p, v in rope.items() if v is not None and not math.isclose(
             v, ours.get(p, math.nan))}):
         raise unsupported(f"YaRN with {odd} (only {ours})")
@@ -1880,11 +1871,9 @@ def config_to_hf(cfg: ModelConfig, model_type: str = "", dtype: str = "float32")
     if mt == "qwen3_5_text":  # n - 1 DeltaNet layers, then gated attention turning a share
         c |= dict(full_attention_interval=n, rope_parameters=rope | {
             "partial_rotary_factor": (cfg.rotary_dim or cfg.head_dim) / cfg.head_dim})
-    if mt == "gpt2":  # its own spellings; no RoPE, no activation but its own
-        ours = {v: k for k, v in GPT2_KEYS.items()}
-        c = {ours.get(k, k): v for k, v in c.items() if k not in (
-            "head_dim", "num_key_value_heads", "hidden_act", "rope_parameters", "rope_theta",
-            "rope_scaling")}
+    if mt == "gpt2":  # its own spellings; no RoPE, heads d / n wide, its own activation
+        c = {{v: k for k, v in GPT2_KEYS.items()}.get(k, k): v for k, v in c.items() if not (
+            k.startswith("rope") or k in ("head_dim", "num_key_value_heads", "hidden_act"))}
     if "rope_local_theta" in says:  # 5.x: rope_parameters per layer type
         local = cfg.rope_local_theta or cfg.rope_theta  # 4.x Gemma 3 its local base
         c |= dict(rope_parameters={"full_attention": rope, "sliding_attention": {

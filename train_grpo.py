@@ -98,8 +98,7 @@ class ModelConfig:
     linear_chunk: int = how(64)   # positions per chunk of the chunkwise delta rule
     attn_gate: bool = False       # attention output times sigmoid of a second query projection
     rotary_dim: int = 0           # rotate only each head's first this many dims; 0 = all
-    # GPT-2 / GPT-3 (with `gelu`, and `qkv_bias`: a bias on every projection)
-    layer_norm: bool = False      # LayerNorm (mean removed, a bias added): pre and final norms
+    layer_norm: bool = False      # GPT-2/3 (with gelu, qkv_bias): LayerNorm, with a bias
     learned_pos: bool = False     # a learned table of max_seq_len positions added, no RoPE
     plain_mlp: bool = False       # act(x W_up) W_down: no gate
     proj_bias: bool = False       # biases on the attention output and the MLP's projections
@@ -251,9 +250,8 @@ def _param_table(cfg: ModelConfig) -> dict:
     std, out_std = 0.02, 0.02 / math.sqrt(2 * L)
     one = 0.0 if cfg.norm_plus_one else None   # a (1 + w) gain starts at w = 0
     bias, qk, sw = cfg.qkv_bias, cfg.qk_norm, cfg.sandwich_norm or cfg.post_norm
-    ln, pb = cfg.layer_norm, cfg.proj_bias  # GPT-2's
     pre, hs = not cfg.post_norm, ("tensor", None) if cfg.qk_norm_whole else (None,)  # q/k norms
-    ple, Pd = bool(cfg.ple_dim), cfg.ple_dim
+    ple, Pd, ln, pb = bool(cfg.ple_dim), cfg.ple_dim, cfg.layer_norm, cfg.proj_bias  # pb: GPT-2's
     Hk, Lv, Dk, Dv = (cfg.linear_k_heads, cfg.linear_v_heads, cfg.linear_k_dim, cfg.linear_v_dim)
 
     def stack(count, H=H, K=K, F=F, kv=True, wv=True, lin=False):  # kv: the layer makes its
@@ -458,9 +456,8 @@ CACHE_SPECS = {"k": CACHE_LBKSH, "v": CACHE_LBKSH,  # and DeltaNet's: rows and k
                "delta": P(None, BATCH_AXES, "tensor")}
 
 
-def rms_norm(x, w, eps, b=None):
+def rms_norm(x, w, eps, b=None):  # with a bias b: LayerNorm (GPT-2's), the mean removed first
     # Statistics in float32 whatever the compute dtype: bfloat16 squares lose the small values.
-    # With a bias: LayerNorm (GPT-2's), the mean removed first.
     x32 = x.astype(jnp.float32)
     x32 = x32 if b is None else x32 - jnp.mean(x32, axis=-1, keepdims=True)
     y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
@@ -1617,9 +1614,8 @@ HF_GPT2 = {k: ("transformer." + n, lay) for k, (n, lay) in dict(
     wo=("attn.c_proj.weight", "(n h) d -> n h d"), bo=("attn.c_proj.bias", "d -> d"),
     w_up=("mlp.c_fc.weight", "d f -> d f"), b_up=("mlp.c_fc.bias", "f -> f"),
     w_down=("mlp.c_proj.weight", "f d -> f d"), b_down=("mlp.c_proj.bias", "d -> d")) | {
-    w + x: ("attn.c_attn." + n, f"{d}(3:{i} {a} h) -> {d.strip('()')}{a} h")
-    for i, (x, a) in enumerate(zip("qkv", "nkk")) for w, n, d in (("w", "weight", "d "),
-                                                                  ("b", "bias", ""))}
+    w + x: ("attn.c_attn." + n, f"{d}(3:{i} {a} h) -> {d}{a} h") for i, (x, a) in enumerate(
+        zip("qkv", "nkk")) for w, n, d in (("w", "weight", "d "), ("b", "bias", ""))}
 HF_GATE = {k: ("self_attn.q_proj.weight", f"(n 2:{i} h) d -> d n h") for i, k in enumerate(
     ("wq", "wq_gate"))}
 # Gemma 4's per-layer inputs: one table [v, L p] (q = L p), the stream's projection, its norm
@@ -1747,8 +1743,7 @@ def config_from_hf(c: dict, where: str = "config.json") -> ModelConfig:
     for key, (also, what) in HF_REFUSED.items():
         if c.get(key) not in (None, w.get(key), *also) and (key in w or also):
             raise unsupported(what.format(v=c[key], w=w.get(key)))
-    rp = w.get("rope_parameters", {})  # GPT-2: none
-    ours = {"truncate": True} | rp.get("full_attention", rp)
+    ours = {"truncate": True} | (rp := w.get("rope_parameters", {})).get("full_attention", rp)
     if fixed and (odd := {p: v for p, v in rope.items() if v is not None and not math.isclose(
             v, ours.get(p, math.nan))}):
         raise unsupported(f"YaRN with {odd} (only {ours})")
@@ -1817,11 +1812,9 @@ def config_to_hf(cfg: ModelConfig, model_type: str = "", dtype: str = "float32")
     if mt == "qwen3_5_text":  # n - 1 DeltaNet layers, then gated attention turning a share
         c |= dict(full_attention_interval=n, rope_parameters=rope | {
             "partial_rotary_factor": (cfg.rotary_dim or cfg.head_dim) / cfg.head_dim})
-    if mt == "gpt2":  # its own spellings; no RoPE, no activation but its own
-        ours = {v: k for k, v in GPT2_KEYS.items()}
-        c = {ours.get(k, k): v for k, v in c.items() if k not in (
-            "head_dim", "num_key_value_heads", "hidden_act", "rope_parameters", "rope_theta",
-            "rope_scaling")}
+    if mt == "gpt2":  # its own spellings; no RoPE, heads d / n wide, its own activation
+        c = {{v: k for k, v in GPT2_KEYS.items()}.get(k, k): v for k, v in c.items() if not (
+            k.startswith("rope") or k in ("head_dim", "num_key_value_heads", "hidden_act"))}
     if "rope_local_theta" in says:  # 5.x: rope_parameters per layer type
         local = cfg.rope_local_theta or cfg.rope_theta  # 4.x Gemma 3 its local base
         c |= dict(rope_parameters={"full_attention": rope, "sliding_attention": {

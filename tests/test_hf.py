@@ -342,8 +342,8 @@ def test_shape_mismatch(tmp_path):
 
 
 def test_unknown_model_type(tmp_path):
-    folder = copy("llama2", tmp_path, lambda c: c.update(model_type="gpt2"))
-    with pytest.raises(hf.HFError, match=r"model_type 'gpt2' is not a dense family"):
+    folder = copy("llama2", tmp_path, lambda c: c.update(model_type="bert"))
+    with pytest.raises(hf.HFError, match=r"model_type 'bert' is not a dense family"):
         td.load_hf(folder)
 
 
