@@ -94,6 +94,10 @@ class ModelConfig:
     linear_chunk: int = how(64)   # positions per chunk of the chunkwise delta rule
     attn_gate: bool = False       # attention output times sigmoid of a second query projection
     rotary_dim: int = 0           # rotate only each head's first this many dims; 0 = all
+    layer_norm: bool = False      # GPT-2/3 (with gelu, qkv_bias): LayerNorm, with a bias
+    learned_pos: bool = False     # a learned table of max_seq_len positions added, no RoPE
+    plain_mlp: bool = False       # act(x W_up) W_down: no gate
+    proj_bias: bool = False       # biases on the attention output and the MLP's projections
     # How to compute, not what: these may change when a run is resumed.
     dtype: Literal["float32", "bfloat16"] = how("float32")  # activations and matmuls (weights f32)
     # auto: splash on TPU, cuDNN on GPU where it applies, else blocked (common/attention.py)
@@ -194,6 +198,8 @@ class Config:
 # A preset at scale: its family's fields (and training length), then its shape and changes.
 _GEMMA = dict(head_dim=256, norm_eps=1e-6, tie_embeddings=True, norm_plus_one=True,
               sandwich_norm=True, embed_scale=True, gelu=True, query_scale=256.0)
+_GPT2 = dict(layer_norm=True, learned_pos=True, plain_mlp=True, proj_bias=True, qkv_bias=True,
+             gelu=True)
 FAMILIES = {  # Gemma: (1 + w) and sandwich norms, GeGLU, tied embeddings scaled by sqrt(d)
     "llama2": (4096, dict(vocab_size=32000, max_seq_len=4096)),
     "llama3": (4096, dict(vocab_size=128256, max_seq_len=131072, rope_theta=5e5, rope_scaling=8.0,
@@ -217,7 +223,9 @@ FAMILIES = {  # Gemma: (1 + w) and sandwich norms, GeGLU, tied embeddings scaled
     "olmo3": (8192, dict(vocab_size=100278, max_seq_len=65536, rope_theta=5e5, norm_eps=1e-6,
                          post_norm=True, qk_norm=True, qk_norm_whole=True, sliding_window=4096,
                          global_every=4, yarn_factor=8.0, yarn_original_max_len=8192)),
+    "gpt3": (2048, _GPT2 | dict(vocab_size=50257, max_seq_len=2048, tie_embeddings=True)),
 }
+_GPT3 = dict(vocab_size=32768, max_seq_len=16384)  # MaxText's GPT-3 6B and 22B
 _E = dict(max_seq_len=131072, sliding_window=512, ple_dim=256, kv_shared=20)  # Gemma 4 E2B/E4B
 SHAPE = ("d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff")
 SIZES = {  # name: (description, family, shape, other fields)
@@ -254,6 +262,10 @@ SIZES = {  # name: (description, family, shape, other fields)
                    (2560, 42, 8, 2, 256, 10240), _E | dict(kv_shared=18)),
     "olmo3-7b": ("OLMo 3 7B (post norms, windows, YaRN)", "olmo3", (4096, 32, 32, 32, 128, 11008)),
     "olmo3-32b": ("OLMo 3 32B", "olmo3", (5120, 64, 40, 8, 128, 27648)),
+    "gpt3-175b": ("GPT-3 175B, the paper's", "gpt3", (12288, 96, 96, 96, 128, 49152)),
+    "gpt3-22b": ("GPT-3 22B, MaxText's", "gpt3", (6144, 48, 24, 24, 256, 24576), _GPT3),
+    "gpt3-6b": ("GPT-3 6B, MaxText's", "gpt3", (3072, 48, 12, 12, 256, 12288), _GPT3),
+    "gpt3-52k": ("MaxText's GPT-3 test model", "gpt3", (16, 1, 2, 2, 8, 64), dict(vocab_size=1024)),
 }
 
 
@@ -298,6 +310,9 @@ PRESETS: dict[str, tuple[str, Config]] = {
                               norm_eps=1e-6, qk_norm=True, norm_plus_one=True, attn_gate=True,
                               global_every=4, linear_k_heads=2, linear_v_heads=4, linear_k_dim=64,
                               linear_v_dim=64, rotary_dim=16), run_dir="runs/tiny-qwen35-dense")),
+    "tiny-gpt3": ("`tiny` as GPT-3: LayerNorm, learned positions, a GELU MLP, biases, tied", Config(
+        ModelConfig(**_GPT2, tie_embeddings=True, n_kv_heads=4, d_ff=1024, max_seq_len=512),
+        run_dir="runs/tiny-gpt3")),
     # `make sft`: tools/sft_demo.py writes the data; the model is the `make train` run's.
     "tiny-sft": (  # SFT
         "fine-tune runs/tiny on the generated instruction set: the `make sft` demo",
@@ -343,7 +358,7 @@ def _param_table(cfg: ModelConfig) -> dict:
     one = 0.0 if cfg.norm_plus_one else None   # a (1 + w) gain starts at w = 0
     bias, qk, sw = cfg.qkv_bias, cfg.qk_norm, cfg.sandwich_norm or cfg.post_norm
     pre, hs = not cfg.post_norm, ("tensor", None) if cfg.qk_norm_whole else (None,)  # q/k norms
-    ple, Pd = bool(cfg.ple_dim), cfg.ple_dim
+    ple, Pd, ln, pb = bool(cfg.ple_dim), cfg.ple_dim, cfg.layer_norm, cfg.proj_bias  # pb: GPT-2's
     Hk, Lv, Dk, Dv = (cfg.linear_k_heads, cfg.linear_v_heads, cfg.linear_k_dim, cfg.linear_v_dim)
 
     def stack(count, H=H, K=K, F=F, kv=True, wv=True, lin=False):  # kv: the layer makes its
@@ -355,7 +370,10 @@ def _param_table(cfg: ModelConfig) -> dict:
             "wk": ((D, K, H), ("fsdp", "tensor", None), std, kv),
             "wv": ((D, K, H), ("fsdp", "tensor", None), std, kv and wv),
             "wo": ((N, H, D), ("tensor", None, "fsdp"), out_std, True),
-            "w_gate": ((D, F), ("fsdp", "tensor"), std, True),
+            "attn_norm_bias": ((D,), (None,), 0.0, pre and ln), "mlp_norm_bias": (
+                (D,), (None,), 0.0, pre and ln), "bo": ((D,), (None,), 0.0, pb),
+            "b_up": ((F,), ("tensor",), 0.0, pb), "b_down": ((D,), (None,), 0.0, pb),
+            "w_gate": ((D, F), ("fsdp", "tensor"), std, not cfg.plain_mlp),
             "w_up": ((D, F), ("fsdp", "tensor"), std, True),
             "w_down": ((F, D), ("tensor", "fsdp"), out_std, True),
             "bq": ((N, H), ("tensor", None), 0.0, bias),
@@ -386,6 +404,8 @@ def _param_table(cfg: ModelConfig) -> dict:
     split = cfg.vocab_split and cfg.tie_embeddings  # the tied table split on V, as the loss uses it
     table = {"embed": ((V, D), P(("tensor", "fsdp"), None) if split else P("tensor", "fsdp"), std),
              "final_norm": ((D,), P(None), one)}
+    table |= {"final_norm_bias": ((D,), P(None), 0.0)} if ln else {}
+    table |= {"pos_embed": ((cfg.max_seq_len, D), P(None, "fsdp"), std)} if cfg.learned_pos else {}
     if cfg.global_head_dim:  # Gemma 4: local and global layers of different shapes, and the
         # last kv_shared of each without keys and values of their own: four stacks
         n, S, GH, GK = cfg.global_every, cfg.kv_shared, cfg.global_head_dim, cfg.global_kv_heads
@@ -422,10 +442,12 @@ def block(x_BTD, lp: dict, cfg: ModelConfig, *, pos_BT, inv_freq, segment_ids=No
     with `keep_kv`; ple_BTP is the layer's own input."""
     dt, lp = x_BTD.dtype, lora.merged(lp)  # LoRA: each adapted weight merged, in its layer
     w, mm = weights(lp, dt, cfg), matmuls(cfg)
+    b = lambda name: w(name) if name in lp else 0  # biases: those this model has
 
     def norm(x, name):  # a gain [N, H] (OLMo's q/k norms) normalises all heads at once
-        g = 1.0 + lp[name] if cfg.norm_plus_one else lp[name]
-        return rms_norm(x.reshape(*x.shape[:-g.ndim], -1), g.ravel(), cfg.norm_eps).reshape(x.shape)
+        g, b = 1.0 + lp[name] if cfg.norm_plus_one else lp[name], lp.get(name + "_bias")
+        return rms_norm(x.reshape(*x.shape[:-g.ndim], -1), g.ravel(), cfg.norm_eps, b).reshape(
+            x.shape)
 
     h = x_BTD if cfg.post_norm else norm(x_BTD, "attn_norm")
     if "lin_q" in lp:  # Qwen3.5's DeltaNet layers: no keys, no logits (QK-clip is refused).
@@ -438,6 +460,7 @@ def block(x_BTD, lp: dict, cfg: ModelConfig, *, pos_BT, inv_freq, segment_ids=No
             inv_freq = jnp.where(is_global, inv_freq[1], inv_freq[0])
         q = mm("btd,dnh->btnh", h, w("wq")) + (w("bq") if cfg.qkv_bias else 0)
         rope = partial_rope if cfg.rotary_dim else apply_rope  # Qwen3.5: a share of the dims
+        rope = (lambda x, *_: x) if cfg.learned_pos else rope
         q = rope(norm(q, "q_norm") if cfg.qk_norm else q, pos_BT, inv_freq)
         if kv is None:  # else a Gemma 4 layer reusing an earlier layer's (kv_shared)
             k = mm("btd,dkh->btkh", h, w("wk"))
@@ -463,12 +486,14 @@ def block(x_BTD, lp: dict, cfg: ModelConfig, *, pos_BT, inv_freq, segment_ids=No
                  } if max_logits else {}
         if cfg.attn_gate:  # Qwen3.5: a gate per head and channel
             o = o * jax.nn.sigmoid(mm("btd,dnh->btnh", h, w("wq_gate")))
-        o = named_as(mm("btnh,nhd->btd", named_as(o, "attn"), w("wo")), "o")
+        o = named_as(mm("btnh,nhd->btd", named_as(o, "attn"), w("wo")) + b("bo"), "o")
     x_BTD = x_BTD + (norm(o, "attn_post_norm") if cfg.sandwich_norm or cfg.post_norm else o)
     h = x_BTD if cfg.post_norm else norm(x_BTD, "mlp_norm")
     act = lambda g: jax.nn.gelu(g, approximate=True) if cfg.gelu else jax.nn.silu(g)
-    g, u = (named_as(mm("btd,df->btf", h, w(n)), "mlp_in") for n in ("w_gate", "w_up"))
-    y = named_as(mm("btf,fd->btd", act(g) * u, w("w_down")), "mlp_out")
+    u = named_as(mm("btd,df->btf", h, w("w_up")) + b("b_up"), "mlp_in")
+    g = None if cfg.plain_mlp else named_as(mm("btd,df->btf", h, w("w_gate")), "mlp_in")
+    u = act(u) if g is None else act(g) * u  # GPT-2's MLP has no gate
+    y = named_as(mm("btf,fd->btd", u, w("w_down")) + b("b_down"), "mlp_out")
     x_BTD = x_BTD + (norm(y, "mlp_post_norm") if cfg.sandwich_norm or cfg.post_norm else y)
     if cfg.ple_dim:  # Gemma 4: the layer's own input, gated by the stream, normed, added
         g = act(jnp.einsum("btd,dp->btp", x_BTD, w("ple_gate"))) * ple_BTP
@@ -547,11 +572,12 @@ def matmuls(cfg: ModelConfig):
     return jnp.einsum if cfg.quant == "none" else (lambda spec, x, w: qdot(spec, cfg.quant, x, w))
 
 
-def rms_norm(x, w, eps):
+def rms_norm(x, w, eps, b=None):  # with a bias b: LayerNorm (GPT-2's), the mean removed first
     # Statistics in float32 whatever the compute dtype: bfloat16 squares lose the small values.
     x32 = x.astype(jnp.float32)
+    x32 = x32 if b is None else x32 - jnp.mean(x32, axis=-1, keepdims=True)
     y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return (y * w).astype(x.dtype)
+    return (y * w + (0 if b is None else b)).astype(x.dtype)
 
 
 def apply_rope(x_BTNH, pos_BT, inv_freq):
@@ -710,9 +736,10 @@ def hidden(params: dict, tokens_BT, cfg: ModelConfig, *, segment_ids=None, posit
     # split on V: in its rows, summed), then the rows go to their batch shards: gathering the
     # table would put all of it, and its gradient, on every device (2 GiB each at 128k x 8192).
     tokens = constrain(tokens_BT, P(None, None))
-    look = lambda table: constrain(constrain(jnp.take(table.astype(dt), tokens, axis=0), P(
-        None, None, ("fsdp", "context"))), ACT_BTD)
+    look = lambda table, ids=tokens: constrain(constrain(jnp.take(
+        table.astype(dt), ids, axis=0), P(None, None, ("fsdp", "context"))), ACT_BTD)
     x = look(params["embed"])
+    x = x + look(params["pos_embed"], constrain(pos_BT, P(None, None))) if cfg.learned_pos else x
     x = x * jnp.asarray(math.sqrt(cfg.d_model), dt) if cfg.embed_scale else x
     inv_freq = rope_inv_freq(replace(cfg, head_dim=cfg.global_head_dim or cfg.rotary_dim or (
         cfg.head_dim))) / (cfg.rope_linear or 1.0)
@@ -779,7 +806,8 @@ def hidden(params: dict, tokens_BT, cfg: ModelConfig, *, segment_ids=None, posit
             (x, _), _ = scan(partial(period, shared=kv), (x, None), (
                 by(params["shared_layers"], G - own), params["shared_global_layers"], ple[1]))
         stats = {}
-    return rms_norm(x, gain(params["final_norm"]), cfg.norm_eps), stats
+    bias = params.get("final_norm_bias")  # LayerNorm's (GPT-2)
+    return rms_norm(x, gain(params["final_norm"]), cfg.norm_eps, bias), stats
 
 
 def unembedding(params: dict, cfg: ModelConfig):
@@ -1222,6 +1250,8 @@ def check_model(m: ModelConfig, mesh, clip_flag: str, tau: float) -> None:
          "says how the q/k norms span the heads. Add --model.qk-norm, or drop it.")
     need(not (m.yarn_factor and (m.rope_scaling or m.rope_linear)), "--model.yarn-factor with "
          "--model.rope-scaling or --model.rope-linear: RoPE is stretched one way. Keep one.")
+    need(not (m.layer_norm and (m.post_norm or m.sandwich_norm or m.qk_norm)), "--model.layer-norm "
+         "with post, sandwich or q/k norms: GPT-2's LayerNorms are the pre-norms. Drop those.")
     n, G, S = m.global_every, m.global_head_dim, m.kv_shared
     need(not G or m.sliding_window and n > 1 and m.n_layers % n == 0 and G % 2 == 0, f"--model."
          f"global-head-dim {G}: the global layers, a stack of their own, run in periods of "
@@ -1505,7 +1535,8 @@ HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM"
                     "gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM",
                     "gemma3_text": "Gemma3ForCausalLM", "olmo2": "Olmo2ForCausalLM",
                     "olmo3": "Olmo3ForCausalLM", "gemma4_text": "Gemma4ForCausalLM",
-                    "qwen3_5_text": "Qwen3_5ForCausalLM"}  # Qwen3.5 (its language model)
+                    "qwen3_5_text": "Qwen3_5ForCausalLM",  # Qwen3.5 (its language model)
+                    "gpt2": "GPT2LMHeadModel"}  # GPT-2, and GPT-3's block
 GEMMA = ("gemma2", "gemma3_text", "gemma4_text")
 # What transformers assumes for a key that config.json leaves out (its config classes).
 _GEMMA_HF = dict(num_key_value_heads=4, head_dim=256, query_pre_attn_scalar=256,
@@ -1532,7 +1563,12 @@ _HF_DEFAULTS = {mt: dict(rms_norm_eps=1e-6) | d for mt, d in {
                          linear_num_key_heads=16, linear_num_value_heads=32,
                          linear_key_head_dim=128, linear_value_head_dim=128,
                          linear_conv_kernel_dim=4),
+    "gpt2": dict(max_position_embeddings=1024, rms_norm_eps=1e-5, tie_word_embeddings=True),
 }.items()}
+# GPT-2's config.json spells these keys its own way (read as ours; n_inner null: 4 d).
+GPT2_KEYS = dict(n_embd="hidden_size", n_layer="num_hidden_layers", n_head="num_attention_heads",
+                 n_positions="max_position_embeddings", n_inner="intermediate_size",
+                 layer_norm_epsilon="rms_norm_eps")
 # config.json keys that are our knobs as they stand, in every family and then in some: read as the
 # knob's type (absent, null or 0: its default), written as its value.
 HF_KEYS = {"vocab_size": "vocab_size", "hidden_size": "d_model", "head_dim": "head_dim",
@@ -1579,7 +1615,10 @@ HF_REFUSED = dict(
                                  "use_bidirectional_attention {v!r} (an encoder)"),
     enable_moe_block=((), "enable_moe_block (26B-A4B's experts; train_moe.py loads it)"),
     layer_types=((), "layer_types {v} (only every n-th layer global)"),
-    per_layer_config=((), "per_layer_config {v} (only the global layers', all alike)"))
+    per_layer_config=((), "per_layer_config {v} (only the global layers', all alike)"),
+    activation_function=(("gelu_pytorch_tanh",), "activation_function {v!r} (only {w})"),
+    scale_attn_weights=((True,), "scale_attn_weights {v}"),
+    scale_attn_by_inverse_layer_idx=((False,), "scale_attn_by_inverse_layer_idx {v}"))
 # The knobs a family implies (config.json does not spell them); the others are off.
 _GEMMA_KNOBS = dict(norm_plus_one=True, sandwich_norm=True, embed_scale=True, gelu=True)
 HF_KNOBS = {"llama": {}, "mistral": {}, "qwen2": dict(qkv_bias=True), "qwen3": dict(qk_norm=True),
@@ -1588,7 +1627,7 @@ HF_KNOBS = {"llama": {}, "mistral": {}, "qwen2": dict(qkv_bias=True), "qwen3": d
                 ("olmo2", "olmo3"), dict(post_norm=True, qk_norm=True, qk_norm_whole=True)),
             "gemma4_text": _GEMMA_KNOBS | dict(norm_plus_one=False, qk_norm=True, v_norm=True,
                                                layer_scale=True, query_scale=1.0),
-            "qwen3_5_text": dict(norm_plus_one=True, qk_norm=True, attn_gate=True)}
+            "qwen3_5_text": dict(norm_plus_one=True, qk_norm=True, attn_gate=True), "gpt2": _GPT2}
 HF_NEEDS = {"gemma4_text": "global_head_dim", "qwen3_5_text": "linear_k_heads"}  # on, to write
 # What transformers itself writes into each family's config.json, beyond our fields.
 _GELU_TANH = dict(hidden_act="gelu_pytorch_tanh", hidden_activation="gelu_pytorch_tanh",
@@ -1601,7 +1640,9 @@ HF_CONSTANTS = {"llama": dict(attention_bias=False, mlp_bias=False, pretraining_
                 "olmo2": dict(attention_bias=False), "olmo3": dict(attention_bias=False),
                 "gemma4_text": _GELU_TANH | dict(enable_moe_block=False, num_experts=None,
                                                  top_k_experts=None, moe_intermediate_size=None),
-                "qwen3_5_text": dict(attention_bias=False)}
+                "qwen3_5_text": dict(attention_bias=False), "gpt2": dict(
+                    activation_function="gelu_new", scale_attn_weights=True,
+                    scale_attn_by_inverse_layer_idx=False, reorder_and_upcast_attn=False)}
 # Our parameters as HuggingFace tensors (name, layout: common/hf.py). HF's nn.Linear keeps
 # [out, in], ours [in, out] with the heads split out: a transpose and a reshape, then stacked
 # on l. Atoms: l layers, d model, n query heads, k key/value heads, h head width, f MLP, v vocab.
@@ -1635,6 +1676,17 @@ HF_LAYER = {"attn_norm": ("input_layernorm.weight", "d -> d"),
         lin_a=("in_proj_a.weight", "(lk lr) d -> d lk lr")).items()} | {
     f"lin_{x}": ("linear_attn.in_proj_qkv.weight", f"([lk lq|lk lq|lk lr ly]:{i}) d -> d lk "
                  + ("lq" if i < 2 else "lr ly")) for i, x in enumerate("qkv")}
+# GPT-2's: Conv1D weights stored [in, out]; one c_attn with every head's q, then k, then v
+HF_GPT2 = {k: ("transformer." + n, lay) for k, (n, lay) in dict(
+    embed=("wte.weight", "v d -> v d"), pos_embed=("wpe.weight", "x d -> x d"),
+    final_norm=("ln_f.weight", "d -> d"), final_norm_bias=("ln_f.bias", "d -> d")).items()} | dict(
+    attn_norm=("ln_1.weight", "d -> d"), attn_norm_bias=("ln_1.bias", "d -> d"),
+    mlp_norm=("ln_2.weight", "d -> d"), mlp_norm_bias=("ln_2.bias", "d -> d"),
+    wo=("attn.c_proj.weight", "(n h) d -> n h d"), bo=("attn.c_proj.bias", "d -> d"),
+    w_up=("mlp.c_fc.weight", "d f -> d f"), b_up=("mlp.c_fc.bias", "f -> f"),
+    w_down=("mlp.c_proj.weight", "f d -> f d"), b_down=("mlp.c_proj.bias", "d -> d")) | {
+    w + x: ("attn.c_attn." + n, f"{d}(3:{i} {a} h) -> {d}{a} h") for i, (x, a) in enumerate(
+        zip("qkv", "nkk")) for w, n, d in (("w", "weight", "d "), ("b", "bias", ""))}
 # Qwen3.5's gated attention: each head's query, then its gate, in one projection
 HF_GATE = {k: ("self_attn.q_proj.weight", f"(n 2:{i} h) d -> d n h") for i, k in enumerate(
     ("wq", "wq_gate"))}
@@ -1652,7 +1704,7 @@ def hf_mapping(cfg: ModelConfig) -> dict:
     whole = {n: (HF_LAYER[n][0], f"({a} h) -> {a} h") for n, a in zip(("q_norm", "k_norm"), "nk")}
     names = HF_LAYER | ({"mlp_norm": ("pre_feedforward_layernorm.weight", "d -> d")}  # Gemma's
                         if cfg.sandwich_norm else {}) | (whole if cfg.qk_norm_whole else {}) | (
-        HF_GATE if cfg.attn_gate else {})
+        HF_GATE if cfg.attn_gate else {}) | (HF_GPT2 if cfg.learned_pos else {})
     n, F = cfg.global_every, cfg.n_layers - cfg.kv_shared
     at = {"layers": ("l", "{l}")} if not (cfg.global_head_dim or cfg.linear_k_heads) else {
         "layers": ("l", f"{{l*{n}//{n - 1}}}"), "global_layers": ("g", f"{{g*{n}+{n - 1}}}"),
@@ -1660,9 +1712,10 @@ def hf_mapping(cfg: ModelConfig) -> dict:
         "shared_global_layers": ("t", f"{{t*{n}+{F + n - 1}}}")}
     atoms = lambda k: str.maketrans(dict(("hj", "ku") * ("global" in k) + ("fw",) * (
         k.startswith("shared") and cfg.wide_shared_mlp)))
-    layer = lambda k, w: (f"model.layers.{at[k][1]}." + names[w][0], names[w][1].translate(
+    stack = "transformer.h" if cfg.learned_pos else "model.layers"  # GPT-2's name
+    layer = lambda k, w: (f"{stack}.{at[k][1]}." + names[w][0], names[w][1].translate(
         atoms(k)).replace("-> ", f"-> {at[k][0]} "))
-    return {k: {w: layer(k, w) for w in v} if k in at else (HF_TOP | HF_PLE)[k]
+    return {k: {w: layer(k, w) for w in v} if k in at else (HF_TOP | HF_PLE | names)[k]
             for k, v in _param_table(cfg).items()}
 
 
@@ -1674,7 +1727,8 @@ def _hf_sizes(cfg: ModelConfig) -> dict:
                 k=cfg.n_kv_heads, h=cfg.head_dim, f=cfg.d_ff, v=cfg.vocab_size, o=1,
                 j=cfg.global_head_dim or cfg.head_dim, u=cfg.global_kv_heads or cfg.n_kv_heads,
                 w=2 * cfg.d_ff, p=cfg.ple_dim, q=L * cfg.ple_dim, lk=Hk, lq=Dk,
-                lr=Hv // max(Hk, 1), lx=2 * Hk * Dk + Hv * Dv, lw=cfg.linear_conv, lv=Hv, ly=Dv)
+                lr=Hv // max(Hk, 1), lx=2 * Hk * Dk + Hv * Dv, lw=cfg.linear_conv, lv=Hv, ly=Dv,
+                x=cfg.max_seq_len)
 
 
 def _hf_keys(mt: str) -> dict:
@@ -1696,6 +1750,9 @@ def config_from_hf(c: dict, where: str = "config.json") -> ModelConfig:
         raise hf.HFError(f"{where}: model_type {mt!r} is not a dense family this trainer loads "
                          f"({', '.join(HF_ARCHITECTURES)}); mixture-of-experts models (mixtral, "
                          "qwen3_moe) belong to train_moe.py.")
+    if mt == "gpt2":
+        c = {GPT2_KEYS.get(k, k): v for k, v in c.items()}
+        c["intermediate_size"] = c.get("intermediate_size") or 4 * c.get("hidden_size", 0)
     c = _HF_DEFAULTS[mt] | c
     unsupported = lambda what: hf.HFError(f"{where}: {what} is not implemented here, so this "
                                           f"{mt} model cannot be loaded faithfully.")
@@ -1758,7 +1815,7 @@ def config_from_hf(c: dict, where: str = "config.json") -> ModelConfig:
     for key, (also, what) in HF_REFUSED.items():
         if c.get(key) not in (None, w.get(key), *also) and (key in w or also):
             raise unsupported(what.format(v=c[key], w=w.get(key)))
-    ours = {"truncate": True} | w["rope_parameters"].get("full_attention", w["rope_parameters"])
+    ours = {"truncate": True} | (rp := w.get("rope_parameters", {})).get("full_attention", rp)
     if fixed and (odd := {p: v for p, v in rope.items() if v is not None and not math.isclose(
             v, ours.get(p, math.nan))}):
         raise unsupported(f"YaRN with {odd} (only {ours})")
@@ -1772,7 +1829,8 @@ def _misfit(cfg: ModelConfig, mt: str) -> dict:
         k for ms, knobs, *_ in HF_ROPE.values() if mt in ms for k in knobs.values()}
     some = {k for m in _ALL for k in [*HF_KNOBS[m], *_hf_keys(m).values()]} | set(HF_SPELLED) | {
         k for _, knobs, *_ in HF_ROPE.values() for k in knobs.values()}
-    want = lambda k: HF_KNOBS[mt].get(k, getattr(cfg if k in says else ModelConfig, k))
+    one = dict(head_dim=cfg.d_model // cfg.n_heads, n_kv_heads=cfg.n_heads) if mt == "gpt2" else {}
+    want = lambda k: HF_KNOBS[mt].get(k, one.get(k, getattr(cfg if k in says else ModelConfig, k)))
     return {k: getattr(cfg, k) for k in sorted(some) if getattr(cfg, k) != want(k) or k == (
         HF_NEEDS.get(mt)) and not getattr(cfg, k) or k == "query_scale" and cfg.query_scale % 1}
 
@@ -1791,7 +1849,8 @@ def config_to_hf(cfg: ModelConfig, model_type: str = "", dtype: str = "float32")
                          "norms, soft-caps gemma2's, gemma3_text's; windows theirs and olmo3's, "
                          "a local RoPE gemma3_text's and olmo3's; gemma4_text needs global layers "
                          "of their own, normed values, scaled layers, a query scale of 1; "
-                         "qwen3_5_text Gated DeltaNet layers and gated attention.")
+                         "qwen3_5_text Gated DeltaNet layers and gated attention; gpt2 "
+                         "LayerNorm, learned positions, a GELU MLP, biases, d / n wide heads.")
     kind, (_, knobs, fixed, off) = next((k, r) for k, r in HF_ROPE.items() if mt in r[0] and (
         r[3] or all(getattr(cfg, k) for k in [*r[1].values()][:1])))  # the first that is on
     rope = {"rope_type": kind, "rope_theta": cfg.rope_theta} | {
@@ -1825,6 +1884,9 @@ def config_to_hf(cfg: ModelConfig, model_type: str = "", dtype: str = "float32")
     if mt == "qwen3_5_text":  # n - 1 DeltaNet layers, then gated attention turning a share
         c |= dict(full_attention_interval=n, rope_parameters=rope | {
             "partial_rotary_factor": (cfg.rotary_dim or cfg.head_dim) / cfg.head_dim})
+    if mt == "gpt2":  # its own spellings; no RoPE, heads d / n wide, its own activation
+        c = {{v: k for k, v in GPT2_KEYS.items()}.get(k, k): v for k, v in c.items() if not (
+            k.startswith("rope") or k in ("head_dim", "num_key_value_heads", "hidden_act"))}
     if "rope_local_theta" in says:  # 5.x: rope_parameters per layer type
         local = cfg.rope_local_theta or cfg.rope_theta  # 4.x Gemma 3 its local base
         c |= dict(rope_parameters={"full_attention": rope, "sliding_attention": {
@@ -1841,7 +1903,8 @@ def load_hf(path: str, mesh=None) -> tuple[ModelConfig, dict]:
     # Gemma 4's layers that reuse keys and values may carry projections that nothing reads
     unused = lambda name: (p := name.split("."))[:2] == ["model", "layers"] and p[3:4] == [
         "self_attn"] and p[4] in ("k_proj", "v_proj", "k_norm") and int(p[2]) >= (
-        cfg.n_layers - cfg.kv_shared) or p[0] == "mtp"  # Qwen3.5's MTP module (text-only exports)
+        cfg.n_layers - cfg.kv_shared) or p[0] == "mtp" or (  # Qwen3.5's MTP module (text-only
+        p[-1] in ("bias", "masked_bias") and p[-2] == "attn")  # exports), GPT-2's causal masks
     return cfg, hf.hf_params(ckpt, mesh, _param_table(cfg), hf_mapping(cfg), _hf_sizes(cfg),
                              unused)
 

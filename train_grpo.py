@@ -98,6 +98,10 @@ class ModelConfig:
     linear_chunk: int = how(64)   # positions per chunk of the chunkwise delta rule
     attn_gate: bool = False       # attention output times sigmoid of a second query projection
     rotary_dim: int = 0           # rotate only each head's first this many dims; 0 = all
+    layer_norm: bool = False      # GPT-2/3 (with gelu, qkv_bias): LayerNorm, with a bias
+    learned_pos: bool = False     # a learned table of max_seq_len positions added, no RoPE
+    plain_mlp: bool = False       # act(x W_up) W_down: no gate
+    proj_bias: bool = False       # biases on the attention output and the MLP's projections
     # How to compute, not what: these may change when a run is resumed.
     dtype: Literal["float32", "bfloat16"] = how("float32")  # activations and matmuls (weights f32)
     # auto: splash on TPU, cuDNN on GPU where it applies, else blocked (common/attention.py)
@@ -253,7 +257,7 @@ def _param_table(cfg: ModelConfig) -> dict:
     one = 0.0 if cfg.norm_plus_one else None   # a (1 + w) gain starts at w = 0
     bias, qk, sw = cfg.qkv_bias, cfg.qk_norm, cfg.sandwich_norm or cfg.post_norm
     pre, hs = not cfg.post_norm, ("tensor", None) if cfg.qk_norm_whole else (None,)  # q/k norms
-    ple, Pd = bool(cfg.ple_dim), cfg.ple_dim
+    ple, Pd, ln, pb = bool(cfg.ple_dim), cfg.ple_dim, cfg.layer_norm, cfg.proj_bias  # pb: GPT-2's
     Hk, Lv, Dk, Dv = (cfg.linear_k_heads, cfg.linear_v_heads, cfg.linear_k_dim, cfg.linear_v_dim)
 
     def stack(count, H=H, K=K, F=F, kv=True, wv=True, lin=False):  # kv: the layer makes its
@@ -265,7 +269,10 @@ def _param_table(cfg: ModelConfig) -> dict:
             "wk": ((D, K, H), ("fsdp", "tensor", None), std, kv),
             "wv": ((D, K, H), ("fsdp", "tensor", None), std, kv and wv),
             "wo": ((N, H, D), ("tensor", None, "fsdp"), out_std, True),
-            "w_gate": ((D, F), ("fsdp", "tensor"), std, True),
+            "attn_norm_bias": ((D,), (None,), 0.0, pre and ln), "mlp_norm_bias": (
+                (D,), (None,), 0.0, pre and ln), "bo": ((D,), (None,), 0.0, pb),
+            "b_up": ((F,), ("tensor",), 0.0, pb), "b_down": ((D,), (None,), 0.0, pb),
+            "w_gate": ((D, F), ("fsdp", "tensor"), std, not cfg.plain_mlp),
             "w_up": ((D, F), ("fsdp", "tensor"), std, True),
             "w_down": ((F, D), ("tensor", "fsdp"), out_std, True),
             "bq": ((N, H), ("tensor", None), 0.0, bias),
@@ -296,6 +303,8 @@ def _param_table(cfg: ModelConfig) -> dict:
     split = cfg.vocab_split and cfg.tie_embeddings  # the tied table split on V, as the loss uses it
     table = {"embed": ((V, D), P(("tensor", "fsdp"), None) if split else P("tensor", "fsdp"), std),
              "final_norm": ((D,), P(None), one)}
+    table |= {"final_norm_bias": ((D,), P(None), 0.0)} if ln else {}
+    table |= {"pos_embed": ((cfg.max_seq_len, D), P(None, "fsdp"), std)} if cfg.learned_pos else {}
     if cfg.global_head_dim:  # Gemma 4: local and global layers of different shapes, and the
         # last kv_shared of each without keys and values of their own: four stacks
         n, S, GH, GK = cfg.global_every, cfg.kv_shared, cfg.global_head_dim, cfg.global_kv_heads
@@ -363,10 +372,12 @@ def block(x_BTD, lp: dict, cfg: ModelConfig, *, pos_BT, inv_freq, mask_BTS=None,
     decoding), which stats hold with `keep_kv`."""
     dt, lp = x_BTD.dtype, lora.merged(lp)  # LoRA: each adapted weight merged, in its layer
     w = lambda name: lp[name].astype(dt)   # f32 master weights, compute-dtype matmuls
+    b = lambda name: w(name) if name in lp else 0  # biases: those this model has
 
     def norm(x, name):  # a gain [N, H] (OLMo's q/k norms) normalises all heads at once
-        g = 1.0 + lp[name] if cfg.norm_plus_one else lp[name]
-        return rms_norm(x.reshape(*x.shape[:-g.ndim], -1), g.ravel(), cfg.norm_eps).reshape(x.shape)
+        g, b = 1.0 + lp[name] if cfg.norm_plus_one else lp[name], lp.get(name + "_bias")
+        return rms_norm(x.reshape(*x.shape[:-g.ndim], -1), g.ravel(), cfg.norm_eps, b).reshape(
+            x.shape)
 
     h = x_BTD if cfg.post_norm else norm(x_BTD, "attn_norm")
     if "lin_q" in lp:  # Qwen3.5's DeltaNet layers: left padding zeroed, so the state stays 0
@@ -382,6 +393,7 @@ def block(x_BTD, lp: dict, cfg: ModelConfig, *, pos_BT, inv_freq, mask_BTS=None,
             inv_freq = jnp.where(is_global, inv_freq[1], inv_freq[0])
         q = jnp.einsum("btd,dnh->btnh", h, w("wq")) + (w("bq") if cfg.qkv_bias else 0)
         rope = partial_rope if cfg.rotary_dim else apply_rope  # Qwen3.5: a share of the dims
+        rope = (lambda x, *_: x) if cfg.learned_pos else rope
         q = rope(norm(q, "q_norm") if cfg.qk_norm else q, pos_BT, inv_freq)
         if shared is None:  # else a Gemma 4 layer reusing an earlier layer's (kv_shared)
             k = jnp.einsum("btd,dkh->btkh", h, w("wk"))
@@ -428,12 +440,14 @@ def block(x_BTD, lp: dict, cfg: ModelConfig, *, pos_BT, inv_freq, mask_BTS=None,
         o = pick(full, local) if W else full()
         if cfg.attn_gate:  # Qwen3.5: a gate per head and channel
             o = o * jax.nn.sigmoid(jnp.einsum("btd,dnh->btnh", h, w("wq_gate")))
-        o = named_as(jnp.einsum("btnh,nhd->btd", named_as(o, "attn"), w("wo")), "o")
+        o = named_as(jnp.einsum("btnh,nhd->btd", named_as(o, "attn"), w("wo")) + b("bo"), "o")
     x_BTD = x_BTD + (norm(o, "attn_post_norm") if cfg.sandwich_norm or cfg.post_norm else o)
     h = x_BTD if cfg.post_norm else norm(x_BTD, "mlp_norm")
     act = lambda g: jax.nn.gelu(g, approximate=True) if cfg.gelu else jax.nn.silu(g)
-    g, u = (named_as(jnp.einsum("btd,df->btf", h, w(n)), "mlp_in") for n in ("w_gate", "w_up"))
-    y = named_as(jnp.einsum("btf,fd->btd", act(g) * u, w("w_down")), "mlp_out")
+    u = named_as(jnp.einsum("btd,df->btf", h, w("w_up")) + b("b_up"), "mlp_in")
+    g = None if cfg.plain_mlp else named_as(jnp.einsum("btd,df->btf", h, w("w_gate")), "mlp_in")
+    u = act(u) if g is None else act(g) * u  # GPT-2's MLP has no gate
+    y = named_as(jnp.einsum("btf,fd->btd", u, w("w_down")) + b("b_down"), "mlp_out")
     x_BTD = x_BTD + (norm(y, "mlp_post_norm") if cfg.sandwich_norm or cfg.post_norm else y)
     if cfg.ple_dim:  # Gemma 4: the layer's own input, gated by the stream, normed, added
         g = act(jnp.einsum("btd,dp->btp", x_BTD, w("ple_gate"))) * ple_BTP
@@ -457,11 +471,12 @@ CACHE_SPECS = {"k": CACHE_LBKSH, "v": CACHE_LBKSH,  # and DeltaNet's: rows and k
                "delta": P(None, BATCH_AXES, "tensor")}
 
 
-def rms_norm(x, w, eps):
+def rms_norm(x, w, eps, b=None):  # with a bias b: LayerNorm (GPT-2's), the mean removed first
     # Statistics in float32 whatever the compute dtype: bfloat16 squares lose the small values.
     x32 = x.astype(jnp.float32)
+    x32 = x32 if b is None else x32 - jnp.mean(x32, axis=-1, keepdims=True)
     y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return (y * w).astype(x.dtype)
+    return (y * w + (0 if b is None else b)).astype(x.dtype)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
@@ -618,12 +633,13 @@ def hidden(params: dict, tokens_BT, cfg: ModelConfig, *, positions=None, mask_BT
     # Gather the table's fsdp shards first (as FSDP does for every weight), in the compute
     # dtype: a lookup into a table split on d makes XLA replicate the whole result.
     dt = jnp.dtype(cfg.dtype)
-    look = lambda table: constrain(jnp.take(constrain(table.astype(dt), P("tensor", None)),
-                                            tokens_BT, axis=0), ACT_BTD)
+    look = lambda table, ids=tokens_BT: constrain(jnp.take(constrain(table.astype(dt), P(
+        "tensor", None)), ids, axis=0), ACT_BTD)
     x = look(params["embed"])
     x = x * jnp.asarray(math.sqrt(cfg.d_model), dt) if cfg.embed_scale else x
     pos_BT = (jnp.broadcast_to(jnp.arange(tokens_BT.shape[1]), tokens_BT.shape)
               if positions is None else positions)
+    x = x + look(params["pos_embed"], pos_BT) if cfg.learned_pos else x  # GPT-2's
     inv_freq = rope_inv_freq(replace(cfg, head_dim=cfg.global_head_dim or cfg.rotary_dim or (
         cfg.head_dim))) / (cfg.rope_linear or 1.0)
     L, W, n, S = cfg.n_layers, cfg.sliding_window, cfg.global_every, cfg.kv_shared
@@ -697,7 +713,8 @@ def hidden(params: dict, tokens_BT, cfg: ModelConfig, *, positions=None, mask_BT
     if cache is not None:
         cache = {p + w: constrain(a, CACHE_SPECS[w]) for p, kv in new.items()
                  for w, a in zip(cache_parts(cfg, p), kv)}
-    return rms_norm(x, gain(params["final_norm"]), cfg.norm_eps), cache, stats
+    bias = params.get("final_norm_bias")  # LayerNorm's (GPT-2)
+    return rms_norm(x, gain(params["final_norm"]), cfg.norm_eps, bias), cache, stats
 
 
 def unembedding(params: dict, cfg: ModelConfig):
@@ -994,6 +1011,8 @@ def check_model(m: ModelConfig, mesh, clip_flag: str, tau: float) -> None:
          "says how the q/k norms span the heads. Add --model.qk-norm, or drop it.")
     need(not (m.yarn_factor and (m.rope_scaling or m.rope_linear)), "--model.yarn-factor with "
          "--model.rope-scaling or --model.rope-linear: RoPE is stretched one way. Keep one.")
+    need(not (m.layer_norm and (m.post_norm or m.sandwich_norm or m.qk_norm)), "--model.layer-norm "
+         "with post, sandwich or q/k norms: GPT-2's LayerNorms are the pre-norms. Drop those.")
     n, G, S = m.global_every, m.global_head_dim, m.kv_shared
     need(not G or m.sliding_window and n > 1 and m.n_layers % n == 0 and G % 2 == 0, f"--model."
          f"global-head-dim {G}: the global layers, a stack of their own, run in periods of "
@@ -1543,7 +1562,8 @@ HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM"
                     "gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM",
                     "gemma3_text": "Gemma3ForCausalLM", "olmo2": "Olmo2ForCausalLM",
                     "olmo3": "Olmo3ForCausalLM", "gemma4_text": "Gemma4ForCausalLM",
-                    "qwen3_5_text": "Qwen3_5ForCausalLM"}  # Qwen3.5 (its language model)
+                    "qwen3_5_text": "Qwen3_5ForCausalLM",  # Qwen3.5 (its language model)
+                    "gpt2": "GPT2LMHeadModel"}  # GPT-2, and GPT-3's block
 GEMMA = ("gemma2", "gemma3_text", "gemma4_text")
 # What transformers assumes for a key that config.json leaves out (its config classes).
 _GEMMA_HF = dict(num_key_value_heads=4, head_dim=256, query_pre_attn_scalar=256,
@@ -1570,7 +1590,12 @@ _HF_DEFAULTS = {mt: dict(rms_norm_eps=1e-6) | d for mt, d in {
                          linear_num_key_heads=16, linear_num_value_heads=32,
                          linear_key_head_dim=128, linear_value_head_dim=128,
                          linear_conv_kernel_dim=4),
+    "gpt2": dict(max_position_embeddings=1024, rms_norm_eps=1e-5, tie_word_embeddings=True),
 }.items()}
+# GPT-2's config.json spells these keys its own way (read as ours; n_inner null: 4 d).
+GPT2_KEYS = dict(n_embd="hidden_size", n_layer="num_hidden_layers", n_head="num_attention_heads",
+                 n_positions="max_position_embeddings", n_inner="intermediate_size",
+                 layer_norm_epsilon="rms_norm_eps")
 # config.json keys that are our knobs as they stand, in every family and then in some: read as the
 # knob's type (absent, null or 0: its default), written as its value.
 HF_KEYS = {"vocab_size": "vocab_size", "hidden_size": "d_model", "head_dim": "head_dim",
@@ -1617,8 +1642,13 @@ HF_REFUSED = dict(
                                  "use_bidirectional_attention {v!r} (an encoder)"),
     enable_moe_block=((), "enable_moe_block (26B-A4B's experts; train_moe.py loads it)"),
     layer_types=((), "layer_types {v} (only every n-th layer global)"),
-    per_layer_config=((), "per_layer_config {v} (only the global layers', all alike)"))
+    per_layer_config=((), "per_layer_config {v} (only the global layers', all alike)"),
+    activation_function=(("gelu_pytorch_tanh",), "activation_function {v!r} (only {w})"),
+    scale_attn_weights=((True,), "scale_attn_weights {v}"),
+    scale_attn_by_inverse_layer_idx=((False,), "scale_attn_by_inverse_layer_idx {v}"))
 # The knobs a family implies (config.json does not spell them); the others are off.
+_GPT2 = dict(layer_norm=True, learned_pos=True, plain_mlp=True, proj_bias=True, qkv_bias=True,
+             gelu=True)
 _GEMMA_KNOBS = dict(norm_plus_one=True, sandwich_norm=True, embed_scale=True, gelu=True)
 HF_KNOBS = {"llama": {}, "mistral": {}, "qwen2": dict(qkv_bias=True), "qwen3": dict(qk_norm=True),
             "gemma": _GEMMA_KNOBS | dict(sandwich_norm=False), "gemma2": _GEMMA_KNOBS,
@@ -1626,7 +1656,7 @@ HF_KNOBS = {"llama": {}, "mistral": {}, "qwen2": dict(qkv_bias=True), "qwen3": d
                 ("olmo2", "olmo3"), dict(post_norm=True, qk_norm=True, qk_norm_whole=True)),
             "gemma4_text": _GEMMA_KNOBS | dict(norm_plus_one=False, qk_norm=True, v_norm=True,
                                                layer_scale=True, query_scale=1.0),
-            "qwen3_5_text": dict(norm_plus_one=True, qk_norm=True, attn_gate=True)}
+            "qwen3_5_text": dict(norm_plus_one=True, qk_norm=True, attn_gate=True), "gpt2": _GPT2}
 HF_NEEDS = {"gemma4_text": "global_head_dim", "qwen3_5_text": "linear_k_heads"}  # on, to write
 # What transformers itself writes into each family's config.json, beyond our fields.
 _GELU_TANH = dict(hidden_act="gelu_pytorch_tanh", hidden_activation="gelu_pytorch_tanh",
@@ -1639,7 +1669,9 @@ HF_CONSTANTS = {"llama": dict(attention_bias=False, mlp_bias=False, pretraining_
                 "olmo2": dict(attention_bias=False), "olmo3": dict(attention_bias=False),
                 "gemma4_text": _GELU_TANH | dict(enable_moe_block=False, num_experts=None,
                                                  top_k_experts=None, moe_intermediate_size=None),
-                "qwen3_5_text": dict(attention_bias=False)}
+                "qwen3_5_text": dict(attention_bias=False), "gpt2": dict(
+                    activation_function="gelu_new", scale_attn_weights=True,
+                    scale_attn_by_inverse_layer_idx=False, reorder_and_upcast_attn=False)}
 # Our parameters as HuggingFace tensors (name, layout: common/hf.py). HF's nn.Linear keeps
 # [out, in], ours [in, out] with the heads split out: a transpose and a reshape, then stacked
 # on l. Atoms: l layers, d model, n query heads, k key/value heads, h head width, f MLP, v vocab.
@@ -1673,6 +1705,17 @@ HF_LAYER = {"attn_norm": ("input_layernorm.weight", "d -> d"),
         lin_a=("in_proj_a.weight", "(lk lr) d -> d lk lr")).items()} | {
     f"lin_{x}": ("linear_attn.in_proj_qkv.weight", f"([lk lq|lk lq|lk lr ly]:{i}) d -> d lk "
                  + ("lq" if i < 2 else "lr ly")) for i, x in enumerate("qkv")}
+# GPT-2's: Conv1D weights stored [in, out]; one c_attn with every head's q, then k, then v
+HF_GPT2 = {k: ("transformer." + n, lay) for k, (n, lay) in dict(
+    embed=("wte.weight", "v d -> v d"), pos_embed=("wpe.weight", "x d -> x d"),
+    final_norm=("ln_f.weight", "d -> d"), final_norm_bias=("ln_f.bias", "d -> d")).items()} | dict(
+    attn_norm=("ln_1.weight", "d -> d"), attn_norm_bias=("ln_1.bias", "d -> d"),
+    mlp_norm=("ln_2.weight", "d -> d"), mlp_norm_bias=("ln_2.bias", "d -> d"),
+    wo=("attn.c_proj.weight", "(n h) d -> n h d"), bo=("attn.c_proj.bias", "d -> d"),
+    w_up=("mlp.c_fc.weight", "d f -> d f"), b_up=("mlp.c_fc.bias", "f -> f"),
+    w_down=("mlp.c_proj.weight", "f d -> f d"), b_down=("mlp.c_proj.bias", "d -> d")) | {
+    w + x: ("attn.c_attn." + n, f"{d}(3:{i} {a} h) -> {d}{a} h") for i, (x, a) in enumerate(
+        zip("qkv", "nkk")) for w, n, d in (("w", "weight", "d "), ("b", "bias", ""))}
 HF_GATE = {k: ("self_attn.q_proj.weight", f"(n 2:{i} h) d -> d n h") for i, k in enumerate(
     ("wq", "wq_gate"))}
 # Gemma 4's per-layer inputs: one table [v, L p] (q = L p), the stream's projection, its norm
@@ -1689,7 +1732,7 @@ def hf_mapping(cfg: ModelConfig) -> dict:
     whole = {n: (HF_LAYER[n][0], f"({a} h) -> {a} h") for n, a in zip(("q_norm", "k_norm"), "nk")}
     names = HF_LAYER | ({"mlp_norm": ("pre_feedforward_layernorm.weight", "d -> d")}  # Gemma's
                         if cfg.sandwich_norm else {}) | (whole if cfg.qk_norm_whole else {}) | (
-        HF_GATE if cfg.attn_gate else {})
+        HF_GATE if cfg.attn_gate else {}) | (HF_GPT2 if cfg.learned_pos else {})
     n, F = cfg.global_every, cfg.n_layers - cfg.kv_shared
     at = {"layers": ("l", "{l}")} if not (cfg.global_head_dim or cfg.linear_k_heads) else {
         "layers": ("l", f"{{l*{n}//{n - 1}}}"), "global_layers": ("g", f"{{g*{n}+{n - 1}}}"),
@@ -1697,9 +1740,10 @@ def hf_mapping(cfg: ModelConfig) -> dict:
         "shared_global_layers": ("t", f"{{t*{n}+{F + n - 1}}}")}
     atoms = lambda k: str.maketrans(dict(("hj", "ku") * ("global" in k) + ("fw",) * (
         k.startswith("shared") and cfg.wide_shared_mlp)))
-    layer = lambda k, w: (f"model.layers.{at[k][1]}." + names[w][0], names[w][1].translate(
+    stack = "transformer.h" if cfg.learned_pos else "model.layers"  # GPT-2's name
+    layer = lambda k, w: (f"{stack}.{at[k][1]}." + names[w][0], names[w][1].translate(
         atoms(k)).replace("-> ", f"-> {at[k][0]} "))
-    return {k: {w: layer(k, w) for w in v} if k in at else (HF_TOP | HF_PLE)[k]
+    return {k: {w: layer(k, w) for w in v} if k in at else (HF_TOP | HF_PLE | names)[k]
             for k, v in _param_table(cfg).items()}
 
 
@@ -1711,7 +1755,8 @@ def _hf_sizes(cfg: ModelConfig) -> dict:
                 k=cfg.n_kv_heads, h=cfg.head_dim, f=cfg.d_ff, v=cfg.vocab_size, o=1,
                 j=cfg.global_head_dim or cfg.head_dim, u=cfg.global_kv_heads or cfg.n_kv_heads,
                 w=2 * cfg.d_ff, p=cfg.ple_dim, q=L * cfg.ple_dim, lk=Hk, lq=Dk,
-                lr=Hv // max(Hk, 1), lx=2 * Hk * Dk + Hv * Dv, lw=cfg.linear_conv, lv=Hv, ly=Dv)
+                lr=Hv // max(Hk, 1), lx=2 * Hk * Dk + Hv * Dv, lw=cfg.linear_conv, lv=Hv, ly=Dv,
+                x=cfg.max_seq_len)
 
 
 def _hf_keys(mt: str) -> dict:
@@ -1733,6 +1778,9 @@ def config_from_hf(c: dict, where: str = "config.json") -> ModelConfig:
         raise hf.HFError(f"{where}: model_type {mt!r} is not a dense family this trainer loads "
                          f"({', '.join(HF_ARCHITECTURES)}); mixture-of-experts models (mixtral, "
                          "qwen3_moe) belong to train_moe.py.")
+    if mt == "gpt2":
+        c = {GPT2_KEYS.get(k, k): v for k, v in c.items()}
+        c["intermediate_size"] = c.get("intermediate_size") or 4 * c.get("hidden_size", 0)
     c = _HF_DEFAULTS[mt] | c
     unsupported = lambda what: hf.HFError(f"{where}: {what} is not implemented here, so this "
                                           f"{mt} model cannot be loaded faithfully.")
@@ -1795,7 +1843,7 @@ def config_from_hf(c: dict, where: str = "config.json") -> ModelConfig:
     for key, (also, what) in HF_REFUSED.items():
         if c.get(key) not in (None, w.get(key), *also) and (key in w or also):
             raise unsupported(what.format(v=c[key], w=w.get(key)))
-    ours = {"truncate": True} | w["rope_parameters"].get("full_attention", w["rope_parameters"])
+    ours = {"truncate": True} | (rp := w.get("rope_parameters", {})).get("full_attention", rp)
     if fixed and (odd := {p: v for p, v in rope.items() if v is not None and not math.isclose(
             v, ours.get(p, math.nan))}):
         raise unsupported(f"YaRN with {odd} (only {ours})")
@@ -1809,7 +1857,8 @@ def _misfit(cfg: ModelConfig, mt: str) -> dict:
         k for ms, knobs, *_ in HF_ROPE.values() if mt in ms for k in knobs.values()}
     some = {k for m in _ALL for k in [*HF_KNOBS[m], *_hf_keys(m).values()]} | set(HF_SPELLED) | {
         k for _, knobs, *_ in HF_ROPE.values() for k in knobs.values()}
-    want = lambda k: HF_KNOBS[mt].get(k, getattr(cfg if k in says else ModelConfig, k))
+    one = dict(head_dim=cfg.d_model // cfg.n_heads, n_kv_heads=cfg.n_heads) if mt == "gpt2" else {}
+    want = lambda k: HF_KNOBS[mt].get(k, one.get(k, getattr(cfg if k in says else ModelConfig, k)))
     return {k: getattr(cfg, k) for k in sorted(some) if getattr(cfg, k) != want(k) or k == (
         HF_NEEDS.get(mt)) and not getattr(cfg, k) or k == "query_scale" and cfg.query_scale % 1}
 
@@ -1828,7 +1877,8 @@ def config_to_hf(cfg: ModelConfig, model_type: str = "", dtype: str = "float32")
                          "norms, soft-caps gemma2's, gemma3_text's; windows theirs and olmo3's, "
                          "a local RoPE gemma3_text's and olmo3's; gemma4_text needs global layers "
                          "of their own, normed values, scaled layers, a query scale of 1; "
-                         "qwen3_5_text Gated DeltaNet layers and gated attention.")
+                         "qwen3_5_text Gated DeltaNet layers and gated attention; gpt2 "
+                         "LayerNorm, learned positions, a GELU MLP, biases, d / n wide heads.")
     kind, (_, knobs, fixed, off) = next((k, r) for k, r in HF_ROPE.items() if mt in r[0] and (
         r[3] or all(getattr(cfg, k) for k in [*r[1].values()][:1])))  # the first that is on
     rope = {"rope_type": kind, "rope_theta": cfg.rope_theta} | {
@@ -1862,6 +1912,9 @@ def config_to_hf(cfg: ModelConfig, model_type: str = "", dtype: str = "float32")
     if mt == "qwen3_5_text":  # n - 1 DeltaNet layers, then gated attention turning a share
         c |= dict(full_attention_interval=n, rope_parameters=rope | {
             "partial_rotary_factor": (cfg.rotary_dim or cfg.head_dim) / cfg.head_dim})
+    if mt == "gpt2":  # its own spellings; no RoPE, heads d / n wide, its own activation
+        c = {{v: k for k, v in GPT2_KEYS.items()}.get(k, k): v for k, v in c.items() if not (
+            k.startswith("rope") or k in ("head_dim", "num_key_value_heads", "hidden_act"))}
     if "rope_local_theta" in says:  # 5.x: rope_parameters per layer type
         local = cfg.rope_local_theta or cfg.rope_theta  # 4.x Gemma 3 its local base
         c |= dict(rope_parameters={"full_attention": rope, "sliding_attention": {
@@ -1878,7 +1931,8 @@ def load_hf(path: str, mesh=None) -> tuple[ModelConfig, dict]:
     # Gemma 4's layers that reuse keys and values may carry projections that nothing reads
     unused = lambda name: (p := name.split("."))[:2] == ["model", "layers"] and p[3:4] == [
         "self_attn"] and p[4] in ("k_proj", "v_proj", "k_norm") and int(p[2]) >= (
-        cfg.n_layers - cfg.kv_shared) or p[0] == "mtp"  # Qwen3.5's MTP module (text-only exports)
+        cfg.n_layers - cfg.kv_shared) or p[0] == "mtp" or (  # Qwen3.5's MTP module (text-only
+        p[-1] in ("bias", "masked_bias") and p[-2] == "attn")  # exports), GPT-2's causal masks
     return cfg, hf.hf_params(ckpt, mesh, _param_table(cfg), hf_mapping(cfg), _hf_sizes(cfg),
                              unused)
 

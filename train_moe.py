@@ -941,11 +941,12 @@ def rounded(x, fwd: str, bwd: str, axes):
 rounded.defvjp(lambda x, *f: (rounded(x, *f), None), lambda f, b, ax, _, g: (rounded(g, b, "", ax),))
 
 
-def rms_norm(x, w, eps):
+def rms_norm(x, w, eps, b=None):  # with a bias b: LayerNorm (GPT-2's), the mean removed first
     # Statistics in float32 whatever the compute dtype: bfloat16 squares lose the small values.
     x32 = x.astype(jnp.float32)
+    x32 = x32 if b is None else x32 - jnp.mean(x32, axis=-1, keepdims=True)
     y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return (y * w).astype(x.dtype)
+    return (y * w + (0 if b is None else b)).astype(x.dtype)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:

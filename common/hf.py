@@ -251,6 +251,9 @@ class Checkpoint:
             named = {n: _language_model(n) for n in self._tensors}
             self.other_towers = sorted(n for n, t in named.items() if t is None)
             self._tensors = {t: self._tensors[n] for n, t in named.items() if t}
+        if self.config.get("model_type") == "gpt2" and "wte.weight" in self._tensors:
+            # GPT-2's releases keep its base model's names: as GPT2LMHeadModel names them
+            self._tensors = {"transformer." + n: t for n, t in self._tensors.items()}
         self._mxfp4 = mxfp4_pairs(self._tensors, path)   # name -> (its blocks, its scales)
         quant = self.config.get("quantization_config") or {}
         self._block = tuple(quant.get("weight_block_size") or (128, 128))
@@ -776,7 +779,7 @@ def hf_params(ckpt: Checkpoint, mesh, table: dict, mapping: dict, sizes: dict,
     layer = lambda n: int(m[1]) if (m := re.match(r"model\.layers\.(\d+)\.", n)) else -1
     last = max([layer(n) for t, p in jax.tree.leaves(mapping, is_leaf=_is_entry) for _, n in
                 _file_names(t, parse_layout(p, sizes), sizes)] + [
-        ckpt.config["num_hidden_layers"] - 1])
+        ckpt.config.get("num_hidden_layers", 0) - 1])  # GPT-2's n_layer: no "model.layers"
     extra = lambda n: layer(n) > last
     ignore = lambda n: (n == "lm_head.weight" or n.endswith("rotary_emb.inv_freq") or extra(n)
                         or unused(n))

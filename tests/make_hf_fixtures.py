@@ -33,6 +33,7 @@ the lightning indexer (LayerNorm'd key with a bias, ReLU scores weighted per hea
 choosing fewer keys than the 16 tokens. Qwen3.5's is multimodal as released (its language model
 under model.language_model, a vision tower beside) with 3 value heads to a DeltaNet key head;
 its dense models (qwen3_5) the same block with a SwiGLU MLP in every layer, over two periods.
+GPT-2 adds LayerNorm with biases, learned positions, Conv1D weights and q, k, v fused in one.
 """
 from __future__ import annotations
 
@@ -284,6 +285,10 @@ FAMILIES = {
         rms_norm_eps=1e-6, rope_parameters=dict(rope_type="default", rope_theta=1000.0,
                                                 partial_rotary_factor=0.3125),
         max_position_embeddings=64), None),
+    # GPT-2 (GPT-3's block): LayerNorm with biases, learned positions, a GELU (tanh) MLP 4 d wide
+    # (n_inner null), biases on every Conv1D ([in, out]), q, k and v fused in c_attn, tied.
+    "gpt2": ("gpt2", dict(vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=32,
+                          n_inner=None, layer_norm_epsilon=1e-5), "16KB"),
 }
 # Written as this model_type (the checkpoint is the other's, as Moonshot ships it).
 RENAMED = {"kimi_k2": "kimi_k2"}
@@ -310,12 +315,13 @@ def randomize(model: torch.nn.Module, seed: int, model_type: str = "") -> None:
             if name.endswith("sinks"):  # a logit each head's softmax weighs against its keys
                 p.copy_(1.0 + noise)
             elif name.endswith(("norm.weight", "norm_1.weight", "norm_2.weight", "router.scale",
-                                "per_expert_scale")):
+                                "per_expert_scale", "ln_1.weight", "ln_2.weight", "ln_f.weight")):
                 gated = name.endswith("linear_attn.norm.weight")  # Qwen3-Next's, as stored
                 p.copy_(0.3 * noise if plus_one and not gated else 1.0 + 0.3 * noise)
             elif name.endswith(".bias"):
                 p.copy_(0.5 * noise)
-            elif name.endswith(("embed_tokens.weight", "embed_tokens_per_layer.weight")):
+            elif name.endswith(("embed_tokens.weight", "embed_tokens_per_layer.weight",
+                                "wte.weight", "wpe.weight")):
                 p.copy_(noise / p.shape[-1] ** 0.5 if gemma else noise)
             else:  # [..., out, in] (a Linear, or stacked experts): unit-variance outputs
                 p.copy_(noise / p.shape[-1] ** 0.5)

@@ -93,10 +93,11 @@ def dense_one_device(model):
 
 
 @pytest.mark.parametrize("impl", A.CONTEXT_IMPLS)
-@pytest.mark.parametrize("model", [dense.SMALL, dense.GEMMA2], ids=["llama", "gemma2"])
+@pytest.mark.parametrize("model", [dense.SMALL, dense.GEMMA2, dense.GPT2],
+                         ids=["llama", "gemma2", "gpt2"])
 def test_dense_context_equals_one_device(model, impl):
     """Causal, GQA, a sliding window (Gemma 2: 5 of 16 tokens, soft-caps) on context 2 with fsdp
-    and with tensor, and context 4."""
+    and with tensor, and context 4; GPT-2's learned positions in the reordered sequence."""
     cfg = dense_cfg(model, impl)
     params, batch, ref_loss, ref_g = dense_one_device(model)
     for mc in (MeshConfig(fsdp=4, context=2), MeshConfig(fsdp=2, context=2, tensor=2),

@@ -42,7 +42,7 @@ SAME_SOURCE = {
 SAME_VALUE = {name: (td, tg) for name in (
     "MUON_DIMS", "HF_ARCHITECTURES", "GEMMA", "_HF_DEFAULTS", "HF_KEYS", "HF_FAMILY_KEYS",
     "HF_NULL", "HF_SPELLED", "HF_REFUSED", "HF_KNOBS", "HF_NEEDS", "HF_CONSTANTS", "HF_TOP",
-    "HF_LAYER", "QWEN35_KEYS", "HF_GATE", "HF_ROPE")}
+    "HF_LAYER", "QWEN35_KEYS", "HF_GATE", "HF_ROPE", "GPT2_KEYS", "HF_GPT2", "_GPT2")}
 
 
 @pytest.mark.parametrize("name", sorted(SAME_SOURCE))

@@ -28,6 +28,8 @@ GEMMA3 = dataclasses.replace(GEMMA2, n_layers=3, global_every=3, attn_softcap=0.
                              final_softcap=0.0, qk_norm=True, rope_local_theta=100.0,
                              rope_linear=2.0)
 # OLMo 3's: post norms, q/k norms over all heads, a window of 5 on layer 0, YaRN on layer 1.
+# GPT-2's block (GPT-3's): LayerNorm, learned positions, a plain GELU MLP, biases everywhere.
+GPT2 = dataclasses.replace(SMALL, n_kv_heads=SMALL.n_heads, tie_embeddings=True, **td._GPT2)
 OLMO3 = dataclasses.replace(SMALL, post_norm=True, qk_norm=True, qk_norm_whole=True,
                             sliding_window=5, global_every=2, rope_local_theta=100.0,
                             yarn_factor=4.0, yarn_original_max_len=16)
@@ -59,13 +61,18 @@ def perturbed_params(cfg):
     ("mistral-7b", 7_248_023_552), ("llama3.2-1b", 1_235_814_400),
     ("qwen3-0.6b", 596_049_920), ("qwen3-8b", 8_190_735_360),
     # OLMo 3: what transformers' Olmo3ForCausalLM has at the released configs' shapes.
-    ("olmo3-7b", 7_298_011_136), ("olmo3-32b", 32_233_522_176)])
+    ("olmo3-7b", 7_298_011_136), ("olmo3-32b", 32_233_522_176),
+    # GPT-3: 96 layers of 12 d^2 + 13 d, the tables and the final LayerNorm: the paper's 174.6B;
+    # MaxText's 22B, 6B (16384 positions) and its 52k test model
+    ("gpt3-175b", 96 * (12 * 12288**2 + 13 * 12288) + (50257 + 2048 + 2) * 12288),
+    ("gpt3-22b", 22_049_107_968), ("gpt3-6b", 5_588_736_000), ("gpt3-52k", 52_464),
+    ("tiny-gpt3", 4_339_200)])
 def test_preset_parameter_counts(name, count):
     assert td.count_params(td.PRESETS[name][1].model) == count
 
 
 def test_param_specs_match_params_tree():
-    for model in (SMALL, KNOBS, OLMO3):
+    for model in (SMALL, KNOBS, OLMO3, GPT2):
         shapes = jax.eval_shape(partial(td._init, model), jax.random.key(0))
         specs = td.param_specs(model)
         assert jax.tree.structure(shapes) == jax.tree.structure(
@@ -305,6 +312,23 @@ def test_bad_config_is_a_clear_error_before_compiling(mesh, train, model, flag):
 def test_bad_olmo_flags(flags, match):
     with pytest.raises(td.ConfigError, match=match):
         td.validate(td.cli(["tiny", *flags]), 1)
+
+
+def test_gpt3_175b_is_the_published_count_and_bad_gpt2_flags():
+    assert td.count_params(td.PRESETS["gpt3-175b"][1].model) == 174_604_259_328
+    with pytest.raises(td.ConfigError, match="--model.layer-norm with post"):
+        td.validate(td.cli(["tiny-gpt3", "--model.sandwich-norm"]), 1)
+    with pytest.raises(td.ConfigError, match="exceeds the model's maximum"):
+        td.validate(td.cli(["tiny-gpt3", "--train.seq-len", "1024"]), 1)
+    # GPT-3's knobs are gpt2's alone, which says neither grouped queries nor a head width
+    assert td.config_to_hf(GPT2)["model_type"] == "gpt2"
+    with pytest.raises(td.hf.HFError, match="does not fit this model.*'layer_norm': True"):
+        td.config_to_hf(GPT2, "llama")
+    for odd in (dict(n_kv_heads=2), dict(head_dim=16)):
+        with pytest.raises(td.hf.HFError, match="'gpt2' does not fit"):
+            td.config_to_hf(dataclasses.replace(GPT2, **odd), "gpt2")
+    with pytest.raises(td.hf.HFError, match="'gpt2' does not fit.*'qk_norm': True"):
+        td.config_to_hf(dataclasses.replace(GPT2, qk_norm=True), "gpt2")
 
 
 def test_tiny_olmo3_windows_and_stretches_its_training_sequence():

@@ -54,6 +54,9 @@ QWEN35 = dataclasses.replace(SMALL, n_layers=4, global_every=2, qk_norm=True, no
                              attn_gate=True, rotary_dim=2, linear_k_heads=2, linear_v_heads=4,
                              linear_k_dim=8, linear_v_dim=6, linear_chunk=4)
 
+# GPT-2's block (GPT-3's): LayerNorm, learned positions, a plain GELU MLP, biases everywhere.
+GPT2 = dataclasses.replace(SMALL, n_kv_heads=4, tie_embeddings=True, **td._GPT2)
+
 
 def put(x, mesh):
     return train.put(x, mesh, BATCH_AXES)
@@ -90,7 +93,7 @@ def test_model_config_and_parameter_tree_equal_train_dense():
     """Same fields with the same defaults, so a dense run's config.json loads as the policy's."""
     f = lambda cls: [(x.name, x.default) for x in dataclasses.fields(cls)]
     assert f(tg.ModelConfig) == f(td.ModelConfig)
-    for m in (SMALL, KNOBS, GEMMA2, GEMMA3, OLMO3, GEMMA4, GEMMA4_PLE, QWEN35):
+    for m in (SMALL, KNOBS, GEMMA2, GEMMA3, OLMO3, GEMMA4, GEMMA4_PLE, QWEN35, GPT2):
         assert tg.param_specs(m) == td.param_specs(dense(m))
         a = jax.eval_shape(partial(tg._init, m), jax.random.key(3))
         b = jax.eval_shape(partial(td._init, dense(m)), jax.random.key(3))
@@ -102,7 +105,7 @@ def test_model_config_and_parameter_tree_equal_train_dense():
 
 
 MODELS = {"knobs": KNOBS, "gemma2": GEMMA2, "gemma3": GEMMA3, "olmo3": OLMO3, "gemma4": GEMMA4,
-          "gemma4_ple": GEMMA4_PLE, "qwen35": QWEN35}
+          "gemma4_ple": GEMMA4_PLE, "qwen35": QWEN35, "gpt2": GPT2}
 
 
 @pytest.mark.parametrize("knobs", MODELS)

@@ -27,7 +27,7 @@ from common.mesh import MeshConfig
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIXTURES = os.path.join(ROOT, "tests", "fixtures", "hf")
 FAMILIES = ["llama2", "llama3.1", "llama3.2", "mistral", "qwen2", "qwen3", "gemma2",
-            "gemma3_text", "olmo3", "olmo2", "qwen3_5"]
+            "gemma3_text", "olmo3", "olmo2", "qwen3_5", "gpt2"]
 TOL = 1e-4  # float32, as tests/test_hf.py
 
 
@@ -183,14 +183,14 @@ def test_bad_input_is_a_clear_error(tmp_path):
 
 
 def test_unknown_model_type_exits_with_a_message(tmp_path):
-    src = shutil.copytree(fixture("qwen3"), tmp_path / "gpt2")
-    hf.write_json(str(src / "config.json"), hf.read_config(str(src)) | {"model_type": "gpt2"})
-    with pytest.raises(hf.HFError, match="model_type 'gpt2' is not a dense family"):
+    src = shutil.copytree(fixture("qwen3"), tmp_path / "bert")
+    hf.write_json(str(src / "config.json"), hf.read_config(str(src)) | {"model_type": "bert"})
+    with pytest.raises(hf.HFError, match="model_type 'bert' is not a dense family"):
         with_source(grpo_config(tmp_path / "r", str(src), 1))
     r = subprocess.run([sys.executable, os.path.join(ROOT, "train_grpo.py"), "tiny",
                         "--init-from-hf", str(src), "--run-dir", str(tmp_path / "r")],
                        capture_output=True, text=True, cwd=ROOT, timeout=300,
                        env=os.environ | {"JAX_PLATFORMS": "cpu"})
     assert r.returncode == 2, r.stderr
-    assert r.stderr.startswith("error: ") and "model_type 'gpt2'" in r.stderr
+    assert r.stderr.startswith("error: ") and "model_type 'bert'" in r.stderr
     assert "Traceback" not in r.stderr

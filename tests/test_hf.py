@@ -28,7 +28,7 @@ from common.mesh import MeshConfig, make_mesh
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIXTURES = os.path.join(ROOT, "tests", "fixtures", "hf")
 FAMILIES = ["llama2", "llama3.1", "llama3.2", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text",
-            "gemma", "olmo3", "olmo2", "gemma4_text", "gemma4_ple", "qwen3_5"]
+            "gemma", "olmo3", "olmo2", "gemma4_text", "gemma4_ple", "qwen3_5", "gpt2"]
 TOL = 1e-4  # float32, on logits that reach 3 to 50 in these fixtures
 # Bookkeeping in a config.json, not the model: left out of the key-by-key comparison.
 BOOKKEEPING = {"transformers_version", "dtype", "torch_dtype", "bos_token_id", "eos_token_id",
@@ -112,6 +112,11 @@ def test_config_mapping(loaded):
     assert loaded["olmo3"][1]["layers"]["k_norm"].shape == (4, 2, 12)  # [L, K, H]
     assert "attn_norm" not in loaded["olmo3"][1]["layers"] and not o3.tie_embeddings
     assert o2.post_norm and o2.qk_norm_whole and not (o2.sliding_window or o2.yarn_factor)
+    g = c["gpt2"]  # GPT-2: its own key names, n_inner null (4 d), the tanh GELU, tied
+    assert (g.d_model, g.n_layers, g.n_heads, g.n_kv_heads, g.head_dim, g.d_ff, g.max_seq_len,
+            g.norm_eps) == (32, 2, 4, 4, 8, 128, 32, 1e-5)
+    assert g.layer_norm and g.learned_pos and g.plain_mlp and g.proj_bias and g.qkv_bias
+    assert g.gelu and g.tie_embeddings and loaded["gpt2"][1]["pos_embed"].shape == (32, 32)
 
 
 @pytest.mark.parametrize("name, mistake", [
@@ -217,6 +222,11 @@ def test_save_load_round_trip(name, loaded, tmp_path):
     elif name == "qwen3_5":  # RoPE's sections for images' positions: a text model has none
         assert list(differ) == ["rope_parameters"] and ours.config["rope_parameters"] == {
             k: v for k, v in src.config["rope_parameters"].items() if not k.startswith("mrope")}
+    elif name == "gpt2":  # n_inner written out; what transformers assumes left out (dropout
+        # in training, the double-heads model's summary, cross-attention off)
+        assert differ.pop("n_inner") == (None, 4 * 32) and all(
+            k.endswith("pdrop") or k.startswith("summary_") or k == "add_cross_attention"
+            for k in differ)
     else:
         assert differ == {}
 
@@ -265,7 +275,8 @@ def test_live_transformers_loads_our_export(name, loaded, tmp_path):
 # Sharded loading
 
 
-@pytest.mark.parametrize("name", ["qwen3", "llama3.1", "qwen3_5"])  # 3.5: DeltaNet over tensor
+@pytest.mark.parametrize("name", ["qwen3", "llama3.1", "qwen3_5", "gpt2"])  # 3.5: DeltaNet over
+# tensor; GPT-2: q, k and v fused in one tensor, each device reading its heads
 def test_sharded_load_equals_one_device(name, loaded):
     cfg, one = loaded[name]
     mesh = make_mesh(MeshConfig(fsdp=4, tensor=2))
@@ -331,8 +342,8 @@ def test_shape_mismatch(tmp_path):
 
 
 def test_unknown_model_type(tmp_path):
-    folder = copy("llama2", tmp_path, lambda c: c.update(model_type="gpt2"))
-    with pytest.raises(hf.HFError, match=r"model_type 'gpt2' is not a dense family"):
+    folder = copy("llama2", tmp_path, lambda c: c.update(model_type="bert"))
+    with pytest.raises(hf.HFError, match=r"model_type 'bert' is not a dense family"):
         td.load_hf(folder)
 
 
@@ -366,6 +377,11 @@ def test_unsupported_options(tmp_path, edit, match):
         rope_type="linear", factor=2.0), r"rope type 'linear' on the sliding-window layers"),
     ("gemma3_text", lambda c: c.update(hidden_activation="gelu"),
      r"hidden activation 'gelu' \(only gelu_pytorch_tanh\)"),
+    ("gpt2", lambda c: c.update(activation_function="gelu"),
+     r"activation_function 'gelu' \(only gelu_new\)"),
+    ("gpt2", lambda c: c.update(scale_attn_by_inverse_layer_idx=True),
+     r"scale_attn_by_inverse_layer_idx True"),
+    ("gpt2", lambda c: c.update(scale_attn_weights=False), r"scale_attn_weights False"),
 ])
 def test_unsupported_gemma_options(tmp_path, name, edit, match):
     with pytest.raises(hf.HFError, match=match):
@@ -417,6 +433,25 @@ def test_weights_we_would_drop(tmp_path):
     folder = copy("qwen2", tmp_path, lambda c: c.update(model_type="llama"))
     with pytest.raises(hf.HFError, match=r"tensors have no place .*q_proj.bias"):
         td.load_hf(folder)
+
+
+def test_a_gpt2_release_loads(loaded, tmp_path):
+    """openai-community/gpt2's file: the base model's names (no "transformer.") and each
+    layer's causal mask (attn.bias, a buffer) beside the weights."""
+    src, out = hf.Checkpoint(fixture("gpt2")), copy("gpt2", tmp_path)
+    for f in os.listdir(out):
+        if f.startswith("model"):
+            os.remove(os.path.join(out, f))
+    names = sorted(src.names())
+    hf._write_file(os.path.join(out, "model.safetensors"), [
+        (n.removeprefix("transformer."), src.shape(n), np.dtype(np.float32),
+         lambda n=n: src.array(n).astype(np.float32)) for n in names] + [
+        (f"h.{i}.attn.bias", (1, 1, 32, 32), np.dtype(np.float32),
+         lambda: np.tril(np.ones((1, 1, 32, 32), np.float32))) for i in range(2)])
+    cfg, params = td.load_hf(out)
+    assert cfg == loaded["gpt2"][0]
+    for a, b in zip(jax.tree.leaves(host(params)), jax.tree.leaves(host(loaded["gpt2"][1]))):
+        np.testing.assert_array_equal(a, b)
 
 
 def test_truncated_file(tmp_path):
