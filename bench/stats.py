@@ -18,8 +18,9 @@ WARMUP = 5  # steps 0-4 are dropped on every side: compilation, first-touch allo
 
 
 def ours_step_seconds(log: str) -> dict[int, float]:
-    """{step: seconds} from our `--bench` output (its last bench line; step 0 untimed)."""
-    found = re.findall(r"step seconds 1-(\d+): ([0-9. ]+)", log)
+    """{step: seconds} from our `--bench` output (its last bench line; step 0 untimed). Never
+    the MoE's dense twin's ("bench dense |"), which train_moe.py times after the MoE itself."""
+    found = re.findall(r"bench(?: moe)? \| step seconds 1-(\d+): ([0-9. ]+)", log)
     if not found:
         raise ValueError("no 'step seconds' line in our bench output")
     n, values = found[-1]

@@ -218,7 +218,7 @@ def our_args(a, row: str, setting: str, run_dir: str) -> list[str]:
              for x in (f"--model.{k.replace('_', '-')}", str(v))]
     args = [r["preset"], "--bench", str(a.steps - 1), "--train.batch-size",
             str(batch_of(row, setting)), "--train.seq-len", str(r["seq"]), *model,
-            "--run-dir", run_dir]
+            "--run-dir", run_dir] + (["--no-bench-twin"] if r["trainer"] == "train_moe.py" else [])
     return args + (["--model.remat", w["remat"]] if "remat" in w else []) + shlex.split(
         w.get("flags", ""))
 

@@ -90,3 +90,12 @@ def test_grpo_small_bench_model_is_the_same_on_both_sides(tmp_path):
     assert sum(p.numel() for p in model.parameters()) == ours
     cli = tg.cli(["tiny", *grpo.same_flags(cfg)])
     assert (cli.model, cli.grpo) == (cfg.model, cfg.grpo)
+
+
+def test_ours_is_the_moe_step_not_its_dense_twin():
+    """train_moe.py --bench times its dense twin after the MoE: the MoE's line is the row's (the
+    chip's moe-2k row once read the twin's 203.8 ms for the MoE's 355.2)."""
+    log = ("bench moe | step seconds 1-2: 0.3552 0.3554\n"
+           "bench dense | step seconds 1-2: 0.2037 0.2038\n")
+    assert stats.ours_step_seconds(log) == {1: 0.3552, 2: 0.3554}
+    assert stats.ours_step_seconds("bench | step seconds 1-1: 0.86\n") == {1: 0.86}
