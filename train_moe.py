@@ -149,6 +149,19 @@ class ModelConfig:
     rotary_dim: int = 0           # rotate only each head's first this many dims; 0 = all
     norm_offset: bool = False     # RMSNorm gains stored zero-centred: the gain is 1 + w
     shared_gated: bool = False    # the shared expert's output times sigmoid(h . w) per token
+    # DeepSeek-V4 (see `v4_hidden`): hc_mult residual streams mixed by mHC (0 = off); each layer's
+    # attention by compress_ratios: 0 the window alone, csa_ratio CSA, another rate HCA; one K = V
+    # head (n_kv_heads 1) turned on its last rotary_dim dims, in pairs
+    hc_mult: int = 0
+    hc_sinkhorn_iters: int = 20
+    hc_eps: float = 1e-6
+    compress_ratios: tuple[int, ...] = ()
+    csa_ratio: int = 4
+    compress_rope_theta: float = 10_000.0  # the compressed layers' RoPE base (YaRN theirs only)
+    o_groups: int = 0             # the output projection: heads in this many groups, each ...
+    o_lora_rank: int = 0          # ... projected to this width, then all of them to d_model
+    n_hash_layers: int = 0        # the first this many layers route by a token's fixed experts
+    sqrt_softplus: bool = False   # sigmoid routing's scores sqrt(softplus(logits)) instead
 
 
 @dataclass(frozen=True)
@@ -391,6 +404,14 @@ def _param_table(cfg: ModelConfig) -> dict:
             cfg, L // n, True, glob=True)}
     if not cfg.tie_embeddings:
         table["unembed"] = ((D, V), P("fsdp", "tensor"), 0.02)
+    if S := cfg.hc_mult:  # DeepSeek-V4: the compressors of the CSA and HCA layers (a stack each),
+        # the hash layers' token -> experts tables (frozen: no gradient, no decay), the streams' head
+        Lh = cfg.n_hash_layers  # the first layers route by hashing: a stack of their own
+        table |= {k: _compressor_table(cfg, k) for k, n in zip(("csa", "hca"), v4_kinds(cfg)[2][
+            1:]) if n} | {"hc_head_fn": ((S * D, S), P("fsdp", None), 0.02), "hc_head_base": (
+                (S,), P(None), 0.0), "hc_head_scale": ((1,), P(None), None),
+            "layers": _layer_table(cfg, L - Lh, moe=True)} | ({"hash_layers": _layer_table(
+                cfg, Lh, moe=True) | {"tid2eid": ((Lh, V, cfg.top_k), P(None), 0.0)}} if Lh else {})
     if Dm := cfg.mtp_depth:  # per depth (`mtp`): norms, the projection of [e; h], a MoE layer
         table["mtp"] = {"layers": _layer_table(cfg, Dm, moe=True), "eh_proj": (
             (Dm, 2 * D, D), P(None, "fsdp", None), 0.02)} | {
@@ -409,7 +430,8 @@ def _layer_table(cfg: ModelConfig, L: int, moe: bool, glob: bool = False) -> dic
                         cfg.d_ff)
     C, Qr, Hn, Hr, Hv = (cfg.kv_lora_rank, cfg.q_lora_rank, cfg.qk_nope_head_dim,
                          cfg.qk_rope_head_dim, cfg.v_head_dim)
-    Fd, Fs, q_latent = cfg.dense_d_ff, cfg.n_shared_experts * F, bool(C and Qr)
+    v4, G, Ro, S = moe and cfg.hc_mult > 0, cfg.o_groups, cfg.o_lora_rank, cfg.hc_mult
+    Fd, Fs, q_latent = cfg.dense_d_ff, cfg.n_shared_experts * F, bool((C or v4) and Qr)
     Mi, Hi = cfg.index_n_heads, cfg.index_head_dim
     std, out_std = 0.02, 0.02 / math.sqrt(2 * cfg.n_layers)
     H, K = (cfg.global_head_dim, cfg.global_kv_heads or K) if glob and cfg.global_head_dim else (
@@ -423,10 +445,18 @@ def _layer_table(cfg: ModelConfig, L: int, moe: bool, glob: bool = False) -> dic
     rows = {
         "attn_norm": ((D,), (None,), None, True), "mlp_norm": ((D,), (None,), None, True),
         "wq": ((D, N, Hn + Hr if C else H), ("fsdp", "tensor", None), std, not q_latent and
-               not lin), "wk": ((D, K, H), ("fsdp", "tensor", None), std, not C and not lin),
-        "wv": ((D, K, H), ("fsdp", "tensor", None), std, not C and not (glob and cfg.k_eq_v)
-               and not lin),
-        "wo": ((N, Hv if C else H, D), ("tensor", None, "fsdp"), out_std, not lin),
+               not lin), "wk": ((D, K, H), ("fsdp", "tensor", None), std, not C and not lin
+               and not v4), "wv": ((D, K, H), ("fsdp", "tensor", None), std, not C and not v4
+                                   and not (glob and cfg.k_eq_v) and not lin),
+        "wo": ((N, Hv if C else H, D), ("tensor", None, "fsdp"), out_std, not lin and not v4),
+        # DeepSeek-V4 (`v4_attention`): one normed K = V head, the grouped output projection;
+        # mHC's weights before the attention and the MLP (`hc_pre`)
+        "wkv": ((D, H), ("fsdp", None), std, v4),
+        "wo_a": ((G, N * H // max(G, 1), Ro), ("tensor", None, None), std, v4),
+        "wo_b": ((G * Ro, D), (None, "fsdp"), out_std, v4),
+        **{f"hc_{k}_{n}": (s, sp, sd, v4) for k in ("attn", "ffn") for n, (s, sp, sd) in dict(
+            fn=((S * D, (2 + S) * S), ("fsdp", None), std), base=(((2 + S) * S,), (None,), 0.0),
+            scale=((3,), (None,), None)).items()},
         "wq_gate": ((D, N, H), ("fsdp", "tensor", None), std, moe and cfg.attn_gate and not lin),
         # Gated DeltaNet (`gated_deltanet`): per key head its q, k, its group's v, z, b and a
         **{k: ((D, Hk, *s), ("fsdp", "tensor") + (None,) * len(s), std, lin) for k, s in dict(
@@ -438,11 +468,12 @@ def _layer_table(cfg: ModelConfig, L: int, moe: bool, glob: bool = False) -> dic
         "lin_norm": ((Dv,), (None,), None, lin),
         "lin_wo": ((Lv, Dv, D), ("tensor", None, "fsdp"), out_std, lin),
         # MLA (see `mla`): latents whole on each device, heads over tensor
-        "wkv_a": ((D, C + Hr), ("fsdp", None), std, C), "kv_norm": ((C,), (None,), None, C),
+        "wkv_a": ((D, C + Hr), ("fsdp", None), std, C),
+        "kv_norm": ((C or H,), (None,), None, C or v4),
         "wkv_b": ((C, N, Hn + Hv), (None, "tensor", None), std, C),
         "wq_a": ((D, Qr), ("fsdp", None), std, q_latent),
         "q_norm_a": ((Qr,), (None,), None, q_latent),
-        "wq_b": ((Qr, N, Hn + Hr), (None, "tensor", None), std, q_latent),
+        "wq_b": ((Qr, N, Hn + Hr if C else H), (None, "tensor", None), std, q_latent),
         "mlp_gate": ((D, Fd), ("fsdp", "tensor"), std, not moe or g4),
         "mlp_up": ((D, Fd), ("fsdp", "tensor"), std, not moe or g4),
         "mlp_down": ((Fd, D), ("tensor", "fsdp"), out_std, not moe or g4),
@@ -470,9 +501,11 @@ def _layer_table(cfg: ModelConfig, L: int, moe: bool, glob: bool = False) -> dic
             "router_scale")}, "expert_scale": ((E,), (None,), None, g4),
         "layer_scale": ((1,), (None,), None, g4),
         # DSA's indexer (`indexer`), in every layer: its heads over tensor as MLA's
-        "idx_wq": ((Qr, Mi, Hi), (None, "tensor", None), std, Mi),
-        "idx_wk": ((D, Hi), ("fsdp", None), std, Mi), "idx_w": ((D, Mi), ("fsdp", "tensor"), std, Mi),
-        "idx_k_norm": ((Hi,), (None,), None, Mi), "idx_k_bias": ((Hi,), (None,), 0.0, Mi)}
+        "idx_wq": ((Qr, Mi, Hi), (None, "tensor", None), std, Mi and not v4),
+        "idx_wk": ((D, Hi), ("fsdp", None), std, Mi and not v4),
+        "idx_w": ((D, Mi), ("fsdp", "tensor"), std, Mi and not v4),
+        "idx_k_norm": ((Hi,), (None,), None, Mi and not v4),
+        "idx_k_bias": ((Hi,), (None,), 0.0, Mi and not v4)}
     zero = lambda k, s: 0.0 if cfg.norm_offset and k in OFFSET_NORMS else s  # gains 1 + w
     return {k: ((L, *shape), P(None, *spec), zero(k, s)) for k, (shape, spec, s, on) in
             rows.items() if on}
@@ -481,12 +514,41 @@ def _layer_table(cfg: ModelConfig, L: int, moe: bool, glob: bool = False) -> dic
 OFFSET_NORMS = ("attn_norm", "mlp_norm", "q_norm", "k_norm")  # with norm_offset: 1 + w
 
 
+def v4_kinds(cfg: ModelConfig):
+    """DeepSeek-V4's layers: each one's kind (0 window, 1 CSA, 2 HCA) [L], its place in its
+    kind's stack [L], the stacks' sizes (window, CSA, HCA) and the HCA rate."""
+    r = np.asarray(cfg.compress_ratios or (0,) * cfg.n_layers)
+    kind = np.where(r == 0, 0, np.where(r == cfg.csa_ratio, 1, 2))
+    return kind, np.array([np.sum(kind[:i] == k) for i, k in enumerate(kind)], np.int32), [
+        int(np.sum(kind == k)) for k in range(3)], int(max(r[kind == 2], default=0))
+
+
+def _compressor_table(cfg: ModelConfig, kind: str) -> dict:
+    """A stack of V4's KV compressors (`compress`): CSA's (rate csa_ratio, windows overlapping:
+    two series a token) with its indexer's own compressor and queries, or HCA's."""
+    D, H, Mi, Hi, csa = cfg.d_model, cfg.head_dim, cfg.index_n_heads, cfg.index_head_dim, kind == "csa"
+    _, _, sizes, hca = v4_kinds(cfg)
+    rate, w = (cfg.csa_ratio, 2) if csa else (hca, 1)
+    rows = {f"{p}_{n}": r for p, Hc in (("cmp", H), ("idx", Hi))[:1 + csa] for n, r in dict(
+        wkv=((D, w * Hc), ("fsdp", None), 0.02), wgate=((D, w * Hc), ("fsdp", None), 0.02),
+        bias=((rate, w * Hc), (None, None), 0.0), norm=((Hc,), (None,), None)).items()}
+    if csa:
+        rows |= {"idx_wq": ((cfg.q_lora_rank, Mi, Hi), (None, "tensor", None), 0.02),
+                 "idx_w": ((D, Mi), ("fsdp", "tensor"), 0.02)}
+    return {k: ((sizes[1 if csa else 2], *s), P(None, *sp), sd) for k, (s, sp, sd) in rows.items()}
+
+
 def param_specs(cfg: ModelConfig) -> dict:
     return train.table_specs(_param_table(cfg))
 
 
 def _init(cfg: ModelConfig, key: jax.Array) -> dict:
-    return train.table_init(_param_table(cfg), key)
+    params = train.table_init(_param_table(cfg), key)
+    if cfg.n_hash_layers:  # a token's top_k distinct experts, spread by a multiplicative hash
+        t, E, R = np.arange(cfg.vocab_size)[:, None], cfg.n_experts, cfg.top_k
+        params["hash_layers"]["tid2eid"] = jnp.broadcast_to(jnp.asarray(
+            (t * 40503 + np.arange(R) * (E // R)) % E, jnp.float32), (cfg.n_hash_layers, *t.shape[:1], R))
+    return params
 
 
 def init_params(cfg: ModelConfig, key: jax.Array, mesh=None) -> dict:
@@ -844,6 +906,174 @@ def indexer_kl(p_BQS, logit_BQS, ok_BQS):
                                                    jnp.where(ok_BQS, log_q, 0.0)), 0.0))
 
 
+# DeepSeek-V4 (its report; transformers' deepseek_v4): mHC streams, compressed attention, hashing.
+def v4_hidden(params: dict, x_BTD, pos_BT, tokens_BT, cfg: ModelConfig, remat):
+    """The layers over hc_mult copies of the embeddings [B, T, S, D], scanned with each layer's
+    kind (`v4_kinds`; a lax.switch picks its attention), collapsed by the head's weights (pre of
+    `hc_pre`), final-normed; and the routing stats [L]. Window layers turn by rope_theta, the
+    compressed ones (their compressors and indexer too) by compress_rope_theta with YaRN."""
+    kind_L, idx_L, _, _ = v4_kinds(cfg)
+    kinds, S, Lh = sorted(set(kind_L.tolist())), cfg.hc_mult, cfg.n_hash_layers
+    invs = (rope_inv_freq(dataclasses.replace(cfg, yarn_factor=0.0)), rope_inv_freq(
+        dataclasses.replace(cfg, rope_theta=cfg.compress_rope_theta)))
+
+    def layer(x, xs):
+        lp, k, i = xs
+        lp = train.merged(lp)  # LoRA
+        post, comb, h = hc_pre(x, lp, "attn", cfg)
+        o = v4_attention(rms_norm(h, lp["attn_norm"], cfg.norm_eps), lp, params, kinds, k, i,
+                         pos_BT, invs, cfg)
+        x = hc_post(x, o, post, comb)
+        post, comb, h = hc_pre(x, lp, "ffn", cfg)
+        y, stats = moe(rms_norm(h, lp["mlp_norm"], cfg.norm_eps), lp, cfg, hashed=lp[
+            "tid2eid"].astype(jnp.int32)[tokens_BT] if "tid2eid" in lp else None)
+        return hc_post(x, y, post, comb), stats
+    x = constrain(jnp.broadcast_to(x_BTD[:, :, None], (*x_BTD.shape[:2], S, x_BTD.shape[-1])), ACT_BTSD)
+    run = lambda x, stack, at: jax.lax.scan(remat(layer), x, (params[stack], jnp.asarray(
+        [kinds.index(k) for k in kind_L[at]]), jnp.asarray(idx_L[at])), unroll=not cfg.scan_layers)
+    x = run(x, "hash_layers", slice(0, Lh))[0] if Lh else x  # their routing stats: no choice
+    x, stats = run(x, "layers", slice(Lh, None))
+    mix = hc_mix(x, params["hc_head_fn"], cfg)
+    pre = jax.nn.sigmoid(mix * params["hc_head_scale"] + params["hc_head_base"]) + cfg.hc_eps
+    h = jnp.einsum("bts,btsd->btd", pre, x.astype(jnp.float32)).astype(x.dtype)
+    return rms_norm(h, final_gain(params, cfg), cfg.norm_eps), stats
+
+
+def hc_mix(x_BTSD, fn, cfg: ModelConfig):
+    """The S streams flattened, RMS-normed without a gain, projected (float32)."""
+    flat = x_BTSD.reshape(*x_BTSD.shape[:2], -1).astype(jnp.float32)
+    return jnp.einsum("btc,ck->btk", rms_norm(flat, 1.0, cfg.norm_eps), fn)
+
+
+def hc_pre(x_BTSD, lp: dict, name: str, cfg: ModelConfig):
+    """Manifold-constrained hyper-connections (mHC: Xie et al. 2026; the V4 report sec. 2.2), the
+    weights of one sublayer from its input streams x: with m = hc_mix(x) split (S, S, S x S),
+
+        pre = sigmoid(a_0 m_pre + b) + eps,  post = 2 sigmoid(a_1 m_post + b),
+        comb = Sinkhorn(softmax_rows(a_2 m_comb + b) + eps)   (doubly stochastic: `sinkhorn`),
+
+    -> (post [B, T, S], comb [B, T, S, S], the sublayer's input sum_s pre_s x_s [B, T, D])."""
+    S, eps = cfg.hc_mult, cfg.hc_eps
+    m, a, b = hc_mix(x_BTSD, lp[f"hc_{name}_fn"], cfg), lp[f"hc_{name}_scale"], lp[f"hc_{name}_base"]
+    pre = jax.nn.sigmoid(m[..., :S] * a[0] + b[:S]) + eps
+    post = 2 * jax.nn.sigmoid(m[..., S:2 * S] * a[1] + b[S:2 * S])
+    comb = jax.nn.softmax((m[..., 2 * S:] * a[2] + b[2 * S:]).reshape(*m.shape[:2], S, S), -1)
+    h = jnp.einsum("bts,btsd->btd", pre, x_BTSD.astype(jnp.float32)).astype(x_BTSD.dtype)
+    return post, sinkhorn(comb + eps, cfg.hc_sinkhorn_iters, eps), h
+
+
+def sinkhorn(c, iters: int, eps: float):
+    """Sinkhorn-Knopp toward a doubly stochastic matrix: columns normed, then (rows, columns)
+    iters - 1 times (transformers' order and epsilon)."""
+    c = c / (jnp.sum(c, -2, keepdims=True) + eps)
+    for _ in range(iters - 1):
+        c = c / (jnp.sum(c, -1, keepdims=True) + eps)
+        c = c / (jnp.sum(c, -2, keepdims=True) + eps)
+    return c
+
+
+def hc_post(x_BTSD, o_BTD, post_BTS, comb_BTSS):
+    """Stream i after a sublayer: post_i o + sum_j comb_ji x_j."""
+    dt = x_BTSD.dtype
+    return constrain(post_BTS.astype(dt)[..., None] * o_BTD[:, :, None] + jnp.einsum(
+        "btji,btjd->btid", comb_BTSS.astype(dt), x_BTSD), ACT_BTSD)
+
+
+def rope_pairs(x, pos, inv_freq, sign: float = 1.0):
+    """RoPE on the last 2 len(inv_freq) dims of x [B, T, N, H] in pairs (2i, 2i+1) (V4's
+    layout); sign -1 turns back."""
+    R, f32 = 2 * len(inv_freq), jnp.float32
+    ang = pos[..., None, None].astype(f32) * inv_freq
+    cos, sin = jnp.cos(ang), sign * jnp.sin(ang)
+    a, b = x[..., -R::2].astype(f32), x[..., 1 - R::2].astype(f32)
+    r = jnp.stack([a * cos - b * sin, b * cos + a * sin], -1).reshape(*x.shape[:-1], R)
+    return jnp.concatenate([x[..., :-R], r.astype(x.dtype)], -1)
+
+
+def v4_attention(h_BTD, lp: dict, params: dict, kinds, kind, i, pos_BT, invs, cfg: ModelConfig):
+    """V4's attention [B, T, D]: queries from a normed latent (each head RMS-normed, no gain), one
+    normed key that is also the value; each query sees the last sliding_window keys, and on
+    compressed layers the entries (`compress`) whose windows have closed (CSA: those of them its
+    indexer ranks in its best index_topk), with a sink per head; the output turned back by its
+    query's angle, then the grouped projection: per group of heads o_lora_rank wide, then d."""
+    w, eps, (B, T), dt = weights(lp, h_BTD.dtype, cfg), cfg.norm_eps, pos_BT.shape, h_BTD.dtype
+    c_q = rms_norm(jnp.einsum("btd,dr->btr", h_BTD, w("wq_a")), lp["q_norm_a"], eps)
+    q0 = rms_norm(jnp.einsum("btr,rnh->btnh", c_q, w("wq_b")), 1.0, eps)
+    kv0 = rms_norm(jnp.einsum("btd,dh->bth", h_BTD, w("wkv")), lp["kv_norm"], eps)[:, :, None]
+    W = cfg.sliding_window or T
+    t, s = np.arange(T)[:, None], np.arange(T)[None]
+    local = jnp.broadcast_to((s <= t) & (s > t - W), (B, T, T))
+
+    def branch(k):
+        def run():
+            inv = invs[k > 0]
+            q, kv = rope_pairs(q0, pos_BT, inv), rope_pairs(kv0, pos_BT, inv)[:, :, 0]
+            keys, ok = kv, local
+            if k:
+                cp = jax.tree.map(lambda a: a[i], params["csa" if k == 1 else "hca"])
+                ck, cok = compressed_keys(h_BTD, c_q, cp, pos_BT, inv, k == 1, cfg)
+                keys, ok = jnp.concatenate([kv, ck], 1), jnp.concatenate([local, cok], 2)
+            return rope_pairs(sink_attention(q, keys, ok, lp["sinks"], cfg), pos_BT, inv, -1.0)
+        return run
+    o = (jax.lax.switch(kind, [branch(k) for k in kinds]) if len(kinds) > 1 else
+         branch(kinds[0])())
+    o = jnp.einsum("btgc,gcr->btgr", o.reshape(B, T, cfg.o_groups, -1), w("wo_a"))
+    return jnp.einsum("btc,cd->btd", o.reshape(B, T, -1), w("wo_b"))
+
+
+def sink_attention(q_BTNH, k_BSH, ok_BTS, sinks_N, cfg: ModelConfig):
+    """Softmax attention of every head over one shared key = value head where ok, a learned
+    logit per head joining each denominator (GPT-OSS's sinks); 1/sqrt(H), float32."""
+    s = jnp.einsum("btnh,bsh->btns", q_BTNH, k_BSH, preferred_element_type=jnp.float32)
+    s = jnp.where(ok_BTS[:, :, None], s / math.sqrt(q_BTNH.shape[-1]), -jnp.inf)
+    m = jnp.maximum(jnp.max(s, -1), sinks_N)[..., None]
+    p = jnp.exp(s - m)
+    p = p / (jnp.sum(p, -1, keepdims=True) + jnp.exp(sinks_N[:, None] - m))
+    return jnp.einsum("btns,bsh->btnh", p.astype(q_BTNH.dtype), k_BSH)
+
+
+def compress(h_BTD, cp: dict, prefix: str, rate: int, overlap: bool, inv, cfg: ModelConfig):
+    """V4's KV compressor [B, T // rate, Hc]: per window of `rate` tokens (the tail cut off) the
+    entry sum_j softmax_j(z_j + bias_j) * c_j of c = h W_kv, z = h W_gate per channel, RMS-normed,
+    turned at the window's first position. `overlap` (CSA): each token gives two series a, b; entry
+    w pools window w-1's a with window w's b (2 x rate tokens; window 0: b alone)."""
+    w, (B, T, _) = weights(cp, h_BTD.dtype, cfg), h_BTD.shape
+    n = T // rate
+    c, z = (jnp.einsum("btd,dc->btc", h_BTD[:, :n * rate], w(f"{prefix}_{k}")).reshape(
+        B, n, rate, -1) for k in ("wkv", "wgate"))
+    z = z.astype(jnp.float32) + cp[f"{prefix}_bias"]
+    if overlap:
+        Hc = c.shape[-1] // 2
+        prev = lambda x, fill: jnp.concatenate([jnp.full_like(x[:, :1, :, :Hc], fill),
+                                                x[:, :-1, :, :Hc]], 1)
+        c = jnp.concatenate([prev(c, 0.0), c[..., Hc:]], 2)
+        z = jnp.concatenate([prev(z, -jnp.inf), z[..., Hc:]], 2)
+    e = jnp.sum(c * jax.nn.softmax(z, axis=2).astype(c.dtype), axis=2)
+    e = rms_norm(e, cp[f"{prefix}_norm"], cfg.norm_eps)[:, :, None]
+    return rope_pairs(e, jnp.broadcast_to(jnp.arange(n) * rate, (B, n)), inv)[:, :, 0]
+
+
+def compressed_keys(h_BTD, c_q, cp: dict, pos_BT, inv, csa: bool, cfg: ModelConfig):
+    """A compressed layer's entries [B, n, H] and which each query sees [B, T, n]: those whose
+    window has closed (w < (t + 1) // rate); CSA: of them the index_topk its lightning indexer
+    scores best, I_tw = sum_m w_tm ReLU(q_tm . k_w) / sqrt(M I) over its own compressed keys."""
+    rate = cfg.csa_ratio if csa else v4_kinds(cfg)[3]
+    keys = compress(h_BTD, cp, "cmp", rate, csa, inv, cfg)
+    n = keys.shape[1]
+    ok = jnp.arange(n) < ((pos_BT + 1) // rate)[..., None]
+    if not csa or not n:
+        return keys, ok
+    w = weights(cp, h_BTD.dtype, cfg)
+    ik = compress(h_BTD, cp, "idx", rate, True, inv, cfg)
+    iq = rope_pairs(jnp.einsum("btr,rmi->btmi", c_q, w("idx_wq")), pos_BT, inv)
+    wt = jnp.einsum("btd,dm->btm", h_BTD.astype(jnp.float32), cp["idx_w"]) / math.sqrt(
+        cfg.index_n_heads * cfg.index_head_dim)
+    score = jnp.einsum("btm,btmw->btw", wt, jax.nn.relu(jnp.einsum(
+        "btmi,bwi->btmw", iq, ik, preferred_element_type=jnp.float32)))
+    top = jax.lax.top_k(jnp.where(ok, score, -jnp.inf), min(cfg.index_topk, n))[1]
+    return keys, ok & jnp.any(jax.nn.one_hot(top, n, dtype=jnp.bool_), axis=-2)
+
+
 def constrain(x, spec: P):
     """Pin an activation's sharding when a mesh is set (jax.set_mesh); a no-op without one."""
     if jax.sharding.get_abstract_mesh().empty:
@@ -854,6 +1084,7 @@ def constrain(x, spec: P):
 # The batch is split over data, fsdp and expert: the all-to-all takes tokens to their experts.
 MOE_BATCH = BATCH_AXES + ("expert",)
 ACT_BTD = P(MOE_BATCH, "context", None)  # between blocks: batch and sequence split, d whole
+ACT_BTSD = P(MOE_BATCH, "context", None, None)  # V4's hc_mult streams
 # A small batch's loss is vocabulary-parallel (train_dense.py's VOCAB_DV): V over fsdp, expert.
 VOCAB_DV, LOSS_BTD = P(None, ("tensor", "fsdp", "expert")), P(("data", "context"), None, None)
 
@@ -862,7 +1093,8 @@ def weights(lp: dict, dt, cfg: ModelConfig):
     """name -> the layer's f32 master weight in the compute dtype, keeping the master's sharding:
     FSDP gathers it in the compute dtype and reduce-scatters its gradient (not all-reduces)."""
     specs = param_specs(cfg)
-    spec = {**specs.get("dense_layers", {}), **specs.get("global_layers", {}), **specs["layers"]}
+    spec = {**specs.get("dense_layers", {}), **specs.get("global_layers", {}), **specs.get(
+        "csa", {}), **specs.get("hca", {}), **specs["layers"]}
     return lambda name: constrain(lp[name].astype(dt), P(*spec[name][1:]))
 
 
@@ -946,6 +1178,8 @@ def hidden(params: dict, tokens_BT, cfg: ModelConfig, max_logits: bool = False, 
     (`train.pipelined`, its stats each microbatch's, as accumulation makes them); the
     embeddings and the dense first layers before it, on every stage and all rows."""
     x, pos_BT = embed(params, tokens_BT, cfg)
+    if cfg.hc_mult:
+        return v4_hidden(params, x, pos_BT, tokens_BT, cfg, partial(rematted, cfg=cfg))
     inv_freq = rope_inv_freq(cfg)
     L, W, n, Kd = cfg.n_layers, cfg.sliding_window, cfg.global_every, cfg.first_k_dense
     is_global_L = (np.arange(L) + 1) % n == 0 if n else np.full(L, not (W or cfg.attn_chunk))
@@ -1465,12 +1699,13 @@ def _validate_deepseek(m: ModelConfig, t: TrainConfig) -> None:
 # ----------------------------------------------------------------------------------------------
 # 5. Experts: routing and dispatch
 # ----------------------------------------------------------------------------------------------
-def moe(h_BTD, lp: dict, cfg: ModelConfig, route_BTD=None):
+def moe(h_BTD, lp: dict, cfg: ModelConfig, route_BTD=None, hashed=None):
     """The MoE block on normed activations: (output [B,T,D], routing stats). Gemma 4 routes
-    `route_BTD`, normed its own way, and scales each expert's weight by its own factor."""
+    `route_BTD`, normed its own way, and scales each expert's weight by its own factor; V4's hash
+    layers fix the experts (`hashed` [B,T,R])."""
     gate_BTR, expert_BTR, stats = router(h_BTD if route_BTD is None else route_BTD,
                                          lp["w_router"], cfg, lp.get("b_router"),
-                                         lp.get("router_bias"))
+                                         lp.get("router_bias"), hashed)
     gate_BTR = gate_BTR * lp["expert_scale"][expert_BTR] if "expert_scale" in lp else gate_BTR
     dt = h_BTD.dtype  # cast outside the shard_map: mixtral's TPU step moves 6% fewer bytes
     ws = {k: lp[k].astype(dt) for k in ("w_gate", "w_up", "w_down", "b_gate", "b_up", "b_down")
@@ -1492,13 +1727,13 @@ def moe(h_BTD, lp: dict, cfg: ModelConfig, route_BTD=None):
             check_vma=train.stages() == 1 and _grouped_impl(cfg) != "megablox")(
                 h_BTD, expert_BTR, gate_BTR, ws)
     if cfg.n_shared_experts:  # DeepSeek's shared experts: one wider SwiGLU every token uses
-        s = swiglu(h_BTD, {"w_" + k: lp["shared_" + k].astype(dt) for k in PROJ})
+        s = swiglu(h_BTD, {"w_" + k: lp["shared_" + k].astype(dt) for k in PROJ}, cfg)
         y = y + (s * jax.nn.sigmoid(h_BTD @ lp["shared_router"].astype(dt)) if cfg.shared_gated
                  else s)  # Qwen3-Next: a per-token gate on it
     return y, stats | {"dropped": jnp.sum(dropped) / expert_BTR.size}  # of the assignments
 
 
-def router(h_BTD, w_DE, cfg: ModelConfig, b_E=None, bias_E=None):
+def router(h_BTD, w_DE, cfg: ModelConfig, b_E=None, bias_E=None, hashed=None):
     """Top-k routing and its statistics: (weights [B,T,R] f32, experts [B,T,R] int32, stats).
 
     Switch load balancing (Fedus et al. 2021, eq. 4) in HuggingFace's and MaxText's top-k
@@ -1513,12 +1748,14 @@ def router(h_BTD, w_DE, cfg: ModelConfig, b_E=None, bias_E=None):
     (`balance_biases`) but weighted by s alone, renormalised (norm_topk), times routed_scale.
     With n_group a token first keeps its best topk_group of n_group groups, ranked by the sum
     of their two best s + bias, and chooses among those (DeepSeek-V2, softmax: ranked by their
-    best probability). The aux loss takes P_e = s / sum(s)."""
+    best probability). The aux loss takes P_e = s / sum(s). V4: s = sqrt(softplus(logits)), and
+    on its hash layers the experts are the token's (`hashed`), weighted as the chosen ones."""
     E, R, G = cfg.n_experts, cfg.top_k, cfg.n_group
     logits_BTE = jnp.einsum("btd,de->bte", h_BTD.astype(jnp.float32), w_DE)
     logits_BTE = logits_BTE if b_E is None else logits_BTE + b_E
     if cfg.sigmoid_routing:
-        scores_BTE = jax.nn.sigmoid(logits_BTE)
+        scores_BTE = (jnp.sqrt(jax.nn.softplus(logits_BTE)) if cfg.sqrt_softplus else
+                      jax.nn.sigmoid(logits_BTE))
         probs_BTE = scores_BTE / jnp.sum(scores_BTE, axis=-1, keepdims=True)
     else:
         scores_BTE = probs_BTE = jax.nn.softmax(logits_BTE, axis=-1)
@@ -1531,6 +1768,7 @@ def router(h_BTD, w_DE, cfg: ModelConfig, b_E=None, bias_E=None):
                                           dtype=jnp.int32), axis=2) > 0
         choice_BTE = jnp.where(jnp.repeat(keep_BTG, E // G, axis=-1), choice_BTE, -jnp.inf)
     expert_BTR = jax.lax.top_k(choice_BTE, R)[1]
+    expert_BTR = expert_BTR if hashed is None else hashed
     gate_BTR = jnp.take_along_axis(scores_BTE, expert_BTR, axis=-1)
     if cfg.norm_topk:  # HF's epsilon: all k sigmoid scores may underflow to 0 (a softmax's
         # sum is >= 1/E, which the epsilon leaves unchanged in float32)
@@ -1551,7 +1789,7 @@ def router(h_BTD, w_DE, cfg: ModelConfig, b_E=None, bias_E=None):
 def _buffer_table(cfg: ModelConfig) -> dict:
     """State that is not trained: with sigmoid routing, each MoE layer's bias on the scores
     that choose the experts (DeepSeek-V3's e_score_correction_bias), moved by `balance_biases`."""
-    L, on = moe_layers(cfg), cfg.sigmoid_routing and not cfg.score_inputs  # Llama 4: no bias
+    L, on = moe_layers(cfg) - cfg.n_hash_layers, cfg.sigmoid_routing and not cfg.score_inputs
     bias = lambda n: {"layers": {"router_bias": ((n, cfg.n_experts), P(None, None), 0.0)}}
     return bias(L) | ({"mtp": bias(cfg.mtp_depth)} if cfg.mtp_depth else {}) if on else {}
 
@@ -1581,6 +1819,8 @@ def glu(g, u, cfg: ModelConfig | None = None):
     if not c:
         return jax.nn.silu(g) * u
     g, u = jnp.minimum(g, c), jnp.clip(u, -c, c)
+    if cfg.hc_mult:  # DeepSeek-V4's: the plain SwiGLU of the clamped g and u
+        return jax.nn.silu(g) * u
     return g * jax.nn.sigmoid(SWIGLU_ALPHA * g) * (u + 1)
 
 
@@ -1879,7 +2119,8 @@ HF_ARCHITECTURES = {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCa
                     "deepseek_v2": "DeepseekV2ForCausalLM",
                     "llama4_text": "Llama4ForCausalLM", "gemma4_text": "Gemma4ForCausalLM",
                     "deepseek_v32": "DeepseekV32ForCausalLM", "qwen3_next": "Qwen3NextForCausalLM",
-                    "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM"}  # Qwen3.5 (its language model)
+                    "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",  # Qwen3.5 (its language model)
+                    "deepseek_v4": "DeepseekV4ForCausalLM"}
 HF_DEEPSEEK = ("deepseek_v3", "kimi_k2", "deepseek_v2", "deepseek_v32")
 HF_QWEN_NEXT = ("qwen3_next", "qwen3_5_moe_text")  # Qwen3.5: 3-Next's block, other names
 # What transformers assumes for a key that config.json leaves out (its config classes).
@@ -2105,9 +2346,140 @@ _HF_FUSED = {k: ("mlp.experts." + n, l) for k, (n, l) in dict(
     w_down=("down_proj", "e d f -> e f d")).items()}
 
 
+# ---- DeepSeek-V4 (deepseek_v4): its config.json and names, apart from the tables above (to join
+# them at merge). transformers writes per-layer `layer_types` and `mlp_layer_types` and RoPE per
+# kind ("main": the window layers', "compress": YaRN); the release says compress_ratios,
+# num_hash_layers, rope_scaling and qk_rope_head_dim. Its class's defaults for what is left out:
+_HF_V4_DEFAULTS = dict(
+    vocab_size=129280, hidden_size=4096, moe_intermediate_size=2048, num_hidden_layers=43,
+    num_attention_heads=64, num_key_value_heads=1, head_dim=512, q_lora_rank=1024,
+    num_experts_per_tok=6, n_routed_experts=256, n_shared_experts=1, norm_topk_prob=True,
+    routed_scaling_factor=1.5, max_position_embeddings=1048576, rope_theta=10_000.0,
+    compress_rope_theta=160_000.0, hc_mult=4, hc_sinkhorn_iters=20, hc_eps=1e-6, swiglu_limit=10.0,
+    sliding_window=128, o_groups=8, o_lora_rank=1024, index_n_heads=64, index_head_dim=128,
+    index_topk=512, rms_norm_eps=1e-6, tie_word_embeddings=False, scoring_func="sqrtsoftplus")
+_HF_V4_FIELDS = dict(n_routed_experts="n_experts", moe_intermediate_size="d_ff",
+                     norm_topk_prob="norm_topk", routed_scaling_factor="routed_scale") | {
+    k: k for k in ("q_lora_rank", "n_shared_experts", "index_n_heads", "index_head_dim",
+                   "index_topk", "hc_mult", "hc_sinkhorn_iters", "hc_eps", "o_groups", "o_lora_rank",
+                   "compress_rope_theta", "sliding_window", "swiglu_limit")}
+_HF_V4_KINDS = ("sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention")
+# Names under model.layers.{i}. as transformers writes them (the release's, which lacks "model.");
+# W, R, C the compressor's width, rate and norm (`_hf_v4_mapping`)
+_HF_V4 = {k: ("attn." + n, lay) for k, (n, lay) in dict(
+    wq_a=("wq_a.weight", "r d -> d r"), q_norm_a=("q_norm.weight", "r -> r"),
+    wq_b=("wq_b.weight", "(n h) r -> r n h"), wkv=("wkv.weight", "h d -> d h"),
+    kv_norm=("norm.weight", "h -> h"), sinks=("attn_sink", "n -> n"),
+    wo_a=("wo_a.weight", "(og or) oc -> og oc or"), wo_b=("wo_b.weight", "d ow -> ow d"),
+    idx_wq=("indexer.wq_b.weight", "(m i) r -> r m i"),
+    idx_w=("indexer.weights_proj.weight", "m d -> d m")).items()} | {
+    f"{p}_{n}": (f"attn.{q}compressor.{m}", lay) for p, q in (("cmp", ""), ("idx", "indexer."))
+    for n, m, lay in (("wkv", "wkv.weight", "W d -> d W"), ("wgate", "wgate.weight", "W d -> d W"),
+                      ("bias", "ape", "R W -> R W"), ("norm", "norm.weight", "C -> C"))} | {
+    f"hc_{k}_{n}": (f"hc_{k}_{n}", lay) for k in ("attn", "ffn") for n, lay in dict(
+        fn="hk hd -> hd hk", base="hk -> hk", scale="o3 -> o3").items()} | {
+    k: ("ffn." + n, lay) for k, (n, lay) in dict(
+        w_router=("gate.weight", "e d -> d e"), router_bias=("gate.bias", "e -> e"),
+        tid2eid=("gate.tid2eid", "v kr -> v kr"), **{f"{p}_{n}": (f"{q}.{w}.weight", lay) for p, q, lay3 in (
+            ("w", "experts.{e}", ("f d -> e d f", "d f -> e f d")),
+            ("shared", "shared_experts", ("s d -> d s", "d s -> s d")))
+            for n, w, lay in (("gate", "w1", lay3[0]), ("up", "w3", lay3[0]),
+                              ("down", "w2", lay3[1]))}).items()} | dict(
+    attn_norm=("attn_norm.weight", "d -> d"), mlp_norm=("ffn_norm.weight", "d -> d"))
+
+
+def _hf_v4_mapping(cfg: ModelConfig) -> dict:
+    """`hf_mapping` for deepseek_v4: each stack's layers as `a*i + b` (the release's pattern)."""
+    kind_L, names = v4_kinds(cfg)[0], _HF_V4
+
+    def at(k, atom):
+        pos = np.flatnonzero(kind_L == k)
+        a = int(pos[1] - pos[0]) if len(pos) > 1 else 1
+        if not np.array_equal(pos, pos[0] + a * np.arange(len(pos))):
+            raise hf.HFError(f"compress_ratios {cfg.compress_ratios}: the layers of each kind must"
+                             " be evenly spaced for a deepseek_v4 folder.")
+        return atom, f"{{{atom}*{a}+{pos[0]}}}"
+    stacks = {"layers": ("l", f"{{l+{cfg.n_hash_layers}}}"), "hash_layers": ("y", "{y}"),
+              "csa": at(1, "ca"), "hca": at(2, "ha")}
+    sub = {"csa": dict(W="c2", R="rc"), "hca": dict(W="h", R="rh")}
+    lay = lambda k, w: " ".join({"C": "i" if w.startswith("idx") else "h", "W": "i2" if w.startswith(
+        "idx") else sub.get(k, {}).get("W"), "R": sub.get(k, {}).get("R")}.get(t, t) for t in
+                                names[w][1].split())
+    top = _HF_TOP | {"unembed": ("head.weight", "v d -> d v")} | {k: (
+        f"model.hc_head.hc_{k[8:]}", lay) for k, lay in dict(
+        hc_head_fn="hn hd -> hd hn", hc_head_base="hn -> hn", hc_head_scale="o -> o").items()}
+    return {k: {w: (f"model.layers.{stacks[k][1]}.{names[w][0]}", lay(k, w).replace(
+        "-> ", f"-> {stacks[k][0]} ")) for w in v} if k in stacks else top[k]
+            for k, v in _hf_table(cfg).items()}
+
+
+def _v4_from_hf(c: dict, where: str) -> ModelConfig:
+    bad = lambda what: hf.HFError(f"{where}: {what} is not implemented by train_moe.py, so this "
+                                  "deepseek_v4 model cannot be loaded faithfully.")
+    c = _HF_V4_DEFAULTS | c
+    L, H, rates = c["num_hidden_layers"], c["head_dim"], c.get("compress_rates") or {}
+    csa, hca = (rates.get(k, c.get(f"compress_rate_{a}", r)) for k, a, r in zip(
+        _HF_V4_KINDS[1:], ("csa", "hca"), (4, 128)))
+    kinds = c.get("layer_types") or [_HF_V4_KINDS[(0, csa).index(r) if r in (0, csa) else 2]
+                                     for r in c.get("compress_ratios") or []][:L] or (
+        [_HF_V4_KINDS[2]] * min(L, 2) + [_HF_V4_KINDS[1 + (i % 2 == 0)] for i in range(L - 2)])
+    Lh = c.get("num_hash_layers", 3)
+    mlp = c.get("mlp_layer_types") or ["hash_moe"] * min(L, Lh) + ["moe"] * max(L - Lh, 0)
+    Lh = mlp.count("hash_moe")
+    rp = c.get("rope_parameters") or {}
+    main, comp = rp.get("main") or {"rope_theta": c["rope_theta"]}, rp.get("compress") or dict(
+        c.get("rope_scaling") or {}, rope_theta=c["compress_rope_theta"])
+    part = main.get("partial_rotary_factor") or c.get("partial_rotary_factor") or c.get(
+        "qk_rope_head_dim", 64) / H
+    yarn = (comp.get("rope_type") or comp.get("type")) == "yarn"
+    for what, wrong in ((f"mlp_layer_types {mlp} (hash layers first)", mlp != ["hash_moe"] * Lh + [
+            "moe"] * (L - Lh)), (f"scoring_func {c['scoring_func']!r}", c["scoring_func"] not in (
+            "sqrtsoftplus", "sigmoid")), (f"{c['num_key_value_heads']} key/value heads", c[
+            "num_key_value_heads"] != 1), ("biases on the projections", c.get("attention_bias") or c.get(
+            "mlp_bias")), (f"hidden_act {c.get('hidden_act')!r}", c.get("hidden_act", "silu") != "silu"),
+            (f"rope {main} on the window layers", main.get("rope_type", "default") != "default"),
+            (f"rope {comp} on the compressed ones", comp.get("attention_factor", 1.0) != 1.0 or
+             not yarn and comp.get("rope_type", comp.get("type", "default")) != "default")):
+        if wrong:
+            raise bad(what)
+    m = {f: type(getattr(ModelConfig, f))(c[k]) for k, f in (_HF_FIELDS | _HF_V4_FIELDS).items()}
+    m |= dict(compress_ratios=tuple((0, csa, hca)[_HF_V4_KINDS.index(k)] for k in kinds),
+              csa_ratio=csa, n_hash_layers=Lh, rotary_dim=int(H * part), rope_theta=float(
+                  main["rope_theta"]), compress_rope_theta=float(comp["rope_theta"]),
+              sigmoid_routing=True, sqrt_softplus=c["scoring_func"] == "sqrtsoftplus",
+              attn_sinks=True)
+    if yarn:
+        m |= dict(yarn_factor=float(comp["factor"]), yarn_beta_fast=float(comp.get("beta_fast", 32)),
+                  yarn_beta_slow=float(comp.get("beta_slow", 1)), yarn_truncate=bool(comp.get(
+                      "truncate", True)), yarn_original_max_len=int(comp[
+                          "original_max_position_embeddings"]))
+    return ModelConfig(**m)
+
+
+def _v4_to_hf(cfg: ModelConfig, dtype: str) -> dict:
+    kind_L, _, _, hca = v4_kinds(cfg)
+    L, Lh, part = cfg.n_layers, cfg.n_hash_layers, cfg.rotary_dim / cfg.head_dim
+    main = dict(rope_type="default", rope_theta=cfg.rope_theta, partial_rotary_factor=part)
+    comp = main | dict(rope_theta=cfg.compress_rope_theta) | (dict(
+        rope_type="yarn", factor=cfg.yarn_factor, beta_fast=cfg.yarn_beta_fast, beta_slow=
+        cfg.yarn_beta_slow, original_max_position_embeddings=cfg.yarn_original_max_len,
+        attention_factor=1.0, truncate=cfg.yarn_truncate) if cfg.yarn_factor else {})
+    return dict(architectures=[HF_ARCHITECTURES["deepseek_v4"]], model_type="deepseek_v4") | {
+        k: getattr(cfg, f) for k, f in (_HF_FIELDS | _HF_V4_FIELDS).items()} | dict(
+        layer_types=[_HF_V4_KINDS[k] for k in kind_L], compress_rates={
+            _HF_V4_KINDS[1]: cfg.csa_ratio, _HF_V4_KINDS[2]: hca or 128},
+        mlp_layer_types=["hash_moe"] * Lh + ["moe"] * (L - Lh), rope_theta=cfg.rope_theta,
+        rope_parameters=dict(main=main, compress=comp), partial_rotary_factor=part,
+        scoring_func="sqrtsoftplus" if cfg.sqrt_softplus else "sigmoid", hidden_act="silu",
+        num_nextn_predict_layers=0, dtype=dtype, torch_dtype=dtype)
+# ---- end of DeepSeek-V4's HF block
+
+
 def hf_mapping(cfg: ModelConfig, model_type: str, fused: bool = False) -> dict:
     """Our parameter tree (the buffers too), each leaf as (HuggingFace tensor name, layout);
     `fused`: the experts of a layer in two tensors, as transformers 5 holds them."""
+    if cfg.hc_mult:
+        return _hf_v4_mapping(cfg)
     names = (_HF_LAYER | (_HF_FUSED if fused else {}) | (_HF_MLA if cfg.kv_lora_rank else {}) |
              _HF_FAMILY_NAMES.get(model_type, {}))
     stacks = ({"layers": ("l", "{l*2+1}"), "dense_layers": ("j", "{j*2}")} if cfg.moe_every == 2
@@ -2135,7 +2507,12 @@ def _hf_sizes(cfg: ModelConfig) -> dict:
     t = cfg.n_layers // cfg.global_every if cfg.global_head_dim or cfg.linear_k_heads else 0
     Lk, Lv, Dk, Dv = (cfg.linear_k_heads, cfg.linear_v_heads, cfg.linear_k_dim, cfg.linear_v_dim)
     r = Lv // max(Lk, 1)
-    return dict(l=moe_layers(cfg) - t, t=t, o=1, u=cfg.global_kv_heads or cfg.n_kv_heads,
+    v4 = dict(og=cfg.o_groups, oc=cfg.n_heads * cfg.head_dim // max(cfg.o_groups, 1),
+              ow=cfg.o_groups * cfg.o_lora_rank, hk=(2 + cfg.hc_mult) * cfg.hc_mult, hn=cfg.hc_mult,
+              hd=cfg.hc_mult * cfg.d_model, o3=3, kr=cfg.top_k, c2=2 * cfg.head_dim, rc=cfg.csa_ratio,
+              rh=v4_kinds(cfg)[3], i2=2 * cfg.index_head_dim, y=cfg.n_hash_layers, ca=v4_kinds(
+                  cfg)[2][1], ha=v4_kinds(cfg)[2][2], **{"or": cfg.o_lora_rank}) if cfg.hc_mult else {}
+    return v4 | dict(l=moe_layers(cfg) - t - cfg.n_hash_layers, t=t, o=1, u=cfg.global_kv_heads or cfg.n_kv_heads,
                 z=cfg.global_head_dim or cfg.head_dim, e=cfg.n_experts, d=cfg.d_model, n=cfg.n_heads,
                 k=cfg.n_kv_heads, h=cfg.head_dim, f=cfg.d_ff, v=cfg.vocab_size,
                 j=cfg.n_layers - moe_layers(cfg), a=C + Hr, c=C, r=cfg.q_lora_rank, q=Hn + Hr,
@@ -2154,6 +2531,8 @@ def config_from_hf(c: dict, where: str = "config.json") -> ModelConfig:
                          f"train_moe.py loads ({', '.join(HF_ARCHITECTURES)}); dense models "
                          "(llama, mistral, qwen2, qwen3, gemma4_text without enable_moe_block) "
                          "belong to train_dense.py.")
+    if mt == "deepseek_v4":
+        return _v4_from_hf(c, where)
     fam = "deepseek_v3" if mt == "kimi_k2" else mt
     # transformers 5 spells Qwen3-MoE's expert count num_local_experts: read it before the defaults
     qwen_experts = c.get("num_experts", c.get("num_local_experts"))
@@ -2283,6 +2662,11 @@ def config_from_hf(c: dict, where: str = "config.json") -> ModelConfig:
 
 def _model_type(cfg: ModelConfig, model_type: str) -> str:
     """The family to write: the one asked for (or the knobs'), if the knobs fit it."""
+    if cfg.hc_mult or model_type == "deepseek_v4":
+        if not cfg.hc_mult or model_type not in ("", "deepseek_v4"):
+            raise hf.HFError(f"model_type {model_type!r} does not fit this model: mHC streams "
+                             "(--model.hc-mult) are deepseek_v4's, and only its.")
+        return "deepseek_v4"
     fam = next(m for m, knobs in (  # the first family whose knobs are all on
         ("gemma4_text", "gemma4"), ("llama4_text", "score_inputs"),
         ("qwen3_next", "linear_k_heads"), ("qwen3_moe", "qk_norm"), ("gpt_oss", "attn_sinks"),
@@ -2316,6 +2700,8 @@ def _model_type(cfg: ModelConfig, model_type: str) -> str:
 def config_to_hf(cfg: ModelConfig, model_type: str = "", dtype: str = "float32") -> dict:
     """A config.json for `cfg` that transformers 4.4x and 5.x both read."""
     mt = _model_type(cfg, model_type)
+    if mt == "deepseek_v4":
+        return _v4_to_hf(cfg, dtype)
     fam = "deepseek_v3" if mt == "kimi_k2" else mt
     rope = dict(rope_type="default", rope_theta=cfg.rope_theta) | ({"partial_rotary_factor": (
         cfg.rotary_dim or cfg.head_dim) / cfg.head_dim} if mt in HF_QWEN_NEXT else {})

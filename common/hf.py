@@ -56,7 +56,8 @@ CONTRADICTING = ("layer_types", "quantization_config", "transformers_version", "
                  "rope_parameters")
 
 DTYPES = {"F64": np.dtype(np.float64), "F32": np.dtype(np.float32),
-          "F16": np.dtype(np.float16), "BF16": np.dtype(ml_dtypes.bfloat16)}
+          "F16": np.dtype(np.float16), "BF16": np.dtype(ml_dtypes.bfloat16),
+          "I64": np.dtype(np.int64)}  # DeepSeek-V4's token -> experts tables
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 _MAX_HEADER = 100 * 2**20  # a header larger than this is a damaged or foreign file
 

@@ -260,6 +260,23 @@ FAMILIES = {
         max_position_embeddings=64), vision_config=dict(
             depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=32,
             num_position_embeddings=4)), "16KB"),
+    # DeepSeek-V4: 2 mHC streams; layers window, CSA (rate 4, its indexer keeping 2 of the 4
+    # entries), HCA (rate 8), CSA, window; the window 4 of the 16 tokens; the first 2 layers hash-
+    # routed; 4 of each head's 16 dims turned in pairs, YaRN on the compressed layers; the clamp
+    # 1.0 inside the activations' spread; the output projection in 2 groups.
+    "deepseek_v4": ("deepseek_v4", dict(
+        vocab_size=64, hidden_size=32, moe_intermediate_size=16, num_hidden_layers=5,
+        num_attention_heads=4, num_key_value_heads=1, head_dim=16, q_lora_rank=12,
+        partial_rotary_factor=0.25, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+        routed_scaling_factor=1.5, layer_types=[
+            "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
+            "compressed_sparse_attention", "sliding_attention"], compress_rates={
+            "compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
+        mlp_layer_types=["hash_moe"] * 2 + ["moe"] * 3, hc_mult=2, sliding_window=4, o_groups=2,
+        o_lora_rank=8, index_n_heads=2, index_head_dim=8, index_topk=2, swiglu_limit=1.0,
+        rope_theta=1000.0, compress_rope_theta=4000.0, max_position_embeddings=64,
+        rope_parameters=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=16,
+                             beta_fast=8.0, beta_slow=1.0)), None),
 }
 # Written as this model_type (the checkpoint is the other's, as Moonshot ships it).
 RENAMED = {"kimi_k2": "kimi_k2"}
@@ -281,6 +298,10 @@ def randomize(model: torch.nn.Module, seed: int, model_type: str = "") -> None:
                 b.copy_(0.1 * torch.randn(b.shape, generator=g))
             if name.endswith("layer_scalar"):  # Gemma 4's, saved with the weights
                 b.copy_(1.0 + 0.3 * torch.randn(b.shape, generator=g))
+            if name.endswith("tid2eid"):  # DeepSeek-V4's hash layers: distinct experts a token
+                E = model.config.n_routed_experts
+                b.copy_(torch.stack([torch.randperm(E, generator=g)[:b.shape[1]]
+                                     for _ in range(b.shape[0])]))
         for name, p in sorted(model.named_parameters()):
             noise = torch.randn(p.shape, generator=g, dtype=torch.float32)
             if name.endswith("sinks"):  # a logit each head's softmax weighs against its keys
