@@ -264,6 +264,14 @@ _GEMMA4 = dict(gemma4=True, qk_norm=True, tie_embeddings=True, norm_eps=1e-6, sl
 _QWEN3_NEXT = dict(norm_eps=1e-6, qk_norm=True, global_every=4, linear_k_heads=16,
                    linear_v_heads=32, attn_gate=True, norm_offset=True, n_shared_experts=1,
                    shared_gated=True)
+# DeepSeek-V4 (its config.json): mHC over 4 streams; one K = V head 512 wide, 64 dims turned;
+# a window of 128 on every layer, CSA (rate 4, the indexer's best 512) and HCA (rate 128) layers
+# beside it, YaRN on those; the first 3 layers hash-routed, the rest by sqrt-softplus scores.
+_DEEPSEEK_V4 = dict(hc_mult=4, q_lora_rank=1024, rotary_dim=64, o_groups=8, o_lora_rank=1024,
+                    sliding_window=128, attn_sinks=True, index_n_heads=64, index_head_dim=128,
+                    index_topk=512, sigmoid_routing=True, sqrt_softplus=True, routed_scale=1.5,
+                    n_shared_experts=1, swiglu_limit=10.0, n_hash_layers=3, norm_eps=1e-6,
+                    compress_rope_theta=160_000.0, yarn_factor=16.0, yarn_original_max_len=65536)
 # The released models: description, shape (these fields), the family's and model's knobs.
 _SHAPE = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim",
           "n_experts", "top_k", "d_ff", "max_seq_len")
@@ -292,6 +300,11 @@ _RELEASED = {
                 (163840, 7168, 61, 64, 64, 64, 384, 8, 2048, 131072), _DEEPSEEK_V3 | dict(
                     first_k_dense=1, routed_scale=2.827, rope_theta=50_000.0, yarn_factor=32.0,
                     yarn_beta_fast=1.0, norm_eps=1e-5)),
+    "deepseek-v4-flash": ("DeepSeek-V4-Flash (256 experts top-6 + 1 shared, the first 3 layers "
+                          "hash-routed; mHC over 4 streams; window, CSA and HCA attention; "
+                          "without the MTP module)", (129280, 4096, 43, 64, 1, 512, 256, 6, 2048,
+                                                      1048576), _DEEPSEEK_V4 | dict(
+                              compress_ratios=(0, 0) + (4, 128) * 20 + (4,))),
     "gpt-oss-20b": ("GPT-OSS 20B (32 experts, top-4)",
                     (201088, 2880, 24, 64, 8, 64, 32, 4, 2880, 131072), _GPT_OSS),
     "gpt-oss-120b": ("GPT-OSS 120B (128 experts, top-4)",
@@ -381,6 +394,14 @@ PRESETS["tiny-deepseek32"] = (
         train=dataclasses.replace(_TINY_DS.train, indexer_warmup_steps=20),
         run_dir="runs/tiny-deepseek32"))
 
+PRESETS["tiny-deepseek4"] = (
+    "tiny-moe with DeepSeek-V4's block (mHC over 4 streams; layers window, CSA, HCA (rate 16), "
+    "CSA, a window of 64; the first layer hash-routed, a shared expert): `make train-moe "
+    "MOE_PRESET=tiny-deepseek4`", Config(model=ModelConfig(remat="none", **_DEEPSEEK_V4 | dict(
+        n_kv_heads=1, q_lora_rank=96, rotary_dim=16, o_groups=2, o_lora_rank=64, sliding_window=64,
+        index_n_heads=4, index_head_dim=32, index_topk=16, n_hash_layers=1, yarn_factor=0.0,
+        compress_ratios=(0, 4, 16, 4))), train=TrainConfig(**_DEEPSEEK_BALANCE),
+        run_dir="runs/tiny-deepseek4"))
 
 # ----------------------------------------------------------------------------------------------
 # 2. Parameters and their shardings
@@ -1349,7 +1370,8 @@ def loss_fn(params, batch_BT1, cfg: ModelConfig, t: TrainConfig = TrainConfig(),
                  for k, v in stats.items()}  # routing's; the main stacks' maxima stay theirs
     loss = (loss + t.load_balance_loss * jnp.mean(stats["aux_loss"]) + t.router_z_loss
             * jnp.mean(stats["router_z"]))
-    if cfg.index_n_heads:  # DSA: + the indexer's KL (layer mean), alone in its warm-up (`dsa`)
+    if cfg.index_n_heads and not cfg.hc_mult:  # DSA: + the indexer's KL (layer mean), alone in
+        # its warm-up (`dsa`)
         stats["indexer_kl"] = jnp.mean(jnp.concatenate([jnp.atleast_1d(stats.pop(k)) for k in (
             "indexer_kl_dense", "indexer_kl") if k in stats]))
         loss = stats["indexer_kl"] + (loss if warm is None else jnp.where(warm, 0.0, loss))
@@ -1534,6 +1556,7 @@ def validate(cfg: Config, n_devices: int, platform: str = "") -> None:
     train.check_pipeline(mesh, t.microbatches, t.pipeline_repeats, (f"--model.n-layers {m.n_layers}"
                          + f" less --model.first-k-dense {Kd}" * bool(Kd), moe_layers(m)), [
         f for f, on in (("--model.gemma4", m.gemma4), ("--model.linear-k-heads", m.linear_k_heads),
+                        ("--model.hc-mult", m.hc_mult),
                         ("--model.moe-every 2", m.moe_every > 1), ("--model.index-n-heads",
                         m.index_n_heads), ("--mesh.context", mesh.context * mesh.dcn_context > 1),
                         ("--lora.rank", cfg.lora.rank), ("dropless experts on --model.grouped-"
@@ -1556,6 +1579,7 @@ def validate(cfg: Config, n_devices: int, platform: str = "") -> None:
         ("--model.n-heads", m.n_heads), ("--model.n-kv-heads", m.n_kv_heads),
         ("--model.dense-d-ff", m.dense_d_ff),
         ("--model.global-kv-heads", m.global_kv_heads), ("--model.index-n-heads", m.index_n_heads),
+        ("--model.o-groups", m.o_groups),
         ("--model.linear-k-heads", m.linear_k_heads),
         ("--model.vocab-size", m.vocab_size)], "fsdp": [("--model.d-model", m.d_model)]})
     f = m.down_split == "f"  # w_down's F split over tensor, fsdp and context (`_layer_table`)
@@ -1589,7 +1613,36 @@ def validate(cfg: Config, n_devices: int, platform: str = "") -> None:
          f"--model.mtp-depth {m.mtp_depth}: each module predicts one token further, so fewer "
          f"than --train.seq-len {t.seq_len}; not with --model.gemma4 (its layers come in kinds).")
     _validate_dsa(m, t, mesh.context * mesh.dcn_context, cfg.lora.rank)
+    _validate_v4(m, t, mesh.context * mesh.dcn_context)
     _validate_qwen3_next(m, t, mesh.context * mesh.dcn_context)
+
+
+def _validate_v4(m: ModelConfig, t: TrainConfig, context: int) -> None:
+    kind_L, _, sizes, hca = v4_kinds(m)
+    r, flag = m.compress_ratios, f"--model.hc-mult {m.hc_mult}"
+    clash = [f for f in ("kv_lora_rank", "gemma4", "linear_k_heads", "first_k_dense", "mtp_depth",
+                         "global_every", "attn_chunk", "qk_norm", "attn_bias", "moe_bias",
+                         "n_group") if getattr(m, f)]
+    need(not m.hc_mult or len(r) == m.n_layers and len({x for x in r if x not in (0, m.csa_ratio)})
+         <= 1 and m.csa_ratio > 0 and m.n_kv_heads == 1 and m.q_lora_rank and m.sliding_window
+         and m.attn_sinks and m.sigmoid_routing and m.o_groups and m.o_lora_rank and
+         m.n_heads % m.o_groups == 0 and 0 < m.rotary_dim <= min(m.head_dim, m.index_head_dim if
+                                                                 sizes[1] else m.head_dim)
+         and (m.index_n_heads or not sizes[1]) and m.n_hash_layers < m.n_layers and not clash,
+         f"{flag} (DeepSeek-V4) needs --model.compress-ratios, one per layer of --model.n-layers"
+         f" {m.n_layers} (0, --model.csa-ratio {m.csa_ratio}, or one HCA rate), --model.n-kv-heads"
+         " 1, --model.q-lora-rank, --model.sliding-window, --model.attn-sinks, --model.sigmoid-"
+         "routing, --model.o-groups dividing --model.n-heads with --model.o-lora-rank, an even "
+         "--model.rotary-dim within the head (and the indexer's), --model.index-n-heads where CSA"
+         " layers are, fewer --model.n-hash-layers than layers" + (
+             f"; --model.{clash[0].replace('_', '-')} is not V4's: turn it off" if clash else "")
+         + ".")
+    need(not m.hc_mult or context == 1 and not t.qk_clip_threshold and not t.indexer_warmup_steps,
+         f"{flag} with --mesh.context, --train.qk-clip-threshold or --train.indexer-warmup-steps: "
+         "not built for V4's attention yet; set them to 1, 0 and 0.")
+    need(m.hc_mult or not (r or m.o_groups or m.n_hash_layers or m.sqrt_softplus), "--model."
+         "compress-ratios, --model.o-groups, --model.n-hash-layers and --model.sqrt-softplus are "
+         "DeepSeek-V4's: add --model.hc-mult, or turn them off.")
 
 
 def _validate_qwen3_next(m: ModelConfig, t: TrainConfig, context: int) -> None:
@@ -1619,6 +1672,8 @@ def _validate_qwen3_next(m: ModelConfig, t: TrainConfig, context: int) -> None:
 
 def _validate_dsa(m: ModelConfig, t: TrainConfig, context: int, lora: int) -> None:
     on, flag = m.index_n_heads > 0, f"--model.index-n-heads {m.index_n_heads}"
+    if m.hc_mult:  # V4's indexer (`compressed_keys`): `_validate_v4`
+        return
     need(not on or m.kv_lora_rank and m.q_lora_rank, f"{flag}: DeepSeek's sparse attention is "
          "MLA's with a query latent, which its indexer reads; give --model.kv-lora-rank and "
          "--model.q-lora-rank, or set it to 0.")
@@ -2036,7 +2091,7 @@ def train_loop(cfg: Config, mesh, st: train.TrainState, step_fn) -> dict:
     def show(r: dict) -> str:
         drop = f" | dropped {100 * r['dropped']:.1f}%" if mc.capacity_factor > 0 else ""
         return (f"loss {r['loss']:.3f} | " + (f"indexer_kl {r['indexer_kl']:.3f} | " if
-                                               mc.index_n_heads else "") + f"aux {r['aux_loss']:.3f} | router_z "
+                                               "indexer_kl" in r else "") + f"aux {r['aux_loss']:.3f} | router_z "
                 f"{r['router_z']:.2f} | load {min(r['load_min']):.3f}-{max(r['load_max']):.3f}"
                 f"{drop} | lr {r['lr']:.1e} | grad_norm {r['grad_norm']:.2f}" + (
                     f" | max_logit {r['max_attn_logit']:.1f}" if tc.qk_clip_threshold else "") + (
