@@ -432,7 +432,9 @@ def _param_table(cfg: ModelConfig) -> dict:
             1:]) if n} | {"hc_head_fn": ((S * D, S), P("fsdp", None), 0.02), "hc_head_base": (
                 (S,), P(None), 0.0), "hc_head_scale": ((1,), P(None), None),
             "layers": _layer_table(cfg, L - Lh, moe=True)} | ({"hash_layers": _layer_table(
-                cfg, Lh, moe=True) | {"tid2eid": ((Lh, V, cfg.top_k), P(None), 0.0)}} if Lh else {})
+                cfg, Lh, moe=True) | {"tid2eid": ((Lh, V, cfg.top_k), P(None), partial(
+                hash_experts, cfg.n_experts))}} if Lh
+            else {})
     if Dm := cfg.mtp_depth:  # per depth (`mtp`): norms, the projection of [e; h], a MoE layer
         table["mtp"] = {"layers": _layer_table(cfg, Dm, moe=True), "eh_proj": (
             (Dm, 2 * D, D), P(None, "fsdp", None), 0.02)} | {
@@ -535,6 +537,12 @@ def _layer_table(cfg: ModelConfig, L: int, moe: bool, glob: bool = False) -> dic
 OFFSET_NORMS = ("attn_norm", "mlp_norm", "q_norm", "k_norm")  # with norm_offset: 1 + w
 
 
+def hash_experts(E: int, shape):
+    """V4's hash tables from scratch: token t's R distinct experts (40503 t + r E/R) mod E."""
+    t, R = np.arange(shape[1])[:, None], shape[2]
+    return jnp.broadcast_to(jnp.asarray((t * 40503 + np.arange(R) * (E // R)) % E, jnp.float32), shape)
+
+
 def v4_kinds(cfg: ModelConfig):
     """DeepSeek-V4's layers: each one's kind (0 window, 1 CSA, 2 HCA) [L], its place in its
     kind's stack [L], the stacks' sizes (window, CSA, HCA) and the HCA rate."""
@@ -564,12 +572,7 @@ def param_specs(cfg: ModelConfig) -> dict:
 
 
 def _init(cfg: ModelConfig, key: jax.Array) -> dict:
-    params = train.table_init(_param_table(cfg), key)
-    if cfg.n_hash_layers:  # a token's top_k distinct experts, spread by a multiplicative hash
-        t, E, R = np.arange(cfg.vocab_size)[:, None], cfg.n_experts, cfg.top_k
-        params["hash_layers"]["tid2eid"] = jnp.broadcast_to(jnp.asarray(
-            (t * 40503 + np.arange(R) * (E // R)) % E, jnp.float32), (cfg.n_hash_layers, *t.shape[:1], R))
-    return params
+    return train.table_init(_param_table(cfg), key)
 
 
 def init_params(cfg: ModelConfig, key: jax.Array, mesh=None) -> dict:
@@ -1058,7 +1061,7 @@ def compress(h_BTD, cp: dict, prefix: str, rate: int, overlap: bool, inv, cfg: M
     entry sum_j softmax_j(z_j + bias_j) * c_j of c = h W_kv, z = h W_gate per channel, RMS-normed,
     turned at the window's first position. `overlap` (CSA): each token gives two series a, b; entry
     w pools window w-1's a with window w's b (2 x rate tokens; window 0: b alone)."""
-    w, (B, T, _) = weights(cp, h_BTD.dtype, cfg), h_BTD.shape
+    w, (B, T, _) = (lambda k: cp[k].astype(h_BTD.dtype)), h_BTD.shape  # (a small stack's)
     n = T // rate
     c, z = (jnp.einsum("btd,dc->btc", h_BTD[:, :n * rate], w(f"{prefix}_{k}")).reshape(
         B, n, rate, -1) for k in ("wkv", "wgate"))
@@ -1084,7 +1087,7 @@ def compressed_keys(h_BTD, c_q, cp: dict, pos_BT, inv, csa: bool, cfg: ModelConf
     ok = jnp.arange(n) < ((pos_BT + 1) // rate)[..., None]
     if not csa or not n:
         return keys, ok
-    w = weights(cp, h_BTD.dtype, cfg)
+    w = lambda k: cp[k].astype(h_BTD.dtype)
     ik = compress(h_BTD, cp, "idx", rate, True, inv, cfg)
     iq = rope_pairs(jnp.einsum("btr,rmi->btmi", c_q, w("idx_wq")), pos_BT, inv)
     wt = jnp.einsum("btd,dm->btm", h_BTD.astype(jnp.float32), cp["idx_w"]) / math.sqrt(
@@ -1114,8 +1117,7 @@ def weights(lp: dict, dt, cfg: ModelConfig):
     """name -> the layer's f32 master weight in the compute dtype, keeping the master's sharding:
     FSDP gathers it in the compute dtype and reduce-scatters its gradient (not all-reduces)."""
     specs = param_specs(cfg)
-    spec = {**specs.get("dense_layers", {}), **specs.get("global_layers", {}), **specs.get(
-        "csa", {}), **specs.get("hca", {}), **specs["layers"]}
+    spec = {**specs.get("dense_layers", {}), **specs.get("global_layers", {}), **specs["layers"]}
     return lambda name: constrain(lp[name].astype(dt), P(*spec[name][1:]))
 
 
@@ -1509,6 +1511,19 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     """Training FLOPs per token on the *active* parameters: 3x the forward, 2 per weight of every
     matmul a token goes through (q, k, v, o, router, top_k experts, unembedding) plus attention's
     2 * 2 * T * N * H per layer (PaLM app. B). Sorting, exchanges and padding are overhead."""
+    if S := cfg.hc_mult:  # V4: its projections, mHC's, the compressors' and indexer's; keys: the
+        # window, the closed entries (CSA: the chosen ones; its indexer scores them all), q.v 2H
+        D, N, H, T, Qr, Mi, Hi = (cfg.d_model, cfg.n_heads, cfg.head_dim, seq_len, cfg.q_lora_rank,
+                                  cfg.index_n_heads, cfg.index_head_dim)
+        _, _, (_, nc, nh), rate = v4_kinds(cfg)
+        w = cfg.n_layers * (D * Qr + Qr * N * H + D * H + (N * H + cfg.o_groups * D) *
+                            cfg.o_lora_rank + 2 * S * D * (2 + S) * S + D * cfg.n_experts + (cfg.top_k + cfg.n_shared_experts) * 3 * D
+                            * cfg.d_ff) + nc * (4 * D * (H + Hi) + Qr * Mi * Hi + D * Mi) + \
+            nh * 2 * D * H + D * cfg.vocab_size
+        keys = cfg.n_layers * min(T, cfg.sliding_window) + nc * (min(
+            cfg.index_topk, T // cfg.csa_ratio) + T // cfg.csa_ratio * Mi * Hi / (2 * N * H)) + (
+            nh * (T // rate) if nh else 0)
+        return 3.0 * (2 * w + 2 * keys * N * 2 * H)
     D, N, K, H, L = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.n_layers
     attn, Hqv = D * N * H + 2 * D * K * H + N * H * D, 2 * H   # Hqv: q.k and p.v widths
     if cfg.kv_lora_rank:   # MLA: the latents' down- and up-projections, keys and values
@@ -2404,15 +2419,7 @@ _HF_FUSED = {k: ("mlp.experts." + n, l) for k, (n, l) in dict(
 # ---- DeepSeek-V4 (deepseek_v4): its config.json and names, apart from the tables above (to join
 # them at merge). transformers writes per-layer `layer_types` and `mlp_layer_types` and RoPE per
 # kind ("main": the window layers', "compress": YaRN); the release says compress_ratios,
-# num_hash_layers, rope_scaling and qk_rope_head_dim. Its class's defaults for what is left out:
-_HF_V4_DEFAULTS = dict(
-    vocab_size=129280, hidden_size=4096, moe_intermediate_size=2048, num_hidden_layers=43,
-    num_attention_heads=64, num_key_value_heads=1, head_dim=512, q_lora_rank=1024,
-    num_experts_per_tok=6, n_routed_experts=256, n_shared_experts=1, norm_topk_prob=True,
-    routed_scaling_factor=1.5, max_position_embeddings=1048576, rope_theta=10_000.0,
-    compress_rope_theta=160_000.0, hc_mult=4, hc_sinkhorn_iters=20, hc_eps=1e-6, swiglu_limit=10.0,
-    sliding_window=128, o_groups=8, o_lora_rank=1024, index_n_heads=64, index_head_dim=128,
-    index_topk=512, rms_norm_eps=1e-6, tie_word_embeddings=False, scoring_func="sqrtsoftplus")
+# num_hash_layers, rope_scaling and qk_rope_head_dim.
 _HF_V4_FIELDS = dict(n_routed_experts="n_experts", moe_intermediate_size="d_ff",
                      norm_topk_prob="norm_topk", routed_scaling_factor="routed_scale") | {
     k: k for k in ("q_lora_rank", "n_shared_experts", "index_n_heads", "index_head_dim",
@@ -2471,7 +2478,8 @@ def _hf_v4_mapping(cfg: ModelConfig) -> dict:
 def _v4_from_hf(c: dict, where: str) -> ModelConfig:
     bad = lambda what: hf.HFError(f"{where}: {what} is not implemented by train_moe.py, so this "
                                   "deepseek_v4 model cannot be loaded faithfully.")
-    c = _HF_V4_DEFAULTS | c
+    if lacking := [k for k in (*_HF_FIELDS, *_HF_V4_FIELDS, "scoring_func") if k not in c]:
+        raise hf.HFError(f"{where} has no {lacking[0]!r}; it is not a complete deepseek_v4 config.")
     L, H, rates = c["num_hidden_layers"], c["head_dim"], c.get("compress_rates") or {}
     csa, hca = (rates.get(k, c.get(f"compress_rate_{a}", r)) for k, a, r in zip(
         _HF_V4_KINDS[1:], ("csa", "hca"), (4, 128)))

@@ -65,13 +65,14 @@ def table_specs(table: dict) -> dict:
 
 
 def table_init(table: dict, key: jax.Array) -> dict:
-    """Float32 weights: std None = ones (norm gains), 0.0 = zeros (biases), else normal(0, std).
-    One key per entry, in the table's (sorted) order."""
+    """Float32 weights: std None = ones (norm gains), 0.0 = zeros (biases), a function: std(shape)
+    (DeepSeek-V4's hash tables), else normal(0, std). One key per entry, in the table's order."""
     entries, treedef = jax.tree.flatten(table, is_leaf=is_entry)
     keys = jax.random.split(key, len(entries))
     f32 = jnp.float32
     return jax.tree.unflatten(treedef, [
-        jnp.ones(shape, f32) if std is None else std * jax.random.normal(k, shape, f32)
+        jnp.ones(shape, f32) if std is None else std(shape) if callable(std) else
+        std * jax.random.normal(k, shape, f32)
         for (shape, _, std), k in zip(entries, keys)])
 
 

@@ -81,11 +81,16 @@ import anatomy  # noqa: E402
 # weight's dtype (issue 32; the devices' partial sums reduced in bfloat16): 5 in dense and MoE.
 # The experts' down projection split over fsdp on F, not d (issue 32): why, its knob
 # (--model.down-split d: the old split), the check that d_ff divides the ways: 8 in MoE.
+# DeepSeek-V4 (issue 74) 449 in MoE: its knobs and two presets, mHC (the streams, Sinkhorn, the
+# head), window/CSA/HCA attention (the compressor, the indexer's top-k, sinks over one K = V
+# head, RoPE in pairs on the tail and back), the grouped output projection, the compressor and
+# hash-layer stacks, hash routing and sqrt-softplus scores, its clamp, its FLOPs and checks, the
+# deepseek_v4 folders' names and config both ways (a block apart, for the HF tables).
 BUDGETS = {"train_dense.py": (1000 + 8 + 62 + 10 + 1 + 201 + 101 + 5 + 5 + 13 + 112 + 22 + 2
                               + 24 + 1 + 221 + 12 + 8 + 1 + 10 + 1 + 5,
                               0.60),
            "train_moe.py": (1400 + 148 + 32 + 7 + 11 + 177 + 3 + 6 + 188 + 6 + 81 + 4 + 256 + 35
-                            + 24 + 9 + 12 + 8 + 2 + 1 + 15 + 5 + 8,
+                            + 24 + 9 + 12 + 8 + 2 + 1 + 15 + 5 + 8 + 449,
                             0.65),
            # The GRPO policy, Gemma's knobs included, and what later issues brought to it:
            # Gemma 1 (issue 39) 4; context's refusal (34) 4; OLMo 3 and 2 (39) 52; QK-clip's
@@ -112,8 +117,9 @@ NOT_YET = {"train_grpo.py"}  # issue 31, still open for this one
 # DPO pairs, LoRA, distillation's teacher and saved top-k (272); issue 42, lm-eval on our forward
 # and during training (385); issue 40, rollouts packed for the update (44) and each row's own
 # sampling noise, so that a rollout may drop its done rows (4); issue 32, Adam's moments kept
-# inside the optimiser on a non-finite step, so that XLA fuses each weight's update (22).
-COMMON_BUDGET = 4300 + 434 + 13 + 271 + 118 + 100 + 36 + 59 + 3 + 3 + 25 + 272 + 385 + 48 + 22
+# inside the optimiser on a non-finite step, so that XLA fuses each weight's update (22); issue
+# 74, DeepSeek-V4's int64 token -> experts tables read, and initialised by a function (2).
+COMMON_BUDGET = 4300 + 434 + 13 + 271 + 118 + 100 + 36 + 59 + 3 + 3 + 25 + 272 + 385 + 48 + 22 + 2
 
 
 def shape(name: str) -> list[str]:
