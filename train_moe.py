@@ -945,13 +945,13 @@ def v4_hidden(params: dict, x_BTD, pos_BT, tokens_BT, cfg: ModelConfig, remat):
         lp, k, i = xs
         lp = train.merged(lp)  # LoRA
         post, comb, h = hc_pre(x, lp, "attn", cfg)
-        o = v4_attention(rms_norm(h, lp["attn_norm"], cfg.norm_eps), lp, params, kinds, k, i,
-                         pos_BT, invs, cfg)
+        o, kl = v4_attention(rms_norm(h, lp["attn_norm"], cfg.norm_eps), lp, params, kinds, k, i,
+                             pos_BT, invs, cfg)
         x = hc_post(x, o, post, comb)
         post, comb, h = hc_pre(x, lp, "ffn", cfg)
         y, stats = moe(rms_norm(h, lp["mlp_norm"], cfg.norm_eps), lp, cfg, hashed=lp[
             "tid2eid"].astype(jnp.int32)[tokens_BT] if "tid2eid" in lp else None)
-        return hc_post(x, y, post, comb), stats
+        return hc_post(x, y, post, comb), stats | ({"indexer_kl": kl} if cfg.index_n_heads else {})
     x = constrain(jnp.broadcast_to(x_BTD[:, :, None], (*x_BTD.shape[:2], S, x_BTD.shape[-1])), ACT_BTSD)
     run = lambda x, stack, at: jax.lax.scan(remat(layer), x, (params[stack], jnp.asarray(
         [kinds.index(k) for k in kind_L[at]]), jnp.asarray(idx_L[at])), unroll=not cfg.scan_layers)
@@ -1019,7 +1019,9 @@ def v4_attention(h_BTD, lp: dict, params: dict, kinds, kind, i, pos_BT, invs, cf
     normed key that is also the value; each query sees the last sliding_window keys, and on
     compressed layers the entries (`compress`) whose windows have closed (CSA: those of them its
     indexer ranks in its best index_topk), with a sink per head; the output turned back by its
-    query's angle, then the grouped projection: per group of heads o_lora_rank wide, then d."""
+    query's angle, then the grouped projection: per group of heads o_lora_rank wide, then d. And
+    CSA's indexer's KL to the heads' mean attention over its chosen entries (DSA's sparse stage's
+    objective, `dsa`: its one signal; the choice itself has no gradient), else 0."""
     w, eps, (B, T), dt = weights(lp, h_BTD.dtype, cfg), cfg.norm_eps, pos_BT.shape, h_BTD.dtype
     c_q = rms_norm(jnp.einsum("btd,dr->btr", h_BTD, w("wq_a")), lp["q_norm_a"], eps)
     q0 = rms_norm(jnp.einsum("btr,rnh->btnh", c_q, w("wq_b")), 1.0, eps)
@@ -1032,28 +1034,33 @@ def v4_attention(h_BTD, lp: dict, params: dict, kinds, kind, i, pos_BT, invs, cf
         def run():
             inv = invs[k > 0]
             q, kv = rope_pairs(q0, pos_BT, inv), rope_pairs(kv0, pos_BT, inv)[:, :, 0]
-            keys, ok = kv, local
+            keys, ok, kl = kv, local, jnp.zeros((), jnp.float32)
             if k:
                 cp = jax.tree.map(lambda a: a[i], params["csa" if k == 1 else "hca"])
-                ck, cok = compressed_keys(h_BTD, c_q, cp, pos_BT, inv, k == 1, cfg)
+                ck, cok, score = compressed_keys(h_BTD, c_q, cp, pos_BT, inv, k == 1, cfg)
                 keys, ok = jnp.concatenate([kv, ck], 1), jnp.concatenate([local, cok], 2)
-            return rope_pairs(sink_attention(q, keys, ok, lp["sinks"], cfg), pos_BT, inv, -1.0)
+            o, p = sink_attention(q, keys, ok, lp["sinks"], cfg)
+            if k == 1 and score is not None:  # (queries with no entry yet: none, and no NaN)
+                pc, none = jnp.mean(p[..., T:], 2), ~jnp.any(cok, -1, keepdims=True)
+                kl = indexer_kl(pc / jnp.maximum(jnp.sum(pc, -1, keepdims=True), 1e-30), jnp.where(
+                    none, 0.0, score), cok | none) / (B * T)
+            return rope_pairs(o, pos_BT, inv, -1.0), kl
         return run
-    o = (jax.lax.switch(kind, [branch(k) for k in kinds]) if len(kinds) > 1 else
-         branch(kinds[0])())
+    o, kl = (jax.lax.switch(kind, [branch(k) for k in kinds]) if len(kinds) > 1 else
+             branch(kinds[0])())
     o = jnp.einsum("btgc,gcr->btgr", o.reshape(B, T, cfg.o_groups, -1), w("wo_a"))
-    return jnp.einsum("btc,cd->btd", o.reshape(B, T, -1), w("wo_b"))
+    return jnp.einsum("btc,cd->btd", o.reshape(B, T, -1), w("wo_b")), kl
 
 
 def sink_attention(q_BTNH, k_BSH, ok_BTS, sinks_N, cfg: ModelConfig):
     """Softmax attention of every head over one shared key = value head where ok, a learned
-    logit per head joining each denominator (GPT-OSS's sinks); 1/sqrt(H), float32."""
+    logit per head joining each denominator (GPT-OSS's sinks); 1/sqrt(H), float32; and p."""
     s = jnp.einsum("btnh,bsh->btns", q_BTNH, k_BSH, preferred_element_type=jnp.float32)
     s = jnp.where(ok_BTS[:, :, None], s / math.sqrt(q_BTNH.shape[-1]), -jnp.inf)
     m = jnp.maximum(jnp.max(s, -1), sinks_N)[..., None]
     p = jnp.exp(s - m)
     p = p / (jnp.sum(p, -1, keepdims=True) + jnp.exp(sinks_N[:, None] - m))
-    return jnp.einsum("btns,bsh->btnh", p.astype(q_BTNH.dtype), k_BSH)
+    return jnp.einsum("btns,bsh->btnh", p.astype(q_BTNH.dtype), k_BSH), p
 
 
 def compress(h_BTD, cp: dict, prefix: str, rate: int, overlap: bool, inv, cfg: ModelConfig):
@@ -1078,16 +1085,17 @@ def compress(h_BTD, cp: dict, prefix: str, rate: int, overlap: bool, inv, cfg: M
 
 
 def compressed_keys(h_BTD, c_q, cp: dict, pos_BT, inv, csa: bool, cfg: ModelConfig):
-    """A compressed layer's entries [B, n, H] and which each query sees [B, T, n]: those whose
-    window has closed (w < (t + 1) // rate); CSA: of them the index_topk its lightning indexer
-    scores best, I_tw = sum_m w_tm ReLU(q_tm . k_w) / sqrt(M I) over its own compressed keys."""
+    """A compressed layer's entries [B, n, H], which each query sees [B, T, n] and the indexer's
+    scores: the entries whose window has closed (w < (t + 1) // rate); CSA: of them the
+    index_topk its lightning indexer scores best, I_tw = sum_m w_tm ReLU(q_tm . k_w) / sqrt(M I)
+    over its own compressed keys, from h and c_q detached (as `dsa`'s)."""
     rate = cfg.csa_ratio if csa else v4_kinds(cfg)[3]
     keys = compress(h_BTD, cp, "cmp", rate, csa, inv, cfg)
     n = keys.shape[1]
     ok = jnp.arange(n) < ((pos_BT + 1) // rate)[..., None]
     if not csa or not n:
-        return keys, ok
-    w = lambda k: cp[k].astype(h_BTD.dtype)
+        return keys, ok, None
+    w, h_BTD, c_q = (lambda k: cp[k].astype(h_BTD.dtype)), *map(jax.lax.stop_gradient, (h_BTD, c_q))
     ik = compress(h_BTD, cp, "idx", rate, True, inv, cfg)
     iq = rope_pairs(jnp.einsum("btr,rmi->btmi", c_q, w("idx_wq")), pos_BT, inv)
     wt = jnp.einsum("btd,dm->btm", h_BTD.astype(jnp.float32), cp["idx_w"]) / math.sqrt(
@@ -1095,7 +1103,7 @@ def compressed_keys(h_BTD, c_q, cp: dict, pos_BT, inv, csa: bool, cfg: ModelConf
     score = jnp.einsum("btm,btmw->btw", wt, jax.nn.relu(jnp.einsum(
         "btmi,bwi->btmw", iq, ik, preferred_element_type=jnp.float32)))
     top = jax.lax.top_k(jnp.where(ok, score, -jnp.inf), min(cfg.index_topk, n))[1]
-    return keys, ok & jnp.any(jax.nn.one_hot(top, n, dtype=jnp.bool_), axis=-2)
+    return keys, ok & jnp.any(jax.nn.one_hot(top, n, dtype=jnp.bool_), axis=-2), score
 
 
 def constrain(x, spec: P):
@@ -1372,8 +1380,7 @@ def loss_fn(params, batch_BT1, cfg: ModelConfig, t: TrainConfig = TrainConfig(),
                  for k, v in stats.items()}  # routing's; the main stacks' maxima stay theirs
     loss = (loss + t.load_balance_loss * jnp.mean(stats["aux_loss"]) + t.router_z_loss
             * jnp.mean(stats["router_z"]))
-    if cfg.index_n_heads and not cfg.hc_mult:  # DSA: + the indexer's KL (layer mean), alone in
-        # its warm-up (`dsa`)
+    if cfg.index_n_heads:  # DSA: + the indexer's KL (layer mean), alone in its warm-up (`dsa`)
         stats["indexer_kl"] = jnp.mean(jnp.concatenate([jnp.atleast_1d(stats.pop(k)) for k in (
             "indexer_kl_dense", "indexer_kl") if k in stats]))
         loss = stats["indexer_kl"] + (loss if warm is None else jnp.where(warm, 0.0, loss))

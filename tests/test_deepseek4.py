@@ -135,7 +135,7 @@ def test_csa_sees_closed_windows_its_indexer_ranks_best():
     h = RNG.standard_normal((1, T, cfg.d_model)).astype(np.float32)
     c_q = RNG.standard_normal((1, T, cfg.q_lora_rank)).astype(np.float32)
     pos, inv = np.arange(T), tm.rope_inv_freq(cfg)
-    keys, ok = tm.compressed_keys(jnp.asarray(h), jnp.asarray(c_q), cp, jnp.asarray(pos)[None],
+    keys, ok, _ = tm.compressed_keys(jnp.asarray(h), jnp.asarray(c_q), cp, jnp.asarray(pos)[None],
                                   inv, True, cfg)
     ok = np.asarray(ok)[0]
     f64 = {k: v.astype(np.float64) for k, v in cp.items()}
@@ -246,7 +246,8 @@ def test_expert_fsdp_tensor_equals_one_device():
     for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(got[1]), jax.tree.leaves(one[1])):
         np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-6, err_msg=jax.tree_util.keystr(path))
     for stack, name in (("layers", "hc_ffn_fn"), ("csa", "cmp_wgate"), ("hca", "cmp_bias"),
-                        ("hash_layers", "w_router"), ("layers", "wo_a")):   # all trained
+                        ("hash_layers", "w_router"), ("layers", "wo_a"), ("csa", "idx_wq"),
+                        ("csa", "idx_wgate")):   # all trained, the indexer by its KL
         assert float(np.abs(one[1][stack][name]).max()) > 1e-5, (stack, name)
     assert float(np.abs(one[1]["hash_layers"]["tid2eid"]).max()) == 0.0   # frozen
 
