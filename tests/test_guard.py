@@ -169,7 +169,7 @@ EXPECTED = {
         model.attn_chunk model.attn_temp_scale model.rope_scaling
         model.capacity_factor model.sliding_window model.global_every model.swiglu_limit
         model.yarn_factor model.kv_lora_rank model.q_lora_rank model.yarn_mscale_all_dim
-        model.routed_scale model.n_group model.topk_group model.n_shared_experts
+        model.routed_scale model.n_group model.topk_group model.n_shared_experts model.shared_d_ff
         model.first_k_dense model.dense_d_ff model.rope_local_theta model.global_head_dim
         model.global_kv_heads model.final_softcap: >= 0 | model.rope_partial: [0, 1]
         train.load_balance_loss train.router_z_loss train.router_bias_rate: >= 0
@@ -183,7 +183,7 @@ EXPECTED = {
         grpo.microbatches grpo.lr grpo.clip_norm grpo.log_every grpo.eval_every: > 0
         grpo.steps grpo.top_k grpo.beta grpo.warmup_steps grpo.weight_decay
         grpo.qk_clip_threshold grpo.format_weight grpo.seed grpo.peak_tflops
-        grpo.max_bad_steps grpo.rollout_batch: >= 0
+        grpo.max_bad_steps grpo.rollout_batch grpo.decode_rows: >= 0 | grpo.decode_segment: >= 1
         grpo.top_p: (0, 1] | grpo.eps_low: -1 or (0, 1) | grpo.eps_high: -1 or > 0
         grpo.b1 grpo.b2: [0, 1)
         warm.check_every warm.batch_size warm.lr: > 0
@@ -333,30 +333,30 @@ LOOP = """steps lr log_every eval_every microbatches qk_clip_threshold profile_s
           max_bad_steps"""
 RESUMABLE = {
     "train_dense": f"""train: {LOOP} eval_batches sample_tokens temperature sample_prompt eval_samples
-               eval_tasks eval_tasks_limit pipeline_repeats
+               eval_tasks eval_tasks_limit pipeline_repeats offload_opt_state
         model: dtype attention context_attention remat scan_layers loss_chunk loss_impl
-               linear_chunk vocab_split
+               linear_chunk vocab_split quant
         : quiet mesh checkpoint dry_run compile_topology compile_slices bench run_dir
         data: cache_dir""",
     "train_moe": f"""train: {LOOP} eval_batches sample_tokens temperature sample_prompt
-               eval_tasks eval_tasks_limit mtp_weight pipeline_repeats
+               eval_tasks eval_tasks_limit mtp_weight pipeline_repeats offload_opt_state
         model: dtype attention context_attention remat scan_layers loss_chunk grouped_matmul
-               gmm_tile down_split index_chunk linear_chunk
+               gmm_tile down_split index_chunk linear_chunk quant
         : quiet mesh checkpoint dry_run compile_topology compile_slices bench bench_twin run_dir
         data: cache_dir""",
-    "train_grpo": f"""grpo: {LOOP} pack
+    "train_grpo": f"""grpo: {LOOP} pack decode decode_rows decode_segment
         model: dtype attention context_attention remat scan_layers loss_chunk loss_impl
-               linear_chunk vocab_split
+               linear_chunk vocab_split quant
         : quiet mesh checkpoint dry_run bench run_dir warm""",
 }
 # Model fields kept from this run's flags under --init-from(-hf): how to compute, not what.
 COMPUTE = {"train_dense": "dtype attention context_attention remat scan_layers loss_chunk "
-                          "loss_impl linear_chunk vocab_split",
+                          "loss_impl linear_chunk vocab_split quant",
            "train_moe": "dtype attention context_attention remat scan_layers loss_chunk "
                         "grouped_matmul gmm_tile down_split capacity_factor index_chunk "
-                        "linear_chunk",
+                        "linear_chunk quant",
            "train_grpo": "dtype attention context_attention remat scan_layers loss_chunk "
-                         "loss_impl linear_chunk vocab_split"}
+                         "loss_impl linear_chunk vocab_split quant"}
 
 
 @pytest.mark.parametrize("mod", [td, tm, tg], ids=lambda m: m.__name__)
