@@ -127,8 +127,13 @@ def problems(command: str) -> list[str]:
                 if "=" not in a or a.split("=")[0] not in VARIABLES]
         if bad:
             return bad
+        # Under `make test ARGS=...` (CI) the outer make's variables, ARGS among them, reach
+        # this one (MAKEFLAGS, and the environment it exports them in): the command as a user
+        # types it sees none of them.
+        env = {k: v for k, v in os.environ.items() if k not in VARIABLES and k not in (
+            "MAKEFLAGS", "MFLAGS", "MAKELEVEL", "MAKEOVERRIDES")}
         r = subprocess.run(["make", "-n", "-B", target, *assigns, "VENV=/nonexistent-venv"],
-                           cwd=ROOT, capture_output=True, text=True, timeout=60)
+                           cwd=ROOT, capture_output=True, text=True, timeout=60, env=env)
         if r.returncode:
             return [f"make -n {target}: {r.stderr.strip()}"]
         found = [i for line in r.stdout.replace("\\\n", " ").splitlines()
