@@ -103,7 +103,9 @@ def test_a_quantized_step_on_fsdp_x_tensor_equals_one_device(quant):
     loss, g = grads_and_loss(cfg, params, batch, make_mesh(MeshConfig(fsdp=4, tensor=2)))
     assert loss == pytest.approx(ref_loss, rel=1e-5)
     for a, b in zip(jax.tree.leaves(ref_g), jax.tree.leaves(g)):
-        assert np.linalg.norm(a - b) <= 1e-3 * np.linalg.norm(a) + 1e-7
+        # 1.9e-3 on JAX 0.12 (one weight), under 1e-3 on 0.10: a value rounded to the next int8
+        # step moves its gradient by 1/127 of its row's largest; a wrong scale would move O(1).
+        assert np.linalg.norm(a - b) <= 5e-3 * np.linalg.norm(a) + 1e-7
     unquantized = grads_and_loss(small_cfg(), params, batch, make_mesh(MeshConfig(fsdp=1),
                                                                        jax.devices()[:1]))[0]
     assert loss != unquantized and loss == pytest.approx(unquantized, rel=0.02)
